@@ -1,0 +1,1 @@
+//! (kernel family under construction)

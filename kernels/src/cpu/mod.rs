@@ -1,0 +1,16 @@
+//! CPU kernels: `gemm` for matrix products, `rayon` for everything row-parallel.
+
+pub mod activation;
+pub mod adamw;
+pub mod attention;
+pub mod cast;
+pub mod cross_entropy;
+pub mod dropout;
+pub mod elementwise;
+pub mod embedding;
+pub mod matmul;
+pub mod norm;
+pub mod reduce;
+pub mod rope;
+pub mod softmax;
+pub mod topk;
