@@ -4,6 +4,7 @@ pub mod activation;
 pub mod adamw;
 pub mod attention;
 pub mod cast;
+pub mod copy;
 pub mod cross_entropy;
 pub mod dropout;
 pub mod elementwise;
