@@ -1,0 +1,69 @@
+use super::{CpuDevice, CpuStorage};
+use crate::tensor::DType;
+use std::ops::Range;
+use tessera_kernels::cpu::cast;
+
+/// Copies `src[range]` into new storage of dtype `to`.
+///
+/// Float conversions round to nearest-even; a conversion between two
+/// non-`f32` float types goes through `f32`, which is exact for every source
+/// type except `f64` (rounded once to `f32`, then to the target). Float to
+/// integer truncates toward zero and saturates, as Rust's `as` does.
+pub(crate) fn convert(dev: &CpuDevice, src: &CpuStorage, range: Range<usize>, to: DType) -> CpuStorage {
+    use CpuStorage as S;
+    match (src, to) {
+        (S::F32(s), DType::F32) => S::F32(dev.buffer(s[range].to_vec())),
+        (S::F64(s), DType::F64) => S::F64(dev.buffer(s[range].to_vec())),
+        (S::BF16(s), DType::BF16) => S::BF16(dev.buffer(s[range].to_vec())),
+        (S::F16(s), DType::F16) => S::F16(dev.buffer(s[range].to_vec())),
+        (S::I32(s), DType::I32) => S::I32(dev.buffer(s[range].to_vec())),
+        (S::U32(s), DType::U32) => S::U32(dev.buffer(s[range].to_vec())),
+        (S::F32(s), _) => from_f32(dev, &s[range], to),
+        (S::I32(s), DType::U32) => S::U32(dev.buffer(s[range].iter().map(|&x| x.max(0) as u32).collect())),
+        (S::U32(s), DType::I32) => S::I32(dev.buffer(s[range].iter().map(|&x| x.min(i32::MAX as u32) as i32).collect())),
+        (S::F64(s), DType::I32) => S::I32(dev.buffer(s[range].iter().map(|&x| x as i32).collect())),
+        (S::F64(s), DType::U32) => S::U32(dev.buffer(s[range].iter().map(|&x| x as u32).collect())),
+        _ => {
+            let f32s = to_f32(dev, src, range);
+            from_f32(dev, &f32s, to)
+        }
+    }
+}
+
+/// `src[range]` as tracked `f32` elements.
+fn to_f32(dev: &CpuDevice, src: &CpuStorage, range: Range<usize>) -> super::Buffer<f32> {
+    let mut out = dev.zeros::<f32>(range.len());
+    match src {
+        CpuStorage::F32(s) => out.copy_from_slice(&s[range]),
+        CpuStorage::F64(s) => cast::f64_to_f32(&s[range], &mut out),
+        CpuStorage::BF16(s) => cast::bf16_to_f32(&s[range], &mut out),
+        CpuStorage::F16(s) => cast::f16_to_f32(&s[range], &mut out),
+        CpuStorage::I32(s) => out.iter_mut().zip(&s[range]).for_each(|(o, &x)| *o = x as f32),
+        CpuStorage::U32(s) => out.iter_mut().zip(&s[range]).for_each(|(o, &x)| *o = x as f32),
+    }
+    out
+}
+
+fn from_f32(dev: &CpuDevice, src: &[f32], to: DType) -> CpuStorage {
+    let n = src.len();
+    match to {
+        DType::F32 => CpuStorage::F32(dev.buffer(src.to_vec())),
+        DType::F64 => {
+            let mut out = dev.zeros(n);
+            cast::f32_to_f64(src, &mut out);
+            CpuStorage::F64(out)
+        }
+        DType::BF16 => {
+            let mut out = dev.zeros(n);
+            cast::f32_to_bf16(src, &mut out);
+            CpuStorage::BF16(out)
+        }
+        DType::F16 => {
+            let mut out = dev.zeros(n);
+            cast::f32_to_f16(src, &mut out);
+            CpuStorage::F16(out)
+        }
+        DType::I32 => CpuStorage::I32(dev.buffer(src.iter().map(|&x| x as i32).collect())),
+        DType::U32 => CpuStorage::U32(dev.buffer(src.iter().map(|&x| x as u32).collect())),
+    }
+}

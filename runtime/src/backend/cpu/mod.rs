@@ -1,0 +1,73 @@
+//! The CPU backend: host buffers with exact accounting, computed by `tessera-kernels`.
+//!
+//! Work runs synchronously on the calling thread and rayon's pool, so a CPU
+//! device has nothing to synchronise; reading to host is a copy.
+
+mod buffer;
+mod convert;
+mod exec;
+mod storage;
+
+pub use buffer::Buffer;
+pub(crate) use convert::convert;
+pub(crate) use exec::{run_float, FloatKernel, Out};
+pub use storage::CpuStorage;
+
+use super::memory::{MemoryStats, MemoryTracker};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// One CPU "device": an accounting domain for host memory.
+///
+/// Each rank of an in-process run gets its own `CpuDevice`, so per-rank
+/// memory watermarks are measured separately. Clones share the accounting.
+#[derive(Clone, Debug)]
+pub struct CpuDevice {
+    id: usize,
+    tracker: Arc<MemoryTracker>,
+}
+
+static NEXT_CPU_ID: AtomicUsize = AtomicUsize::new(0);
+
+impl CpuDevice {
+    /// A new CPU device with its own memory accounting.
+    pub fn new() -> Self {
+        CpuDevice { id: NEXT_CPU_ID.fetch_add(1, Ordering::Relaxed), tracker: Arc::default() }
+    }
+
+    /// A process-unique number that tells devices apart in messages.
+    pub fn id(&self) -> usize {
+        self.id
+    }
+
+    /// Bytes in use and peak.
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.tracker.stats()
+    }
+
+    /// Starts a new peak window at the bytes in use now.
+    pub fn reset_peak(&self) {
+        self.tracker.reset_peak()
+    }
+
+    /// Whether `other` is this very device (shares its accounting).
+    pub fn same(&self, other: &CpuDevice) -> bool {
+        Arc::ptr_eq(&self.tracker, &other.tracker)
+    }
+
+    /// A tracked buffer of `len` zeros.
+    pub fn zeros<T: Copy + Default>(&self, len: usize) -> Buffer<T> {
+        Buffer::zeros(len, &self.tracker)
+    }
+
+    /// Moves `data` into a tracked buffer.
+    pub fn buffer<T>(&self, data: Vec<T>) -> Buffer<T> {
+        Buffer::from_vec(data, &self.tracker)
+    }
+}
+
+impl Default for CpuDevice {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,88 @@
+//! Devices and storages: where tensors live and what computes on them.
+//!
+//! A [`Device`] is a CPU accounting domain or a CUDA GPU; a [`Storage`] holds a
+//! tensor's elements on one. Both enums always have a CUDA variant: in a build
+//! without the CUDA backend its types are uninhabited stand-ins, so dispatch
+//! code never needs `#[cfg]` and a request for a GPU is answered with
+//! [`Error::NotCompiledWithCuda`](crate::Error::NotCompiledWithCuda).
+//!
+//! Work on a device may be queued asynchronously; reading a tensor back to the
+//! host ([`Tensor::to_vec`](crate::Tensor::to_vec)) waits for it.
+
+pub mod cpu;
+pub mod cuda;
+pub mod memory;
+
+pub use cpu::{CpuDevice, CpuStorage};
+pub use cuda::{CudaDevice, CudaStorage};
+pub use memory::{MemoryStats, MemoryTracker};
+
+use crate::error::Result;
+use std::fmt;
+
+/// Where a tensor lives.
+#[derive(Clone, Debug)]
+pub enum Device {
+    Cpu(CpuDevice),
+    Cuda(CudaDevice),
+}
+
+impl Device {
+    /// A new CPU device with its own memory accounting.
+    pub fn cpu() -> Self {
+        Device::Cpu(CpuDevice::new())
+    }
+
+    /// CUDA device `ordinal`; an error when this build or machine has none.
+    pub fn cuda(ordinal: usize) -> Result<Self> {
+        CudaDevice::new(ordinal).map(Device::Cuda)
+    }
+
+    /// Bytes in use and the peak since the last [`reset_peak`](Self::reset_peak).
+    pub fn memory_stats(&self) -> MemoryStats {
+        match self {
+            Device::Cpu(d) => d.memory_stats(),
+            Device::Cuda(d) => d.memory_stats(),
+        }
+    }
+
+    /// Starts a new peak window at the bytes in use now.
+    pub fn reset_peak(&self) {
+        match self {
+            Device::Cpu(d) => d.reset_peak(),
+            Device::Cuda(d) => d.reset_peak(),
+        }
+    }
+
+    /// Waits until all work queued on the device has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        match self {
+            Device::Cpu(_) => Ok(()),
+            Device::Cuda(d) => d.synchronize(),
+        }
+    }
+
+    /// Whether both handles name the same device.
+    pub fn same(&self, other: &Device) -> bool {
+        match (self, other) {
+            (Device::Cpu(a), Device::Cpu(b)) => a.same(b),
+            (Device::Cuda(a), _) => match *a {},
+            (_, Device::Cuda(b)) => match *b {},
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu(d) => write!(f, "cpu:{}", d.id()),
+            Device::Cuda(d) => write!(f, "cuda:{}", d.ordinal()),
+        }
+    }
+}
+
+/// A tensor's elements on its device.
+pub enum Storage {
+    Cpu(CpuStorage),
+    Cuda(CudaStorage),
+}

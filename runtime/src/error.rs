@@ -1,0 +1,55 @@
+//! The runtime's typed errors.
+//!
+//! Every error says what is wrong and, where there is one, how to fix it: a
+//! mistake in user input must never surface as a panic.
+
+use crate::tensor::{DType, Shape};
+
+/// Errors of the Tessera runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Two operands (or an operand and a requested shape) do not fit together.
+    #[error("{op}: shape mismatch: {detail}")]
+    Shape { op: &'static str, detail: String },
+
+    /// An operand has a dtype the operation does not take.
+    #[error("{op}: expected dtype {expected}, got {got}{hint}")]
+    DType { op: &'static str, expected: String, got: DType, hint: &'static str },
+
+    /// Operands live on different devices.
+    #[error("{op}: operands are on different devices ({lhs} and {rhs}); move one with `to_device` first")]
+    DeviceMismatch { op: &'static str, lhs: String, rhs: String },
+
+    /// A scalar argument is outside the range the operation accepts.
+    #[error("{op}: invalid argument: {detail}")]
+    InvalidArgument { op: &'static str, detail: String },
+
+    /// An index (token id, target, position) is outside the table it indexes.
+    #[error("{op}: index {index} at position {position} is out of range 0..{bound}{hint}")]
+    IndexOutOfRange { op: &'static str, index: u64, position: usize, bound: u64, hint: &'static str },
+
+    /// The operation needs a contiguous tensor whose layout cannot be viewed that way.
+    #[error("{op}: cannot view a tensor of shape {shape} with strides {strides:?} as {target}; call `contiguous()` first")]
+    NotViewable { op: &'static str, shape: Shape, strides: Vec<usize>, target: Shape },
+
+    /// A CUDA device was asked for but this build has no CUDA backend.
+    #[error("this build of Tessera has no CUDA backend; rebuild with `--features cuda` (no CUDA toolkit is needed to build) or use `Device::cpu()`")]
+    NotCompiledWithCuda,
+
+    /// An in-place update was given the same tensor for two roles.
+    #[error("{op}: `{a}` and `{b}` share storage; pass distinct tensors")]
+    Aliased { op: &'static str, a: &'static str, b: &'static str },
+}
+
+/// Result with the runtime's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub(crate) fn shape(op: &'static str, detail: impl Into<String>) -> Self {
+        Error::Shape { op, detail: detail.into() }
+    }
+
+    pub(crate) fn invalid(op: &'static str, detail: impl Into<String>) -> Self {
+        Error::InvalidArgument { op, detail: detail.into() }
+    }
+}

@@ -1,0 +1,78 @@
+//! Embedding lookup, plain and vocab-parallel.
+
+use super::{float_kernel, run1, with_u32};
+use crate::backend::cpu::Out;
+use crate::error::{Error, Result};
+use crate::tensor::{Shape, Tensor};
+use tessera_kernels::cpu::embedding as k;
+
+float_kernel!(EmbedFwd<'a> { ids: &'a [u32], rows: usize, dim: usize, start: u32 } |s, i, o| {
+    k::embedding_forward(i[0], s.rows, s.dim, s.start, s.ids, o[0])
+});
+float_kernel!(EmbedBack<'a> { ids: &'a [u32], rows: usize, dim: usize, start: u32 } |s, i, o| {
+    k::embedding_backward(s.ids, i[0], s.rows, s.dim, s.start, o[0])
+});
+
+fn table_dims(op: &'static str, table: &Tensor) -> Result<(usize, usize)> {
+    match table.dims() {
+        &[rows, dim] => Ok((rows, dim)),
+        _ => Err(Error::shape(op, format!("the table must be [rows, dim], got {}", table.shape()))),
+    }
+}
+
+fn check_ids(op: &'static str, ids: &[u32], bound: usize, hint: &'static str) -> Result<()> {
+    match ids.iter().position(|&id| id as usize >= bound) {
+        Some(position) => Err(Error::IndexOutOfRange { op, index: ids[position] as u64, position, bound: bound as u64, hint }),
+        None => Ok(()),
+    }
+}
+
+fn out_shape(ids: &Tensor, dim: usize) -> Shape {
+    let mut d = ids.dims().to_vec();
+    d.push(dim);
+    Shape::new(d)
+}
+
+/// Looks up the rows of `table` (`[vocab, dim]`) for the `u32` token `ids`
+/// (any shape); the result has shape `[..ids, dim]`.
+pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let (rows, _) = table_dims("embedding", table)?;
+    embedding_shard(table, ids, 0, rows)
+}
+
+/// Vocab-parallel lookup: `table` holds rows `vocab_start..vocab_start + rows`
+/// of a `vocab_size`-row embedding; ids outside that range give zero rows, so
+/// summing the results of every shard gives the full lookup.
+pub fn embedding_shard(table: &Tensor, ids: &Tensor, vocab_start: usize, vocab_size: usize) -> Result<Tensor> {
+    const OP: &str = "embedding";
+    let (rows, dim) = table_dims(OP, table)?;
+    check_range(OP, rows, vocab_start, vocab_size)?;
+    with_u32(OP, "ids", ids, |id_slice| {
+        check_ids(OP, id_slice, vocab_size, "; token ids must be smaller than the vocabulary size")?;
+        let kernel = EmbedFwd { ids: id_slice, rows, dim, start: vocab_start as u32 };
+        run1(OP, &kernel, &[table], out_shape(ids, dim), Out::Primary)
+    })
+}
+
+/// Backward of [`embedding`]/[`embedding_shard`]: the gradient of the table
+/// (`[rows, dim]`), the upstream rows scatter-added at their ids.
+pub fn embedding_backward(ids: &Tensor, dout: &Tensor, rows: usize, vocab_start: usize, vocab_size: usize) -> Result<Tensor> {
+    const OP: &str = "embedding_backward";
+    check_range(OP, rows, vocab_start, vocab_size)?;
+    let dim = dout.shape().last_dim(OP)?;
+    if out_shape(ids, dim) != *dout.shape() {
+        return Err(Error::shape(OP, format!("upstream gradient {} does not match ids {} with rows of {dim}", dout.shape(), ids.shape())));
+    }
+    with_u32(OP, "ids", ids, |id_slice| {
+        check_ids(OP, id_slice, vocab_size, "; token ids must be smaller than the vocabulary size")?;
+        let kernel = EmbedBack { ids: id_slice, rows, dim, start: vocab_start as u32 };
+        run1(OP, &kernel, &[dout], [rows, dim].into(), Out::Primary)
+    })
+}
+
+fn check_range(op: &'static str, rows: usize, vocab_start: usize, vocab_size: usize) -> Result<()> {
+    if vocab_start + rows > vocab_size || vocab_size > u32::MAX as usize {
+        return Err(Error::shape(op, format!("a shard of {rows} rows starting at {vocab_start} does not fit a vocabulary of {vocab_size}")));
+    }
+    Ok(())
+}

@@ -1,0 +1,79 @@
+//! Cross-entropy fused with log-softmax.
+
+use super::{float_kernel, rows, run, run1, with_u32};
+use crate::backend::cpu::Out;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Shape, Tensor};
+use tessera_kernels::cpu::cross_entropy as k;
+
+float_kernel!(CeFwd<'a> { targets: &'a [u32], vocab: usize, ignore: Option<u32> } |s, i, o| {
+    let (losses, lse) = o.split_at_mut(1);
+    k::cross_entropy_forward(i[0], s.vocab, s.targets, s.ignore, losses[0], lse[0]);
+});
+float_kernel!(CeBack<'a> { targets: &'a [u32], vocab: usize, ignore: Option<u32> } |s, i, o| {
+    k::cross_entropy_backward(i[0], i[1], s.vocab, s.targets, s.ignore, i[2], o[0])
+});
+float_kernel!(Mean { count: usize } |s, i, o| {
+    o[0][0] = tessera_kernels::cpu::reduce::sum(i[0]) / T::lit(s.count.max(1) as f64)
+});
+
+/// What [`cross_entropy`] keeps for its backward.
+#[derive(Clone, Debug)]
+pub struct CrossEntropySaved {
+    /// Per-row log-sum-exp of the logits, in the compute dtype.
+    pub lse: Tensor,
+    /// Rows that count (targets not equal to the ignore index).
+    pub count: usize,
+}
+
+fn check(op: &'static str, logits: &Tensor, targets: &[u32], target_shape: &Shape, ignore: Option<u32>) -> Result<(usize, usize)> {
+    let vocab = logits.shape().last_dim(op)?;
+    let n = rows(logits);
+    if target_shape.elem_count() != n || logits.dims()[..logits.rank() - 1] != *target_shape.dims() {
+        return Err(Error::shape(op, format!("logits {} need one target per row, targets have shape {}", logits.shape(), target_shape)));
+    }
+    let bad = targets.iter().position(|&t| Some(t) != ignore && t as usize >= vocab);
+    if let Some(position) = bad {
+        return Err(Error::IndexOutOfRange {
+            op,
+            index: targets[position] as u64,
+            position,
+            bound: vocab as u64,
+            hint: "; targets must be token ids below the vocabulary size (or the ignore index)",
+        });
+    }
+    Ok((vocab, targets.iter().filter(|&&t| Some(t) != ignore).count()))
+}
+
+/// Mean cross-entropy of `logits` (`[..., vocab]`) against `u32` `targets`
+/// (`[...]`), averaged over the rows whose target is not `ignore_index`.
+/// Returns the scalar loss (compute dtype) and what the backward needs; a
+/// batch where every row is ignored has loss 0.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: Option<u32>) -> Result<(Tensor, CrossEntropySaved)> {
+    const OP: &str = "cross_entropy";
+    with_u32(OP, "targets", targets, |t| {
+        let (vocab, count) = check(OP, logits, t, targets.shape(), ignore_index)?;
+        let n = Shape::new(vec![rows(logits)]);
+        let kernel = CeFwd { targets: t, vocab, ignore: ignore_index };
+        let mut r = run(OP, &kernel, &[logits], &[(n.clone(), Out::Compute), (n, Out::Compute)])?;
+        let lse = r.pop().expect("two outputs");
+        let loss = run1(OP, &Mean { count }, &[&r[0]], Shape::from(()), Out::Compute)?;
+        Ok((loss, CrossEntropySaved { lse, count }))
+    })
+}
+
+/// Backward of [`cross_entropy`]: the gradient of the logits for the scalar
+/// upstream gradient `dloss` (1.0 when the loss is the objective).
+pub fn cross_entropy_backward(logits: &Tensor, targets: &Tensor, ignore_index: Option<u32>, saved: &CrossEntropySaved, dloss: f64) -> Result<Tensor> {
+    const OP: &str = "cross_entropy_backward";
+    with_u32(OP, "targets", targets, |t| {
+        let (vocab, count) = check(OP, logits, t, targets.shape(), ignore_index)?;
+        if count != saved.count {
+            return Err(Error::invalid(OP, "the saved state belongs to another batch of targets"));
+        }
+        let compute = if logits.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+        let per_row = Tensor::full(dloss / count.max(1) as f64, [rows(logits)], compute, logits.device())?;
+        let kernel = CeBack { targets: t, vocab, ignore: ignore_index };
+        run1(OP, &kernel, &[logits, &saved.lse, &per_row], logits.shape().clone(), Out::Primary)
+    })
+}

@@ -1,0 +1,79 @@
+//! Matrix products, batched, with transposed operands taken as views.
+
+use super::{check_device, float_kernel, run1};
+use crate::backend::cpu::Out;
+use crate::error::{Error, Result};
+use crate::tensor::{Shape, Tensor};
+use tessera_kernels::cpu::matmul::{matmul as gemm, Gemm};
+
+float_kernel!(MatMul { g: Gemm } |s, i, o| gemm(&s.g, i[0], i[1], o[0]));
+
+/// A matrix operand: a contiguous tensor, and whether its last two dimensions
+/// are stored transposed (so `x.t()` costs no copy).
+fn operand(x: &Tensor) -> Result<(Tensor, bool)> {
+    if x.is_contiguous() {
+        return Ok((x.clone(), false));
+    }
+    let back = x.t()?;
+    if back.is_contiguous() {
+        return Ok((back, true));
+    }
+    Ok((x.contiguous()?, false))
+}
+
+/// `a · b` over the last two dimensions: `[..., m, k] · [..., k, n] -> [..., m, n]`.
+///
+/// Leading (batch) dimensions must be equal, or `b` may be a single `[k, n]`
+/// matrix shared by every batch (a linear layer's weight). Operands that are
+/// transposed views (`w.t()`) are read in place.
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    const OP: &str = "matmul";
+    check_device(OP, a, b)?;
+    if a.rank() < 2 || b.rank() < 2 {
+        return Err(Error::shape(OP, format!("operands need at least two dimensions, got {} and {}", a.shape(), b.shape())));
+    }
+    let (ad, bd) = (a.dims(), b.dims());
+    let (m, k) = (ad[ad.len() - 2], ad[ad.len() - 1]);
+    let (k2, n) = (bd[bd.len() - 2], bd[bd.len() - 1]);
+    if k != k2 {
+        return Err(Error::shape(OP, format!("inner dimensions differ: {} · {} ({k} vs {k2})", a.shape(), b.shape())));
+    }
+    let a_batch = &ad[..ad.len() - 2];
+    let b_batch = &bd[..bd.len() - 2];
+    if !b_batch.is_empty() && a_batch != b_batch {
+        return Err(Error::shape(OP, format!("batch dimensions differ: {} · {}; make them equal, or pass a single [k, n] right operand", a.shape(), b.shape())));
+    }
+    let batch: usize = a_batch.iter().product();
+    let mut out_dims = a_batch.to_vec();
+    out_dims.extend([m, n]);
+    let (a_op, trans_a) = operand(a)?;
+    let (b_op, trans_b) = operand(b)?;
+    let broadcast_b = b_batch.is_empty();
+    let g = if broadcast_b && !trans_a {
+        // All rows of a contiguous left operand form one tall matrix: one big GEMM.
+        Gemm { trans_b, ..Gemm::new(1, batch * m, k, n) }
+    } else {
+        Gemm {
+            trans_a,
+            trans_b,
+            batch_stride_b: if broadcast_b { 0 } else { k * n },
+            ..Gemm::new(batch, m, k, n)
+        }
+    };
+    run1(OP, &MatMul { g }, &[&a_op, &b_op], Shape::new(out_dims), Out::Primary)
+}
+
+/// Backward of [`matmul`]: `(da, db) = (dc · bᵀ, aᵀ · dc)`, with `db` summed
+/// over the batch when `b` was shared by every batch.
+pub fn matmul_backward(a: &Tensor, b: &Tensor, dc: &Tensor) -> Result<(Tensor, Tensor)> {
+    let da = matmul(dc, &b.t()?)?;
+    let db = if b.rank() == 2 && a.rank() > 2 {
+        let k = a.dims()[a.rank() - 1];
+        let n = dc.dims()[dc.rank() - 1];
+        let rows = a.elem_count() / k.max(1);
+        matmul(&a.reshape([rows, k])?.t()?, &dc.reshape([rows, n])?)?
+    } else {
+        matmul(&a.t()?, dc)?
+    };
+    Ok((da, db))
+}

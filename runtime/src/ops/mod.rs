@@ -1,0 +1,144 @@
+//! Differentiable operations, each a forward and a hand-written backward.
+//!
+//! There is no tape: the layers (and the code the model macros generate) call
+//! an op's forward, keep what its backward needs, and call the backward with
+//! the upstream gradient. Every op validates its operands and returns a typed
+//! error naming the problem before any kernel runs.
+//!
+//! Floating-point tensors of any dtype are accepted; half-precision operands
+//! are computed in `f32` and results stored back in the operand's dtype,
+//! while saved statistics and losses stay in `f32` (`f64` for `f64` inputs).
+
+mod activation;
+mod attention;
+mod dropout;
+mod elementwise;
+mod embedding;
+mod loss;
+mod matmul;
+mod norm;
+mod optim;
+mod reduce;
+mod rope;
+mod softmax;
+mod topk;
+
+pub use activation::*;
+pub use attention::*;
+pub use dropout::*;
+pub use elementwise::*;
+pub use embedding::*;
+pub use loss::*;
+pub use matmul::*;
+pub use norm::*;
+pub use optim::*;
+pub use reduce::*;
+pub use rope::*;
+pub use softmax::*;
+pub use topk::*;
+
+use crate::backend::cpu::{self, FloatKernel, Out};
+use crate::backend::{CpuStorage, Device, Storage};
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Shape, Tensor};
+
+/// Declares a kernel struct and its [`FloatKernel`] impl; the body sees the
+/// struct as `$s`, the input slices as `$i` and the output slices as `$o`.
+macro_rules! float_kernel {
+    ($name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* $(,)? } |$s:ident, $i:ident, $o:ident| $body:expr) => {
+        struct $name $(<$lt>)? { $($f: $t),* }
+        impl $(<$lt>)? $crate::backend::cpu::FloatKernel for $name $(<$lt>)? {
+            #[allow(unused_variables)]
+            fn run<T: tessera_kernels::Real>(&self, $i: &[&[T]], $o: &mut [&mut [T]]) {
+                let $s = self;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use float_kernel;
+
+/// Runs a float kernel on `inputs` (made contiguous first) and returns one
+/// tensor per entry of `outputs`, each with its shape and storage dtype.
+pub(crate) fn run<K: FloatKernel>(op: &'static str, kernel: &K, inputs: &[&Tensor], outputs: &[(Shape, Out)]) -> Result<Vec<Tensor>> {
+    let first = inputs.first().expect("an op has at least one input");
+    for t in inputs {
+        check_float(op, t)?;
+        check_device(op, first, t)?;
+    }
+    let contiguous: Vec<Tensor> = inputs.iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
+    let guards: Vec<_> = contiguous.iter().map(|t| t.read()).collect();
+    let device = first.device().clone();
+    let Device::Cpu(dev) = &device else {
+        let Device::Cuda(d) = &device else { unreachable!() };
+        match *d {}
+    };
+    let operands: Vec<(&CpuStorage, std::ops::Range<usize>)> = guards
+        .iter()
+        .zip(&contiguous)
+        .map(|(g, t)| match &**g {
+            Storage::Cpu(s) => (s, t.layout().contiguous_range().expect("contiguous")),
+            Storage::Cuda(s) => match *s {},
+        })
+        .collect();
+    let sizes: Vec<(usize, Out)> = outputs.iter().map(|(s, o)| (s.elem_count(), *o)).collect();
+    let results = cpu::run_float(dev, kernel, first.dtype(), &operands, &sizes);
+    Ok(results.into_iter().zip(outputs).map(|(s, (shape, _))| Tensor::from_cpu(s, shape.clone(), dev)).collect())
+}
+
+/// Like [`run`] for ops with exactly one output.
+pub(crate) fn run1<K: FloatKernel>(op: &'static str, kernel: &K, inputs: &[&Tensor], shape: Shape, out: Out) -> Result<Tensor> {
+    Ok(run(op, kernel, inputs, &[(shape, out)])?.pop().expect("one output"))
+}
+
+/// Runs `f` on the elements of a `u32` tensor (token ids, targets, indices).
+pub(crate) fn with_u32<R>(op: &'static str, what: &'static str, t: &Tensor, f: impl FnOnce(&[u32]) -> Result<R>) -> Result<R> {
+    if t.dtype() != DType::U32 {
+        return Err(Error::DType { op, expected: "u32".into(), got: t.dtype(), hint: index_hint(what) });
+    }
+    let t = t.contiguous()?;
+    let range = t.layout().contiguous_range().expect("contiguous");
+    let g = t.read();
+    match &*g {
+        Storage::Cpu(s) => f(&s.as_slice::<u32>().expect("u32 checked")[range]),
+        Storage::Cuda(s) => match *s {},
+    }
+}
+
+fn index_hint(what: &'static str) -> &'static str {
+    match what {
+        "ids" => " for token ids; convert them with `to_dtype(DType::U32)`",
+        "targets" => " for targets; convert them with `to_dtype(DType::U32)`",
+        _ => "; convert with `to_dtype(DType::U32)`",
+    }
+}
+
+pub(crate) fn check_float(op: &'static str, t: &Tensor) -> Result<()> {
+    if t.dtype().is_float() {
+        Ok(())
+    } else {
+        Err(Error::DType { op, expected: "a float dtype (f32, f64, bf16, f16)".into(), got: t.dtype(), hint: "" })
+    }
+}
+
+pub(crate) fn check_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.device().same(b.device()) {
+        Ok(())
+    } else {
+        Err(Error::DeviceMismatch { op, lhs: a.device().to_string(), rhs: b.device().to_string() })
+    }
+}
+
+pub(crate) fn check_same_shape(op: &'static str, what: &str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.shape() == b.shape() {
+        Ok(())
+    } else {
+        Err(Error::shape(op, format!("{what}: {} vs {}; both must have the same shape", a.shape(), b.shape())))
+    }
+}
+
+/// The number of rows of a tensor seen as `[rows, last_dim]`.
+pub(crate) fn rows(t: &Tensor) -> usize {
+    let last = t.dims().last().copied().unwrap_or(1);
+    if last == 0 { 0 } else { t.elem_count() / last }
+}

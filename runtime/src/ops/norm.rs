@@ -1,0 +1,112 @@
+//! LayerNorm and RMSNorm over the last dimension.
+
+use super::{check_same_shape, float_kernel, rows, run};
+use crate::backend::cpu::Out;
+use crate::error::{Error, Result};
+use crate::tensor::{Shape, Tensor};
+use tessera_kernels::cpu::norm as k;
+
+float_kernel!(LayerNormFwd { eps: f64, row: usize, has_beta: bool } |s, i, o| {
+    let (y, rest) = o.split_at_mut(1);
+    let (mean, rstd) = rest.split_at_mut(1);
+    k::layernorm_forward(i[0], i[1], s.has_beta.then(|| i[2]), s.eps, s.row, y[0], mean[0], rstd[0])
+});
+float_kernel!(LayerNormBack { row: usize, has_beta: bool } |s, i, o| {
+    let (dx, rest) = o.split_at_mut(1);
+    let (dgamma, dbeta) = rest.split_at_mut(1);
+    let dbeta = if s.has_beta { Some(&mut *dbeta[0]) } else { None };
+    k::layernorm_backward(i[0], i[1], i[2], i[3], i[4], s.row, dx[0], dgamma[0], dbeta)
+});
+float_kernel!(RmsNormFwd { eps: f64, row: usize } |s, i, o| {
+    let (y, rstd) = o.split_at_mut(1);
+    k::rmsnorm_forward(i[0], i[1], s.eps, s.row, y[0], rstd[0])
+});
+float_kernel!(RmsNormBack { row: usize } |s, i, o| {
+    let (dx, dgamma) = o.split_at_mut(1);
+    k::rmsnorm_backward(i[0], i[1], i[2], i[3], s.row, dx[0], dgamma[0])
+});
+
+/// What a normalisation keeps for its backward: per-row statistics in the
+/// compute dtype (the input itself is kept by the caller).
+#[derive(Clone, Debug)]
+pub struct NormSaved {
+    /// Per-row mean (LayerNorm only).
+    pub mean: Option<Tensor>,
+    /// Per-row reciprocal standard deviation (or RMS).
+    pub rstd: Tensor,
+}
+
+fn check_params(op: &'static str, x: &Tensor, gamma: &Tensor, beta: Option<&Tensor>) -> Result<usize> {
+    let row = x.shape().last_dim(op)?;
+    if gamma.dims() != [row] {
+        return Err(Error::shape(op, format!("gain has shape {} but rows of x {} have length {row}; it must be [{row}]", gamma.shape(), x.shape())));
+    }
+    if let Some(b) = beta {
+        check_same_shape(op, "gain and bias", gamma, b)?;
+    }
+    if !(1..=1 << 24).contains(&row) {
+        return Err(Error::shape(op, format!("rows of length {row} cannot be normalised")));
+    }
+    Ok(row)
+}
+
+fn check_eps(op: &'static str, eps: f64) -> Result<()> {
+    if eps.is_finite() && eps > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::invalid(op, format!("eps must be a small positive number (e.g. 1e-5), got {eps}")))
+    }
+}
+
+/// LayerNorm: `(x - mean) / sqrt(var + eps) * gamma + beta` over the last dimension.
+pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: Option<&Tensor>, eps: f64) -> Result<(Tensor, NormSaved)> {
+    const OP: &str = "layer_norm";
+    let row = check_params(OP, x, gamma, beta)?;
+    check_eps(OP, eps)?;
+    let stats = Shape::new(vec![rows(x)]);
+    let mut inputs = vec![x, gamma];
+    inputs.extend(beta);
+    let kernel = LayerNormFwd { eps, row, has_beta: beta.is_some() };
+    let mut v = run(OP, &kernel, &inputs, &[(x.shape().clone(), Out::Primary), (stats.clone(), Out::Compute), (stats, Out::Compute)])?;
+    let rstd = v.pop().expect("3 outputs");
+    let mean = v.pop().expect("3 outputs");
+    Ok((v.pop().expect("3 outputs"), NormSaved { mean: Some(mean), rstd }))
+}
+
+/// Backward of [`layer_norm`]: `(dx, dgamma, dbeta)`; `dbeta` is `Some` when the forward had a bias.
+pub fn layer_norm_backward(x: &Tensor, gamma: &Tensor, has_beta: bool, saved: &NormSaved, dy: &Tensor) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    const OP: &str = "layer_norm_backward";
+    let row = check_params(OP, x, gamma, None)?;
+    check_same_shape(OP, "input and upstream gradient", x, dy)?;
+    let mean = saved.mean.as_ref().ok_or_else(|| Error::invalid(OP, "the saved statistics come from rms_norm, not layer_norm"))?;
+    let kernel = LayerNormBack { row, has_beta };
+    let mut outs = vec![(x.shape().clone(), Out::Primary), (gamma.shape().clone(), Out::Primary)];
+    if has_beta {
+        outs.push((gamma.shape().clone(), Out::Primary));
+    }
+    let mut v = run(OP, &kernel, &[x, gamma, mean, &saved.rstd, dy], &outs)?;
+    let dbeta = if has_beta { v.pop() } else { None };
+    let dgamma = v.pop().expect("dgamma");
+    Ok((v.pop().expect("dx"), dgamma, dbeta))
+}
+
+/// RMSNorm: `x / sqrt(mean(x²) + eps) * gamma` over the last dimension.
+pub fn rms_norm(x: &Tensor, gamma: &Tensor, eps: f64) -> Result<(Tensor, NormSaved)> {
+    const OP: &str = "rms_norm";
+    let row = check_params(OP, x, gamma, None)?;
+    check_eps(OP, eps)?;
+    let stats = Shape::new(vec![rows(x)]);
+    let mut v = run(OP, &RmsNormFwd { eps, row }, &[x, gamma], &[(x.shape().clone(), Out::Primary), (stats, Out::Compute)])?;
+    let rstd = v.pop().expect("2 outputs");
+    Ok((v.pop().expect("2 outputs"), NormSaved { mean: None, rstd }))
+}
+
+/// Backward of [`rms_norm`]: `(dx, dgamma)`.
+pub fn rms_norm_backward(x: &Tensor, gamma: &Tensor, saved: &NormSaved, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "rms_norm_backward";
+    let row = check_params(OP, x, gamma, None)?;
+    check_same_shape(OP, "input and upstream gradient", x, dy)?;
+    let mut v = run(OP, &RmsNormBack { row }, &[x, gamma, &saved.rstd, dy], &[(x.shape().clone(), Out::Primary), (gamma.shape().clone(), Out::Primary)])?;
+    let dgamma = v.pop().expect("dgamma");
+    Ok((v.pop().expect("dx"), dgamma))
+}

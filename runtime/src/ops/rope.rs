@@ -1,0 +1,84 @@
+//! Rotary position embedding ("rotate half" convention, as HF Llama).
+
+use super::{check_same_shape, float_kernel, run1};
+use crate::backend::cpu::Out;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+use std::any::Any;
+use std::sync::OnceLock;
+use tessera_kernels::cpu::rope::{rope_backward as back, rope_forward as fwd, RopeTable};
+use tessera_kernels::Real;
+
+/// Precomputed rotation angles for heads of `head_dim` at positions below `max_position`.
+pub struct Rope {
+    head_dim: usize,
+    max_position: usize,
+    theta: f64,
+    f32: OnceLock<RopeTable<f32>>,
+    f64: OnceLock<RopeTable<f64>>,
+}
+
+impl Rope {
+    /// Angles `pos * theta^(-2i/head_dim)`; `theta` is 10000 in most models.
+    pub fn new(head_dim: usize, max_position: usize, theta: f64) -> Result<Rope> {
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(Error::invalid("rope", format!("head_dim must be even and positive, got {head_dim}")));
+        }
+        if !(theta.is_finite() && theta > 1.0) {
+            return Err(Error::invalid("rope", format!("theta must be a finite number above 1 (usually 10000), got {theta}")));
+        }
+        Ok(Rope { head_dim, max_position, theta, f32: OnceLock::new(), f64: OnceLock::new() })
+    }
+
+    /// The table in the compute type `T` (built on first use).
+    fn table<T: Real>(&self) -> &RopeTable<T> {
+        let (d, m, th) = (self.head_dim, self.max_position, self.theta);
+        let any: &dyn Any = if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f64>() {
+            self.f64.get_or_init(|| RopeTable::new(m, d, th))
+        } else {
+            self.f32.get_or_init(|| RopeTable::new(m, d, th))
+        };
+        any.downcast_ref().expect("compute types are f32 and f64")
+    }
+
+    fn check(&self, op: &'static str, x: &Tensor, positions: &[u32]) -> Result<(usize, usize)> {
+        let &[b, h, t, d] = x.dims() else {
+            return Err(Error::shape(op, format!("expects [batch, heads, seq, head_dim], got {}", x.shape())));
+        };
+        if d != self.head_dim {
+            return Err(Error::shape(op, format!("head_dim is {d} but the table was built for {}", self.head_dim)));
+        }
+        if positions.len() != t {
+            return Err(Error::shape(op, format!("{} positions given for a sequence of {t}", positions.len())));
+        }
+        if let Some(p) = positions.iter().position(|&p| p as usize >= self.max_position) {
+            return Err(Error::IndexOutOfRange { op, index: positions[p] as u64, position: p, bound: self.max_position as u64, hint: "; build the Rope with a larger max_position" });
+        }
+        Ok((b * h, t))
+    }
+}
+
+float_kernel!(RopeK<'a> { rope: &'a Rope, positions: &'a [u32], bh: usize, seq: usize, inverse: bool } |s, i, o| {
+    let table = s.rope.table::<T>();
+    if s.inverse {
+        back(table, i[0], s.bh, s.seq, s.positions, o[0])
+    } else {
+        fwd(table, i[0], s.bh, s.seq, s.positions, o[0])
+    }
+});
+
+/// Rotates `x` (`[batch, heads, seq, head_dim]`) by the angles of `positions` (one per sequence index).
+pub fn rope(x: &Tensor, rope: &Rope, positions: &[u32]) -> Result<Tensor> {
+    let (bh, seq) = rope.check("rope", x, positions)?;
+    run1("rope", &RopeK { rope, positions, bh, seq, inverse: false }, &[x], x.shape().clone(), Out::Primary)
+}
+
+/// Backward of [`rope`]: the inverse rotation applied to the upstream gradient.
+pub fn rope_backward(dy: &Tensor, rope: &Rope, positions: &[u32]) -> Result<Tensor> {
+    let (bh, seq) = rope.check("rope_backward", dy, positions)?;
+    run1("rope_backward", &RopeK { rope, positions, bh, seq, inverse: true }, &[dy], dy.shape().clone(), Out::Primary)
+        .and_then(|dx| {
+            check_same_shape("rope_backward", "gradient", &dx, dy)?;
+            Ok(dx)
+        })
+}
