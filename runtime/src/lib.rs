@@ -16,6 +16,7 @@ pub use error::{Error, Result};
 pub use tensor::{DType, Element, Shape, Tensor};
 pub use tessera_kernels::rng::RngKey;
 pub use tensor::Init;
+pub use half::{bf16, f16};
 
 /// The names most programs need.
 pub mod prelude {
