@@ -11,7 +11,7 @@ mod error;
 pub mod ops;
 pub mod tensor;
 
-pub use backend::{Device, MemoryStats};
+pub use backend::{BackendDevice, Device, MemoryStats};
 pub use error::{Error, Result};
 pub use tensor::{DType, Element, Shape, Tensor};
 pub use tessera_kernels::rng::RngKey;

@@ -6,6 +6,8 @@
 //! backend.
 
 use crate::backend::memory::MemoryStats;
+use crate::backend::BackendDevice;
+use crate::tensor::DType;
 use crate::error::{Error, Result};
 
 /// A CUDA device (none can exist in this build).
@@ -22,19 +24,28 @@ impl CudaDevice {
         Err(Error::NotCompiledWithCuda)
     }
 
+    /// The device's CUDA ordinal.
     pub fn ordinal(&self) -> usize {
         match *self {}
     }
+}
 
-    pub fn memory_stats(&self) -> MemoryStats {
+impl BackendDevice for CudaDevice {
+    type Storage = CudaStorage;
+
+    fn zeros(&self, _: DType, _: usize) -> Result<CudaStorage> {
         match *self {}
     }
 
-    pub fn reset_peak(&self) {
+    fn memory_stats(&self) -> MemoryStats {
         match *self {}
     }
 
-    pub fn synchronize(&self) -> Result<()> {
+    fn reset_peak(&self) {
+        match *self {}
+    }
+
+    fn synchronize(&self) -> Result<()> {
         match *self {}
     }
 }

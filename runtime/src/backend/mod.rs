@@ -18,7 +18,28 @@ pub use cuda::{CudaDevice, CudaStorage};
 pub use memory::{MemoryStats, MemoryTracker};
 
 use crate::error::Result;
+use crate::tensor::DType;
 use std::fmt;
+
+/// What every backend's device provides to the tensor layer.
+///
+/// Work may be queued asynchronously (a CUDA device queues on its streams);
+/// [`synchronize`](Self::synchronize) waits for it, and reading a tensor back
+/// to the host synchronises implicitly. Ops reach a backend through the
+/// kernels of `backend::cpu` (and, with the CUDA backend, their device
+/// counterparts), dispatched on [`Storage`].
+pub trait BackendDevice: Clone + fmt::Debug + Send + Sync {
+    /// Where this device keeps a tensor's elements.
+    type Storage;
+    /// `len` zeros of `dtype`, counted by the device's memory accounting.
+    fn zeros(&self, dtype: DType, len: usize) -> Result<Self::Storage>;
+    /// Bytes in use and the peak since the last reset.
+    fn memory_stats(&self) -> MemoryStats;
+    /// Starts a new peak window at the bytes in use now.
+    fn reset_peak(&self);
+    /// Waits until all queued work has finished.
+    fn synchronize(&self) -> Result<()>;
+}
 
 /// Where a tensor lives.
 #[derive(Clone, Debug)]
@@ -41,7 +62,7 @@ impl Device {
     /// Bytes in use and the peak since the last [`reset_peak`](Self::reset_peak).
     pub fn memory_stats(&self) -> MemoryStats {
         match self {
-            Device::Cpu(d) => d.memory_stats(),
+            Device::Cpu(d) => BackendDevice::memory_stats(d),
             Device::Cuda(d) => d.memory_stats(),
         }
     }
@@ -49,7 +70,7 @@ impl Device {
     /// Starts a new peak window at the bytes in use now.
     pub fn reset_peak(&self) {
         match self {
-            Device::Cpu(d) => d.reset_peak(),
+            Device::Cpu(d) => BackendDevice::reset_peak(d),
             Device::Cuda(d) => d.reset_peak(),
         }
     }
@@ -57,7 +78,7 @@ impl Device {
     /// Waits until all work queued on the device has finished.
     pub fn synchronize(&self) -> Result<()> {
         match self {
-            Device::Cpu(_) => Ok(()),
+            Device::Cpu(d) => d.synchronize(),
             Device::Cuda(d) => d.synchronize(),
         }
     }
@@ -85,4 +106,14 @@ impl fmt::Display for Device {
 pub enum Storage {
     Cpu(CpuStorage),
     Cuda(CudaStorage),
+}
+
+impl Device {
+    /// `len` zeros of `dtype` on this device.
+    pub(crate) fn zeros_storage(&self, dtype: DType, len: usize) -> Result<Storage> {
+        match self {
+            Device::Cpu(d) => d.zeros(dtype, len).map(Storage::Cpu),
+            Device::Cuda(d) => d.zeros(dtype, len).map(Storage::Cuda),
+        }
+    }
 }

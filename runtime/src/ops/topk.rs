@@ -29,7 +29,7 @@ pub fn topk(x: &Tensor, k: usize) -> Result<(Tensor, Tensor)> {
         let Device::Cuda(d) = x.device() else { unreachable!() };
         match *d {}
     };
-    let mut idx = dev.zeros::<u32>(out_shape.elem_count());
+    let mut idx = dev.buffer_zeros::<u32>(out_shape.elem_count());
     let values = run1(OP, &TopK { row, k, indices: RefCell::new(&mut idx) }, &[x], out_shape.clone(), Out::Primary)?;
     Ok((values, Tensor::from_cpu(CpuStorage::U32(idx), out_shape, dev)))
 }

@@ -18,10 +18,8 @@ impl Tensor {
     /// A tensor of zeros.
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
         let shape = shape.into();
-        match device {
-            Device::Cpu(dev) => Ok(Tensor::from_cpu(CpuStorage::zeros(dev, dtype, shape.elem_count()), shape, dev)),
-            Device::Cuda(d) => match *d {},
-        }
+        let storage = device.zeros_storage(dtype, shape.elem_count())?;
+        Ok(Tensor::from_storage(storage, shape, device.clone()))
     }
 
     /// A tensor of zeros with the shape, dtype and device of `self`.
@@ -129,7 +127,7 @@ fn draw_block<T: tessera_kernels::Real>(
     starts: &[usize],
     local: &Shape,
 ) -> crate::backend::cpu::Buffer<T> {
-    let mut out = dev.zeros::<T>(local.elem_count());
+    let mut out = dev.buffer_zeros::<T>(local.elem_count());
     let fill = |start: u64, run: &mut [T]| match init {
         Init::Normal { mean, std } => fill_normal(key, start, T::lit(mean), T::lit(std), run),
         Init::Uniform { lo, hi } => fill_uniform(key, start, T::lit(lo), T::lit(hi), run),

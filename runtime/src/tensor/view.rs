@@ -67,7 +67,7 @@ impl Tensor {
                 let l = &self.layout;
                 macro_rules! gather {
                     ($v:ident, $src:expr) => {{
-                        let mut dst = dev.zeros(n);
+                        let mut dst = dev.buffer_zeros(n);
                         copy_strided($src, l.shape().dims(), l.strides(), l.offset(), &mut dst);
                         CpuStorage::$v(dst)
                     }};

@@ -32,7 +32,7 @@ pub(crate) fn convert(dev: &CpuDevice, src: &CpuStorage, range: Range<usize>, to
 
 /// `src[range]` as tracked `f32` elements.
 fn to_f32(dev: &CpuDevice, src: &CpuStorage, range: Range<usize>) -> super::Buffer<f32> {
-    let mut out = dev.zeros::<f32>(range.len());
+    let mut out = dev.buffer_zeros::<f32>(range.len());
     match src {
         CpuStorage::F32(s) => out.copy_from_slice(&s[range]),
         CpuStorage::F64(s) => cast::f64_to_f32(&s[range], &mut out),
@@ -49,17 +49,17 @@ fn from_f32(dev: &CpuDevice, src: &[f32], to: DType) -> CpuStorage {
     match to {
         DType::F32 => CpuStorage::F32(dev.buffer(src.to_vec())),
         DType::F64 => {
-            let mut out = dev.zeros(n);
+            let mut out = dev.buffer_zeros(n);
             cast::f32_to_f64(src, &mut out);
             CpuStorage::F64(out)
         }
         DType::BF16 => {
-            let mut out = dev.zeros(n);
+            let mut out = dev.buffer_zeros(n);
             cast::f32_to_bf16(src, &mut out);
             CpuStorage::BF16(out)
         }
         DType::F16 => {
-            let mut out = dev.zeros(n);
+            let mut out = dev.buffer_zeros(n);
             cast::f32_to_f16(src, &mut out);
             CpuStorage::F16(out)
         }

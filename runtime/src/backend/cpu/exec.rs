@@ -90,7 +90,7 @@ fn run_in<T: ComputeType, K: FloatKernel>(
             None => &T::view(s).expect("compute type")[r.clone()],
         })
         .collect();
-    let mut outs: Vec<Buffer<T>> = outputs.iter().map(|&(n, _)| dev.zeros::<T>(n)).collect();
+    let mut outs: Vec<Buffer<T>> = outputs.iter().map(|&(n, _)| dev.buffer_zeros::<T>(n)).collect();
     {
         let mut out_slices: Vec<&mut [T]> = outs.iter_mut().map(|b| &mut **b).collect();
         kernel.run(&slices, &mut out_slices);

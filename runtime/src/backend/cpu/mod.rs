@@ -14,6 +14,8 @@ pub(crate) use exec::{run_float, FloatKernel, Out};
 pub use storage::CpuStorage;
 
 use super::memory::{MemoryStats, MemoryTracker};
+use crate::error::Result;
+use crate::tensor::DType;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -40,29 +42,40 @@ impl CpuDevice {
         self.id
     }
 
-    /// Bytes in use and peak.
-    pub fn memory_stats(&self) -> MemoryStats {
-        self.tracker.stats()
-    }
-
-    /// Starts a new peak window at the bytes in use now.
-    pub fn reset_peak(&self) {
-        self.tracker.reset_peak()
-    }
-
     /// Whether `other` is this very device (shares its accounting).
     pub fn same(&self, other: &CpuDevice) -> bool {
         Arc::ptr_eq(&self.tracker, &other.tracker)
     }
 
     /// A tracked buffer of `len` zeros.
-    pub fn zeros<T: Copy + Default>(&self, len: usize) -> Buffer<T> {
+    pub fn buffer_zeros<T: Copy + Default>(&self, len: usize) -> Buffer<T> {
         Buffer::zeros(len, &self.tracker)
     }
 
     /// Moves `data` into a tracked buffer.
     pub fn buffer<T>(&self, data: Vec<T>) -> Buffer<T> {
         Buffer::from_vec(data, &self.tracker)
+    }
+}
+
+impl super::BackendDevice for CpuDevice {
+    type Storage = CpuStorage;
+
+    fn zeros(&self, dtype: DType, len: usize) -> Result<CpuStorage> {
+        Ok(CpuStorage::zeros(self, dtype, len))
+    }
+
+    fn memory_stats(&self) -> MemoryStats {
+        self.tracker.stats()
+    }
+
+    fn reset_peak(&self) {
+        self.tracker.reset_peak()
+    }
+
+    /// CPU work runs synchronously: nothing is ever queued.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
     }
 }
 

@@ -53,12 +53,12 @@ impl CpuStorage {
     /// `len` zeros of `dtype` on `dev`.
     pub fn zeros(dev: &CpuDevice, dtype: DType, len: usize) -> Self {
         match dtype {
-            DType::F32 => CpuStorage::F32(dev.zeros(len)),
-            DType::F64 => CpuStorage::F64(dev.zeros(len)),
-            DType::BF16 => CpuStorage::BF16(dev.zeros(len)),
-            DType::F16 => CpuStorage::F16(dev.zeros(len)),
-            DType::I32 => CpuStorage::I32(dev.zeros(len)),
-            DType::U32 => CpuStorage::U32(dev.zeros(len)),
+            DType::F32 => CpuStorage::F32(dev.buffer_zeros(len)),
+            DType::F64 => CpuStorage::F64(dev.buffer_zeros(len)),
+            DType::BF16 => CpuStorage::BF16(dev.buffer_zeros(len)),
+            DType::F16 => CpuStorage::F16(dev.buffer_zeros(len)),
+            DType::I32 => CpuStorage::I32(dev.buffer_zeros(len)),
+            DType::U32 => CpuStorage::U32(dev.buffer_zeros(len)),
         }
     }
 
