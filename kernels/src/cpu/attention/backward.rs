@@ -20,6 +20,7 @@
 //! avoids that but leaves as few as `batch · kv_heads` tasks (one, for a
 //! single sequence with multi-query attention), which starves the pool.
 
+use super::exp::{exp_minus, exp_minus_each};
 use super::tile::{dot, matmul_tile, transpose_scaled};
 use super::{AttnDims, BLOCK_KV, BLOCK_Q, PARALLEL_MIN_WORK};
 use crate::Real;
@@ -217,9 +218,7 @@ fn dkv_block<T: Real>(
                     0
                 };
                 row[..first].fill(T::zero());
-                for (x, &l) in row[first..].iter_mut().zip(&lse[first..]) {
-                    *x = (*x - l).exp();
-                }
+                exp_minus_each(&mut row[first..], &lse[first..]);
             }
             matmul_tile(bk, hd, bq, pt, bq, do_blk, hd, dv, hd, true);
 
@@ -276,10 +275,7 @@ fn dq_block<T: Real>(
             } else {
                 bk
             };
-            let l = lse[r];
-            for x in &mut row[..visible] {
-                *x = (*x - l).exp();
-            }
+            exp_minus(&mut row[..visible], lse[r]);
             row[visible..].fill(T::zero());
         }
 

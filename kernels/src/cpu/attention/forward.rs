@@ -1,7 +1,8 @@
 //! Forward pass: one task per (batch, query head, query block), streaming key
 //! and value blocks through an online softmax.
 
-use super::tile::{matmul_tile, transpose_scaled};
+use super::exp::exp_minus;
+use super::tile::{matmul_tile, max_of, sum_of, transpose_scaled};
 use super::{AttnDims, BLOCK_KV, BLOCK_Q, PARALLEL_MIN_WORK};
 use crate::Real;
 use rayon::prelude::*;
@@ -125,7 +126,7 @@ fn forward_block<T: Real>(
                 let visible = d.key_end(i0 + r).saturating_sub(j0).min(bk);
                 row[visible..].fill(T::neg_infinity());
             }
-            let row_max = row.iter().fold(T::neg_infinity(), |a, &x| a.max(x));
+            let row_max = max_of(row);
             let m_new = s.m[r].max(row_max);
             if m_new == T::neg_infinity() {
                 // Nothing visible to this query yet: contribute nothing
@@ -133,11 +134,8 @@ fn forward_block<T: Real>(
                 row.fill(T::zero());
                 continue;
             }
-            let mut sum = T::zero();
-            for x in row.iter_mut() {
-                *x = (*x - m_new).exp();
-                sum += *x;
-            }
+            exp_minus(row, m_new);
+            let sum = sum_of(row);
             // First visible block: m = -inf, alpha = 0, and acc/l are zero anyway.
             let alpha = (s.m[r] - m_new).exp();
             if alpha != T::one() {

@@ -18,6 +18,7 @@
 //! in the tiles the diagonal crosses.
 
 mod backward;
+mod exp;
 mod forward;
 mod tile;
 

@@ -246,6 +246,42 @@ pub(super) fn dot<T: Real>(a: &[T], b: &[T]) -> T {
         + tail
 }
 
+/// `sum_i x[i]` with eight partial sums combined in a fixed order.
+#[inline]
+pub(super) fn sum_of<T: Real>(x: &[T]) -> T {
+    let mut lanes = [T::zero(); 8];
+    let chunks = x.chunks_exact(8);
+    let mut tail = T::zero();
+    for &e in chunks.remainder() {
+        tail += e;
+    }
+    for c in chunks {
+        for l in 0..8 {
+            lanes[l] += c[l];
+        }
+    }
+    ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
+        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
+        + tail
+}
+
+/// `max_i x[i]`, `-inf` for an empty slice (NaN entries are skipped).
+#[inline]
+pub(super) fn max_of<T: Real>(x: &[T]) -> T {
+    let mut lanes = [T::neg_infinity(); 8];
+    let chunks = x.chunks_exact(8);
+    let mut tail = T::neg_infinity();
+    for &e in chunks.remainder() {
+        tail = tail.max(e);
+    }
+    for c in chunks {
+        for l in 0..8 {
+            lanes[l] = lanes[l].max(c[l]);
+        }
+    }
+    lanes.iter().fold(tail, |a, &b| a.max(b))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -320,12 +356,41 @@ mod tests {
     }
 
     #[test]
-    fn dot_and_transpose() {
+    fn every_code_path_gives_the_same_bits() {
+        let (m, n, k) = (13, 37, 19);
+        let a = rand_vec(8, m * k);
+        let b = rand_vec(9, k * n);
+        let mut fast = vec![0.0; m * n];
+        let mut base = vec![0.0; m * n];
+        matmul_tile(m, n, k, &a, k, &b, n, &mut fast, n, false);
+        tiled_baseline(m, n, k, &a, k, &b, n, &mut base, n, false);
+        assert_eq!(fast, base);
+        let (af, bf): (Vec<f32>, Vec<f32>) = (
+            a.iter().map(|&x| x as f32).collect(),
+            b.iter().map(|&x| x as f32).collect(),
+        );
+        let mut fast = vec![0f32; m * n];
+        let mut base = vec![0f32; m * n];
+        matmul_tile(m, n, k, &af, k, &bf, n, &mut fast, n, false);
+        tiled_baseline(m, n, k, &af, k, &bf, n, &mut base, n, false);
+        assert_eq!(fast, base);
+    }
+
+    #[test]
+    fn dot_sum_max_and_transpose() {
         for n in [0, 1, 7, 8, 9, 33] {
             let a = rand_vec(4, n);
             let b = rand_vec(5, n);
             let want: f64 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
             assert!((dot(&a, &b) - want).abs() < 1e-12);
+        }
+        for n in [0, 1, 7, 8, 9, 33] {
+            let a = rand_vec(7, n);
+            assert!((sum_of(&a) - a.iter().sum::<f64>()).abs() < 1e-12);
+            assert_eq!(
+                max_of(&a),
+                a.iter().cloned().fold(f64::NEG_INFINITY, f64::max)
+            );
         }
         let src = rand_vec(6, 3 * 5);
         let mut dst = vec![0.0; 15];
