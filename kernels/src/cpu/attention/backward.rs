@@ -1,0 +1,495 @@
+//! Backward pass, recomputing probabilities tile by tile from `q`, `k` and the
+//! forward's `lse`.
+//!
+//! With `P = exp(scale·Q·Kᵀ − lse)`, `dP = dO·Vᵀ`, `D_i = rowsum(dO_i ∘ O_i)`
+//! and `dS = P ∘ (dP − D)`:
+//!   `dV = Pᵀ·dO`, `dK = scale·dSᵀ·Q`, `dQ = scale·dS·K`.
+//!
+//! Parallel schedule, chosen for determinism without atomics: `dk`/`dv` and
+//! `dq` come from two separate passes.
+//! - Pass 1 gives each (batch, kv head, kv block) to one task, which owns that
+//!   block's rows of `dk` and `dv` and loops over every query head of its group
+//!   and every query block that sees the kv block, in a fixed order.
+//! - Pass 2 gives each (batch, query head, query block) to one task, which
+//!   owns those rows of `dq` and loops over the visible kv blocks in order.
+//!
+//! No output element is written by two tasks and every sum runs in index
+//! order, so results are bit-identical for any thread count. The price is
+//! recomputing `S` and `dP` in both passes (7 tile products instead of 5);
+//! the alternative of one task per (batch, kv head) owning its group's `dq`
+//! avoids that but leaves as few as `batch · kv_heads` tasks (one, for a
+//! single sequence with multi-query attention), which starves the pool.
+
+use super::exp::{exp_minus, exp_minus_each};
+use super::tile::{dot, matmul_tile, transpose_scaled};
+use super::{AttnDims, BLOCK_KV, BLOCK_Q, PARALLEL_MIN_WORK};
+use crate::Real;
+use rayon::prelude::*;
+
+/// Per-thread working set, `O(BLOCK_Q·BLOCK_KV + (BLOCK_Q + BLOCK_KV)·head_dim)`.
+struct Scratch<T> {
+    /// Pass 1: scaled queryᵀ `[head_dim, BLOCK_Q]`; pass 2: scaled queries `[BLOCK_Q, head_dim]`.
+    qs: Vec<T>,
+    /// Pass 1: dOᵀ `[head_dim, BLOCK_Q]`; pass 2: Vᵀ `[head_dim, BLOCK_KV]`.
+    t1: Vec<T>,
+    /// Pass 2: Kᵀ `[head_dim, BLOCK_KV]`.
+    t2: Vec<T>,
+    /// Probabilities, then `dS` (transposed in pass 1), `BLOCK_Q·BLOCK_KV`.
+    p: Vec<T>,
+    /// `dP` (transposed in pass 1), `BLOCK_Q·BLOCK_KV`.
+    dp: Vec<T>,
+}
+
+impl<T: Real> Scratch<T> {
+    fn new(hd: usize) -> Self {
+        let panel = hd * BLOCK_Q.max(BLOCK_KV);
+        Self {
+            qs: vec![T::zero(); panel],
+            t1: vec![T::zero(); panel],
+            t2: vec![T::zero(); panel],
+            p: vec![T::zero(); BLOCK_Q * BLOCK_KV],
+            dp: vec![T::zero(); BLOCK_Q * BLOCK_KV],
+        }
+    }
+}
+
+/// Everything both passes read.
+struct Inputs<'a, T> {
+    d: &'a AttnDims,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    lse: &'a [T],
+    dout: &'a [T],
+    /// `D_i = rowsum(dout_i ∘ out_i)`, laid out like `lse`.
+    delta: &'a [T],
+}
+
+/// Fused attention backward (see [`AttnDims`] for layouts and masking).
+///
+/// `out` and `lse` are what [`attention_forward`](super::attention_forward)
+/// produced for the same `q`, `k`, `v`; `dout` is the gradient of the loss
+/// with respect to `out`. Overwrites `dq` (layout of `q`), `dk` and `dv`
+/// (layout of `k`). With grouped-query heads, `dk`/`dv` of a kv head sum the
+/// contributions of every query head that reads it. Queries that see no key
+/// contribute nothing and get `dq = 0`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward<T: Real>(
+    d: &AttnDims,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &[T],
+    lse: &[T],
+    dout: &[T],
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+) {
+    d.check();
+    assert_eq!(q.len(), d.q_len(), "attention_backward: q length");
+    assert_eq!(k.len(), d.kv_len(), "attention_backward: k length");
+    assert_eq!(v.len(), d.kv_len(), "attention_backward: v length");
+    assert_eq!(out.len(), d.q_len(), "attention_backward: out length");
+    assert_eq!(lse.len(), d.lse_len(), "attention_backward: lse length");
+    assert_eq!(dout.len(), d.q_len(), "attention_backward: dout length");
+    assert_eq!(dq.len(), d.q_len(), "attention_backward: dq length");
+    assert_eq!(dk.len(), d.kv_len(), "attention_backward: dk length");
+    assert_eq!(dv.len(), d.kv_len(), "attention_backward: dv length");
+    let hd = d.head_dim;
+    let parallel = d.work() >= PARALLEL_MIN_WORK;
+
+    let mut delta = vec![T::zero(); d.lse_len()];
+    let row_delta = |(i, di): (usize, &mut T)| {
+        *di = dot(&dout[i * hd..(i + 1) * hd], &out[i * hd..(i + 1) * hd])
+    };
+    if parallel {
+        delta.par_iter_mut().enumerate().for_each(row_delta);
+    } else {
+        delta.iter_mut().enumerate().for_each(row_delta);
+    }
+    let inp = Inputs {
+        d,
+        q,
+        k,
+        v,
+        lse,
+        dout,
+        delta: &delta,
+    };
+
+    // Pass 1: dk, dv.
+    if d.kv_len() > 0 {
+        let tasks: Vec<_> = dk
+            .chunks_mut(d.seq_kv * hd)
+            .zip(dv.chunks_mut(d.seq_kv * hd))
+            .enumerate()
+            .flat_map(|(bg, (dk, dv))| {
+                dk.chunks_mut(BLOCK_KV * hd)
+                    .zip(dv.chunks_mut(BLOCK_KV * hd))
+                    .enumerate()
+                    .map(move |(kb, (dk, dv))| (bg, kb * BLOCK_KV, dk, dv))
+            })
+            .collect();
+        let run = |s: &mut Scratch<T>, (bg, j0, dk, dv): (usize, usize, &mut [T], &mut [T])| {
+            dkv_block(&inp, bg / d.kv_heads, bg % d.kv_heads, j0, dk, dv, s)
+        };
+        if parallel {
+            tasks
+                .into_par_iter()
+                .for_each_init(|| Scratch::new(hd), run);
+        } else {
+            let mut s = Scratch::new(hd);
+            tasks.into_iter().for_each(|t| run(&mut s, t));
+        }
+    }
+
+    // Pass 2: dq.
+    if d.q_len() > 0 {
+        let tasks: Vec<_> = dq
+            .chunks_mut(d.seq_q * hd)
+            .enumerate()
+            .flat_map(|(bh, dq)| {
+                dq.chunks_mut(BLOCK_Q * hd)
+                    .enumerate()
+                    .map(move |(qb, dq)| (bh, qb * BLOCK_Q, dq))
+            })
+            .collect();
+        let run = |s: &mut Scratch<T>, (bh, i0, dq): (usize, usize, &mut [T])| {
+            dq_block(&inp, bh / d.q_heads, bh % d.q_heads, i0, dq, s)
+        };
+        if parallel {
+            tasks
+                .into_par_iter()
+                .for_each_init(|| Scratch::new(hd), run);
+        } else {
+            let mut s = Scratch::new(hd);
+            tasks.into_iter().for_each(|t| run(&mut s, t));
+        }
+    }
+}
+
+/// Gradients of kv rows `j0..j0 + dk.len() / head_dim` of kv head `g` in batch `b`.
+///
+/// Works on transposed tiles (`Sᵀ = K·(scale·Q)ᵀ`, `[kv rows, q rows]`) so
+/// that `Pᵀ` and `dSᵀ` come out in the row-major form the products
+/// `dV += Pᵀ·dO` and `dK += dSᵀ·Q` consume.
+fn dkv_block<T: Real>(
+    inp: &Inputs<'_, T>,
+    b: usize,
+    g: usize,
+    j0: usize,
+    dk: &mut [T],
+    dv: &mut [T],
+    s: &mut Scratch<T>,
+) {
+    let d = inp.d;
+    let hd = d.head_dim;
+    let bk = dk.len() / hd;
+    let scale = T::lit(d.scale);
+    let kv_row0 = ((b * d.kv_heads + g) * d.seq_kv + j0) * hd;
+    let k_blk = &inp.k[kv_row0..kv_row0 + bk * hd];
+    let v_blk = &inp.v[kv_row0..kv_row0 + bk * hd];
+    dk.fill(T::zero());
+    dv.fill(T::zero());
+
+    // Query blocks stay aligned to BLOCK_Q, as in the forward and in pass 2.
+    let first_block = d.first_query(j0) / BLOCK_Q * BLOCK_Q;
+    for h in g * d.group()..(g + 1) * d.group() {
+        let bh = b * d.q_heads + h;
+        for i0 in (first_block..d.seq_q).step_by(BLOCK_Q) {
+            let bq = BLOCK_Q.min(d.seq_q - i0);
+            let rows = bh * d.seq_q + i0..bh * d.seq_q + i0 + bq;
+            let q_blk = &inp.q[rows.start * hd..rows.end * hd];
+            let do_blk = &inp.dout[rows.start * hd..rows.end * hd];
+            let lse = &inp.lse[rows.clone()];
+            let delta = &inp.delta[rows];
+            transpose_scaled(q_blk, bq, hd, scale, &mut s.qs);
+            transpose_scaled(do_blk, bq, hd, T::one(), &mut s.t1);
+
+            let pt = &mut s.p[..bk * bq];
+            matmul_tile(bk, bq, hd, k_blk, hd, &s.qs, bq, pt, bq, false);
+            let needs_mask = d.causal && d.key_end(i0) < j0 + bk;
+            for (j, row) in pt.chunks_exact_mut(bq).enumerate() {
+                // Queries before `first` are masked from key j0 + j.
+                let first = if needs_mask {
+                    d.first_query(j0 + j).saturating_sub(i0).min(bq)
+                } else {
+                    0
+                };
+                row[..first].fill(T::zero());
+                exp_minus_each(&mut row[first..], &lse[first..]);
+            }
+            matmul_tile(bk, hd, bq, pt, bq, do_blk, hd, dv, hd, true);
+
+            let dpt = &mut s.dp[..bk * bq];
+            matmul_tile(bk, bq, hd, v_blk, hd, &s.t1, bq, dpt, bq, false);
+            for (prow, dprow) in pt.chunks_exact_mut(bq).zip(dpt.chunks_exact(bq)) {
+                for ((p, &dp), &di) in prow.iter_mut().zip(dprow).zip(delta) {
+                    *p = *p * (dp - di) * scale;
+                }
+            }
+            matmul_tile(bk, hd, bq, pt, bq, q_blk, hd, dk, hd, true);
+        }
+    }
+}
+
+/// Gradient of query rows `i0..i0 + dq.len() / head_dim` of query head `h` in batch `b`.
+fn dq_block<T: Real>(
+    inp: &Inputs<'_, T>,
+    b: usize,
+    h: usize,
+    i0: usize,
+    dq: &mut [T],
+    s: &mut Scratch<T>,
+) {
+    let d = inp.d;
+    let hd = d.head_dim;
+    let bq = dq.len() / hd;
+    let scale = T::lit(d.scale);
+    let rows = (b * d.q_heads + h) * d.seq_q + i0..(b * d.q_heads + h) * d.seq_q + i0 + bq;
+    let q_blk = &inp.q[rows.start * hd..rows.end * hd];
+    let do_blk = &inp.dout[rows.start * hd..rows.end * hd];
+    let lse = &inp.lse[rows.clone()];
+    let delta = &inp.delta[rows];
+    let kv_base = (b * d.kv_heads + h / d.group()) * d.seq_kv * hd;
+    for (dst, &x) in s.qs.iter_mut().zip(q_blk) {
+        *dst = x * scale;
+    }
+    dq.fill(T::zero());
+
+    let kend = d.key_end(i0 + bq - 1);
+    for j0 in (0..kend).step_by(BLOCK_KV) {
+        let bk = BLOCK_KV.min(kend - j0);
+        let k_blk = &inp.k[kv_base + j0 * hd..kv_base + (j0 + bk) * hd];
+        let v_blk = &inp.v[kv_base + j0 * hd..kv_base + (j0 + bk) * hd];
+        transpose_scaled(k_blk, bk, hd, T::one(), &mut s.t2);
+        transpose_scaled(v_blk, bk, hd, T::one(), &mut s.t1);
+
+        let p = &mut s.p[..bq * bk];
+        matmul_tile(bq, bk, hd, &s.qs, hd, &s.t2, bk, p, bk, false);
+        let needs_mask = d.causal && d.key_end(i0) < j0 + bk;
+        for (r, row) in p.chunks_exact_mut(bk).enumerate() {
+            let visible = if needs_mask {
+                d.key_end(i0 + r).saturating_sub(j0).min(bk)
+            } else {
+                bk
+            };
+            exp_minus(&mut row[..visible], lse[r]);
+            row[visible..].fill(T::zero());
+        }
+
+        let dp = &mut s.dp[..bq * bk];
+        matmul_tile(bq, bk, hd, do_blk, hd, &s.t1, bk, dp, bk, false);
+        for ((prow, dprow), &di) in p.chunks_exact_mut(bk).zip(dp.chunks_exact(bk)).zip(delta) {
+            for (p, &dp) in prow.iter_mut().zip(dprow) {
+                *p = *p * (dp - di) * scale;
+            }
+        }
+        matmul_tile(bq, hd, bk, p, bk, k_blk, hd, dq, hd, true);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_inputs::{dims, qkv, to_f32, to_f64};
+    use super::super::{attention_forward, AttnDims};
+    use super::*;
+    use crate::testing::{assert_close, dot as dot64, numeric_grad, rand_vec};
+
+    /// Forward then backward in `T`; returns `(out, dq, dk, dv)`.
+    #[allow(clippy::type_complexity)]
+    fn fwd_bwd<T: Real>(
+        d: &AttnDims,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        dout: &[T],
+    ) -> (Vec<T>, Vec<T>, Vec<T>, Vec<T>) {
+        let mut out = vec![T::nan(); d.q_len()];
+        let mut lse = vec![T::nan(); d.lse_len()];
+        attention_forward(d, q, k, v, &mut out, &mut lse);
+        let mut dq = vec![T::nan(); d.q_len()];
+        let mut dk = vec![T::nan(); d.kv_len()];
+        let mut dv = vec![T::nan(); d.kv_len()];
+        attention_backward(d, q, k, v, &out, &lse, dout, &mut dq, &mut dk, &mut dv);
+        (out, dq, dk, dv)
+    }
+
+    fn check_finite_differences(d: &AttnDims, seed: u64) {
+        let (q, k, v) = qkv(d, seed);
+        let dout = rand_vec(seed + 7, d.q_len());
+        let (_, dq, dk, dv) = fwd_bwd(d, &q, &k, &v, &dout);
+        let loss = |q: &[f64], k: &[f64], v: &[f64]| {
+            let mut out = vec![0.0; d.q_len()];
+            let mut lse = vec![0.0; d.lse_len()];
+            attention_forward(d, q, k, v, &mut out, &mut lse);
+            dot64(&out, &dout)
+        };
+        let eps = 1e-5;
+        let tag = format!("{d:?}");
+        assert_close(
+            &dq,
+            &numeric_grad(|x| loss(x, &k, &v), &q, eps),
+            1e-7,
+            1e-6,
+            &format!("dq {tag}"),
+        );
+        assert_close(
+            &dk,
+            &numeric_grad(|x| loss(&q, x, &v), &k, eps),
+            1e-7,
+            1e-6,
+            &format!("dk {tag}"),
+        );
+        assert_close(
+            &dv,
+            &numeric_grad(|x| loss(&q, &k, x), &v, eps),
+            1e-7,
+            1e-6,
+            &format!("dv {tag}"),
+        );
+    }
+
+    #[test]
+    fn matches_finite_differences() {
+        let cases = [
+            // (batch, q_heads, kv_heads, seq_q, seq_kv, head_dim, causal)
+            (1, 1, 1, 1, 1, 1, false),
+            (1, 1, 1, 3, 3, 3, true),
+            (1, 2, 1, 3, 17, 3, true),
+            (3, 2, 2, 17, 17, 1, false),
+            (1, 4, 1, 5, 3, 2, true), // queries 0 and 1 see no key
+            (2, 4, 2, 17, 17, 3, true),
+            (1, 2, 1, 3, 129, 2, false),
+            (1, 1, 1, 70, 70, 1, true), // two query and kv blocks
+        ];
+        for (seed, &(b, qh, kvh, sq, skv, hd, causal)) in cases.iter().enumerate() {
+            check_finite_differences(
+                &dims(b, qh, kvh, sq, skv, hd, causal),
+                40 + 10 * seed as u64,
+            );
+        }
+    }
+
+    /// The textbook backward, materialising each head's full probability matrix.
+    fn naive_backward(
+        d: &AttnDims,
+        q: &[f64],
+        k: &[f64],
+        v: &[f64],
+        dout: &[f64],
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let hd = d.head_dim;
+        let (mut dq, mut dk, mut dv) = (
+            vec![0.0; d.q_len()],
+            vec![0.0; d.kv_len()],
+            vec![0.0; d.kv_len()],
+        );
+        for b in 0..d.batch {
+            for h in 0..d.q_heads {
+                let kv = (b * d.kv_heads + h / (d.q_heads / d.kv_heads)) * d.seq_kv;
+                for i in 0..d.seq_q {
+                    let row = (b * d.q_heads + h) * d.seq_q + i;
+                    let n = d.key_end(i);
+                    let qi = &q[row * hd..(row + 1) * hd];
+                    let doi = &dout[row * hd..(row + 1) * hd];
+                    let s: Vec<f64> = (0..n)
+                        .map(|j| d.scale * dot64(qi, &k[(kv + j) * hd..(kv + j + 1) * hd]))
+                        .collect();
+                    let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = s.iter().map(|x| (x - mx).exp()).sum();
+                    let p: Vec<f64> = s.iter().map(|x| (x - mx).exp() / z).collect();
+                    let dp: Vec<f64> = (0..n)
+                        .map(|j| dot64(doi, &v[(kv + j) * hd..(kv + j + 1) * hd]))
+                        .collect();
+                    let pdp: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                    for j in 0..n {
+                        let ds = p[j] * (dp[j] - pdp) * d.scale;
+                        for e in 0..hd {
+                            dv[(kv + j) * hd + e] += p[j] * doi[e];
+                            dk[(kv + j) * hd + e] += ds * qi[e];
+                            dq[row * hd + e] += ds * k[(kv + j) * hd + e];
+                        }
+                    }
+                }
+            }
+        }
+        (dq, dk, dv)
+    }
+
+    #[test]
+    fn matches_naive_backward_on_a_larger_case_in_f64_and_f32() {
+        for d in [
+            dims(2, 4, 2, 150, 150, 16, true),
+            dims(1, 4, 1, 70, 200, 8, true),
+            dims(1, 2, 2, 100, 130, 5, false),
+        ] {
+            let (q, k, v) = qkv(&d, 7);
+            let dout = rand_vec(8, d.q_len());
+            let (wq, wk, wv) = naive_backward(&d, &q, &k, &v, &dout);
+            let (_, dq, dk, dv) = fwd_bwd(&d, &q, &k, &v, &dout);
+            assert_close(&dq, &wq, 1e-11, 1e-9, "dq vs naive");
+            assert_close(&dk, &wk, 1e-11, 1e-9, "dk vs naive");
+            assert_close(&dv, &wv, 1e-11, 1e-9, "dv vs naive");
+            let f = to_f32;
+            let (_, dq, dk, dv) = fwd_bwd(&d, &f(&q), &f(&k), &f(&v), &f(&dout));
+            assert_close(&to_f64(&dq), &wq, 1e-4, 1e-3, "f32 dq vs naive");
+            assert_close(&to_f64(&dk), &wk, 1e-4, 1e-3, "f32 dk vs naive");
+            assert_close(&to_f64(&dv), &wv, 1e-4, 1e-3, "f32 dv vs naive");
+        }
+    }
+
+    #[test]
+    fn huge_scores_give_finite_gradients() {
+        let d = dims(1, 2, 1, 130, 130, 16, true);
+        let (q, k, v) = qkv(&d, 5);
+        let q: Vec<f64> = q.iter().map(|x| x * 100.0).collect();
+        let dout = rand_vec(6, d.q_len());
+        let (wq, wk, wv) = naive_backward(&d, &q, &k, &v, &dout);
+        let (_, dq, dk, dv) = fwd_bwd(&d, &to_f32(&q), &to_f32(&k), &to_f32(&v), &to_f32(&dout));
+        assert!(dq.iter().chain(&dk).chain(&dv).all(|x| x.is_finite()));
+        // Near one-hot softmax: f32 score rounding (~1e-3 absolute at this
+        // magnitude) moves probabilities by ~0.1%.
+        let scale_of = |x: &[f64]| x.iter().fold(0.0f64, |a, b| a.max(b.abs()));
+        assert_close(&to_f64(&dv), &wv, 1e-2 * scale_of(&wv), 1e-2, "huge dv");
+        assert_close(&to_f64(&dk), &wk, 1e-2 * scale_of(&wk), 1e-2, "huge dk");
+        assert_close(&to_f64(&dq), &wq, 1e-2 * scale_of(&wq), 1e-2, "huge dq");
+    }
+
+    #[test]
+    fn bit_identical_across_runs_and_thread_counts() {
+        let d = dims(1, 4, 1, 200, 200, 32, true);
+        assert!(d.work() >= PARALLEL_MIN_WORK);
+        let (q, k, v) = qkv(&d, 3);
+        let dout = to_f32(&rand_vec(4, d.q_len()));
+        let (q, k, v) = (to_f32(&q), to_f32(&k), to_f32(&v));
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| fwd_bwd(&d, &q, &k, &v, &dout))
+        };
+        let bits = |x: &[f32]| x.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
+        let one = run(1);
+        for threads in [2, 3, 1] {
+            let other = run(threads);
+            assert_eq!(
+                bits(&one.1),
+                bits(&other.1),
+                "dq differs with {threads} threads"
+            );
+            assert_eq!(
+                bits(&one.2),
+                bits(&other.2),
+                "dk differs with {threads} threads"
+            );
+            assert_eq!(
+                bits(&one.3),
+                bits(&other.3),
+                "dv differs with {threads} threads"
+            );
+        }
+    }
+}

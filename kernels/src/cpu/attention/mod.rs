@@ -1,0 +1,278 @@
+//! Fused causal self-attention with grouped-query heads, on the CPU.
+//!
+//! `out = softmax(scale · Q·Kᵀ + mask) · V` per (batch, query head), computed
+//! FlashAttention-2 style: queries are cut into blocks of [`BLOCK_Q`] rows and
+//! keys/values are streamed past them in blocks of [`BLOCK_KV`] rows with an
+//! online softmax, so the `seq_q × seq_kv` score matrix never exists. The
+//! forward saves only `out` and the per-query log-sum-exp `lse`; the backward
+//! recomputes the probabilities tile by tile from `q`, `k` and `lse`.
+//!
+//! Memory: besides the caller's buffers, each worker thread holds scratch of
+//! `O(BLOCK_Q·BLOCK_KV + (BLOCK_Q + BLOCK_KV)·head_dim)` elements (a few score
+//! tiles, a transposed key/query block, an output accumulator), independent of
+//! the sequence length. The backward also allocates one `lse`-sized vector
+//! (`rowsum(dout ∘ out)` per query).
+//!
+//! Causal mode skips key blocks that every query of a block is masked from
+//! (about half the tiles when `seq_q == seq_kv`), and only masks element-wise
+//! in the tiles the diagonal crosses.
+
+mod backward;
+mod exp;
+mod forward;
+mod tile;
+
+pub use backward::attention_backward;
+pub use forward::attention_forward;
+
+use crate::Real;
+
+/// Query rows per block (one forward task, one backward `dq` task).
+pub const BLOCK_Q: usize = 64;
+/// Key/value rows per block (one backward `dk`/`dv` task).
+pub const BLOCK_KV: usize = 64;
+
+/// Below this many multiply-adds of `Q·Kᵀ` a call runs on the calling thread:
+/// spreading a few microseconds of work over a pool costs more than it saves.
+const PARALLEL_MIN_WORK: usize = 1 << 18;
+
+/// Sizes of one attention call. Layouts (contiguous, row-major):
+///   q, out, dq: `[batch, q_heads, seq_q, head_dim]`
+///   k, v, dk, dv: `[batch, kv_heads, seq_kv, head_dim]`
+///   lse: `[batch, q_heads, seq_q]` (log-sum-exp of each query's scaled
+///   scores, saved by forward; `-inf` for a query that sees no key)
+///
+/// `q_heads` must be a multiple of `kv_heads` (grouped-query attention: query
+/// head `h` reads kv head `h / (q_heads / kv_heads)`). With `causal`, query `i`
+/// attends keys `j <= i + (seq_kv - seq_q)` (queries are the last `seq_q`
+/// positions, which is what a KV cache needs; `seq_q == seq_kv` is ordinary
+/// causal training). `scale` multiplies `q·k` (usually `1/sqrt(head_dim)`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnDims {
+    /// Independent sequences.
+    pub batch: usize,
+    /// Query heads (and output heads).
+    pub q_heads: usize,
+    /// Key/value heads; divides `q_heads`.
+    pub kv_heads: usize,
+    /// Query positions per sequence.
+    pub seq_q: usize,
+    /// Key/value positions per sequence.
+    pub seq_kv: usize,
+    /// Features per head.
+    pub head_dim: usize,
+    /// Whether query `i` is masked from keys after position `i + seq_kv - seq_q`.
+    pub causal: bool,
+    /// Multiplier of the raw scores `q·k`.
+    pub scale: f64,
+}
+
+impl AttnDims {
+    /// Elements of `q`, `out` and `dq`.
+    pub fn q_len(&self) -> usize {
+        self.batch * self.q_heads * self.seq_q * self.head_dim
+    }
+
+    /// Elements of `k`, `v`, `dk` and `dv`.
+    pub fn kv_len(&self) -> usize {
+        self.batch * self.kv_heads * self.seq_kv * self.head_dim
+    }
+
+    /// Elements of `lse`.
+    pub fn lse_len(&self) -> usize {
+        self.batch * self.q_heads * self.seq_q
+    }
+
+    /// Query heads sharing one kv head.
+    fn group(&self) -> usize {
+        self.q_heads / self.kv_heads
+    }
+
+    /// Number of keys query `i` attends: keys `0..key_end(i)`.
+    fn key_end(&self, i: usize) -> usize {
+        if !self.causal {
+            return self.seq_kv;
+        }
+        // j <= i + seq_kv - seq_q  <=>  j < i + 1 + seq_kv - seq_q
+        (i + 1 + self.seq_kv)
+            .saturating_sub(self.seq_q)
+            .min(self.seq_kv)
+    }
+
+    /// First query that attends key `j` (`seq_q` if none does).
+    fn first_query(&self, j: usize) -> usize {
+        if !self.causal {
+            return 0;
+        }
+        (j + self.seq_q).saturating_sub(self.seq_kv).min(self.seq_q)
+    }
+
+    /// Multiply-adds of one `Q·Kᵀ` over all heads, ignoring the mask: the size
+    /// measure that decides whether to go parallel.
+    fn work(&self) -> usize {
+        self.batch
+            .saturating_mul(self.q_heads)
+            .saturating_mul(self.seq_q)
+            .saturating_mul(self.seq_kv)
+            .saturating_mul(self.head_dim)
+    }
+
+    #[track_caller]
+    fn check(&self) {
+        assert!(self.kv_heads > 0, "attention: kv_heads must be positive");
+        assert!(
+            self.q_heads.is_multiple_of(self.kv_heads),
+            "attention: q_heads {} is not a multiple of kv_heads {}",
+            self.q_heads,
+            self.kv_heads
+        );
+        assert!(self.head_dim > 0, "attention: head_dim must be positive");
+        assert!(self.scale.is_finite(), "attention: scale must be finite");
+    }
+}
+
+/// The naive reference of [`attention_forward`]: materialises each query's
+/// full row of scores, then softmax and the weighted sum of values. Same
+/// layouts and masking as [`AttnDims`] describes; a query that sees no key gets
+/// a zero output. For tests, and as the plain statement of what the fused
+/// kernels compute.
+pub fn attention_reference_forward<T: Real>(
+    d: &AttnDims,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &mut [T],
+) {
+    d.check();
+    assert_eq!(q.len(), d.q_len(), "attention: q length");
+    assert_eq!(k.len(), d.kv_len(), "attention: k length");
+    assert_eq!(v.len(), d.kv_len(), "attention: v length");
+    assert_eq!(out.len(), d.q_len(), "attention: out length");
+    let hd = d.head_dim;
+    let scale = T::lit(d.scale);
+    let mut scores = vec![T::zero(); d.seq_kv];
+    for b in 0..d.batch {
+        for h in 0..d.q_heads {
+            let kv_base = (b * d.kv_heads + h / d.group()) * d.seq_kv * hd;
+            for i in 0..d.seq_q {
+                let row = ((b * d.q_heads + h) * d.seq_q + i) * hd;
+                let qi = &q[row..row + hd];
+                let o = &mut out[row..row + hd];
+                o.fill(T::zero());
+                let n = d.key_end(i);
+                if n == 0 {
+                    continue;
+                }
+                let mut mx = T::neg_infinity();
+                for (j, s) in scores[..n].iter_mut().enumerate() {
+                    let kj = &k[kv_base + j * hd..kv_base + (j + 1) * hd];
+                    *s = scale * qi.iter().zip(kj).map(|(&a, &b)| a * b).sum::<T>();
+                    mx = mx.max(*s);
+                }
+                let mut sum = T::zero();
+                for s in &mut scores[..n] {
+                    *s = (*s - mx).exp();
+                    sum += *s;
+                }
+                for (j, &p) in scores[..n].iter().enumerate() {
+                    let vj = &v[kv_base + j * hd..kv_base + (j + 1) * hd];
+                    for (oe, &ve) in o.iter_mut().zip(vj) {
+                        *oe += p / sum * ve;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Shared inputs of the forward and backward tests.
+#[cfg(test)]
+pub(super) mod test_inputs {
+    use super::AttnDims;
+    use crate::testing::rand_vec;
+
+    pub fn dims(
+        batch: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        seq_q: usize,
+        seq_kv: usize,
+        head_dim: usize,
+        causal: bool,
+    ) -> AttnDims {
+        AttnDims {
+            batch,
+            q_heads,
+            kv_heads,
+            seq_q,
+            seq_kv,
+            head_dim,
+            causal,
+            scale: 1.0 / (head_dim as f64).sqrt(),
+        }
+    }
+
+    /// Random `(q, k, v)` in `[-2, 2)` so that softmax rows are far from uniform.
+    pub fn qkv(d: &AttnDims, seed: u64) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let s = |x: Vec<f64>| x.into_iter().map(|e| 2.0 * e).collect::<Vec<_>>();
+        (
+            s(rand_vec(seed, d.q_len())),
+            s(rand_vec(seed + 1, d.kv_len())),
+            rand_vec(seed + 2, d.kv_len()),
+        )
+    }
+
+    pub fn to_f32(x: &[f64]) -> Vec<f32> {
+        x.iter().map(|&e| e as f32).collect()
+    }
+
+    pub fn to_f64(x: &[f32]) -> Vec<f64> {
+        x.iter().map(|&e| e as f64).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_inputs::dims;
+
+    #[test]
+    fn key_ranges_follow_the_kv_cache_convention() {
+        let d = dims(1, 1, 1, 3, 5, 4, true);
+        // Queries are the last three of five positions.
+        assert_eq!(
+            (0..3).map(|i| d.key_end(i)).collect::<Vec<_>>(),
+            vec![3, 4, 5]
+        );
+        assert_eq!(
+            (0..5).map(|j| d.first_query(j)).collect::<Vec<_>>(),
+            vec![0, 0, 0, 1, 2]
+        );
+        // More queries than keys: the first ones see nothing.
+        let d = dims(1, 1, 1, 5, 2, 4, true);
+        assert_eq!(
+            (0..5).map(|i| d.key_end(i)).collect::<Vec<_>>(),
+            vec![0, 0, 0, 1, 2]
+        );
+        assert_eq!(
+            (0..2).map(|j| d.first_query(j)).collect::<Vec<_>>(),
+            vec![3, 4]
+        );
+        let d = dims(1, 1, 1, 5, 2, 4, false);
+        assert_eq!(d.key_end(0), 2);
+        assert_eq!(d.first_query(1), 0);
+    }
+
+    #[test]
+    #[should_panic(expected = "multiple of kv_heads")]
+    fn rejects_heads_that_do_not_group() {
+        let d = dims(1, 3, 2, 4, 4, 4, false);
+        let z = vec![0f32; 64];
+        super::attention_reference_forward(
+            &d,
+            &z[..d.q_len()],
+            &z[..d.kv_len()],
+            &z[..d.kv_len()],
+            &mut vec![0f32; d.q_len()],
+        );
+    }
+}
