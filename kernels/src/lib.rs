@@ -5,7 +5,7 @@
 //! results into caller-provided output slices, and is generic over [`Real`]
 //! (`f32` for training, `f64` so gradient checks can run the very same code in
 //! double precision). Half-precision data is converted to `f32` by the caller
-//! (see [`cast`]); kernels never see `bf16`/`f16` arithmetic.
+//! (see [`cpu::cast`]); kernels never see `bf16`/`f16` arithmetic.
 //!
 //! Conventions shared by every kernel:
 //! - buffers are contiguous and row-major; a "row" is the last dimension;

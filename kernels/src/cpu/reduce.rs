@@ -2,7 +2,7 @@
 //!
 //! Sums are defined by a fixed decomposition, not by how the work happens to
 //! be scheduled: the buffer (or row) is cut into chunks of [`CHUNK`] elements,
-//! each chunk is summed in `f64` over [`LANES`] interleaved accumulators that
+//! each chunk is summed in `f64` over `LANES` interleaved accumulators that
 //! are combined in a fixed tree, and the chunk sums are added in index order.
 //! Sequential and parallel code paths evaluate exactly that expression, so
 //! results are bit-identical whatever the number of threads. Accumulating in

@@ -3,7 +3,7 @@
 //! Both subtract the row maximum before exponentiating, so inputs of any
 //! magnitude give finite results (the largest exponent is exactly zero). A
 //! row is processed by one task; rows are grouped into tasks of roughly
-//! [`PAR_CHUNK`] elements, so results never depend on the thread count.
+//! `PAR_CHUNK` elements, so results never depend on the thread count.
 
 use super::elementwise::PAR_CHUNK;
 use crate::Real;

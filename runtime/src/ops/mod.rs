@@ -140,5 +140,5 @@ pub(crate) fn check_same_shape(op: &'static str, what: &str, a: &Tensor, b: &Ten
 /// The number of rows of a tensor seen as `[rows, last_dim]`.
 pub(crate) fn rows(t: &Tensor) -> usize {
     let last = t.dims().last().copied().unwrap_or(1);
-    if last == 0 { 0 } else { t.elem_count() / last }
+    t.elem_count().checked_div(last).unwrap_or(0)
 }

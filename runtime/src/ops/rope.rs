@@ -21,7 +21,7 @@ pub struct Rope {
 impl Rope {
     /// Angles `pos * theta^(-2i/head_dim)`; `theta` is 10000 in most models.
     pub fn new(head_dim: usize, max_position: usize, theta: f64) -> Result<Rope> {
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(Error::invalid("rope", format!("head_dim must be even and positive, got {head_dim}")));
         }
         if !(theta.is_finite() && theta > 1.0) {

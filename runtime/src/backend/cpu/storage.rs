@@ -87,7 +87,7 @@ impl CpuStorage {
         if T::DTYPE != self.dtype() {
             return None;
         }
-        with_buffer!(self, b => bytemuck::try_cast_slice::<_, T>(&**b).ok())
+        with_buffer!(self, b => bytemuck::try_cast_slice::<_, T>(b).ok())
     }
 
     /// The elements as `&mut [T]`, if `T` is this storage's element type.
@@ -95,6 +95,6 @@ impl CpuStorage {
         if T::DTYPE != self.dtype() {
             return None;
         }
-        with_buffer!(self, b => bytemuck::try_cast_slice_mut::<_, T>(&mut **b).ok())
+        with_buffer!(self, b => bytemuck::try_cast_slice_mut::<_, T>(b).ok())
     }
 }
