@@ -2,9 +2,10 @@
 //! micro-kernel, used when the CPU has AVX-512F (checked at run time).
 //!
 //! Blocking (Goto/BLIS scheme, with vectors running along the rows of `C`):
-//! the depth is cut into blocks of at most [`KC_MAX`]; for each depth block
-//! the `KC×n` slice of `op(B)` is packed once into strips of [`NR`] columns
-//! (shared by all threads, lives in L2/L3), each task packs `MC×KC` blocks of
+//! the columns are cut into blocks of at most [`NC`] and the depth into blocks
+//! of at most [`KC_MAX`]; for each pair the `KC×NC` slab of `op(B)` is packed
+//! once into strips of [`NR`] columns (shared by all threads, lives in L2/L3),
+//! each task packs `MC×KC` blocks of
 //! `op(A)` into micro-panels of [`MR`] rows (private, lives in L2), and the
 //! micro-kernel keeps an `MR×NR` tile of `C` in 24 zmm registers while it
 //! streams both panels. Each step of the depth loop issues 24 FMAs against
@@ -34,6 +35,9 @@ const MC: usize = 96;
 /// Depth steps before the end of the micro-kernel at which the `C` tile is
 /// prefetched (each step is about 24 cycles).
 const PREFETCH_STEPS: usize = 24;
+/// Columns of `C` per column block: the packed `KC×NC` slab of `B` is at
+/// most 16 MiB.
+const NC: usize = 4096;
 /// Floats of slack in each packing buffer so its start can be 64-byte aligned.
 const ALIGN_SLACK: usize = 16;
 
@@ -112,6 +116,30 @@ pub(super) unsafe fn gemm_f32(
     threads: usize,
 ) {
     debug_assert!(m > 0 && n > 0 && k > 0);
+    // Column blocks bound the packed `B` slab (and the buffer kept for the
+    // next call) to NC·KC floats, however wide the output (e.g. a vocabulary).
+    for j0 in (0..n).step_by(NC) {
+        let bj = View { ptr: b.ptr.wrapping_add(j0 * b.cs), ..b };
+        column_block(m, NC.min(n - j0), n, k, a, bj, c.add(j0), accumulate, threads);
+    }
+}
+
+/// [`gemm_f32`] on the `nb` columns of `C` (row stride `ldc`) that start at `c`.
+///
+/// # Safety
+/// As for [`gemm_f32`], with `b` viewing the first of the `nb` columns.
+#[allow(clippy::too_many_arguments)]
+unsafe fn column_block(
+    m: usize,
+    n: usize,
+    ldc: usize,
+    k: usize,
+    a: View,
+    b: View,
+    c: *mut f32,
+    accumulate: bool,
+    threads: usize,
+) {
     // Equal depth blocks, a function of `k` alone (never of the thread count).
     let kc_nom = k.div_ceil(k.div_ceil(KC_MAX));
     let strips = n.div_ceil(NR);
@@ -147,7 +175,7 @@ pub(super) unsafe fn gemm_f32(
         let run = |(r, cl): &(Range<usize>, Range<usize>)| {
             // SAFETY: the tasks' (rows, cols) rectangles partition `C`; the
             // caller guarantees the CPU features and operand bounds.
-            unsafe { block(m, n, r.clone(), cl.clone(), a, p0, kc, packed_b, out, overwrite) }
+            unsafe { block(n, ldc, r.clone(), cl.clone(), a, p0, kc, packed_b, out, overwrite) }
         };
         if tasks.len() > 1 {
             tasks.par_iter().for_each(run);
@@ -214,15 +242,16 @@ unsafe fn pack_a(a: View, i0: usize, mv: usize, p0: usize, kc: usize, dst: &mut 
     }
 }
 
-/// One task: rows `rows` × columns `cols` of `C` for depth block `p0..p0+kc`.
+/// One task: rows `rows` × columns `cols` of `C` (`n` columns in all, row
+/// stride `ldc`) for depth block `p0..p0+kc`.
 ///
 /// # Safety
 /// As for [`gemm_f32`]; no other task may touch this rectangle of `C`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
 unsafe fn block(
-    m: usize,
     n: usize,
+    ldc: usize,
     rows: Range<usize>,
     cols: Range<usize>,
     a: View,
@@ -244,9 +273,9 @@ unsafe fn block(
             for ir in (0..mv).step_by(MR) {
                 let rv = MR.min(mv - ir);
                 let ap = packed_a.as_ptr().add(ir * kc);
-                let cp = out.0.add((ic + ir) * n + jr);
+                let cp = out.0.add((ic + ir) * ldc + jr);
                 if rv == MR && nv == NR {
-                    kernel(kc, ap, bp, cp, n, overwrite);
+                    kernel(kc, ap, bp, cp, ldc, overwrite);
                 } else {
                     // Edge tile: same arithmetic into a scratch tile, then
                     // only the valid part is written.
@@ -254,7 +283,7 @@ unsafe fn block(
                     kernel(kc, ap, bp, tile.as_mut_ptr(), NR, true);
                     for i in 0..rv {
                         for j in 0..nv {
-                            let dst = cp.add(i * n + j);
+                            let dst = cp.add(i * ldc + j);
                             let v = tile[i * NR + j];
                             *dst = if overwrite { v } else { *dst + v };
                         }
@@ -264,7 +293,6 @@ unsafe fn block(
         }
         ic += mv;
     }
-    debug_assert!(rows.end <= m);
     PACK_A.with(|s| s.set(abuf));
 }
 
@@ -358,8 +386,16 @@ mod tests {
             return;
         }
         // Edge tiles in m and n, several depth blocks (k > KC_MAX), several
-        // row blocks (m > MC), splits along m and along n.
-        let shapes = [(1, 1, 1), (13, 1100, 40), (200, 30, 70), (20, 50, 300), (97, 17, 65), (3, 129, 129)];
+        // row blocks (m > MC), splits along m and along n, two column blocks.
+        let shapes = [
+            (1, 1, 1),
+            (13, 1100, 40),
+            (200, 30, 70),
+            (20, 50, 300),
+            (97, 17, 65),
+            (3, 129, 129),
+            (5, 20, NC + 33),
+        ];
         for &(m, k, n) in &shapes {
             for ta in [false, true] {
                 for tb in [false, true] {
