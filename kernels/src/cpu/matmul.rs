@@ -1,1 +1,0 @@
-//! (kernel family under construction)

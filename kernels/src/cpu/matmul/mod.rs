@@ -1,0 +1,456 @@
+//! Batched matrix products `C[b] (+)= op(A[b]) · op(B[b])` on row-major buffers.
+//!
+//! Large f32 products on CPUs with AVX-512F run a packed, cache-blocked
+//! kernel of our own (`avx512.rs`, detected at run time, so the binary still
+//! runs on any x86-64); everything else goes to the `gemm` crate, which is
+//! as fast on small products and is the portable path. Small products never
+//! touch the thread pool; batches of them run one product per task.
+
+use crate::Real;
+use gemm::Parallelism;
+use rayon::prelude::*;
+#[cfg(target_arch = "x86_64")]
+use std::any::TypeId;
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+/// Shape and operand layout of a (batched) matrix product
+/// `C[b] (+)= op(A[b]) · op(B[b])` for `b` in `0..batch`.
+///
+/// `op(A[b])` is `m×k` and `op(B[b])` is `k×n`; `C` is always `batch×m×n`
+/// contiguous. The transposes only change how the operands are read, so the
+/// backward products `dA = dC·Bᵀ` and `dB = Aᵀ·dC` need no copies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gemm {
+    /// Number of independent products.
+    pub batch: usize,
+    /// Rows of `op(A)` and of `C`.
+    pub m: usize,
+    /// Inner (contracted) dimension.
+    pub k: usize,
+    /// Columns of `op(B)` and of `C`.
+    pub n: usize,
+    /// `A[b]` is stored `k×m` row-major (so `op(A) = Aᵀ`) instead of `m×k`.
+    pub trans_a: bool,
+    /// `B[b]` is stored `n×k` row-major (so `op(B) = Bᵀ`) instead of `k×n`.
+    pub trans_b: bool,
+    /// Elements between `A[b]` and `A[b+1]`; 0 broadcasts one `A` to every batch.
+    pub batch_stride_a: usize,
+    /// Elements between `B[b]` and `B[b+1]`; 0 broadcasts one `B` to every batch.
+    pub batch_stride_b: usize,
+    /// `C += product` instead of `C = product`.
+    pub accumulate: bool,
+}
+
+impl Gemm {
+    /// Plain `C = A·B`: contiguous batches (strides `m*k` and `k*n`), no
+    /// transposes, no accumulation.
+    pub fn new(batch: usize, m: usize, k: usize, n: usize) -> Self {
+        Gemm {
+            batch,
+            m,
+            k,
+            n,
+            trans_a: false,
+            trans_b: false,
+            batch_stride_a: m * k,
+            batch_stride_b: k * n,
+            accumulate: false,
+        }
+    }
+
+    /// Floating-point operations of the whole product: `2·batch·m·n·k`.
+    pub fn flops(&self) -> f64 {
+        2.0 * self.batch as f64 * self.m as f64 * self.n as f64 * self.k as f64
+    }
+
+    /// Sets whether `A[b]` is stored transposed (`k×m`).
+    pub fn trans_a(mut self, t: bool) -> Self {
+        self.trans_a = t;
+        self
+    }
+
+    /// Sets whether `B[b]` is stored transposed (`n×k`).
+    pub fn trans_b(mut self, t: bool) -> Self {
+        self.trans_b = t;
+        self
+    }
+
+    /// Sets the element distance between consecutive `A[b]` (0 broadcasts).
+    pub fn batch_stride_a(mut self, s: usize) -> Self {
+        self.batch_stride_a = s;
+        self
+    }
+
+    /// Sets the element distance between consecutive `B[b]` (0 broadcasts).
+    pub fn batch_stride_b(mut self, s: usize) -> Self {
+        self.batch_stride_b = s;
+        self
+    }
+
+    /// Sets whether the product is added to `C` instead of overwriting it.
+    pub fn accumulate(mut self, acc: bool) -> Self {
+        self.accumulate = acc;
+        self
+    }
+
+    /// Minimum length of the `A` buffer this product reads.
+    pub fn len_a(&self) -> usize {
+        operand_len(self.batch, self.batch_stride_a, self.m * self.k)
+    }
+
+    /// Minimum length of the `B` buffer this product reads.
+    pub fn len_b(&self) -> usize {
+        operand_len(self.batch, self.batch_stride_b, self.k * self.n)
+    }
+
+    /// Length of the `C` buffer: `batch·m·n`.
+    pub fn len_c(&self) -> usize {
+        self.batch * self.m * self.n
+    }
+}
+
+fn operand_len(batch: usize, stride: usize, one: usize) -> usize {
+    if batch == 0 || one == 0 {
+        0
+    } else {
+        (batch - 1) * stride + one
+    }
+}
+
+/// From this many multiply-adds on, one product is split over the rayon
+/// pool (about 40 µs of single-core work): below it, waking the pool costs
+/// more than it saves. Smaller products in a batch run one per task instead.
+const PAR_MIN_MACS: usize = 1 << 22;
+
+/// From this many multiply-adds on (with both `m` and `n` at least
+/// [`BLOCKED_MIN_DIM`]), f32 products use the packed AVX-512 kernel: below
+/// it `gemm`'s small-matrix paths are as fast or faster, above it `gemm`
+/// falls behind (see docs/performance.md).
+const BLOCKED_MIN_MACS: usize = 256 * 256 * 256;
+/// Thinner products leave the 12×32 micro-tiles mostly empty.
+const BLOCKED_MIN_DIM: usize = 64;
+
+/// Computes `C[b] (+)= op(A[b]) · op(B[b])` for every batch `b` (see [`Gemm`]).
+///
+/// `a` holds `A[b]` at offset `b·batch_stride_a`, each `m×k` row-major (or
+/// `k×m` when `trans_a`); `b` likewise with `k×n` (or `n×k` when `trans_b`);
+/// `c` is `batch×m×n` contiguous. With `k == 0` the product is zero (so `C` is
+/// zeroed, or left untouched when accumulating). Results do not depend on the
+/// number of threads: every element's sum over `k` runs in a fixed order.
+pub fn matmul<T: Real>(g: &Gemm, a: &[T], b: &[T], c: &mut [T]) {
+    assert!(a.len() >= g.len_a(), "matmul: A has {} elements, needs {}", a.len(), g.len_a());
+    assert!(b.len() >= g.len_b(), "matmul: B has {} elements, needs {}", b.len(), g.len_b());
+    assert_eq!(c.len(), g.len_c(), "matmul: C must have batch*m*n elements");
+    let (m, k, n) = (g.m, g.k, g.n);
+    if g.batch == 0 || m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !g.accumulate {
+            c.fill(T::zero());
+        }
+        return;
+    }
+    let one = |bi: usize, c_b: &mut [T], par: Parallelism| {
+        let a_b = &a[bi * g.batch_stride_a..][..m * k];
+        let b_b = &b[bi * g.batch_stride_b..][..k * n];
+        single(g, a_b, b_b, c_b, par);
+    };
+    let macs = m * n * k;
+    if macs >= PAR_MIN_MACS {
+        // Large products: parallelise inside each product.
+        let par = Parallelism::Rayon(rayon::current_num_threads());
+        for (bi, c_b) in c.chunks_mut(m * n).enumerate() {
+            one(bi, c_b, par);
+        }
+    } else if macs.saturating_mul(g.batch) >= PAR_MIN_MACS {
+        // Many small products: one product per task, each sequential.
+        c.par_chunks_mut(m * n)
+            .enumerate()
+            .for_each(|(bi, c_b)| one(bi, c_b, Parallelism::None));
+    } else {
+        for (bi, c_b) in c.chunks_mut(m * n).enumerate() {
+            one(bi, c_b, Parallelism::None);
+        }
+    }
+}
+
+/// One product on already-sliced operands.
+fn single<T: Real>(g: &Gemm, a: &[T], b: &[T], c: &mut [T], par: Parallelism) {
+    let (m, k, n) = (g.m, g.k, g.n);
+    let (a_rs, a_cs) = if g.trans_a { (1, m) } else { (k, 1) };
+    let (b_rs, b_cs) = if g.trans_b { (1, k) } else { (n, 1) };
+    #[cfg(target_arch = "x86_64")]
+    if TypeId::of::<T>() == TypeId::of::<f32>()
+        && m * n * k >= BLOCKED_MIN_MACS
+        && m.min(n) >= BLOCKED_MIN_DIM
+        && avx512::available()
+    {
+        let threads = match par {
+            Parallelism::None => 1,
+            _ => rayon::current_num_threads(),
+        };
+        // SAFETY: T is f32 (checked above), so the pointer casts only rename
+        // the type; the slices cover every element the strides address (the
+        // caller sliced them to m*k, k*n and m*n); `c` is a distinct `&mut`.
+        unsafe {
+            let av = avx512::View { ptr: a.as_ptr() as *const f32, rs: a_rs, cs: a_cs };
+            let bv = avx512::View { ptr: b.as_ptr() as *const f32, rs: b_rs, cs: b_cs };
+            avx512::gemm_f32(m, n, k, av, bv, c.as_mut_ptr() as *mut f32, g.accumulate, threads);
+        }
+        return;
+    }
+    gemm_call(m, k, n, a, a_rs, a_cs, b, b_rs, b_cs, c, g.accumulate, par);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_call<U: Real>(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[U],
+    a_rs: usize,
+    a_cs: usize,
+    b: &[U],
+    b_rs: usize,
+    b_cs: usize,
+    c: &mut [U],
+    accumulate: bool,
+    par: Parallelism,
+) {
+    // SAFETY: the slices cover every element addressed by the given sizes and
+    // strides (checked by the caller), and `c` does not alias `a` or `b`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.as_ptr(),
+            a_cs as isize,
+            a_rs as isize,
+            b.as_ptr(),
+            b_cs as isize,
+            b_rs as isize,
+            U::one(),
+            U::one(),
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{assert_close, dot, numeric_grad, rand_vec};
+
+    /// Straightforward triple loop in f64: the reference every path is held to.
+    fn naive(g: &Gemm, a: &[f64], b: &[f64], c0: &[f64]) -> Vec<f64> {
+        let (m, k, n) = (g.m, g.k, g.n);
+        let mut c = c0.to_vec();
+        for bi in 0..g.batch {
+            let a_b = &a[bi * g.batch_stride_a..];
+            let b_b = &b[bi * g.batch_stride_b..];
+            for i in 0..m {
+                for j in 0..n {
+                    let mut s = 0.0;
+                    for p in 0..k {
+                        let x = if g.trans_a { a_b[p * m + i] } else { a_b[i * k + p] };
+                        let y = if g.trans_b { b_b[j * k + p] } else { b_b[p * n + j] };
+                        s += x * y;
+                    }
+                    let dst = &mut c[(bi * m + i) * n + j];
+                    *dst = if g.accumulate { *dst + s } else { s };
+                }
+            }
+        }
+        c
+    }
+
+    fn to32(x: &[f64]) -> Vec<f32> {
+        x.iter().map(|&v| v as f32).collect()
+    }
+
+    fn to64(x: &[f32]) -> Vec<f64> {
+        x.iter().map(|&v| v as f64).collect()
+    }
+
+    /// Runs `g` in f64 and f32 on random inputs and compares both with [`naive`].
+    fn check(g: Gemm, seed: u64) {
+        let a = rand_vec(seed, g.len_a());
+        let b = rand_vec(seed + 1, g.len_b());
+        let c0 = rand_vec(seed + 2, g.len_c());
+        let expected = naive(&g, &a, &b, &c0);
+        let what = format!("{g:?}");
+
+        let mut c = c0.clone();
+        matmul(&g, &a, &b, &mut c);
+        assert_close(&c, &expected, 1e-12, 1e-12, &format!("f64 {what}"));
+
+        let mut c32 = to32(&c0);
+        matmul(&g, &to32(&a), &to32(&b), &mut c32);
+        // f32 rounding grows with the depth of each dot product.
+        let atol = 2e-6 * (g.k as f64 + 4.0);
+        assert_close(&to64(&c32), &expected, atol, 1e-5, &format!("f32 {what}"));
+    }
+
+    #[test]
+    fn every_layout_matches_naive() {
+        // (batch, m, k, n): odd sizes, non-square shapes, shapes that reach
+        // the packed f32 kernel with edge tiles, several depth blocks, several
+        // row blocks, and a split along n rather than m.
+        let shapes = [
+            (1, 1, 1, 1),
+            (2, 3, 17, 1),
+            (3, 1, 129, 3),
+            (2, 17, 3, 129),
+            (1, 129, 17, 3),
+            (2, 17, 129, 17),
+            (1, 129, 129, 129),
+            (1, 200, 300, 70),
+            (1, 13, 290, 300),
+        ];
+        let mut seed = 10;
+        for &(batch, m, k, n) in &shapes {
+            for ta in [false, true] {
+                for tb in [false, true] {
+                    for acc in [false, true] {
+                        for (bcast_a, bcast_b) in [(false, false), (true, false), (false, true)] {
+                            let mut g = Gemm::new(batch, m, k, n).trans_a(ta).trans_b(tb).accumulate(acc);
+                            if bcast_a {
+                                g = g.batch_stride_a(0);
+                            }
+                            if bcast_b {
+                                g = g.batch_stride_b(0);
+                            }
+                            check(g, seed);
+                            seed += 3;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn many_small_products_match_naive() {
+        // Enough work to run the batch in parallel, each product sequential.
+        check(Gemm::new(64, 16, 24, 20), 1);
+        check(Gemm::new(64, 16, 24, 20).trans_b(true).batch_stride_b(0).accumulate(true), 2);
+        // Large products in a batch, each parallel inside.
+        check(Gemm::new(3, 100, 130, 140).trans_a(true), 3);
+    }
+
+    #[test]
+    fn empty_dimensions() {
+        // k == 0: the product is zero.
+        let g = Gemm::new(2, 3, 0, 4);
+        let mut c = vec![7.0f32; g.len_c()];
+        matmul(&g, &[], &[], &mut c);
+        assert!(c.iter().all(|&v| v == 0.0));
+        let mut c = vec![7.0f32; g.len_c()];
+        matmul(&g.accumulate(true), &[], &[], &mut c);
+        assert!(c.iter().all(|&v| v == 7.0));
+        // m == 0 or n == 0: nothing to do, and zero-length buffers are fine.
+        let mut c: Vec<f64> = vec![];
+        matmul(&Gemm::new(2, 0, 5, 4), &[], &rand_vec(1, 40), &mut c);
+        matmul(&Gemm::new(2, 3, 5, 0), &rand_vec(1, 30), &[], &mut c);
+        matmul(&Gemm::new(0, 3, 5, 4), &[], &[], &mut c);
+    }
+
+    #[test]
+    #[should_panic(expected = "C must have")]
+    fn wrong_output_size_panics() {
+        let mut c = vec![0.0f64; 5];
+        matmul(&Gemm::new(1, 2, 2, 2), &[0.0; 4], &[0.0; 4], &mut c);
+    }
+
+    #[test]
+    fn f32_tracks_f64_on_a_large_product() {
+        // Big enough for the packed kernel where the CPU has it, with two
+        // depth blocks and edge tiles in both directions.
+        let g = Gemm::new(1, 260, 1100, 70);
+        let a = rand_vec(5, g.len_a());
+        let b = rand_vec(6, g.len_b());
+        let mut c64 = vec![0.0; g.len_c()];
+        matmul(&g, &a, &b, &mut c64);
+        let mut c32 = vec![0.0f32; g.len_c()];
+        matmul(&g, &to32(&a), &to32(&b), &mut c32);
+        assert_close(&to64(&c32), &c64, 1e-4, 1e-5, "f32 vs f64");
+    }
+
+    /// `C = A·B` with one weight matrix `B` broadcast over the batch (a linear
+    /// layer), and the two backward products written with this API.
+    #[test]
+    fn backward_identities_match_finite_differences() {
+        for &(batch, m, k, n) in &[(1, 3, 17, 1), (2, 17, 3, 129), (3, 5, 7, 4), (1, 129, 3, 17)] {
+            let fwd = Gemm::new(batch, m, k, n).batch_stride_b(0);
+            let a = rand_vec(1, fwd.len_a());
+            let b = rand_vec(2, fwd.len_b());
+            let dc = rand_vec(3, fwd.len_c());
+            let loss_a = |a: &[f64]| {
+                let mut c = vec![0.0; fwd.len_c()];
+                matmul(&fwd, a, &b, &mut c);
+                dot(&c, &dc)
+            };
+            let loss_b = |b: &[f64]| {
+                let mut c = vec![0.0; fwd.len_c()];
+                matmul(&fwd, &a, b, &mut c);
+                dot(&c, &dc)
+            };
+            // dA[b] = dC[b]·Bᵀ: B is stored k×n, i.e. "n'×k'" for m'=m, k'=n, n'=k.
+            let ga = Gemm::new(batch, m, n, k).trans_b(true).batch_stride_b(0);
+            let mut da = vec![0.0; fwd.len_a()];
+            matmul(&ga, &dc, &b, &mut da);
+            assert_close(&da, &numeric_grad(loss_a, &a, 1e-6), 1e-7, 1e-6, "dA");
+            // dB = Σ_b A[b]ᵀ·dC[b] = A_allᵀ·dC_all over the batch·m stacked rows.
+            let gb = Gemm::new(1, k, batch * m, n).trans_a(true);
+            let mut db = vec![0.0; fwd.len_b()];
+            matmul(&gb, &a, &dc, &mut db);
+            assert_close(&db, &numeric_grad(loss_b, &b, 1e-6), 1e-7, 1e-6, "dB");
+            // The same dB as per-batch accumulation, as a runtime may do it.
+            let gb1 = Gemm::new(1, k, m, n).trans_a(true).accumulate(true);
+            let mut db2 = vec![0.0; fwd.len_b()];
+            for bi in 0..batch {
+                matmul(&gb1, &a[bi * m * k..], &dc[bi * m * n..(bi + 1) * m * n], &mut db2);
+            }
+            assert_close(&db2, &db, 1e-12, 1e-12, "dB accumulated");
+        }
+    }
+
+    #[test]
+    fn results_identical_run_to_run_and_across_thread_counts() {
+        let shapes = [
+            Gemm::new(1, 160, 300, 170),
+            Gemm::new(1, 20, 520, 400).trans_b(true),
+            Gemm::new(2, 130, 90, 70).trans_a(true),
+            Gemm::new(1, 250, 270, 260).trans_a(true),
+        ];
+        for g in shapes {
+            let a = to32(&rand_vec(7, g.len_a()));
+            let b = to32(&rand_vec(8, g.len_b()));
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let mut c = vec![0.0f32; g.len_c()];
+                pool.install(|| matmul(&g, &a, &b, &mut c));
+                c
+            };
+            let first = run(1);
+            for threads in [1, 2, 3, 4] {
+                let c = run(threads);
+                assert!(
+                    first.iter().zip(&c).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{g:?}: {threads} threads differ from 1 thread"
+                );
+            }
+        }
+    }
+}
