@@ -1,0 +1,5 @@
+//! Distribution across ranks: communicators over the groups of a mesh.
+
+mod comm;
+
+pub use comm::{Communicator, SingleRank};

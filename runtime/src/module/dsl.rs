@@ -1,0 +1,116 @@
+//! The differentiable functions a `#[forward]` body may call, on typed
+//! activations, each with the backward the generated code pairs it with.
+//!
+//! | function | forward | backward |
+//! |---|---|---|
+//! | `x + y`, `x * y` | layouts must be equal | gradient to both (times the other for `*`) |
+//! | `gelu`, `silu` | any layout, elementwise | elementwise |
+//! | `swiglu(gate, up)` | equal layouts | elementwise |
+//! | `all_reduce` | `PartialSum -> Replicated` | identity (Megatron's g) |
+//! | `reduce_scatter` | `PartialSum -> SplitSeq` (over the sequence, dim 1) | all-gather |
+//! | `all_gather` | `SplitSeq -> Replicated` | reduce-scatter |
+
+use super::{Act, Cx, Layout, PartialSum, Replicated, SameLayout, SplitSeq};
+use crate::error::Result;
+use crate::ops;
+use crate::tensor::Tensor;
+
+/// What an elementwise DSL function keeps: its input(s), layout-erased.
+#[derive(Debug)]
+pub struct Inputs(pub Vec<Tensor>);
+
+/// `a + b`.
+pub fn add<A: SameLayout<B>, B: Layout>(a: Act<A>, b: Act<B>) -> Result<Act<A>> {
+    Ok(Act::new(ops::add(a.tensor(), b.tensor())?))
+}
+
+/// Gradients of `a + b`: the upstream gradient, once per operand.
+pub fn add_backward<A: Layout, B: Layout>(g: Act<A>) -> (Act<A>, Act<B>) {
+    let t = g.tensor().clone();
+    (g, Act::new(t))
+}
+
+/// `a * b` elementwise.
+pub fn mul<A: SameLayout<B>, B: Layout>(a: Act<A>, b: Act<B>) -> Result<(Act<A>, Inputs)> {
+    let y = ops::mul(a.tensor(), b.tensor())?;
+    Ok((Act::new(y), Inputs(vec![a.into_tensor(), b.into_tensor()])))
+}
+
+/// Gradients of `a * b`.
+pub fn mul_backward<A: Layout, B: Layout>(saved: Inputs, g: Act<A>) -> Result<(Act<A>, Act<B>)> {
+    let (da, db) = ops::mul_backward(&saved.0[0], &saved.0[1], g.tensor())?;
+    Ok((Act::new(da), Act::new(db)))
+}
+
+/// GELU (tanh form).
+pub fn gelu<L: Layout>(x: Act<L>) -> Result<(Act<L>, Inputs)> {
+    Ok((Act::new(ops::gelu(x.tensor())?), Inputs(vec![x.into_tensor()])))
+}
+
+/// Backward of [`gelu`].
+pub fn gelu_backward<L: Layout>(saved: Inputs, g: Act<L>) -> Result<Act<L>> {
+    Ok(Act::new(ops::gelu_backward(&saved.0[0], g.tensor())?))
+}
+
+/// SiLU.
+pub fn silu<L: Layout>(x: Act<L>) -> Result<(Act<L>, Inputs)> {
+    Ok((Act::new(ops::silu(x.tensor())?), Inputs(vec![x.into_tensor()])))
+}
+
+/// Backward of [`silu`].
+pub fn silu_backward<L: Layout>(saved: Inputs, g: Act<L>) -> Result<Act<L>> {
+    Ok(Act::new(ops::silu_backward(&saved.0[0], g.tensor())?))
+}
+
+/// `silu(gate) * up`.
+pub fn swiglu<A: SameLayout<B>, B: Layout>(gate: Act<A>, up: Act<B>) -> Result<(Act<A>, Inputs)> {
+    let y = ops::swiglu(gate.tensor(), up.tensor())?;
+    Ok((Act::new(y), Inputs(vec![gate.into_tensor(), up.into_tensor()])))
+}
+
+/// Gradients of [`swiglu`].
+pub fn swiglu_backward<A: Layout, B: Layout>(saved: Inputs, g: Act<A>) -> Result<(Act<A>, Act<B>)> {
+    let (dg, du) = ops::swiglu_backward(&saved.0[0], &saved.0[1], g.tensor())?;
+    Ok((Act::new(dg), Act::new(du)))
+}
+
+/// Sums a partial value over the tensor-parallel group.
+pub fn all_reduce(cx: &mut Cx, x: Act<PartialSum>) -> Result<Act<Replicated>> {
+    Ok(Act::new(cx.tp().all_reduce_sum(x.tensor())?))
+}
+
+/// Backward of [`all_reduce`]: the identity (each rank's partial input
+/// contributed to the sum with weight one).
+pub fn all_reduce_backward(g: Act<Replicated>) -> Act<PartialSum> {
+    Act::new(g.into_tensor())
+}
+
+/// Sums a partial value over the group and keeps this rank's slice of the sequence (dim 1).
+pub fn reduce_scatter(cx: &mut Cx, x: Act<PartialSum>) -> Result<Act<SplitSeq>> {
+    Ok(Act::new(cx.tp().reduce_scatter_sum(x.tensor(), 1)?))
+}
+
+/// Backward of [`reduce_scatter`]: all-gather the slices' gradients.
+pub fn reduce_scatter_backward(cx: &mut Cx, g: Act<SplitSeq>) -> Result<Act<PartialSum>> {
+    Ok(Act::new(cx.tp().all_gather(g.tensor(), 1)?))
+}
+
+/// Gathers the sequence slices (dim 1) of every rank.
+pub fn all_gather(cx: &mut Cx, x: Act<SplitSeq>) -> Result<Act<Replicated>> {
+    Ok(Act::new(cx.tp().all_gather(x.tensor(), 1)?))
+}
+
+/// Backward of [`all_gather`]: reduce-scatter, since each rank's downstream
+/// use of the gathered value contributed a partial gradient.
+pub fn all_gather_backward(cx: &mut Cx, g: Act<Replicated>) -> Result<Act<SplitSeq>> {
+    Ok(Act::new(cx.tp().reduce_scatter_sum(g.tensor(), 1)?))
+}
+
+/// Adds `g` into a gradient slot (values used more than once get the sum of their uses' gradients).
+pub fn accumulate<L: Layout>(slot: &mut Option<Act<L>>, g: Act<L>) -> Result<()> {
+    *slot = Some(match slot.take() {
+        None => g,
+        Some(acc) => Act::new(ops::add(acc.tensor(), g.tensor())?),
+    });
+    Ok(())
+}

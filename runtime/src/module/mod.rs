@@ -1,0 +1,97 @@
+//! Modules: layers with typed layouts, a typed `Saved`, forward, backward and
+//! a parameter visitor.
+//!
+//! Primitive layers (`Linear`, `LayerNorm`, attention, ...) implement
+//! [`Module`] by hand. Models are structs of layers with `#[derive(Module)]`
+//! and a `#[forward]` body, from which the macros generate the same trait.
+
+mod call;
+mod cx;
+pub mod dsl;
+mod layout;
+mod param;
+mod role;
+mod visit;
+
+pub use call::{call, call_backward, call_recompute, call_recompute_backward, Feeds, Kept, Recompute};
+pub use cx::{Cx, Groups, Hooks, RecomputeOverride};
+pub use layout::{Act, Dispatched, Layout, PartialSum, Replicated, SameLayout, SplitHidden, SplitSeq};
+pub use param::{Param, Shard};
+pub use role::{Column, Plain, Role, RoleKind, Row, Vocab};
+pub use visit::{ParamEntry, Visitor};
+
+use crate::error::{Error, Result};
+
+/// A layer, as used in role `R` by its parent (see [`Role`]).
+///
+/// `In` and `Out` are the layouts of its input and output on the
+/// tensor-parallel group; `Saved` is what its forward keeps for its backward,
+/// so activation memory is visible in the type. The backward consumes the
+/// saved state, accumulates parameter gradients through [`Cx::grad`], and
+/// returns the gradient of the input.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be used in the role `{R}`",
+    label = "this layer has no `{R}` form",
+    note = "`#[shard(column)]` and `#[shard(row)]` apply to `Linear`; `#[shard(vocab)]` to `Embedding` and to a `Linear` output head; other layers are used without `#[shard]`"
+)]
+pub trait Module<R: Role = Plain>: Send + Sync {
+    /// Layout of the input activation.
+    type In: Layout;
+    /// Layout of the output activation.
+    type Out: Layout;
+    /// What the forward keeps for the backward.
+    type Saved: Send;
+
+    /// Whether the layer applies a declared recompute to each of its own
+    /// layers (a [`Stack`](crate::nn::Stack)) rather than as a whole.
+    const RECOMPUTES_PER_LAYER: bool = false;
+
+    /// Computes the output and the state the backward needs.
+    fn forward(&self, cx: &mut Cx, x: Act<Self::In>) -> Result<(Act<Self::Out>, Self::Saved)>;
+
+    /// Returns the gradient of the input and delivers the parameters' gradients.
+    fn backward(&self, cx: &mut Cx, saved: Self::Saved, dy: Act<Self::Out>) -> Result<Act<Self::In>>;
+
+    /// Reports every parameter with its dotted name (relative to this layer).
+    fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()>;
+}
+
+/// Calls `f` on every parameter of `model` with its stable dotted name.
+pub fn visit_params<M: Module>(model: &M, mut f: impl FnMut(ParamEntry<'_>) -> Result<()>) -> Result<()> {
+    model.visit_params(&mut Visitor::new(&mut f))
+}
+
+/// Gives every parameter of `model` this rank's shard, in the master dtype (f32).
+///
+/// First checks every sharded dimension against the tensor-parallel degree
+/// and reports all that do not divide (with the parameter, the dimension and
+/// both numbers) before allocating anything.
+pub fn materialize<M: Module>(model: &M, cx: &Cx) -> Result<()> {
+    let (rank, degree) = (cx.tp().rank(), cx.tp().size());
+    let mut problems = Vec::new();
+    visit_params(model, |e| {
+        if let Some(dim) = e.split_dim {
+            let size = e.param.global_shape().dims().get(dim).copied().unwrap_or(0);
+            if degree > 1 && size % degree != 0 {
+                problems.push(format!(
+                    "`{}` ({:?}-parallel) has dimension {dim} of size {size}, which the tensor-parallel degree {degree} does not divide",
+                    e.name, e.role
+                ));
+            }
+        }
+        Ok(())
+    })?;
+    if !problems.is_empty() {
+        return Err(Error::invalid(
+            "materialize",
+            format!("{}; choose a tensor-parallel degree that divides these sizes, or pad them", problems.join("; ")),
+        ));
+    }
+    visit_params(model, |e| {
+        let shard = match e.split_dim {
+            Some(dim) if degree > 1 => Shard::Split { dim, rank, degree },
+            _ => Shard::Replicated,
+        };
+        e.param.materialise(e.name, shard, cx.master_dtype(), cx.seed(), cx.device())
+    })
+}

@@ -1,0 +1,181 @@
+//! Parameters: a logical (global) tensor description, this rank's shard of
+//! it once materialised, and its accumulated gradient.
+
+use crate::error::{Error, Result};
+use crate::ops;
+use crate::tensor::{DType, Init, Shape, Tensor};
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// How a parameter is laid out over the tensor-parallel group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shard {
+    /// Every rank holds the whole parameter.
+    Replicated,
+    /// Rank `rank` of `degree` holds the `rank`-th equal slice of dimension `dim`.
+    Split { dim: usize, rank: usize, degree: usize },
+}
+
+/// A trainable parameter.
+///
+/// A layer creates its parameters with their *global* shape and initial
+/// distribution only; nothing is allocated until the model is materialised
+/// for a rank, when the parameter gets its shard (decided by the role of the
+/// layer in its parent) and draws exactly the values the unsharded parameter
+/// holds there. Cloning shares the parameter (that is how weights are tied).
+#[derive(Clone)]
+pub struct Param(Arc<Inner>);
+
+struct Inner {
+    global: Shape,
+    init: Init,
+    state: Mutex<State>,
+}
+
+struct State {
+    name: Option<String>,
+    shard: Shard,
+    value: Option<Tensor>,
+    grad: Option<Tensor>,
+    /// Forward uses whose gradient has not arrived yet.
+    pending: usize,
+}
+
+impl Param {
+    /// A parameter of global shape `shape`, to be drawn from `init`.
+    pub fn new(shape: impl Into<Shape>, init: Init) -> Param {
+        Param(Arc::new(Inner {
+            global: shape.into(),
+            init,
+            state: Mutex::new(State { name: None, shard: Shard::Replicated, value: None, grad: None, pending: 0 }),
+        }))
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.0.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The logical shape, before sharding.
+    pub fn global_shape(&self) -> &Shape {
+        &self.0.global
+    }
+
+    /// The initial distribution.
+    pub fn init(&self) -> Init {
+        self.0.init
+    }
+
+    /// The dotted name given at materialisation (the first, for a tied parameter).
+    pub fn name(&self) -> Option<String> {
+        self.state().name.clone()
+    }
+
+    /// This rank's shard layout.
+    pub fn shard(&self) -> Shard {
+        self.state().shard
+    }
+
+    /// The shape of this rank's shard.
+    pub fn local_shape(&self) -> Shape {
+        local_shape(&self.0.global, self.shard())
+    }
+
+    /// Whether both handles name one parameter (tied weights do).
+    pub fn same(&self, other: &Param) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// This rank's values; an error before the model is materialised.
+    pub fn value(&self) -> Result<Tensor> {
+        let s = self.state();
+        s.value.clone().ok_or_else(|| {
+            Error::invalid("param", format!("parameter `{}` has no value yet; materialise the model for a rank first", s.name.as_deref().unwrap_or("?")))
+        })
+    }
+
+    /// Replaces this rank's values (loading a checkpoint, ZeRO-3 gathering).
+    pub fn set_value(&self, t: Tensor) -> Result<()> {
+        let expected = self.local_shape();
+        if *t.shape() != expected {
+            return Err(Error::shape("param", format!("a value of shape {} for a parameter whose shard is {expected}", t.shape())));
+        }
+        self.state().value = Some(t);
+        Ok(())
+    }
+
+    /// Drops this rank's values (ZeRO-3 frees parameters between uses).
+    pub fn free_value(&self) {
+        self.state().value = None;
+    }
+
+    /// The gradient accumulated since the last [`take_grad`](Self::take_grad).
+    pub fn grad(&self) -> Option<Tensor> {
+        self.state().grad.clone()
+    }
+
+    /// Takes the accumulated gradient, leaving none.
+    pub fn take_grad(&self) -> Option<Tensor> {
+        self.state().grad.take()
+    }
+
+    pub(crate) fn materialise(&self, name: &str, shard: Shard, dtype: DType, key_seed: u64, device: &crate::Device) -> Result<()> {
+        let mut s = self.state();
+        if s.value.is_some() {
+            // A tied parameter is reached through each of its users; the first materialises it.
+            return Ok(());
+        }
+        let local = local_shape(&self.0.global, shard);
+        let mut starts = vec![0; self.0.global.rank()];
+        if let Shard::Split { dim, rank, .. } = shard {
+            starts[dim] = rank * local.dims()[dim];
+        }
+        let key = crate::RngKey::new(key_seed, stream_of(name));
+        let t = Tensor::rand_slice(self.0.init, key, &self.0.global, &starts, local, dtype, device)?;
+        s.name = Some(name.to_string());
+        s.shard = shard;
+        s.value = Some(t);
+        Ok(())
+    }
+
+    /// Records a forward use whose gradient the backward will deliver.
+    pub(crate) fn note_use(&self) {
+        self.state().pending += 1;
+    }
+
+    /// Adds `g` to the gradient; returns whether the gradient is now final
+    /// (every forward use has delivered its part).
+    pub(crate) fn add_grad(&self, g: Tensor) -> Result<bool> {
+        let mut s = self.state();
+        match &s.grad {
+            Some(acc) => ops::accumulate(acc, &g)?,
+            None => s.grad = Some(if g.dtype() == DType::F32 || g.dtype() == DType::F64 { g.contiguous()? } else { g.to_dtype(DType::F32)? }),
+        }
+        s.pending = s.pending.saturating_sub(1);
+        Ok(s.pending == 0)
+    }
+}
+
+fn local_shape(global: &Shape, shard: Shard) -> Shape {
+    match shard {
+        Shard::Replicated => global.clone(),
+        Shard::Split { dim, degree, .. } => {
+            let mut d = global.dims().to_vec();
+            d[dim] /= degree;
+            Shape::new(d)
+        }
+    }
+}
+
+/// The RNG stream of a parameter: a hash of its dotted name, so its initial
+/// values do not depend on how many parameters came before it or on the mesh.
+fn stream_of(name: &str) -> u64 {
+    // FNV-1a, 64 bit: stable across platforms and releases.
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+impl fmt::Debug for Param {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.state();
+        write!(f, "Param({}, global {}, {:?})", s.name.as_deref().unwrap_or("?"), self.0.global, s.shard)
+    }
+}

@@ -1,0 +1,1 @@
+//! Primitive layers with hand-written backward passes.
