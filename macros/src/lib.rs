@@ -1,5 +1,45 @@
 //! Procedural macros of Tessera's model DSL.
 //!
-//! The runtime crate `tessera` re-exports everything defined here; depend on
-//! `tessera`, not on this crate. The derive for modules and the forward
-//! attribute are built on the tensor runtime and land in this crate next.
+//! The runtime crate `tessera` re-exports everything here; depend on
+//! `tessera`, not on this crate. The DSL and every attribute are documented
+//! on the re-exports, [`tessera::Module`](derive@Module) and
+//! [`tessera::forward`](macro@forward).
+//!
+//! Organisation: `ast`/`attr` parse the user's struct into typed slots,
+//! `check` validates it, `derive` and `forward` expand; nothing is emitted
+//! before every error of an input has been collected.
+
+mod ast;
+mod attr;
+mod check;
+mod ctxt;
+mod derive;
+mod forward;
+mod symbol;
+
+use proc_macro::TokenStream;
+
+/// Derives the parameter plumbing of a model struct; see `tessera::Module`.
+#[proc_macro_derive(Module, attributes(shard, stage, recompute, precision, tied, model))]
+pub fn derive_module(input: TokenStream) -> TokenStream {
+    let input = syn::parse_macro_input!(input as syn::DeriveInput);
+    derive::expand(input).into()
+}
+
+/// Generates `Module` (forward, backward, visitor) from a forward body; see `tessera::forward`.
+#[proc_macro_attribute]
+pub fn forward(args: TokenStream, input: TokenStream) -> TokenStream {
+    if !args.is_empty() {
+        let args = proc_macro2::TokenStream::from(args);
+        return syn::Error::new_spanned(args, "`#[forward]` takes no arguments").to_compile_error().into();
+    }
+    let item = syn::parse_macro_input!(input as syn::ItemImpl);
+    forward::attribute(item).into()
+}
+
+#[doc(hidden)]
+#[proc_macro]
+pub fn forward_impl(input: TokenStream) -> TokenStream {
+    let input = syn::parse_macro_input!(input as forward::Input);
+    forward::expand(input).into()
+}

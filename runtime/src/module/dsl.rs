@@ -13,7 +13,7 @@
 use super::{Act, Cx, Layout, PartialSum, Replicated, SameLayout, SplitSeq};
 use crate::error::Result;
 use crate::ops;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// What an elementwise DSL function keeps: its input(s), layout-erased.
 #[derive(Debug)]
@@ -74,8 +74,35 @@ pub fn swiglu_backward<A: Layout, B: Layout>(saved: Inputs, g: Act<A>) -> Result
     Ok((Act::new(dg), Act::new(du)))
 }
 
+/// Layouts `all_reduce` and `reduce_scatter` take: only `PartialSum`.
+#[diagnostic::on_unimplemented(
+    message = "`all_reduce` and `reduce_scatter` take a `PartialSum` value, but this one is `{Self}`",
+    label = "not a partial sum",
+    note = "only the output of a row-parallel layer (or a vocab-parallel embedding) needs reducing; remove the reduction here"
+)]
+pub trait Reducible: Layout {}
+impl Reducible for PartialSum {}
+
+/// Layouts `all_gather` takes: only `SplitSeq`.
+#[diagnostic::on_unimplemented(
+    message = "`all_gather` takes a `SplitSeq` value, but this one is `{Self}`",
+    label = "not split over the sequence",
+    note = "`all_gather` undoes `reduce_scatter` in sequence-parallel blocks"
+)]
+pub trait Gatherable: Layout {}
+impl Gatherable for SplitSeq {}
+
+/// Casts an activation to `dtype` (no copy when it already has it or is not float).
+pub fn cast<L: Layout>(x: Act<L>, dtype: DType) -> Result<Act<L>> {
+    if x.tensor().dtype() == dtype || !x.tensor().dtype().is_float() {
+        Ok(x)
+    } else {
+        Ok(Act::new(x.tensor().to_dtype(dtype)?))
+    }
+}
+
 /// Sums a partial value over the tensor-parallel group.
-pub fn all_reduce(cx: &mut Cx, x: Act<PartialSum>) -> Result<Act<Replicated>> {
+pub fn all_reduce<L: Reducible>(cx: &mut Cx, x: Act<L>) -> Result<Act<Replicated>> {
     Ok(Act::new(cx.tp().all_reduce_sum(x.tensor())?))
 }
 
@@ -86,7 +113,7 @@ pub fn all_reduce_backward(g: Act<Replicated>) -> Act<PartialSum> {
 }
 
 /// Sums a partial value over the group and keeps this rank's slice of the sequence (dim 1).
-pub fn reduce_scatter(cx: &mut Cx, x: Act<PartialSum>) -> Result<Act<SplitSeq>> {
+pub fn reduce_scatter<L: Reducible>(cx: &mut Cx, x: Act<L>) -> Result<Act<SplitSeq>> {
     Ok(Act::new(cx.tp().reduce_scatter_sum(x.tensor(), 1)?))
 }
 
@@ -96,7 +123,7 @@ pub fn reduce_scatter_backward(cx: &mut Cx, g: Act<SplitSeq>) -> Result<Act<Part
 }
 
 /// Gathers the sequence slices (dim 1) of every rank.
-pub fn all_gather(cx: &mut Cx, x: Act<SplitSeq>) -> Result<Act<Replicated>> {
+pub fn all_gather<L: Gatherable>(cx: &mut Cx, x: Act<L>) -> Result<Act<Replicated>> {
     Ok(Act::new(cx.tp().all_gather(x.tensor(), 1)?))
 }
 
@@ -104,6 +131,13 @@ pub fn all_gather(cx: &mut Cx, x: Act<SplitSeq>) -> Result<Act<Replicated>> {
 /// use of the gathered value contributed a partial gradient.
 pub fn all_gather_backward(cx: &mut Cx, g: Act<Replicated>) -> Result<Act<SplitSeq>> {
     Ok(Act::new(cx.tp().reduce_scatter_sum(g.tensor(), 1)?))
+}
+
+/// Re-types a gradient whose layout the forward already checked (the
+/// generated backward uses it so that a layout error is reported once, in
+/// the forward, rather than again in the backward).
+pub fn relabel<A: Layout, B: Layout>(g: Act<A>) -> Act<B> {
+    Act::new(g.into_tensor())
 }
 
 /// Adds `g` into a gradient slot (values used more than once get the sum of their uses' gradients).

@@ -54,6 +54,49 @@ pub trait Module<R: Role = Plain>: Send + Sync {
 
     /// Reports every parameter with its dotted name (relative to this layer).
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()>;
+
+    /// Links the weights that `#[tied(..)]` fields share (recursively).
+    fn tie_params(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Layers whose weight another layer can share (`#[tied(..)]`): an embedding
+/// table and an output head of the same global shape.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` has no weight to tie",
+    label = "`#[tied(..)]` needs a layer with a single weight matrix",
+    note = "tie an output `Linear` to an `Embedding` (or another `Linear`) of the same shape"
+)]
+pub trait Tie {
+    /// The shared weight.
+    fn weight(&self) -> &Param;
+    /// Replaces this layer's weight by `p` (an error unless the global shapes match).
+    fn tie_weight(&mut self, p: &Param) -> Result<()>;
+}
+
+/// Layers for which recompute saves memory: they keep activations between
+/// forward and backward that a recompute can drop.
+#[diagnostic::on_unimplemented(
+    message = "`#[recompute]` on `{Self}` saves nothing",
+    label = "this layer keeps no activation worth recomputing",
+    note = "recompute layers with parameters, attention, or whole blocks; remove `#[recompute]` here"
+)]
+pub trait Recomputable {}
+
+#[doc(hidden)]
+pub fn assert_module<M: Module<R>, R: Role>() {}
+#[doc(hidden)]
+pub fn assert_recomputable<M: Recomputable>() {}
+#[doc(hidden)]
+pub fn assert_tie<M: Tie>() {}
+
+/// Ties the shared weights of `model`, then materialises it for this rank
+/// (see [`materialize`]): the model as a rank will train it.
+pub fn build<M: Module>(mut model: M, cx: &Cx) -> Result<M> {
+    model.tie_params()?;
+    materialize(&model, cx)?;
+    Ok(model)
 }
 
 /// Calls `f` on every parameter of `model` with its stable dotted name.

@@ -1,0 +1,48 @@
+//! Rules across the fields of one model, each reported at the user's span.
+
+use crate::ast::Model;
+use crate::attr::{Precision, Stage};
+use crate::ctxt::Ctxt;
+
+pub fn check(cx: &Ctxt, m: &Model) {
+    check_tied(cx, m);
+    check_split_stacks(cx, m);
+    check_fp16_needs_loss_scaling(cx, m);
+}
+
+/// A tied field must name another field of the same struct: the weight is shared, not copied.
+fn check_tied(cx: &Ctxt, m: &Model) {
+    for f in &m.fields {
+        let Some(partner) = &f.attrs.tied else { continue };
+        if *partner == f.ident {
+            cx.error_spanned_by(partner, format!("`{}` cannot be tied to itself; name the field whose weight it shares", f.ident));
+        } else if m.field(partner).is_none() {
+            let names: Vec<String> = m.fields.iter().filter(|g| g.ident != f.ident).map(|g| format!("`{}`", g.ident)).collect();
+            cx.error_spanned_by(partner, format!("no field `{partner}` to tie `{}` to; fields of `{}` are {}", f.ident, m.ident, names.join(", ")));
+        }
+    }
+}
+
+/// The pipeline splits exactly one stack of blocks over its stages.
+fn check_split_stacks(cx: &Ctxt, m: &Model) {
+    let mut split = m.fields.iter().filter(|f| f.attrs.stage.is_some_and(|s| s.value == Stage::Split));
+    if let Some(first) = split.next() {
+        for other in split {
+            let span = other.attrs.stage.expect("split").span;
+            cx.error_at(span, format!("only one field can be `#[stage(split)]`, and `{}` already is; put the blocks in one `Stack`", first.ident));
+        }
+    }
+}
+
+/// fp16 overflows without loss scaling: a model that computes anything in
+/// fp16 must allow it.
+fn check_fp16_needs_loss_scaling(cx: &Ctxt, m: &Model) {
+    if !m.attrs.loss_scaling.is_some_and(|l| !l.value) {
+        return;
+    }
+    let model_f16 = m.attrs.precision.filter(|p| p.value == Precision::F16).map(|p| p.span);
+    let field_f16 = m.fields.iter().filter_map(|f| f.attrs.precision.filter(|p| p.value == Precision::F16).map(|p| p.span));
+    for span in model_f16.into_iter().chain(field_f16) {
+        cx.error_at(span, "an fp16 region needs loss scaling, but the model sets `loss_scaling = none`; use `bf16`, or `loss_scaling = dynamic`");
+    }
+}

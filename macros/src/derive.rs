@@ -1,0 +1,83 @@
+//! `#[derive(Module)]`: validates the struct's attributes and hands the
+//! struct to the `#[forward]` expansion through a callback macro.
+//!
+//! A derive sees only the struct and an attribute on an `impl` sees only the
+//! impl. The derive therefore emits `macro_rules! __tessera_fields_<Name>`,
+//! which the `#[forward]` attribute invokes with the impl: the macro rule
+//! forwards both the struct and the impl to `forward_impl!`, one procedural
+//! macro that sees field types, field attributes and the forward body
+//! together. That is what lets it name each sub-module's `Saved` type, apply
+//! `#[recompute]`/`#[precision]`/`#[tied]` per call, and check pipeline
+//! stages against the data flow, while layout mismatches are still reported
+//! by rustc on the user's own expressions.
+
+use crate::ast::Model;
+use crate::check;
+use crate::ctxt::Ctxt;
+use proc_macro2::TokenStream;
+use quote::{format_ident, quote, quote_spanned};
+
+pub fn expand(input: syn::DeriveInput) -> TokenStream {
+    let cx = Ctxt::new();
+    let model = Model::from_item(&cx, &input);
+    if let Some(m) = &model {
+        check::check(&cx, m);
+    }
+    let callback = callback_macro(&input);
+    let assertions = model.as_ref().map(assertions).unwrap_or_default();
+    let errors = cx.check().err().map(|e| e.to_compile_error());
+    quote! {
+        #callback
+        #assertions
+        #errors
+    }
+}
+
+/// The macro through which `#[forward]` reaches the struct's definition.
+fn callback_macro(input: &syn::DeriveInput) -> TokenStream {
+    let name = format_ident!("__tessera_fields_{}", input.ident);
+    quote! {
+        #[doc(hidden)]
+        #[allow(unused_macros)]
+        macro_rules! #name {
+            ($($body:tt)*) => {
+                ::tessera::__private::forward_impl! { { #input } $($body)* }
+            };
+        }
+    }
+}
+
+/// Trait-bound checks spanned on the attributes, so rustc's error (worded by
+/// the traits' `on_unimplemented`) lands on the user's attribute.
+fn assertions(m: &Model) -> TokenStream {
+    let p = quote!(::tessera::__private);
+    let ident = &m.ident;
+    let mut checks = Vec::new();
+    for f in &m.fields {
+        let ty = &f.ty;
+        if let Some(s) = f.attrs.shard {
+            let role = format_ident!("{}", s.value.role());
+            checks.push(quote_spanned!(s.span=> #p::assert_module::<#ty, #p::#role>();));
+        }
+        if let Some(r) = f.attrs.recompute {
+            checks.push(quote_spanned!(r.span=> #p::assert_recomputable::<#ty>();));
+        }
+        if let Some(partner) = &f.attrs.tied {
+            checks.push(quote_spanned!(partner.span()=> #p::assert_tie::<#ty>();));
+            if let Some(pf) = m.field(partner) {
+                let pty = &pf.ty;
+                checks.push(quote_spanned!(partner.span()=> #p::assert_tie::<#pty>();));
+            }
+        }
+    }
+    quote! {
+        #[automatically_derived]
+        impl #p::Recomputable for #ident {}
+        const _: () = {
+            #[allow(dead_code)]
+            fn __tessera_assertions() {
+                #(#checks)*
+            }
+        };
+    }
+}

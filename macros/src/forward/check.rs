@@ -1,0 +1,68 @@
+//! Rules on the forward body: sub-modules exist, nothing is computed in
+//! vain, and values flow forward through the pipeline stages.
+
+use super::parse::{Op, Program};
+use crate::ast::Model;
+use crate::attr::Stage;
+use crate::ctxt::Ctxt;
+
+pub fn check(cx: &Ctxt, m: &Model, p: &Program) {
+    check_fields(cx, m, p);
+    check_unused(cx, p);
+    check_stages(cx, m, p);
+}
+
+/// Every `self.name(..)` names a field of the struct.
+fn check_fields(cx: &Ctxt, m: &Model, p: &Program) {
+    for n in &p.nodes {
+        if let Op::Call(f) = &n.op {
+            if m.field(f).is_none() {
+                let names: Vec<String> = m.fields.iter().map(|g| format!("`{}`", g.ident)).collect();
+                cx.error_spanned_by(f, format!("`{}` has no field `{f}`; its layers are {}", m.ident, names.join(", ")));
+            }
+        }
+    }
+}
+
+/// A value computed and never used would keep its parameters' gradients
+/// from ever being complete; an unused input means the output ignores it.
+fn check_unused(cx: &Ctxt, p: &Program) {
+    for n in &p.nodes {
+        if n.uses > 0 {
+            continue;
+        }
+        match (&n.op, &n.name) {
+            (Op::Input, _) => cx.error_at(n.span, format!("the input `{}` is never used", p.input)),
+            (_, Some(name)) => cx.error_spanned_by(name, format!("`{name}` is computed but never used; remove it or use it")),
+            (_, None) => cx.error_at(n.span, "this value is computed but never used"),
+        }
+    }
+}
+
+/// Pipeline stages follow the data flow: a layer on stage `first` cannot
+/// consume a value produced on `split` or `last`, nor `split` one from `last`.
+fn check_stages(cx: &Ctxt, m: &Model, p: &Program) {
+    // The latest stage each value depends on.
+    let mut stage: Vec<Option<Stage>> = Vec::with_capacity(p.nodes.len());
+    for n in &p.nodes {
+        let from = n.args.iter().filter_map(|&a| stage[a].map(|s| (s, a))).max_by_key(|(s, _)| *s);
+        let own = match &n.op {
+            Op::Call(f) => m.field(f).and_then(|f| f.attrs.stage).map(|s| s.value),
+            _ => None,
+        };
+        if let (Some(own), Some((src, _))) = (own, from) {
+            if own < src {
+                let Op::Call(f) = &n.op else { unreachable!() };
+                cx.error_at(
+                    n.span,
+                    format!(
+                        "`{f}` is on pipeline stage `{}` but its input comes from stage `{}`; stages must follow the data flow (first, then split, then last)",
+                        own.word(),
+                        src.word()
+                    ),
+                );
+            }
+        }
+        stage.push(own.max(from.map(|(s, _)| s)));
+    }
+}
