@@ -1,1 +1,56 @@
 //! Primitive layers with hand-written backward passes.
+//!
+//! Each layer implements [`Module<R>`](crate::module::Module) for every role
+//! `R` it supports, with the activation layouts that role implies:
+//!
+//! | layer | roles | input → output |
+//! |---|---|---|
+//! | [`Linear`] | `Plain`, `Column`, `Row`, `Vocab` | `Replicated → Replicated`, `Replicated → SplitHidden`, `SplitHidden → PartialSum`, `Replicated → SplitHidden` |
+//! | [`Embedding`] | `Plain`, `Vocab` | `Replicated → Replicated`, `Replicated → PartialSum` |
+//! | [`LayerNorm`], [`RmsNorm`], [`Dropout`], [`Moe`] | `Plain` | `Replicated → Replicated` |
+//! | [`CausalAttention`] | `Plain` | `SplitHidden → SplitHidden` (heads split) |
+//! | [`Stack`] | `Plain` | the layer's own layout |
+//!
+//! Forwards read parameters with [`Cx::param`](crate::module::Cx::param)
+//! (which counts the use and casts to the compute dtype); backwards re-read
+//! them without counting (so a ZeRO-3 gather before the backward is honoured
+//! and no weight copy lives in the saved state) and deliver each gradient once
+//! with [`Cx::grad`](crate::module::Cx::grad).
+
+mod attention;
+mod dropout;
+mod embedding;
+mod linear;
+mod moe;
+mod norm;
+mod rows;
+mod stack;
+
+pub use attention::{AttentionSaved, CausalAttention};
+pub use dropout::{Dropout, DropoutSaved};
+pub use embedding::{Embedding, EmbeddingSaved};
+pub use linear::{Linear, LinearSaved};
+pub use moe::{Moe, MoeSaved};
+pub use norm::{LayerNorm, NormState, RmsNorm};
+pub use stack::Stack;
+
+use crate::error::Result;
+use crate::module::{Cx, Param};
+use crate::tensor::Tensor;
+
+/// A parameter's value in the compute dtype, for a backward: unlike
+/// [`Cx::param`] it records no use (the forward already did).
+fn param_value(cx: &Cx, p: &Param) -> Result<Tensor> {
+    let v = p.value()?;
+    if v.dtype() == cx.compute_dtype() || !v.dtype().is_float() {
+        Ok(v)
+    } else {
+        v.to_dtype(cx.compute_dtype())
+    }
+}
+
+/// Bytes held by the elements of `t` (its whole storage view, as a count of
+/// its own elements).
+fn bytes_of(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}

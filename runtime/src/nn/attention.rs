@@ -1,0 +1,279 @@
+//! Causal grouped-query self-attention on packed `[q | k | v]` projections.
+
+use super::rows;
+use crate::error::{Error, Result};
+use crate::module::{Act, Cx, Module, Plain, SplitHidden, Visitor};
+use crate::ops::{self, AttnOpts, Rope};
+use crate::tensor::Tensor;
+use std::fmt;
+
+/// Causal self-attention with grouped-query heads and optional rotary
+/// position embedding; no parameters.
+///
+/// It sits between a column-parallel `qkv` projection and a row-parallel
+/// output projection, so its input and output are `SplitHidden`: each
+/// tensor-parallel rank holds `q_heads / tp` query heads and `kv_heads / tp`
+/// key/value heads (both must divide). The input is
+/// `[batch, seq, (hq + 2·hkv)·head_dim]` with this rank's heads packed as
+/// `[q | k | v]` (each head's `head_dim` values contiguous); the output is
+/// `[batch, seq, hq·head_dim]`. Query head `h` reads key/value head
+/// `h / (q_heads / kv_heads)`. With RoPE, positions are `0..seq`.
+///
+/// Under selective recompute ([`Cx::selective_recompute`]) the forward keeps
+/// only its packed input and the backward recomputes the attention core;
+/// otherwise it keeps what the backward reads (see [`AttentionSaved`]).
+///
+/// ```
+/// use tessera::module::{Act, Cx, Module};
+/// use tessera::nn::CausalAttention;
+/// use tessera::{DType, Device, Tensor};
+///
+/// let dev = Device::cpu();
+/// let cx = &mut Cx::new(dev.clone());
+/// let attn = CausalAttention::new(4, 2, 8)?.with_rope(10_000.0, 128)?;
+/// // 4 query heads + 2 key heads + 2 value heads, of 8 values each
+/// let qkv = Tensor::zeros([2, 5, 64], DType::F32, &dev)?;
+/// let (y, saved) = attn.forward(cx, Act::new(qkv))?;
+/// assert_eq!(y.tensor().dims(), &[2, 5, 32]);
+/// let dqkv = attn.backward(cx, saved, y)?;
+/// assert_eq!(dqkv.tensor().dims(), &[2, 5, 64]);
+/// # Ok::<(), tessera::Error>(())
+/// ```
+pub struct CausalAttention {
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    rope: Option<RopeSpec>,
+}
+
+struct RopeSpec {
+    theta: f64,
+    max_position: usize,
+    table: Rope,
+}
+
+impl fmt::Debug for CausalAttention {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut s = f.debug_struct("CausalAttention");
+        s.field("q_heads", &self.q_heads).field("kv_heads", &self.kv_heads).field("head_dim", &self.head_dim);
+        if let Some(r) = &self.rope {
+            s.field("rope_theta", &r.theta).field("max_position", &r.max_position);
+        }
+        s.finish()
+    }
+}
+
+/// What a [`CausalAttention`] keeps for its backward.
+///
+/// * Without selective recompute: the query, key and value heads (after
+///   RoPE), `[batch, heads, seq, head_dim]` each (together the size of the
+///   packed input), the output (the size of the layer's output) and the
+///   per-query log-sum-exp, `[batch, q_heads, seq]` in f32 (f64 for f64
+///   inputs).
+/// * With selective recompute: only the packed input, shared with the
+///   caller's copy of it; the backward recomputes the split, RoPE, output and
+///   log-sum-exp.
+pub struct AttentionSaved(Kept);
+
+enum Kept {
+    Core(Box<Core>),
+    Input(Tensor),
+}
+
+struct Core {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+}
+
+impl AttentionSaved {
+    /// Bytes of activation memory held (counting a kept input in full).
+    pub fn bytes(&self) -> usize {
+        use super::bytes_of;
+        match &self.0 {
+            Kept::Core(c) => [&c.q, &c.k, &c.v, &c.out, &c.lse].into_iter().map(bytes_of).sum(),
+            Kept::Input(x) => bytes_of(x),
+        }
+    }
+
+    /// Whether only the input was kept (selective recompute).
+    pub fn is_input_only(&self) -> bool {
+        matches!(self.0, Kept::Input(_))
+    }
+}
+
+impl fmt::Debug for AttentionSaved {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = if self.is_input_only() { "input" } else { "core" };
+        write!(f, "AttentionSaved({kind}, {} bytes)", self.bytes())
+    }
+}
+
+/// This rank's head counts.
+#[derive(Clone, Copy)]
+struct Heads {
+    q: usize,
+    kv: usize,
+    d: usize,
+}
+
+impl Heads {
+    fn total(self) -> usize {
+        self.q + 2 * self.kv
+    }
+}
+
+impl CausalAttention {
+    /// Attention with `q_heads` query heads grouped over `kv_heads` key/value
+    /// heads of `head_dim` values each.
+    pub fn new(q_heads: usize, kv_heads: usize, head_dim: usize) -> Result<CausalAttention> {
+        const OP: &str = "CausalAttention::new";
+        if q_heads == 0 || kv_heads == 0 || head_dim == 0 {
+            return Err(Error::invalid(OP, format!("q_heads ({q_heads}), kv_heads ({kv_heads}) and head_dim ({head_dim}) must all be positive")));
+        }
+        if !q_heads.is_multiple_of(kv_heads) {
+            return Err(Error::invalid(
+                OP,
+                format!("{q_heads} query heads cannot be grouped over {kv_heads} key/value heads; q_heads must be a multiple of kv_heads"),
+            ));
+        }
+        Ok(CausalAttention { q_heads, kv_heads, head_dim, rope: None })
+    }
+
+    /// Applies rotary position embedding (base `theta`, usually 10000) to
+    /// queries and keys, for sequences of up to `max_position` tokens.
+    pub fn with_rope(mut self, theta: f64, max_position: usize) -> Result<CausalAttention> {
+        if max_position == 0 {
+            return Err(Error::invalid("CausalAttention::with_rope", "max_position must be positive (the longest sequence the model sees)"));
+        }
+        let table = Rope::new(self.head_dim, max_position, theta)?;
+        self.rope = Some(RopeSpec { theta, max_position, table });
+        Ok(self)
+    }
+
+    /// Query heads (global).
+    pub fn q_heads(&self) -> usize {
+        self.q_heads
+    }
+
+    /// Key/value heads (global).
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+
+    /// Values per head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// This rank's heads on a tensor-parallel group of `tp` ranks.
+    fn local(&self, tp: usize) -> Result<Heads> {
+        if !self.q_heads.is_multiple_of(tp) || !self.kv_heads.is_multiple_of(tp) {
+            return Err(Error::invalid(
+                "CausalAttention",
+                format!(
+                    "{} query heads and {} key/value heads cannot be split over a tensor-parallel group of {tp}; choose a degree that divides both",
+                    self.q_heads, self.kv_heads
+                ),
+            ));
+        }
+        Ok(Heads { q: self.q_heads / tp, kv: self.kv_heads / tp, d: self.head_dim })
+    }
+
+    fn positions(seq: usize) -> Vec<u32> {
+        (0..seq as u32).collect()
+    }
+
+    /// Splits the packed input into heads, applies RoPE and runs attention.
+    fn core(&self, h: Heads, x: &Tensor) -> Result<Core> {
+        let dims = x.dims();
+        if dims.len() != 3 || dims[2] != h.total() * h.d {
+            return Err(Error::shape(
+                "CausalAttention",
+                format!(
+                    "input of shape {} for {} query and {} key/value heads of {} on this rank; pass [batch, seq, {}] packed as [q | k | v]",
+                    x.shape(),
+                    h.q,
+                    h.kv,
+                    h.d,
+                    h.total() * h.d
+                ),
+            ));
+        }
+        let (b, t) = (dims[0], dims[1]);
+        let x4 = x.reshape([b, t, h.total(), h.d])?;
+        let heads = |start: usize, n: usize| x4.narrow(2, start, n)?.transpose(1, 2)?.contiguous();
+        let (mut q, mut k, v) = (heads(0, h.q)?, heads(h.q, h.kv)?, heads(h.q + h.kv, h.kv)?);
+        if let Some(r) = &self.rope {
+            let pos = Self::positions(t);
+            q = ops::rope(&q, &r.table, &pos)?;
+            k = ops::rope(&k, &r.table, &pos)?;
+        }
+        let (out, lse) = ops::attention(&q, &k, &v, AttnOpts::causal())?;
+        Ok(Core { q, k, v, out, lse })
+    }
+}
+
+/// Row indices placing `[b, n, t]`-ordered head rows at heads `h0..h0 + n`
+/// of a `[b, t, heads]`-ordered packed tensor.
+fn pack_index(b: usize, t: usize, heads: usize, h0: usize, n: usize) -> Vec<u32> {
+    let mut idx = Vec::with_capacity(b * n * t);
+    for bi in 0..b {
+        for h in 0..n {
+            for ti in 0..t {
+                idx.push(((bi * t + ti) * heads + h0 + h) as u32);
+            }
+        }
+    }
+    idx
+}
+
+impl Module<Plain> for CausalAttention {
+    type In = SplitHidden;
+    type Out = SplitHidden;
+    type Saved = AttentionSaved;
+
+    fn forward(&self, cx: &mut Cx, x: Act<SplitHidden>) -> Result<(Act<SplitHidden>, AttentionSaved)> {
+        let h = self.local(cx.tp().size())?;
+        let x = x.into_tensor();
+        let c = self.core(h, &x)?;
+        let (b, t) = (x.dims()[0], x.dims()[1]);
+        let y = c.out.transpose(1, 2)?.reshape([b, t, h.q * h.d])?;
+        let kept = if cx.selective_recompute() { Kept::Input(x) } else { Kept::Core(Box::new(c)) };
+        Ok((Act::new(y), AttentionSaved(kept)))
+    }
+
+    fn backward(&self, cx: &mut Cx, saved: AttentionSaved, dy: Act<SplitHidden>) -> Result<Act<SplitHidden>> {
+        let h = self.local(cx.tp().size())?;
+        let c = match saved.0 {
+            Kept::Core(c) => *c,
+            Kept::Input(x) => self.core(h, &x)?,
+        };
+        let (b, t) = (c.q.dims()[0], c.q.dims()[2]);
+        let dy = dy.into_tensor();
+        if dy.dims() != [b, t, h.q * h.d] {
+            return Err(Error::shape("CausalAttention::backward", format!("upstream gradient {} for an output of [{b}, {t}, {}]", dy.shape(), h.q * h.d)));
+        }
+        let dout = dy.reshape([b, t, h.q, h.d])?.transpose(1, 2)?.contiguous()?;
+        let (mut dq, mut dk, dv) = ops::attention_backward(&c.q, &c.k, &c.v, &c.out, &c.lse, &dout, AttnOpts::causal())?;
+        drop(c);
+        if let Some(r) = &self.rope {
+            let pos = Self::positions(t);
+            dq = ops::rope_backward(&dq, &r.table, &pos)?;
+            dk = ops::rope_backward(&dk, &r.table, &pos)?;
+        }
+        // Interleave the three gradients back into the packed [b, t, q|k|v] layout.
+        let total = h.total();
+        let flat = |g: &Tensor, n: usize| g.reshape([b * n * t, h.d]);
+        let (fq, fk, fv) = (flat(&dq, h.q)?, flat(&dk, h.kv)?, flat(&dv, h.kv)?);
+        let (iq, ik, iv) = (pack_index(b, t, total, 0, h.q), pack_index(b, t, total, h.q, h.kv), pack_index(b, t, total, h.q + h.kv, h.kv));
+        let dx = rows::scatter_parts(&[(&fq, &iq), (&fk, &ik), (&fv, &iv)], b * t * total)?;
+        Ok(Act::new(dx.reshape([b, t, total * h.d])?))
+    }
+
+    fn visit_params(&self, _v: &mut Visitor<'_>) -> Result<()> {
+        Ok(())
+    }
+}

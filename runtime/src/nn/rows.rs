@@ -1,0 +1,46 @@
+//! Row gather and row scatter-add on `[rows, dim]` tensors, built on the
+//! embedding lookup (a row gather) and its backward (a row scatter-add), so
+//! they run wherever those ops run. The index lists are host data.
+
+use crate::error::{Error, Result};
+use crate::ops;
+use crate::tensor::Tensor;
+
+fn index_tensor(idx: &[u32], like: &Tensor) -> Result<Tensor> {
+    Tensor::from_vec(idx.to_vec(), [idx.len()], like.device())
+}
+
+fn check_rows(op: &'static str, rows: usize) -> Result<()> {
+    if rows > u32::MAX as usize {
+        return Err(Error::shape(op, format!("{rows} rows cannot be indexed with u32; split the batch")));
+    }
+    Ok(())
+}
+
+/// `out[i] = src[idx[i]]`: `[n, d]` → `[idx.len(), d]`.
+pub(super) fn gather(src: &Tensor, idx: &[u32]) -> Result<Tensor> {
+    let n = src.dims()[0];
+    check_rows("gather_rows", n)?;
+    ops::embedding(src, &index_tensor(idx, src)?)
+}
+
+/// `out[idx[i]] += src[i]` into zeros of `[rows, d]`.
+pub(super) fn scatter_add(src: &Tensor, idx: &[u32], rows: usize) -> Result<Tensor> {
+    check_rows("scatter_rows", rows)?;
+    ops::embedding_backward(&index_tensor(idx, src)?, src, rows, 0, rows)
+}
+
+/// Places the rows of each part at its indices in a `[rows, d]` tensor of
+/// zeros (a concatenation or interleaving when the indices cover every row
+/// exactly once).
+pub(super) fn scatter_parts(parts: &[(&Tensor, &[u32])], rows: usize) -> Result<Tensor> {
+    let mut acc: Option<Tensor> = None;
+    for (src, idx) in parts {
+        let s = scatter_add(src, idx, rows)?;
+        acc = Some(match acc {
+            None => s,
+            Some(a) => ops::add(&a, &s)?,
+        });
+    }
+    acc.ok_or_else(|| Error::invalid("scatter_rows", "no parts to place"))
+}

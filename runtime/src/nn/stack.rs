@@ -1,0 +1,146 @@
+//! A sequence of layers of one type (the blocks of a transformer).
+
+use crate::error::{Error, Result};
+use crate::module::{call, call_backward, call_recompute, call_recompute_backward, Act, Cx, Kept, Module, Plain, Visitor};
+
+/// `N` layers of one module type applied in order; the output of each is
+/// the input of the next, so the layer's input and output layouts must be
+/// equal. The layers are named `"0"`, `"1"`, ... (parameters such as
+/// `blocks.3.attn.qkv.weight`).
+///
+/// A recompute declared on a stack field (`#[recompute]`) applies to each
+/// layer separately: the stack keeps each layer's input and reruns that
+/// layer alone during its backward, rather than rerunning the whole stack.
+///
+/// ```
+/// use tessera::module::{materialize, Act, Cx, Module};
+/// use tessera::nn::{Linear, Stack};
+/// use tessera::{DType, Device, Tensor};
+///
+/// let dev = Device::cpu();
+/// let cx = &mut Cx::new(dev.clone());
+/// let layers = Stack::from_fn(3, |_| Linear::new(4, 4, false))?;
+/// materialize(&layers, cx)?;
+/// let (y, saved) = layers.forward(cx, Act::new(Tensor::zeros([2, 4], DType::F32, &dev)?))?;
+/// let _dx = layers.backward(cx, saved, y)?;
+/// assert_eq!(layers.stage_range(1, 2), 2..3);
+/// # Ok::<(), tessera::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Stack<M> {
+    layers: Vec<M>,
+}
+
+impl<M> Stack<M> {
+    /// A stack of `layers`, applied first to last (at least one).
+    pub fn new(layers: Vec<M>) -> Result<Stack<M>> {
+        if layers.is_empty() {
+            return Err(Error::invalid("Stack::new", "a stack needs at least one layer; leave the field out of the model instead"));
+        }
+        Ok(Stack { layers })
+    }
+
+    /// A stack of `n` layers, layer `i` built by `f(i)`.
+    pub fn from_fn(n: usize, f: impl FnMut(usize) -> Result<M>) -> Result<Stack<M>> {
+        Self::new((0..n).map(f).collect::<Result<_>>()?)
+    }
+
+    /// Number of layers.
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Always false: a stack has at least one layer.
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+
+    /// The layers, first to last.
+    pub fn layers(&self) -> &[M] {
+        &self.layers
+    }
+
+    /// Iterates over the layers, first to last.
+    pub fn iter(&self) -> std::slice::Iter<'_, M> {
+        self.layers.iter()
+    }
+
+    /// The layers of pipeline stage `stage` of `stages`: the split is as even
+    /// as possible, earlier stages taking the extra layers (10 layers over 4
+    /// stages: 3, 3, 2, 2). An empty range at the end when `stage` is not
+    /// below `stages`.
+    pub fn stage_range(&self, stage: usize, stages: usize) -> std::ops::Range<usize> {
+        let n = self.layers.len();
+        if stage >= stages {
+            return n..n;
+        }
+        let (base, extra) = (n / stages, n % stages);
+        let start = stage * base + stage.min(extra);
+        start..start + base + usize::from(stage < extra)
+    }
+}
+
+impl<'a, M> IntoIterator for &'a Stack<M> {
+    type Item = &'a M;
+    type IntoIter = std::slice::Iter<'a, M>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.layers.iter()
+    }
+}
+
+/// Per layer: everything it saved, or only its input when it recomputes.
+type Saves<M> = Vec<Kept<<M as Module<Plain>>::Saved, <M as Module<Plain>>::In>>;
+
+impl<M> Module<Plain> for Stack<M>
+where
+    M: Module<Plain>,
+    M: Module<Plain, Out = <M as Module<Plain>>::In>,
+{
+    type In = <M as Module<Plain>>::In;
+    type Out = <M as Module<Plain>>::In;
+    /// One entry per layer, first to last.
+    type Saved = Saves<M>;
+
+    const RECOMPUTES_PER_LAYER: bool = true;
+
+    fn forward(&self, cx: &mut Cx, x: Act<Self::In>) -> Result<(Act<Self::Out>, Self::Saved)> {
+        let recompute = cx.take_layer_recompute();
+        let mut saves = Vec::with_capacity(self.layers.len());
+        let mut h = x;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let name = i.to_string();
+            let (y, kept) = match recompute {
+                Some(rc) => call_recompute::<Plain, M, _>(layer, cx, &name, h, rc)?,
+                None => {
+                    let (y, s) = call::<Plain, M, _>(layer, cx, &name, h)?;
+                    (y, Kept::Saved(s))
+                }
+            };
+            saves.push(kept);
+            h = y;
+        }
+        Ok((h, saves))
+    }
+
+    fn backward(&self, cx: &mut Cx, saved: Self::Saved, dy: Act<Self::Out>) -> Result<Act<Self::In>> {
+        if saved.len() != self.layers.len() {
+            return Err(Error::invalid("Stack::backward", format!("{} saved states for {} layers; pass the state this stack's forward returned", saved.len(), self.layers.len())));
+        }
+        let mut g = dy;
+        for (i, (layer, kept)) in self.layers.iter().zip(saved).enumerate().rev() {
+            let name = i.to_string();
+            g = match kept {
+                Kept::Saved(s) => call_backward::<Plain, M>(layer, cx, &name, s, g)?,
+                input @ Kept::Input(_) => call_recompute_backward::<Plain, M>(layer, cx, &name, input, g)?,
+            };
+        }
+        Ok(g)
+    }
+
+    fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
+        for (i, layer) in self.layers.iter().enumerate() {
+            v.child::<Plain>(&i.to_string(), |v| layer.visit_params(v))?;
+        }
+        Ok(())
+    }
+}
