@@ -37,7 +37,7 @@ fn check_split_stacks(cx: &Ctxt, m: &Model) {
 /// fp16 overflows without loss scaling: a model that computes anything in
 /// fp16 must allow it.
 fn check_fp16_needs_loss_scaling(cx: &Ctxt, m: &Model) {
-    if !m.attrs.loss_scaling.is_some_and(|l| !l.value) {
+    if m.attrs.loss_scaling.is_none_or(|l| l.value) {
         return;
     }
     let model_f16 = m.attrs.precision.filter(|p| p.value == Precision::F16).map(|p| p.span);

@@ -9,6 +9,7 @@
 pub mod backend;
 pub mod dist;
 mod error;
+pub mod guide;
 pub mod module;
 pub mod nn;
 pub mod ops;
@@ -38,5 +39,6 @@ pub use tessera_macros::{forward, Module};
 /// The names most programs need.
 pub mod prelude {
     pub use crate::module::{Act, Cx, Module, Param, PartialSum, Replicated, SplitHidden, SplitSeq};
+    pub use crate::{forward, Module};
     pub use crate::{DType, Device, Init, RngKey, Shape, Tensor};
 }

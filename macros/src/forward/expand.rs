@@ -118,7 +118,8 @@ impl<'a> Gen<'a> {
         let p = p();
         let (out, sv) = (v(i), s(i));
         let args: Vec<syn::Ident> = n.args.iter().map(|&a| v(a)).collect();
-        let span = n.span;
+        // Resolve names as the generated code does, but report at the user's expression.
+        let span = proc_macro2::Span::call_site().located_at(n.span);
         match &n.op {
             Op::Input => unreachable!("the input is bound by the signature"),
             Op::Call(fname) => {
@@ -128,10 +129,7 @@ impl<'a> Gen<'a> {
                 let name = fname.to_string();
                 let a = &args[0];
                 let arg = match f.attrs.precision {
-                    Some(pr) => {
-                        let d = dtype(pr.value);
-                        quote!(#p::dsl::cast(#a.clone(), #d)?)
-                    }
+                    Some(_) => quote!(#p::dsl::cast(#a.clone(), __region)?),
                     None => quote!(#a.clone()),
                 };
                 let call = match f.attrs.recompute {
@@ -150,7 +148,8 @@ impl<'a> Gen<'a> {
                         quote! {
                             let (#out, #sv) = {
                                 let __outer = __cx.compute_dtype();
-                                __cx.set_compute_dtype(#d);
+                                let __region = #p::dsl::region_dtype(__outer, #d);
+                                __cx.set_compute_dtype(__region);
                                 let __r = #call;
                                 __cx.set_compute_dtype(__outer);
                                 let (__y, __s) = __r?;
@@ -212,8 +211,9 @@ impl<'a> Gen<'a> {
                         let d = dtype(pr.value);
                         quote! {
                             let __outer = __cx.compute_dtype();
-                            __cx.set_compute_dtype(#d);
-                            let __gy = #p::dsl::cast(__gy, #d)?;
+                            let __region = #p::dsl::region_dtype(__outer, #d);
+                            __cx.set_compute_dtype(__region);
+                            let __gy = #p::dsl::cast(__gy, __region)?;
                             let __r = #call;
                             __cx.set_compute_dtype(__outer);
                             #p::dsl::accumulate(&mut #a, #p::dsl::relabel(#p::dsl::cast(__r?, __outer)?))?;
@@ -293,14 +293,14 @@ impl<'a> Gen<'a> {
         let model_dtype = self.m.attrs.precision.map(|pr| dtype(pr.value));
         let (enter, exit_fwd, exit_bwd) = match &model_dtype {
             Some(d) => (
-                quote!(let __outer = __cx.compute_dtype(); __cx.set_compute_dtype(#d);),
+                quote!(let __outer = __cx.compute_dtype(); let __region = #p::dsl::region_dtype(__outer, #d); __cx.set_compute_dtype(__region);),
                 quote!(__cx.set_compute_dtype(__outer); let (__y, __s) = __r?; Ok((#p::dsl::cast(__y, __outer)?, __s))),
                 quote!(__cx.set_compute_dtype(__outer); #p::dsl::cast(__r?, __outer)),
             ),
             None => (quote!(), quote!(__r), quote!(__r)),
         };
         let (in_cast, dy_cast) = match &model_dtype {
-            Some(d) => (quote!(#p::dsl::cast(__x, #d)?), quote!(#p::dsl::cast(__dy, #d)?)),
+            Some(_) => (quote!(#p::dsl::cast(__x, __region)?), quote!(#p::dsl::cast(__dy, __region)?)),
             None => (quote!(__x), quote!(__dy)),
         };
         let input_name = self.prog.input.to_string();

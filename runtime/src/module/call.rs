@@ -50,6 +50,9 @@ pub enum Kept<S, L: Layout> {
     Input(Act<L>),
 }
 
+/// What [`call_recompute`] returns: the output and what was kept of the call.
+pub type KeptCall<R, M> = (Act<<M as Module<R>>::Out>, Kept<<M as Module<R>>::Saved, <M as Module<R>>::In>);
+
 /// How a field declared recompute: `#[recompute]` (full) or `#[recompute(selective)]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Recompute {
@@ -68,7 +71,7 @@ pub fn call_recompute<R: Role, M: Module<R>, L: Feeds<M::In>>(
     name: &str,
     x: Act<L>,
     declared: Recompute,
-) -> Result<(Act<M::Out>, Kept<M::Saved, M::In>)> {
+) -> Result<KeptCall<R, M>> {
     let effective = match cx.recompute_override() {
         RecomputeOverride::AsDeclared => Some(declared),
         RecomputeOverride::Off => None,

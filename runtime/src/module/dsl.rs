@@ -101,6 +101,17 @@ pub fn cast<L: Layout>(x: Act<L>, dtype: DType) -> Result<Act<L>> {
     }
 }
 
+/// The dtype a `#[precision(..)]` region computes in when entered from
+/// `outer`: the requested one, except that an f64 run (gradient checks) stays
+/// f64 throughout.
+pub fn region_dtype(outer: DType, requested: DType) -> DType {
+    if outer == DType::F64 {
+        DType::F64
+    } else {
+        requested
+    }
+}
+
 /// Sums a partial value over the tensor-parallel group.
 pub fn all_reduce<L: Reducible>(cx: &mut Cx, x: Act<L>) -> Result<Act<Replicated>> {
     Ok(Act::new(cx.tp().all_reduce_sum(x.tensor())?))

@@ -54,3 +54,29 @@ fn param_value(cx: &Cx, p: &Param) -> Result<Tensor> {
 fn bytes_of(t: &Tensor) -> usize {
     t.elem_count() * t.dtype().size_in_bytes()
 }
+
+use crate::module::{Recomputable, Tie};
+
+macro_rules! tie_by_weight {
+    ($($t:ty),*) => {$(
+        impl Tie for $t {
+            fn weight(&self) -> &Param {
+                <$t>::weight(self)
+            }
+            fn tie_weight(&mut self, p: &Param) -> Result<()> {
+                <$t>::tie_weight(self, p)
+            }
+        }
+    )*};
+}
+tie_by_weight!(Linear, Embedding);
+
+// Every layer that keeps activations for its backward; `Dropout` keeps only
+// its random key, so recomputing it saves nothing.
+impl Recomputable for Linear {}
+impl Recomputable for Embedding {}
+impl Recomputable for LayerNorm {}
+impl Recomputable for RmsNorm {}
+impl Recomputable for CausalAttention {}
+impl Recomputable for Moe {}
+impl<M> Recomputable for Stack<M> {}

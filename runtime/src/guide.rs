@@ -1,0 +1,146 @@
+//! # The model DSL
+//!
+//! A model is a struct of layers with `#[derive(Module)]`, plus one
+//! `#[forward]` impl holding its forward body. From the two, the macros
+//! generate [`Module`](crate::module::Module): the forward with a typed
+//! `Saved` struct, the backward, the parameter visitor and weight tying.
+//!
+//! ```
+//! use tessera::prelude::*;
+//! use tessera::nn::{CausalAttention, LayerNorm, Linear};
+//! use tessera::{forward, Module};
+//!
+//! #[derive(Module)]
+//! pub struct Block {
+//!     ln1: LayerNorm,
+//!     #[shard(column)] qkv: Linear,   // Replicated -> SplitHidden (heads split over TP)
+//!     attn: CausalAttention,          // SplitHidden -> SplitHidden (local heads)
+//!     #[shard(row)] proj: Linear,     // SplitHidden -> PartialSum
+//!     ln2: LayerNorm,
+//!     #[shard(column)] up: Linear,
+//!     #[shard(row)] down: Linear,
+//! }
+//!
+//! #[forward]
+//! impl Block {
+//!     fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+//!         let h = x + all_reduce(self.proj(self.attn(self.qkv(self.ln1(x)))));
+//!         h + all_reduce(self.down(gelu(self.up(self.ln2(h)))))
+//!     }
+//! }
+//! # fn main() {}
+//! ```
+//!
+//! ## Grammar of a forward body
+//!
+//! ```text
+//! forward  := "fn" NAME "(&self," IDENT ": Act<" LAYOUT ">) -> Act<" LAYOUT ">" "{" stmt* expr "}"
+//! stmt     := "let" IDENT "=" expr ";"
+//! expr     := IDENT                              a value bound earlier (or the input)
+//!           | "self." FIELD "(" expr ")"         a sub-module call
+//!           | FUNC "(" expr ("," expr)? ")"       a DSL function
+//!           | expr "+" expr | expr "*" expr      elementwise, equal layouts only
+//!           | "(" expr ")"
+//! FUNC     := gelu | silu | swiglu | all_reduce | reduce_scatter | all_gather
+//! ```
+//!
+//! Anything else is a compile error that lists what is allowed. For layers
+//! the DSL cannot express, implement [`Module`](crate::module::Module) by
+//! hand with an explicit backward, as every layer of [`nn`](crate::nn) does.
+//! The `#[forward]` impl must follow the struct in the same module (it reaches
+//! the struct's definition through a macro the derive defines there).
+//!
+//! ## Layouts
+//!
+//! Every value is an [`Act<L>`](crate::module::Act) whose layout `L` says how
+//! it lies on the tensor-parallel group (`Replicated`, `SplitHidden`,
+//! `SplitSeq`, `PartialSum`, `Dispatched`). Each sub-module call checks the
+//! value's layout against the layer's input, `+` requires equal layouts, and
+//! `all_reduce` takes only `PartialSum`: mistakes are compile errors on the
+//! expression, worded by the runtime's traits.
+//!
+//! | DSL | forward | generated backward |
+//! |---|---|---|
+//! | `#[shard(column)]` linear | `Replicated -> SplitHidden` | input gradient all-reduced |
+//! | `#[shard(row)]` linear | `SplitHidden -> PartialSum` | no communication |
+//! | `all_reduce(x)` | `PartialSum -> Replicated` | identity |
+//! | `reduce_scatter(x)` | `PartialSum -> SplitSeq` | all-gather |
+//! | `all_gather(x)` | `SplitSeq -> Replicated` | reduce-scatter |
+//! | `#[shard(vocab)]` embedding | ids `-> PartialSum` | scatter-add into local rows |
+//! | `#[shard(vocab)]` linear head | `Replicated -> SplitHidden` | input gradient all-reduced |
+//!
+//! A value used twice (a residual) receives the sum of both uses' gradients.
+//!
+//! ## Field attributes
+//!
+//! - `#[shard(column)]`, `#[shard(row)]`, `#[shard(vocab)]`: the role of the
+//!   layer on the tensor-parallel group; it selects the layer's
+//!   [`Module<Role>`](crate::module::Module) form, which fixes its layouts and
+//!   how its parameters are split. A layer without that form (a norm marked
+//!   `column`) is a compile error on the attribute.
+//! - `#[stage(first)]`, `#[stage(split)]`, `#[stage(last)]`: the pipeline
+//!   stage of the field; one `split` field (a [`Stack`](crate::nn::Stack)) is
+//!   divided over the middle stages. Stages must follow the data flow.
+//! - `#[recompute]`: keep only the sub-module's input and rerun its forward
+//!   in the backward; on a `Stack`, per layer. `#[recompute(selective)]`:
+//!   drop only the attention core (rerun in the backward). Both can be
+//!   overridden at run time with
+//!   [`Cx::set_recompute_override`](crate::module::Cx::set_recompute_override).
+//! - `#[precision(f32)]` (or `bf16`, `f16`): the sub-module computes in that
+//!   dtype; its input is cast at the border and its output cast back.
+//! - `#[tied(field)]`: the layer shares the weight of `field` (an output head
+//!   tied to the token embedding).
+//!
+//! Struct attribute `#[model(precision = bf16, loss_scaling = dynamic)]`: the
+//! compute dtype of the whole model (master weights stay f32); an fp16 model
+//! or region with `loss_scaling = none` is refused.
+//!
+//! ```
+//! use tessera::prelude::*;
+//! use tessera::nn::{Embedding, LayerNorm, Linear, Stack};
+//! use tessera::{forward, Module};
+//! # #[derive(Module)]
+//! # pub struct Mlp { ln: LayerNorm, #[shard(column)] up: Linear, #[shard(row)] down: Linear }
+//! # #[forward]
+//! # impl Mlp {
+//! #     fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+//! #         x + all_reduce(self.down(gelu(self.up(self.ln(x)))))
+//! #     }
+//! # }
+//!
+//! #[derive(Module)]
+//! #[model(precision = bf16)]
+//! pub struct Tiny {
+//!     #[stage(first)] #[shard(vocab)] tok: Embedding,
+//!     #[stage(split)] #[recompute] blocks: Stack<Mlp>,
+//!     #[stage(last)] #[precision(f32)] norm: LayerNorm,
+//!     #[stage(last)] #[shard(vocab)] #[tied(tok)] head: Linear,
+//! }
+//!
+//! #[forward]
+//! impl Tiny {
+//!     fn forward(&self, ids: Act<Replicated>) -> Act<SplitHidden> {
+//!         let h = all_reduce(self.tok(ids));
+//!         self.head(self.norm(self.blocks(h)))
+//!     }
+//! }
+//! # fn main() {}
+//! ```
+//!
+//! ## What is checked at compile time
+//!
+//! - layout mismatches in the forward body (a `PartialSum` added to a
+//!   `Replicated` residual, a row-parallel layer fed a replicated input, a
+//!   norm fed `SplitHidden`, a reduction of a value that is not partial);
+//! - attributes that contradict each other or the field (`row` and `column`
+//!   together, `#[shard(column)]` on a norm, unknown keys, duplicates,
+//!   `#[recompute]` on a parameter-free layer, `#[tied]` to a missing field);
+//! - pipeline stages that go backwards in the data flow, two `split` fields;
+//! - an fp16 region in a model with `loss_scaling = none`;
+//! - a forward body outside the grammar, unknown fields and values, values
+//!   computed and never used.
+//!
+//! What depends on run-time values (the tensor-parallel degree against
+//! head counts and hidden sizes) is checked when the model is materialised
+//! for a rank ([`module::build`](crate::module::build)), before anything is
+//! allocated, naming every parameter that does not divide.

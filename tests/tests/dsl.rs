@@ -1,0 +1,364 @@
+//! Models written with the DSL: the generated backward against f64 finite
+//! differences, recompute against no recompute (bits and measured memory),
+//! the parameter visitor's names, and gradient-ready announcements.
+
+mod common;
+use common::*;
+use std::sync::{Arc, Mutex};
+use tessera::module::{self, Cx, Hooks, Param, RecomputeOverride};
+use tessera::nn::{CausalAttention, Embedding, LayerNorm, Linear, Moe, RmsNorm, Stack};
+use tessera::prelude::*;
+use tessera::Result;
+
+#[derive(Module)]
+pub struct GptBlock {
+    ln1: LayerNorm,
+    #[shard(column)]
+    qkv: Linear,
+    attn: CausalAttention,
+    #[shard(row)]
+    proj: Linear,
+    ln2: LayerNorm,
+    #[shard(column)]
+    up: Linear,
+    #[shard(row)]
+    down: Linear,
+}
+
+#[forward]
+impl GptBlock {
+    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+        let h = x + all_reduce(self.proj(self.attn(self.qkv(self.ln1(x)))));
+        h + all_reduce(self.down(gelu(self.up(self.ln2(h)))))
+    }
+}
+
+impl GptBlock {
+    fn new(d: usize, heads: usize) -> Result<Self> {
+        let hd = d / heads;
+        Ok(GptBlock {
+            ln1: LayerNorm::new(d, 1e-5, true)?,
+            qkv: Linear::new(d, 3 * d, true)?,
+            attn: CausalAttention::new(heads, heads, hd)?,
+            proj: Linear::new(d, d, true)?,
+            ln2: LayerNorm::new(d, 1e-5, true)?,
+            up: Linear::new(d, 4 * d, true)?,
+            down: Linear::new(4 * d, d, true)?,
+        })
+    }
+}
+
+#[derive(Module)]
+pub struct LlamaBlock {
+    n1: RmsNorm,
+    #[shard(column)]
+    qkv: Linear,
+    attn: CausalAttention,
+    #[shard(row)]
+    o: Linear,
+    n2: RmsNorm,
+    #[shard(column)]
+    gate: Linear,
+    #[shard(column)]
+    up: Linear,
+    #[shard(row)]
+    down: Linear,
+}
+
+#[forward]
+impl LlamaBlock {
+    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+        let h = x + all_reduce(self.o(self.attn(self.qkv(self.n1(x)))));
+        let n = self.n2(h);
+        h + all_reduce(self.down(swiglu(self.gate(n), self.up(n))))
+    }
+}
+
+impl LlamaBlock {
+    fn new(d: usize, q_heads: usize, kv_heads: usize, hidden: usize) -> Result<Self> {
+        let hd = d / q_heads;
+        Ok(LlamaBlock {
+            n1: RmsNorm::new(d, 1e-6)?,
+            qkv: Linear::new(d, (q_heads + 2 * kv_heads) * hd, false)?,
+            attn: CausalAttention::new(q_heads, kv_heads, hd)?.with_rope(10_000.0, 64)?,
+            o: Linear::new(q_heads * hd, d, false)?,
+            n2: RmsNorm::new(d, 1e-6)?,
+            gate: Linear::new(d, hidden, false)?,
+            up: Linear::new(d, hidden, false)?,
+            down: Linear::new(hidden, d, false)?,
+        })
+    }
+}
+
+#[derive(Module)]
+pub struct MoeBlock {
+    norm: RmsNorm,
+    moe: Moe,
+}
+
+#[forward]
+impl MoeBlock {
+    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+        x + self.moe(self.norm(x))
+    }
+}
+
+#[derive(Module)]
+pub struct Gpt {
+    #[stage(first)]
+    #[shard(vocab)]
+    tok: Embedding,
+    #[stage(split)]
+    blocks: Stack<GptBlock>,
+    #[stage(last)]
+    #[precision(f32)]
+    norm: LayerNorm,
+    #[stage(last)]
+    #[shard(vocab)]
+    #[tied(tok)]
+    head: Linear,
+}
+
+#[forward]
+impl Gpt {
+    fn forward(&self, ids: Act<Replicated>) -> Act<SplitHidden> {
+        let h = all_reduce(self.tok(ids));
+        self.head(self.norm(self.blocks(h)))
+    }
+}
+
+impl Gpt {
+    fn new(vocab: usize, d: usize, heads: usize, layers: usize) -> Result<Self> {
+        Ok(Gpt {
+            tok: Embedding::new(vocab, d)?,
+            blocks: Stack::from_fn(layers, |_| GptBlock::new(d, heads))?,
+            norm: LayerNorm::new(d, 1e-5, true)?,
+            head: Linear::new(d, vocab, false)?,
+        })
+    }
+}
+
+/// A stack of blocks whose layers recompute (fully, or selectively).
+#[derive(Module)]
+pub struct FullRecompute {
+    #[recompute]
+    blocks: Stack<GptBlock>,
+}
+
+#[forward]
+impl FullRecompute {
+    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+        self.blocks(x)
+    }
+}
+
+#[derive(Module)]
+pub struct SelectiveRecompute {
+    #[recompute(selective)]
+    blocks: Stack<GptBlock>,
+}
+
+#[forward]
+impl SelectiveRecompute {
+    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+        self.blocks(x)
+    }
+}
+
+fn f64_cx() -> Cx {
+    Cx::new(Device::cpu()).with_dtype(DType::F64).with_seed(3)
+}
+
+/// Distinct parameters of a model with their names (a tied weight once).
+fn params<M: Module>(m: &M) -> Vec<(String, Param)> {
+    let mut out: Vec<(String, Param)> = Vec::new();
+    module::visit_params(m, |e| {
+        if !out.iter().any(|(_, p)| p.same(e.param)) {
+            out.push((e.name.to_string(), e.param.clone()));
+        }
+        Ok(())
+    })
+    .unwrap();
+    out
+}
+
+/// The generated backward of `model` against central finite differences in
+/// f64: every parameter (up to `per_param` elements each, spread over the
+/// tensor) and, for float inputs, the input.
+fn model_gradcheck<M: Module<In = Replicated>>(name: &str, model: &M, cx: &mut Cx, x: &Tensor, per_param: usize) {
+    let (y, saved) = model.forward(cx, Act::new(x.clone())).unwrap();
+    let dy_vals = rand_vec(77, y.tensor().elem_count());
+    let dy = Tensor::from_vec(dy_vals.clone(), y.tensor().shape().clone(), cx.device()).unwrap();
+    let dx = model.backward(cx, saved, Act::new(dy)).unwrap();
+    let ps = params(model);
+    let grads: Vec<Tensor> = ps.iter().map(|(n, p)| p.take_grad().unwrap_or_else(|| panic!("{name}: no gradient for {n}"))).collect();
+    cx.set_training(false);
+    let objective = |cx: &mut Cx, x: &Tensor| -> f64 {
+        let (y, _) = model.forward(cx, Act::new(x.clone())).unwrap();
+        y.tensor().to_f64_vec().unwrap().iter().zip(&dy_vals).map(|(a, b)| a * b).sum()
+    };
+    let eps = 1e-6;
+    for ((pname, p), g) in ps.iter().zip(&grads) {
+        let base = p.value().unwrap().to_f64_vec().unwrap();
+        let shape = p.value().unwrap().shape().clone();
+        let g = g.to_f64_vec().unwrap();
+        let step = (base.len() / per_param).max(1);
+        for j in (0..base.len()).step_by(step) {
+            let mut eval = |delta: f64| {
+                let mut v = base.clone();
+                v[j] += delta;
+                p.set_value(Tensor::from_vec(v, shape.clone(), cx.device()).unwrap()).unwrap();
+                objective(cx, x)
+            };
+            let numeric = (eval(eps) - eval(-eps)) / (2.0 * eps);
+            assert_close(&[g[j]], &[numeric], 1e-6, 1e-5, &format!("{name}: d/d {pname}[{j}]"));
+        }
+        p.set_value(Tensor::from_vec(base, shape, cx.device()).unwrap()).unwrap();
+    }
+    if x.dtype().is_float() {
+        let base = x.to_f64_vec().unwrap();
+        let g = dx.tensor().to_f64_vec().unwrap();
+        for j in 0..base.len() {
+            let mut eval = |delta: f64| {
+                let mut v = base.clone();
+                v[j] += delta;
+                objective(cx, &Tensor::from_vec(v, x.shape().clone(), cx.device()).unwrap())
+            };
+            let numeric = (eval(eps) - eval(-eps)) / (2.0 * eps);
+            assert_close(&[g[j]], &[numeric], 1e-6, 1e-5, &format!("{name}: d/d input[{j}]"));
+        }
+    }
+    cx.set_training(true);
+}
+
+#[test]
+fn gpt_block_backward_matches_finite_differences() {
+    let mut cx = f64_cx();
+    let block = module::build(GptBlock::new(8, 2).unwrap(), &cx).unwrap();
+    let x = rand_t(1, &[2, 3, 8], cx.device());
+    model_gradcheck("gpt block", &block, &mut cx, &x, 24);
+}
+
+#[test]
+fn llama_block_backward_matches_finite_differences() {
+    let mut cx = f64_cx();
+    let block = module::build(LlamaBlock::new(8, 4, 2, 12).unwrap(), &cx).unwrap();
+    let x = rand_t(2, &[2, 3, 8], cx.device());
+    model_gradcheck("llama block", &block, &mut cx, &x, 24);
+}
+
+#[test]
+fn moe_block_backward_matches_finite_differences() {
+    let mut cx = f64_cx();
+    let block = MoeBlock { norm: RmsNorm::new(6, 1e-6).unwrap(), moe: Moe::new(6, 8, 4, 2).unwrap() };
+    let block = module::build(block, &cx).unwrap();
+    let x = rand_t(3, &[2, 3, 6], cx.device());
+    model_gradcheck("moe block", &block, &mut cx, &x, 24);
+}
+
+#[test]
+fn small_gpt_backward_matches_finite_differences() {
+    let mut cx = f64_cx();
+    let gpt = module::build(Gpt::new(11, 8, 2, 2).unwrap(), &cx).unwrap();
+    assert!(gpt.head.weight().same(gpt.tok.weight()), "the head is tied to the token embedding");
+    let ids = Tensor::from_vec(vec![1u32, 5, 10, 0, 3, 3], [2, 3], cx.device()).unwrap();
+    model_gradcheck("small gpt", &gpt, &mut cx, &ids, 16);
+}
+
+#[test]
+fn parameter_names_are_stable_dotted_paths() {
+    let cx = f64_cx();
+    let gpt = module::build(Gpt::new(11, 8, 2, 2).unwrap(), &cx).unwrap();
+    let mut names = Vec::new();
+    module::visit_params(&gpt, |e| {
+        names.push(format!("{} {} {:?}", e.name, e.param.global_shape(), e.role));
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(names[0], "tok.weight [11, 8] Vocab");
+    assert!(names.contains(&"blocks.1.qkv.weight [24, 8] Column".to_string()), "{names:?}");
+    assert!(names.contains(&"blocks.0.down.bias [8] Row".to_string()), "{names:?}");
+    assert_eq!(names.last().unwrap(), "head.weight [11, 8] Vocab");
+}
+
+/// Counts each parameter's gradient-ready announcements.
+#[derive(Default)]
+struct ReadyLog(Mutex<Vec<String>>);
+impl Hooks for ReadyLog {
+    fn grad_ready(&self, p: &Param) -> Result<()> {
+        self.0.lock().unwrap().push(p.name().unwrap_or_default());
+        Ok(())
+    }
+}
+
+#[test]
+fn each_gradient_is_announced_once_when_final() {
+    let log = Arc::new(ReadyLog::default());
+    let mut cx = f64_cx().with_hooks(log.clone());
+    let gpt = module::build(Gpt::new(11, 8, 2, 2).unwrap(), &cx).unwrap();
+    let ids = Tensor::from_vec(vec![1u32, 5, 10, 0], [1, 4], cx.device()).unwrap();
+    let (y, saved) = gpt.forward(&mut cx, Act::new(ids)).unwrap();
+    let dy = Act::new(y.tensor().zeros_like().unwrap());
+    gpt.backward(&mut cx, saved, dy).unwrap();
+    let mut got = log.0.lock().unwrap().clone();
+    let n = got.len();
+    got.sort();
+    got.dedup();
+    assert_eq!(n, got.len(), "a parameter was announced twice");
+    assert_eq!(n, params(&gpt).len(), "every parameter is announced");
+    // The tied weight is used first by `tok` and last by `head`: it is final
+    // only after the embedding's backward, which runs last.
+    assert_eq!(log.0.lock().unwrap().last().unwrap(), "tok.weight");
+}
+
+/// Runs forward and backward; returns the bytes held between them and every gradient's bits.
+fn held_and_grads<M: Module<In = Replicated>>(model: &M, cx: &mut Cx, x: &Tensor) -> (usize, Vec<u64>) {
+    let dev = cx.device().clone();
+    let before = dev.memory_stats().in_use;
+    let (y, saved) = model.forward(cx, Act::new(x.clone())).unwrap();
+    let held = dev.memory_stats().in_use - before;
+    let dy = Act::new(y.tensor().clone());
+    drop(y);
+    model.backward(cx, saved, dy).unwrap();
+    let bits = params(model).iter().flat_map(|(_, p)| p.take_grad().unwrap().to_f64_vec().unwrap().into_iter().map(f64::to_bits)).collect();
+    (held, bits)
+}
+
+#[test]
+fn recompute_gives_identical_gradients_and_holds_less() {
+    let layers = 3;
+    let (b, t, d) = (2, 16, 8);
+    let mut cx = Cx::new(Device::cpu()).with_seed(5);
+    let x = rand_t(9, &[b, t, d], cx.device()).to_dtype(DType::F32).unwrap();
+    let act = b * t * d * 4;
+
+    let full = module::build(FullRecompute { blocks: Stack::from_fn(layers, |_| GptBlock::new(d, 2)).unwrap() }, &cx).unwrap();
+    let (held_full, bits_full) = held_and_grads(&full, &mut cx, &x);
+    cx.set_recompute_override(RecomputeOverride::Off);
+    let (held_none, bits_none) = held_and_grads(&full, &mut cx, &x);
+    cx.set_recompute_override(RecomputeOverride::AsDeclared);
+    assert_eq!(bits_full, bits_none, "full recompute changes no gradient bit");
+    // Only the block inputs are held (layer 0's input is the caller's `x`,
+    // allocated before), plus the output itself.
+    assert_eq!(held_full, (layers - 1) * act + act, "full recompute holds only block inputs");
+    assert!(held_none > 4 * held_full, "no recompute holds far more: {held_none} vs {held_full}");
+
+    let sel = SelectiveRecompute { blocks: Stack::from_fn(layers, |_| GptBlock::new(d, 2)).unwrap() };
+    let sel = module::build(sel, &cx).unwrap();
+    let (held_sel, bits_sel) = held_and_grads(&sel, &mut cx, &x);
+    assert_eq!(bits_sel, bits_none, "selective recompute changes no gradient bit (same init as the full model)");
+    // Selective keeps the attention's packed input (q|k|v before RoPE, 3 activations)
+    // instead of its core: roped q, k, v, the output and one lse per query and head.
+    let lse = b * 2 * t * 4;
+    let core = 4 * act + lse;
+    assert_eq!(held_none - held_sel, layers * (core - 3 * act), "selective recompute drops exactly the attention core");
+
+    // Nothing of size T×T is held in either mode: doubling the sequence
+    // exactly doubles the bytes held between forward and backward.
+    let x2 = rand_t(9, &[b, 2 * t, d], cx.device()).to_dtype(DType::F32).unwrap();
+    let (held_sel2, _) = held_and_grads(&sel, &mut cx, &x2);
+    assert_eq!(held_sel2, 2 * held_sel, "selective: held bytes grow linearly in T");
+    cx.set_recompute_override(RecomputeOverride::Off);
+    let (held_none2, _) = held_and_grads(&sel, &mut cx, &x2);
+    assert_eq!(held_none2, 2 * held_none, "no recompute: held bytes grow linearly in T");
+}
