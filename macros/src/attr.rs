@@ -240,12 +240,18 @@ impl SpanOf for syn::Path {
 pub struct ModelAttrs {
     pub precision: Option<Spanned<Precision>>,
     pub loss_scaling: Option<Spanned<bool>>,
+    /// A static tensor-parallel degree, `tp = N`.
+    pub tp: Option<Spanned<u64>>,
+    /// Const dimensions, `dims(name = N, ..)`, checked against `tp`.
+    pub dims: Vec<(syn::Ident, Spanned<u64>)>,
 }
 
 impl ModelAttrs {
     pub fn parse(cx: &Ctxt, attrs: &[syn::Attribute]) -> ModelAttrs {
         let mut precision = Slot::new(PRECISION);
         let mut loss_scaling = Slot::new(LOSS_SCALING);
+        let mut tp = Slot::new(TP);
+        let mut dims: Vec<(syn::Ident, Spanned<u64>)> = Vec::new();
         for attr in attrs.iter().filter(|a| a.path().is_ident(MODEL)) {
             let r = attr.parse_nested_meta(|meta| {
                 let span = meta.path.span_of();
@@ -269,7 +275,30 @@ impl ModelAttrs {
                         };
                         loss_scaling.set(cx, span, on, |_, _| None);
                     }
-                    _ => return Err(meta.error(format!("unknown `model` key `{}`: expected `precision` or `loss_scaling`", path_str(&meta.path)))),
+                    Some(TP) => {
+                        let v: syn::LitInt = meta.value()?.parse()?;
+                        let n: u64 = v.base10_parse()?;
+                        if n == 0 {
+                            return Err(syn::Error::new(v.span(), "the tensor-parallel degree must be at least 1"));
+                        }
+                        tp.set(cx, span, n, |_, _| None);
+                    }
+                    Some(DIMS) => {
+                        meta.parse_nested_meta(|dim| {
+                            let Some(name) = dim.path.get_ident().cloned() else {
+                                return Err(dim.error("a dimension is `name = value`, e.g. `vocab = 50304`"));
+                            };
+                            let v: syn::LitInt = dim.value()?.parse()?;
+                            let n: u64 = v.base10_parse()?;
+                            if dims.iter().any(|(d, _)| *d == name) {
+                                cx.error_spanned_by(&name, format!("duplicate dimension `{name}`"));
+                            } else {
+                                dims.push((name, Spanned { value: n, span: v.span() }));
+                            }
+                            Ok(())
+                        })?;
+                    }
+                    _ => return Err(meta.error(format!("unknown `model` key `{}`: expected `precision`, `loss_scaling`, `tp` or `dims(..)`", path_str(&meta.path)))),
                 }
                 Ok(())
             });
@@ -277,6 +306,6 @@ impl ModelAttrs {
                 cx.syn_error(e);
             }
         }
-        ModelAttrs { precision: precision.value, loss_scaling: loss_scaling.value }
+        ModelAttrs { precision: precision.value, loss_scaling: loss_scaling.value, tp: tp.value, dims }
     }
 }

@@ -8,6 +8,23 @@ pub fn check(cx: &Ctxt, m: &Model) {
     check_tied(cx, m);
     check_split_stacks(cx, m);
     check_fp16_needs_loss_scaling(cx, m);
+    check_static_dims(cx, m);
+}
+
+/// With a static mesh, every declared dimension must split evenly over the
+/// tensor-parallel degree: a vocabulary or head count that does not divide
+/// is refused here rather than silently mis-sharded at run time.
+fn check_static_dims(cx: &Ctxt, m: &Model) {
+    let Some(tp) = m.attrs.tp else { return };
+    for (name, n) in &m.attrs.dims {
+        if n.value % tp.value != 0 {
+            let padded = n.value.div_ceil(tp.value) * tp.value;
+            cx.error_at(
+                n.span,
+                format!("`{name} = {}` does not divide by the tensor-parallel degree `tp = {}`; pad it to {padded} or choose a degree that divides it", n.value, tp.value),
+            );
+        }
+    }
 }
 
 /// A tied field must name another field of the same struct: the weight is shared, not copied.

@@ -25,10 +25,12 @@ pub fn expand(input: syn::DeriveInput) -> TokenStream {
     }
     let callback = callback_macro(&input);
     let assertions = model.as_ref().map(assertions).unwrap_or_default();
+    let consts = model.as_ref().map(static_dims).unwrap_or_default();
     let errors = cx.check().err().map(|e| e.to_compile_error());
     quote! {
         #callback
         #assertions
+        #consts
         #errors
     }
 }
@@ -79,5 +81,37 @@ fn assertions(m: &Model) -> TokenStream {
                 #(#checks)*
             }
         };
+    }
+}
+
+/// `#[model(tp = N, dims(..))]` as associated constants, so constructors
+/// build the layers from the very numbers the compiler checked.
+fn static_dims(m: &Model) -> TokenStream {
+    let ident = &m.ident;
+    let tp = m.attrs.tp.map(|tp| {
+        let n = tp.value as usize;
+        quote! {
+            /// The static tensor-parallel degree declared by `#[model(tp = ..)]`.
+            pub const TP: usize = #n;
+        }
+    });
+    let dims = m.attrs.dims.iter().map(|(name, n)| {
+        let c = format_ident!("{}", name.to_string().to_uppercase());
+        let v = n.value as usize;
+        let doc = format!("The dimension `{name}` declared by `#[model(dims(..))]`.");
+        quote! {
+            #[doc = #doc]
+            pub const #c: usize = #v;
+        }
+    });
+    if tp.is_none() && m.attrs.dims.is_empty() {
+        return TokenStream::new();
+    }
+    quote! {
+        #[automatically_derived]
+        impl #ident {
+            #tp
+            #(#dims)*
+        }
     }
 }

@@ -25,3 +25,5 @@ pub const F16: &str = "f16";
 pub const LOSS_SCALING: &str = "loss_scaling";
 pub const DYNAMIC: &str = "dynamic";
 pub const NONE: &str = "none";
+pub const TP: &str = "tp";
+pub const DIMS: &str = "dims";

@@ -362,3 +362,80 @@ fn recompute_gives_identical_gradients_and_holds_less() {
     let (held_none2, _) = held_and_grads(&sel, &mut cx, &x2);
     assert_eq!(held_none2, 2 * held_none, "no recompute: held bytes grow linearly in T");
 }
+
+/// A group that only reports its size: enough for the checks that run
+/// before anything is allocated.
+#[derive(Debug)]
+struct SizeOnly(usize);
+impl tessera::dist::Communicator for SizeOnly {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        self.0
+    }
+    fn all_reduce_sum(&self, _: &Tensor) -> Result<Tensor> {
+        unimplemented!("not used by materialize")
+    }
+    fn all_gather(&self, _: &Tensor, _: usize) -> Result<Tensor> {
+        unimplemented!("not used by materialize")
+    }
+    fn reduce_scatter_sum(&self, _: &Tensor, _: usize) -> Result<Tensor> {
+        unimplemented!("not used by materialize")
+    }
+    fn broadcast(&self, _: &Tensor, _: usize) -> Result<Tensor> {
+        unimplemented!("not used by materialize")
+    }
+    fn all_to_all(&self, _: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        unimplemented!("not used by materialize")
+    }
+    fn barrier(&self) -> Result<()> {
+        unimplemented!("not used by materialize")
+    }
+}
+
+#[test]
+fn degrees_that_do_not_divide_are_refused_before_allocation() {
+    let mut groups = module::Groups::single();
+    groups.tp = Arc::new(SizeOnly(2));
+    let dev = Device::cpu();
+    let cx = Cx::new(dev.clone()).with_groups(groups);
+    // vocabulary 11 and 3 heads do not split over 2 ranks
+    let Err(err) = module::build(Gpt::new(11, 6, 3, 2).unwrap(), &cx) else { panic!("a vocabulary of 11 split over 2 ranks was accepted") };
+    let err = err.to_string();
+    assert!(err.contains("`tok.weight`") && err.contains("size 11"), "{err}");
+    assert!(err.contains("`blocks.0.attn`") && err.contains("3 query heads"), "{err}");
+    assert!(err.contains("choose a tensor-parallel degree"), "{err}");
+    assert_eq!(dev.memory_stats().allocations, 0, "nothing was allocated");
+}
+
+#[derive(Module)]
+#[model(tp = 2, dims(vocab = 12, hidden = 8, heads = 2))]
+pub struct StaticGpt {
+    #[shard(vocab)]
+    tok: Embedding,
+    blocks: Stack<GptBlock>,
+    #[shard(vocab)]
+    #[tied(tok)]
+    head: Linear,
+}
+
+#[forward]
+impl StaticGpt {
+    fn forward(&self, ids: Act<Replicated>) -> Act<SplitHidden> {
+        self.head(self.blocks(all_reduce(self.tok(ids))))
+    }
+}
+
+#[test]
+fn static_dimensions_become_constants() {
+    assert_eq!((StaticGpt::TP, StaticGpt::VOCAB, StaticGpt::HIDDEN, StaticGpt::HEADS), (2, 12, 8, 2));
+    let m = StaticGpt {
+        tok: Embedding::new(StaticGpt::VOCAB, StaticGpt::HIDDEN).unwrap(),
+        blocks: Stack::from_fn(1, |_| GptBlock::new(StaticGpt::HIDDEN, StaticGpt::HEADS)).unwrap(),
+        head: Linear::new(StaticGpt::HIDDEN, StaticGpt::VOCAB, false).unwrap(),
+    };
+    let mut groups = module::Groups::single();
+    groups.tp = Arc::new(SizeOnly(StaticGpt::TP));
+    assert!(module::build(m, &Cx::new(Device::cpu()).with_groups(groups)).is_ok());
+}

@@ -280,7 +280,9 @@ impl<'a> Gen<'a> {
 
         let fwd: Vec<TokenStream> = nodes.iter().enumerate().skip(1).map(|(i, n)| self.forward_node(i, n)).collect();
         let saved_fields: Vec<syn::Ident> = nodes.iter().enumerate().filter(|(_, n)| self.saved_type(n).is_some()).map(|(i, _)| s(i)).collect();
-        let out = v(self.prog.output);
+        let out_node = v(self.prog.output);
+        let out_span = proc_macro2::Span::call_site().located_at(self.prog.nodes[self.prog.output].span);
+        let out = quote_spanned!(out_span=> #p::dsl::returns::<#out_l, _>(#out_node));
         let slots = nodes.iter().enumerate().map(|(i, _)| {
             let gi = g(i);
             let l = &self.layouts[i];
@@ -320,6 +322,12 @@ impl<'a> Gen<'a> {
                 let __w = #p::Tie::weight(&self.#partner).clone();
                 #p::Tie::tie_weight(&mut self.#fname, &__w)?;
             })
+        });
+        let checks = used.iter().map(|f| {
+            let fname = &f.ident;
+            let name = fname.to_string();
+            let m = as_module(f);
+            quote!(#m::check_tp(&self.#fname, &#p::join_path(__path, #name), __degree, __problems);)
         });
         let child_ties = used.iter().map(|f| {
             let fname = &f.ident;
@@ -364,6 +372,10 @@ impl<'a> Gen<'a> {
                 fn visit_params(&self, __v: &mut #p::Visitor<'_>) -> #p::Result<()> {
                     #(#visits)*
                     ::core::result::Result::Ok(())
+                }
+
+                fn check_tp(&self, __path: &str, __degree: usize, __problems: &mut ::std::vec::Vec<::std::string::String>) {
+                    #(#checks)*
                 }
 
                 fn tie_params(&mut self) -> #p::Result<()> {

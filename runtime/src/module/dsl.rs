@@ -151,6 +151,20 @@ pub fn relabel<A: Layout, B: Layout>(g: Act<A>) -> Act<B> {
     Act::new(g.into_tensor())
 }
 
+/// The layouts a forward whose signature returns `To` may end with: only `To`.
+#[diagnostic::on_unimplemented(
+    message = "the forward ends with a value of layout `{Self}`, but its signature returns `{To}`",
+    label = "this is `{Self}`",
+    note = "reduce a `PartialSum` with `all_reduce(..)` before returning it, or change the declared output layout"
+)]
+pub trait Returns<To: Layout>: Layout {}
+impl<L: Layout> Returns<L> for L {}
+
+/// The forward's output, checked against the declared layout.
+pub fn returns<To: Layout, L: Returns<To>>(x: Act<L>) -> Act<To> {
+    Act::new(x.into_tensor())
+}
+
 /// Adds `g` into a gradient slot (values used more than once get the sum of their uses' gradients).
 pub fn accumulate<L: Layout>(slot: &mut Option<Act<L>>, g: Act<L>) -> Result<()> {
     *slot = Some(match slot.take() {

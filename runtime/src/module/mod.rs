@@ -55,6 +55,13 @@ pub trait Module<R: Role = Plain>: Send + Sync {
     /// Reports every parameter with its dotted name (relative to this layer).
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()>;
 
+    /// Reports, into `problems`, every way this layer (at `path`) cannot be
+    /// split over a tensor-parallel group of `degree` ranks that its
+    /// parameters' shapes do not already show (attention heads, say).
+    fn check_tp(&self, path: &str, degree: usize, problems: &mut Vec<String>) {
+        let _ = (path, degree, problems);
+    }
+
     /// Links the weights that `#[tied(..)]` fields share (recursively).
     fn tie_params(&mut self) -> Result<()> {
         Ok(())
@@ -84,6 +91,16 @@ pub trait Tie {
 )]
 pub trait Recomputable {}
 
+/// `prefix.name`, or `name` at the top.
+#[doc(hidden)]
+pub fn join_path(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_string()
+    } else {
+        format!("{prefix}.{name}")
+    }
+}
+
 #[doc(hidden)]
 pub fn assert_module<M: Module<R>, R: Role>() {}
 #[doc(hidden)]
@@ -106,12 +123,16 @@ pub fn visit_params<M: Module>(model: &M, mut f: impl FnMut(ParamEntry<'_>) -> R
 
 /// Gives every parameter of `model` this rank's shard, in the master dtype (f32).
 ///
-/// First checks every sharded dimension against the tensor-parallel degree
-/// and reports all that do not divide (with the parameter, the dimension and
-/// both numbers) before allocating anything.
+/// First checks every sharded dimension (and every layer's own constraint,
+/// such as head counts) against the tensor-parallel degree and reports all
+/// that do not divide, naming the parameter or layer and both numbers, before
+/// allocating anything.
 pub fn materialize<M: Module>(model: &M, cx: &Cx) -> Result<()> {
     let (rank, degree) = (cx.tp().rank(), cx.tp().size());
     let mut problems = Vec::new();
+    if degree > 1 {
+        model.check_tp("", degree, &mut problems);
+    }
     visit_params(model, |e| {
         if let Some(dim) = e.split_dim {
             let size = e.param.global_shape().dims().get(dim).copied().unwrap_or(0);

@@ -235,6 +235,12 @@ impl Module<Plain> for CausalAttention {
     type Out = SplitHidden;
     type Saved = AttentionSaved;
 
+    fn check_tp(&self, path: &str, degree: usize, problems: &mut Vec<String>) {
+        if let Err(e) = self.local(degree) {
+            problems.push(format!("`{path}`: {e}"));
+        }
+    }
+
     fn forward(&self, cx: &mut Cx, x: Act<SplitHidden>) -> Result<(Act<SplitHidden>, AttentionSaved)> {
         let h = self.local(cx.tp().size())?;
         let x = x.into_tensor();

@@ -137,6 +137,17 @@ where
         Ok(g)
     }
 
+    fn check_tp(&self, path: &str, degree: usize, problems: &mut Vec<String>) {
+        // The layers are alike: one report for the first stands for all.
+        if let Some(first) = self.layers.first() {
+            first.check_tp(&crate::module::join_path(path, "0"), degree, problems);
+        }
+    }
+
+    fn tie_params(&mut self) -> Result<()> {
+        self.layers.iter_mut().try_for_each(|l| l.tie_params())
+    }
+
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
         for (i, layer) in self.layers.iter().enumerate() {
             v.child::<Plain>(&i.to_string(), |v| layer.visit_params(v))?;
