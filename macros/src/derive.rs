@@ -61,6 +61,9 @@ fn assertions(m: &Model) -> TokenStream {
             let role = format_ident!("{}", s.value.role());
             checks.push(quote_spanned!(s.span=> #p::assert_module::<#ty, #p::#role>();));
         }
+        if let Some(st) = f.attrs.stage.filter(|s| s.value == crate::attr::Stage::Split) {
+            checks.push(quote_spanned!(st.span=> #p::assert_pipelined::<#ty>();));
+        }
         if let Some(r) = f.attrs.recompute {
             checks.push(quote_spanned!(r.span=> #p::assert_recomputable::<#ty>();));
         }

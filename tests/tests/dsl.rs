@@ -439,3 +439,44 @@ fn static_dimensions_become_constants() {
     groups.tp = Arc::new(SizeOnly(StaticGpt::TP));
     assert!(module::build(m, &Cx::new(Device::cpu()).with_groups(groups)).is_ok());
 }
+
+/// Runs `gpt` as a pipeline of `stages` stages in one process, passing each
+/// stage's output on; returns the output bits and the gradient bits.
+fn pipelined(gpt: &Gpt, cx: &mut Cx, ids: &Tensor, stages: usize) -> (Vec<u64>, Vec<u64>) {
+    let n = gpt.split_layers();
+    let ranges: Vec<_> = (0..stages).map(|s| gpt.blocks.stage_range(s, stages)).collect();
+    let (h, first) = gpt.forward_first(cx, Act::new(ids.clone())).unwrap();
+    let mut h = h;
+    let mut saved = Vec::new();
+    for r in &ranges {
+        let (y, s) = gpt.forward_split(cx, r.clone(), h).unwrap();
+        saved.push(s);
+        h = y;
+    }
+    assert_eq!(ranges.last().unwrap().end, n);
+    let (y, last) = gpt.forward_last(cx, h).unwrap();
+    let out = y.tensor().to_f64_vec().unwrap().into_iter().map(f64::to_bits).collect();
+    let mut g = gpt.backward_last(cx, last, Act::new(y.tensor().clone())).unwrap();
+    for (r, s) in ranges.iter().zip(saved).rev() {
+        g = gpt.backward_split(cx, r.clone(), s, g).unwrap();
+    }
+    gpt.backward_first(cx, first, g).unwrap();
+    let grads = params(gpt).iter().flat_map(|(_, p)| p.take_grad().unwrap().to_f64_vec().unwrap().into_iter().map(f64::to_bits)).collect();
+    (out, grads)
+}
+
+#[test]
+fn stage_entry_points_compose_to_the_whole_model() {
+    let mut cx = Cx::new(Device::cpu()).with_seed(1);
+    let gpt = module::build(Gpt::new(11, 8, 2, 3).unwrap(), &cx).unwrap();
+    let ids = Tensor::from_vec(vec![1u32, 5, 10, 0, 3, 3, 7, 2], [2, 4], cx.device()).unwrap();
+    let (y, saved) = gpt.forward(&mut cx, Act::new(ids.clone())).unwrap();
+    let out: Vec<u64> = y.tensor().to_f64_vec().unwrap().into_iter().map(f64::to_bits).collect();
+    gpt.backward(&mut cx, saved, Act::new(y.tensor().clone())).unwrap();
+    let grads: Vec<u64> = params(&gpt).iter().flat_map(|(_, p)| p.take_grad().unwrap().to_f64_vec().unwrap().into_iter().map(f64::to_bits)).collect();
+    for stages in [1, 2, 3] {
+        let (o, g) = pipelined(&gpt, &mut cx, &ids, stages);
+        assert_eq!(o, out, "{stages} stages: outputs differ");
+        assert_eq!(g, grads, "{stages} stages: gradients differ");
+    }
+}

@@ -10,6 +10,37 @@ pub fn check(cx: &Ctxt, m: &Model, p: &Program) {
     check_fields(cx, m, p);
     check_unused(cx, p);
     check_stages(cx, m, p);
+    check_split(cx, m, p);
+}
+
+/// The split field is where the pipeline cuts the model: it runs once, and
+/// nothing computed before it is read after it (only the split field's
+/// activation crosses from stage to stage).
+fn check_split(cx: &Ctxt, m: &Model, p: &Program) {
+    let is_split = |n: &super::parse::Node| matches!(&n.op, Op::Call(f) if m.field(f).and_then(|f| f.attrs.stage).is_some_and(|s| s.value == Stage::Split));
+    let calls: Vec<usize> = p.nodes.iter().enumerate().filter(|(_, n)| is_split(n)).map(|(i, _)| i).collect();
+    let Some(&split) = calls.first() else { return };
+    for &again in &calls[1..] {
+        cx.error_at(p.nodes[again].span, "the `#[stage(split)]` field runs once per forward: the pipeline cuts the model around that one call");
+    }
+    let before = super::expand::before_split(p, split);
+    for (i, n) in p.nodes.iter().enumerate() {
+        if i == split || before.contains(&i) {
+            continue;
+        }
+        for &a in &n.args {
+            if before.contains(&a) {
+                let what = match &p.nodes[a].name {
+                    Some(name) => format!("`{name}`"),
+                    None => "a value".to_string(),
+                };
+                cx.error_at(
+                    n.span,
+                    format!("{what} is computed before the `#[stage(split)]` field and read after it; between pipeline stages only the split field's activation is passed"),
+                );
+            }
+        }
+    }
 }
 
 /// Every `self.name(..)` names a field of the struct.

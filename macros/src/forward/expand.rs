@@ -4,7 +4,7 @@
 
 use super::parse::{Func, Node, Op, Program};
 use crate::ast::{Field, Model};
-use crate::attr::{Precision, Recompute};
+use crate::attr::{Precision, Recompute, Stage};
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote, quote_spanned};
 
@@ -95,23 +95,6 @@ impl<'a> Gen<'a> {
 
     fn saved_struct_name(&self) -> syn::Ident {
         format_ident!("__TesseraSaved{}", self.m.ident)
-    }
-
-    fn saved_struct(&self) -> TokenStream {
-        let name = self.saved_struct_name();
-        let vis = &self.m.vis;
-        let fields = self.prog.nodes.iter().enumerate().filter_map(|(i, n)| {
-            let t = self.saved_type(n)?;
-            let s = s(i);
-            Some(quote!(#s: #t))
-        });
-        let doc = format!("What `{}`'s forward keeps for its backward: one field per stored activation.", self.m.ident);
-        quote! {
-            #[doc = #doc]
-            #[doc(hidden)]
-            #[allow(non_camel_case_types, dead_code)]
-            #vis struct #name { #(#fields,)* }
-        }
     }
 
     fn forward_node(&self, i: usize, n: &Node) -> TokenStream {
@@ -270,42 +253,100 @@ impl<'a> Gen<'a> {
             .collect()
     }
 
+    /// The forward and backward bodies of a part of the program: `nodes`
+    /// (in order) read the value of `entry` from the argument `__x` and
+    /// produce `exit`. The whole model is one part; pipeline stages are three.
+    fn part(&self, part: &Part) -> PartCode {
+        let p = p();
+        let saved = &part.saved;
+        let nodes = &self.prog.nodes;
+        let fwd: Vec<TokenStream> = part.nodes.iter().map(|&i| self.forward_node(i, &nodes[i])).collect();
+        let saved_fields: Vec<syn::Ident> = part.nodes.iter().filter(|&&i| self.saved_type(&nodes[i]).is_some()).map(|&i| s(i)).collect();
+        let saved_types: Vec<TokenStream> = part.nodes.iter().filter_map(|&i| self.saved_type(&nodes[i])).collect();
+        let exit = v(part.exit);
+        let out_l = &part.out_l;
+        let out = if part.check_output {
+            let span = proc_macro2::Span::call_site().located_at(nodes[part.exit].span);
+            quote_spanned!(span=> #p::dsl::returns::<#out_l, _>(#exit))
+        } else {
+            quote!(#exit)
+        };
+        let slot_ids: Vec<usize> = std::iter::once(part.entry).chain(part.nodes.iter().copied()).collect();
+        let slots = slot_ids.iter().map(|&i| {
+            let gi = g(i);
+            let l = &self.layouts[i];
+            quote!(let mut #gi: ::core::option::Option<#p::Act<#l>> = ::core::option::Option::None;)
+        });
+        let bwd: Vec<TokenStream> = part.nodes.iter().rev().map(|&i| self.backward_node(i, &nodes[i])).collect();
+        let (g_exit, v_entry, g_entry) = (g(part.exit), v(part.entry), g(part.entry));
+        let (enter, exit_fwd, exit_bwd, in_cast, dy_cast) = self.model_precision();
+        let ident = &self.m.ident;
+        let input_name = self.prog.input.to_string();
+        let vis = &self.m.vis;
+        let doc = format!("What part of `{ident}`'s forward keeps for its backward: one field per stored activation.");
+        PartCode {
+            saved_def: quote! {
+                #[doc = #doc]
+                #[doc(hidden)]
+                #[allow(non_camel_case_types, dead_code)]
+                #vis struct #saved { #(#saved_fields: #saved_types,)* }
+            },
+            forward: quote! {
+                #enter
+                let __r = (|__cx: &mut #p::Cx| -> #p::Result<(#p::Act<#out_l>, #saved)> {
+                    let #v_entry = #in_cast;
+                    #(#fwd)*
+                    ::core::result::Result::Ok((#out, #saved { #(#saved_fields,)* }))
+                })(__cx);
+                #exit_fwd
+            },
+            backward: quote! {
+                #enter
+                let __r = (|__cx: &mut #p::Cx| {
+                    let #saved { #(#saved_fields,)* } = __saved;
+                    #(#slots)*
+                    #p::dsl::accumulate(&mut #g_exit, #dy_cast)?;
+                    #(#bwd)*
+                    #g_entry.ok_or_else(|| #p::Error::InvalidArgument {
+                        op: "backward",
+                        detail: ::std::format!("the output of `{}` does not depend on its input `{}`", ::core::stringify!(#ident), #input_name),
+                    })
+                })(__cx);
+                #exit_bwd
+            },
+        }
+    }
+
+    /// Entering and leaving the model's `#[model(precision = ..)]` region.
+    fn model_precision(&self) -> (TokenStream, TokenStream, TokenStream, TokenStream, TokenStream) {
+        let p = p();
+        match self.m.attrs.precision.map(|pr| dtype(pr.value)) {
+            Some(d) => (
+                quote!(let __outer = __cx.compute_dtype(); let __region = #p::dsl::region_dtype(__outer, #d); __cx.set_compute_dtype(__region);),
+                quote!(__cx.set_compute_dtype(__outer); let (__y, __s) = __r?; Ok((#p::dsl::cast(__y, __outer)?, __s))),
+                quote!(__cx.set_compute_dtype(__outer); #p::dsl::cast(__r?, __outer)),
+                quote!(#p::dsl::cast(__x, __region)?),
+                quote!(#p::dsl::cast(__dy, __region)?),
+            ),
+            None => (quote!(), quote!(__r), quote!(__r), quote!(__x), quote!(__dy)),
+        }
+    }
+
     fn module_impl(&self) -> TokenStream {
         let p = p();
         let ident = &self.m.ident;
         let in_l = &self.prog.in_layout;
         let out_l = &self.prog.out_layout;
-        let saved = self.saved_struct_name();
-        let nodes = &self.prog.nodes;
-
-        let fwd: Vec<TokenStream> = nodes.iter().enumerate().skip(1).map(|(i, n)| self.forward_node(i, n)).collect();
-        let saved_fields: Vec<syn::Ident> = nodes.iter().enumerate().filter(|(_, n)| self.saved_type(n).is_some()).map(|(i, _)| s(i)).collect();
-        let out_node = v(self.prog.output);
-        let out_span = proc_macro2::Span::call_site().located_at(self.prog.nodes[self.prog.output].span);
-        let out = quote_spanned!(out_span=> #p::dsl::returns::<#out_l, _>(#out_node));
-        let slots = nodes.iter().enumerate().map(|(i, _)| {
-            let gi = g(i);
-            let l = &self.layouts[i];
-            quote!(let mut #gi: ::core::option::Option<#p::Act<#l>> = ::core::option::Option::None;)
-        });
-        let bwd: Vec<TokenStream> = nodes.iter().enumerate().rev().map(|(i, n)| self.backward_node(i, n)).collect();
-        let g_out = g(self.prog.output);
-        let (v0, g0) = (v(0), g(0));
-
-        let model_dtype = self.m.attrs.precision.map(|pr| dtype(pr.value));
-        let (enter, exit_fwd, exit_bwd) = match &model_dtype {
-            Some(d) => (
-                quote!(let __outer = __cx.compute_dtype(); let __region = #p::dsl::region_dtype(__outer, #d); __cx.set_compute_dtype(__region);),
-                quote!(__cx.set_compute_dtype(__outer); let (__y, __s) = __r?; Ok((#p::dsl::cast(__y, __outer)?, __s))),
-                quote!(__cx.set_compute_dtype(__outer); #p::dsl::cast(__r?, __outer)),
-            ),
-            None => (quote!(), quote!(__r), quote!(__r)),
+        let whole = Part {
+            saved: self.saved_struct_name(),
+            entry: 0,
+            nodes: (1..self.prog.nodes.len()).collect(),
+            exit: self.prog.output,
+            out_l: quote!(#out_l),
+            check_output: true,
         };
-        let (in_cast, dy_cast) = match &model_dtype {
-            Some(_) => (quote!(#p::dsl::cast(__x, __region)?), quote!(#p::dsl::cast(__dy, __region)?)),
-            None => (quote!(__x), quote!(__dy)),
-        };
-        let input_name = self.prog.input.to_string();
+        let saved = &whole.saved;
+        let PartCode { saved_def, forward, backward } = self.part(&whole);
 
         let used = self.used_fields();
         let visits = used.iter().map(|f| {
@@ -336,6 +377,8 @@ impl<'a> Gen<'a> {
         });
 
         quote! {
+            #saved_def
+
             #[automatically_derived]
             impl #p::Module for #ident {
                 type In = #in_l;
@@ -344,29 +387,12 @@ impl<'a> Gen<'a> {
 
                 #[allow(unused_mut, unused_variables, clippy::all)]
                 fn forward(&self, __cx: &mut #p::Cx, __x: #p::Act<#in_l>) -> #p::Result<(#p::Act<#out_l>, #saved)> {
-                    #enter
-                    let __r = (|__cx: &mut #p::Cx| -> #p::Result<(#p::Act<_>, #saved)> {
-                        let #v0 = #in_cast;
-                        #(#fwd)*
-                        ::core::result::Result::Ok((#out, #saved { #(#saved_fields,)* }))
-                    })(__cx);
-                    #exit_fwd
+                    #forward
                 }
 
                 #[allow(unused_mut, unused_variables, clippy::all)]
                 fn backward(&self, __cx: &mut #p::Cx, __saved: #saved, __dy: #p::Act<#out_l>) -> #p::Result<#p::Act<#in_l>> {
-                    #enter
-                    let __r = (|__cx: &mut #p::Cx| -> #p::Result<#p::Act<#in_l>> {
-                        let #saved { #(#saved_fields,)* } = __saved;
-                        #(#slots)*
-                        #p::dsl::accumulate(&mut #g_out, #dy_cast)?;
-                        #(#bwd)*
-                        #g0.ok_or_else(|| #p::Error::InvalidArgument {
-                            op: "backward",
-                            detail: ::std::format!("the output of `{}` does not depend on its input `{}`", ::core::stringify!(#ident), #input_name),
-                        })
-                    })(__cx);
-                    #exit_bwd
+                    #backward
                 }
 
                 fn visit_params(&self, __v: &mut #p::Visitor<'_>) -> #p::Result<()> {
@@ -386,15 +412,142 @@ impl<'a> Gen<'a> {
             }
         }
     }
+
+    /// Pipeline entry points when one field is `#[stage(split)]`: the part
+    /// before the split field, a range of its layers, and the part after.
+    fn stage_impl(&self) -> TokenStream {
+        let Some((split, f)) = self.prog.nodes.iter().enumerate().find_map(|(i, n)| {
+            let f = self.field(n)?;
+            f.attrs.stage.filter(|s| s.value == Stage::Split).map(|_| (i, f))
+        }) else {
+            return TokenStream::new();
+        };
+        let p = p();
+        let ident = &self.m.ident;
+        let (in_l, out_l) = (&self.prog.in_layout, &self.prog.out_layout);
+        let ty = &f.ty;
+        let fname = &f.ident;
+        let name = fname.to_string();
+        let m = quote!(<#ty as #p::Module<#p::Plain>>);
+        let before = before_split(self.prog, split);
+        let first = Part {
+            saved: format_ident!("__TesseraSaved{}First", ident),
+            entry: 0,
+            nodes: before.iter().copied().filter(|&i| i != 0).collect(),
+            exit: self.prog.nodes[split].args[0],
+            out_l: quote!(#m::In),
+            check_output: false,
+        };
+        let last = Part {
+            saved: format_ident!("__TesseraSaved{}Last", ident),
+            entry: split,
+            nodes: (0..self.prog.nodes.len()).filter(|i| !before.contains(i) && *i != split).collect(),
+            exit: self.prog.output,
+            out_l: quote!(#out_l),
+            check_output: false,
+        };
+        let (sf, sl) = (&first.saved, &last.saved);
+        let first_code = self.part(&first);
+        let last_code = self.part(&last);
+        let (first_def, first_fwd, first_bwd) = (&first_code.saved_def, &first_code.forward, &first_code.backward);
+        let (last_def, last_fwd, last_bwd) = (&last_code.saved_def, &last_code.forward, &last_code.backward);
+        let recompute = match f.attrs.recompute.map(|r| r.value) {
+            Some(Recompute::Full) => quote!(::core::option::Option::Some(#p::Recompute::Full)),
+            Some(Recompute::Selective) => quote!(::core::option::Option::Some(#p::Recompute::Selective)),
+            None => quote!(::core::option::Option::None),
+        };
+        let doc = format!(
+            "Pipeline stages of `{ident}`: the first stage runs [`forward_first`](Self::forward_first) and then its \
+             range of `{fname}`'s layers, middle stages a range of layers, the last stage its range and then \
+             [`forward_last`](Self::forward_last). Run in order with all layers, they compute exactly the model's forward."
+        );
+        quote! {
+            #first_def
+            #last_def
+
+            #[doc = #doc]
+            #[automatically_derived]
+            impl #ident {
+                /// Number of layers of the split field, to divide among the stages.
+                pub fn split_layers(&self) -> usize {
+                    #p::Pipelined::layer_count(&self.#fname)
+                }
+
+                /// The first stage's part before the split layers.
+                #[allow(unused_mut, unused_variables, clippy::all)]
+                pub fn forward_first(&self, __cx: &mut #p::Cx, __x: #p::Act<#in_l>) -> #p::Result<(#p::Act<#m::In>, #sf)> {
+                    #first_fwd
+                }
+
+                /// Backward of [`forward_first`](Self::forward_first).
+                #[allow(unused_mut, unused_variables, clippy::all)]
+                pub fn backward_first(&self, __cx: &mut #p::Cx, __saved: #sf, __dy: #p::Act<#m::In>) -> #p::Result<#p::Act<#in_l>> {
+                    #first_bwd
+                }
+
+                /// Layers `layers` of the split field (a stage's share).
+                pub fn forward_split(&self, __cx: &mut #p::Cx, layers: ::core::ops::Range<usize>, __x: #p::Act<#m::In>) -> #p::Result<(#p::Act<#m::Out>, #m::Saved)> {
+                    #p::call_layers(&self.#fname, __cx, #name, layers, __x, #recompute)
+                }
+
+                /// Backward of [`forward_split`](Self::forward_split) over the same layers.
+                pub fn backward_split(&self, __cx: &mut #p::Cx, layers: ::core::ops::Range<usize>, __saved: #m::Saved, __dy: #p::Act<#m::Out>) -> #p::Result<#p::Act<#m::In>> {
+                    #p::call_layers_backward(&self.#fname, __cx, #name, layers, __saved, __dy)
+                }
+
+                /// The last stage's part after the split layers.
+                #[allow(unused_mut, unused_variables, clippy::all)]
+                pub fn forward_last(&self, __cx: &mut #p::Cx, __x: #p::Act<#m::Out>) -> #p::Result<(#p::Act<#out_l>, #sl)> {
+                    #last_fwd
+                }
+
+                /// Backward of [`forward_last`](Self::forward_last).
+                #[allow(unused_mut, unused_variables, clippy::all)]
+                pub fn backward_last(&self, __cx: &mut #p::Cx, __saved: #sl, __dy: #p::Act<#out_l>) -> #p::Result<#p::Act<#m::Out>> {
+                    #last_bwd
+                }
+            }
+        }
+    }
+}
+
+/// A part of the forward program (see [`Gen::part`]).
+struct Part {
+    saved: syn::Ident,
+    entry: usize,
+    nodes: Vec<usize>,
+    exit: usize,
+    out_l: TokenStream,
+    /// Whether the exit is checked against the declared output layout.
+    check_output: bool,
+}
+
+struct PartCode {
+    saved_def: TokenStream,
+    forward: TokenStream,
+    backward: TokenStream,
+}
+
+/// The nodes the split call's input depends on (the input included), in order.
+pub fn before_split(prog: &Program, split: usize) -> Vec<usize> {
+    let mut keep = vec![false; prog.nodes.len()];
+    let mut todo = vec![prog.nodes[split].args[0]];
+    while let Some(i) = todo.pop() {
+        if !keep[i] {
+            keep[i] = true;
+            todo.extend(&prog.nodes[i].args);
+        }
+    }
+    keep.iter().enumerate().filter(|(_, &k)| k).map(|(i, _)| i).collect()
 }
 
 pub fn expand(m: &Model, prog: &Program) -> TokenStream {
     let gen = Gen::new(m, prog);
-    let saved = gen.saved_struct();
     let imp = gen.module_impl();
+    let stages = gen.stage_impl();
     quote! {
-        #saved
         #imp
+        #stages
     }
 }
 

@@ -1,7 +1,7 @@
 //! Calling a sub-module from generated code: path and hooks around it,
 //! typed layout checks with readable errors, and recompute.
 
-use super::{Act, Cx, Layout, Module, RecomputeOverride, Role};
+use super::{Act, Cx, Layout, Module, Pipelined, RecomputeOverride, Role};
 use crate::error::Result;
 
 /// Layouts that can be fed to a layer taking `To`: only `To` itself.
@@ -118,4 +118,35 @@ pub fn call_recompute_backward<R: Role, M: Module<R>>(m: &M, cx: &mut Cx, name: 
         }
     };
     call_backward::<R, M>(m, cx, name, saved, dy)
+}
+
+/// Runs `layers` of the pipelined sub-module `name` (a pipeline stage's
+/// share), applying the field's declared recompute per layer.
+pub fn call_layers<M: Pipelined>(
+    m: &M,
+    cx: &mut Cx,
+    name: &str,
+    layers: std::ops::Range<usize>,
+    x: Act<M::In>,
+    declared: Option<Recompute>,
+) -> Result<(Act<M::Out>, M::Saved)> {
+    let effective = match (cx.recompute_override(), declared) {
+        (RecomputeOverride::Off, _) | (_, None) => None,
+        (RecomputeOverride::Full, Some(_)) => Some(Recompute::Full),
+        (RecomputeOverride::AsDeclared, d) => d,
+    };
+    cx.enter(name);
+    cx.set_layer_recompute(effective);
+    let r = m.forward_layers(cx, layers, x);
+    cx.set_layer_recompute(None);
+    cx.exit();
+    r
+}
+
+/// Backward of [`call_layers`].
+pub fn call_layers_backward<M: Pipelined>(m: &M, cx: &mut Cx, name: &str, layers: std::ops::Range<usize>, saved: M::Saved, dy: Act<M::Out>) -> Result<Act<M::In>> {
+    cx.enter(name);
+    let r = m.backward_layers(cx, layers, saved, dy);
+    cx.exit();
+    r
 }

@@ -13,7 +13,7 @@ mod param;
 mod role;
 mod visit;
 
-pub use call::{call, call_backward, call_recompute, call_recompute_backward, Feeds, Kept, Recompute};
+pub use call::{call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, Feeds, Kept, KeptCall, Recompute};
 pub use cx::{Cx, Groups, Hooks, RecomputeOverride};
 pub use layout::{Act, Dispatched, Layout, PartialSum, Replicated, SameLayout, SplitHidden, SplitSeq};
 pub use param::{Param, Shard};
@@ -68,6 +68,22 @@ pub trait Module<R: Role = Plain>: Send + Sync {
     }
 }
 
+/// A layer that a pipeline divides among its stages (`#[stage(split)]`):
+/// a sequence of layers of one type, run a contiguous range at a time.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be split over pipeline stages",
+    label = "`#[stage(split)]` needs a `Stack` of blocks",
+    note = "put the repeated blocks in a `Stack<Block>` and mark that field `#[stage(split)]`"
+)]
+pub trait Pipelined: Module<Plain> {
+    /// Number of layers to divide.
+    fn layer_count(&self) -> usize;
+    /// Forward over `layers` only (a stage's share).
+    fn forward_layers(&self, cx: &mut Cx, layers: std::ops::Range<usize>, x: Act<Self::In>) -> Result<(Act<Self::Out>, Self::Saved)>;
+    /// Backward over `layers`, with the state [`forward_layers`](Self::forward_layers) returned for them.
+    fn backward_layers(&self, cx: &mut Cx, layers: std::ops::Range<usize>, saved: Self::Saved, dy: Act<Self::Out>) -> Result<Act<Self::In>>;
+}
+
 /// Layers whose weight another layer can share (`#[tied(..)]`): an embedding
 /// table and an output head of the same global shape.
 #[diagnostic::on_unimplemented(
@@ -107,6 +123,8 @@ pub fn assert_module<M: Module<R>, R: Role>() {}
 pub fn assert_recomputable<M: Recomputable>() {}
 #[doc(hidden)]
 pub fn assert_tie<M: Tie>() {}
+#[doc(hidden)]
+pub fn assert_pipelined<M: Pipelined>() {}
 
 /// Ties the shared weights of `model`, then materialises it for this rank
 /// (see [`materialize`]): the model as a rank will train it.

@@ -1,7 +1,8 @@
 //! A sequence of layers of one type (the blocks of a transformer).
 
 use crate::error::{Error, Result};
-use crate::module::{call, call_backward, call_recompute, call_recompute_backward, Act, Cx, Kept, Module, Plain, Visitor};
+use crate::module::{call, call_backward, call_recompute, call_recompute_backward, Act, Cx, Kept, Module, Pipelined, Plain, Visitor};
+use std::ops::Range;
 
 /// `N` layers of one module type applied in order; the output of each is
 /// the input of the next, so the layer's input and output layouts must be
@@ -104,37 +105,11 @@ where
     const RECOMPUTES_PER_LAYER: bool = true;
 
     fn forward(&self, cx: &mut Cx, x: Act<Self::In>) -> Result<(Act<Self::Out>, Self::Saved)> {
-        let recompute = cx.take_layer_recompute();
-        let mut saves = Vec::with_capacity(self.layers.len());
-        let mut h = x;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let name = i.to_string();
-            let (y, kept) = match recompute {
-                Some(rc) => call_recompute::<Plain, M, _>(layer, cx, &name, h, rc)?,
-                None => {
-                    let (y, s) = call::<Plain, M, _>(layer, cx, &name, h)?;
-                    (y, Kept::Saved(s))
-                }
-            };
-            saves.push(kept);
-            h = y;
-        }
-        Ok((h, saves))
+        self.forward_layers(cx, 0..self.layers.len(), x)
     }
 
     fn backward(&self, cx: &mut Cx, saved: Self::Saved, dy: Act<Self::Out>) -> Result<Act<Self::In>> {
-        if saved.len() != self.layers.len() {
-            return Err(Error::invalid("Stack::backward", format!("{} saved states for {} layers; pass the state this stack's forward returned", saved.len(), self.layers.len())));
-        }
-        let mut g = dy;
-        for (i, (layer, kept)) in self.layers.iter().zip(saved).enumerate().rev() {
-            let name = i.to_string();
-            g = match kept {
-                Kept::Saved(s) => call_backward::<Plain, M>(layer, cx, &name, s, g)?,
-                input @ Kept::Input(_) => call_recompute_backward::<Plain, M>(layer, cx, &name, input, g)?,
-            };
-        }
-        Ok(g)
+        self.backward_layers(cx, 0..self.layers.len(), saved, dy)
     }
 
     fn check_tp(&self, path: &str, degree: usize, problems: &mut Vec<String>) {
@@ -151,6 +126,64 @@ where
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
         for (i, layer) in self.layers.iter().enumerate() {
             v.child::<Plain>(&i.to_string(), |v| layer.visit_params(v))?;
+        }
+        Ok(())
+    }
+}
+
+impl<M> Pipelined for Stack<M>
+where
+    M: Module<Plain>,
+    M: Module<Plain, Out = <M as Module<Plain>>::In>,
+{
+    fn layer_count(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn forward_layers(&self, cx: &mut Cx, layers: Range<usize>, x: Act<Self::In>) -> Result<(Act<Self::Out>, Self::Saved)> {
+        self.check_range("forward_layers", &layers)?;
+        let recompute = cx.take_layer_recompute();
+        let mut saves = Vec::with_capacity(layers.len());
+        let mut h = x;
+        for i in layers {
+            let (layer, name) = (&self.layers[i], i.to_string());
+            let (y, kept) = match recompute {
+                Some(rc) => call_recompute::<Plain, M, _>(layer, cx, &name, h, rc)?,
+                None => {
+                    let (y, s) = call::<Plain, M, _>(layer, cx, &name, h)?;
+                    (y, Kept::Saved(s))
+                }
+            };
+            saves.push(kept);
+            h = y;
+        }
+        Ok((h, saves))
+    }
+
+    fn backward_layers(&self, cx: &mut Cx, layers: Range<usize>, saved: Self::Saved, dy: Act<Self::Out>) -> Result<Act<Self::In>> {
+        self.check_range("backward_layers", &layers)?;
+        if saved.len() != layers.len() {
+            return Err(Error::invalid(
+                "Stack::backward",
+                format!("{} saved states for {} layers; pass the state the forward over these layers returned", saved.len(), layers.len()),
+            ));
+        }
+        let mut g = dy;
+        for (i, kept) in layers.zip(saved).rev() {
+            let (layer, name) = (&self.layers[i], i.to_string());
+            g = match kept {
+                Kept::Saved(s) => call_backward::<Plain, M>(layer, cx, &name, s, g)?,
+                input @ Kept::Input(_) => call_recompute_backward::<Plain, M>(layer, cx, &name, input, g)?,
+            };
+        }
+        Ok(g)
+    }
+}
+
+impl<M> Stack<M> {
+    fn check_range(&self, op: &'static str, layers: &Range<usize>) -> Result<()> {
+        if layers.start > layers.end || layers.end > self.layers.len() {
+            return Err(Error::invalid(op, format!("layers {layers:?} are outside this stack of {}", self.layers.len())));
         }
         Ok(())
     }
