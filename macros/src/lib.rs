@@ -19,14 +19,16 @@ mod symbol;
 
 use proc_macro::TokenStream;
 
-/// Derives the parameter plumbing of a model struct; see `tessera::Module`.
+/// Derives a model from a struct of layers (with `#[forward]`); the DSL and
+/// every attribute are documented in the `tessera::guide` module.
 #[proc_macro_derive(Module, attributes(shard, stage, recompute, precision, tied, model))]
 pub fn derive_module(input: TokenStream) -> TokenStream {
     let input = syn::parse_macro_input!(input as syn::DeriveInput);
     derive::expand(input).into()
 }
 
-/// Generates `Module` (forward, backward, visitor) from a forward body; see `tessera::forward`.
+/// Generates `Module` (forward, backward, parameter visitor, stage entry
+/// points) from a forward body; see the `tessera::guide` module.
 #[proc_macro_attribute]
 pub fn forward(args: TokenStream, input: TokenStream) -> TokenStream {
     if !args.is_empty() {

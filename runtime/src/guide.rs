@@ -91,9 +91,54 @@
 //! - `#[tied(field)]`: the layer shares the weight of `field` (an output head
 //!   tied to the token embedding).
 //!
-//! Struct attribute `#[model(precision = bf16, loss_scaling = dynamic)]`: the
-//! compute dtype of the whole model (master weights stay f32); an fp16 model
-//! or region with `loss_scaling = none` is refused.
+//! Struct attributes, in `#[model(..)]`:
+//!
+//! - `precision = bf16` (or `f16`, `f32`): the compute dtype of the whole
+//!   model; master weights stay f32.
+//! - `loss_scaling = dynamic` or `none`: an fp16 model or region with
+//!   `loss_scaling = none` is refused.
+//! - `tp = N` and `dims(name = value, ..)`: a static tensor-parallel degree
+//!   and const dimensions. Each dimension the degree does not divide is a
+//!   compile error on its value; each becomes an associated constant
+//!   (`Model::TP`, `Model::VOCAB`, ...) to build the layers from.
+//!
+//! ```
+//! use tessera::prelude::*;
+//! use tessera::nn::{Embedding, Linear};
+//! use tessera::{forward, Module};
+//!
+//! #[derive(Module)]
+//! #[model(tp = 4, dims(vocab = 50304, hidden = 768))]
+//! pub struct Bigram {
+//!     #[shard(vocab)] tok: Embedding,
+//!     #[shard(vocab)] #[tied(tok)] head: Linear,
+//! }
+//!
+//! #[forward]
+//! impl Bigram {
+//!     fn forward(&self, ids: Act<Replicated>) -> Act<SplitHidden> {
+//!         self.head(all_reduce(self.tok(ids)))
+//!     }
+//! }
+//!
+//! # fn main() -> tessera::Result<()> {
+//! let model = Bigram {
+//!     tok: Embedding::new(Bigram::VOCAB, Bigram::HIDDEN)?,
+//!     head: Linear::new(Bigram::HIDDEN, Bigram::VOCAB, false)?,
+//! };
+//! # let _ = model; Ok(())
+//! # }
+//! ```
+//!
+//! ## Pipeline stages
+//!
+//! A model with a `#[stage(split)]` field also gets typed entry points for a
+//! pipeline executor: `forward_first`/`backward_first` (everything before the
+//! split field), `forward_split`/`backward_split` over any range of its layers
+//! (`Stack::stage_range` divides them), and `forward_last`/`backward_last`.
+//! Their argument and result layouts are the split field's, so what crosses
+//! a stage boundary is fixed by the types; run in order over all layers they
+//! compute exactly the model's forward and backward.
 //!
 //! ```
 //! use tessera::prelude::*;
