@@ -480,3 +480,17 @@ fn stage_entry_points_compose_to_the_whole_model() {
         assert_eq!(g, grads, "{stages} stages: gradients differ");
     }
 }
+
+#[test]
+fn a_forward_without_backward_does_not_hold_back_the_next_step() {
+    let log = Arc::new(ReadyLog::default());
+    let mut cx = f64_cx().with_hooks(log.clone());
+    let block = module::build(GptBlock::new(8, 2).unwrap(), &cx).unwrap();
+    let x = rand_t(4, &[1, 3, 8], cx.device());
+    // an evaluation left in training mode: uses are counted, no backward follows
+    let _ = block.forward(&mut cx, Act::new(x.clone())).unwrap();
+    module::zero_grad(&block).unwrap();
+    let (y, saved) = block.forward(&mut cx, Act::new(x)).unwrap();
+    block.backward(&mut cx, saved, Act::new(y.tensor().clone())).unwrap();
+    assert_eq!(log.0.lock().unwrap().len(), params(&block).len(), "every gradient announced after zero_grad");
+}

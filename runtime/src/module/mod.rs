@@ -139,6 +139,15 @@ pub fn visit_params<M: Module>(model: &M, mut f: impl FnMut(ParamEntry<'_>) -> R
     model.visit_params(&mut Visitor::new(&mut f))
 }
 
+/// Drops every accumulated gradient of `model` and the uses still waiting
+/// for theirs: the start of a fresh step.
+pub fn zero_grad<M: Module>(model: &M) -> Result<()> {
+    visit_params(model, |e| {
+        e.param.take_grad();
+        Ok(())
+    })
+}
+
 /// Gives every parameter of `model` this rank's shard, in the master dtype (f32).
 ///
 /// First checks every sharded dimension (and every layer's own constraint,

@@ -113,9 +113,13 @@ impl Param {
         self.state().grad.clone()
     }
 
-    /// Takes the accumulated gradient, leaving none.
+    /// Takes the accumulated gradient, leaving none, and forgets forward
+    /// uses still waiting for theirs (a forward whose backward never ran must
+    /// not hold back the next step's gradient-ready announcement).
     pub fn take_grad(&self) -> Option<Tensor> {
-        self.state().grad.take()
+        let mut s = self.state();
+        s.pending = 0;
+        s.grad.take()
     }
 
     pub(crate) fn materialise(&self, name: &str, shard: Shard, dtype: DType, key_seed: u64, device: &crate::Device) -> Result<()> {
