@@ -494,3 +494,64 @@ fn a_forward_without_backward_does_not_hold_back_the_next_step() {
     block.backward(&mut cx, saved, Act::new(y.tensor().clone())).unwrap();
     assert_eq!(log.0.lock().unwrap().len(), params(&block).len(), "every gradient announced after zero_grad");
 }
+
+#[derive(Module)]
+#[model(precision = bf16)]
+pub struct Bf16Gpt {
+    #[shard(vocab)]
+    tok: Embedding,
+    blocks: Stack<GptBlock>,
+    #[precision(f32)]
+    norm: LayerNorm,
+    #[shard(vocab)]
+    #[tied(tok)]
+    head: Linear,
+}
+
+#[forward]
+impl Bf16Gpt {
+    fn forward(&self, ids: Act<Replicated>) -> Act<SplitHidden> {
+        let h = all_reduce(self.tok(ids));
+        self.head(self.norm(self.blocks(h)))
+    }
+}
+
+#[test]
+fn bf16_model_keeps_f32_master_weights_and_gradients() {
+    let (vocab, d) = (16, 16);
+    let mut cx = Cx::new(Device::cpu()).with_seed(2);
+    let f32_model = module::build(Gpt::new(vocab, d, 2, 2).unwrap(), &cx).unwrap();
+    let bf16_model = Bf16Gpt {
+        tok: Embedding::new(vocab, d).unwrap(),
+        blocks: Stack::from_fn(2, |_| GptBlock::new(d, 2)).unwrap(),
+        norm: LayerNorm::new(d, 1e-5, true).unwrap(),
+        head: Linear::new(d, vocab, false).unwrap(),
+    };
+    let bf16_model = module::build(bf16_model, &cx).unwrap();
+    let ids = Tensor::from_vec((0..32u32).map(|i| (i * 7) % vocab as u32).collect::<Vec<_>>(), [2, 16], cx.device()).unwrap();
+    let targets = Tensor::from_vec((0..32u32).map(|i| (i * 5 + 1) % vocab as u32).collect::<Vec<_>>(), [2, 16], cx.device()).unwrap();
+
+    let (loss32, held32, dt32) = train_step(&f32_model, &mut cx, &ids, &targets);
+    let (loss16, held16, dt16) = train_step(&bf16_model, &mut cx, &ids, &targets);
+    assert_eq!((dt32, dt16), (DType::F32, DType::F32), "the model's output leaves the bf16 region as f32");
+    assert!((loss32 - loss16).abs() < 0.05 * loss32.abs(), "bf16 loss {loss16} vs f32 {loss32}");
+    assert!(held16 * 10 < held32 * 7, "bf16 activations hold less: {held16} vs {held32}");
+    for (name, p) in params(&bf16_model) {
+        assert_eq!(p.value().unwrap().dtype(), DType::F32, "{name}: master weight");
+        assert_eq!(p.grad().unwrap().dtype(), DType::F32, "{name}: gradient");
+    }
+}
+
+/// One forward and backward with a cross-entropy loss: the loss, the bytes
+/// held between forward and backward, and the dtype of the logits.
+fn train_step<M: Module<In = Replicated, Out = SplitHidden>>(m: &M, cx: &mut Cx, ids: &Tensor, targets: &Tensor) -> (f64, usize, DType) {
+    let dev = cx.device().clone();
+    let before = dev.memory_stats().in_use;
+    let (logits, saved) = m.forward(cx, Act::new(ids.clone())).unwrap();
+    let held = dev.memory_stats().in_use - before;
+    let logits = logits.into_tensor();
+    let (loss, ce) = tessera::ops::cross_entropy(&logits, targets, None).unwrap();
+    let dlogits = tessera::ops::cross_entropy_backward(&logits, targets, None, &ce, 1.0).unwrap();
+    m.backward(cx, saved, Act::new(dlogits)).unwrap();
+    (loss.to_scalar().unwrap(), held, logits.dtype())
+}
