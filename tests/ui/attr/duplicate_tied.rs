@@ -1,0 +1,21 @@
+use tessera::nn::{Embedding, Linear};
+use tessera::prelude::*;
+
+#[derive(Module)]
+pub struct Lm {
+    #[shard(vocab)]
+    tok: Embedding,
+    #[shard(vocab)]
+    #[tied(tok)]
+    #[tied(tok)]
+    head: Linear,
+}
+
+#[forward]
+impl Lm {
+    fn forward(&self, ids: Act<Replicated>) -> Act<SplitHidden> {
+        self.head(all_reduce(self.tok(ids)))
+    }
+}
+
+fn main() {}

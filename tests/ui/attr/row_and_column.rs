@@ -1,0 +1,18 @@
+use tessera::nn::Linear;
+use tessera::prelude::*;
+
+#[derive(Module)]
+pub struct Layer {
+    #[shard(row)]
+    #[shard(column)]
+    up: Linear,
+}
+
+#[forward]
+impl Layer {
+    fn forward(&self, x: Act<Replicated>) -> Act<SplitHidden> {
+        self.up(x)
+    }
+}
+
+fn main() {}

@@ -1,0 +1,17 @@
+use tessera::nn::Linear;
+use tessera::prelude::*;
+
+#[derive(Module)]
+pub struct Layer {
+    #[precision(fp8)]
+    up: Linear,
+}
+
+#[forward]
+impl Layer {
+    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+        self.up(x)
+    }
+}
+
+fn main() {}

@@ -1,0 +1,10 @@
+use tessera::nn::{LayerNorm, RmsNorm};
+use tessera::prelude::*;
+
+#[derive(Module)]
+pub enum Norm {
+    Layer(LayerNorm),
+    Rms(RmsNorm),
+}
+
+fn main() {}

@@ -1,0 +1,6 @@
+use tessera::prelude::*;
+
+#[derive(Module)]
+pub struct Nothing;
+
+fn main() {}

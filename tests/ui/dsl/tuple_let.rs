@@ -1,0 +1,18 @@
+use tessera::nn::LayerNorm;
+use tessera::prelude::*;
+
+#[derive(Module)]
+pub struct Block {
+    ln: LayerNorm,
+    ln2: LayerNorm,
+}
+
+#[forward]
+impl Block {
+    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+        let (a, b) = (self.ln(x), self.ln2(x));
+        a + b
+    }
+}
+
+fn main() {}

@@ -1,0 +1,19 @@
+use tessera::nn::LayerNorm;
+use tessera::prelude::*;
+
+#[derive(Module)]
+pub struct Block {
+    ln: LayerNorm,
+    ln2: LayerNorm,
+}
+
+#[forward]
+impl Block {
+    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+        let a = self.ln(x);
+        let b = self.ln2(x);
+        a
+    }
+}
+
+fn main() {}

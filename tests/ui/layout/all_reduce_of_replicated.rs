@@ -1,0 +1,16 @@
+use tessera::nn::LayerNorm;
+use tessera::prelude::*;
+
+#[derive(Module)]
+pub struct Norm {
+    ln: LayerNorm,
+}
+
+#[forward]
+impl Norm {
+    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+        all_reduce(self.ln(x))
+    }
+}
+
+fn main() {}

@@ -1,0 +1,17 @@
+use tessera::nn::Linear;
+use tessera::prelude::*;
+
+#[derive(Module)]
+#[model(precision = f16, loss_scaling = static)]
+pub struct Layer {
+    up: Linear,
+}
+
+#[forward]
+impl Layer {
+    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+        self.up(x)
+    }
+}
+
+fn main() {}
