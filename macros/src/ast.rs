@@ -14,6 +14,8 @@ pub struct Model {
     pub vis: syn::Visibility,
     pub attrs: ModelAttrs,
     pub fields: Vec<Field>,
+    /// Whether the struct has no generic parameters (generic models are refused).
+    pub generics_empty: bool,
 }
 
 impl Model {
@@ -35,7 +37,13 @@ impl Model {
             .iter()
             .map(|f| Field { ident: f.ident.clone().expect("named"), ty: f.ty.clone(), attrs: FieldAttrs::parse(cx, &f.attrs) })
             .collect();
-        Some(Model { ident: item.ident.clone(), vis: item.vis.clone(), attrs: ModelAttrs::parse(cx, &item.attrs), fields })
+        Some(Model {
+            ident: item.ident.clone(),
+            vis: item.vis.clone(),
+            attrs: ModelAttrs::parse(cx, &item.attrs),
+            fields,
+            generics_empty: item.generics.params.is_empty(),
+        })
     }
 
     pub fn field(&self, name: &syn::Ident) -> Option<&Field> {

@@ -257,7 +257,7 @@ impl ModelAttrs {
                 let span = meta.path.span_of();
                 match word(&meta).as_deref() {
                     Some(PRECISION) => {
-                        let v: syn::Ident = meta.value()?.parse()?;
+                        let v: syn::Ident = meta.value()?.call(syn::ext::IdentExt::parse_any)?;
                         let p = match v.to_string().as_str() {
                             F32 => Precision::F32,
                             BF16 => Precision::Bf16,
@@ -267,7 +267,7 @@ impl ModelAttrs {
                         precision.set(cx, span, p, |_, _| None);
                     }
                     Some(LOSS_SCALING) => {
-                        let v: syn::Ident = meta.value()?.parse()?;
+                        let v: syn::Ident = meta.value()?.call(syn::ext::IdentExt::parse_any)?;
                         let on = match v.to_string().as_str() {
                             DYNAMIC => true,
                             NONE => false,
@@ -276,7 +276,7 @@ impl ModelAttrs {
                         loss_scaling.set(cx, span, on, |_, _| None);
                     }
                     Some(TP) => {
-                        let v: syn::LitInt = meta.value()?.parse()?;
+                        let v: syn::LitInt = meta.value()?.parse().map_err(|e: syn::Error| syn::Error::new(e.span(), "`tp` takes the tensor-parallel degree as an integer, e.g. `tp = 4`"))?;
                         let n: u64 = v.base10_parse()?;
                         if n == 0 {
                             return Err(syn::Error::new(v.span(), "the tensor-parallel degree must be at least 1"));

@@ -2,7 +2,8 @@
 //! struct to the `#[forward]` expansion through a callback macro.
 //!
 //! A derive sees only the struct and an attribute on an `impl` sees only the
-//! impl. The derive therefore emits `macro_rules! __tessera_fields_<Name>`,
+//! impl. The derive therefore emits `macro_rules! __derive_Module_of_<Name>`
+//! (named so that a missing derive reads as such in rustc's error),
 //! which the `#[forward]` attribute invokes with the impl: the macro rule
 //! forwards both the struct and the impl to `forward_impl!`, one procedural
 //! macro that sees field types, field attributes and the forward body
@@ -14,8 +15,9 @@
 use crate::ast::Model;
 use crate::check;
 use crate::ctxt::Ctxt;
-use proc_macro2::TokenStream;
-use quote::{format_ident, quote, quote_spanned};
+use crate::respan::respan;
+use proc_macro2::{Span, TokenStream};
+use quote::{format_ident, quote};
 
 pub fn expand(input: syn::DeriveInput) -> TokenStream {
     let cx = Ctxt::new();
@@ -37,7 +39,7 @@ pub fn expand(input: syn::DeriveInput) -> TokenStream {
 
 /// The macro through which `#[forward]` reaches the struct's definition.
 fn callback_macro(input: &syn::DeriveInput) -> TokenStream {
-    let name = format_ident!("__tessera_fields_{}", input.ident);
+    let name = format_ident!("__derive_Module_of_{}", input.ident);
     quote! {
         #[doc(hidden)]
         #[allow(unused_macros)]
@@ -55,29 +57,25 @@ fn assertions(m: &Model) -> TokenStream {
     let p = quote!(::tessera::__private);
     let ident = &m.ident;
     let mut checks = Vec::new();
+    // Every token of an assertion carries the attribute's location, so
+    // rustc's error underlines the attribute that asked for the bound.
+    let at = |span: Span, ts: TokenStream| respan(ts, Span::call_site().located_at(span));
+    // The bounds the generated code relies on (a layer's role, a split
+    // field being pipelined, tied layers having a weight) are where-clauses
+    // of the `#[forward]` expansion, placed at the attributes; what only the
+    // attribute promises is asserted here.
     for f in &m.fields {
         let ty = &f.ty;
-        if let Some(s) = f.attrs.shard {
-            let role = format_ident!("{}", s.value.role());
-            checks.push(quote_spanned!(s.span=> #p::assert_module::<#ty, #p::#role>();));
-        }
-        if let Some(st) = f.attrs.stage.filter(|s| s.value == crate::attr::Stage::Split) {
-            checks.push(quote_spanned!(st.span=> #p::assert_pipelined::<#ty>();));
-        }
         if let Some(r) = f.attrs.recompute {
-            checks.push(quote_spanned!(r.span=> #p::assert_recomputable::<#ty>();));
-        }
-        if let Some(partner) = &f.attrs.tied {
-            checks.push(quote_spanned!(partner.span()=> #p::assert_tie::<#ty>();));
-            if let Some(pf) = m.field(partner) {
-                let pty = &pf.ty;
-                checks.push(quote_spanned!(partner.span()=> #p::assert_tie::<#pty>();));
-            }
+            checks.push(at(r.span, quote!(#p::assert_recomputable::<#ty>();)));
         }
     }
-    quote! {
+    let recomputable = m.generics_empty.then(|| quote! {
         #[automatically_derived]
         impl #p::Recomputable for #ident {}
+    });
+    quote! {
+        #recomputable
         const _: () = {
             #[allow(dead_code)]
             fn __tessera_assertions() {
@@ -118,3 +116,4 @@ fn static_dims(m: &Model) -> TokenStream {
         }
     }
 }
+

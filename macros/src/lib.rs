@@ -15,6 +15,7 @@ mod check;
 mod ctxt;
 mod derive;
 mod forward;
+mod respan;
 mod symbol;
 
 use proc_macro::TokenStream;

@@ -8,6 +8,10 @@ use crate::ctxt::Ctxt;
 
 pub fn check(cx: &Ctxt, m: &Model, p: &Program) {
     check_fields(cx, m, p);
+    if cx.has_errors() {
+        return;
+    }
+    check_every_field_used(cx, m, p);
     check_unused(cx, p);
     check_stages(cx, m, p);
     check_split(cx, m, p);
@@ -51,6 +55,18 @@ fn check_fields(cx: &Ctxt, m: &Model, p: &Program) {
                 let names: Vec<String> = m.fields.iter().map(|g| format!("`{}`", g.ident)).collect();
                 cx.error_spanned_by(f, format!("`{}` has no field `{f}`; its layers are {}", m.ident, names.join(", ")));
             }
+        }
+    }
+}
+
+/// Every field is a layer the forward runs: a field it never calls would be
+/// silently left out of initialisation, training and checkpoints.
+fn check_every_field_used(cx: &Ctxt, m: &Model, p: &Program) {
+    for f in &m.fields {
+        let called = p.nodes.iter().any(|n| matches!(&n.op, Op::Call(c) if *c == f.ident));
+        let tied_to = m.fields.iter().any(|g| g.attrs.tied.as_ref() == Some(&f.ident));
+        if !called && !tied_to {
+            cx.error_spanned_by(&f.ident, format!("`{}` is not used by the forward; every field of a model is a layer its forward calls: call it or remove it", f.ident));
         }
     }
 }

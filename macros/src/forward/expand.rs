@@ -72,6 +72,39 @@ impl<'a> Gen<'a> {
         Gen { m, prog, layouts }
     }
 
+    /// The bounds the generated code needs of the fields, each placed at the
+    /// attribute that asks for it: if one fails, rustc reports it there, and
+    /// the bodies (which assume it) add no follow-on errors.
+    fn bounds(&self) -> TokenStream {
+        let p = p();
+        let mut b = Vec::new();
+        let at = |span: proc_macro2::Span, ts: TokenStream| crate::respan::respan(ts, proc_macro2::Span::call_site().located_at(span));
+        for f in self.used_fields() {
+            let ty = &f.ty;
+            if let Some(sh) = f.attrs.shard {
+                let r = role(f);
+                b.push(at(sh.span, quote!(#ty: #p::Module<#r>)));
+            }
+            if let Some(st) = f.attrs.stage.filter(|s| s.value == Stage::Split) {
+                b.push(at(st.span, quote!(#ty: #p::Pipelined)));
+            }
+        }
+        for f in &self.m.fields {
+            let Some(partner) = &f.attrs.tied else { continue };
+            let ty = &f.ty;
+            b.push(at(partner.span(), quote!(#ty: #p::Tie)));
+            if let Some(pf) = self.m.field(partner) {
+                let pty = &pf.ty;
+                b.push(at(partner.span(), quote!(#pty: #p::Tie)));
+            }
+        }
+        if b.is_empty() {
+            TokenStream::new()
+        } else {
+            quote!(where #(#b),*)
+        }
+    }
+
     fn field(&self, n: &Node) -> Option<&'a Field> {
         match &n.op {
             Op::Call(f) => self.m.field(f),
@@ -100,9 +133,15 @@ impl<'a> Gen<'a> {
     fn forward_node(&self, i: usize, n: &Node) -> TokenStream {
         let p = p();
         let (out, sv) = (v(i), s(i));
-        let args: Vec<syn::Ident> = n.args.iter().map(|&a| v(a)).collect();
-        // Resolve names as the generated code does, but report at the user's expression.
+        // Resolve names as the generated code does, but report at the user's
+        // expression: every token of a checked call carries this span, so the
+        // error underlines the user's code and nothing of the macro's.
         let span = proc_macro2::Span::call_site().located_at(n.span);
+        let ps = quote_spanned!(span=> ::tessera::__private);
+        let args: Vec<syn::Ident> = n.args.iter().map(|&a| syn::Ident::new(&format!("__v{a}"), span)).collect();
+        // Both layouts named explicitly: inference would otherwise equate them
+        // from the bound and report a bare type mismatch instead of its message.
+        let lts: Vec<TokenStream> = n.args.iter().map(|&a| crate::respan::respan(self.layouts[a].clone(), span)).collect();
         match &n.op {
             Op::Input => unreachable!("the input is bound by the signature"),
             Op::Call(fname) => {
@@ -121,9 +160,9 @@ impl<'a> Gen<'a> {
                             Recompute::Full => quote!(#p::Recompute::Full),
                             Recompute::Selective => quote!(#p::Recompute::Selective),
                         };
-                        quote_spanned!(span=> #p::call_recompute::<#r, #ty, _>(&self.#fname, __cx, #name, #arg, #mode))
+                        quote_spanned!(span=> #ps::call_recompute::<#r, #ty, _>(&self.#fname, __cx, #name, #arg, #mode))
                     }
-                    None => quote_spanned!(span=> #p::call::<#r, #ty, _>(&self.#fname, __cx, #name, #arg)),
+                    None => quote_spanned!(span=> #ps::call::<#r, #ty, _>(&self.#fname, __cx, #name, #arg)),
                 };
                 match f.attrs.precision {
                     Some(pr) => {
@@ -145,26 +184,35 @@ impl<'a> Gen<'a> {
             }
             Op::Add => {
                 let (a, b) = (&args[0], &args[1]);
-                quote_spanned!(span=> let #out = #p::dsl::add(#a.clone(), #b.clone())?;)
+                {
+                    let (ta, tb) = (&lts[0], &lts[1]);
+                    quote_spanned!(span=> let #out = #ps::dsl::add::<#ta, #tb>(#a.clone(), #b.clone())?;)
+                }
             }
             Op::Mul => {
                 let (a, b) = (&args[0], &args[1]);
-                quote_spanned!(span=> let (#out, #sv) = #p::dsl::mul(#a.clone(), #b.clone())?;)
+                {
+                    let (ta, tb) = (&lts[0], &lts[1]);
+                    quote_spanned!(span=> let (#out, #sv) = #ps::dsl::mul::<#ta, #tb>(#a.clone(), #b.clone())?;)
+                }
             }
             Op::Func(func) => {
                 let fname = format_ident!("{}", func.name());
                 match func {
                     Func::Gelu | Func::Silu => {
                         let a = &args[0];
-                        quote_spanned!(span=> let (#out, #sv) = #p::dsl::#fname(#a.clone())?;)
+                        quote_spanned!(span=> let (#out, #sv) = #ps::dsl::#fname(#a.clone())?;)
                     }
                     Func::Swiglu => {
                         let (a, b) = (&args[0], &args[1]);
-                        quote_spanned!(span=> let (#out, #sv) = #p::dsl::swiglu(#a.clone(), #b.clone())?;)
+                        {
+                        let (ta, tb) = (&lts[0], &lts[1]);
+                        quote_spanned!(span=> let (#out, #sv) = #ps::dsl::swiglu::<#ta, #tb>(#a.clone(), #b.clone())?;)
+                    }
                     }
                     Func::AllReduce | Func::ReduceScatter | Func::AllGather => {
                         let a = &args[0];
-                        quote_spanned!(span=> let #out = #p::dsl::#fname(__cx, #a.clone())?;)
+                        quote_spanned!(span=> let #out = #ps::dsl::#fname(__cx, #a.clone())?;)
                     }
                 }
             }
@@ -267,7 +315,8 @@ impl<'a> Gen<'a> {
         let out_l = &part.out_l;
         let out = if part.check_output {
             let span = proc_macro2::Span::call_site().located_at(nodes[part.exit].span);
-            quote_spanned!(span=> #p::dsl::returns::<#out_l, _>(#exit))
+            let exit = syn::Ident::new(&format!("__v{}", part.exit), span);
+            quote_spanned!(span=> ::tessera::__private::dsl::returns::<#out_l, _>(#exit))
         } else {
             quote!(#exit)
         };
@@ -283,13 +332,14 @@ impl<'a> Gen<'a> {
         let ident = &self.m.ident;
         let input_name = self.prog.input.to_string();
         let vis = &self.m.vis;
+        let bounds = self.bounds();
         let doc = format!("What part of `{ident}`'s forward keeps for its backward: one field per stored activation.");
         PartCode {
             saved_def: quote! {
                 #[doc = #doc]
                 #[doc(hidden)]
                 #[allow(non_camel_case_types, dead_code)]
-                #vis struct #saved { #(#saved_fields: #saved_types,)* }
+                #vis struct #saved #bounds { #(#saved_fields: #saved_types,)* }
             },
             forward: quote! {
                 #enter
@@ -305,7 +355,7 @@ impl<'a> Gen<'a> {
                 let __r = (|__cx: &mut #p::Cx| {
                     let #saved { #(#saved_fields,)* } = __saved;
                     #(#slots)*
-                    #p::dsl::accumulate(&mut #g_exit, #dy_cast)?;
+                    #p::dsl::accumulate(&mut #g_exit, #p::dsl::relabel(#dy_cast))?;
                     #(#bwd)*
                     #g_entry.ok_or_else(|| #p::Error::InvalidArgument {
                         op: "backward",
@@ -337,6 +387,7 @@ impl<'a> Gen<'a> {
         let ident = &self.m.ident;
         let in_l = &self.prog.in_layout;
         let out_l = &self.prog.out_layout;
+        let bounds = self.bounds();
         let whole = Part {
             saved: self.saved_struct_name(),
             entry: 0,
@@ -380,7 +431,7 @@ impl<'a> Gen<'a> {
             #saved_def
 
             #[automatically_derived]
-            impl #p::Module for #ident {
+            impl #p::Module for #ident #bounds {
                 type In = #in_l;
                 type Out = #out_l;
                 type Saved = #saved;
@@ -424,6 +475,7 @@ impl<'a> Gen<'a> {
         };
         let p = p();
         let ident = &self.m.ident;
+        let bounds = self.bounds();
         let (in_l, out_l) = (&self.prog.in_layout, &self.prog.out_layout);
         let ty = &f.ty;
         let fname = &f.ident;
@@ -467,7 +519,7 @@ impl<'a> Gen<'a> {
 
             #[doc = #doc]
             #[automatically_derived]
-            impl #ident {
+            impl #ident #bounds {
                 /// Number of layers of the split field, to divide among the stages.
                 pub fn split_layers(&self) -> usize {
                     #p::Pipelined::layer_count(&self.#fname)

@@ -10,7 +10,7 @@ use crate::ctxt::Ctxt;
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
-/// `#[forward] impl Name { .. }` becomes `__tessera_fields_Name! { impl .. }`.
+/// `#[forward] impl Name { .. }` becomes `__derive_Module_of_Name! { impl .. }`.
 pub fn attribute(item: syn::ItemImpl) -> TokenStream {
     let name = match &*item.self_ty {
         syn::Type::Path(p) if p.qself.is_none() => p.path.segments.last().map(|s| s.ident.clone()),
@@ -23,7 +23,7 @@ pub fn attribute(item: syn::ItemImpl) -> TokenStream {
     if let Some((_, tr, _)) = &item.trait_ {
         return syn::Error::new_spanned(tr, "`#[forward]` goes on an inherent impl (`impl Model { .. }`); it writes the `Module` impl itself").to_compile_error();
     }
-    let callback = format_ident!("__tessera_fields_{}", name);
+    let callback = format_ident!("__derive_Module_of_{}", name);
     quote!(#callback! { #item })
 }
 
@@ -53,11 +53,18 @@ pub fn expand(input: Input) -> TokenStream {
 
     let cx = Ctxt::new();
     let prog = parse::parse(&cx, &input.imp);
-    let (Some(model), true) = (model, struct_ok) else {
+    let Some(model) = model else {
         let _ = cx.check();
         return TokenStream::new();
     };
-    if let Some(p) = &prog {
+    if !struct_ok {
+        // The derive reported the struct's mistakes; a placeholder keeps the
+        // model's uses elsewhere from adding errors of their own.
+        let _ = cx.check();
+        return expand::fallback(&model, prog.as_ref());
+    }
+    // Rules on the data flow only make sense over a body that parsed whole.
+    if let (Some(p), false) = (&prog, cx.has_errors()) {
         check::check(&cx, &model, p);
     }
     match cx.check() {

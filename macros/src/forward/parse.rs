@@ -126,7 +126,8 @@ pub fn parse(cx: &Ctxt, item: &syn::ItemImpl) -> Option<Program> {
         cx.error_spanned_by(sig, "the forward takes one activation after `&self`: `fn forward(&self, x: Act<L>) -> Act<M>`");
         return None;
     };
-    if let Some(extra) = inputs.next() {
+    let extras: Vec<&syn::FnArg> = inputs.collect();
+    for extra in &extras {
         cx.error_spanned_by(extra, "the forward takes exactly one activation; pass several values through a sub-module that combines them");
     }
     let syn::Pat::Ident(input) = &*arg.pat else {
@@ -142,12 +143,22 @@ pub fn parse(cx: &Ctxt, item: &syn::ItemImpl) -> Option<Program> {
         syn::ReturnType::Default => None,
     };
     let Some(out_layout) = out_layout else {
-        cx.error_spanned_by(&sig.output, "the forward must return `Act<Layout>`, e.g. `-> Act<Replicated>`");
+        match &sig.output {
+            syn::ReturnType::Default => cx.error_spanned_by(&sig.ident, "the forward must return `Act<Layout>`, e.g. `-> Act<Replicated>`"),
+            out => cx.error_spanned_by(out, "the forward must return `Act<Layout>`, e.g. `-> Act<Replicated>`"),
+        }
         return None;
     };
     let mut lower = Lower { cx, nodes: Vec::new(), env: HashMap::new() };
+    for extra in extras {
+        if let syn::FnArg::Typed(syn::PatType { pat, .. }) = extra {
+            if let syn::Pat::Ident(pi) = &**pat {
+                lower.env.insert(pi.ident.to_string(), None);
+            }
+        }
+    }
     lower.nodes.push(Node { op: Op::Input, args: vec![], span: input.ident.span(), uses: 0, name: Some(input.ident.clone()) });
-    lower.env.insert(input.ident.to_string(), 0);
+    lower.env.insert(input.ident.to_string(), Some(0));
     let mut output = None;
     let stmts = &f.block.stmts;
     for (i, stmt) in stmts.iter().enumerate() {
@@ -156,28 +167,35 @@ pub fn parse(cx: &Ctxt, item: &syn::ItemImpl) -> Option<Program> {
             syn::Stmt::Local(local) => {
                 let syn::Pat::Ident(pi) = &local.pat else {
                     cx.error_spanned_by(&local.pat, format!("bind one value per `let` with a plain name; {ALLOWED}"));
+                    poison_pattern(&mut lower.env, &local.pat);
                     continue;
                 };
                 let Some(init) = &local.init else {
                     cx.error_spanned_by(local, "a `let` in a forward body must bind a value: `let h = ...;`");
                     continue;
                 };
-                if let Some(id) = lower.expr(&init.expr) {
+                let id = lower.expr(&init.expr);
+                if let Some(id) = id {
                     if lower.nodes[id].name.is_none() {
                         lower.nodes[id].name = Some(pi.ident.clone());
                     }
-                    lower.env.insert(pi.ident.to_string(), id);
                 }
+                lower.env.insert(pi.ident.to_string(), id);
             }
             syn::Stmt::Expr(e, None) if last => output = lower.expr(e),
             other => cx.error_spanned_by(other, format!("the forward body is `let` bindings followed by the output expression (no `;` after it); {ALLOWED}")),
         }
     }
-    let Some(output) = output else {
-        if !cx.has_errors() {
-            cx.error_spanned_by(&f.block, "the forward body must end with the output expression");
+    let output = match output {
+        Some(o) => o,
+        None => {
+            if !cx.has_errors() {
+                cx.error_spanned_by(&f.block, "the forward body must end with the output expression");
+            }
+            // The signature is still good: the caller emits a placeholder impl
+            // with its layouts, so the model's uses add no errors of their own.
+            0
         }
-        return None;
     };
     lower.nodes[output].uses += 1;
     Some(Program { input: input.ident.clone(), in_layout, out_layout, nodes: lower.nodes, output })
@@ -186,7 +204,9 @@ pub fn parse(cx: &Ctxt, item: &syn::ItemImpl) -> Option<Program> {
 struct Lower<'a> {
     cx: &'a Ctxt,
     nodes: Vec<Node>,
-    env: HashMap<String, usize>,
+    /// Bound names; `None` marks a name whose binding failed (already
+    /// reported, so its uses are not reported again).
+    env: HashMap<String, Option<usize>>,
 }
 
 impl Lower<'_> {
@@ -205,7 +225,7 @@ impl Lower<'_> {
             syn::Expr::Path(p) if p.path.get_ident().is_some() && p.qself.is_none() => {
                 let id = p.path.get_ident().expect("checked");
                 match self.env.get(&id.to_string()) {
-                    Some(&n) => Some(n),
+                    Some(&n) => n,
                     None => {
                         self.cx.error_spanned_by(id, format!("unknown value `{id}`: bind it with `let` before using it"));
                         None
@@ -218,7 +238,7 @@ impl Lower<'_> {
                     return None;
                 }
                 let arg = self.expr(&m.args[0])?;
-                Some(self.push(Op::Call(m.method.clone()), vec![arg], e.span()))
+                Some(self.push(Op::Call(m.method.clone()), vec![arg], m.method.span()))
             }
             syn::Expr::Call(c) => {
                 let name = match &*c.func {
@@ -237,7 +257,7 @@ impl Lower<'_> {
                     return None;
                 }
                 let args: Option<Vec<usize>> = c.args.iter().map(|a| self.expr(a)).collect();
-                Some(self.push(Op::Func(func), args?, e.span()))
+                Some(self.push(Op::Func(func), args?, name.span()))
             }
             syn::Expr::Binary(b) => {
                 let op = match b.op {
@@ -250,7 +270,7 @@ impl Lower<'_> {
                 };
                 let l = self.expr(&b.left);
                 let r = self.expr(&b.right);
-                Some(self.push(op, vec![l?, r?], e.span()))
+                Some(self.push(op, vec![l?, r?], b.op.span()))
             }
             other => {
                 self.cx.error_spanned_by(other, format!("not part of the forward DSL; {ALLOWED}"));
@@ -262,4 +282,17 @@ impl Lower<'_> {
 
 fn is_self(e: &syn::Expr) -> bool {
     matches!(e, syn::Expr::Path(p) if p.path.is_ident("self"))
+}
+
+/// Marks every name a failed pattern would have bound.
+fn poison_pattern(env: &mut HashMap<String, Option<usize>>, pat: &syn::Pat) {
+    match pat {
+        syn::Pat::Ident(pi) => {
+            env.insert(pi.ident.to_string(), None);
+        }
+        syn::Pat::Tuple(t) => t.elems.iter().for_each(|p| poison_pattern(env, p)),
+        syn::Pat::Type(t) => poison_pattern(env, &t.pat),
+        syn::Pat::Paren(p) => poison_pattern(env, &p.pat),
+        _ => {}
+    }
 }

@@ -79,15 +79,22 @@ impl<L: Layout> fmt::Debug for Act<L> {
     }
 }
 
-/// Layouts that can be added elementwise to a value of layout `Rhs`.
+/// Layouts that combine elementwise (`+`, `*`, `swiglu`) with a value of layout `Rhs`.
 ///
-/// Only equal layouts add: a sum of two `PartialSum`s is still partial, and a
-/// `Replicated` residual plus a `PartialSum` would add the residual once per
-/// rank, so it is refused until the partial value is reduced.
+/// Only equal layouts combine: a sum of two `PartialSum`s is still partial,
+/// and a `Replicated` residual plus a `PartialSum` would add the residual once
+/// per rank, so it is refused until the partial value is reduced.
 #[diagnostic::on_unimplemented(
-    message = "cannot add an activation of layout `{Rhs}` to one of layout `{Self}`",
-    label = "layouts differ",
+    message = "cannot combine an activation of layout `{Self}` with one of layout `{Rhs}` elementwise",
+    label = "`{Self}` and `{Rhs}` differ",
     note = "reduce a `PartialSum` first (`all_reduce(..)`, or `reduce_scatter(..)` with sequence parallelism), or gather a split value, so both sides have the same layout"
 )]
 pub trait SameLayout<Rhs: Layout>: Layout {}
-impl<L: Layout> SameLayout<L> for L {}
+
+// One impl per layout rather than a blanket `impl<L> SameLayout<L> for L`:
+// with a single impl, type inference would equate the two layouts before
+// checking the bound and report a bare type mismatch instead of the message.
+macro_rules! same_layout {
+    ($($l:ident),*) => {$( impl SameLayout<$l> for $l {} )*};
+}
+same_layout!(Replicated, SplitHidden, SplitSeq, PartialSum, Dispatched);

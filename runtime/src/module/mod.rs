@@ -30,9 +30,10 @@ use crate::error::{Error, Result};
 /// saved state, accumulates parameter gradients through [`Cx::grad`], and
 /// returns the gradient of the input.
 #[diagnostic::on_unimplemented(
-    message = "`{Self}` cannot be used in the role `{R}`",
-    label = "this layer has no `{R}` form",
-    note = "`#[shard(column)]` and `#[shard(row)]` apply to `Linear`; `#[shard(vocab)]` to `Embedding` and to a `Linear` output head; other layers are used without `#[shard]`"
+    message = "`{Self}` is not a layer usable in the role `{R}`",
+    label = "no `Module<{R}>` for this type",
+    note = "`#[shard(column)]` and `#[shard(row)]` apply to `Linear`; `#[shard(vocab)]` to `Embedding` and to a `Linear` output head; other layers take no `#[shard]`",
+    note = "a struct of layers becomes a layer with `#[derive(Module)]` and a `#[forward]` impl"
 )]
 pub trait Module<R: Role = Plain>: Send + Sync {
     /// Layout of the input activation.
@@ -118,13 +119,7 @@ pub fn join_path(prefix: &str, name: &str) -> String {
 }
 
 #[doc(hidden)]
-pub fn assert_module<M: Module<R>, R: Role>() {}
-#[doc(hidden)]
 pub fn assert_recomputable<M: Recomputable>() {}
-#[doc(hidden)]
-pub fn assert_tie<M: Tie>() {}
-#[doc(hidden)]
-pub fn assert_pipelined<M: Pipelined>() {}
 
 /// Ties the shared weights of `model`, then materialises it for this rank
 /// (see [`materialize`]): the model as a rank will train it.
