@@ -68,11 +68,18 @@ fn assertions(m: &Model) -> TokenStream {
         let ty = &f.ty;
         if let Some(r) = f.attrs.recompute {
             checks.push(at(r.span, quote!(#p::assert_recomputable::<#ty>();)));
+            if r.value == crate::attr::Recompute::Selective {
+                checks.push(at(r.span, quote!(#p::assert_selective::<#ty>();)));
+            }
         }
     }
+    // A model may contain attention anywhere below it: selective recompute
+    // is accepted on it (and checked again on the layers it names).
     let recomputable = m.generics_empty.then(|| quote! {
         #[automatically_derived]
         impl #p::Recomputable for #ident {}
+        #[automatically_derived]
+        impl #p::SelectiveRecomputable for #ident {}
     });
     quote! {
         #recomputable

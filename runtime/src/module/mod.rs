@@ -121,6 +121,19 @@ pub fn join_path(prefix: &str, name: &str) -> String {
 #[doc(hidden)]
 pub fn assert_recomputable<M: Recomputable>() {}
 
+/// Layers that selective recompute changes: they hold an attention core
+/// (directly, or through the layers they contain) that
+/// `#[recompute(selective)]` drops and recomputes.
+#[diagnostic::on_unimplemented(
+    message = "`#[recompute(selective)]` on `{Self}` drops nothing",
+    label = "no attention core in this layer",
+    note = "selective recompute drops the attention core of the layers below it; use it on attention, blocks or stacks of blocks, or use `#[recompute]` for full recompute"
+)]
+pub trait SelectiveRecomputable {}
+
+#[doc(hidden)]
+pub fn assert_selective<M: SelectiveRecomputable>() {}
+
 /// Ties the shared weights of `model`, then materialises it for this rank
 /// (see [`materialize`]): the model as a rank will train it.
 pub fn build<M: Module>(mut model: M, cx: &Cx) -> Result<M> {

@@ -55,7 +55,7 @@ fn bytes_of(t: &Tensor) -> usize {
     t.elem_count() * t.dtype().size_in_bytes()
 }
 
-use crate::module::{Recomputable, Tie};
+use crate::module::{Recomputable, SelectiveRecomputable, Tie};
 
 macro_rules! tie_by_weight {
     ($($t:ty),*) => {$(
@@ -80,3 +80,6 @@ impl Recomputable for RmsNorm {}
 impl Recomputable for CausalAttention {}
 impl Recomputable for Moe {}
 impl<M> Recomputable for Stack<M> {}
+
+impl SelectiveRecomputable for CausalAttention {}
+impl<M: SelectiveRecomputable> SelectiveRecomputable for Stack<M> {}
