@@ -232,22 +232,22 @@ impl Module<Row> for Linear {
     }
 }
 
+/// The vocab-parallel output head is a column-parallel product whose
+/// columns are vocabulary entries: the same layouts and the same work.
 impl Module<Vocab> for Linear {
     type In = Replicated;
     type Out = SplitHidden;
     type Saved = LinearSaved;
 
     fn forward(&self, cx: &mut Cx, x: Act<Replicated>) -> Result<(Act<SplitHidden>, LinearSaved)> {
-        let (y, s) = self.fwd(cx, x.into_tensor(), true)?;
-        Ok((Act::new(y), s))
+        <Self as Module<Column>>::forward(self, cx, x)
     }
 
     fn backward(&self, cx: &mut Cx, saved: LinearSaved, dy: Act<SplitHidden>) -> Result<Act<Replicated>> {
-        let dx = self.bwd(cx, saved, dy.tensor())?;
-        Ok(Act::new(cx.tp().all_reduce_sum(&dx)?))
+        <Self as Module<Column>>::backward(self, cx, saved, dy)
     }
 
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
-        self.visit_split(v, 0, Some(0))
+        <Self as Module<Column>>::visit_params(self, v)
     }
 }
