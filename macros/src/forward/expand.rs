@@ -83,7 +83,15 @@ impl<'a> Gen<'a> {
             let ty = &f.ty;
             if let Some(sh) = f.attrs.shard {
                 let r = role(f);
-                b.push(at(sh.span, quote!(#ty: #p::Module<#r>)));
+                // The role fixes the layouts (for vocab, the input): stating
+                // them lets the bodies use concrete layouts even when the
+                // bound fails, so a wrong role is reported once, here.
+                let layouts = match sh.value {
+                    crate::attr::Shard::Column => quote!(In = #p::Replicated, Out = #p::SplitHidden),
+                    crate::attr::Shard::Row => quote!(In = #p::SplitHidden, Out = #p::PartialSum),
+                    crate::attr::Shard::Vocab => quote!(In = #p::Replicated),
+                };
+                b.push(at(sh.span, quote!(#ty: #p::Module<#r, #layouts>)));
             }
             if let Some(st) = f.attrs.stage.filter(|s| s.value == Stage::Split) {
                 b.push(at(st.span, quote!(#ty: #p::Pipelined)));
