@@ -1,5 +1,8 @@
-//! Distribution across ranks: communicators over the groups of a mesh.
+//! Distribution across ranks: the mesh of parallel axes, and communicators
+//! over its groups.
 
 mod comm;
+pub mod inproc;
+pub mod mesh;
 
 pub use comm::{Communicator, SingleRank};

@@ -1,0 +1,1 @@
+//! In-process communicators: every rank is a thread of one process.

@@ -1,0 +1,3 @@
+//! Parallel engines: pipeline schedules (and, later, data parallelism and ZeRO).
+
+pub mod pipeline;

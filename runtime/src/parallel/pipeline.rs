@@ -1,0 +1,1 @@
+//! Pipeline schedules as data, and a simulator that costs them.
