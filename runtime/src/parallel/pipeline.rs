@@ -1,1 +1,0 @@
-//! Pipeline schedules as data, and a simulator that costs them.
