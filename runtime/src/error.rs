@@ -39,6 +39,21 @@ pub enum Error {
     /// An in-place update was given the same tensor for two roles.
     #[error("{op}: `{a}` and `{b}` share storage; pass distinct tensors")]
     Aliased { op: &'static str, a: &'static str, b: &'static str },
+
+    /// Another rank of a communicator's group failed (aborted, panicked,
+    /// dropped its communicator or gave up waiting), so no collective
+    /// involving it can complete.
+    #[error("rank {rank} failed: {reason}; this rank's collectives cannot complete. The failed rank's own error or panic message is the root cause, errors on the other ranks are consequences of it")]
+    PeerFailed { rank: usize, reason: String },
+
+    /// A collective or receive waited longer than the communicator's timeout.
+    #[error("{op} timed out after {waited:?}: {detail}; check that every rank of the group issues the same collectives in the same order (a rank that skips one leaves the others waiting), or raise the timeout if a rank is legitimately that slow")]
+    Timeout { op: &'static str, waited: std::time::Duration, detail: String },
+
+    /// The ranks of a group called different collectives, or the same one
+    /// with incompatible arguments.
+    #[error("{op}: the ranks of the group disagree: {detail}; every rank must issue the same collectives in the same order, with matching dtypes, shapes and arguments")]
+    CollectiveMismatch { op: &'static str, detail: String },
 }
 
 /// Result with the runtime's [`Error`].

@@ -5,4 +5,4 @@ mod comm;
 pub mod inproc;
 pub mod mesh;
 
-pub use comm::{Communicator, SingleRank};
+pub use comm::{Communicator, Completer, Pending, SingleRank};
