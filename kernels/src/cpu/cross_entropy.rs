@@ -114,39 +114,112 @@ pub fn cross_entropy_backward<T: Real>(
     dloss: &[T],
     dlogits: &mut [T],
 ) {
-    assert!(vocab > 0, "vocab must be positive");
+    for &t in targets {
+        assert!(ignore_index == Some(t) || (t as usize) < vocab, "target {t} outside the vocabulary of {vocab}");
+    }
+    vocab_shard_backward(logits, lse, vocab, 0, targets, ignore_index, dloss, dlogits);
+}
+
+/// Per-row statistics of one shard of a vocabulary-parallel cross-entropy.
+///
+/// `logits` (`n × vocab_local`) hold vocabulary entries
+/// `vocab_start .. vocab_start + vocab_local` of each row. Writes this shard's
+/// log-sum-exp per row, and the target's logit where the target falls in this
+/// shard (0 elsewhere, and for ignored rows). Summing `target_logit` over the
+/// shards and combining their `lse` with a log-sum-exp gives the full row's
+/// statistics without ever gathering the logits.
+#[allow(clippy::too_many_arguments)]
+pub fn vocab_shard_stats<T: Real>(
+    logits: &[T],
+    vocab_local: usize,
+    vocab_start: u32,
+    targets: &[u32],
+    ignore_index: Option<u32>,
+    lse: &mut [T],
+    target_logit: &mut [T],
+) {
+    assert!(vocab_local > 0, "vocab shard must be non-empty");
     let n = targets.len();
-    assert_eq!(logits.len(), n * vocab, "logits length");
+    assert_eq!(logits.len(), n * vocab_local, "logits length");
+    assert_eq!(lse.len(), n, "lse length");
+    assert_eq!(target_logit.len(), n, "target_logit length");
+    let one = |xr: &[T], t: u32, l: &mut T, tl: &mut T| {
+        *l = log_sum_exp(xr);
+        *tl = match local_target(t, vocab_start, vocab_local, ignore_index) {
+            Some(j) => xr[j],
+            None => T::zero(),
+        };
+    };
+    if logits.len() < PAR_MIN_ELEMS {
+        for (((xr, &t), l), tl) in logits.chunks(vocab_local).zip(targets).zip(lse.iter_mut()).zip(target_logit.iter_mut()) {
+            one(xr, t, l, tl);
+        }
+    } else {
+        logits
+            .par_chunks(vocab_local)
+            .zip(targets.par_iter())
+            .zip(lse.par_iter_mut())
+            .zip(target_logit.par_iter_mut())
+            .with_min_len(rows_per_task(vocab_local))
+            .for_each(|(((xr, &t), l), tl)| one(xr, t, l, tl));
+    }
+}
+
+/// The column of `target` in a shard starting at `vocab_start`, if it is there.
+fn local_target(target: u32, vocab_start: u32, vocab_local: usize, ignore_index: Option<u32>) -> Option<usize> {
+    if ignore_index == Some(target) || target < vocab_start {
+        return None;
+    }
+    let j = (target - vocab_start) as usize;
+    (j < vocab_local).then_some(j)
+}
+
+/// Backward of a vocabulary shard: `dlogits[r, j] = dloss[r] · (exp(logits[r, j] − lse[r]) − [vocab_start + j == targets[r]])`,
+/// where `lse` is the full row's log-sum-exp (over every shard). Ignored rows get zeros.
+#[allow(clippy::too_many_arguments)]
+pub fn vocab_shard_backward<T: Real>(
+    logits: &[T],
+    lse: &[T],
+    vocab_local: usize,
+    vocab_start: u32,
+    targets: &[u32],
+    ignore_index: Option<u32>,
+    dloss: &[T],
+    dlogits: &mut [T],
+) {
+    assert!(vocab_local > 0, "vocab must be positive");
+    let n = targets.len();
+    assert_eq!(logits.len(), n * vocab_local, "logits length");
     assert_eq!(lse.len(), n, "lse length");
     assert_eq!(dloss.len(), n, "dloss length");
-    assert_eq!(dlogits.len(), n * vocab, "dlogits length");
+    assert_eq!(dlogits.len(), n * vocab_local, "dlogits length");
 
     let one = |xr: &[T], dr: &mut [T], t: u32, l: T, dl: T| {
         if ignore_index == Some(t) {
             dr.fill(T::zero());
             return;
         }
-        let t = t as usize;
-        assert!(t < vocab, "target {t} outside the vocabulary of {vocab}");
         for (d, &x) in dr.iter_mut().zip(xr) {
             *d = dl * (x - l).exp();
         }
-        dr[t] = dl * ((xr[t] - l).exp() - T::one());
+        if let Some(j) = local_target(t, vocab_start, vocab_local, ignore_index) {
+            dr[j] = dl * ((xr[j] - l).exp() - T::one());
+        }
     };
     if logits.len() < PAR_MIN_ELEMS {
         for ((((xr, dr), &t), &l), &dl) in
-            logits.chunks(vocab).zip(dlogits.chunks_mut(vocab)).zip(targets).zip(lse).zip(dloss)
+            logits.chunks(vocab_local).zip(dlogits.chunks_mut(vocab_local)).zip(targets).zip(lse).zip(dloss)
         {
             one(xr, dr, t, l, dl);
         }
     } else {
         logits
-            .par_chunks(vocab)
-            .zip(dlogits.par_chunks_mut(vocab))
+            .par_chunks(vocab_local)
+            .zip(dlogits.par_chunks_mut(vocab_local))
             .zip(targets.par_iter())
             .zip(lse.par_iter())
             .zip(dloss.par_iter())
-            .with_min_len(rows_per_task(vocab))
+            .with_min_len(rows_per_task(vocab_local))
             .for_each(|((((xr, dr), &t), &l), &dl)| one(xr, dr, t, l, dl));
     }
 }
@@ -277,5 +350,41 @@ mod tests {
         let up = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
         assert_close(&up(&a.1), &loss, 1e-5, 1e-5, "cross-entropy loss f32");
         assert_close(&up(&a.2), &d, 1e-8, 1e-4, "cross-entropy dlogits f32");
+    }
+
+    #[test]
+    fn vocabulary_shards_combine_to_the_whole() {
+        let (n, vocab, shards) = (5usize, 12usize, 3usize);
+        let part = vocab / shards;
+        let logits: Vec<f64> = rand_vec(31, n * vocab).iter().map(|v| 6.0 * v).collect();
+        let targets: Vec<u32> = vec![0, 11, 4, 7, 99];
+        let ignore = Some(99);
+        let (mut loss, mut lse) = (vec![0.0; n], vec![0.0; n]);
+        cross_entropy_forward(&logits, vocab, &targets, ignore, &mut loss, &mut lse);
+        let mut lses = vec![vec![0.0; n]; shards];
+        let mut tls = vec![vec![0.0; n]; shards];
+        let shard_of = |s: usize| -> Vec<f64> { logits.chunks(vocab).flat_map(|r| r[s * part..(s + 1) * part].to_vec()).collect() };
+        for s in 0..shards {
+            vocab_shard_stats(&shard_of(s), part, (s * part) as u32, &targets, ignore, &mut lses[s], &mut tls[s]);
+        }
+        let dloss: Vec<f64> = rand_vec(32, n);
+        let mut full = vec![0.0; n * vocab];
+        cross_entropy_backward(&logits, &lse, vocab, &targets, ignore, &dloss, &mut full);
+        for r in 0..n {
+            let global = lses.iter().map(|l| l[r].exp()).sum::<f64>().ln();
+            let target: f64 = tls.iter().map(|t| t[r]).sum();
+            if targets[r] == 99 {
+                assert_eq!(loss[r], 0.0);
+                continue;
+            }
+            assert_close(&[global], &[lse[r]], 1e-12, 1e-12, "combined lse");
+            assert_close(&[global - target], &[loss[r]], 1e-12, 1e-12, "combined loss");
+        }
+        for s in 0..shards {
+            let mut d = vec![0.0; n * part];
+            vocab_shard_backward(&shard_of(s), &lse, part, (s * part) as u32, &targets, ignore, &dloss, &mut d);
+            let expect: Vec<f64> = full.chunks(vocab).flat_map(|r| r[s * part..(s + 1) * part].to_vec()).collect();
+            assert_close(&d, &expect, 1e-14, 1e-12, "shard gradient");
+        }
     }
 }

@@ -77,3 +77,54 @@ pub fn cross_entropy_backward(logits: &Tensor, targets: &Tensor, ignore_index: O
         run1(OP, &kernel, &[logits, &saved.lse, &per_row], logits.shape().clone(), Out::Primary)
     })
 }
+
+float_kernel!(ShardStats<'a> { targets: &'a [u32], vocab: usize, start: u32, ignore: Option<u32> } |s, i, o| {
+    let (lse, tl) = o.split_at_mut(1);
+    k::vocab_shard_stats(i[0], s.vocab, s.start, s.targets, s.ignore, lse[0], tl[0])
+});
+float_kernel!(ShardBack<'a> { targets: &'a [u32], vocab: usize, start: u32, ignore: Option<u32> } |s, i, o| {
+    k::vocab_shard_backward(i[0], i[1], s.vocab, s.start, s.targets, s.ignore, i[2], o[0])
+});
+
+fn check_shard(op: &'static str, logits: &Tensor, targets: &[u32], target_shape: &Shape, vocab_start: usize, vocab_size: usize, ignore: Option<u32>) -> Result<usize> {
+    let local = logits.shape().last_dim(op)?;
+    if vocab_start + local > vocab_size {
+        return Err(Error::shape(op, format!("a shard of {local} vocabulary entries starting at {vocab_start} does not fit a vocabulary of {vocab_size}")));
+    }
+    if target_shape.elem_count() != rows(logits) {
+        return Err(Error::shape(op, format!("logits {} need one target per row, targets have shape {}", logits.shape(), target_shape)));
+    }
+    if let Some(position) = targets.iter().position(|&t| Some(t) != ignore && t as usize >= vocab_size) {
+        return Err(Error::IndexOutOfRange { op, index: targets[position] as u64, position, bound: vocab_size as u64, hint: "; targets must be token ids below the vocabulary size (or the ignore index)" });
+    }
+    Ok(local)
+}
+
+/// Per-row statistics of one vocabulary shard of the logits (`[.., vocab_local]`,
+/// entries `vocab_start..` of a `vocab_size` vocabulary): this shard's
+/// log-sum-exp and the target's logit where the target is in this shard (0
+/// elsewhere). Both are `[rows]` in the compute dtype; summing the target
+/// logits over the shards and log-sum-exp-combining their `lse` gives the
+/// full cross-entropy without gathering the logits.
+pub fn vocab_shard_stats(logits: &Tensor, targets: &Tensor, vocab_start: usize, vocab_size: usize, ignore_index: Option<u32>) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "vocab_shard_stats";
+    with_u32(OP, "targets", targets, |t| {
+        let vocab = check_shard(OP, logits, t, targets.shape(), vocab_start, vocab_size, ignore_index)?;
+        let n = Shape::new(vec![rows(logits)]);
+        let kernel = ShardStats { targets: t, vocab, start: vocab_start as u32, ignore: ignore_index };
+        let mut r = run(OP, &kernel, &[logits], &[(n.clone(), Out::Compute), (n, Out::Compute)])?;
+        let tl = r.pop().expect("two outputs");
+        Ok((r.pop().expect("two outputs"), tl))
+    })
+}
+
+/// Backward of a vocabulary shard given the full rows' log-sum-exp `lse` and
+/// the per-row upstream gradient `dloss` (`[rows]`, zero for ignored rows).
+pub fn vocab_shard_backward(logits: &Tensor, targets: &Tensor, vocab_start: usize, vocab_size: usize, ignore_index: Option<u32>, lse: &Tensor, dloss: &Tensor) -> Result<Tensor> {
+    const OP: &str = "vocab_shard_backward";
+    with_u32(OP, "targets", targets, |t| {
+        let vocab = check_shard(OP, logits, t, targets.shape(), vocab_start, vocab_size, ignore_index)?;
+        let kernel = ShardBack { targets: t, vocab, start: vocab_start as u32, ignore: ignore_index };
+        run1(OP, &kernel, &[logits, lse, dloss], logits.shape().clone(), Out::Primary)
+    })
+}
