@@ -1,4 +1,4 @@
-//! Causal grouped-query self-attention on packed `[q | k | v]` projections.
+//! Causal grouped-query self-attention on packed query/key/value projections.
 
 use super::rows;
 use crate::error::{Error, Result};
@@ -14,10 +14,15 @@ use std::fmt;
 /// output projection, so its input and output are `SplitHidden`: each
 /// tensor-parallel rank holds `q_heads / tp` query heads and `kv_heads / tp`
 /// key/value heads (both must divide). The input is
-/// `[batch, seq, (hq + 2·hkv)·head_dim]` with this rank's heads packed as
-/// `[q | k | v]` (each head's `head_dim` values contiguous); the output is
-/// `[batch, seq, hq·head_dim]`. Query head `h` reads key/value head
-/// `h / (q_heads / kv_heads)`. With RoPE, positions are `0..seq`.
+/// `[batch, seq, (hq + 2·hkv)·head_dim]`, packed per key/value group: for
+/// each group, its `q_heads / kv_heads` query heads, then its key head, then
+/// its value head (each head's `head_dim` values contiguous). Packing by
+/// group makes a column-parallel split of the projection hand every rank
+/// whole groups, so one layout serves any tensor-parallel degree that
+/// divides `kv_heads`, and a sharded run computes exactly what one rank does.
+/// The output is `[batch, seq, hq·head_dim]`, query heads in order; query
+/// head `h` reads key/value head `h / (q_heads / kv_heads)`. With RoPE,
+/// positions are `0..seq`.
 ///
 /// Under selective recompute ([`Cx::selective_recompute`]) the forward keeps
 /// only its packed input and the backward recomputes the attention core;
@@ -193,7 +198,7 @@ impl CausalAttention {
             return Err(Error::shape(
                 "CausalAttention",
                 format!(
-                    "input of shape {} for {} query and {} key/value heads of {} on this rank; pass [batch, seq, {}] packed as [q | k | v]",
+                    "input of shape {} for {} query and {} key/value heads of {} on this rank; pass [batch, seq, {}] packed per key/value group as [q.. | k | v]",
                     x.shape(),
                     h.q,
                     h.kv,
@@ -203,9 +208,11 @@ impl CausalAttention {
             ));
         }
         let (b, t) = (dims[0], dims[1]);
-        let x4 = x.reshape([b, t, h.total(), h.d])?;
-        let heads = |start: usize, n: usize| x4.narrow(2, start, n)?.transpose(1, 2)?.contiguous();
-        let (mut q, mut k, v) = (heads(0, h.q)?, heads(h.q, h.kv)?, heads(h.q + h.kv, h.kv)?);
+        let r = h.q / h.kv;
+        let x5 = x.reshape([b, t, h.kv, r + 2, h.d])?;
+        // Slots `start..start + n` of every group, as [b, heads, t, d].
+        let heads = |start: usize, n: usize| x5.narrow(3, start, n)?.reshape([b, t, h.kv * n, h.d])?.transpose(1, 2)?.contiguous();
+        let (mut q, mut k, v) = (heads(0, r)?, heads(r, 1)?, heads(r + 1, 1)?);
         if let Some(r) = &self.rope {
             let pos = Self::positions(t);
             q = ops::rope(&q, &r.table, &pos)?;
@@ -216,14 +223,14 @@ impl CausalAttention {
     }
 }
 
-/// Row indices placing `[b, n, t]`-ordered head rows at heads `h0..h0 + n`
-/// of a `[b, t, heads]`-ordered packed tensor.
-fn pack_index(b: usize, t: usize, heads: usize, h0: usize, n: usize) -> Vec<u32> {
+/// Row indices placing the rows of a `[b, n, t]`-ordered head tensor at the
+/// slots `slot(h)` of a `[b, t, slots]`-ordered packed tensor.
+fn pack_index(b: usize, t: usize, slots: usize, n: usize, slot: impl Fn(usize) -> usize) -> Vec<u32> {
     let mut idx = Vec::with_capacity(b * n * t);
     for bi in 0..b {
         for h in 0..n {
             for ti in 0..t {
-                idx.push(((bi * t + ti) * heads + h0 + h) as u32);
+                idx.push(((bi * t + ti) * slots + slot(h)) as u32);
             }
         }
     }
@@ -270,11 +277,14 @@ impl Module<Plain> for CausalAttention {
             dq = ops::rope_backward(&dq, &r.table, &pos)?;
             dk = ops::rope_backward(&dk, &r.table, &pos)?;
         }
-        // Interleave the three gradients back into the packed [b, t, q|k|v] layout.
-        let total = h.total();
+        // Interleave the three gradients back into the packed layout: per
+        // key/value group g, slots g·(r+2) .. hold its r query heads, its key, its value.
+        let (total, r) = (h.total(), h.q / h.kv);
         let flat = |g: &Tensor, n: usize| g.reshape([b * n * t, h.d]);
         let (fq, fk, fv) = (flat(&dq, h.q)?, flat(&dk, h.kv)?, flat(&dv, h.kv)?);
-        let (iq, ik, iv) = (pack_index(b, t, total, 0, h.q), pack_index(b, t, total, h.q, h.kv), pack_index(b, t, total, h.q + h.kv, h.kv));
+        let iq = pack_index(b, t, total, h.q, |q| (q / r) * (r + 2) + q % r);
+        let ik = pack_index(b, t, total, h.kv, |g| g * (r + 2) + r);
+        let iv = pack_index(b, t, total, h.kv, |g| g * (r + 2) + r + 1);
         let dx = rows::scatter_parts(&[(&fq, &iq), (&fk, &ik), (&fv, &iv)], b * t * total)?;
         Ok(Act::new(dx.reshape([b, t, total * h.d])?))
     }
