@@ -6,6 +6,7 @@
 //!
 //! ```text
 //! cargo run --release --example bench -- matmul --sizes 1024,2048
+//! cargo run --release --example bench -- collectives --max-bytes 16M
 //! ```
 
 use anyhow::{ensure, Result};
@@ -25,6 +26,9 @@ struct Cli {
 enum Bench {
     /// f32 square matrix products `C = A·B` of the given sizes.
     Matmul(MatmulArgs),
+    /// In-process all-reduce, all-gather and reduce-scatter bandwidth (one
+    /// thread per rank), with a plain memory copy of the same size for scale.
+    Collectives(CollectivesArgs),
 }
 
 #[derive(clap::Args)]
@@ -53,9 +57,51 @@ struct MatmulArgs {
     verbose: bool,
 }
 
+#[derive(clap::Args)]
+struct CollectivesArgs {
+    /// Numbers of ranks (threads) to measure.
+    #[arg(long, value_delimiter = ',', default_values_t = [2, 4, 8])]
+    ranks: Vec<usize>,
+    /// Smallest message in bytes (suffixes K, M, G allowed); sizes grow by 4×.
+    #[arg(long, default_value = "1K", value_parser = parse_bytes)]
+    min_bytes: usize,
+    /// Largest message in bytes (suffixes K, M, G allowed).
+    #[arg(long, default_value = "256M", value_parser = parse_bytes)]
+    max_bytes: usize,
+    /// Collectives to measure.
+    #[arg(long, value_delimiter = ',', default_values_t = [Coll::Allreduce, Coll::Allgather, Coll::Reducescatter])]
+    ops: Vec<Coll>,
+    /// Minimum wall time of one timed repetition, in seconds.
+    #[arg(long, default_value_t = 0.05)]
+    min_time: f64,
+    /// Timed repetitions per case; the fastest is reported (the others are
+    /// mostly time-slicing noise on a shared machine).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+}
+
+/// A collective measured by `bench collectives`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Coll {
+    Allreduce,
+    Allgather,
+    Reducescatter,
+}
+
+impl std::fmt::Display for Coll {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Coll::Allreduce => "allreduce",
+            Coll::Allgather => "allgather",
+            Coll::Reducescatter => "reducescatter",
+        })
+    }
+}
+
 fn main() -> Result<()> {
     match Cli::parse().bench {
         Bench::Matmul(args) => bench_matmul(&args),
+        Bench::Collectives(args) => bench_collectives(&args),
     }
 }
 
@@ -143,6 +189,173 @@ fn bench_matmul(args: &MatmulArgs) -> Result<()> {
             "gflops": (median * 10.0).round() / 10.0,
             "best_gflops": (rates[rates.len() - 1] * 10.0).round() / 10.0,
         }));
+    }
+    for l in lines {
+        println!("{l}");
+    }
+    Ok(())
+}
+
+fn parse_bytes(s: &str) -> Result<usize, String> {
+    let (num, mult) = match s.trim().to_ascii_uppercase() {
+        t if t.ends_with('G') => (t[..t.len() - 1].to_string(), 1 << 30),
+        t if t.ends_with('M') => (t[..t.len() - 1].to_string(), 1 << 20),
+        t if t.ends_with('K') => (t[..t.len() - 1].to_string(), 1 << 10),
+        t => (t, 1),
+    };
+    num.parse::<usize>().map(|n| n * mult).map_err(|e| format!("{s:?} is not a byte count: {e}"))
+}
+
+/// Bytes in human units for the progress table.
+fn human(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 30 => format!("{}G", b >> 30),
+        b if b >= 1 << 20 => format!("{}M", b >> 20),
+        b if b >= 1 << 10 => format!("{}K", b >> 10),
+        b => format!("{b}"),
+    }
+}
+
+/// Runs `run` repeatedly: calibrates how many calls last `min_time`, then
+/// returns the fastest per-call time over `reps` timed repetitions.
+fn time_per_call(min_time: f64, reps: usize, mut run: impl FnMut()) -> f64 {
+    let t0 = Instant::now();
+    run(); // warm-up: page faults, caches, thread start
+    let once = t0.elapsed().as_secs_f64().max(1e-7);
+    let iters = ((min_time / once).ceil() as usize).clamp(1, 100_000);
+    (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                run();
+            }
+            t.elapsed().as_secs_f64() / iters as f64
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// Single-threaded copy of `bytes` between two warm buffers (the speed one
+/// core moves memory at, the yardstick for a rank's share of a collective),
+/// and into a fresh allocation each time, as a collective's result must be:
+/// above the allocator's mmap threshold (32 MiB) every fresh buffer is new
+/// pages the kernel faults in and zeroes.
+fn memcpy_rates(bytes: usize, args: &CollectivesArgs) -> (f64, f64) {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let warm = time_per_call(args.min_time, args.reps, || {
+        dst.copy_from_slice(black_box(&src));
+        black_box(&mut dst);
+    });
+    let fresh = time_per_call(args.min_time, args.reps, || {
+        let mut v = Vec::with_capacity(bytes);
+        v.extend_from_slice(black_box(&src));
+        black_box(v);
+    });
+    (bytes as f64 / warm / 1e9, bytes as f64 / fresh / 1e9)
+}
+
+/// Seconds per call of `op` on `ranks` rank threads for a message of `bytes`
+/// (nccl-tests' convention: the all-reduce buffer, the all-gather output, the
+/// reduce-scatter input). Timed on rank 0 between barriers, so it covers the
+/// slowest rank; the call count per repetition is decided by rank 0 and
+/// broadcast, since every rank must issue the same calls.
+fn time_collective(op: Coll, ranks: usize, bytes: usize, args: &CollectivesArgs) -> Result<f64> {
+    use tessera::dist::{inproc::InProcess, Communicator};
+    use tessera::{Device, Tensor};
+    let world = InProcess::new(ranks)?;
+    let elems = bytes / 4;
+    let times = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..ranks)
+            .map(|rank| {
+                let world = world.clone();
+                s.spawn(move || -> Result<f64> {
+                    let dev = Device::cpu();
+                    let comm = world.communicator(rank, &dev)?;
+                    let len = if op == Coll::Allgather { elems / ranks } else { elems };
+                    let x = Tensor::from_vec(vec![rank as f32 + 1.0; len], [len], &dev)?;
+                    let call = || -> Result<Tensor> {
+                        Ok(match op {
+                            Coll::Allreduce => comm.all_reduce_sum(&x)?,
+                            Coll::Allgather => comm.all_gather(&x, 0)?,
+                            Coll::Reducescatter => comm.reduce_scatter_sum(&x, 0)?,
+                        })
+                    };
+                    // Warm-up and calibration: rank 0 decides the call count.
+                    comm.barrier()?;
+                    let t0 = Instant::now();
+                    drop(black_box(call()?));
+                    comm.barrier()?;
+                    let once = t0.elapsed().as_secs_f64().max(1e-7);
+                    let mine = ((args.min_time / once).ceil()).clamp(1.0, 100_000.0) as i32;
+                    let iters = comm.broadcast(&Tensor::from_vec(vec![mine], [1], &dev)?, 0)?.to_vec::<i32>()?[0];
+                    let mut best = f64::INFINITY;
+                    for _ in 0..args.reps {
+                        comm.barrier()?;
+                        let t = Instant::now();
+                        for _ in 0..iters {
+                            drop(black_box(call()?));
+                        }
+                        comm.barrier()?;
+                        best = best.min(t.elapsed().as_secs_f64() / iters as f64);
+                    }
+                    Ok(best)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect::<Vec<_>>()
+    });
+    times.into_iter().next().expect("at least one rank")
+}
+
+fn bench_collectives(args: &CollectivesArgs) -> Result<()> {
+    ensure!(args.reps > 0, "--reps must be positive");
+    ensure!(args.ranks.iter().all(|&n| n >= 2), "--ranks: every count must be at least 2");
+    ensure!(args.min_bytes >= 4 && args.min_bytes <= args.max_bytes, "--min-bytes must be at least 4 and at most --max-bytes");
+    let mut sizes = Vec::new();
+    let mut b = args.min_bytes;
+    while b <= args.max_bytes {
+        sizes.push(b);
+        b *= 4;
+    }
+    let memcpy: Vec<(f64, f64)> = sizes.iter().map(|&b| memcpy_rates(b, args)).collect();
+    eprintln!(
+        "{:<14} {:>5} {:>6} {:>11} {:>11} {:>11} {:>11} {:>8} {:>11}",
+        "collective", "ranks", "bytes", "time_us", "algbw_GB/s", "busbw_GB/s", "memcpy_GB/s", "bus/mcp", "fresh_GB/s"
+    );
+    let mut lines = Vec::new();
+    for &n in &args.ranks {
+        for &op in &args.ops {
+            for (&bytes, &(mcp, fresh)) in sizes.iter().zip(&memcpy) {
+                // Every rank's share must be a whole number of f32 elements.
+                let bytes = bytes / (4 * n) * (4 * n);
+                if bytes == 0 {
+                    continue;
+                }
+                let t = time_collective(op, n, bytes, args)?;
+                let algbw = bytes as f64 / t / 1e9;
+                let factor = match op {
+                    Coll::Allreduce => 2.0 * (n - 1) as f64 / n as f64,
+                    Coll::Allgather | Coll::Reducescatter => (n - 1) as f64 / n as f64,
+                };
+                let busbw = algbw * factor;
+                eprintln!(
+                    "{:<14} {:>5} {:>6} {:>11.1} {:>11.2} {:>11.2} {:>11.2} {:>8.2} {:>11.2}",
+                    op.to_string(), n, human(bytes), t * 1e6, algbw, busbw, mcp, busbw / mcp, fresh
+                );
+                let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
+                lines.push(serde_json::json!({
+                    "bench": op.to_string(),
+                    "ranks": n,
+                    "bytes": bytes,
+                    "time_us": (t * 1e7).round() / 10.0,
+                    "algbw_gbs": r3(algbw),
+                    "busbw_gbs": r3(busbw),
+                    "memcpy_gbs": r3(mcp),
+                    "busbw_over_memcpy": r3(busbw / mcp),
+                    "memcpy_fresh_gbs": r3(fresh),
+                }));
+            }
+        }
     }
     for l in lines {
         println!("{l}");

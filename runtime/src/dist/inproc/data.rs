@@ -89,13 +89,17 @@ pub(super) fn reduce(dev: &CpuDevice, dtype: DType, sources: &[&Tensor], segment
         DType::BF16 => {
             let acc = sum_widened(dev, &inputs, segments, total, |s, r, out| cast::bf16_to_f32(&s.as_slice::<bf16>().expect("bf16")[r], out));
             let mut out = dev.buffer_zeros::<bf16>(total);
-            cast::f32_to_bf16(&acc, &mut out);
+            for (o, a) in out.chunks_mut(BLOCK).zip(acc.chunks(BLOCK)) {
+                cast::f32_to_bf16(a, o);
+            }
             CpuStorage::BF16(out)
         }
         DType::F16 => {
             let acc = sum_widened(dev, &inputs, segments, total, |s, r, out| cast::f16_to_f32(&s.as_slice::<f16>().expect("f16")[r], out));
             let mut out = dev.buffer_zeros::<f16>(total);
-            cast::f32_to_f16(&acc, &mut out);
+            for (o, a) in out.chunks_mut(BLOCK).zip(acc.chunks(BLOCK)) {
+                cast::f32_to_f16(a, o);
+            }
             CpuStorage::F16(out)
         }
         DType::I32 => CpuStorage::I32(sum_ints(dev, &inputs, segments, total, i32::wrapping_add)),
@@ -103,34 +107,47 @@ pub(super) fn reduce(dev: &CpuDevice, dtype: DType, sources: &[&Tensor], segment
     }
 }
 
+/// Elements per kernel call. The kernels go parallel above this size; here
+/// the ranks already are the parallelism (one thread each), so every rank
+/// keeps to its own thread instead of competing for the shared pool.
+const BLOCK: usize = 1 << 15;
+
+/// `acc += x` block by block, each block on the calling thread.
+fn add_serial<T: tessera_kernels::Real>(acc: &mut [T], x: &[T]) {
+    for (a, x) in acc.chunks_mut(BLOCK).zip(x.chunks(BLOCK)) {
+        elementwise::add_assign(a, x);
+    }
+}
+
 /// Sums sources already in the compute type: the first is copied, the others
-/// added in place with the parallel kernel.
+/// added in place.
 fn sum_direct<T: tessera_kernels::Real + Element>(
     dev: &CpuDevice,
     inputs: &[(&CpuStorage, usize)],
     segments: &[Range<usize>],
     total: usize,
 ) -> Buffer<T> {
-    let mut acc = dev.buffer_zeros::<T>(total);
-    for (i, (s, base)) in inputs.iter().enumerate() {
-        let src = s.as_slice::<T>().expect("collective checked the dtypes agree");
+    let slice = |i: usize, seg: &Range<usize>| {
+        let (s, base) = inputs[i];
+        &s.as_slice::<T>().expect("collective checked the dtypes agree")[base + seg.start..base + seg.end]
+    };
+    // Starting from a copy of the first input saves a zero-fill pass.
+    let mut acc = Vec::with_capacity(total);
+    for seg in segments {
+        acc.extend_from_slice(slice(0, seg));
+    }
+    for i in 1..inputs.len() {
         let mut at = 0;
         for seg in segments {
-            let dst = &mut acc[at..at + seg.len()];
-            let x = &src[base + seg.start..base + seg.end];
-            if i == 0 {
-                dst.copy_from_slice(x);
-            } else {
-                elementwise::add_assign(dst, x);
-            }
+            add_serial(&mut acc[at..at + seg.len()], slice(i, seg));
             at += seg.len();
         }
     }
-    acc
+    dev.buffer(acc)
 }
 
-/// Sums half-precision sources in `f32`: each segment is widened into a
-/// scratch buffer, then added.
+/// Sums half-precision sources in `f32`, widening each block of every
+/// segment into a scratch block before adding it.
 fn sum_widened(
     dev: &CpuDevice,
     inputs: &[(&CpuStorage, usize)],
@@ -139,21 +156,23 @@ fn sum_widened(
     widen: impl Fn(&CpuStorage, Range<usize>, &mut [f32]),
 ) -> Buffer<f32> {
     let mut acc = dev.buffer_zeros::<f32>(total);
-    let longest = segments.iter().map(Range::len).max().unwrap_or(0);
-    let mut scratch = dev.buffer_zeros::<f32>(if inputs.len() > 1 { longest } else { 0 });
+    let mut scratch = dev.buffer_zeros::<f32>(BLOCK.min(total));
     for (i, (s, base)) in inputs.iter().enumerate() {
         let mut at = 0;
         for seg in segments {
-            let r = base + seg.start..base + seg.end;
-            let dst = &mut acc[at..at + seg.len()];
-            if i == 0 {
-                widen(s, r, dst);
-            } else {
-                let tmp = &mut scratch[..seg.len()];
-                widen(s, r, tmp);
-                elementwise::add_assign(dst, tmp);
+            for start in (seg.start..seg.end).step_by(BLOCK) {
+                let end = (start + BLOCK).min(seg.end);
+                let dst = &mut acc[at..at + end - start];
+                let r = base + start..base + end;
+                if i == 0 {
+                    widen(s, r, dst);
+                } else {
+                    let tmp = &mut scratch[..end - start];
+                    widen(s, r, tmp);
+                    elementwise::add_assign(dst, tmp);
+                }
+                at += end - start;
             }
-            at += seg.len();
         }
     }
     acc
