@@ -95,43 +95,82 @@ pub trait Communicator: fmt::Debug + Send + Sync {
     /// delivered in the order sent, per (sender, receiver) pair, so two
     /// ranks may both send before they receive without deadlocking. `t` may
     /// be modified as soon as this returns. Sending to oneself is an error.
-    fn send(&self, t: &Tensor, peer: usize) -> Result<()>;
+    ///
+    /// The default refuses: a backend without point-to-point messages.
+    fn send(&self, t: &Tensor, peer: usize) -> Result<()> {
+        let _ = t;
+        Err(unsupported("send", peer, self))
+    }
 
     /// The next tensor rank `peer` sent to this rank, with the shape and
     /// dtype it was sent with; waits for it if it has not been sent yet.
-    fn recv(&self, peer: usize) -> Result<Tensor>;
+    ///
+    /// The default refuses, like [`send`](Self::send)'s.
+    fn recv(&self, peer: usize) -> Result<Tensor> {
+        Err(unsupported("recv", peer, self))
+    }
 
     /// Starts [`all_reduce_sum`](Self::all_reduce_sum) in the background.
     ///
     /// `t` must not be modified in place until the handle is waited for (the
     /// other ranks may still be reading it); the caller may compute anything
     /// else meanwhile, such as the rest of the backward pass.
-    fn all_reduce_sum_async(&self, t: &Tensor) -> Result<Pending>;
+    ///
+    /// The default runs the collective synchronously and returns a completed
+    /// handle: correct and in order, but without overlap. Backends that can
+    /// progress in the background override every `*_async` method.
+    fn all_reduce_sum_async(&self, t: &Tensor) -> Result<Pending> {
+        Ok(Pending::ready("all_reduce_sum", self.all_reduce_sum(t)))
+    }
 
     /// Starts [`all_gather`](Self::all_gather) in the background (same rules
-    /// as [`all_reduce_sum_async`](Self::all_reduce_sum_async)).
-    fn all_gather_async(&self, t: &Tensor, dim: usize) -> Result<Pending>;
+    /// and default as [`all_reduce_sum_async`](Self::all_reduce_sum_async)).
+    fn all_gather_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
+        Ok(Pending::ready("all_gather", self.all_gather(t, dim)))
+    }
 
     /// Starts [`reduce_scatter_sum`](Self::reduce_scatter_sum) in the
-    /// background (same rules as [`all_reduce_sum_async`](Self::all_reduce_sum_async)).
-    fn reduce_scatter_sum_async(&self, t: &Tensor, dim: usize) -> Result<Pending>;
-
-    /// Starts [`broadcast`](Self::broadcast) in the background (same rules as
+    /// background (same rules and default as
     /// [`all_reduce_sum_async`](Self::all_reduce_sum_async)).
-    fn broadcast_async(&self, t: &Tensor, root: usize) -> Result<Pending>;
+    fn reduce_scatter_sum_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
+        Ok(Pending::ready("reduce_scatter_sum", self.reduce_scatter_sum(t, dim)))
+    }
+
+    /// Starts [`broadcast`](Self::broadcast) in the background (same rules
+    /// and default as [`all_reduce_sum_async`](Self::all_reduce_sum_async)).
+    fn broadcast_async(&self, t: &Tensor, root: usize) -> Result<Pending> {
+        Ok(Pending::ready("broadcast", self.broadcast(t, root)))
+    }
 
     /// Starts [`all_to_all`](Self::all_to_all) in the background (same rules
-    /// as [`all_reduce_sum_async`](Self::all_reduce_sum_async)).
-    fn all_to_all_async(&self, parts: Vec<Tensor>) -> Result<Pending<Vec<Tensor>>>;
+    /// and default as [`all_reduce_sum_async`](Self::all_reduce_sum_async)).
+    fn all_to_all_async(&self, parts: Vec<Tensor>) -> Result<Pending<Vec<Tensor>>> {
+        Ok(Pending::ready("all_to_all", self.all_to_all(parts)))
+    }
 
-    /// Starts [`barrier`](Self::barrier) in the background.
-    fn barrier_async(&self) -> Result<Pending<()>>;
+    /// Starts [`barrier`](Self::barrier) in the background (same default as
+    /// [`all_reduce_sum_async`](Self::all_reduce_sum_async)).
+    fn barrier_async(&self) -> Result<Pending<()>> {
+        Ok(Pending::ready("barrier", self.barrier()))
+    }
 
     /// Declares this rank failed: every other rank's pending and later calls
     /// return [`Error::PeerFailed`] naming this rank and `reason`, and so do
     /// this rank's own later calls. Call it when a rank hits an error it
     /// cannot recover from, so the others stop instead of waiting for it.
-    fn abort(&self, reason: &str);
+    ///
+    /// The default does nothing: a backend with no failure propagation
+    /// (or, like [`SingleRank`], no peer to tell).
+    fn abort(&self, reason: &str) {
+        let _ = reason;
+    }
+}
+
+fn unsupported(op: &'static str, peer: usize, comm: &(impl Communicator + ?Sized)) -> Error {
+    Error::invalid(
+        op,
+        format!("peer {peer}: this communicator ({comm:?}) has no point-to-point messages; use one that implements `send` and `recv`, such as the in-process communicator"),
+    )
 }
 
 /// The result of an operation that runs in the background: a collective
