@@ -42,7 +42,7 @@ pub enum Error {
 
     /// Another rank of a communicator's group failed (aborted, panicked,
     /// dropped its communicator or gave up waiting), so no collective
-    /// involving it can complete.
+    /// involving it can complete. `rank` is the failed rank's world rank.
     #[error("rank {rank} failed: {reason}; this rank's collectives cannot complete. The failed rank's own error or panic message is the root cause, errors on the other ranks are consequences of it")]
     PeerFailed { rank: usize, reason: String },
 

@@ -535,7 +535,7 @@ fn a_rank_that_never_arrives_times_out() {
     // The late rank learns at once that its peer gave up.
     let (e1, took1) = &outs[1];
     assert!(matches!(e1, Error::PeerFailed { rank: 0, .. }), "{e1}");
-    assert!(*took1 < Duration::from_millis(100));
+    assert!(*took1 < Duration::from_secs(1), "a late call fails at once, not after its own timeout");
 }
 
 #[test]
