@@ -2,6 +2,8 @@
 //! finite-difference gradient checker that drives ops through the public API.
 #![allow(dead_code)]
 
+pub mod models;
+
 use tessera::prelude::*;
 
 /// A fresh CPU device (its own memory accounting).
