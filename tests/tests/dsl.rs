@@ -7,7 +7,7 @@ use common::models::*;
 use common::*;
 use std::sync::{Arc, Mutex};
 use tessera::module::{self, Cx, Hooks, Param, RecomputeOverride};
-use tessera::nn::{CausalAttention, Embedding, LayerNorm, Linear, Moe, RmsNorm, Stack};
+use tessera::nn::{Embedding, LayerNorm, Linear, Moe, RmsNorm, Stack};
 use tessera::prelude::*;
 use tessera::Result;
 
