@@ -113,6 +113,17 @@ impl Param {
         self.state().grad.clone()
     }
 
+    /// Replaces the accumulated gradient (data parallelism writes back the
+    /// average over replicas); the shape must be this rank's shard's.
+    pub fn set_grad(&self, g: Tensor) -> Result<()> {
+        let expected = self.local_shape();
+        if *g.shape() != expected {
+            return Err(Error::shape("param", format!("a gradient of shape {} for a parameter whose shard is {expected}", g.shape())));
+        }
+        self.state().grad = Some(g);
+        Ok(())
+    }
+
     /// Takes the accumulated gradient, leaving none, and forgets forward
     /// uses still waiting for theirs (a forward whose backward never ran must
     /// not hold back the next step's gradient-ready announcement).

@@ -1,3 +1,5 @@
-//! Parallel engines: pipeline schedules (and, later, data parallelism and ZeRO).
+//! Parallel engines: data parallelism with overlapped, bucketed gradient
+//! all-reduces, and pipeline schedules.
 
+pub mod data;
 pub mod pipeline;

@@ -1,5 +1,6 @@
 //! Tensors: a shared storage on a device, a dtype, and a layout that views it.
 
+mod concat;
 mod create;
 mod dtype;
 mod layout;
