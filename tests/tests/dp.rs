@@ -11,7 +11,10 @@ use tessera::module::{self, Act, Cx, Groups, Module, Param};
 use tessera::parallel::data::{Compression, DataParallel, SyncStats};
 use tessera::prelude::*;
 
-fn grads<M: Module>(m: &M) -> Vec<(String, Param, Vec<f64>)> {
+/// Every distinct parameter with its name and gradient.
+type Grads = Vec<(String, Param, Vec<f64>)>;
+
+fn grads<M: Module>(m: &M) -> Grads {
     let mut out: Vec<(String, Param, Vec<f64>)> = Vec::new();
     module::visit_params(m, |e| {
         if !out.iter().any(|(_, p, _)| p.same(e.param)) {
@@ -25,7 +28,7 @@ fn grads<M: Module>(m: &M) -> Vec<(String, Param, Vec<f64>)> {
 
 /// Trains one step of a GPT block on `dp` ranks, each on its slice of the
 /// batch; returns every rank's averaged gradients and sync figures.
-fn dp_step(dp: usize, compression: Compression, x: &[f64], dy: &[f64], dims: [usize; 3]) -> Vec<(Vec<(String, Param, Vec<f64>)>, SyncStats)> {
+fn dp_step(dp: usize, compression: Compression, x: &[f64], dy: &[f64], dims: [usize; 3]) -> Vec<(Grads, SyncStats)> {
     let world = InProcess::new(dp).unwrap();
     let per = dims[0] / dp;
     let row = dims[1] * dims[2];
@@ -57,7 +60,7 @@ fn dp_step(dp: usize, compression: Compression, x: &[f64], dy: &[f64], dims: [us
     })
 }
 
-fn single_step(x: &[f64], dy: &[f64], dims: [usize; 3]) -> Vec<(String, Param, Vec<f64>)> {
+fn single_step(x: &[f64], dy: &[f64], dims: [usize; 3]) -> Grads {
     let mut cx = Cx::new(Device::cpu()).with_dtype(DType::F64).with_seed(7);
     let block = module::build(GptBlock::new(8, 2).unwrap(), &cx).unwrap();
     let x = Tensor::from_vec(x.to_vec(), dims, cx.device()).unwrap();
