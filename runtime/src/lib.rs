@@ -28,7 +28,7 @@ pub mod __private {
     pub use crate::error::{Error, Result};
     pub use crate::module::dsl;
     pub use crate::module::{
-        assert_recomputable, assert_selective, call, call_layers, call_layers_backward, join_path, call_backward, call_recompute, call_recompute_backward, Act, Column, Cx, Kept, Layout, Module, Plain, Pipelined, Recomputable, Recompute, SelectiveRecomputable,
+        assert_recomputable, assert_selective, call, call_layers, call_layers_backward, join_path, call_backward, call_recompute, call_recompute_backward, Act, Column, Cx, Kept, Layout, Module, Plain, Pipelined, Recomputable, Recompute, SelectiveRecomputable, Staged,
         PartialSum, Replicated, Row, SplitHidden, SplitSeq, Tie, Visitor, Vocab,
     };
     pub use crate::tensor::DType;
@@ -39,7 +39,7 @@ pub use tessera_macros::{forward, Module};
 
 /// The names most programs need.
 pub mod prelude {
-    pub use crate::module::{Act, Cx, Module, Param, PartialSum, Replicated, SplitHidden, SplitSeq};
+    pub use crate::module::{Act, Cx, Module, Param, PartialSum, Replicated, SplitHidden, SplitSeq, Staged};
     pub use crate::{forward, Module};
     pub use crate::{DType, Device, Init, RngKey, Shape, Tensor};
 }

@@ -517,9 +517,9 @@ impl<'a> Gen<'a> {
             None => quote!(::core::option::Option::None),
         };
         let doc = format!(
-            "Pipeline stages of `{ident}`: the first stage runs [`forward_first`](Self::forward_first) and then its \
+            "Pipeline stages of `{ident}`, split at `{fname}`: the first stage runs `forward_first` and then its \
              range of `{fname}`'s layers, middle stages a range of layers, the last stage its range and then \
-             [`forward_last`](Self::forward_last). Run in order with all layers, they compute exactly the model's forward."
+             `forward_last`. Run in order over all layers, they compute exactly the model's forward."
         );
         quote! {
             #first_def
@@ -527,44 +527,45 @@ impl<'a> Gen<'a> {
 
             #[doc = #doc]
             #[automatically_derived]
-            impl #ident #bounds {
-                /// Number of layers of the split field, to divide among the stages.
-                pub fn split_layers(&self) -> usize {
+            impl #p::Staged for #ident #bounds {
+                type Boundary = #m::In;
+                type FirstSaved = #sf;
+                type SplitSaved = #m::Saved;
+                type LastSaved = #sl;
+
+                fn split_layers(&self) -> usize {
                     #p::Pipelined::layer_count(&self.#fname)
                 }
 
-                /// The first stage's part before the split layers.
                 #[allow(unused_mut, unused_variables, clippy::all)]
-                pub fn forward_first(&self, __cx: &mut #p::Cx, __x: #p::Act<#in_l>) -> #p::Result<(#p::Act<#m::In>, #sf)> {
+                fn forward_first(&self, __cx: &mut #p::Cx, __x: #p::Act<#in_l>) -> #p::Result<(#p::Act<#m::In>, #sf)> {
                     #first_fwd
                 }
 
-                /// Backward of [`forward_first`](Self::forward_first).
                 #[allow(unused_mut, unused_variables, clippy::all)]
-                pub fn backward_first(&self, __cx: &mut #p::Cx, __saved: #sf, __dy: #p::Act<#m::In>) -> #p::Result<#p::Act<#in_l>> {
+                fn backward_first(&self, __cx: &mut #p::Cx, __saved: #sf, __dy: #p::Act<#m::In>) -> #p::Result<#p::Act<#in_l>> {
                     #first_bwd
                 }
 
-                /// Layers `layers` of the split field (a stage's share).
-                pub fn forward_split(&self, __cx: &mut #p::Cx, layers: ::core::ops::Range<usize>, __x: #p::Act<#m::In>) -> #p::Result<(#p::Act<#m::Out>, #m::Saved)> {
-                    #p::call_layers(&self.#fname, __cx, #name, layers, __x, #recompute)
+                fn forward_split(&self, __cx: &mut #p::Cx, layers: ::core::ops::Range<usize>, __x: #p::Act<#m::In>) -> #p::Result<(#p::Act<#m::In>, #m::Saved)> {
+                    let (__y, __s) = #p::call_layers(&self.#fname, __cx, #name, layers, __x, #recompute)?;
+                    ::core::result::Result::Ok((#p::dsl::relabel(__y), __s))
                 }
 
-                /// Backward of [`forward_split`](Self::forward_split) over the same layers.
-                pub fn backward_split(&self, __cx: &mut #p::Cx, layers: ::core::ops::Range<usize>, __saved: #m::Saved, __dy: #p::Act<#m::Out>) -> #p::Result<#p::Act<#m::In>> {
-                    #p::call_layers_backward(&self.#fname, __cx, #name, layers, __saved, __dy)
+                fn backward_split(&self, __cx: &mut #p::Cx, layers: ::core::ops::Range<usize>, __saved: #m::Saved, __dy: #p::Act<#m::In>) -> #p::Result<#p::Act<#m::In>> {
+                    #p::call_layers_backward(&self.#fname, __cx, #name, layers, __saved, #p::dsl::relabel(__dy))
                 }
 
-                /// The last stage's part after the split layers.
                 #[allow(unused_mut, unused_variables, clippy::all)]
-                pub fn forward_last(&self, __cx: &mut #p::Cx, __x: #p::Act<#m::Out>) -> #p::Result<(#p::Act<#out_l>, #sl)> {
+                fn forward_last(&self, __cx: &mut #p::Cx, __x: #p::Act<#m::In>) -> #p::Result<(#p::Act<#out_l>, #sl)> {
+                    let __x: #p::Act<#m::Out> = #p::dsl::relabel(__x);
                     #last_fwd
                 }
 
-                /// Backward of [`forward_last`](Self::forward_last).
                 #[allow(unused_mut, unused_variables, clippy::all)]
-                pub fn backward_last(&self, __cx: &mut #p::Cx, __saved: #sl, __dy: #p::Act<#out_l>) -> #p::Result<#p::Act<#m::Out>> {
-                    #last_bwd
+                fn backward_last(&self, __cx: &mut #p::Cx, __saved: #sl, __dy: #p::Act<#out_l>) -> #p::Result<#p::Act<#m::In>> {
+                    let __r: #p::Result<#p::Act<#m::Out>> = (|| { #last_bwd })();
+                    __r.map(#p::dsl::relabel)
                 }
             }
         }
