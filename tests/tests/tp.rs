@@ -50,10 +50,31 @@ fn shard_of(full: &[f64], global: &[usize], shard: Shard) -> Vec<f64> {
     t.narrow(dim, rank * part, part).unwrap().to_f64_vec().unwrap()
 }
 
+/// The shape of `shard`'s part of a tensor of shape `global`.
+fn shard_of_dims(global: &[usize], shard: Shard) -> Vec<usize> {
+    let mut d = global.to_vec();
+    if let Shard::Split { dim, degree, .. } = shard {
+        d[dim] /= degree;
+    }
+    d
+}
+
 /// Runs `make()` on one rank and on `tp` tensor-parallel ranks (threads), in
 /// f64, with the same input and upstream gradient; asserts that the outputs,
 /// the input gradients and every parameter shard's gradient agree.
+/// Both with and without sequence parallelism.
 fn tp_matches_single_rank<M, F>(name: &str, tp: usize, make: F, input: impl Fn(&Device) -> Tensor + Sync, vocab_out: bool)
+where
+    M: Module<In = tessera::module::Replicated>,
+    F: Fn() -> tessera::Result<M> + Sync,
+{
+    tp_matches(name, tp, false, &make, &input, vocab_out);
+    tp_matches(&format!("{name} + sequence parallel"), tp, true, &make, &input, vocab_out);
+}
+
+/// Like [`tp_matches_single_rank`] for one setting of sequence parallelism:
+/// with it on, float inputs and outputs are this rank's slice of the sequence.
+fn tp_matches<M, F>(name: &str, tp: usize, sp: bool, make: &F, input: &(impl Fn(&Device) -> Tensor + Sync), vocab_out: bool)
 where
     M: Module<In = tessera::module::Replicated>,
     F: Fn() -> tessera::Result<M> + Sync,
@@ -79,18 +100,33 @@ where
                 let dev = Device::cpu();
                 let mut groups = Groups::single();
                 groups.tp = Arc::new(world.communicator(rank, &dev).unwrap());
-                let mut cx = Cx::new(dev.clone()).with_dtype(DType::F64).with_seed(7).with_groups(groups);
+                let mut cx = Cx::new(dev.clone()).with_dtype(DType::F64).with_seed(7).with_groups(groups).with_sequence_parallel(sp);
                 let m = module::build(make().unwrap(), &cx).unwrap();
-                let x = input(&dev);
+                let full_x = input(&dev);
+                // Under sequence parallelism a float input is this rank's slice of the sequence.
+                let seq_shard = Shard::Split { dim: 1, rank, degree: tp };
+                let x = if sp && full_x.dtype().is_float() {
+                    Tensor::from_vec(shard_of(&full_x.to_f64_vec().unwrap(), full_x.dims(), seq_shard), shard_of_dims(full_x.dims(), seq_shard), &dev).unwrap()
+                } else {
+                    full_x.clone()
+                };
                 let (y, saved) = m.forward(&mut cx, Act::new(x.clone())).unwrap();
-                // A vocab-parallel head leaves each rank its slice of the logits.
-                let shard = if vocab_out { Shard::Split { dim: y_dims.len() - 1, rank, degree: tp } } else { Shard::Replicated };
+                // A vocab-parallel head leaves each rank its slice of the logits;
+                // with sequence parallelism a block's output is a slice of the sequence.
+                let shard = if vocab_out {
+                    Shard::Split { dim: y_dims.len() - 1, rank, degree: tp }
+                } else if sp {
+                    seq_shard
+                } else {
+                    Shard::Replicated
+                };
                 let expect_y = shard_of(y_full, y_dims, shard);
                 assert_close(&y.tensor().to_f64_vec().unwrap(), &expect_y, 1e-11, 1e-9, &format!("{name} rank {rank}: output"));
                 let dy = Tensor::from_vec(shard_of(dy_full, y_dims, shard), y.tensor().shape().clone(), &dev).unwrap();
                 let dx = m.backward(&mut cx, saved, Act::new(dy)).unwrap();
                 if x.dtype().is_float() {
-                    assert_close(&dx.tensor().to_f64_vec().unwrap(), dx_full, 1e-11, 1e-9, &format!("{name} rank {rank}: input gradient"));
+                    let expect = if sp { shard_of(dx_full, full_x.dims(), seq_shard) } else { dx_full.clone() };
+                    assert_close(&dx.tensor().to_f64_vec().unwrap(), &expect, 1e-11, 1e-9, &format!("{name} rank {rank}: input gradient"));
                 }
                 let mine = grads_by_name(&m);
                 assert_eq!(mine.len(), reference.len());
@@ -106,12 +142,12 @@ where
 
 #[test]
 fn gpt_block_on_two_tp_ranks_equals_one_rank() {
-    tp_matches_single_rank("gpt block", 2, || GptBlock::new(8, 2), |d| rand_t(3, &[2, 3, 8], d), false);
+    tp_matches_single_rank("gpt block", 2, || GptBlock::new(8, 2), |d| rand_t(3, &[2, 4, 8], d), false);
 }
 
 #[test]
 fn llama_block_on_two_tp_ranks_equals_one_rank() {
-    tp_matches_single_rank("llama block", 2, || LlamaBlock::new(8, 4, 2, 12), |d| rand_t(4, &[2, 3, 8], d), false);
+    tp_matches_single_rank("llama block", 2, || LlamaBlock::new(8, 4, 2, 12), |d| rand_t(4, &[2, 4, 8], d), false);
 }
 
 #[test]

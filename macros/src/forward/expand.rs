@@ -285,7 +285,7 @@ impl<'a> Gen<'a> {
             }
             Op::Func(Func::AllReduce) => {
                 let a = &ga[0];
-                quote!(#p::dsl::accumulate(&mut #a, #p::dsl::relabel(#p::dsl::all_reduce_backward(__gy)))?;)
+                quote!(#p::dsl::accumulate(&mut #a, #p::dsl::relabel(#p::dsl::all_reduce_backward(__cx, __gy)?))?;)
             }
             Op::Func(func @ (Func::ReduceScatter | Func::AllGather)) => {
                 let f = format_ident!("{}_backward", func.name());

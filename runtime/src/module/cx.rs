@@ -75,6 +75,7 @@ pub struct Cx {
     recomputing: bool,
     layer_recompute: Option<super::Recompute>,
     master_dtype: DType,
+    sequence_parallel: bool,
     path: Vec<String>,
     hooks: Vec<Arc<dyn Hooks>>,
 }
@@ -94,6 +95,7 @@ impl Cx {
             recomputing: false,
             layer_recompute: None,
             master_dtype: DType::F32,
+            sequence_parallel: false,
             path: Vec::new(),
             hooks: Vec::new(),
         }
@@ -208,6 +210,34 @@ impl Cx {
         self.master_dtype = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
         self.compute_dtype = dtype;
         self
+    }
+
+    /// Turns sequence parallelism on or off (the model is unchanged).
+    ///
+    /// With it on (and a tensor-parallel group of more than one rank), the
+    /// `Replicated` activations of the residual stream are split along the
+    /// sequence (dim 1) over the group: `all_reduce` becomes a
+    /// reduce-scatter, column-parallel layers all-gather their input (and
+    /// reduce-scatter its gradient), per-token layers (norms, dropout) work on
+    /// the local tokens, and their parameters' gradients are summed over the
+    /// group. Token ids stay whole; the embedding must be vocab-parallel.
+    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = on;
+        self
+    }
+
+    /// Whether residual activations are split along the sequence right now
+    /// (sequence parallelism on, over a tensor-parallel group of several ranks).
+    pub fn sequence_split(&self) -> bool {
+        self.sequence_parallel && self.groups.tp.size() > 1
+    }
+
+    /// Delivers the gradient of a parameter applied to each token separately
+    /// (a norm's gain): under sequence parallelism each rank saw only its
+    /// tokens, so the parts are summed over the tensor-parallel group first.
+    pub fn grad_per_token(&self, p: &Param, g: Tensor) -> Result<()> {
+        let g = if self.sequence_split() { self.tp().all_reduce_sum(&g)? } else { g };
+        self.grad(p, g)
     }
 
     /// The dotted path of the sub-module running now.

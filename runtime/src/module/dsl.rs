@@ -112,15 +112,26 @@ pub fn region_dtype(outer: DType, requested: DType) -> DType {
     }
 }
 
-/// Sums a partial value over the tensor-parallel group.
+/// Sums a partial value over the tensor-parallel group. Under sequence
+/// parallelism ([`Cx::sequence_split`]) each rank keeps only its slice of the
+/// sequence (dim 1): a reduce-scatter, half the traffic of an all-reduce.
 pub fn all_reduce<L: Reducible>(cx: &mut Cx, x: Act<L>) -> Result<Act<Replicated>> {
-    Ok(Act::new(cx.tp().all_reduce_sum(x.tensor())?))
+    if cx.sequence_split() {
+        Ok(Act::new(cx.tp().reduce_scatter_sum(x.tensor(), 1)?))
+    } else {
+        Ok(Act::new(cx.tp().all_reduce_sum(x.tensor())?))
+    }
 }
 
 /// Backward of [`all_reduce`]: the identity (each rank's partial input
-/// contributed to the sum with weight one).
-pub fn all_reduce_backward(g: Act<Replicated>) -> Act<PartialSum> {
-    Act::new(g.into_tensor())
+/// contributed to the sum with weight one), or, under sequence parallelism,
+/// the all-gather of the slices' gradients.
+pub fn all_reduce_backward(cx: &mut Cx, g: Act<Replicated>) -> Result<Act<PartialSum>> {
+    if cx.sequence_split() {
+        Ok(Act::new(cx.tp().all_gather(g.tensor(), 1)?))
+    } else {
+        Ok(Act::new(g.into_tensor()))
+    }
 }
 
 /// Sums a partial value over the group and keeps this rank's slice of the sequence (dim 1).

@@ -34,9 +34,10 @@ pub struct Dropout {
 }
 
 /// What a [`Dropout`] keeps for its backward: the key its mask was drawn
-/// with (16 bytes), or `None` when the forward was the identity.
+/// with and the global index of its first element (24 bytes), or `None` when the
+/// forward was the identity.
 #[derive(Clone, Copy, Debug)]
-pub struct DropoutSaved(Option<RngKey>);
+pub struct DropoutSaved(Option<(RngKey, u64)>);
 
 impl Dropout {
     /// Dropout with drop probability `p` in `[0, 1)`.
@@ -63,13 +64,16 @@ impl Module<Plain> for Dropout {
             return Ok((x, DropoutSaved(None)));
         }
         let key = cx.dropout_key();
-        Ok((Act::new(ops::dropout(x.tensor(), self.p, key, 0)?), DropoutSaved(Some(key))))
+        // Under sequence parallelism this rank holds one slice of the tokens:
+        // draw the mask at its global positions, as one rank would.
+        let start = if cx.sequence_split() { (cx.tp().rank() * x.tensor().elem_count()) as u64 } else { 0 };
+        Ok((Act::new(ops::dropout(x.tensor(), self.p, key, start)?), DropoutSaved(Some((key, start)))))
     }
 
     fn backward(&self, _cx: &mut Cx, saved: DropoutSaved, dy: Act<Replicated>) -> Result<Act<Replicated>> {
         match saved.0 {
             None => Ok(dy),
-            Some(key) => Ok(Act::new(ops::dropout_backward(dy.tensor(), self.p, key, 0)?)),
+            Some((key, start)) => Ok(Act::new(ops::dropout_backward(dy.tensor(), self.p, key, start)?)),
         }
     }
 

@@ -173,6 +173,17 @@ impl Linear {
     }
 }
 
+/// The whole sequence (dim 1) from every rank's slice.
+fn gather_sequence(cx: &Cx, x: &Tensor) -> Result<Tensor> {
+    if x.rank() < 3 {
+        return Err(Error::shape(
+            "Linear",
+            format!("sequence parallelism splits dimension 1 of [batch, seq, hidden] activations, got {}; turn it off for other shapes", x.shape()),
+        ));
+    }
+    cx.tp().all_gather(x, 1)
+}
+
 impl Module<Plain> for Linear {
     type In = Replicated;
     type Out = Replicated;
@@ -197,14 +208,23 @@ impl Module<Column> for Linear {
     type Out = SplitHidden;
     type Saved = LinearSaved;
 
+    /// Under sequence parallelism the input is this rank's slice of the
+    /// sequence: it is all-gathered first, and the input gradient (partial
+    /// over the group) is reduce-scattered back to the slices.
     fn forward(&self, cx: &mut Cx, x: Act<Replicated>) -> Result<(Act<SplitHidden>, LinearSaved)> {
-        let (y, s) = self.fwd(cx, x.into_tensor(), true)?;
+        let x = x.into_tensor();
+        let x = if cx.sequence_split() { gather_sequence(cx, &x)? } else { x };
+        let (y, s) = self.fwd(cx, x, true)?;
         Ok((Act::new(y), s))
     }
 
     fn backward(&self, cx: &mut Cx, saved: LinearSaved, dy: Act<SplitHidden>) -> Result<Act<Replicated>> {
         let dx = self.bwd(cx, saved, dy.tensor())?;
-        Ok(Act::new(cx.tp().all_reduce_sum(&dx)?))
+        if cx.sequence_split() {
+            Ok(Act::new(cx.tp().reduce_scatter_sum(&dx, 1)?))
+        } else {
+            Ok(Act::new(cx.tp().all_reduce_sum(&dx)?))
+        }
     }
 
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {

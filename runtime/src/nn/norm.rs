@@ -98,9 +98,9 @@ impl Module<Plain> for LayerNorm {
     fn backward(&self, cx: &mut Cx, saved: NormState, dy: Act<Replicated>) -> Result<Act<Replicated>> {
         let g = param_value(cx, &self.weight)?;
         let (dx, dg, db) = ops::layer_norm_backward(&saved.x, &g, self.bias.is_some(), &saved.stats, dy.tensor())?;
-        cx.grad(&self.weight, dg)?;
+        cx.grad_per_token(&self.weight, dg)?;
         if let (Some(b), Some(db)) = (&self.bias, db) {
-            cx.grad(b, db)?;
+            cx.grad_per_token(b, db)?;
         }
         Ok(Act::new(dx))
     }
@@ -165,7 +165,7 @@ impl Module<Plain> for RmsNorm {
     fn backward(&self, cx: &mut Cx, saved: NormState, dy: Act<Replicated>) -> Result<Act<Replicated>> {
         let g = param_value(cx, &self.weight)?;
         let (dx, dg) = ops::rms_norm_backward(&saved.x, &g, &saved.stats, dy.tensor())?;
-        cx.grad(&self.weight, dg)?;
+        cx.grad_per_token(&self.weight, dg)?;
         Ok(Act::new(dx))
     }
 
