@@ -16,7 +16,7 @@ fn vocab_parallel_cross_entropy_on_one_rank_is_cross_entropy() {
     let (expect, saved) = ops::cross_entropy(&logits, &targets, Some(999)).unwrap();
     let dexpect = ops::cross_entropy_backward(&logits, &targets, Some(999), &saved, 0.5).unwrap();
     let act = Act::new(logits.clone());
-    let (loss, vsaved) = vocab_parallel_cross_entropy(&cx, &act, &targets, vocab, Some(999)).unwrap();
+    let (loss, vsaved) = vocab_parallel_cross_entropy(cx.tp(), &act, &targets, vocab, Some(999)).unwrap();
     let d = vocab_parallel_cross_entropy_backward(&act, &targets, vocab, Some(999), &vsaved, 0.5).unwrap();
     assert_close(&[loss.to_scalar().unwrap()], &[expect.to_scalar().unwrap()], 1e-12, 1e-12, "loss");
     assert_close(&d.tensor().to_f64_vec().unwrap(), &dexpect.to_f64_vec().unwrap(), 1e-14, 1e-12, "dlogits");
@@ -180,7 +180,7 @@ fn vocab_parallel_cross_entropy_on_two_ranks_equals_one() {
                 let shard = Shard::Split { dim: 1, rank, degree: tp };
                 let logits = Act::new(Tensor::from_vec(shard_of(full_v, &[rows, vocab], shard), [rows, vocab / tp], &dev).unwrap());
                 let t = Tensor::from_vec(targets.clone(), [rows], &dev).unwrap();
-                let (l, saved) = vocab_parallel_cross_entropy(&cx, &logits, &t, vocab, Some(999)).unwrap();
+                let (l, saved) = vocab_parallel_cross_entropy(cx.tp(), &logits, &t, vocab, Some(999)).unwrap();
                 assert_close(&[l.to_scalar().unwrap()], &[loss], 1e-12, 1e-12, "loss");
                 let d = vocab_parallel_cross_entropy_backward(&logits, &t, vocab, Some(999), &saved, 1.0).unwrap();
                 assert_close(&d.tensor().to_f64_vec().unwrap(), &shard_of(dfull, &[rows, vocab], shard), 1e-14, 1e-12, "dlogits");

@@ -675,3 +675,21 @@ impl Core {
         Ok(wrap(concat(dev, msg.dtype(), &[(&msg, 0..msg.elem_count())]), msg.shape().clone(), dev))
     }
 }
+
+/// The communicators of world rank `rank` for every axis of `mesh` (its
+/// tensor-, data-, pipeline- and expert-parallel groups), each group tagged
+/// with its axis so that axes with the same members stay independent.
+pub fn mesh_groups(world: &InProcess, mesh: &crate::dist::mesh::Mesh, rank: usize, device: &Device) -> Result<crate::module::Groups> {
+    use crate::dist::mesh::Axis;
+    if world.world_size() != mesh.world() {
+        return Err(Error::invalid(
+            "mesh_groups",
+            format!("the mesh {mesh} has {} ranks but the in-process world has {}; build both for the same world", mesh.world(), world.world_size()),
+        ));
+    }
+    let comm = |axis: Axis| -> Result<Arc<dyn Communicator>> {
+        let members = mesh.group(axis, rank)?;
+        Ok(Arc::new(world.tagged_group(axis.name(), &members)?.communicator(rank, device)?))
+    };
+    Ok(crate::module::Groups { tp: comm(Axis::Tp)?, dp: comm(Axis::Dp)?, pp: comm(Axis::Pp)?, ep: comm(Axis::Ep)? })
+}

@@ -1,7 +1,8 @@
 //! Cross-entropy over vocabulary-parallel logits.
 
 use crate::error::{Error, Result};
-use crate::module::{Act, Cx, SplitHidden};
+use crate::dist::Communicator;
+use crate::module::{Act, SplitHidden};
 use crate::ops;
 use crate::tensor::{DType, Tensor};
 
@@ -23,11 +24,11 @@ pub struct VocabParallelCeSaved {
 /// gathering the logits: each rank reduces its slice to a log-sum-exp and the
 /// target's logit, and only those `[rows]` vectors cross the group.
 ///
-/// `targets` hold global token ids, one per row; rows whose target is
+/// `tp` is the tensor-parallel group (`cx.tp()`). `targets` hold global token ids, one per row; rows whose target is
 /// `ignore_index` count neither in the loss nor in the mean. Returns the
 /// scalar loss (the same on every rank) and the state for the backward.
 pub fn vocab_parallel_cross_entropy(
-    cx: &Cx,
+    tp: &dyn Communicator,
     logits: &Act<SplitHidden>,
     targets: &Tensor,
     vocab_size: usize,
@@ -35,7 +36,7 @@ pub fn vocab_parallel_cross_entropy(
 ) -> Result<(Tensor, VocabParallelCeSaved)> {
     const OP: &str = "vocab_parallel_cross_entropy";
     let logits = logits.tensor();
-    let (rank, degree) = (cx.tp().rank(), cx.tp().size());
+    let (rank, degree) = (tp.rank(), tp.size());
     let local = logits.shape().last_dim(OP)?;
     if local * degree != vocab_size {
         return Err(Error::shape(
@@ -46,9 +47,9 @@ pub fn vocab_parallel_cross_entropy(
     let vocab_start = rank * local;
     let (lse_local, target_local) = ops::vocab_shard_stats(logits, targets, vocab_start, vocab_size, ignore_index)?;
     let rows = lse_local.elem_count();
-    let target_logit = cx.tp().all_reduce_sum(&target_local)?;
+    let target_logit = tp.all_reduce_sum(&target_local)?;
     // Combine the shards' log-sum-exps: lse = x₀ − log_softmax(x)₀ over each row of [rows, tp].
-    let shards = cx.tp().all_gather(&lse_local.reshape([1, rows])?, 0)?.t()?.contiguous()?;
+    let shards = tp.all_gather(&lse_local.reshape([1, rows])?, 0)?.t()?.contiguous()?;
     let first = shards.narrow(1, 0, 1)?;
     let lse = ops::sub(&first, &ops::log_softmax(&shards)?.narrow(1, 0, 1)?)?.reshape([rows])?;
 

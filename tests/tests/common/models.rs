@@ -29,10 +29,17 @@ impl GptBlock {
 
 impl GptBlock {
     pub fn new(d: usize, heads: usize) -> Result<Self> {
+        Self::with_qkv_bias(d, heads, true)
+    }
+
+    /// A block whose query/key/value projection has a bias or not. The key
+    /// part of that bias gets no gradient (softmax ignores a shift of all
+    /// scores), so under Adam it only turns rounding noise into updates.
+    pub fn with_qkv_bias(d: usize, heads: usize, qkv_bias: bool) -> Result<Self> {
         let hd = d / heads;
         Ok(GptBlock {
             ln1: LayerNorm::new(d, 1e-5, true)?,
-            qkv: Linear::new(d, 3 * d, true)?,
+            qkv: Linear::new(d, 3 * d, qkv_bias)?,
             attn: CausalAttention::new(heads, heads, hd)?,
             proj: Linear::new(d, d, true)?,
             ln2: LayerNorm::new(d, 1e-5, true)?,
@@ -123,12 +130,55 @@ impl Gpt {
 
 impl Gpt {
     pub fn new(vocab: usize, d: usize, heads: usize, layers: usize) -> Result<Self> {
+        Self::with_qkv_bias(vocab, d, heads, layers, true)
+    }
+
+    /// A GPT whose blocks' query/key/value projections have a bias or not.
+    pub fn with_qkv_bias(vocab: usize, d: usize, heads: usize, layers: usize, qkv_bias: bool) -> Result<Self> {
         Ok(Gpt {
             tok: Embedding::new(vocab, d)?,
-            blocks: Stack::from_fn(layers, |_| GptBlock::new(d, heads))?,
+            blocks: Stack::from_fn(layers, |_| GptBlock::with_qkv_bias(d, heads, qkv_bias))?,
             norm: LayerNorm::new(d, 1e-5, true)?,
             head: Linear::new(d, vocab, false)?,
         })
     }
 }
 
+
+/// [`Gpt`] with selective recompute declared on its blocks (the run-time
+/// override turns it into full recompute, or off); same parameter names.
+#[derive(Module)]
+pub struct RecomputeGpt {
+    #[stage(first)]
+    #[shard(vocab)]
+    pub tok: Embedding,
+    #[stage(split)]
+    #[recompute(selective)]
+    pub blocks: Stack<GptBlock>,
+    #[stage(last)]
+    #[precision(f32)]
+    pub norm: LayerNorm,
+    #[stage(last)]
+    #[shard(vocab)]
+    #[tied(tok)]
+    pub head: Linear,
+}
+
+#[forward]
+impl RecomputeGpt {
+    fn forward(&self, ids: Act<Replicated>) -> Act<SplitHidden> {
+        let h = all_reduce(self.tok(ids));
+        self.head(self.norm(self.blocks(h)))
+    }
+}
+
+impl RecomputeGpt {
+    pub fn new(vocab: usize, d: usize, heads: usize, layers: usize) -> Result<Self> {
+        Ok(RecomputeGpt {
+            tok: Embedding::new(vocab, d)?,
+            blocks: Stack::from_fn(layers, |_| GptBlock::with_qkv_bias(d, heads, false))?,
+            norm: LayerNorm::new(d, 1e-5, true)?,
+            head: Linear::new(d, vocab, false)?,
+        })
+    }
+}
