@@ -32,7 +32,7 @@ pub use dropout::{Dropout, DropoutSaved};
 pub use embedding::{Embedding, EmbeddingSaved};
 pub use linear::{Linear, LinearSaved};
 pub use loss::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward, VocabParallelCeSaved};
-pub use moe::{Moe, MoeSaved};
+pub use moe::{Moe, MoeSaved, MoeStats};
 pub use norm::{LayerNorm, NormState, RmsNorm};
 pub use stack::Stack;
 
