@@ -8,7 +8,7 @@
 //! between any two summation orders.
 
 mod common;
-use common::models::{Gpt, RecomputeGpt};
+use common::models::{Gpt, MoeGpt, RecomputeGpt};
 use std::collections::BTreeMap;
 use tessera::dist::inproc::{mesh_groups, InProcess};
 use tessera::dist::mesh::{Axis, Mesh};
@@ -48,7 +48,11 @@ fn data(step: usize, seq: usize) -> (Vec<u32>, Vec<u32>) {
 type Outcome = (Vec<f64>, BTreeMap<String, Vec<f32>>);
 
 
-fn train<M: Staged<In = Replicated, Out = SplitHidden>>(cfg: Config, make: impl Fn() -> tessera::Result<M> + Sync) -> Outcome {
+/// Builds the model for a rank whose expert-parallel coordinate and degree are given.
+trait Make<M>: Fn(usize, usize) -> tessera::Result<M> + Sync {}
+impl<M, F: Fn(usize, usize) -> tessera::Result<M> + Sync> Make<M> for F {}
+
+fn train<M: Staged<In = Replicated, Out = SplitHidden>>(cfg: Config, make: impl Make<M>) -> Outcome {
     let world_size: usize = cfg.mesh.split(',').map(|a| a.trim_start_matches(|c: char| c.is_alphabetic()).parse::<usize>().unwrap()).product();
     let mesh = Mesh::parse(cfg.mesh, world_size, world_size).unwrap();
     let world = InProcess::new(world_size).unwrap();
@@ -77,25 +81,28 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(
     world: &InProcess,
     mesh: &Mesh,
     rank: usize,
-    make: &(impl Fn() -> tessera::Result<M> + Sync),
+    make: &impl Make<M>,
 ) -> Outcome {
     let dev = Device::cpu();
     let coords = mesh.coords(rank).unwrap();
-    let (dp, pp) = (mesh.size(Axis::Dp), mesh.size(Axis::Pp));
-    let (d, t, stage) = (coords[Axis::Dp], coords[Axis::Tp], coords[Axis::Pp]);
+    let (dp, ep, pp) = (mesh.size(Axis::Dp), mesh.size(Axis::Ep), mesh.size(Axis::Pp));
+    let (d, e, t, stage) = (coords[Axis::Dp], coords[Axis::Ep], coords[Axis::Tp], coords[Axis::Pp]);
     let groups = mesh_groups(world, mesh, rank, &dev).unwrap();
-    let (tp_group, dp_group) = (groups.tp.clone(), groups.dp.clone());
+    let (tp_group, dp_group, ep_group) = (groups.tp.clone(), groups.dp.clone(), groups.ep.clone());
     let mut cx = Cx::new(dev.clone()).with_seed(11).with_groups(groups).with_sequence_parallel(cfg.sequence_parallel);
     if let Some(r) = cfg.recompute {
         cx.set_recompute_override(r);
     }
-    let model = module::build(make().unwrap(), &cx).unwrap();
-    let per_replica = SEQS / dp;
+    let model = module::build(make(e, ep).unwrap(), &cx).unwrap();
+    // Data replicas: every (dp, ep) coordinate sees its own sequences.
+    let replicas = dp * ep;
+    let replica = d * ep + e;
+    let per_replica = SEQS / replicas;
     let schedule = cfg.schedule.build(pp, per_replica).unwrap();
     let mut moments: BTreeMap<String, (Tensor, Tensor)> = BTreeMap::new();
     let mut losses = Vec::new();
     for step in 0..STEPS {
-        let seqs: Vec<_> = (0..per_replica).map(|i| data(step, d * per_replica + i)).collect();
+        let seqs: Vec<_> = (0..per_replica).map(|i| data(step, replica * per_replica + i)).collect();
         let inputs: Vec<Tensor> = seqs.iter().map(|(x, _)| Tensor::from_vec(x.clone(), [1, TOKENS], &dev).unwrap()).collect();
         let targets: Vec<Tensor> = seqs.iter().map(|(_, y)| Tensor::from_vec(y.clone(), [1, TOKENS], &dev).unwrap()).collect();
         // Each microbatch's loss is its mean; the step's loss is the mean over all of them.
@@ -106,7 +113,10 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(
         })
         .unwrap();
         sync_tied_grads(&model, &cx).unwrap();
-        // Data parallelism: average every gradient over the replicas.
+        // Average every gradient over the data replicas. An expert's gradient
+        // already holds every expert-parallel rank's tokens (they came to it
+        // through the all-to-all); every other parameter is replicated over
+        // the expert-parallel group too, and sums over it as well.
         let mut params: Vec<(String, Param)> = Vec::new();
         module::visit_params(&model, |e| {
             if !params.iter().any(|(_, p)| p.same(e.param)) {
@@ -115,17 +125,25 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(
             Ok(())
         })
         .unwrap();
-        let adamw = AdamWStep { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, step: step as u64 + 1, grad_scale: 1.0 };
+        // eps 1e-6 rather than 1e-8: Adam divides each gradient by its own
+        // running magnitude, so for a weight an expert barely used, 1e-8 turns
+        // f32 rounding differences between summation orders into visible updates.
+        let adamw = AdamWStep { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-6, weight_decay: 0.01, step: step as u64 + 1, grad_scale: 1.0 };
         for (name, p) in &params {
             let Some(g) = p.take_grad() else { continue };
-            let g = ops::scale(&dp_group.all_reduce_sum(&g).unwrap(), 1.0 / dp as f64).unwrap();
+            let mut g = dp_group.all_reduce_sum(&g).unwrap();
+            if !name.contains(".experts.") {
+                g = ep_group.all_reduce_sum(&g).unwrap();
+            }
+            let g = ops::scale(&g, 1.0 / replicas as f64).unwrap();
             let value = p.value().unwrap();
             let (m, v) = moments.entry(name.clone()).or_insert_with(|| (value.zeros_like().unwrap(), value.zeros_like().unwrap()));
             ops::adamw_update(&adamw, &value, &g, m, v).unwrap();
         }
         if stage == pp - 1 {
             let local: f64 = report.losses.iter().map(|(_, l)| l).sum::<f64>() / per_replica as f64;
-            let mean = dp_group.all_reduce_sum(&Tensor::from_vec(vec![local], [1], &dev).unwrap()).unwrap().to_scalar().unwrap() / dp as f64;
+            let sum = dp_group.all_reduce_sum(&Tensor::from_vec(vec![local], [1], &dev).unwrap()).unwrap();
+            let mean = ep_group.all_reduce_sum(&sum).unwrap().to_scalar().unwrap() / replicas as f64;
             losses.push(mean);
         }
     }
@@ -144,8 +162,13 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(
         Ok(())
     })
     .unwrap();
+    // Report from one copy of each parameter: dp and tp coordinate 0; every
+    // expert-parallel rank reports its own experts (the rest are replicated).
     let keep = d == 0 && t == 0;
-    (if keep && stage == pp - 1 { losses } else { vec![] }, if keep { out } else { BTreeMap::new() })
+    if e != 0 {
+        out.retain(|name, _| name.contains(".experts."));
+    }
+    (if keep && e == 0 && stage == pp - 1 { losses } else { vec![] }, if keep { out } else { BTreeMap::new() })
 }
 
 fn check(name: &str, got: &Outcome, want: &Outcome) {
@@ -165,7 +188,8 @@ fn check(name: &str, got: &Outcome, want: &Outcome) {
 
 #[test]
 fn every_configuration_trains_like_one_rank() {
-    let reference = train(Config::new("dp1"), || Gpt::with_qkv_bias(VOCAB, 8, 2, LAYERS, false));
+    let gpt = |_: usize, _: usize| Gpt::with_qkv_bias(VOCAB, 8, 2, LAYERS, false);
+    let reference = train(Config::new("dp1"), gpt);
     let configs = [
         ("dp2", Config::new("dp2")),
         ("tp2", Config::new("tp2")),
@@ -176,10 +200,27 @@ fn every_configuration_trains_like_one_rank() {
         ("dp2 tp2 pp2", Config::new("dp2,tp2,pp2")),
     ];
     for (name, cfg) in configs {
-        check(name, &train(cfg, || Gpt::with_qkv_bias(VOCAB, 8, 2, LAYERS, false)), &reference);
+        check(name, &train(cfg, gpt), &reference);
     }
     for (name, r) in [("full recompute tp2 pp2", RecomputeOverride::Full), ("selective recompute tp2 pp2", RecomputeOverride::AsDeclared)] {
         let cfg = Config { recompute: Some(r), ..Config::new("tp2,pp2") };
-        check(name, &train(cfg, || RecomputeGpt::new(VOCAB, 8, 2, LAYERS)), &reference);
+        check(name, &train(cfg, |_, _| RecomputeGpt::new(VOCAB, 8, 2, LAYERS)), &reference);
+    }
+}
+
+#[test]
+fn every_configuration_trains_the_moe_model_like_one_rank() {
+    let moe = |e: usize, ep: usize| MoeGpt::new(VOCAB, 8, 2, LAYERS, 4, e, ep);
+    let reference = train(Config::new("dp1"), moe);
+    let configs = [
+        ("pp2 1f1b", Config::new("pp2")),
+        ("ep2", Config::new("ep2")),
+        ("ep4", Config::new("ep4")),
+        ("dp2 ep2", Config::new("dp2,ep2")),
+        ("dp2", Config::new("dp2")),
+        ("tp2", Config::new("tp2")),
+    ];
+    for (name, cfg) in configs {
+        check(name, &train(cfg, moe), &reference);
     }
 }

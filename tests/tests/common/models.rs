@@ -182,3 +182,69 @@ impl RecomputeGpt {
         })
     }
 }
+
+/// A transformer block whose MLP is a mixture of experts.
+#[derive(Module)]
+pub struct MoeGptBlock {
+    pub ln1: LayerNorm,
+    #[shard(column)]
+    pub qkv: Linear,
+    pub attn: CausalAttention,
+    #[shard(row)]
+    pub proj: Linear,
+    pub ln2: RmsNorm,
+    pub moe: Moe,
+}
+
+#[forward]
+impl MoeGptBlock {
+    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+        let h = x + all_reduce(self.proj(self.attn(self.qkv(self.ln1(x)))));
+        h + self.moe(self.ln2(h))
+    }
+}
+
+/// A small MoE language model: experts split over `ep_degree` ranks, this one `ep_rank`.
+#[derive(Module)]
+pub struct MoeGpt {
+    #[stage(first)]
+    #[shard(vocab)]
+    pub tok: Embedding,
+    #[stage(split)]
+    pub blocks: Stack<MoeGptBlock>,
+    #[stage(last)]
+    pub norm: LayerNorm,
+    #[stage(last)]
+    #[shard(vocab)]
+    #[tied(tok)]
+    pub head: Linear,
+}
+
+#[forward]
+impl MoeGpt {
+    fn forward(&self, ids: Act<Replicated>) -> Act<SplitHidden> {
+        let h = all_reduce(self.tok(ids));
+        self.head(self.norm(self.blocks(h)))
+    }
+}
+
+impl MoeGpt {
+    pub fn new(vocab: usize, d: usize, heads: usize, layers: usize, experts: usize, ep_rank: usize, ep_degree: usize) -> Result<Self> {
+        let block = |_| -> Result<MoeGptBlock> {
+            Ok(MoeGptBlock {
+                ln1: LayerNorm::new(d, 1e-5, true)?,
+                qkv: Linear::new(d, 3 * d, false)?,
+                attn: CausalAttention::new(heads, heads, d / heads)?,
+                proj: Linear::new(d, d, true)?,
+                ln2: RmsNorm::new(d, 1e-6)?,
+                moe: Moe::new(d, 2 * d, experts, 2)?.with_expert_parallel(ep_rank, ep_degree)?,
+            })
+        };
+        Ok(MoeGpt {
+            tok: Embedding::new(vocab, d)?,
+            blocks: Stack::from_fn(layers, block)?,
+            norm: LayerNorm::new(d, 1e-5, true)?,
+            head: Linear::new(d, vocab, false)?,
+        })
+    }
+}
