@@ -13,6 +13,7 @@ pub mod guide;
 pub mod module;
 pub mod nn;
 pub mod ops;
+pub mod optim;
 pub mod parallel;
 pub mod tensor;
 

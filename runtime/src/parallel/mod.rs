@@ -2,4 +2,5 @@
 //! all-reduces, and pipeline schedules.
 
 pub mod data;
+pub mod zero;
 pub mod pipeline;

@@ -1,0 +1,290 @@
+//! AdamW and ZeRO stages 1, 2 and 3: sharded training on 2 and 4
+//! in-process ranks equals plain AdamW on one rank over the whole batch, and
+//! each rank's model-state memory matches the analytic figures of
+//! `docs/zero.md`.
+
+mod common;
+use common::models::{Gpt, GptBlock};
+use common::*;
+use std::ops::Range;
+use std::sync::Arc;
+use tessera::dist::inproc::InProcess;
+use tessera::dist::Communicator;
+use tessera::module::{self, Act, Cx, Groups, Module};
+use tessera::optim::{AdamW, AdamWConfig};
+use tessera::parallel::zero::{Stage, Zero, ZeroConfig, ZeroStats};
+use tessera::prelude::*;
+
+/// A learning-rate schedule: one rate per step.
+const LRS: [f64; 3] = [3e-3, 2e-3, 1e-3];
+
+fn adamw() -> AdamWConfig {
+    AdamWConfig { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 }
+}
+
+/// Builds the input rows `rows` of the global batch on `dev`.
+type Input = dyn Fn(Range<usize>, &Device) -> Tensor + Sync;
+
+/// The half mean squared error of `y` (rows `rows` of a batch of `batch`)
+/// against fixed random targets, and its gradient.
+fn mse(y: &Tensor, rows: Range<usize>, batch: usize) -> (f64, Tensor) {
+    let y_vals = y.to_f64_vec().unwrap();
+    let per_row = y_vals.len() / rows.len();
+    let target = rand_vec(100, per_row * batch);
+    let target = &target[rows.start * per_row..rows.end * per_row];
+    let count = y_vals.len() as f64;
+    let loss = y_vals.iter().zip(target).map(|(a, b)| (a - b) * (a - b)).sum::<f64>() / (2.0 * count);
+    let dy: Vec<f64> = y_vals.iter().zip(target).map(|(a, b)| (a - b) / count).collect();
+    let dy = Tensor::from_vec(dy, y.shape().clone(), y.device()).unwrap().to_dtype(y.dtype()).unwrap();
+    (loss, dy)
+}
+
+/// Every distinct parameter's values, by name.
+fn params_of<M: Module>(m: &M) -> Vec<(String, Vec<f64>)> {
+    let mut seen: Vec<Param> = Vec::new();
+    let mut out = Vec::new();
+    module::visit_params(m, |e| {
+        if !seen.iter().any(|p| p.same(e.param)) {
+            seen.push(e.param.clone());
+            out.push((e.name.to_string(), e.param.value()?.to_f64_vec()?));
+        }
+        Ok(())
+    })
+    .unwrap();
+    out
+}
+
+struct Run {
+    /// Each step's loss on this rank's share of the batch.
+    losses: Vec<f64>,
+    params: Vec<(String, Vec<f64>)>,
+}
+
+/// Plain AdamW on one rank over the whole batch.
+fn single<M: Module>(build: &(dyn Fn() -> M + Sync), input: &Input, batch: usize) -> Run {
+    let mut cx = Cx::new(Device::cpu()).with_dtype(DType::F64).with_seed(7);
+    let model = module::build(build(), &cx).unwrap();
+    let mut opt = AdamW::new(&model, adamw()).unwrap();
+    let mut losses = Vec::new();
+    for lr in LRS {
+        let x = input(0..batch, cx.device());
+        let (y, saved) = model.forward(&mut cx, Act::new(x)).unwrap();
+        let (loss, dy) = mse(y.tensor(), 0..batch, batch);
+        model.backward(&mut cx, saved, Act::new(dy)).unwrap();
+        opt.step(lr).unwrap();
+        opt.zero_grad();
+        losses.push(loss);
+    }
+    Run { losses, params: params_of(&model) }
+}
+
+/// A rank's bytes in use at the points the memory test checks.
+#[derive(Clone, Copy, Debug, Default)]
+struct Mem {
+    /// After the gradients of the second step are averaged (parameters,
+    /// gradients and optimizer state; activations dropped).
+    with_grads: usize,
+    /// After the second step's update (parameters and optimizer state).
+    after_step: usize,
+    /// The most in use during the second step (forward to update).
+    peak: usize,
+}
+
+struct RankOut {
+    run: Run,
+    stats: ZeroStats,
+    mem: Mem,
+    psi: usize,
+}
+
+/// ZeRO at `stage` over `dp` in-process ranks, each on its rows of the batch.
+fn zero_run<M: Module>(stage: Stage, dp: usize, dtype: DType, bucket_bytes: usize, build: &(dyn Fn() -> M + Sync), input: &Input, batch: usize) -> Vec<RankOut> {
+    let world = InProcess::new(dp).unwrap();
+    let per = batch / dp;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..dp)
+            .map(|rank| {
+                let world = &world;
+                s.spawn(move || {
+                    let dev = Device::cpu();
+                    let comm: Arc<dyn Communicator> = Arc::new(world.communicator(rank, &dev).unwrap());
+                    let mut groups = Groups::single();
+                    groups.dp = comm.clone();
+                    let cx = Cx::new(dev.clone()).with_dtype(dtype).with_seed(7).with_groups(groups);
+                    let model = module::build(build(), &cx).unwrap();
+                    let config = ZeroConfig::new(stage).with_adamw(adamw()).with_bucket_bytes(bucket_bytes);
+                    let zero = Arc::new(Zero::new(&model, comm, config).unwrap());
+                    let mut cx = cx.with_hooks(zero.clone());
+                    let rows = rank * per..(rank + 1) * per;
+                    let (mut losses, mut mem) = (Vec::new(), Mem::default());
+                    for (step, lr) in LRS.into_iter().enumerate() {
+                        dev.reset_peak();
+                        let x = {
+                            let x = input(rows.clone(), &dev);
+                            if x.dtype().is_float() { x.to_dtype(dtype).unwrap() } else { x }
+                        };
+                        let (y, saved) = model.forward(&mut cx, Act::new(x)).unwrap();
+                        let (loss, dy) = mse(y.tensor(), rows.clone(), batch);
+                        drop(y);
+                        model.backward(&mut cx, saved, Act::new(dy)).unwrap();
+                        zero.finish().unwrap();
+                        let with_grads = dev.memory_stats().in_use;
+                        zero.step(lr).unwrap();
+                        if step == 1 {
+                            mem = Mem { with_grads, after_step: dev.memory_stats().in_use, peak: dev.memory_stats().peak };
+                        }
+                        losses.push(loss);
+                    }
+                    let params = zero.gather_parameters().unwrap().into_iter().map(|(n, t)| (n, t.to_f64_vec().unwrap())).collect();
+                    RankOut { run: Run { losses, params }, stats: zero.stats(), mem, psi: zero.layout().numel }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Checks every rank of a ZeRO run against the single-rank reference.
+fn check_equal(what: &str, outs: &[RankOut], reference: &Run) {
+    let dp = outs.len();
+    for step in 0..LRS.len() {
+        let mean = outs.iter().map(|o| o.run.losses[step]).sum::<f64>() / dp as f64;
+        let want = reference.losses[step];
+        assert!((mean - want).abs() <= 1e-12 * want.abs().max(1.0), "{what}: loss at step {step}: {mean} vs {want}");
+    }
+    for (rank, o) in outs.iter().enumerate() {
+        assert_eq!(o.run.params.len(), reference.params.len(), "{what}: one value per distinct parameter");
+        for ((name, got), (want_name, want)) in o.run.params.iter().zip(&reference.params) {
+            assert_eq!(name, want_name, "{what}: parameters in visit order");
+            assert_close(got, want, 1e-11, 1e-9, &format!("{what} rank {rank}: {name}"));
+        }
+    }
+}
+
+fn block_input(d: usize, seq: usize) -> impl Fn(Range<usize>, &Device) -> Tensor + Sync {
+    move |rows: Range<usize>, dev: &Device| {
+        let row = seq * d;
+        let all = rand_vec(1, 4 * row);
+        Tensor::from_vec(all[rows.start * row..rows.end * row].to_vec(), [rows.len(), seq, d], dev).unwrap()
+    }
+}
+
+#[test]
+fn stages_one_two_three_on_two_and_four_ranks_equal_adamw_on_one_rank() {
+    // Hidden 6: Ψ = 510, which 4 does not divide, so the last shard is padded
+    // and parameters straddle shards; 256-byte buckets make several of them.
+    let build = || GptBlock::new(6, 2).unwrap();
+    let input = block_input(6, 3);
+    let reference = single(&build, &input, 4);
+    assert!(reference.losses[2] < reference.losses[0], "the loss goes down: {:?}", reference.losses);
+    for stage in [Stage::One, Stage::Two, Stage::Three] {
+        for dp in [2, 4] {
+            let outs = zero_run(stage, dp, DType::F64, 256, &build, &input, 4);
+            check_equal(&format!("{stage:?}, dp {dp}"), &outs, &reference);
+            let stats = outs[0].stats;
+            assert_eq!(stats.steps, 3);
+            assert!(stats.grad_buckets >= 9, "several buckets per step: {stats:?}");
+            assert!(stats.grad_buckets_during_backward >= 6, "buckets start during the backward: {stats:?}");
+            if stage == Stage::Three {
+                // Six layers own parameters: each gathered for its forward and its backward.
+                assert_eq!(stats.gathers, 3 * 12, "{stats:?}");
+                // From the second step on, all but each step's first gather were prefetched.
+                assert_eq!(stats.prefetched, 2 * 11, "{stats:?}");
+            } else {
+                assert_eq!(stats.gathers, 0);
+            }
+        }
+    }
+}
+
+#[test]
+fn stage_three_handles_tied_weights_and_stacked_layers() {
+    // Embedding tied to the output head, two blocks in a stack: the head's
+    // gather brings the shared table back, and its gradient (from both uses)
+    // is reduced once.
+    let (vocab, seq, batch) = (11, 3, 4);
+    let build = || Gpt::new(vocab, 8, 2, 2).unwrap();
+    let input = move |rows: Range<usize>, dev: &Device| {
+        let ids: Vec<u32> = (rows.start * seq..rows.end * seq).map(|i| (i * 7 % vocab) as u32).collect();
+        Tensor::from_vec(ids, [rows.len(), seq], dev).unwrap()
+    };
+    let reference = single(&build, &input, batch);
+    for stage in [Stage::Two, Stage::Three] {
+        let outs = zero_run(stage, 2, DType::F64, 512, &build, &input, batch);
+        check_equal(&format!("GPT {stage:?}, dp 2"), &outs, &reference);
+    }
+}
+
+/// The analytic per-rank bytes of docs/zero.md (f32 everywhere), before
+/// padding: parameters, gradients and the two Adam moments.
+fn analytic(stage: Stage, psi: f64, n: f64) -> (f64, f64) {
+    let (params, grads, opt) = match stage {
+        Stage::One => (4.0 * psi, 4.0 * psi, 8.0 * psi / n),
+        Stage::Two => (4.0 * psi, 4.0 * psi / n, 8.0 * psi / n),
+        Stage::Three => (4.0 * psi / n, 4.0 * psi / n, 8.0 * psi / n),
+    };
+    (params + grads + opt, params + opt)
+}
+
+#[test]
+fn per_rank_memory_matches_the_analytic_model_states() {
+    // Hidden 64: Ψ = 49 984 elements (195 KiB of f32).
+    let build = || GptBlock::new(64, 4).unwrap();
+    let input = block_input(64, 4);
+    let mut peaks = Vec::new();
+    for n in [2, 4] {
+        for stage in [Stage::One, Stage::Two, Stage::Three] {
+            let outs = zero_run(stage, n, DType::F32, 64 << 10, &build, &input, 4);
+            for (rank, o) in outs.iter().enumerate() {
+                let (with_grads, after_step) = analytic(stage, o.psi as f64, n as f64);
+                for (what, got, want) in [("with gradients", o.mem.with_grads, with_grads), ("after the step", o.mem.after_step, after_step)] {
+                    let err = (got as f64 - want).abs() / want;
+                    println!("stage {stage:?}, N = {n}, rank {rank}, {what}: measured {got} B, analytic {want:.0} B ({:+.2} %)", 100.0 * (got as f64 - want) / want);
+                    assert!(err <= 0.05, "stage {stage:?}, N = {n}, rank {rank}, {what}: measured {got} bytes, analytic {want:.0}");
+                }
+            }
+            println!("stage {stage:?}, N = {n}: peak during a step {} B", outs[0].mem.peak);
+            peaks.push((stage, n, outs[0].mem.peak, outs[0].psi));
+        }
+    }
+    // Stage 3's peak holds its shards, the gathered layers in flight (the
+    // running one and the prefetched next one, each as its gathered rows and
+    // its parameters) and the activations; stage 1 holds full parameters and
+    // gradients and, during the all-gather, the old and new parameters.
+    for n in [2, 4] {
+        let peak = |stage| peaks.iter().find(|p| p.0 == stage && p.1 == n).unwrap().2;
+        assert!(peak(Stage::Three) < peak(Stage::One), "N = {n}: {peaks:?}");
+    }
+}
+
+#[test]
+fn adamw_skips_parameters_without_gradients_and_rejects_bad_hyper_parameters() {
+    let cx = Cx::new(Device::cpu());
+    let block = module::build(GptBlock::new(8, 2).unwrap(), &cx).unwrap();
+    let bad = AdamWConfig { beta1: 1.0, ..AdamWConfig::default() };
+    let err = AdamW::new(&block, bad).unwrap_err().to_string();
+    assert!(err.contains("beta1") && err.contains("< 1"), "{err}");
+    let mut opt = AdamW::new(&block, AdamWConfig::default()).unwrap();
+    // Both moments of every parameter, in f32, on the parameters' device.
+    let psi: usize = params_of(&block).iter().map(|(_, v)| v.len()).sum();
+    assert_eq!(opt.state_bytes(), 8 * psi);
+    let before = params_of(&block);
+    opt.step(1e-2).unwrap();
+    assert_eq!(params_of(&block), before, "no gradients: nothing moves");
+    assert!(opt.step(f64::NAN).unwrap_err().to_string().contains("learning rate"));
+}
+
+#[test]
+fn zero_reports_missing_gradients_and_empty_models() {
+    let cx = Cx::new(Device::cpu());
+    let block = module::build(GptBlock::new(8, 2).unwrap(), &cx).unwrap();
+    let zero = Zero::new(&block, cx.groups().dp.clone(), ZeroConfig::new(Stage::Two)).unwrap();
+    let err = zero.step(1e-3).unwrap_err().to_string();
+    assert!(err.contains("has no gradient") && err.contains("backward"), "{err}");
+    let err = Zero::new(&block, cx.groups().dp.clone(), ZeroConfig::new(Stage::One).with_bucket_bytes(0)).unwrap_err().to_string();
+    assert!(err.contains("bucket size"), "{err}");
+    let unbuilt = GptBlock::new(8, 2).unwrap();
+    let err = Zero::new(&unbuilt, cx.groups().dp.clone(), ZeroConfig::new(Stage::Three)).unwrap_err().to_string();
+    assert!(err.contains("materialise"), "{err}");
+}
+
