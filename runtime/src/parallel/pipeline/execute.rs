@@ -7,6 +7,7 @@ use crate::module::{self, Act, Cx, Staged};
 use crate::tensor::Tensor;
 use std::collections::HashMap;
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 /// What one stage did in one pipeline step.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -18,6 +19,22 @@ pub struct StageReport {
     pub peak_activation_bytes: usize,
     /// Most microbatches whose forward ran on this stage and whose backward had not yet.
     pub peak_in_flight: usize,
+    /// Time spent computing (forwards, backwards, the loss).
+    pub compute: Duration,
+    /// Time spent sending and waiting for other stages: the bubble, measured.
+    pub waiting: Duration,
+}
+
+impl StageReport {
+    /// The share of the step this stage spent waiting on others.
+    pub fn bubble_share(&self) -> f64 {
+        let total = (self.compute + self.waiting).as_secs_f64();
+        if total > 0.0 {
+            self.waiting.as_secs_f64() / total
+        } else {
+            0.0
+        }
+    }
 }
 
 /// The layers of the split field that virtual stage `k` of `virtual_stages` runs:
@@ -79,6 +96,7 @@ pub fn run_stage<M: Staged>(
     let mut in_flight = 0usize;
 
     for action in schedule.actions(stage) {
+        let started = Instant::now();
         match *action {
             Action::Forward { microbatch: mb, chunk: c } => {
                 let k = schedule.virtual_stage(stage, c);
@@ -138,6 +156,11 @@ pub fn run_stage<M: Staged>(
             Action::RecvGrad { from, microbatch: mb, chunk: c } => {
                 grad_out.insert((mb, c), Act::new(pp.recv(from)?));
             }
+        }
+        if action.is_compute() {
+            report.compute += started.elapsed();
+        } else {
+            report.waiting += started.elapsed();
         }
     }
     report.peak_activation_bytes = device.memory_stats().peak.saturating_sub(base);
