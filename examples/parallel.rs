@@ -186,7 +186,8 @@ fn run_rank(args: Args, world: &InProcess, mesh: &Mesh, rank: usize, log: &Mutex
 fn main() -> Result<()> {
     let args = Args::parse();
     let world_size = args.dp * args.tp * args.pp;
-    ensure!(LAYERS % args.pp == 0, "{LAYERS} layers do not split over {} pipeline stages", args.pp);
+    ensure!(args.dp > 0 && args.tp > 0 && args.pp > 0, "--dp, --tp and --pp must each be at least 1");
+    ensure!(LAYERS.is_multiple_of(args.pp), "{LAYERS} layers do not split over {} pipeline stages; use a --pp that divides {LAYERS}", args.pp);
     let mesh = Mesh::parse(&format!("dp{},tp{},pp{}", args.dp, args.tp, args.pp), world_size, world_size)?;
     let world = InProcess::new(world_size)?;
     println!("training a {LAYERS}-layer GPT (hidden {DIM}, vocab {VOCAB}) on {world_size} ranks: {mesh}{}", if args.sp { " + sequence parallel" } else { "" });
