@@ -9,12 +9,16 @@
 
 mod common;
 use common::models::{Gpt, MoeGpt, RecomputeGpt};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use tessera::dist::Communicator;
+use tessera::optim::AdamWConfig;
+use tessera::parallel::zero::{Stage, Zero, ZeroConfig};
 use tessera::dist::inproc::{mesh_groups, InProcess};
 use tessera::dist::mesh::{Axis, Mesh};
 use tessera::module::{self, Cx, Param, RecomputeOverride, Replicated, Shard, SplitHidden, Staged};
 use tessera::nn::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward};
-use tessera::ops::{self, AdamWStep};
+use tessera::ops;
 use tessera::parallel::pipeline::{run_stage, sync_tied_grads, ScheduleKind};
 use tessera::prelude::*;
 
@@ -30,13 +34,23 @@ struct Config {
     schedule: ScheduleKind,
     sequence_parallel: bool,
     recompute: Option<RecomputeOverride>,
+    /// Train with a ZeRO engine over the data-parallel group instead of
+    /// averaging gradients and running AdamW on every replica.
+    zero: Option<Stage>,
 }
 
 impl Config {
     fn new(mesh: &'static str) -> Self {
-        Config { mesh, schedule: ScheduleKind::OneFOneB, sequence_parallel: false, recompute: None }
+        Config { mesh, schedule: ScheduleKind::OneFOneB, sequence_parallel: false, recompute: None, zero: None }
     }
 }
+
+/// The optimizer of every run: AdamW, learning rate 1e-2, weight decay 0.01.
+/// eps is 1e-6 rather than 1e-8: Adam divides each gradient by its own
+/// running magnitude, so for a weight an expert barely used, 1e-8 turns f32
+/// rounding differences between summation orders into visible updates.
+const ADAMW: AdamWConfig = AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-6, weight_decay: 0.01 };
+const LR: f64 = 1e-2;
 
 /// The sequences of step `step`: ids and next-token targets.
 fn data(step: usize, seq: usize) -> (Vec<u32>, Vec<u32>) {
@@ -94,12 +108,17 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(
         cx.set_recompute_override(r);
     }
     let model = module::build(make(e, ep).unwrap(), &cx).unwrap();
+    let zero = cfg.zero.map(|stage| Arc::new(Zero::new(&model, dp_group.clone(), ZeroConfig::new(stage).with_adamw(ADAMW).with_bucket_bytes(2048)).unwrap()));
+    if let Some(z) = &zero {
+        cx = cx.with_hooks(z.clone());
+    }
     // Data replicas: every (dp, ep) coordinate sees its own sequences.
     let replicas = dp * ep;
     let replica = d * ep + e;
     let per_replica = SEQS / replicas;
     let schedule = cfg.schedule.build(pp, per_replica).unwrap();
     let mut moments: BTreeMap<String, (Tensor, Tensor)> = BTreeMap::new();
+    let mut trained: BTreeSet<String> = BTreeSet::new();
     let mut losses = Vec::new();
     for step in 0..STEPS {
         let seqs: Vec<_> = (0..per_replica).map(|i| data(step, replica * per_replica + i)).collect();
@@ -113,32 +132,19 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(
         })
         .unwrap();
         sync_tied_grads(&model, &cx).unwrap();
-        // Average every gradient over the data replicas. An expert's gradient
-        // already holds every expert-parallel rank's tokens (they came to it
-        // through the all-to-all); every other parameter is replicated over
-        // the expert-parallel group too, and sums over it as well.
-        let mut params: Vec<(String, Param)> = Vec::new();
-        module::visit_params(&model, |e| {
-            if !params.iter().any(|(_, p)| p.same(e.param)) {
-                params.push((e.name.to_string(), e.param.clone()));
-            }
-            Ok(())
-        })
-        .unwrap();
-        // eps 1e-6 rather than 1e-8: Adam divides each gradient by its own
-        // running magnitude, so for a weight an expert barely used, 1e-8 turns
-        // f32 rounding differences between summation orders into visible updates.
-        let adamw = AdamWStep { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-6, weight_decay: 0.01, step: step as u64 + 1, grad_scale: 1.0 };
-        for (name, p) in &params {
-            let Some(g) = p.take_grad() else { continue };
-            let mut g = dp_group.all_reduce_sum(&g).unwrap();
-            if !name.contains(".experts.") {
-                g = ep_group.all_reduce_sum(&g).unwrap();
-            }
-            let g = ops::scale(&g, 1.0 / replicas as f64).unwrap();
-            let value = p.value().unwrap();
-            let (m, v) = moments.entry(name.clone()).or_insert_with(|| (value.zeros_like().unwrap(), value.zeros_like().unwrap()));
-            ops::adamw_update(&adamw, &value, &g, m, v).unwrap();
+        // (A ZeRO engine has already taken the gradients of full buckets: with
+        // one stage, every parameter of the model is trained.)
+        trained.extend(params_with_grads(&model));
+        if zero.is_some() {
+            module::visit_params(&model, |p| {
+                trained.insert(p.name.to_string());
+                Ok(())
+            })
+            .unwrap();
+        }
+        match &zero {
+            Some(z) => z.step(LR).unwrap(),
+            None => manual_step(&model, step, &*dp_group, &*ep_group, replicas, &mut moments),
         }
         if stage == pp - 1 {
             let local: f64 = report.losses.iter().map(|(_, l)| l).sum::<f64>() / per_replica as f64;
@@ -147,18 +153,28 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(
             losses.push(mean);
         }
     }
-    // Every parameter this stage trained, whole (tensor-parallel shards gathered).
+    // Every parameter this stage trained, whole (ZeRO and tensor-parallel shards gathered).
+    let gathered: BTreeMap<String, Tensor> = match &zero {
+        Some(z) => z.gather_parameters().unwrap().into_iter().collect(),
+        None => BTreeMap::new(),
+    };
     let mut out = BTreeMap::new();
-    module::visit_params(&model, |e| {
-        if !moments.contains_key(e.name) || out.contains_key(e.name) {
+    let mut seen: Vec<Param> = Vec::new();
+    module::visit_params(&model, |p| {
+        // A tied weight is reported once, under its first name.
+        if !trained.contains(p.name) || seen.iter().any(|q| q.same(p.param)) {
             return Ok(());
         }
-        let v = e.param.value()?;
-        let whole = match e.param.shard() {
+        seen.push(p.param.clone());
+        let v = match gathered.get(p.name) {
+            Some(v) => v.clone(),
+            None => p.param.value()?,
+        };
+        let whole = match p.param.shard() {
             Shard::Split { dim, .. } => tp_group.all_gather(&v, dim)?,
             Shard::Replicated => v,
         };
-        out.insert(e.name.to_string(), whole.to_vec::<f32>()?);
+        out.insert(p.name.to_string(), whole.to_vec::<f32>()?);
         Ok(())
     })
     .unwrap();
@@ -169,6 +185,54 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(
         out.retain(|name, _| name.contains(".experts."));
     }
     (if keep && e == 0 && stage == pp - 1 { losses } else { vec![] }, if keep { out } else { BTreeMap::new() })
+}
+
+/// Names of the parameters that have a gradient now.
+fn params_with_grads<M: module::Module>(m: &M) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    module::visit_params(m, |p| {
+        if p.param.grad().is_some() {
+            names.insert(p.name.to_string());
+        }
+        Ok(())
+    })
+    .unwrap();
+    names
+}
+
+/// Averages every gradient over the data replicas and applies AdamW here.
+///
+/// An expert's gradient already holds every expert-parallel rank's tokens
+/// (the all-to-all brought them to it); every other parameter is replicated
+/// over the expert-parallel group too, and sums over it as well.
+fn manual_step<M: module::Module>(
+    model: &M,
+    step: usize,
+    dp_group: &dyn Communicator,
+    ep_group: &dyn Communicator,
+    replicas: usize,
+    moments: &mut BTreeMap<String, (Tensor, Tensor)>,
+) {
+    let mut params: Vec<(String, Param)> = Vec::new();
+    module::visit_params(model, |p| {
+        if !params.iter().any(|(_, q)| q.same(p.param)) {
+            params.push((p.name.to_string(), p.param.clone()));
+        }
+        Ok(())
+    })
+    .unwrap();
+    let adamw = ADAMW.at(step as u64 + 1, LR).unwrap();
+    for (name, p) in &params {
+        let Some(g) = p.take_grad() else { continue };
+        let mut g = dp_group.all_reduce_sum(&g).unwrap();
+        if !name.contains(".experts.") {
+            g = ep_group.all_reduce_sum(&g).unwrap();
+        }
+        let g = ops::scale(&g, 1.0 / replicas as f64).unwrap();
+        let value = p.value().unwrap();
+        let (m, v) = moments.entry(name.clone()).or_insert_with(|| (value.zeros_like().unwrap(), value.zeros_like().unwrap()));
+        ops::adamw_update(&adamw, &value, &g, m, v).unwrap();
+    }
 }
 
 fn check(name: &str, got: &Outcome, want: &Outcome) {
@@ -198,6 +262,12 @@ fn every_configuration_trains_like_one_rank() {
         ("pp2 1f1b", Config::new("pp2")),
         ("pp2 interleaved v2", Config { schedule: ScheduleKind::Interleaved { chunks: 2 }, ..Config::new("pp2") }),
         ("dp2 tp2 pp2", Config::new("dp2,tp2,pp2")),
+        ("zero1 dp2", Config { zero: Some(Stage::One), ..Config::new("dp2") }),
+        ("zero2 dp2", Config { zero: Some(Stage::Two), ..Config::new("dp2") }),
+        ("zero3 dp2", Config { zero: Some(Stage::Three), ..Config::new("dp2") }),
+        ("zero1 dp4", Config { zero: Some(Stage::One), ..Config::new("dp4") }),
+        ("zero2 dp4", Config { zero: Some(Stage::Two), ..Config::new("dp4") }),
+        ("zero3 dp4", Config { zero: Some(Stage::Three), ..Config::new("dp4") }),
     ];
     for (name, cfg) in configs {
         check(name, &train(cfg, gpt), &reference);

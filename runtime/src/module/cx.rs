@@ -76,6 +76,7 @@ pub struct Cx {
     layer_recompute: Option<super::Recompute>,
     master_dtype: DType,
     sequence_parallel: bool,
+    announce_grads: bool,
     path: Vec<String>,
     hooks: Vec<Arc<dyn Hooks>>,
 }
@@ -96,6 +97,7 @@ impl Cx {
             layer_recompute: None,
             master_dtype: DType::F32,
             sequence_parallel: false,
+            announce_grads: true,
             path: Vec::new(),
             hooks: Vec::new(),
         }
@@ -285,9 +287,17 @@ impl Cx {
         }
     }
 
+    /// Whether gradients that become final are announced to the hooks. A
+    /// step that accumulates gradients over several microbatches turns this
+    /// off for all but the last, so data parallelism synchronises once per
+    /// step, on the accumulated gradient. Returns the previous setting.
+    pub fn set_announce_grads(&mut self, on: bool) -> bool {
+        std::mem::replace(&mut self.announce_grads, on)
+    }
+
     /// Delivers one use's gradient of `p`; announces it to the hooks once final.
     pub fn grad(&self, p: &Param, g: Tensor) -> Result<()> {
-        if p.add_grad(g)? {
+        if p.add_grad(g)? && self.announce_grads {
             for h in &self.hooks {
                 h.grad_ready(p)?;
             }

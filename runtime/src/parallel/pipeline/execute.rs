@@ -94,8 +94,17 @@ pub fn run_stage<M: Staged>(
     let mut tail: HashMap<usize, (M::LastSaved, Act<M::Out>)> = HashMap::new();
     let mut report = StageReport::default();
     let mut in_flight = 0usize;
+    // Gradients accumulate over the microbatches; a chunk's parameters are
+    // announced final (for data parallelism) only in its last backward.
+    let actions = schedule.actions(stage);
+    let last_backward: HashMap<usize, usize> = actions
+        .iter()
+        .enumerate()
+        .filter_map(|(i, a)| matches!(a, Action::Backward { .. }).then_some((a.chunk(), i)))
+        .collect();
+    let announcing = cx.set_announce_grads(false);
 
-    for action in schedule.actions(stage) {
+    for (index, action) in actions.iter().enumerate() {
         let started = Instant::now();
         match *action {
             Action::Forward { microbatch: mb, chunk: c } => {
@@ -130,6 +139,7 @@ pub fn run_stage<M: Staged>(
                 inbox.insert((mb, c), Act::new(pp.recv(from)?));
             }
             Action::Backward { microbatch: mb, chunk: c } => {
+                cx.set_announce_grads(announcing && last_backward.get(&c) == Some(&index));
                 let k = schedule.virtual_stage(stage, c);
                 let g = if k == last {
                     let (s, dy) = tail.remove(&mb).ok_or_else(|| missing("the loss gradient", mb, c))?;
@@ -163,6 +173,7 @@ pub fn run_stage<M: Staged>(
             report.waiting += started.elapsed();
         }
     }
+    cx.set_announce_grads(announcing);
     report.peak_activation_bytes = device.memory_stats().peak.saturating_sub(base);
     Ok(report)
 }
@@ -172,6 +183,10 @@ pub fn run_stage<M: Staged>(
 /// pipeline group, so every stage holds the full gradient. Every stage must
 /// call it; a stage that did not use a shared weight contributes zeros.
 pub fn sync_tied_grads<M: Staged>(model: &M, cx: &Cx) -> Result<()> {
+    if cx.groups().pp.size() == 1 {
+        // One stage holds every use of a shared weight: nothing to sum.
+        return Ok(());
+    }
     let mut seen: Vec<crate::module::Param> = Vec::new();
     let mut tied: Vec<crate::module::Param> = Vec::new();
     module::visit_params(model, |e| {
