@@ -298,7 +298,7 @@ impl Zero {
                     entries.len() - 1
                 }
             };
-            let owner = e.name.rsplit_once('.').map_or("", |(o, _)| o).to_string();
+            let owner = e.module.to_string();
             owners.push((owner, index));
             Ok(())
         })?;

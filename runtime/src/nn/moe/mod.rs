@@ -542,14 +542,16 @@ impl Module<Plain> for Moe {
     }
 
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
-        v.child::<Plain>("router", |v| v.param("weight", &self.router, None))?;
+        // The router and experts are this layer's own parameters (no
+        // sub-module calls of their own): named in groups, owned by the layer.
+        v.group("router", |v| v.param("weight", &self.router, None))?;
         let first = self.local_experts().start;
-        v.child::<Plain>("experts", |v| {
+        v.group("experts", |v| {
             for (e, ex) in self.experts.iter().enumerate() {
-                v.child::<Plain>(&(first + e).to_string(), |v| {
-                    v.child::<Plain>("gate", |v| v.param("weight", &ex.gate, None))?;
-                    v.child::<Plain>("up", |v| v.param("weight", &ex.up, None))?;
-                    v.child::<Plain>("down", |v| v.param("weight", &ex.down, None))
+                v.group(&(first + e).to_string(), |v| {
+                    v.group("gate", |v| v.param("weight", &ex.gate, None))?;
+                    v.group("up", |v| v.param("weight", &ex.up, None))?;
+                    v.group("down", |v| v.param("weight", &ex.down, None))
                 })?;
             }
             Ok(())
