@@ -8,7 +8,7 @@
 //! between any two summation orders.
 
 mod common;
-use common::models::{Gpt, MoeGpt, RecomputeGpt};
+use common::models::{Gpt, MoeGpt, RecomputeGpt, RecomputeMoeGpt};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use tessera::dist::Communicator;
@@ -284,13 +284,27 @@ fn every_configuration_trains_the_moe_model_like_one_rank() {
     let reference = train(Config::new("dp1"), moe);
     let configs = [
         ("pp2 1f1b", Config::new("pp2")),
+        ("pp2 gpipe", Config { schedule: ScheduleKind::GPipe, ..Config::new("pp2") }),
+        ("pp2 interleaved v2", Config { schedule: ScheduleKind::Interleaved { chunks: 2 }, ..Config::new("pp2") }),
+        ("dp2 tp2 pp2", Config::new("dp2,tp2,pp2")),
+        ("tp2+sp", Config { sequence_parallel: true, ..Config::new("tp2") }),
         ("ep2", Config::new("ep2")),
         ("ep4", Config::new("ep4")),
         ("dp2 ep2", Config::new("dp2,ep2")),
         ("dp2", Config::new("dp2")),
         ("tp2", Config::new("tp2")),
+        ("zero1 dp2", Config { zero: Some(Stage::One), ..Config::new("dp2") }),
+        ("zero2 dp2", Config { zero: Some(Stage::Two), ..Config::new("dp2") }),
+        ("zero3 dp2", Config { zero: Some(Stage::Three), ..Config::new("dp2") }),
+        ("zero1 dp4", Config { zero: Some(Stage::One), ..Config::new("dp4") }),
+        ("zero2 dp4", Config { zero: Some(Stage::Two), ..Config::new("dp4") }),
+        ("zero3 dp4", Config { zero: Some(Stage::Three), ..Config::new("dp4") }),
     ];
     for (name, cfg) in configs {
         check(name, &train(cfg, moe), &reference);
+    }
+    for (name, r) in [("full recompute tp2 pp2", RecomputeOverride::Full), ("selective recompute tp2 pp2", RecomputeOverride::AsDeclared)] {
+        let cfg = Config { recompute: Some(r), ..Config::new("tp2,pp2") };
+        check(name, &train(cfg, |e, ep| RecomputeMoeGpt::new(VOCAB, 8, 2, LAYERS, 4, e, ep)), &reference);
     }
 }

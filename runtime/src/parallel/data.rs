@@ -3,7 +3,7 @@
 
 use crate::dist::{Communicator, Pending};
 use crate::error::{Error, Result};
-use crate::module::{Hooks, Param};
+use crate::module::{self, Hooks, Module, Param};
 use crate::ops;
 use crate::tensor::{DType, Tensor};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -44,8 +44,8 @@ impl SyncStats {
     }
 }
 
-struct Bucket {
-    params: Vec<Param>,
+struct Inflight {
+    bucket: usize,
     pending: Pending,
     launched: Instant,
     done_at: Option<Instant>,
@@ -53,35 +53,69 @@ struct Bucket {
 
 #[derive(Default)]
 struct State {
-    open: Vec<Param>,
-    open_bytes: usize,
-    inflight: Vec<Bucket>,
+    /// Whether each parameter's gradient was announced this step.
+    ready: Vec<bool>,
+    /// Whether each bucket was sent this step.
+    launched: Vec<bool>,
+    inflight: Vec<Inflight>,
     stats: SyncStats,
 }
 
 /// Averages gradients over the data-parallel group during the backward.
 ///
-/// Install it as a [`Hooks`] on each rank's `Cx`: every parameter whose
-/// gradient is final (announced by [`Cx::grad`](crate::module::Cx::grad),
-/// roughly in reverse order of the forward) joins the open bucket; when the
-/// bucket holds `bucket_bytes`, its gradients are flattened into one tensor
-/// and all-reduced asynchronously while the backward continues. After the
-/// backward, [`finish`](Self::finish) sends the last bucket, waits for all,
-/// and writes every gradient back as the average over the replicas.
+/// Install it as a [`Hooks`] on each rank's `Cx`. The buckets are fixed when
+/// the engine is built: the model's parameters in reverse order (about the
+/// order their gradients become final), cut every `bucket_bytes`. Every rank
+/// therefore packs the same parameters in the same order, whatever order its
+/// own backward announced them in (a layer that skips work on one rank, such
+/// as an expert no token chose, must not misalign the sums). A bucket is
+/// flattened and all-reduced asynchronously as soon as all its gradients are
+/// final, while the backward continues; [`finish`](Self::finish) sends the
+/// rest, waits for all, and writes every gradient back as the average over
+/// the replicas.
 pub struct DataParallel {
     dp: Arc<dyn Communicator>,
-    bucket_bytes: usize,
     compression: Compression,
+    params: Vec<Param>,
+    /// The parameters of each bucket, as indices into `params`, in packing order.
+    buckets: Vec<Vec<usize>>,
+    bucket_of: Vec<usize>,
     state: Mutex<State>,
 }
 
 impl DataParallel {
-    /// Buckets of about `bucket_bytes` (25 MiB is a common choice) over the group `dp`.
-    pub fn new(dp: Arc<dyn Communicator>, bucket_bytes: usize) -> Result<Self> {
+    /// Buckets of about `bucket_bytes` (25 MiB is a common choice) of
+    /// `model`'s parameters, over the group `dp`.
+    pub fn new<M: Module>(model: &M, dp: Arc<dyn Communicator>, bucket_bytes: usize) -> Result<Self> {
         if bucket_bytes == 0 {
             return Err(Error::invalid("DataParallel::new", "the bucket size must be positive (e.g. 25 MiB)"));
         }
-        Ok(DataParallel { dp, bucket_bytes, compression: Compression::None, state: Mutex::default() })
+        let mut params: Vec<Param> = Vec::new();
+        module::visit_params(model, |e| {
+            if !params.iter().any(|p| p.same(e.param)) {
+                params.push(e.param.clone());
+            }
+            Ok(())
+        })?;
+        let mut buckets: Vec<Vec<usize>> = Vec::new();
+        let mut bytes = bucket_bytes;
+        for i in (0..params.len()).rev() {
+            if bytes >= bucket_bytes {
+                buckets.push(Vec::new());
+                bytes = 0;
+            }
+            buckets.last_mut().expect("pushed").push(i);
+            let width = params[i].value().map(|v| v.dtype().size_in_bytes()).unwrap_or(4);
+            bytes += params[i].local_shape().elem_count() * width;
+        }
+        let mut bucket_of = vec![0; params.len()];
+        for (b, members) in buckets.iter().enumerate() {
+            for &i in members {
+                bucket_of[i] = b;
+            }
+        }
+        let state = State { ready: vec![false; params.len()], launched: vec![false; buckets.len()], ..State::default() };
+        Ok(DataParallel { dp, compression: Compression::None, params, buckets, bucket_of, state: Mutex::new(state) })
     }
 
     /// Sends gradients compressed as `compression`.
@@ -94,16 +128,19 @@ impl DataParallel {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Flattens the open bucket and starts its all-reduce.
-    fn launch(&self, s: &mut State) -> Result<()> {
-        if s.open.is_empty() {
-            return Ok(());
-        }
-        let params = std::mem::take(&mut s.open);
-        s.open_bytes = 0;
-        let grads: Vec<Tensor> = params
+    /// Flattens bucket `b`'s gradients (zeros for a parameter without one)
+    /// and starts its all-reduce.
+    fn launch(&self, s: &mut State, b: usize) -> Result<()> {
+        s.launched[b] = true;
+        let grads: Vec<Tensor> = self.buckets[b]
             .iter()
-            .map(|p| p.grad().ok_or_else(|| Error::invalid("DataParallel", format!("parameter {p:?} was announced without a gradient"))))
+            .map(|&i| {
+                let p = &self.params[i];
+                match p.grad() {
+                    Some(g) => Ok(g),
+                    None => Tensor::zeros(p.local_shape(), p.value()?.dtype(), p.value()?.device()),
+                }
+            })
             .collect::<Result<_>>()?;
         let flat = Tensor::concat_flat(&grads.iter().collect::<Vec<_>>())?;
         let wire = match self.compression {
@@ -113,11 +150,11 @@ impl DataParallel {
         s.stats.bytes += wire.elem_count() * wire.dtype().size_in_bytes();
         s.stats.buckets += 1;
         let pending = self.dp.all_reduce_sum_async(&wire)?;
-        s.inflight.push(Bucket { params, pending, launched: Instant::now(), done_at: None });
+        s.inflight.push(Inflight { bucket: b, pending, launched: Instant::now(), done_at: None });
         Ok(())
     }
 
-    /// Notes the completion time of buckets that finished since the last look.
+    /// Notes the completion time of all-reduces that finished since the last look.
     fn poll(s: &mut State) {
         let now = Instant::now();
         for b in s.inflight.iter_mut().filter(|b| b.done_at.is_none()) {
@@ -127,17 +164,20 @@ impl DataParallel {
         }
     }
 
-    /// Sends the last bucket, waits for every all-reduce and writes each
-    /// gradient back as the average over the group. Returns the step's
+    /// Sends the buckets not sent yet, waits for every all-reduce and writes
+    /// each gradient back as the average over the group. Returns the step's
     /// measured communication figures and resets them for the next step.
     pub fn finish(&self) -> Result<SyncStats> {
         let mut s = self.state();
         s.stats.launched_during_backward = s.stats.buckets;
-        self.launch(&mut s)?;
+        for b in 0..self.buckets.len() {
+            if !s.launched[b] {
+                self.launch(&mut s, b)?;
+            }
+        }
         Self::poll(&mut s);
         let scale = 1.0 / self.dp.size() as f64;
-        let buckets = std::mem::take(&mut s.inflight);
-        for b in buckets {
+        for b in std::mem::take(&mut s.inflight) {
             let started_wait = Instant::now();
             let already = b.done_at;
             let summed = b.pending.wait()?;
@@ -149,18 +189,18 @@ impl DataParallel {
             let summed = if summed.dtype() == DType::F32 || summed.dtype() == DType::F64 { summed } else { summed.to_dtype(DType::F32)? };
             let mean = ops::scale(&summed, scale)?;
             let mut offset = 0;
-            for p in &b.params {
+            for &i in &self.buckets[b.bucket] {
+                let p = &self.params[i];
                 let shape = p.local_shape();
                 let n = shape.elem_count();
                 let g = mean.narrow(0, offset, n)?.reshape(shape)?;
-                let g = match p.grad() {
-                    Some(old) if old.dtype() != g.dtype() => g.to_dtype(old.dtype())?,
-                    _ => g,
-                };
-                p.set_grad(g)?;
+                let dtype = p.grad().map(|g| g.dtype()).unwrap_or(p.value()?.dtype());
+                p.set_grad(if g.dtype() == dtype { g } else { g.to_dtype(dtype)? })?;
                 offset += n;
             }
         }
+        s.ready.iter_mut().for_each(|r| *r = false);
+        s.launched.iter_mut().for_each(|l| *l = false);
         Ok(std::mem::take(&mut s.stats))
     }
 }
@@ -169,11 +209,13 @@ impl Hooks for DataParallel {
     fn grad_ready(&self, param: &Param) -> Result<()> {
         let mut s = self.state();
         Self::poll(&mut s);
-        let bytes = param.grad().map(|g| g.elem_count() * g.dtype().size_in_bytes()).unwrap_or(0);
-        s.open.push(param.clone());
-        s.open_bytes += bytes;
-        if s.open_bytes >= self.bucket_bytes {
-            self.launch(&mut s)?;
+        let Some(i) = self.params.iter().position(|p| p.same(param)) else {
+            return Err(Error::invalid("DataParallel", format!("{param:?} is not a parameter of the model this engine was built for; build one engine per model")));
+        };
+        s.ready[i] = true;
+        let b = self.bucket_of[i];
+        if !s.launched[b] && self.buckets[b].iter().all(|&j| s.ready[j]) {
+            self.launch(&mut s, b)?;
         }
         Ok(())
     }
@@ -181,6 +223,6 @@ impl Hooks for DataParallel {
 
 impl std::fmt::Debug for DataParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DataParallel(dp = {}, bucket {} bytes, {:?})", self.dp.size(), self.bucket_bytes, self.compression)
+        write!(f, "DataParallel(dp = {}, {} buckets, {:?})", self.dp.size(), self.buckets.len(), self.compression)
     }
 }

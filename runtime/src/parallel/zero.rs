@@ -210,9 +210,10 @@ struct State {
     shard: Option<Tensor>,
     m: Tensor,
     v: Tensor,
-    /// Stages 2 and 3: parameters whose gradient waits in the open bucket.
+    /// Stages 2 and 3: the parameters of the bucket being packed.
     open: Vec<usize>,
-    open_bytes: usize,
+    /// Stages 2 and 3: whether each parameter's gradient was announced this step.
+    ready: Vec<bool>,
     /// Whether each parameter's gradient was packed into a bucket this step.
     packed: Vec<bool>,
     inflight: Vec<Bucket>,
@@ -257,6 +258,10 @@ pub struct Zero {
     dtype: DType,
     device: Device,
     all_reduce: Option<DataParallel>,
+    /// Stages 2 and 3: the fixed gradient buckets (entry indices, packing
+    /// order), the same on every rank whatever order gradients arrive in.
+    buckets: Vec<Vec<usize>>,
+    bucket_of: Vec<usize>,
     state: Mutex<State>,
 }
 
@@ -335,9 +340,27 @@ impl Zero {
         }
 
         let all_reduce = match config.stage {
-            Stage::One => Some(DataParallel::new(dp.clone(), config.bucket_bytes)?),
+            Stage::One => Some(DataParallel::new(model, dp.clone(), config.bucket_bytes)?),
             _ => None,
         };
+        // Fixed buckets: the parameters in reverse order (about the order
+        // their gradients become final), cut every `bucket_bytes`.
+        let mut buckets: Vec<Vec<usize>> = Vec::new();
+        let mut filled = config.bucket_bytes;
+        for i in (0..entries.len()).rev() {
+            if filled >= config.bucket_bytes {
+                buckets.push(Vec::new());
+                filled = 0;
+            }
+            buckets.last_mut().expect("pushed").push(i);
+            filled += entries[i].len * dtype.size_in_bytes();
+        }
+        let mut bucket_of = vec![0; entries.len()];
+        for (b, members) in buckets.iter().enumerate() {
+            for &i in members {
+                bucket_of[i] = b;
+            }
+        }
         let m = Tensor::zeros([layout.shard_len], dtype, &device)?;
         let v = Tensor::zeros([layout.shard_len], dtype, &device)?;
         let n = entries.len();
@@ -347,7 +370,7 @@ impl Zero {
             m,
             v,
             open: Vec::new(),
-            open_bytes: 0,
+            ready: vec![false; n],
             packed: vec![false; n],
             inflight: Vec::new(),
             grad_shard: None,
@@ -373,6 +396,8 @@ impl Zero {
             dtype,
             device,
             all_reduce,
+            buckets,
+            bucket_of,
             state: Mutex::new(state),
         };
         {
@@ -519,17 +544,18 @@ impl Zero {
             return Ok(());
         }
         s.stats.grad_buckets_during_backward += s.inflight.len();
-        // Gradients that are complete but were never announced (a forward
-        // whose uses were not counted) join the last bucket.
-        for (i, e) in self.entries.iter().enumerate() {
-            if !s.packed[i] && !s.open.contains(&i) {
-                if e.param.grad().is_none() {
-                    return Err(self.missing_grad(e));
-                }
-                s.open.push(i);
+        // Buckets not sent yet (gradients complete but never announced, or
+        // never final) go now, each whole, in the fixed order.
+        for members in &self.buckets {
+            if members.iter().all(|&i| s.packed[i]) {
+                continue;
             }
+            if let Some(&i) = members.iter().find(|&&i| self.entries[i].param.grad().is_none()) {
+                return Err(self.missing_grad(&self.entries[i]));
+            }
+            s.open = members.clone();
+            self.launch(s)?;
         }
-        self.launch(s)?;
         let scale = 1.0 / self.layout.ranks as f64;
         let base = self.rank * self.layout.shard_len;
         let mut pieces: Vec<(usize, Tensor)> = Vec::new();
@@ -556,6 +582,7 @@ impl Zero {
         }
         s.grad_shard = Some(self.padded_concat(parts, self.layout.shard_len)?);
         s.packed.iter_mut().for_each(|p| *p = false);
+        s.ready.iter_mut().for_each(|r| *r = false);
         Ok(())
     }
 
@@ -576,7 +603,6 @@ impl Zero {
             return Ok(());
         }
         let ids = std::mem::take(&mut s.open);
-        s.open_bytes = 0;
         let rows = self.rows(&ids);
         let grads: HashMap<usize, Tensor> = ids
             .iter()
@@ -892,12 +918,13 @@ impl Hooks for Zero {
             return Err(Error::invalid("Zero", format!("{param:?} is not a parameter of the model this engine was built for; build one engine per model")));
         };
         let mut s = self.state();
-        if s.packed[i] || s.open.contains(&i) {
+        if s.packed[i] || s.ready[i] {
             return Ok(());
         }
-        s.open.push(i);
-        s.open_bytes += self.entries[i].len * self.dtype.size_in_bytes();
-        if s.open_bytes >= self.config.bucket_bytes {
+        s.ready[i] = true;
+        let b = self.bucket_of[i];
+        if self.buckets[b].iter().all(|&j| s.ready[j] && !s.packed[j]) {
+            s.open = self.buckets[b].clone();
             self.launch(&mut s)?;
         }
         Ok(())

@@ -248,3 +248,35 @@ impl MoeGpt {
         })
     }
 }
+
+/// [`MoeGpt`] with selective recompute declared on its blocks; same parameter names.
+#[derive(Module)]
+pub struct RecomputeMoeGpt {
+    #[stage(first)]
+    #[shard(vocab)]
+    pub tok: Embedding,
+    #[stage(split)]
+    #[recompute(selective)]
+    pub blocks: Stack<MoeGptBlock>,
+    #[stage(last)]
+    pub norm: LayerNorm,
+    #[stage(last)]
+    #[shard(vocab)]
+    #[tied(tok)]
+    pub head: Linear,
+}
+
+#[forward]
+impl RecomputeMoeGpt {
+    fn forward(&self, ids: Act<Replicated>) -> Act<SplitHidden> {
+        let h = all_reduce(self.tok(ids));
+        self.head(self.norm(self.blocks(h)))
+    }
+}
+
+impl RecomputeMoeGpt {
+    pub fn new(vocab: usize, d: usize, heads: usize, layers: usize, experts: usize, ep_rank: usize, ep_degree: usize) -> Result<Self> {
+        let m = MoeGpt::new(vocab, d, heads, layers, experts, ep_rank, ep_degree)?;
+        Ok(RecomputeMoeGpt { tok: m.tok, blocks: m.blocks, norm: m.norm, head: m.head })
+    }
+}
