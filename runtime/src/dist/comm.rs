@@ -313,26 +313,8 @@ impl Communicator for SingleRank {
     fn recv(&self, peer: usize) -> Result<Tensor> {
         Err(Self::no_peer("recv", peer))
     }
-    // With nobody to wait for, each collective completes at once: running it
-    // synchronously is exactly what a background run would do.
-    fn all_reduce_sum_async(&self, t: &Tensor) -> Result<Pending> {
-        Ok(Pending::ready("all_reduce_sum", self.all_reduce_sum(t)))
-    }
-    fn all_gather_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
-        Ok(Pending::ready("all_gather", self.all_gather(t, dim)))
-    }
-    fn reduce_scatter_sum_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
-        Ok(Pending::ready("reduce_scatter_sum", self.reduce_scatter_sum(t, dim)))
-    }
-    fn broadcast_async(&self, t: &Tensor, root: usize) -> Result<Pending> {
-        Ok(Pending::ready("broadcast", self.broadcast(t, root)))
-    }
-    fn all_to_all_async(&self, parts: Vec<Tensor>) -> Result<Pending<Vec<Tensor>>> {
-        Ok(Pending::ready("all_to_all", self.all_to_all(parts)))
-    }
-    fn barrier_async(&self) -> Result<Pending<()>> {
-        Ok(Pending::ready("barrier", Ok(())))
-    }
+    // The `*_async` defaults run each collective synchronously; with nobody
+    // to wait for, that is exactly what a background run would do.
     /// Nothing to notify: there is no other rank.
     fn abort(&self, _reason: &str) {}
 }
