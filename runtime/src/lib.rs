@@ -16,6 +16,7 @@ pub mod ops;
 pub mod optim;
 pub mod parallel;
 pub mod tensor;
+pub mod train;
 
 pub use backend::{BackendDevice, Device, MemoryStats};
 pub use error::{Error, Result};

@@ -21,6 +21,7 @@ use tessera::nn::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_bac
 use tessera::ops;
 use tessera::parallel::pipeline::{run_stage, sync_tied_grads, ScheduleKind};
 use tessera::prelude::*;
+use tessera::train::clip_grad_norm;
 
 const VOCAB: usize = 12;
 const SEQS: usize = 4;
@@ -37,11 +38,13 @@ struct Config {
     /// Train with a ZeRO engine over the data-parallel group instead of
     /// averaging gradients and running AdamW on every replica.
     zero: Option<Stage>,
+    /// Clip the global gradient norm to this before each update.
+    clip: Option<f64>,
 }
 
 impl Config {
     fn new(mesh: &'static str) -> Self {
-        Config { mesh, schedule: ScheduleKind::OneFOneB, sequence_parallel: false, recompute: None, zero: None }
+        Config { mesh, schedule: ScheduleKind::OneFOneB, sequence_parallel: false, recompute: None, zero: None, clip: None }
     }
 }
 
@@ -144,7 +147,14 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(
         }
         match &zero {
             Some(z) => z.step(LR).unwrap(),
-            None => manual_step(&model, step, &*dp_group, &*ep_group, replicas, &mut moments),
+            None => {
+                average_grads(&model, &*dp_group, &*ep_group, replicas);
+                if let Some(max) = cfg.clip {
+                    let norm = clip_grad_norm(&model, &cx, max).unwrap();
+                    assert!(norm > max, "the clipping threshold {max} must bite (norm {norm})");
+                }
+                adamw_step(&model, step, &mut moments);
+            }
         }
         if stage == pp - 1 {
             let local: f64 = report.losses.iter().map(|(_, l)| l).sum::<f64>() / per_replica as f64;
@@ -200,19 +210,35 @@ fn params_with_grads<M: module::Module>(m: &M) -> BTreeSet<String> {
     names
 }
 
-/// Averages every gradient over the data replicas and applies AdamW here.
+/// Averages every gradient over the data replicas.
 ///
 /// An expert's gradient already holds every expert-parallel rank's tokens
 /// (the all-to-all brought them to it); every other parameter is replicated
 /// over the expert-parallel group too, and sums over it as well.
-fn manual_step<M: module::Module>(
-    model: &M,
-    step: usize,
-    dp_group: &dyn Communicator,
-    ep_group: &dyn Communicator,
-    replicas: usize,
-    moments: &mut BTreeMap<String, (Tensor, Tensor)>,
-) {
+fn average_grads<M: module::Module>(model: &M, dp_group: &dyn Communicator, ep_group: &dyn Communicator, replicas: usize) {
+    for (name, p) in distinct_params(model) {
+        let Some(g) = p.grad() else { continue };
+        let mut g = dp_group.all_reduce_sum(&g).unwrap();
+        if !name.contains(".experts.") {
+            g = ep_group.all_reduce_sum(&g).unwrap();
+        }
+        p.set_grad(ops::scale(&g, 1.0 / replicas as f64).unwrap()).unwrap();
+    }
+}
+
+/// One AdamW update of every parameter with a gradient, taking the gradients.
+fn adamw_step<M: module::Module>(model: &M, step: usize, moments: &mut BTreeMap<String, (Tensor, Tensor)>) {
+    let adamw = ADAMW.at(step as u64 + 1, LR).unwrap();
+    for (name, p) in distinct_params(model) {
+        let Some(g) = p.take_grad() else { continue };
+        let value = p.value().unwrap();
+        let (m, v) = moments.entry(name).or_insert_with(|| (value.zeros_like().unwrap(), value.zeros_like().unwrap()));
+        ops::adamw_update(&adamw, &value, &g, m, v).unwrap();
+    }
+}
+
+/// Every parameter once (a tied weight under its first name).
+fn distinct_params<M: module::Module>(model: &M) -> Vec<(String, Param)> {
     let mut params: Vec<(String, Param)> = Vec::new();
     module::visit_params(model, |p| {
         if !params.iter().any(|(_, q)| q.same(p.param)) {
@@ -221,18 +247,7 @@ fn manual_step<M: module::Module>(
         Ok(())
     })
     .unwrap();
-    let adamw = ADAMW.at(step as u64 + 1, LR).unwrap();
-    for (name, p) in &params {
-        let Some(g) = p.take_grad() else { continue };
-        let mut g = dp_group.all_reduce_sum(&g).unwrap();
-        if !name.contains(".experts.") {
-            g = ep_group.all_reduce_sum(&g).unwrap();
-        }
-        let g = ops::scale(&g, 1.0 / replicas as f64).unwrap();
-        let value = p.value().unwrap();
-        let (m, v) = moments.entry(name.clone()).or_insert_with(|| (value.zeros_like().unwrap(), value.zeros_like().unwrap()));
-        ops::adamw_update(&adamw, &value, &g, m, v).unwrap();
-    }
+    params
 }
 
 fn check(name: &str, got: &Outcome, want: &Outcome) {
@@ -306,5 +321,23 @@ fn every_configuration_trains_the_moe_model_like_one_rank() {
     for (name, r) in [("full recompute tp2 pp2", RecomputeOverride::Full), ("selective recompute tp2 pp2", RecomputeOverride::AsDeclared)] {
         let cfg = Config { recompute: Some(r), ..Config::new("tp2,pp2") };
         check(name, &train(cfg, |e, ep| RecomputeMoeGpt::new(VOCAB, 8, 2, LAYERS, 4, e, ep)), &reference);
+    }
+}
+
+#[test]
+fn global_gradient_norm_clipping_counts_each_parameter_once() {
+    let gpt = |_: usize, _: usize| Gpt::with_qkv_bias(VOCAB, 8, 2, LAYERS, false);
+    let clip = Some(0.5);
+    let reference = train(Config { clip, ..Config::new("dp1") }, gpt);
+    let configs = [
+        ("dp2", Config { clip, ..Config::new("dp2") }),
+        ("tp2", Config { clip, ..Config::new("tp2") }),
+        ("tp2+sp", Config { clip, sequence_parallel: true, ..Config::new("tp2") }),
+        ("pp2 1f1b", Config { clip, ..Config::new("pp2") }),
+        ("pp2 interleaved v2", Config { clip, schedule: ScheduleKind::Interleaved { chunks: 2 }, ..Config::new("pp2") }),
+        ("dp2 tp2 pp2", Config { clip, ..Config::new("dp2,tp2,pp2") }),
+    ];
+    for (name, cfg) in configs {
+        check(&format!("{name} with clipping"), &train(cfg, gpt), &reference);
     }
 }

@@ -1,0 +1,80 @@
+//! Global gradient-norm clipping that counts each logical parameter once.
+
+use crate::error::{Error, Result};
+use crate::module::{self, Cx, Module, Param, Shard};
+use crate::ops;
+use crate::tensor::{DType, Tensor};
+
+/// The L2 norm of the whole model's gradient, as one rank would compute it.
+///
+/// Every rank must call it at the same point (it reduces over the tensor-
+/// and pipeline-parallel groups). Each logical parameter is counted once:
+/// a tensor-parallel shard contributes its part (summed over the TP group);
+/// a parameter replicated over the TP group counts once, not once per rank;
+/// stages hold different parameters (summed over the pipeline group), and a
+/// weight tied across stages (the embedding and the head) counts on the
+/// first stage only. Data-parallel replicas hold the same averaged gradient
+/// and are not summed. Parameters without a gradient contribute nothing.
+///
+/// Not covered: gradients sharded by ZeRO stages 2 and 3, and expert
+/// parameters split over an expert-parallel group.
+pub fn global_grad_norm<M: Module>(model: &M, cx: &Cx) -> Result<f64> {
+    let mut params: Vec<(Param, bool)> = Vec::new();
+    module::visit_params(model, |e| {
+        match params.iter_mut().find(|(p, _)| p.same(e.param)) {
+            Some((_, tied)) => *tied = true,
+            None => params.push((e.param.clone(), false)),
+        }
+        Ok(())
+    })?;
+    let pp = &cx.groups().pp;
+    let (mut split, mut replicated) = (0.0f64, 0.0f64);
+    for (p, tied) in &params {
+        let Some(g) = p.grad() else { continue };
+        if *tied && pp.size() > 1 && pp.rank() != 0 {
+            continue;
+        }
+        let sq = ops::sum_squares(&g)?.to_scalar()?;
+        match p.shard() {
+            Shard::Split { .. } => split += sq,
+            Shard::Replicated => replicated += sq,
+        }
+    }
+    let dev = cx.device();
+    let scalar = |v: f64| Tensor::from_vec(vec![v], [1], dev);
+    let split = cx.tp().all_reduce_sum(&scalar(split)?)?.to_scalar()?;
+    let stage = pp.all_reduce_sum(&scalar(split + replicated)?)?.to_scalar()?;
+    Ok(stage.sqrt())
+}
+
+/// Scales every gradient so the global norm is at most `max_norm`; returns
+/// the norm before clipping (see [`global_grad_norm`] for how it counts).
+pub fn clip_grad_norm<M: Module>(model: &M, cx: &Cx, max_norm: f64) -> Result<f64> {
+    if !(max_norm.is_finite() && max_norm > 0.0) {
+        return Err(Error::invalid("clip_grad_norm", format!("max_norm must be a positive number (e.g. 1.0), got {max_norm}")));
+    }
+    let norm = global_grad_norm(model, cx)?;
+    if !norm.is_finite() {
+        return Err(Error::invalid(
+            "clip_grad_norm",
+            format!("the gradient norm is {norm}; skip this step (and lower the loss scale under fp16) rather than applying it"),
+        ));
+    }
+    let factor = max_norm / (norm + 1e-6);
+    if factor < 1.0 {
+        let mut seen: Vec<Param> = Vec::new();
+        module::visit_params(model, |e| {
+            if seen.iter().any(|p| p.same(e.param)) {
+                return Ok(());
+            }
+            seen.push(e.param.clone());
+            if let Some(g) = e.param.grad() {
+                let scaled = ops::scale(&g, factor)?;
+                let scaled = if scaled.dtype() == g.dtype() { scaled } else { scaled.to_dtype(DType::F32)? };
+                e.param.set_grad(scaled)?;
+            }
+            Ok(())
+        })?;
+    }
+    Ok(norm)
+}
