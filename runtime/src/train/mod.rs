@@ -1,8 +1,10 @@
-//! Training utilities that span ranks: global gradient-norm clipping and
-//! dynamic loss scaling.
+//! Training utilities: global gradient-norm clipping, dynamic loss scaling
+//! and learning-rate schedules.
 
 mod clip;
 mod scaler;
+mod schedule;
 
 pub use clip::{clip_grad_norm, global_grad_norm};
 pub use scaler::LossScaler;
+pub use schedule::WarmupCosine;
