@@ -54,6 +54,20 @@ pub enum Error {
     /// with incompatible arguments.
     #[error("{op}: the ranks of the group disagree: {detail}; every rank must issue the same collectives in the same order, with matching dtypes, shapes and arguments")]
     CollectiveMismatch { op: &'static str, detail: String },
+
+    /// A checkpoint could not be written or read: a file or directory is
+    /// missing or unwritable, or a manifest is malformed. `path` names it.
+    #[error("checkpoint `{path}`: {detail}")]
+    Checkpoint { path: String, detail: String },
+
+    /// A tensor stored in a checkpoint does not match the checksum recorded
+    /// for it when it was written: the file was damaged after the write.
+    #[error("checkpoint file `{file}`: tensor `{tensor}` is corrupt ({detail}); the file changed after it was written: restore it from a copy, or fall back to the previous checkpoint with `load_latest_valid`")]
+    CheckpointCorrupt { file: String, tensor: String, detail: String },
+
+    /// A checkpoint does not fit the model (or optimizer, or mesh) it is loaded into.
+    #[error("checkpoint `{path}` does not fit this model: {detail}")]
+    CheckpointMismatch { path: String, detail: String },
 }
 
 /// Result with the runtime's [`Error`].

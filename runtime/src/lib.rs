@@ -7,6 +7,7 @@
 //! system ([`module`]) that models are written in.
 
 pub mod backend;
+pub mod ckpt;
 pub mod dist;
 mod error;
 pub mod guide;

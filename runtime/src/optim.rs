@@ -72,6 +72,21 @@ struct Slot {
     steps: u64,
 }
 
+/// One parameter's AdamW state, as [`AdamW::moments`] reports it.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamWState<'a> {
+    /// The parameter's dotted name (its first, for a tied parameter).
+    pub name: &'a str,
+    /// The parameter.
+    pub param: &'a Param,
+    /// The first moment, of the parameter's local shard shape.
+    pub m: &'a Tensor,
+    /// The second moment.
+    pub v: &'a Tensor,
+    /// Updates applied to the parameter so far (bias correction counts them).
+    pub steps: u64,
+}
+
 /// AdamW (Adam with decoupled weight decay) over every parameter of a model.
 ///
 /// Built after the model is materialised: it visits the parameters once (a
@@ -156,6 +171,33 @@ impl AdamW {
             ops::adamw_update(&upd, &p, &g, &s.m, &s.v)?;
             s.steps += 1;
         }
+        Ok(())
+    }
+
+    /// The state of every distinct parameter, in visiting order (what a
+    /// checkpoint saves): its name, handle, moments and update count.
+    pub fn moments(&self) -> Vec<AdamWState<'_>> {
+        self.slots.iter().map(|s| AdamWState { name: &s.name, param: &s.param, m: &s.m, v: &s.v, steps: s.steps }).collect()
+    }
+
+    /// Replaces the moments and update count of `param` (restoring a
+    /// checkpoint). The moments must have the shape and dtype of the ones
+    /// they replace; `param` must be one this optimizer updates.
+    pub fn load_state(&mut self, param: &Param, m: Tensor, v: Tensor, steps: u64) -> Result<()> {
+        let Some(s) = self.slots.iter_mut().find(|s| s.param.same(param)) else {
+            return Err(Error::invalid("AdamW::load_state", format!("{param:?} is not updated by this optimizer; build the optimizer from the model the state belongs to")));
+        };
+        for (what, t) in [("first moment", &m), ("second moment", &v)] {
+            if t.shape() != s.m.shape() || t.dtype() != s.m.dtype() {
+                return Err(Error::shape(
+                    "AdamW::load_state",
+                    format!("the {what} of `{}` is {} {}, the optimizer holds {} {}; restore state saved from the same model and mesh", s.name, t.dtype(), t.shape(), s.m.dtype(), s.m.shape()),
+                ));
+            }
+        }
+        s.m = m;
+        s.v = v;
+        s.steps = steps;
         Ok(())
     }
 

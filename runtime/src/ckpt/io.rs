@@ -1,0 +1,108 @@
+//! Bytes, checksums and durable file operations for checkpoints.
+
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+use crate::{bf16, f16, Device};
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::Path;
+
+/// FNV-1a, 64 bit, of `bytes`, as 16 hex digits.
+pub(crate) fn checksum(bytes: &[u8]) -> String {
+    let h = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3));
+    format!("{h:016x}")
+}
+
+/// The tensor's elements as little-endian bytes.
+pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    fn le<T: crate::Element>(t: &Tensor) -> Result<Vec<u8>> {
+        // Host byte order is little-endian on every platform Tessera runs on;
+        // refuse to write anything else rather than produce unreadable files.
+        if cfg!(target_endian = "big") {
+            return Err(Error::invalid("checkpoint", "big-endian hosts cannot write checkpoints; save on a little-endian machine"));
+        }
+        Ok(bytemuck::cast_slice(&t.to_vec::<T>()?).to_vec())
+    }
+    match t.dtype() {
+        DType::F32 => le::<f32>(t),
+        DType::F64 => le::<f64>(t),
+        DType::BF16 => le::<bf16>(t),
+        DType::F16 => le::<f16>(t),
+        DType::I32 => le::<i32>(t),
+        DType::U32 => le::<u32>(t),
+    }
+}
+
+/// A tensor of `dtype` and `shape` on `device` from little-endian bytes.
+pub(crate) fn tensor_from_bytes(bytes: &[u8], dtype: DType, shape: &[usize], device: &Device) -> Result<Tensor> {
+    fn build<T: crate::Element>(bytes: &[u8], shape: &[usize], device: &Device) -> Result<Tensor> {
+        let data: Vec<T> = bytes.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned).collect();
+        Tensor::from_vec(data, shape.to_vec(), device)
+    }
+    match dtype {
+        DType::F32 => build::<f32>(bytes, shape, device),
+        DType::F64 => build::<f64>(bytes, shape, device),
+        DType::BF16 => build::<bf16>(bytes, shape, device),
+        DType::F16 => build::<f16>(bytes, shape, device),
+        DType::I32 => build::<i32>(bytes, shape, device),
+        DType::U32 => build::<u32>(bytes, shape, device),
+    }
+}
+
+/// The safetensors dtype of `d`.
+pub(crate) fn st_dtype(d: DType) -> safetensors::Dtype {
+    match d {
+        DType::F32 => safetensors::Dtype::F32,
+        DType::F64 => safetensors::Dtype::F64,
+        DType::BF16 => safetensors::Dtype::BF16,
+        DType::F16 => safetensors::Dtype::F16,
+        DType::I32 => safetensors::Dtype::I32,
+        DType::U32 => safetensors::Dtype::U32,
+    }
+}
+
+/// The dtype named `name` in a manifest.
+pub(crate) fn dtype_named(name: &str) -> Option<DType> {
+    [DType::F32, DType::F64, DType::BF16, DType::F16, DType::I32, DType::U32].into_iter().find(|d| d.name() == name)
+}
+
+/// An I/O error on `path`, with what was being done.
+pub(crate) fn io_err(path: &Path, doing: &str, e: impl std::fmt::Display) -> Error {
+    Error::Checkpoint { path: path.display().to_string(), detail: format!("{doing}: {e}") }
+}
+
+/// Writes `bytes` to `path` and flushes them to the disk.
+pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).map_err(|e| io_err(path, "cannot create the file (is the directory writable?)", e))?;
+    f.write_all(bytes).map_err(|e| io_err(path, "cannot write (is the disk full?)", e))?;
+    f.sync_all().map_err(|e| io_err(path, "cannot flush to disk", e))
+}
+
+/// Flushes a directory's entries (new names, renames) to the disk.
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
+    // Opening a directory for reading and syncing it is how POSIX makes its
+    // entries durable; other systems may refuse, and have no such need.
+    match File::open(dir) {
+        Ok(f) => {
+            let _ = f.sync_all();
+            Ok(())
+        }
+        Err(e) => Err(io_err(dir, "cannot open the directory", e)),
+    }
+}
+
+/// Replaces `path` with `bytes` atomically: a temporary sibling, synced, renamed over it.
+pub(crate) fn replace_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    write_synced(&tmp, bytes)?;
+    fs::rename(&tmp, path).map_err(|e| io_err(path, "cannot rename the temporary file into place", e))?;
+    if let Some(parent) = path.parent() {
+        sync_dir(parent)?;
+    }
+    Ok(())
+}
+
+/// Reads a whole file, naming it when it is missing.
+pub(crate) fn read(path: &Path) -> Result<Vec<u8>> {
+    fs::read(path).map_err(|e| io_err(path, "cannot read (missing or unreadable; the checkpoint is incomplete)", e))
+}

@@ -1,0 +1,256 @@
+//! Checkpoints: bit-exact resume, checksums with fallback, atomic writes and
+//! pruning, typed errors for a model that does not fit, and a two-rank
+//! tensor-parallel save and reload.
+
+mod common;
+use common::models::Gpt;
+use std::path::{Path, PathBuf};
+use tessera::ckpt::{load_latest_valid, serde_json, Checkpointer};
+use tessera::dist::inproc::{mesh_groups, InProcess};
+use tessera::dist::mesh::Mesh;
+use tessera::module::{self, Cx, Module};
+use tessera::optim::{AdamW, AdamWConfig};
+use tessera::prelude::*;
+use tessera::Error;
+
+const VOCAB: usize = 12;
+const SEQS: usize = 2;
+const TOKENS: usize = 4;
+const LR: f64 = 1e-2;
+const ADAMW: AdamWConfig = AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-6, weight_decay: 0.01 };
+
+/// A fresh, empty directory for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tessera-ckpt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn gpt() -> Gpt {
+    Gpt::with_qkv_bias(VOCAB, 8, 2, 2, false).unwrap()
+}
+
+/// The batch of step `step`: ids and next-token targets, `[SEQS, TOKENS]`.
+fn batch(step: u64, dev: &Device) -> (Tensor, Tensor) {
+    let tok = |s: usize, i: usize| ((step as usize * 13 + s * 7 + i * 5 + i * i) % VOCAB) as u32;
+    let ids: Vec<u32> = (0..SEQS).flat_map(|s| (0..TOKENS).map(move |i| tok(s, i))).collect();
+    let tgt: Vec<u32> = (0..SEQS).flat_map(|s| (1..=TOKENS).map(move |i| tok(s, i))).collect();
+    (Tensor::from_vec(ids, [SEQS, TOKENS], dev).unwrap(), Tensor::from_vec(tgt, [SEQS, TOKENS], dev).unwrap())
+}
+
+/// One training step (forward, cross-entropy, backward, AdamW); the loss.
+fn train_step(model: &Gpt, opt: &mut AdamW, cx: &mut Cx, step: u64) -> f64 {
+    let (ids, targets) = batch(step, cx.device());
+    let (logits, saved) = model.forward(cx, Act::new(ids)).unwrap();
+    let logits = logits.into_tensor();
+    let (loss, ce) = tessera::ops::cross_entropy(&logits, &targets, None).unwrap();
+    let dlogits = tessera::ops::cross_entropy_backward(&logits, &targets, None, &ce, 1.0).unwrap();
+    model.backward(cx, saved, Act::new(dlogits)).unwrap();
+    opt.step(LR).unwrap();
+    opt.zero_grad();
+    loss.to_scalar().unwrap()
+}
+
+/// Every distinct parameter's bits, by name.
+fn param_bits<M: Module>(model: &M) -> Vec<(String, Vec<u32>)> {
+    let mut out: Vec<(String, Vec<u32>)> = Vec::new();
+    let mut seen: Vec<tessera::module::Param> = Vec::new();
+    module::visit_params(model, |e| {
+        if !seen.iter().any(|p| p.same(e.param)) {
+            seen.push(e.param.clone());
+            out.push((e.name.to_string(), e.param.value()?.to_vec::<f32>()?.iter().map(|x| x.to_bits()).collect()));
+        }
+        Ok(())
+    })
+    .unwrap();
+    out
+}
+
+/// Every optimizer moment's bits and step count.
+fn moment_bits(opt: &AdamW) -> Vec<(String, Vec<u32>, Vec<u32>, u64)> {
+    let bits = |t: &Tensor| t.to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+    opt.moments().iter().map(|s| (s.name.to_string(), bits(s.m), bits(s.v), s.steps)).collect()
+}
+
+/// A freshly built model and optimizer (as a restarted process would have).
+fn fresh(cx: &Cx) -> (Gpt, AdamW) {
+    let model = module::build(gpt(), cx).unwrap();
+    let opt = AdamW::new(&model, ADAMW).unwrap();
+    (model, opt)
+}
+
+/// Trains `steps` steps from step 0 and saves each step `save_every`; the losses.
+fn run(root: &Path, steps: u64, keep: usize) -> (Gpt, AdamW, Vec<f64>) {
+    let mut cx = Cx::new(Device::cpu()).with_seed(5);
+    let (model, mut opt) = fresh(&cx);
+    let ckpt = Checkpointer::new(root, keep).unwrap();
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        losses.push(train_step(&model, &mut opt, &mut cx, step));
+        ckpt.save(step + 1, &model, Some(&opt), &cx, serde_json::json!({ "cursor": step + 1 })).unwrap();
+    }
+    (model, opt, losses)
+}
+
+#[test]
+fn resume_is_bit_exact() {
+    let root = scratch("resume");
+    // Six steps straight.
+    let mut cx = Cx::new(Device::cpu()).with_seed(5);
+    let (straight, mut straight_opt) = fresh(&cx);
+    let straight_losses: Vec<f64> = (0..6).map(|s| train_step(&straight, &mut straight_opt, &mut cx, s)).collect();
+
+    // Three steps, a checkpoint, then a restart: a new model and optimizer, loaded.
+    let (_, _, first) = run(&root, 3, 2);
+    let mut cx = Cx::new(Device::cpu()).with_seed(5);
+    let (model, mut opt) = fresh(&cx);
+    let restored = load_latest_valid(&root, &model, Some(&mut opt), &cx).unwrap().expect("a checkpoint");
+    assert!(restored.skipped.is_empty(), "{:?}", restored.skipped);
+    assert_eq!(restored.manifest.step, 3);
+    let cursor = restored.manifest.extra["cursor"].as_u64().unwrap();
+    assert_eq!(cursor, 3, "the trainer's own state comes back");
+    let rest: Vec<f64> = (cursor..6).map(|s| train_step(&model, &mut opt, &mut cx, s)).collect();
+
+    let resumed: Vec<u64> = first.iter().chain(&rest).map(|l| l.to_bits()).collect();
+    let want: Vec<u64> = straight_losses.iter().map(|l| l.to_bits()).collect();
+    assert_eq!(resumed, want, "losses after resuming differ from the uninterrupted run");
+    assert_eq!(param_bits(&model), param_bits(&straight), "parameters after resuming differ");
+    assert_eq!(moment_bits(&opt), moment_bits(&straight_opt), "optimizer state after resuming differs");
+
+    // The tied embedding / output weight is stored once, with its second name recorded.
+    let manifest = Checkpointer::new(&root, 2).unwrap().manifest(&restored.dir).unwrap();
+    let tied: Vec<_> = manifest.params().filter(|r| r.param == "tok.weight").collect();
+    assert_eq!(tied.len(), 1);
+    assert_eq!(tied[0].aliases, ["head.weight"]);
+    assert!(manifest.params().all(|r| r.param != "head.weight"));
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn a_corrupt_file_is_named_and_skipped() {
+    let root = scratch("corrupt");
+    let (model, _, _) = run(&root, 2, 3);
+    let ckpt = Checkpointer::new(&root, 3).unwrap();
+    let newest = ckpt.step_dir(2);
+    let file = newest.join("rank-0.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+
+    let cx = Cx::new(Device::cpu()).with_seed(5);
+    let (fresh_model, mut opt) = fresh(&cx);
+    let before = param_bits(&fresh_model);
+    let err = ckpt.load(&newest, &fresh_model, Some(&mut opt), &cx).unwrap_err();
+    let names: Vec<String> = ckpt.manifest(&newest).unwrap().tensors.iter().map(|r| r.name.clone()).collect();
+    match &err {
+        Error::CheckpointCorrupt { file, tensor, .. } => {
+            assert!(file.ends_with("rank-0.safetensors"), "{err}");
+            assert!(names.contains(tensor), "{err}");
+        }
+        other => panic!("expected a corrupt-tensor error, got {other}"),
+    }
+    assert_eq!(param_bits(&fresh_model), before, "a failed load changes nothing");
+
+    // Falling back: step 1 is intact, and step 2 is reported with the reason.
+    let scan = ckpt.scan().unwrap();
+    assert_eq!(scan.valid.as_deref(), Some(ckpt.step_dir(1).as_path()));
+    assert_eq!(scan.skipped.len(), 1);
+    assert_eq!(scan.skipped[0].dir, newest);
+    assert!(matches!(scan.skipped[0].reason, Error::CheckpointCorrupt { .. }));
+    let restored = ckpt.load_latest_valid(&fresh_model, Some(&mut opt), &cx).unwrap().unwrap();
+    assert_eq!(restored.manifest.step, 1);
+    assert_eq!(restored.skipped.len(), 1);
+    drop(model);
+
+    // A missing rank file is named too.
+    std::fs::remove_file(ckpt.step_dir(1).join("rank-0.safetensors")).unwrap();
+    let err = ckpt.load(&ckpt.step_dir(1), &fresh_model, None, &cx).unwrap_err();
+    assert!(matches!(&err, Error::Checkpoint { path, .. } if path.ends_with("rank-0.safetensors")), "{err}");
+    assert_eq!(ckpt.latest_valid().unwrap(), None);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn writes_are_atomic_and_old_checkpoints_are_pruned() {
+    let root = scratch("atomic");
+    // A crashed writer's leftover directory, newer than anything complete.
+    let stale = root.join("step-99.tmp-12345");
+    std::fs::create_dir_all(&stale).unwrap();
+    std::fs::write(stale.join("rank-0.safetensors"), b"half written").unwrap();
+
+    run(&root, 4, 2);
+    let ckpt = Checkpointer::new(&root, 2).unwrap();
+    let steps: Vec<u64> = ckpt.steps().unwrap().into_iter().map(|(s, _)| s).collect();
+    assert_eq!(steps, [3, 4], "only the newest two are kept");
+    assert_eq!(ckpt.latest().unwrap(), Some(ckpt.step_dir(4)));
+    assert_eq!(ckpt.latest_valid().unwrap(), Some(ckpt.step_dir(4)), "the leftover temporary directory is ignored");
+    assert!(!root.join("step-4").join("rank-0.records.json").exists(), "no writer's scratch files remain");
+    let leftovers: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.contains(".tmp-") && n != "step-99.tmp-12345")
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+
+    // A pointer to a checkpoint that vanished falls back to the newest one present.
+    std::fs::remove_dir_all(ckpt.step_dir(4)).unwrap();
+    let scan = ckpt.scan().unwrap();
+    assert_eq!(scan.valid, Some(ckpt.step_dir(3)));
+    assert_eq!(scan.skipped.len(), 1);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn a_different_model_is_refused_by_name_and_shapes() {
+    let root = scratch("mismatch");
+    run(&root, 1, 1);
+    let ckpt = Checkpointer::new(&root, 1).unwrap();
+    let cx = Cx::new(Device::cpu());
+    let wider = module::build(Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false).unwrap(), &cx).unwrap();
+    let err = ckpt.load(&ckpt.step_dir(1), &wider, None, &cx).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, Error::CheckpointMismatch { .. }), "{msg}");
+    assert!(msg.contains("`tok.weight`") && msg.contains("[12, 8]") && msg.contains("[12, 16]"), "{msg}");
+
+    let deeper = module::build(Gpt::with_qkv_bias(VOCAB, 8, 2, 3, false).unwrap(), &cx).unwrap();
+    let err = ckpt.load(&ckpt.step_dir(1), &deeper, None, &cx).unwrap_err();
+    assert!(matches!(err, Error::CheckpointMismatch { .. }) && err.to_string().contains("blocks.2."), "{err}");
+
+    // A checkpoint saved without an optimizer cannot restore one.
+    let plain = module::build(gpt(), &cx).unwrap();
+    ckpt.save(7, &plain, None, &cx, serde_json::Value::Null).unwrap();
+    let mut opt = AdamW::new(&plain, ADAMW).unwrap();
+    let err = ckpt.load(&ckpt.step_dir(7), &plain, Some(&mut opt), &cx).unwrap_err();
+    assert!(err.to_string().contains("no optimizer state"), "{err}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn two_tensor_parallel_ranks_save_and_reload_bit_exact() {
+    let root = scratch("tp2");
+    let mesh = Mesh::parse("tp2", 2, 2).unwrap();
+    let world = InProcess::new(2).unwrap();
+    std::thread::scope(|s| {
+        for rank in 0..2 {
+            let (world, mesh, root) = (&world, &mesh, &root);
+            s.spawn(move || {
+                let dev = Device::cpu();
+                let groups = mesh_groups(world, mesh, rank, &dev).unwrap();
+                let cx = Cx::new(dev).with_seed(5).with_groups(groups);
+                let model = module::build(gpt(), &cx).unwrap();
+                let ckpt = Checkpointer::new(root, 2).unwrap();
+                let dir = ckpt.save(1, &model, None, &cx, serde_json::Value::Null).unwrap();
+                // A model drawn from another seed, then loaded: the saved bits come back.
+                let other = module::build(gpt(), &Cx::new(cx.device().clone()).with_seed(6).with_groups(cx.groups().clone())).unwrap();
+                assert_ne!(param_bits(&other), param_bits(&model));
+                let manifest = ckpt.load(&dir, &other, None, &cx).unwrap();
+                assert_eq!(param_bits(&other), param_bits(&model), "rank {rank}");
+                assert_eq!(manifest.mesh.tp, 2);
+                assert!(manifest.tensors.iter().any(|r| r.file == "rank-1.safetensors"), "each rank writes its own shards");
+            });
+        }
+    });
+    let _ = std::fs::remove_dir_all(&root);
+}
