@@ -239,15 +239,7 @@ fn adamw_step<M: module::Module>(model: &M, step: usize, moments: &mut BTreeMap<
 
 /// Every parameter once (a tied weight under its first name).
 fn distinct_params<M: module::Module>(model: &M) -> Vec<(String, Param)> {
-    let mut params: Vec<(String, Param)> = Vec::new();
-    module::visit_params(model, |p| {
-        if !params.iter().any(|(_, q)| q.same(p.param)) {
-            params.push((p.name.to_string(), p.param.clone()));
-        }
-        Ok(())
-    })
-    .unwrap();
-    params
+    module::distinct_params(model).unwrap().into_iter().map(|n| (n.name().to_string(), n.param)).collect()
 }
 
 fn check(name: &str, got: &Outcome, want: &Outcome) {
@@ -262,6 +254,15 @@ fn check(name: &str, got: &Outcome, want: &Outcome) {
         let diff = g.iter().zip(w).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>().sqrt();
         let norm = w.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
         assert!(diff <= 1e-5 * norm, "{name}: {p}: relative error {:.2e}", diff / norm);
+    }
+}
+
+/// Full and selective recompute under tp2×pp2 (a model declaring selective
+/// recompute on its blocks; the override makes it full) against `reference`.
+fn check_recompute<M: Staged<In = Replicated, Out = SplitHidden>>(make: impl Make<M>, reference: &Outcome) {
+    for (name, r) in [("full recompute tp2 pp2", RecomputeOverride::Full), ("selective recompute tp2 pp2", RecomputeOverride::AsDeclared)] {
+        let cfg = Config { recompute: Some(r), ..Config::new("tp2,pp2") };
+        check(name, &train(cfg, &make), reference);
     }
 }
 
@@ -287,10 +288,7 @@ fn every_configuration_trains_like_one_rank() {
     for (name, cfg) in configs {
         check(name, &train(cfg, gpt), &reference);
     }
-    for (name, r) in [("full recompute tp2 pp2", RecomputeOverride::Full), ("selective recompute tp2 pp2", RecomputeOverride::AsDeclared)] {
-        let cfg = Config { recompute: Some(r), ..Config::new("tp2,pp2") };
-        check(name, &train(cfg, |_, _| RecomputeGpt::new(VOCAB, 8, 2, LAYERS)), &reference);
-    }
+    check_recompute(|_, _| RecomputeGpt::new(VOCAB, 8, 2, LAYERS), &reference);
 }
 
 #[test]
@@ -318,10 +316,7 @@ fn every_configuration_trains_the_moe_model_like_one_rank() {
     for (name, cfg) in configs {
         check(name, &train(cfg, moe), &reference);
     }
-    for (name, r) in [("full recompute tp2 pp2", RecomputeOverride::Full), ("selective recompute tp2 pp2", RecomputeOverride::AsDeclared)] {
-        let cfg = Config { recompute: Some(r), ..Config::new("tp2,pp2") };
-        check(name, &train(cfg, |e, ep| RecomputeMoeGpt::new(VOCAB, 8, 2, LAYERS, 4, e, ep)), &reference);
-    }
+    check_recompute(|e, ep| RecomputeMoeGpt::new(VOCAB, 8, 2, LAYERS, 4, e, ep), &reference);
 }
 
 #[test]

@@ -104,15 +104,13 @@ pub struct Restored {
 
 /// Every distinct parameter of a model: its first name, handle and other names.
 fn distinct_params<M: Module>(model: &M) -> Result<Vec<(String, Param, Vec<String>)>> {
-    let mut out: Vec<(String, Param, Vec<String>)> = Vec::new();
-    module::visit_params(model, |e| {
-        match out.iter_mut().find(|(_, p, _)| p.same(e.param)) {
-            Some((_, _, aliases)) => aliases.push(e.name.to_string()),
-            None => out.push((e.name.to_string(), e.param.clone(), Vec::new())),
-        }
-        Ok(())
-    })?;
-    Ok(out)
+    Ok(module::distinct_params(model)?
+        .into_iter()
+        .map(|mut n| {
+            let first = n.names.remove(0);
+            (first, n.param, n.names)
+        })
+        .collect())
 }
 
 fn rank_file(tp_rank: usize) -> String {

@@ -180,10 +180,44 @@ pub fn visit_params<M: Module>(model: &M, mut f: impl FnMut(ParamEntry<'_>) -> R
 /// Drops every accumulated gradient of `model` and the uses still waiting
 /// for theirs: the start of a fresh step.
 pub fn zero_grad<M: Module>(model: &M) -> Result<()> {
+    for p in distinct_params(model)? {
+        p.param.take_grad();
+    }
+    Ok(())
+}
+
+/// One parameter of a model with every name it is reached by: one name,
+/// or several for a weight tied between layers.
+#[derive(Clone, Debug)]
+pub struct NamedParam {
+    /// The names in visit order; the first is the parameter's own.
+    pub names: Vec<String>,
+    pub param: Param,
+}
+
+impl NamedParam {
+    /// The first name (a tied weight is stored and reported under it).
+    pub fn name(&self) -> &str {
+        &self.names[0]
+    }
+
+    /// Whether several layers share this parameter.
+    pub fn is_tied(&self) -> bool {
+        self.names.len() > 1
+    }
+}
+
+/// Every distinct parameter of `model` once, in visit order, with all its names.
+pub fn distinct_params<M: Module>(model: &M) -> Result<Vec<NamedParam>> {
+    let mut out: Vec<NamedParam> = Vec::new();
     visit_params(model, |e| {
-        e.param.take_grad();
+        match out.iter_mut().find(|n| n.param.same(e.param)) {
+            Some(n) => n.names.push(e.name.to_string()),
+            None => out.push(NamedParam { names: vec![e.name.to_string()], param: e.param.clone() }),
+        }
         Ok(())
-    })
+    })?;
+    Ok(out)
 }
 
 /// Gives every parameter of `model` this rank's shard, in the master dtype (f32).

@@ -90,13 +90,7 @@ impl DataParallel {
         if bucket_bytes == 0 {
             return Err(Error::invalid("DataParallel::new", "the bucket size must be positive (e.g. 25 MiB)"));
         }
-        let mut params: Vec<Param> = Vec::new();
-        module::visit_params(model, |e| {
-            if !params.iter().any(|p| p.same(e.param)) {
-                params.push(e.param.clone());
-            }
-            Ok(())
-        })?;
+        let params: Vec<Param> = module::distinct_params(model)?.into_iter().map(|n| n.param).collect();
         let mut buckets: Vec<Vec<usize>> = Vec::new();
         let mut bytes = bucket_bytes;
         for i in (0..params.len()).rev() {

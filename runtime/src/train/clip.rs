@@ -1,7 +1,7 @@
 //! Global gradient-norm clipping that counts each logical parameter once.
 
 use crate::error::{Error, Result};
-use crate::module::{self, Cx, Module, Param, Shard};
+use crate::module::{self, Cx, Module, Shard};
 use crate::ops;
 use crate::tensor::{DType, Tensor};
 
@@ -19,19 +19,12 @@ use crate::tensor::{DType, Tensor};
 /// Not covered: gradients sharded by ZeRO stages 2 and 3, and expert
 /// parameters split over an expert-parallel group.
 pub fn global_grad_norm<M: Module>(model: &M, cx: &Cx) -> Result<f64> {
-    let mut params: Vec<(Param, bool)> = Vec::new();
-    module::visit_params(model, |e| {
-        match params.iter_mut().find(|(p, _)| p.same(e.param)) {
-            Some((_, tied)) => *tied = true,
-            None => params.push((e.param.clone(), false)),
-        }
-        Ok(())
-    })?;
     let pp = &cx.groups().pp;
     let (mut split, mut replicated) = (0.0f64, 0.0f64);
-    for (p, tied) in &params {
+    for n in module::distinct_params(model)? {
+        let p = &n.param;
         let Some(g) = p.grad() else { continue };
-        if *tied && pp.size() > 1 && pp.rank() != 0 {
+        if n.is_tied() && pp.size() > 1 && pp.rank() != 0 {
             continue;
         }
         let sq = ops::sum_squares(&g)?.to_scalar()?;
@@ -62,19 +55,13 @@ pub fn clip_grad_norm<M: Module>(model: &M, cx: &Cx, max_norm: f64) -> Result<f6
     }
     let factor = max_norm / (norm + 1e-6);
     if factor < 1.0 {
-        let mut seen: Vec<Param> = Vec::new();
-        module::visit_params(model, |e| {
-            if seen.iter().any(|p| p.same(e.param)) {
-                return Ok(());
-            }
-            seen.push(e.param.clone());
-            if let Some(g) = e.param.grad() {
+        for n in module::distinct_params(model)? {
+            if let Some(g) = n.param.grad() {
                 let scaled = ops::scale(&g, factor)?;
                 let scaled = if scaled.dtype() == g.dtype() { scaled } else { scaled.to_dtype(DType::F32)? };
-                e.param.set_grad(scaled)?;
+                n.param.set_grad(scaled)?;
             }
-            Ok(())
-        })?;
+        }
     }
     Ok(norm)
 }

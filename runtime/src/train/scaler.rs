@@ -79,13 +79,7 @@ impl LossScaler {
     /// ranks must call it together; it reduces a flag over the
     /// tensor-, pipeline- and data-parallel groups.
     pub fn unscale_and_check<M: Module>(&self, model: &M, cx: &Cx) -> Result<bool> {
-        let mut params: Vec<Param> = Vec::new();
-        module::visit_params(model, |e| {
-            if !params.iter().any(|p| p.same(e.param)) {
-                params.push(e.param.clone());
-            }
-            Ok(())
-        })?;
+        let params: Vec<Param> = module::distinct_params(model)?.into_iter().map(|n| n.param).collect();
         let mut bad = false;
         for p in &params {
             if let Some(g) = p.grad() {

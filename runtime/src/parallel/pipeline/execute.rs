@@ -187,18 +187,7 @@ pub fn sync_tied_grads<M: Staged>(model: &M, cx: &Cx) -> Result<()> {
         // One stage holds every use of a shared weight: nothing to sum.
         return Ok(());
     }
-    let mut seen: Vec<crate::module::Param> = Vec::new();
-    let mut tied: Vec<crate::module::Param> = Vec::new();
-    module::visit_params(model, |e| {
-        if seen.iter().any(|p| p.same(e.param)) {
-            if !tied.iter().any(|p| p.same(e.param)) {
-                tied.push(e.param.clone());
-            }
-        } else {
-            seen.push(e.param.clone());
-        }
-        Ok(())
-    })?;
+    let tied: Vec<crate::module::Param> = module::distinct_params(model)?.into_iter().filter(|n| n.is_tied()).map(|n| n.param).collect();
     let pp: &dyn Communicator = &*cx.groups().pp;
     for p in tied {
         let g = match p.grad() {
