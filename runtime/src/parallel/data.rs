@@ -132,7 +132,10 @@ impl DataParallel {
                 let p = &self.params[i];
                 match p.grad() {
                     Some(g) => Ok(g),
-                    None => Tensor::zeros(p.local_shape(), p.value()?.dtype(), p.value()?.device()),
+                    None => {
+                        let v = p.value()?;
+                        Tensor::zeros(p.local_shape(), v.dtype(), v.device())
+                    }
                 }
             })
             .collect::<Result<_>>()?;
