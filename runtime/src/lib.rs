@@ -8,6 +8,7 @@
 
 pub mod backend;
 pub mod ckpt;
+pub mod data;
 pub mod dist;
 mod error;
 pub mod guide;
