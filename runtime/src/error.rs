@@ -68,12 +68,30 @@ pub enum Error {
     /// A checkpoint does not fit the model (or optimizer, or mesh) it is loaded into.
     #[error("checkpoint `{path}` does not fit this model: {detail}")]
     CheckpointMismatch { path: String, detail: String },
+
+    /// A file the run writes or reads (metrics, trace, plot, run directory)
+    /// could not be written or read.
+    #[error("`{path}`: {detail}")]
+    Io { path: String, detail: String },
+
+    /// A training configuration is malformed or inconsistent. `key` names
+    /// the setting (as written in the TOML file) and `detail` the fix.
+    #[error("config `{key}`: {detail}")]
+    Config { key: String, detail: String },
 }
 
 /// Result with the runtime's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    pub(crate) fn io(path: &std::path::Path, e: impl std::fmt::Display) -> Self {
+        Error::Io { path: path.display().to_string(), detail: e.to_string() }
+    }
+
+    pub(crate) fn config(key: impl Into<String>, detail: impl Into<String>) -> Self {
+        Error::Config { key: key.into(), detail: detail.into() }
+    }
+
     pub(crate) fn shape(op: &'static str, detail: impl Into<String>) -> Self {
         Error::Shape { op, detail: detail.into() }
     }

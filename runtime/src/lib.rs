@@ -14,6 +14,7 @@ mod error;
 pub mod guide;
 pub mod module;
 pub mod nn;
+pub mod observe;
 pub mod ops;
 pub mod optim;
 pub mod parallel;

@@ -1,12 +1,17 @@
 //! Training utilities: global gradient-norm clipping, dynamic loss scaling,
-//! learning-rate schedules and a stability monitor.
+//! learning-rate schedules, a stability monitor, and the configured
+//! training loop ([`Trainer`], [`TrainConfig`]).
 
 mod clip;
+mod config;
 mod monitor;
 mod scaler;
 mod schedule;
+mod trainer;
 
 pub use clip::{clip_grad_norm, global_grad_norm};
+pub use config::{BatchConfig, CheckpointConfig, DataConfig, MeshConfig, OptimConfig, PrecisionConfig, RecomputeConfig, RunConfig, StabilityConfig, TrainConfig, ZeroSection};
 pub use monitor::{Anomaly, StabilityMonitor};
 pub use scaler::LossScaler;
 pub use schedule::WarmupCosine;
+pub use trainer::{Batches, ModelFacts, Replica, RunSummary, Trainer};

@@ -13,7 +13,7 @@ use crate::tensor::Tensor;
 /// 2000 good steps, backoff ×0.5. With `hysteresis = n`, the scale only
 /// backs off after `n` overflows without a good step between them (the
 /// step is skipped at each).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LossScaler {
     scale: f64,
     growth_factor: f64,
@@ -77,7 +77,7 @@ impl LossScaler {
     /// found an infinite or NaN gradient: then every rank must skip the
     /// optimizer step (the gradients are left as they are; drop them). All
     /// ranks must call it together; it reduces a flag over the
-    /// tensor-, pipeline- and data-parallel groups.
+    /// tensor-, pipeline-, data- and expert-parallel groups.
     pub fn unscale_and_check<M: Module>(&self, model: &M, cx: &Cx) -> Result<bool> {
         let params: Vec<Param> = module::distinct_params(model)?.into_iter().map(|n| n.param).collect();
         let mut bad = false;
@@ -88,7 +88,7 @@ impl LossScaler {
             }
         }
         let mut flag = Tensor::from_vec(vec![if bad { 1.0f64 } else { 0.0 }], [1], cx.device())?;
-        for group in [&cx.groups().tp, &cx.groups().pp, &cx.groups().dp] {
+        for group in [&cx.groups().tp, &cx.groups().pp, &cx.groups().dp, &cx.groups().ep] {
             flag = group.all_reduce_sum(&flag)?;
         }
         if flag.to_scalar()? > 0.0 {

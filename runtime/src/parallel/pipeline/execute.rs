@@ -23,6 +23,19 @@ pub struct StageReport {
     pub compute: Duration,
     /// Time spent sending and waiting for other stages: the bubble, measured.
     pub waiting: Duration,
+    /// Every action of the schedule as it ran, in order (for traces).
+    pub spans: Vec<ActionSpan>,
+}
+
+/// One action of a pipeline schedule as it ran on a stage.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ActionSpan {
+    /// The action.
+    pub action: Action,
+    /// When it started.
+    pub start: Instant,
+    /// When it ended.
+    pub end: Instant,
 }
 
 impl StageReport {
@@ -167,11 +180,13 @@ pub fn run_stage<M: Staged>(
                 grad_out.insert((mb, c), Act::new(pp.recv(from)?));
             }
         }
+        let ended = Instant::now();
         if action.is_compute() {
-            report.compute += started.elapsed();
+            report.compute += ended - started;
         } else {
-            report.waiting += started.elapsed();
+            report.waiting += ended - started;
         }
+        report.spans.push(ActionSpan { action: *action, start: started, end: ended });
     }
     cx.set_announce_grads(announcing);
     report.peak_activation_bytes = device.memory_stats().peak.saturating_sub(base);

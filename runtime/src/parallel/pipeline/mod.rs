@@ -43,7 +43,7 @@ mod schedule;
 mod simulate;
 mod trace;
 
-pub use execute::{layers_of, run_stage, sync_tied_grads, StageReport};
+pub use execute::{layers_of, run_stage, sync_tied_grads, ActionSpan, StageReport};
 pub use schedule::{gpipe, interleaved_one_f_one_b, one_f_one_b, ScheduleKind};
 pub use simulate::{Costs, Event, Simulation, StageStats};
 

@@ -1,0 +1,616 @@
+//! The training loop: a [`TrainConfig`] run on in-process CPU ranks.
+//!
+//! One thread per rank of the mesh (`dp × ep × pp × tp`). Each step, every
+//! data replica draws `grad_accum` microbatches, the pipeline schedule runs
+//! them (gradients accumulate), data-parallel buckets are all-reduced while
+//! the backward still runs (or ZeRO reduce-scatters them), weights tied
+//! across stages are summed, then, in order:
+//!
+//! 1. under fp16, the gradients are unscaled and checked: an overflow on any
+//!    rank skips the step everywhere and backs the loss scale off;
+//! 2. the global gradient norm is measured (each logical parameter once) and
+//!    clipped;
+//! 3. the [`StabilityMonitor`] judges the loss and the norm: on a NaN or a
+//!    spike the update is dropped and, with `stability.rollback`, every rank
+//!    reloads the newest valid checkpoint and moves its data cursor past
+//!    everything drawn since that checkpoint, so the offending data is not
+//!    seen again; the event is recorded;
+//! 4. AdamW steps at the warmup-cosine learning rate.
+//!
+//! Every step appends a line to `metrics.jsonl` (written by whichever rank
+//! reports last, with times as the maximum over ranks); the first
+//! `run.trace_steps` steps are recorded in `trace.json` (one track per
+//! rank); checkpoints are written every `checkpoint.every` steps and at the
+//! end; `loss.png` plots the loss curve.
+
+use super::{clip_grad_norm, global_grad_norm, Anomaly, LossScaler, StabilityMonitor, TrainConfig, WarmupCosine};
+use crate::ckpt::Checkpointer;
+use crate::dist::inproc::{mesh_groups, InProcess};
+use crate::dist::mesh::{Axis, Mesh};
+use crate::dist::Communicator;
+use crate::error::{Error, Result};
+use crate::module::{self, Act, Cx, Module, Replicated, SplitHidden, Staged};
+use crate::nn::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward};
+use crate::observe::{Event, LinePlot, MetricsLog, PeakRate, Series, StepMetrics, Trace, PALETTE};
+use crate::ops;
+use crate::optim::AdamW;
+use crate::parallel::data::DataParallel;
+use crate::parallel::zero::{Stage, Zero, ZeroConfig};
+use crate::{Device, Tensor};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Rollbacks allowed in one run before it gives up: a run that keeps
+/// diverging from healthy checkpoints on fresh data needs a human.
+const MAX_ROLLBACKS: usize = 5;
+
+/// A stream of training microbatches for one data replica.
+///
+/// Implementations must be deterministic: the batches after
+/// [`restore`](Self::restore)`(c)` are the ones that followed when
+/// [`cursor`](Self::cursor) returned `c`, and the cursor is the same on
+/// every replica after the same number of draws (it addresses the global
+/// data order), so any replica's cursor restores all of them.
+pub trait Batches: Send {
+    /// The next `(inputs, targets)`, each `[micro_batch, seq_len]` of `u32` token ids.
+    fn next_batch(&mut self, device: &Device) -> Result<(Tensor, Tensor)>;
+    /// Where the stream stands.
+    fn cursor(&self) -> Value;
+    /// Goes back (or forward) to a cursor.
+    fn restore(&mut self, cursor: &Value) -> Result<()>;
+}
+
+/// Which data replica a [`Batches`] stream serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Replica {
+    /// This replica, in `0..count`.
+    pub index: usize,
+    /// Replicas in all (data-parallel × expert-parallel ranks).
+    pub count: usize,
+}
+
+/// What the program training a model tells the trainer about it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ModelFacts {
+    /// Vocabulary size (the logits' last dimension, unsharded).
+    pub vocab: usize,
+    /// Training FLOPs per token (see [`crate::observe::transformer_flops_per_token`]).
+    pub flops_per_token: f64,
+}
+
+/// What a finished run produced.
+#[derive(Clone, Debug)]
+pub struct RunSummary {
+    /// The run directory.
+    pub out: PathBuf,
+    /// `(step, loss)` of every step taken (after rollbacks, the replayed steps too).
+    pub losses: Vec<(u64, f64)>,
+    /// The final checkpoint's directory.
+    pub checkpoint: PathBuf,
+    /// Events of the run (anomalies, rollbacks, overflows, checkpoints).
+    pub events: Vec<(u64, Event)>,
+    /// Mean training throughput over the run.
+    pub tokens_per_s: f64,
+    /// Wall time of the training loop.
+    pub elapsed: Duration,
+    /// The step the run started from (non-zero when it resumed).
+    pub resumed_from: u64,
+}
+
+/// One rank's figures for one step.
+#[derive(Clone, Debug, Default)]
+struct RankStep {
+    rank: usize,
+    loss: f64,
+    grad_norm: Option<f64>,
+    lr: f64,
+    loss_scale: Option<f64>,
+    step_time: f64,
+    compute: f64,
+    exposed: f64,
+    bubble: f64,
+    peak_memory: usize,
+    skipped: bool,
+    events: Vec<Event>,
+}
+
+/// Where ranks report their steps; the last to report a step writes it.
+struct Collector {
+    world: usize,
+    pending: BTreeMap<u64, Vec<RankStep>>,
+    log: MetricsLog,
+    bar: indicatif::ProgressBar,
+    losses: Vec<(u64, f64)>,
+    events: Vec<(u64, Event)>,
+    tokens_per_step: u64,
+    flops_per_token: f64,
+    peak: f64,
+    tokens: u64,
+}
+
+impl Collector {
+    fn report(&mut self, step: u64, r: RankStep) -> Result<()> {
+        let entry = self.pending.entry(step).or_default();
+        entry.push(r);
+        if entry.len() < self.world {
+            return Ok(());
+        }
+        let mut ranks = self.pending.remove(&step).unwrap_or_default();
+        ranks.sort_by_key(|r| r.rank);
+        let max = |f: fn(&RankStep) -> f64| ranks.iter().map(f).fold(0.0, f64::max);
+        let first = &ranks[0];
+        let step_time = max(|r| r.step_time);
+        let tokens_per_s = self.tokens_per_step as f64 / step_time.max(1e-9);
+        let events: Vec<Event> = ranks.iter().flat_map(|r| r.events.iter().cloned()).collect();
+        let m = StepMetrics {
+            step,
+            loss: first.loss,
+            grad_norm: first.grad_norm,
+            lr: first.lr,
+            loss_scale: first.loss_scale,
+            tokens: self.tokens_per_step,
+            tokens_per_s,
+            mfu: self.flops_per_token * tokens_per_s / self.peak,
+            step_time_s: step_time,
+            compute_s: max(|r| r.compute),
+            exposed_comm_s: max(|r| r.exposed),
+            bubble_s: max(|r| r.bubble),
+            peak_memory: ranks.iter().map(|r| r.peak_memory).collect(),
+            skipped: first.skipped,
+            events: events.clone(),
+        };
+        self.log.write(&m)?;
+        if !m.skipped {
+            self.tokens += self.tokens_per_step;
+        }
+        self.losses.push((step, m.loss));
+        self.events.extend(events.into_iter().map(|e| (step, e)));
+        self.bar.set_position(step);
+        self.bar.set_message(format!("loss {:.4}  {:.0} tok/s  mfu {:.1}%", m.loss, tokens_per_s, 100.0 * m.mfu));
+        Ok(())
+    }
+}
+
+/// Builds a rank's model: `(cx, ep_rank, ep_degree) -> model`.
+type BuildModel<'a, M> = Box<dyn Fn(&Cx, usize, usize) -> Result<M> + Sync + 'a>;
+/// Opens a data replica's batch stream.
+type OpenBatches<'a> = Box<dyn Fn(Replica) -> Result<Box<dyn Batches>> + Sync + 'a>;
+
+/// Runs training as `config` says, on one thread per rank.
+///
+/// `build(cx, ep_rank, ep)` constructs the model (unmaterialised; the
+/// trainer materialises it for each rank's shard); `batches(replica)` opens
+/// a replica's data stream.
+pub struct Trainer<'a, M> {
+    config: TrainConfig,
+    facts: ModelFacts,
+    build: BuildModel<'a, M>,
+    batches: OpenBatches<'a>,
+}
+
+impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
+    /// A trainer for `config` (validated here).
+    pub fn new(
+        config: TrainConfig,
+        facts: ModelFacts,
+        build: impl Fn(&Cx, usize, usize) -> Result<M> + Sync + 'a,
+        batches: impl Fn(Replica) -> Result<Box<dyn Batches>> + Sync + 'a,
+    ) -> Result<Self> {
+        config.validate()?;
+        Ok(Trainer { config, facts, build: Box::new(build), batches: Box::new(batches) })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    /// The checkpoint directory of this run.
+    pub fn checkpoint_dir(&self) -> PathBuf {
+        let dir = Path::new(&self.config.checkpoint.dir);
+        if dir.is_absolute() {
+            dir.to_path_buf()
+        } else {
+            Path::new(&self.config.run.out).join(dir)
+        }
+    }
+
+    /// Trains; writes the run directory; returns what happened.
+    pub fn run(&self) -> Result<RunSummary> {
+        let cfg = &self.config;
+        let out = PathBuf::from(&cfg.run.out);
+        std::fs::create_dir_all(&out).map_err(|e| Error::io(&out, e))?;
+        let config_path = out.join("config.toml");
+        std::fs::write(&config_path, cfg.to_toml()?).map_err(|e| Error::io(&config_path, e))?;
+
+        let world_size = cfg.mesh.world_size();
+        let mesh = Mesh::parse(&format!("pp{},dp{},ep{},tp{}", cfg.mesh.pp, cfg.mesh.dp, cfg.mesh.ep, cfg.mesh.tp), world_size, world_size)?;
+        let world = InProcess::new(world_size)?;
+        let tracks = (0..world_size)
+            .map(|r| {
+                let c = mesh.coords(r)?;
+                Ok(format!("rank {r} (dp{} ep{} pp{} tp{})", c[Axis::Dp], c[Axis::Ep], c[Axis::Pp], c[Axis::Tp]))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let trace = Trace::new(tracks);
+        let ckpt = Checkpointer::new(self.checkpoint_dir(), cfg.checkpoint.keep)?;
+        let resuming = cfg.checkpoint.resume && ckpt.latest_valid()?.is_some();
+        let metrics_path = out.join("metrics.jsonl");
+        let log = if resuming { MetricsLog::append(&metrics_path)? } else { MetricsLog::create(&metrics_path)? };
+        let bar = if cfg.run.progress { indicatif::ProgressBar::new(cfg.run.steps) } else { indicatif::ProgressBar::hidden() };
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] step {pos}/{len} {msg}")
+                .map_err(|e| Error::config("run.progress", e.to_string()))?
+                .progress_chars("=> "),
+        );
+        let replicas = cfg.mesh.dp * cfg.mesh.ep;
+        let tokens_per_step = (replicas * cfg.batch.grad_accum * cfg.batch.micro_batch * cfg.batch.seq_len) as u64;
+        let peak = PeakRate::measure_matmul(&Device::cpu(), 384)?.flops_per_s;
+        let collector = Mutex::new(Collector {
+            world: world_size,
+            pending: BTreeMap::new(),
+            log,
+            bar,
+            losses: Vec::new(),
+            events: Vec::new(),
+            tokens_per_step,
+            flops_per_token: self.facts.flops_per_token,
+            peak,
+            tokens: 0,
+        });
+
+        let started = Instant::now();
+        let results: Vec<Result<(u64, PathBuf)>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..world_size)
+                .map(|rank| {
+                    let (world, mesh, trace, ckpt, collector) = (&world, &mesh, &trace, &ckpt, &collector);
+                    s.spawn(move || {
+                        let r = self.run_rank(world, mesh, rank, trace, ckpt, collector);
+                        if let Err(e) = &r {
+                            world.abort(rank, &e.to_string());
+                        }
+                        r
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("trainer", "a rank panicked; see its message above")))).collect()
+        });
+        let elapsed = started.elapsed();
+        // The root cause is the first error that is not a consequence of another rank's failure.
+        let mut outcome = None;
+        let mut first_err = None;
+        for r in results {
+            match r {
+                Ok(v) => outcome = Some(v),
+                Err(e @ Error::PeerFailed { .. }) => {
+                    first_err.get_or_insert(e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        let (resumed_from, checkpoint) = outcome.ok_or_else(|| Error::invalid("trainer", "no rank ran"))?;
+        let collector = collector.into_inner().unwrap_or_else(|e| e.into_inner());
+        collector.bar.finish();
+        if cfg.run.trace_steps > 0 {
+            trace.write(out.join("trace.json"))?;
+        }
+        if !collector.losses.is_empty() {
+            LinePlot {
+                title: "training loss".into(),
+                x_label: "step".into(),
+                y_label: "loss".into(),
+                series: vec![Series { label: "train loss".into(), color: PALETTE[0], points: collector.losses.iter().map(|&(s, l)| (s as f64, l)).collect() }],
+            }
+            .write_png(out.join("loss.png"))?;
+        }
+        Ok(RunSummary {
+            out,
+            losses: collector.losses,
+            checkpoint,
+            events: collector.events,
+            tokens_per_s: collector.tokens as f64 / elapsed.as_secs_f64().max(1e-9),
+            elapsed,
+            resumed_from,
+        })
+    }
+
+    /// One rank's whole run: returns the step it started from and the final checkpoint.
+    fn run_rank(&self, world: &InProcess, mesh: &Mesh, rank: usize, trace: &Trace, ckpt: &Checkpointer, collector: &Mutex<Collector>) -> Result<(u64, PathBuf)> {
+        let cfg = &self.config;
+        let dev = Device::cpu();
+        let c = mesh.coords(rank)?;
+        let (d, e, stage) = (c[Axis::Dp], c[Axis::Ep], c[Axis::Pp]);
+        let (dp, ep, pp) = (cfg.mesh.dp, cfg.mesh.ep, cfg.mesh.pp);
+        let groups = mesh_groups(world, mesh, rank, &dev)?;
+        let (tp_group, dp_group, ep_group, pp_group) = (groups.tp.clone(), groups.dp.clone(), groups.ep.clone(), groups.pp.clone());
+        let mut cx = Cx::new(dev.clone()).with_seed(cfg.run.seed).with_groups(groups).with_sequence_parallel(cfg.mesh.sp).with_dtype(cfg.precision.dtype()?);
+        cx.set_recompute_override(cfg.recompute.to_override()?);
+        let model = module::build((self.build)(&cx, e, ep)?, &cx)?;
+
+        // Gradient synchronisation: ZeRO, overlapped buckets, or (with
+        // expert parallelism, whose non-expert gradients also sum over the
+        // expert group) an explicit average after the backward.
+        let zero = match cfg.zero.to_stage()? {
+            Some(stage) => Some(Arc::new(Zero::new(&model, dp_group.clone(), ZeroConfig::new(stage).with_adamw(cfg.optim.adamw()).with_bucket_bytes(cfg.mesh.bucket_bytes))?)),
+            None => None,
+        };
+        let overlap = (zero.is_none() && dp > 1 && ep == 1).then(|| DataParallel::new(&model, dp_group.clone(), cfg.mesh.bucket_bytes).map(Arc::new)).transpose()?;
+        if let Some(z) = &zero {
+            cx = cx.with_hooks(z.clone());
+        }
+        if let Some(o) = &overlap {
+            cx = cx.with_hooks(o.clone());
+        }
+        let mut opt = if zero.is_none() { Some(AdamW::new(&model, cfg.optim.adamw())?) } else { None };
+        let schedule = cfg.mesh.schedule_kind()?.build(pp, cfg.batch.grad_accum)?;
+        let lr_schedule = WarmupCosine::new(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup, cfg.run.steps)?;
+        let mut monitor = StabilityMonitor::new(cfg.stability.spike_factor, cfg.stability.decay, cfg.stability.warmup)?;
+        let mut scaler = if cfg.precision.scales_loss()? {
+            Some(LossScaler::new().with_initial_scale(cfg.precision.initial_scale)?.with_hysteresis(cfg.precision.hysteresis)?)
+        } else {
+            None
+        };
+        let mut batches = (self.batches)(Replica { index: d * ep + e, count: dp * ep })?;
+
+        let mut done = 0u64;
+        if cfg.checkpoint.resume {
+            if let Some(r) = ckpt.load_latest_valid(&model, opt.as_mut(), &cx)? {
+                done = r.manifest.step;
+                restore_extra(&r.manifest.extra, batches.as_mut(), &mut scaler)?;
+            }
+        }
+        let resumed_from = done;
+        let mut rollbacks = 0;
+        let mut last_saved: Option<PathBuf> = None;
+        let micro = cfg.batch.grad_accum;
+        let last_stage = stage == pp - 1;
+
+        let stop = cfg.run.steps.min(cfg.run.stop_after.unwrap_or(u64::MAX));
+        while done < stop {
+            let step_started = Instant::now();
+            let tracing = done < cfg.run.trace_steps;
+            let lr = lr_schedule.lr(done + 1);
+            let mut events = Vec::new();
+            let mut inputs = Vec::with_capacity(micro);
+            let mut targets = Vec::with_capacity(micro);
+            for _ in 0..micro {
+                let (x, y) = batches.next_batch(&dev)?;
+                inputs.push(x);
+                targets.push(y);
+            }
+            let scale = scaler.as_ref().map_or(1.0, |s| s.scale());
+            let vocab = self.facts.vocab;
+            let report = crate::parallel::pipeline::run_stage(&model, &mut cx, &schedule, stage, &inputs, |mb, logits: &Act<SplitHidden>| {
+                let (l, saved) = vocab_parallel_cross_entropy(&*tp_group, logits, &targets[mb], vocab, None)?;
+                let dl = vocab_parallel_cross_entropy_backward(logits, &targets[mb], vocab, None, &saved, scale / micro as f64)?;
+                Ok((l.to_scalar()?, dl))
+            })?;
+            if tracing {
+                for s in &report.spans {
+                    let category = if s.action.is_compute() { "compute" } else { "pipeline" };
+                    trace.record(rank, s.action.to_string(), category, s.start, s.end);
+                }
+            }
+
+            let sync_started = Instant::now();
+            let exposed = match (&overlap, &zero) {
+                (Some(o), _) => o.finish()?.exposed,
+                (None, Some(z)) => {
+                    z.finish()?;
+                    sync_started.elapsed()
+                }
+                (None, None) if dp * ep > 1 => {
+                    average_grads(&model, &*dp_group, &*ep_group, dp * ep)?;
+                    sync_started.elapsed()
+                }
+                _ => Duration::ZERO,
+            };
+            crate::parallel::pipeline::sync_tied_grads(&model, &cx)?;
+            if tracing {
+                trace.record(rank, "grad sync", "comm", sync_started, Instant::now());
+            }
+
+            // The step's loss, the same on every rank: the mean over the
+            // replicas' microbatches, from the last stage.
+            let local = if last_stage { report.losses.iter().map(|(_, l)| l).sum::<f64>() / micro as f64 } else { 0.0 };
+            let mut t = Tensor::from_vec(vec![local], [1], &dev)?;
+            for g in [&dp_group, &ep_group, &pp_group] {
+                t = g.all_reduce_sum(&t)?;
+            }
+            let loss = t.to_scalar()? / (dp * ep) as f64;
+
+            let finite = match &scaler {
+                Some(s) => s.unscale_and_check(&model, &cx)?,
+                None => true,
+            };
+            let measurable = !matches!(zero.as_ref().map(|z| z.stage()), Some(Stage::Two | Stage::Three));
+            let grad_norm = if !finite || !measurable {
+                None
+            } else if cfg.optim.clip > 0.0 {
+                Some(clip_grad_norm_or_inf(&model, &cx, cfg.optim.clip)?)
+            } else {
+                Some(global_grad_norm(&model, &cx)?)
+            };
+            let anomaly = if finite { monitor.observe(done, loss, grad_norm.unwrap_or(0.0)) } else { None };
+
+            let opt_started = Instant::now();
+            let mut skipped = true;
+            if let Some(a) = anomaly {
+                events.push(Event::Anomaly { detail: describe(&a) });
+                zero_grads(&model)?;
+                if cfg.stability.rollback {
+                    if let Some(to) = self.roll_back(ckpt, &model, opt.as_mut(), &cx, batches.as_mut(), &mut scaler, &mut rollbacks, done)? {
+                        events.push(Event::Rollback { to_step: to, skipped_batches: (done + 1 - to) * micro as u64 });
+                        let r = step_report(rank, loss, grad_norm, lr, &scaler, step_started, &report, exposed, &dev, true, events);
+                        collector.lock().unwrap_or_else(|e| e.into_inner()).report(done + 1, r)?;
+                        done = to;
+                        continue;
+                    }
+                }
+            } else if !finite {
+                zero_grads(&model)?;
+                if let Some(s) = scaler.as_mut() {
+                    s.update(false);
+                    events.push(Event::Overflow { scale: s.scale() });
+                }
+            } else {
+                match (&zero, opt.as_mut()) {
+                    (Some(z), _) => z.step(lr)?,
+                    (None, Some(o)) => {
+                        o.step(lr)?;
+                        o.zero_grad();
+                    }
+                    (None, None) => unreachable!("an optimizer exists without ZeRO"),
+                }
+                if let Some(s) = scaler.as_mut() {
+                    s.update(true);
+                }
+                skipped = false;
+            }
+            if tracing {
+                trace.record(rank, "optimizer", "compute", opt_started, Instant::now());
+            }
+            done += 1;
+            let save_now = done == stop || (cfg.checkpoint.every > 0 && done.is_multiple_of(cfg.checkpoint.every));
+            if save_now && !skipped {
+                let extra = json!({ "data": batches.cursor(), "scaler": scaler });
+                let dir = trace.span(rank, "checkpoint", "io", || ckpt.save(done, &model, opt.as_ref(), &cx, extra))?;
+                events.push(Event::Checkpoint { dir: dir.display().to_string() });
+                last_saved = Some(dir);
+            }
+            if tracing {
+                trace.record(rank, format!("step {done}"), "step", step_started, Instant::now());
+            }
+            let r = step_report(rank, loss, grad_norm, lr, &scaler, step_started, &report, exposed, &dev, skipped, events);
+            collector.lock().unwrap_or_else(|e| e.into_inner()).report(done, r)?;
+        }
+        let last = match last_saved {
+            Some(dir) => dir,
+            None => {
+                let extra = json!({ "data": batches.cursor(), "scaler": scaler });
+                ckpt.save(done, &model, opt.as_ref(), &cx, extra)?
+            }
+        };
+        Ok((resumed_from, last))
+    }
+
+    /// Restores the newest valid checkpoint and moves the data past what was
+    /// drawn since. Returns the restored step, or `None` when there is no
+    /// checkpoint to go back to (the step is then only skipped).
+    #[allow(clippy::too_many_arguments)]
+    fn roll_back(
+        &self,
+        ckpt: &Checkpointer,
+        model: &M,
+        opt: Option<&mut AdamW>,
+        cx: &Cx,
+        batches: &mut dyn Batches,
+        scaler: &mut Option<LossScaler>,
+        rollbacks: &mut usize,
+        step: u64,
+    ) -> Result<Option<u64>> {
+        if ckpt.latest_valid()?.is_none() {
+            return Ok(None);
+        }
+        *rollbacks += 1;
+        if *rollbacks > MAX_ROLLBACKS {
+            return Err(Error::invalid(
+                "trainer",
+                format!("step {step}: still unstable after {MAX_ROLLBACKS} rollbacks to healthy checkpoints with fresh data; lower optim.lr, raise optim.warmup or tighten optim.clip"),
+            ));
+        }
+        let skip_to = batches.cursor();
+        let Some(r) = ckpt.load_latest_valid(model, opt, cx)? else { return Ok(None) };
+        restore_extra(&r.manifest.extra, batches, scaler)?;
+        batches.restore(&skip_to)?;
+        Ok(Some(r.manifest.step))
+    }
+}
+
+/// Clipping that reports a non-finite norm instead of refusing (the monitor
+/// then flags it as an anomaly).
+fn clip_grad_norm_or_inf<M: Module>(model: &M, cx: &Cx, max: f64) -> Result<f64> {
+    let norm = global_grad_norm(model, cx)?;
+    if !norm.is_finite() {
+        return Ok(norm);
+    }
+    clip_grad_norm(model, cx, max)
+}
+
+fn restore_extra(extra: &Value, batches: &mut dyn Batches, scaler: &mut Option<LossScaler>) -> Result<()> {
+    if let Some(cursor) = extra.get("data") {
+        batches.restore(cursor)?;
+    }
+    if let (Some(s), Some(saved)) = (scaler.as_mut(), extra.get("scaler").filter(|v| !v.is_null())) {
+        *s = serde_json::from_value(saved.clone()).map_err(|e| Error::config("precision", format!("the checkpoint's loss-scaler state is unreadable: {e}")))?;
+    }
+    Ok(())
+}
+
+fn describe(a: &Anomaly) -> String {
+    match a {
+        Anomaly::NonFinite { step, loss, grad_norm } => format!("step {step}: non-finite loss {loss} or gradient norm {grad_norm}"),
+        Anomaly::LossSpike { step, loss, average } => format!("step {step}: loss spike {loss:.4} (average {average:.4})"),
+        Anomaly::GradNormSpike { step, grad_norm, average } => format!("step {step}: gradient-norm spike {grad_norm:.4} (average {average:.4})"),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn step_report(
+    rank: usize,
+    loss: f64,
+    grad_norm: Option<f64>,
+    lr: f64,
+    scaler: &Option<LossScaler>,
+    started: Instant,
+    report: &crate::parallel::pipeline::StageReport,
+    exposed: Duration,
+    dev: &Device,
+    skipped: bool,
+    events: Vec<Event>,
+) -> RankStep {
+    RankStep {
+        rank,
+        loss,
+        grad_norm,
+        lr,
+        loss_scale: scaler.as_ref().map(|s| s.scale()),
+        step_time: started.elapsed().as_secs_f64(),
+        compute: report.compute.as_secs_f64(),
+        exposed: exposed.as_secs_f64(),
+        bubble: report.waiting.as_secs_f64(),
+        peak_memory: dev.memory_stats().peak,
+        skipped,
+        // Every rank sees the same events; one copy is enough.
+        events: if rank == 0 { events } else { Vec::new() },
+    }
+}
+
+fn zero_grads<M: Module>(model: &M) -> Result<()> {
+    for n in module::distinct_params(model)? {
+        n.param.take_grad();
+    }
+    Ok(())
+}
+
+/// Averages every gradient over the data replicas when expert parallelism
+/// is on: an expert's gradient already holds every expert-parallel rank's
+/// tokens (the all-to-all brought them), every other parameter is also
+/// replicated over the expert group and sums over it.
+fn average_grads<M: Module>(model: &M, dp: &dyn Communicator, ep: &dyn Communicator, replicas: usize) -> Result<()> {
+    for n in module::distinct_params(model)? {
+        let Some(g) = n.param.grad() else { continue };
+        let mut g = dp.all_reduce_sum(&g)?;
+        if !n.names.iter().any(|name| name.contains(".experts.")) {
+            g = ep.all_reduce_sum(&g)?;
+        }
+        n.param.set_grad(ops::scale(&g, 1.0 / replicas as f64)?)?;
+    }
+    Ok(())
+}

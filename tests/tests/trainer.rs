@@ -1,0 +1,187 @@
+//! The configured training loop: run directory contents, bit-exact resume,
+//! gradient accumulation, rollback on a loss spike with the offending data
+//! skipped, and fp16 loss scaling.
+
+mod common;
+use common::models::Gpt;
+use std::path::{Path, PathBuf};
+use tessera::ckpt::serde_json;
+use tessera::module::{self, Cx};
+use tessera::observe::{read_metrics, Event};
+use tessera::prelude::*;
+use tessera::train::{Batches, ModelFacts, Replica, RunSummary, TrainConfig, Trainer};
+
+const VOCAB: usize = 16;
+const SEQ: usize = 8;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tessera-trainer-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// Sequence `n` of the synthetic task: counting from a start by a stride of
+/// 1 to 3 (mod the vocabulary).
+fn sequence(n: u64) -> (Vec<u32>, Vec<u32>) {
+    let h = n.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 7;
+    let (start, stride) = ((h % VOCAB as u64) as usize, 1 + (h / 31 % 3) as usize);
+    let tok = |i: usize| ((start + i * stride) % VOCAB) as u32;
+    ((0..SEQ).map(tok).collect(), (1..=SEQ).map(tok).collect())
+}
+
+/// Draw `k` of replica `r` holds sequences `(k · count + r) · b ..` of the global order.
+struct Counting {
+    replica: Replica,
+    micro_batch: usize,
+    drawn: u64,
+    /// Draws whose targets are scrambled (bad data).
+    poisoned: std::ops::Range<u64>,
+}
+
+impl Batches for Counting {
+    fn next_batch(&mut self, device: &Device) -> tessera::Result<(Tensor, Tensor)> {
+        let b = self.micro_batch as u64;
+        let first = (self.drawn * self.replica.count as u64 + self.replica.index as u64) * b;
+        let (mut xs, mut ys) = (Vec::new(), Vec::new());
+        for n in first..first + b {
+            let (x, y) = sequence(n);
+            xs.extend(x);
+            ys.extend(y);
+        }
+        if self.poisoned.contains(&self.drawn) {
+            ys.iter_mut().enumerate().for_each(|(i, y)| *y = (*y + 5 + i as u32 * 7) % VOCAB as u32);
+        }
+        self.drawn += 1;
+        Ok((Tensor::from_vec(xs, [self.micro_batch, SEQ], device)?, Tensor::from_vec(ys, [self.micro_batch, SEQ], device)?))
+    }
+
+    fn cursor(&self) -> serde_json::Value {
+        serde_json::json!(self.drawn)
+    }
+
+    fn restore(&mut self, cursor: &serde_json::Value) -> tessera::Result<()> {
+        self.drawn = cursor.as_u64().ok_or_else(|| tessera::Error::InvalidArgument { op: "Counting", detail: format!("bad cursor {cursor}") })?;
+        Ok(())
+    }
+}
+
+fn config(out: &Path, text: &str, overrides: &[&str]) -> TrainConfig {
+    let out = format!("run.out={:?}", out.display().to_string());
+    let mut all = vec![out.as_str(), "run.progress=false", "optim.lr=3e-3", "optim.warmup=2", "batch.seq_len=8"];
+    all.extend_from_slice(overrides);
+    TrainConfig::parse(text, &all).unwrap()
+}
+
+fn train(cfg: TrainConfig, poisoned: std::ops::Range<u64>) -> RunSummary {
+    let micro_batch = cfg.batch.micro_batch;
+    let facts = ModelFacts { vocab: VOCAB, flops_per_token: 1e5 };
+    let trainer = Trainer::new(
+        cfg,
+        facts,
+        |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false),
+        move |replica| Ok(Box::new(Counting { replica, micro_batch, drawn: 0, poisoned: poisoned.clone() }) as Box<dyn Batches>),
+    )
+    .unwrap();
+    trainer.run().unwrap()
+}
+
+/// The final parameters of a run without tensor or pipeline parallelism,
+/// read back from its final checkpoint.
+fn final_params(summary: &RunSummary) -> Vec<(String, Vec<f32>)> {
+    let cx = Cx::new(Device::cpu());
+    let model = module::build(Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false).unwrap(), &cx).unwrap();
+    tessera::ckpt::Checkpointer::new(summary.checkpoint.parent().unwrap(), 10).unwrap().load(&summary.checkpoint, &model, None, &cx).unwrap();
+    module::distinct_params(&model).unwrap().into_iter().map(|n| (n.names[0].clone(), n.param.value().unwrap().to_vec::<f32>().unwrap())).collect()
+}
+
+#[test]
+fn a_run_writes_metrics_trace_plot_and_checkpoint_and_learns() {
+    let out = scratch("run");
+    let summary = train(config(&out, "[mesh]\ntp = 2\n[batch]\nmicro_batch = 4\ngrad_accum = 2\n", &["run.steps=30", "run.trace_steps=2", "optim.lr=1e-2"]), 0..0);
+    let metrics = read_metrics(out.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.len(), 30);
+    assert_eq!(metrics.iter().map(|m| m.step).collect::<Vec<_>>(), (1..=30).collect::<Vec<_>>());
+    let (first, last) = (metrics[0].loss, metrics[29].loss);
+    assert!(last < 0.8 * first, "loss {first} -> {last}");
+    for m in &metrics {
+        assert_eq!(m.peak_memory.len(), 2, "one peak per rank");
+        assert!(m.peak_memory.iter().all(|&b| b > 0));
+        assert!(m.tokens_per_s > 0.0 && m.mfu > 0.0 && m.step_time_s >= m.compute_s.max(m.bubble_s));
+        assert!(m.grad_norm.is_some_and(f64::is_finite));
+    }
+    let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    for rank in 0..2 {
+        assert!(events.iter().any(|e| e["ph"] == "X" && e["tid"] == rank && e["cat"] == "compute"), "rank {rank} has a track with compute");
+    }
+    let png = std::fs::read(out.join("loss.png")).unwrap();
+    assert_eq!(&png[1..4], b"PNG");
+    assert!(out.join("config.toml").exists());
+    assert!(summary.checkpoint.join("manifest.json").exists());
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn a_resumed_run_continues_bit_for_bit() {
+    let (a, b) = (scratch("straight"), scratch("resumed"));
+    let text = "[mesh]\ndp = 2\n[batch]\nmicro_batch = 2\n[checkpoint]\nevery = 5\n";
+    let straight = train(config(&a, text, &["run.steps=20"]), 0..0);
+    let first = train(config(&b, text, &["run.steps=20", "run.stop_after=10", "checkpoint.every=10"]), 0..0);
+    assert_eq!(first.losses.len(), 10);
+    let resumed = train(config(&b, text, &["run.steps=20"]), 0..0);
+    assert_eq!(resumed.resumed_from, 10);
+    let losses: Vec<f64> = first.losses.iter().chain(&resumed.losses).map(|l| l.1).collect();
+    assert_eq!(losses, straight.losses.iter().map(|l| l.1).collect::<Vec<_>>(), "losses of 10 + resume + 10 steps");
+    assert_eq!(final_params(&resumed), final_params(&straight), "final parameters");
+    let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
+}
+
+#[test]
+fn gradient_accumulation_equals_one_big_batch() {
+    let (a, b) = (scratch("accum"), scratch("big"));
+    let accum = train(config(&a, "[batch]\nmicro_batch = 2\ngrad_accum = 3\n", &["run.steps=4"]), 0..0);
+    let big = train(config(&b, "[batch]\nmicro_batch = 6\ngrad_accum = 1\n", &["run.steps=4"]), 0..0);
+    let (pa, pb) = (final_params(&accum), final_params(&big));
+    for ((_, x), (_, y)) in accum.losses.iter().zip(&big.losses) {
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "loss {x} vs {y}");
+    }
+    for ((name, x), (_, y)) in pa.iter().zip(&pb) {
+        let err = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
+        assert!(err < 1e-5, "{name}: {err}");
+    }
+    let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
+}
+
+#[test]
+fn a_loss_spike_rolls_back_and_skips_the_bad_data() {
+    let out = scratch("spike");
+    // Draws 58 and 59 (step 30) are scrambled: that step's loss jumps far above the average.
+    let cfg = config(&out, "[batch]\nmicro_batch = 8\n[checkpoint]\nevery = 4\n[stability]\nspike_factor = 1.8\ndecay = 0.8\nwarmup = 5\n", &["run.steps=36", "optim.lr=1e-2"]);
+    let summary = train(cfg, 58..60);
+    let metrics = read_metrics(out.join("metrics.jsonl")).unwrap();
+    let anomaly = metrics.iter().find(|m| m.events.iter().any(|e| matches!(e, Event::Anomaly { .. }))).expect("the spike is flagged");
+    assert_eq!(anomaly.step, 30, "grad_accum 2: draws 58 and 59 are step 30");
+    assert!(anomaly.skipped);
+    let rollback = anomaly.events.iter().find_map(|e| match e {
+        Event::Rollback { to_step, skipped_batches } => Some((*to_step, *skipped_batches)),
+        _ => None,
+    });
+    assert_eq!(rollback, Some((28, 4)), "back to the step-28 checkpoint, skipping the draws of steps 29 and 30");
+    // The run then replays steps 29 and 30 on fresh data and finishes healthy.
+    assert_eq!(metrics.iter().filter(|m| m.step == 30).count(), 2);
+    assert_eq!(metrics.last().unwrap().step, 36);
+    assert!(metrics.iter().filter(|m| m.events.iter().any(|e| matches!(e, Event::Anomaly { .. }))).count() == 1);
+    assert!(summary.events.iter().any(|(_, e)| matches!(e, Event::Rollback { .. })));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn fp16_training_scales_the_loss_and_learns() {
+    let out = scratch("fp16");
+    let summary = train(config(&out, "[precision]\ncompute = \"fp16\"\ninitial_scale = 1024.0\n[batch]\nmicro_batch = 4\n", &["run.steps=12"]), 0..0);
+    let metrics = read_metrics(out.join("metrics.jsonl")).unwrap();
+    assert!(metrics.iter().all(|m| m.loss_scale == Some(1024.0)));
+    let l = &summary.losses;
+    assert!(l.last().unwrap().1 < l[0].1, "{l:?}");
+    let _ = std::fs::remove_dir_all(&out);
+}
