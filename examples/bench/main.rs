@@ -7,7 +7,10 @@
 //! ```text
 //! cargo run --release --example bench -- matmul --sizes 1024,2048
 //! cargo run --release --example bench -- collectives --max-bytes 16M
+//! cargo run --release --example bench -- gpt
 //! ```
+
+mod gpt;
 
 use anyhow::{ensure, Result};
 use clap::{Parser, Subcommand};
@@ -29,6 +32,9 @@ enum Bench {
     /// In-process all-reduce, all-gather and reduce-scatter bandwidth (one
     /// thread per rank), with a plain memory copy of the same size for scale.
     Collectives(CollectivesArgs),
+    /// Training throughput of gpt-tiny on one rank, as a share of the f32
+    /// matmul rate measured in the same run.
+    Gpt(gpt::Args),
 }
 
 #[derive(clap::Args)]
@@ -102,6 +108,7 @@ fn main() -> Result<()> {
     match Cli::parse().bench {
         Bench::Matmul(args) => bench_matmul(&args),
         Bench::Collectives(args) => bench_collectives(&args),
+        Bench::Gpt(args) => gpt::run(&args),
     }
 }
 

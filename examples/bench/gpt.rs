@@ -1,0 +1,262 @@
+//! `bench gpt`: training throughput of gpt-tiny on one rank.
+//!
+//! gpt-tiny is the character-level GPT of the usual Shakespeare setup:
+//! 6 layers, 6 heads, hidden 384, context 256, vocabulary 65, batch 8,
+//! AdamW, f32. A step's work is counted as `6·N + 12·L·T·d` FLOPs per token
+//! (N weights, L layers, T context, d width); the achieved rate is compared
+//! with Tessera's own f32 matmul rate on the model's largest product
+//! (`B·T × d × 4d`), measured in the same run, alternating with the
+//! training steps so that both see the same machine.
+//!
+//! Output: a per-op time breakdown (exclusive time of each layer kind,
+//! forward and backward, plus loss and optimizer), then JSON lines:
+//! `{"bench":"gpt","case":"gpt-tiny","tokens_per_s":..,"gflops":..,"matmul_gflops":..,"ratio":..}`.
+
+use anyhow::Result;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tessera::module::{self, Cx, Hooks, Module};
+use tessera::nn::{CausalAttention, Embedding, LayerNorm, Linear, Stack};
+use tessera::observe::transformer_flops_per_token;
+use tessera::ops;
+use tessera::optim::{AdamW, AdamWConfig};
+use tessera::prelude::*;
+
+/// Arguments of `bench gpt`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Timed training steps (after one warm-up step).
+    #[arg(long, default_value_t = 4)]
+    steps: usize,
+    /// Sequences per batch.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Context length.
+    #[arg(long, default_value_t = 256)]
+    seq: usize,
+    /// Print the per-op breakdown (timed through module hooks).
+    #[arg(long)]
+    breakdown: bool,
+}
+
+const VOCAB: usize = 65;
+const DIM: usize = 384;
+const HEADS: usize = 6;
+const LAYERS: usize = 6;
+
+#[derive(Module)]
+pub struct Block {
+    ln1: LayerNorm,
+    #[shard(column)]
+    qkv: Linear,
+    attn: CausalAttention,
+    #[shard(row)]
+    proj: Linear,
+    ln2: LayerNorm,
+    #[shard(column)]
+    up: Linear,
+    #[shard(row)]
+    down: Linear,
+}
+
+#[forward]
+impl Block {
+    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+        let h = x + all_reduce(self.proj(self.attn(self.qkv(self.ln1(x)))));
+        h + all_reduce(self.down(gelu(self.up(self.ln2(h)))))
+    }
+}
+
+#[derive(Module)]
+pub struct Gpt {
+    #[shard(vocab)]
+    tok: Embedding,
+    blocks: Stack<Block>,
+    norm: LayerNorm,
+    #[shard(vocab)]
+    #[tied(tok)]
+    head: Linear,
+}
+
+#[forward]
+impl Gpt {
+    fn forward(&self, ids: Act<Replicated>) -> Act<SplitHidden> {
+        self.head(self.norm(self.blocks(all_reduce(self.tok(ids)))))
+    }
+}
+
+fn gpt(seq: usize) -> tessera::Result<Gpt> {
+    let block = |_| -> tessera::Result<Block> {
+        Ok(Block {
+            ln1: LayerNorm::new(DIM, 1e-5, true)?,
+            qkv: Linear::new(DIM, 3 * DIM, true)?,
+            attn: CausalAttention::new(HEADS, HEADS, DIM / HEADS)?.with_rope(10_000.0, seq)?,
+            proj: Linear::new(DIM, DIM, true)?,
+            ln2: LayerNorm::new(DIM, 1e-5, true)?,
+            up: Linear::new(DIM, 4 * DIM, true)?,
+            down: Linear::new(4 * DIM, DIM, true)?,
+        })
+    };
+    Ok(Gpt {
+        tok: Embedding::new(VOCAB, DIM)?,
+        blocks: Stack::from_fn(LAYERS, block)?,
+        norm: LayerNorm::new(DIM, 1e-5, true)?,
+        head: Linear::new(DIM, VOCAB, false)?,
+    })
+}
+
+/// Exclusive wall time per layer kind (the last path segment: `qkv`,
+/// `attn`, ...), forward and backward apart; a module's time excludes its
+/// children's, so a block's own share is its residual adds and GELU.
+#[derive(Default)]
+struct Profile {
+    stack: Vec<(Instant, Duration)>,
+    totals: BTreeMap<String, Duration>,
+}
+
+struct Profiler(Mutex<Profile>);
+
+impl Profiler {
+    fn kind(path: &str, pass: &str) -> String {
+        let last = path.rsplit('.').find(|s| !s.chars().all(|c| c.is_ascii_digit())).unwrap_or("model");
+        let last = if path.rsplit('.').next().is_some_and(|s| s.chars().all(|c| c.is_ascii_digit())) { "block (residual, gelu)" } else { last };
+        format!("{pass} {last}")
+    }
+
+    fn enter(&self) {
+        self.0.lock().expect("profile").stack.push((Instant::now(), Duration::ZERO));
+    }
+
+    fn exit(&self, path: &str, pass: &str) {
+        let mut p = self.0.lock().expect("profile");
+        let Some((start, children)) = p.stack.pop() else { return };
+        let total = start.elapsed();
+        *p.totals.entry(Self::kind(path, pass)).or_default() += total.saturating_sub(children);
+        if let Some(parent) = p.stack.last_mut() {
+            parent.1 += total;
+        }
+    }
+
+    fn add(&self, kind: &str, d: Duration) {
+        *self.0.lock().expect("profile").totals.entry(kind.to_string()).or_default() += d;
+    }
+
+    fn take(&self) -> BTreeMap<String, Duration> {
+        std::mem::take(&mut self.0.lock().expect("profile").totals)
+    }
+}
+
+impl Hooks for Profiler {
+    fn before_forward(&self, _path: &str) -> tessera::Result<()> {
+        self.enter();
+        Ok(())
+    }
+    fn after_forward(&self, path: &str) -> tessera::Result<()> {
+        self.exit(path, "fwd");
+        Ok(())
+    }
+    fn before_backward(&self, _path: &str) -> tessera::Result<()> {
+        self.enter();
+        Ok(())
+    }
+    fn after_backward(&self, path: &str) -> tessera::Result<()> {
+        self.exit(path, "bwd");
+        Ok(())
+    }
+}
+
+/// Seconds of one `m × k × n` f32 product through the runtime's matmul (best of 3).
+fn matmul_seconds(m: usize, k: usize, n: usize, dev: &Device) -> tessera::Result<f64> {
+    let init = Init::Uniform { lo: -1.0, hi: 1.0 };
+    let a = Tensor::rand(init, RngKey::new(1, 0), [m, k], DType::F32, dev)?;
+    let b = Tensor::rand(init, RngKey::new(2, 0), [k, n], DType::F32, dev)?;
+    ops::matmul(&a, &b)?;
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        ops::matmul(&a, &b)?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+pub fn run(args: &Args) -> Result<()> {
+    let dev = Device::cpu();
+    let profiler = Arc::new(Profiler(Mutex::new(Profile::default())));
+    let mut cx = Cx::new(dev.clone()).with_seed(1);
+    if args.breakdown {
+        cx = cx.with_hooks(profiler.clone());
+    }
+    let model = module::build(gpt(args.seq)?, &cx)?;
+    let adamw = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+    let mut opt = AdamW::new(&model, adamw)?;
+    let params: usize = module::distinct_params(&model)?.iter().map(|n| n.param.global_shape().elem_count()).sum();
+    let tokens = args.batch * args.seq;
+    let flops = transformer_flops_per_token(params, LAYERS, args.seq, DIM) * tokens as f64;
+    let ids: Vec<u32> = (0..tokens + 1).map(|i| ((i * 7919 + i / 3) % VOCAB) as u32).collect();
+    let x = Tensor::from_vec(ids[..tokens].to_vec(), [args.batch, args.seq], &dev)?;
+    let y = Tensor::from_vec(ids[1..].to_vec(), [args.batch, args.seq], &dev)?;
+
+    let step = |cx: &mut Cx, opt: &mut AdamW| -> tessera::Result<f64> {
+        let (logits, saved) = model.forward(cx, Act::new(x.clone()))?;
+        let t = Instant::now();
+        let (loss, ce) = ops::cross_entropy(logits.tensor(), &y, None)?;
+        let dlogits = ops::cross_entropy_backward(logits.tensor(), &y, None, &ce, 1.0)?;
+        profiler.add("loss (cross-entropy fwd+bwd)", t.elapsed());
+        drop(logits);
+        model.backward(cx, saved, Act::new(dlogits))?;
+        let t = Instant::now();
+        opt.step(1e-4)?;
+        opt.zero_grad();
+        profiler.add("optimizer (AdamW)", t.elapsed());
+        loss.to_scalar()
+    };
+    step(&mut cx, &mut opt)?;
+    profiler.take();
+    let (mm_m, mm_k, mm_n) = (tokens, DIM, 4 * DIM);
+    let mut step_times = Vec::new();
+    let mut mm_times = Vec::new();
+    let mut loss = 0.0;
+    for _ in 0..args.steps {
+        mm_times.push(matmul_seconds(mm_m, mm_k, mm_n, &dev)?);
+        let t = Instant::now();
+        loss = step(&mut cx, &mut opt)?;
+        step_times.push(t.elapsed().as_secs_f64());
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let step_s = median(&mut step_times);
+    let mm_gflops = 2.0 * (mm_m * mm_k * mm_n) as f64 / median(&mut mm_times) / 1e9;
+    let gflops = flops / step_s / 1e9;
+    if args.breakdown {
+        let totals = profiler.take();
+        let all: f64 = step_s * args.steps as f64;
+        let mut rows: Vec<_> = totals.into_iter().collect();
+        rows.sort_by(|a, b| b.1.cmp(&a.1));
+        println!("gpt-tiny: {params} parameters, {tokens} tokens per step, {:.1} GFLOP per step, loss {loss:.3}", flops / 1e9);
+        println!("{:<34} {:>10} {:>7}", "op (exclusive time)", "ms/step", "share");
+        for (kind, d) in rows {
+            let per_step = d.as_secs_f64() / args.steps as f64;
+            println!("{kind:<34} {:>10.1} {:>6.1}%", per_step * 1e3, 100.0 * d.as_secs_f64() / all);
+        }
+        println!("{:<34} {:>10.1}", "step (median)", step_s * 1e3);
+    }
+    println!(
+        "{}",
+        serde_json::json!({
+            "bench": "gpt",
+            "case": "gpt-tiny",
+            "params": params,
+            "tokens_per_s": tokens as f64 / step_s,
+            "step_ms": step_s * 1e3,
+            "gflops": gflops,
+            "matmul_gflops": mm_gflops,
+            "matmul_shape": format!("{mm_m}x{mm_k}x{mm_n}"),
+            "ratio": gflops / mm_gflops,
+        })
+    );
+    Ok(())
+}
