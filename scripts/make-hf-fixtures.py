@@ -15,6 +15,12 @@ The fixtures are committed; CI does not run Python. To regenerate them:
     pip install torch transformers safetensors
     python scripts/make-hf-fixtures.py
 
+To check that Hugging Face reads a checkpoint Tessera exported
+(`tessera_models::hf::save_pretrained`) of one of the fixtures, and computes
+the fixture's logits from it:
+
+    python scripts/make-hf-fixtures.py --check-export DIR
+
 Every parameter is drawn again from wider distributions than Hugging Face's
 initialisation (which leaves biases at zero and norm gains at one), so that
 every tensor, every bias and every gain changes the logits the tests compare.
@@ -141,9 +147,30 @@ def write(name: str, build) -> None:
     print(f"{name}: {size / 1024:.0f} KiB, logits in [{logits.min():.3f}, {logits.max():.3f}]")
 
 
+def check_export(directory: str) -> None:
+    """Loads an exported fixture with transformers and compares its logits
+    with the fixture's reference (the fixture named by its model type)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    reference = load_file(str(ROOT / model.config.model_type / "reference.safetensors"))
+    with torch.no_grad():
+        logits = model(reference["input_ids"].long()).logits.float()
+    error = (logits - reference["logits"]).abs().max().item()
+    print(f"{directory}: {type(model).__name__}, max abs error {error:.3g} against the fixture's logits")
+    if error > 1e-4:
+        raise SystemExit(1)
+
+
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check-export", metavar="DIR", help="check an exported fixture instead of writing the fixtures")
+    args = parser.parse_args()
     torch.use_deterministic_algorithms(True)
+    if args.check_export:
+        check_export(args.check_export)
+        return
     for name, build in [("gpt2", gpt2), ("llama", llama), ("mixtral", mixtral)]:
         write(name, build)
 

@@ -17,21 +17,30 @@
 //! built from its config (`Gpt2::new(&config)`), then materialised for a
 //! rank with [`module::build`](tessera::module::build).
 //!
-//! Loading a checkpoint and computing logits:
+//! Loading a checkpoint, computing logits and exporting it again:
 //!
-//! ```no_run
+//! ```
 //! use tessera::module::{Act, Cx, Module};
 //! use tessera::{Device, Tensor};
 //! use tessera_models::{hf, llama::Llama};
 //!
+//! // `dir` holds `config.json` and `model.safetensors`, as Hugging Face's `save_pretrained` writes them.
+//! # let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/llama");
 //! let cx = &mut Cx::new(Device::cpu());
-//! let hf::Pretrained { model, config } = hf::load_pretrained::<Llama>("path/to/llama", cx)?;
-//! let ids = Tensor::from_vec(vec![1u32, 415, 2936, 9060], [1, 4], cx.device())?;
+//! let hf::Pretrained { model, config } = hf::load_pretrained::<Llama>(dir, cx)?;
+//! let ids = Tensor::from_vec(vec![1u32, 41, 29, 3], [1, 4], cx.device())?;
 //! let (logits, _) = model.forward(cx, Act::new(ids))?;
 //! assert_eq!(logits.tensor().dims(), &[1, 4, config.vocab_size]);
-//! hf::save_pretrained(&model, &config, "path/to/copy")?;
+//!
+//! let out = std::env::temp_dir().join("tessera-models-doc-llama");
+//! hf::save_pretrained(&model, &config, &out)?;
+//! # std::fs::remove_dir_all(&out).ok();
 //! # Ok::<(), tessera_models::Error>(())
 //! ```
+//!
+//! On several ranks, give each rank's [`Cx`](tessera::module::Cx) its
+//! communicators: every rank loads its own shard of every weight. See
+//! `docs/models.md` for the name mapping and layout conversions.
 
 mod config;
 mod error;

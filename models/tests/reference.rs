@@ -1,7 +1,8 @@
 //! Each model loaded from its Hugging Face fixture reproduces the logits
 //! Hugging Face computed for it: on one rank, from half-precision copies of
-//! the weights, from a bare base-model checkpoint, run stage by stage, and
-//! on two tensor-parallel (or expert-parallel) ranks.
+//! the weights, from a bare base-model checkpoint, run stage by stage, on
+//! two tensor-parallel or expert-parallel ranks, and by the pipeline executor
+//! over two stages.
 
 mod common;
 use common::*;
@@ -9,7 +10,8 @@ use safetensors::Dtype;
 use tessera::dist::inproc::{mesh_groups, InProcess};
 use tessera::dist::mesh::Mesh;
 use tessera::module::{Act, Cx, Module, Replicated, Shard, SplitHidden, Staged};
-use tessera::{bf16, f16, Device};
+use tessera::parallel::pipeline::{run_stage, sync_tied_grads, ScheduleKind};
+use tessera::{bf16, f16, Device, Tensor};
 use tessera_models::gpt2::Gpt2;
 use tessera_models::hf::{self, HfModel};
 use tessera_models::llama::Llama;
@@ -178,5 +180,38 @@ fn mixtral_on_two_expert_parallel_ranks() {
             tessera::module::distinct_params(m).unwrap().iter().map(|p| p.name().to_string()).filter(|n| n.starts_with("layers.0.block_sparse_moe.experts.")).collect();
         assert_eq!(experts.len(), 6, "{experts:?}");
         assert!(experts.iter().all(|n| n.contains(&format!("experts.{}.", 2 * r)) || n.contains(&format!("experts.{}.", 2 * r + 1))), "{experts:?}");
+    });
+}
+
+/// Mixtral (tied embeddings, so the shared weight lives on both ends) run
+/// by the pipeline executor over two stages, one batch row per microbatch:
+/// the last stage's outputs are the reference logits.
+#[test]
+fn mixtral_on_two_pipeline_stages() {
+    let mesh = Mesh::parse("pp2", 2, 2).unwrap();
+    let net = InProcess::new(2).unwrap();
+    let schedule = ScheduleKind::OneFOneB.build(2, 2).unwrap();
+    std::thread::scope(|s| {
+        for stage in 0..2 {
+            let (mesh, net, schedule) = (&mesh, &net, &schedule);
+            s.spawn(move || {
+                let dev = Device::cpu();
+                let cx = &mut Cx::new(dev.clone()).with_groups(mesh_groups(net, mesh, stage, &dev).unwrap());
+                let r = reference("mixtral", &dev);
+                let model = hf::load_pretrained::<Mixtral>(fixture("mixtral"), cx).unwrap().model;
+                let rows: Vec<Tensor> = (0..2).map(|b| r.ids.narrow(0, b, 1).unwrap().contiguous().unwrap()).collect();
+                let row_len = r.dims[1] * r.dims[2];
+                let mut seen = Vec::new();
+                run_stage(&model, cx, schedule, stage, &rows, |mb, out| {
+                    let err = max_abs_diff(&out.tensor().to_f32_vec()?, &r.logits[mb * row_len..(mb + 1) * row_len]);
+                    assert!(err <= TOL, "microbatch {mb}: max abs error {err}");
+                    seen.push(mb);
+                    Ok((0.0, Act::new(out.tensor().zeros_like()?)))
+                })
+                .unwrap();
+                sync_tied_grads(&model, cx).unwrap();
+                assert_eq!(seen, if stage == 1 { vec![0, 1] } else { vec![] }, "the last stage computes every microbatch's logits");
+            });
+        }
     });
 }

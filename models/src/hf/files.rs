@@ -107,13 +107,13 @@ impl Weights {
 
     /// Tensor `name`, checked to have `shape`, converted to `dtype` on `device`.
     pub fn read(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
-        let e = &self.entries[name];
+        let e = self.entries.get(name).ok_or_else(|| file_err(&self.path, format!("has no tensor `{name}`")))?;
         if e.shape != shape {
             return Err(Error::TensorShape { path: self.path(), tensor: name.into(), expected: shape.to_vec(), got: e.shape.clone() });
         }
         let bytes = &self.files[e.file][e.bytes.clone()];
         let stored = match e.dtype {
-            Dtype::F32 => Tensor::from_vec(decode(bytes, |b| f32::from_le_bytes(b)), shape, device)?,
+            Dtype::F32 => Tensor::from_vec(decode(bytes, f32::from_le_bytes), shape, device)?,
             Dtype::F16 => Tensor::from_vec(decode(bytes, |b| f16::from_bits(u16::from_le_bytes(b))), shape, device)?,
             Dtype::BF16 => Tensor::from_vec(decode(bytes, |b| bf16::from_bits(u16::from_le_bytes(b))), shape, device)?,
             other => return Err(Error::TensorDtype { path: self.path(), tensor: name.into(), dtype: format!("{other:?}") }),
