@@ -113,6 +113,17 @@ where
     M: HfModel + Module<In = Replicated, Out = SplitHidden>,
     F: Fn(&M, &Cx) + Sync,
 {
+    on_mesh::<M, F>(name, spec, world, false, check)
+}
+
+/// [`matches_reference_on_mesh`], with sequence parallelism when `sp` (on
+/// the first 6 tokens, which the tensor-parallel degree divides: the model
+/// is causal, so their logits are the reference's).
+fn on_mesh<M, F>(name: &str, spec: &str, world: usize, sp: bool, check: F)
+where
+    M: HfModel + Module<In = Replicated, Out = SplitHidden>,
+    F: Fn(&M, &Cx) + Sync,
+{
     let mesh = Mesh::parse(spec, world, world).unwrap();
     let net = InProcess::new(world).unwrap();
     std::thread::scope(|s| {
@@ -120,16 +131,18 @@ where
             let (mesh, net, check) = (&mesh, &net, &check);
             s.spawn(move || {
                 let dev = Device::cpu();
-                let cx = &mut Cx::new(dev.clone()).with_groups(mesh_groups(net, mesh, rank, &dev).unwrap());
+                let cx = &mut Cx::new(dev.clone()).with_groups(mesh_groups(net, mesh, rank, &dev).unwrap()).with_sequence_parallel(sp);
                 let r = reference(name, &dev);
                 let model = hf::load_pretrained::<M>(fixture(name), cx).unwrap().model;
                 check(&model, cx);
-                let y = logits(&model, cx, &r.ids);
+                let (batch, vocab) = (r.dims[0], r.dims[2]);
+                let seq = if sp { 6 } else { r.dims[1] };
+                let y = logits(&model, cx, &r.ids.narrow(1, 0, seq).unwrap().contiguous().unwrap());
                 let (tp, tp_rank) = (cx.tp().size(), cx.tp().rank());
-                let vocab = r.dims[2];
                 let part = vocab / tp;
-                assert_eq!(y.dims(), &[r.dims[0], r.dims[1], part], "{name} rank {rank}: a vocabulary slice");
-                let expect: Vec<f32> = r.logits.chunks(vocab).flat_map(|row| row[tp_rank * part..(tp_rank + 1) * part].to_vec()).collect();
+                assert_eq!(y.dims(), &[batch, seq, part], "{name} rank {rank}: a vocabulary slice");
+                let rows = r.logits.chunks(vocab).enumerate().filter(|(i, _)| i % r.dims[1] < seq);
+                let expect: Vec<f32> = rows.flat_map(|(_, row)| row[tp_rank * part..(tp_rank + 1) * part].to_vec()).collect();
                 let err = max_abs_diff(&y.to_f32_vec().unwrap(), &expect);
                 assert!(err <= TOL, "{name} on {spec}, rank {rank}: max abs error {err}");
             });
@@ -168,6 +181,14 @@ fn llama_on_two_tensor_parallel_ranks() {
 #[test]
 fn mixtral_on_two_tensor_parallel_ranks() {
     matches_reference_on_mesh::<Mixtral, _>("mixtral", "tp2", 2, holds_halves);
+}
+
+/// Under sequence parallelism each rank adds the position rows of its slice
+/// of the sequence (GPT-2) and routes its own tokens (Mixtral).
+#[test]
+fn sequence_parallel_ranks_reproduce_the_logits() {
+    on_mesh::<Gpt2, _>("gpt2", "tp2", 2, true, holds_halves);
+    on_mesh::<Mixtral, _>("mixtral", "tp2", 2, true, holds_halves);
 }
 
 /// Each of two expert-parallel ranks loads only its two experts.
