@@ -10,6 +10,7 @@
 //! | [`LayerNorm`], [`RmsNorm`], [`Dropout`], [`Moe`] | `Plain` | `Replicated → Replicated` |
 //! | [`CausalAttention`] | `Plain` | `SplitHidden → SplitHidden` (heads split) |
 //! | [`Stack`] | `Plain` | the layer's own layout |
+//! | [`PositionEmbedding`] | `Plain` | `Replicated → Replicated` (adds learned position rows) |
 //!
 //! Forwards read parameters with [`Cx::param`](crate::module::Cx::param)
 //! (which counts the use and casts to the compute dtype); backwards re-read
@@ -24,6 +25,7 @@ mod linear;
 mod loss;
 mod moe;
 mod norm;
+mod position;
 mod rows;
 mod stack;
 
@@ -34,6 +36,7 @@ pub use linear::{Linear, LinearSaved};
 pub use loss::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward, VocabParallelCeSaved};
 pub use moe::{Moe, MoeSaved, MoeStats};
 pub use norm::{LayerNorm, NormState, RmsNorm};
+pub use position::{PositionEmbedding, PositionEmbeddingSaved};
 pub use stack::Stack;
 
 use crate::error::Result;

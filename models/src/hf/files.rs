@@ -1,0 +1,154 @@
+//! The safetensors files of a Hugging Face checkpoint: reading tensors
+//! (one `model.safetensors`, or the shards a `model.safetensors.index.json`
+//! lists) and writing one file.
+
+use crate::error::{Error, Result};
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::path::{Path, PathBuf};
+use tessera::{bf16, f16, DType, Device, Tensor};
+
+/// The single weights file Hugging Face writes for small models.
+pub(crate) const WEIGHTS: &str = "model.safetensors";
+/// The index of a checkpoint sharded over several files.
+const INDEX: &str = "model.safetensors.index.json";
+
+/// Where one tensor's bytes are.
+struct Entry {
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: std::ops::Range<usize>,
+}
+
+/// Every tensor of a checkpoint, its files read once.
+pub(crate) struct Weights {
+    /// The weights file or the index, for messages.
+    path: PathBuf,
+    files: Vec<Vec<u8>>,
+    entries: BTreeMap<String, Entry>,
+}
+
+fn file_err(path: &Path, detail: impl Into<String>) -> Error {
+    Error::File { path: path.display().to_string(), detail: detail.into() }
+}
+
+/// Reads a whole file, naming it when it is missing.
+pub(crate) fn read(path: &Path) -> Result<Vec<u8>> {
+    fs::read(path).map_err(|e| file_err(path, format!("cannot read it: {e}")))
+}
+
+impl Weights {
+    /// The weights of the checkpoint in `dir`.
+    pub fn open(dir: &Path) -> Result<Weights> {
+        let single = dir.join(WEIGHTS);
+        let index = dir.join(INDEX);
+        if single.exists() || !index.exists() {
+            let mut w = Weights { path: single.clone(), files: Vec::new(), entries: BTreeMap::new() };
+            w.add_file(&single, None)?;
+            return Ok(w);
+        }
+        let json: serde_json::Value =
+            serde_json::from_slice(&read(&index)?).map_err(|e| file_err(&index, format!("not a JSON index: {e}")))?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| file_err(&index, "has no `weight_map` object (tensor name → file)"))?;
+        let mut by_file: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (tensor, file) in map {
+            let file = file.as_str().ok_or_else(|| file_err(&index, format!("`weight_map` entry `{tensor}` is not a file name")))?;
+            by_file.entry(file.to_string()).or_default().push(tensor.clone());
+        }
+        let mut w = Weights { path: index, files: Vec::new(), entries: BTreeMap::new() };
+        for (file, tensors) in by_file {
+            w.add_file(&dir.join(file), Some(&tensors))?;
+        }
+        Ok(w)
+    }
+
+    /// Reads `path` and records its tensors (only `listed` ones, for a shard of an index).
+    fn add_file(&mut self, path: &Path, listed: Option<&[String]>) -> Result<()> {
+        let bytes = read(path)?;
+        // Deserialising checks the header against the file: offsets in range, shapes consistent.
+        SafeTensors::deserialize(&bytes).map_err(|e| file_err(path, format!("not a safetensors file: {e}")))?;
+        let (header, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| file_err(path, format!("not a safetensors file: {e}")))?;
+        let start = 8 + header;
+        let file = self.files.len();
+        for (name, info) in metadata.tensors() {
+            if listed.is_some_and(|l| !l.contains(&name)) {
+                continue;
+            }
+            let (a, b) = info.data_offsets;
+            self.entries.insert(name, Entry { file, dtype: info.dtype, shape: info.shape.clone(), bytes: start + a..start + b });
+        }
+        if let Some(missing) = listed.and_then(|l| l.iter().find(|t| !self.entries.contains_key(*t))) {
+            return Err(file_err(path, format!("the index places tensor `{missing}` in this file, which lacks it")));
+        }
+        self.files.push(bytes);
+        Ok(())
+    }
+
+    /// The weights file (or index), for messages.
+    pub fn path(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    /// The names of every tensor.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.entries.keys().map(String::as_str)
+    }
+
+    /// Whether the checkpoint holds `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    /// Tensor `name`, checked to have `shape`, converted to `dtype` on `device`.
+    pub fn read(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        let e = self.entries.get(name).ok_or_else(|| file_err(&self.path, format!("has no tensor `{name}`")))?;
+        if e.shape != shape {
+            return Err(Error::TensorShape { path: self.path(), tensor: name.into(), expected: shape.to_vec(), got: e.shape.clone() });
+        }
+        let bytes = &self.files[e.file][e.bytes.clone()];
+        let stored = match e.dtype {
+            Dtype::F32 => Tensor::from_vec(decode(bytes, f32::from_le_bytes), shape, device)?,
+            Dtype::F16 => Tensor::from_vec(decode(bytes, |b| f16::from_bits(u16::from_le_bytes(b))), shape, device)?,
+            Dtype::BF16 => Tensor::from_vec(decode(bytes, |b| bf16::from_bits(u16::from_le_bytes(b))), shape, device)?,
+            other => return Err(Error::TensorDtype { path: self.path(), tensor: name.into(), dtype: format!("{other:?}") }),
+        };
+        Ok(if stored.dtype() == dtype { stored } else { stored.to_dtype(dtype)? })
+    }
+}
+
+/// Little-endian elements of `N` bytes each.
+fn decode<T, const N: usize>(bytes: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
+    bytes.chunks_exact(N).map(|c| f(c.try_into().expect("chunks of N bytes"))).collect()
+}
+
+/// Writes `tensors` (name, f32 tensor) to `path` as a safetensors file with
+/// the metadata Hugging Face expects of a PyTorch checkpoint.
+pub(crate) fn write(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        let bytes = t.to_f32_vec()?.iter().flat_map(|v| v.to_le_bytes()).collect();
+        data.push((name.clone(), t.dims().to_vec(), bytes));
+    }
+    let views = data
+        .iter()
+        .map(|(n, shape, bytes)| TensorView::new(Dtype::F32, shape.clone(), bytes).map(|v| (n.as_str(), v)))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| file_err(path, format!("cannot describe the tensors: {e}")))?;
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let bytes = safetensors::tensor::serialize(views, Some(metadata)).map_err(|e| file_err(path, format!("cannot serialise the tensors: {e}")))?;
+    replace_file(path, &bytes)
+}
+
+/// Replaces `path` with `bytes`: written under a temporary name, then renamed
+/// over it, so a failed write never leaves a truncated file behind.
+pub(crate) fn replace_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    fs::write(&tmp, bytes).map_err(|e| file_err(&tmp, format!("cannot write it: {e}")))?;
+    fs::rename(&tmp, path).map_err(|e| file_err(path, format!("cannot move the written file into place: {e}")))
+}

@@ -1,0 +1,73 @@
+//! Where Mixtral's parameters are stored in a Hugging Face `MixtralForCausalLM` checkpoint.
+
+use super::{Mixtral, MixtralConfig};
+use crate::error::{Error, Result};
+use crate::hf::{Conversion, HfConfig, HfModel, HfParam, QkvHeads};
+use crate::llama::hf::{attention_param, base_name, skipped};
+use tessera::module::Cx;
+
+impl HfConfig for MixtralConfig {
+    fn from_json(value: &serde_json::Value) -> Result<Self> {
+        MixtralConfig::from_json(value)
+    }
+
+    fn to_json(&self) -> serde_json::Value {
+        MixtralConfig::to_json(self)
+    }
+
+    fn validate(&self) -> Result<()> {
+        MixtralConfig::validate(self)
+    }
+}
+
+/// Hugging Face's names of an expert's weights: `w1` is the gate, `w3` the
+/// up projection, `w2` the down projection.
+const EXPERT_WEIGHTS: [(&str, &str); 3] = [(".gate.weight", ".w1.weight"), (".up.weight", ".w3.weight"), (".down.weight", ".w2.weight")];
+
+impl HfModel for Mixtral {
+    type Config = MixtralConfig;
+    const BASE_PREFIX: &'static str = "model.";
+
+    /// Holds the experts of the expert-parallel rank of `cx`.
+    fn from_config(config: &MixtralConfig, cx: &Cx) -> Result<Mixtral> {
+        let ep = &cx.groups().ep;
+        Mixtral::with_expert_parallel(config, ep.rank(), ep.size())
+    }
+
+    fn hf_param(config: &MixtralConfig, name: &str) -> HfParam {
+        let heads = QkvHeads { q: config.num_attention_heads, kv: config.num_key_value_heads, dim: config.head_dim };
+        if let Some(p) = attention_param(heads, name) {
+            return p;
+        }
+        let mut hf = name.replace(".block_sparse_moe.router.", ".block_sparse_moe.gate.");
+        if name.contains(".block_sparse_moe.experts.") {
+            for (ours, theirs) in EXPERT_WEIGHTS {
+                if let Some(stem) = name.strip_suffix(ours) {
+                    hf = format!("{stem}{theirs}");
+                }
+            }
+        }
+        HfParam::one(base_name(&hf), Conversion::Identity)
+    }
+
+    /// Also skips the experts other expert-parallel ranks hold.
+    fn skips(&self, config: &MixtralConfig, tensor: &str) -> bool {
+        skipped(config.tie_word_embeddings, tensor) || expert_of(tensor).is_some_and(|e| !self.local_experts().contains(&e))
+    }
+
+    fn check_exportable(&self) -> Result<()> {
+        let (rank, degree) = self.expert_parallel();
+        if degree > 1 {
+            return Err(Error::Export(format!(
+                "this rank holds only the experts of expert-parallel rank {rank} of {degree}; export from a model holding every expert (expert-parallel degree 1)"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The expert index of an expert's tensor (`...block_sparse_moe.experts.{e}.w1.weight`).
+fn expert_of(tensor: &str) -> Option<usize> {
+    let (_, rest) = tensor.split_once(".block_sparse_moe.experts.")?;
+    rest.split('.').next()?.parse().ok()
+}
