@@ -16,12 +16,12 @@ use anyhow::Result;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tessera::module::{self, Cx, Hooks, Module};
-use tessera::nn::{CausalAttention, Embedding, LayerNorm, Linear, Stack};
+use tessera::module::{self, Cx, Hooks, Module, RecomputeOverride};
 use tessera::observe::transformer_flops_per_token;
 use tessera::ops;
 use tessera::optim::{AdamW, AdamWConfig};
 use tessera::prelude::*;
+use tessera_models::gpt2::{Gpt2, Gpt2Config};
 
 /// Arguments of `bench gpt`.
 #[derive(clap::Args)]
@@ -45,70 +45,10 @@ const DIM: usize = 384;
 const HEADS: usize = 6;
 const LAYERS: usize = 6;
 
-#[derive(Module)]
-pub struct Block {
-    ln1: LayerNorm,
-    #[shard(column)]
-    qkv: Linear,
-    attn: CausalAttention,
-    #[shard(row)]
-    proj: Linear,
-    ln2: LayerNorm,
-    #[shard(column)]
-    up: Linear,
-    #[shard(row)]
-    down: Linear,
-}
-
-#[forward]
-impl Block {
-    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
-        let h = x + all_reduce(self.proj(self.attn(self.qkv(self.ln1(x)))));
-        h + all_reduce(self.down(gelu(self.up(self.ln2(h)))))
-    }
-}
-
-#[derive(Module)]
-pub struct Gpt {
-    #[shard(vocab)]
-    tok: Embedding,
-    blocks: Stack<Block>,
-    norm: LayerNorm,
-    #[shard(vocab)]
-    #[tied(tok)]
-    head: Linear,
-}
-
-#[forward]
-impl Gpt {
-    fn forward(&self, ids: Act<Replicated>) -> Act<SplitHidden> {
-        self.head(self.norm(self.blocks(all_reduce(self.tok(ids)))))
-    }
-}
-
-fn gpt(seq: usize) -> tessera::Result<Gpt> {
-    let block = |_| -> tessera::Result<Block> {
-        Ok(Block {
-            ln1: LayerNorm::new(DIM, 1e-5, true)?,
-            qkv: Linear::new(DIM, 3 * DIM, true)?,
-            attn: CausalAttention::new(HEADS, HEADS, DIM / HEADS)?.with_rope(10_000.0, seq)?,
-            proj: Linear::new(DIM, DIM, true)?,
-            ln2: LayerNorm::new(DIM, 1e-5, true)?,
-            up: Linear::new(DIM, 4 * DIM, true)?,
-            down: Linear::new(4 * DIM, DIM, true)?,
-        })
-    };
-    Ok(Gpt {
-        tok: Embedding::new(VOCAB, DIM)?,
-        blocks: Stack::from_fn(LAYERS, block)?,
-        norm: LayerNorm::new(DIM, 1e-5, true)?,
-        head: Linear::new(DIM, VOCAB, false)?,
-    })
-}
-
-/// Exclusive wall time per layer kind (the last path segment: `qkv`,
-/// `attn`, ...), forward and backward apart; a module's time excludes its
-/// children's, so a block's own share is its residual adds and GELU.
+/// Exclusive wall time per layer kind (the module path without layer
+/// numbers: `h.attn.c_attn`, ...), forward and backward apart; a module's
+/// time excludes its children's, so a block's own share is its residual
+/// adds and GELU.
 #[derive(Default)]
 struct Profile {
     stack: Vec<(Instant, Duration)>,
@@ -119,9 +59,10 @@ struct Profiler(Mutex<Profile>);
 
 impl Profiler {
     fn kind(path: &str, pass: &str) -> String {
-        let last = path.rsplit('.').find(|s| !s.chars().all(|c| c.is_ascii_digit())).unwrap_or("model");
-        let last = if path.rsplit('.').next().is_some_and(|s| s.chars().all(|c| c.is_ascii_digit())) { "block (residual, gelu)" } else { last };
-        format!("{pass} {last}")
+        let numbered = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_digit());
+        let name: Vec<&str> = path.split('.').filter(|s| !numbered(s)).collect();
+        let name = if path.rsplit('.').next().is_some_and(numbered) { format!("{} (block: residual adds)", name.join(".")) } else { name.join(".") };
+        format!("{pass} {name}")
     }
 
     fn enter(&self) {
@@ -185,10 +126,11 @@ pub fn run(args: &Args) -> Result<()> {
     let dev = Device::cpu();
     let profiler = Arc::new(Profiler(Mutex::new(Profile::default())));
     let mut cx = Cx::new(dev.clone()).with_seed(1);
+    cx.set_recompute_override(RecomputeOverride::Off);
     if args.breakdown {
         cx = cx.with_hooks(profiler.clone());
     }
-    let model = module::build(gpt(args.seq)?, &cx)?;
+    let model = module::build(Gpt2::new(&Gpt2Config::tiny(VOCAB, DIM, HEADS, LAYERS, args.seq))?, &cx)?;
     let adamw = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
     let mut opt = AdamW::new(&model, adamw)?;
     let params: usize = module::distinct_params(&model)?.iter().map(|n| n.param.global_shape().elem_count()).sum();
