@@ -177,7 +177,7 @@ pub fn run(args: &Args) -> Result<()> {
         let totals = profiler.take();
         let all: f64 = step_s * args.steps as f64;
         let mut rows: Vec<_> = totals.into_iter().collect();
-        rows.sort_by(|a, b| b.1.cmp(&a.1));
+        rows.sort_by_key(|r| std::cmp::Reverse(r.1));
         println!("gpt-tiny: {params} parameters, {tokens} tokens per step, {:.1} GFLOP per step, loss {loss:.3}", flops / 1e9);
         println!("{:<34} {:>10} {:>7}", "op (exclusive time)", "ms/step", "share");
         for (kind, d) in rows {
