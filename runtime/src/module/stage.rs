@@ -134,14 +134,11 @@ fn virtual_stage_of_layer(layer: usize, virtual_stages: usize, layers: usize) ->
     let (base, extra) = (layers / virtual_stages, layers % virtual_stages);
     let long = extra * (base + 1);
     if layer < long {
-        layer / (base + 1)
-    } else if base == 0 {
-        // Fewer layers than virtual stages: the executor refuses to run such
-        // a pipeline; any answer in range keeps the mapping total.
-        virtual_stages - 1
-    } else {
-        extra + (layer - long) / base
+        return layer / (base + 1);
     }
+    // With fewer layers than virtual stages (`base` 0) the executor refuses
+    // to run the pipeline; any answer in range keeps the mapping total.
+    (layer - long).checked_div(base).map_or(virtual_stages - 1, |k| extra + k)
 }
 
 #[cfg(test)]

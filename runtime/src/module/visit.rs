@@ -139,7 +139,7 @@ impl<'a> Visitor<'a> {
     /// Visits, with `f`, the parameters of expert `index` of `count` of a
     /// mixture-of-experts layer (each held by one expert-parallel rank).
     pub fn expert(&mut self, index: usize, count: usize, f: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
-        let saved = std::mem::replace(&mut self.expert, Some(ExpertSlot { index, count }));
+        let saved = self.expert.replace(ExpertSlot { index, count });
         let r = f(self);
         self.expert = saved;
         r
