@@ -4,7 +4,7 @@
 //! decoded into tensors).
 
 use super::io::RankFile;
-use super::manifest::{Manifest, TensorKind};
+use super::manifest::{Index, Manifest, TensorKind};
 use super::region::Region;
 use crate::error::{Error, Result};
 use std::path::Path;
@@ -14,8 +14,9 @@ use std::path::Path;
 /// covered by its pieces exactly once, each piece inside the tensor.
 pub(crate) fn check_layout(manifest: &Manifest, path: &Path) -> Result<()> {
     let bad = |detail: String| Error::Checkpoint { path: path.display().to_string(), detail };
+    let index = Index::new(manifest);
     for r in &manifest.tensors {
-        let Some(p) = manifest.params.iter().find(|p| p.name == r.param) else {
+        let Some(p) = index.param(&r.param).filter(|p| p.name == r.param) else {
             return Err(bad(format!("piece `{}` in `{}` belongs to `{}`, which the manifest does not list", r.name, r.file, r.param)));
         };
         r.region.check(&p.global_shape).map_err(|e| bad(format!("piece `{}` in `{}` is not inside `{}` {:?}: {e}", r.name, r.file, p.name, p.global_shape)))?;
@@ -23,7 +24,7 @@ pub(crate) fn check_layout(manifest: &Manifest, path: &Path) -> Result<()> {
     let kinds: &[TensorKind] = if manifest.optimizer.is_some() { &TensorKind::ALL } else { &[TensorKind::Param] };
     for p in &manifest.params {
         for &kind in kinds {
-            let regions: Vec<&Region> = manifest.pieces(&p.name, kind).map(|r| &r.region).collect();
+            let regions: Vec<&Region> = index.pieces(&p.name, kind).iter().map(|r| &r.region).collect();
             let covered = coverage(&p.global_shape, &regions).map_err(|e| bad(format!("the {} of `{}`: {e}", kind.name(), p.name)))?;
             let total: usize = p.global_shape.iter().product();
             if covered != total {

@@ -5,6 +5,7 @@ use super::region::Region;
 use crate::error::{Error, Result};
 use crate::module::{ExpertSlot, StagePart};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::path::Path;
 
 /// The manifest format this build writes and reads.
@@ -66,6 +67,15 @@ pub enum TensorKind {
 impl TensorKind {
     /// Every kind, in the order pieces are listed.
     pub const ALL: [TensorKind; 3] = [TensorKind::Param, TensorKind::AdamM, TensorKind::AdamV];
+
+    /// The index in [`ALL`](Self::ALL).
+    fn position(self) -> usize {
+        match self {
+            TensorKind::Param => 0,
+            TensorKind::AdamM => 1,
+            TensorKind::AdamV => 2,
+        }
+    }
 
     /// `param`, `adam_m`, `adam_v`.
     pub fn name(self) -> &'static str {
@@ -232,5 +242,40 @@ impl Manifest {
     /// Bytes of tensor data stored (headers not counted).
     pub fn tensor_bytes(&self) -> usize {
         self.tensors.iter().map(TensorRecord::byte_len).sum()
+    }
+}
+
+/// A manifest's records looked up by name: each parameter by every name it
+/// is reached by, the pieces by parameter and kind (a large model has
+/// thousands of parameters and many pieces of each).
+pub(crate) struct Index<'a> {
+    params: HashMap<&'a str, &'a ParamRecord>,
+    /// Per parameter, its pieces of each kind (in [`TensorKind::ALL`] order).
+    pieces: HashMap<&'a str, [Vec<&'a TensorRecord>; 3]>,
+}
+
+impl<'a> Index<'a> {
+    pub fn new(m: &'a Manifest) -> Self {
+        let mut params = HashMap::new();
+        for p in &m.params {
+            for name in std::iter::once(&p.name).chain(&p.aliases) {
+                params.entry(name.as_str()).or_insert(p);
+            }
+        }
+        let mut pieces: HashMap<&str, [Vec<&TensorRecord>; 3]> = HashMap::new();
+        for r in &m.tensors {
+            pieces.entry(r.param.as_str()).or_default()[r.kind.position()].push(r);
+        }
+        Index { params, pieces }
+    }
+
+    /// The parameter reached by `name`.
+    pub fn param(&self, name: &str) -> Option<&'a ParamRecord> {
+        self.params.get(name).copied()
+    }
+
+    /// The stored pieces of parameter `param`'s tensor of `kind`.
+    pub fn pieces(&self, param: &str, kind: TensorKind) -> &[&'a TensorRecord] {
+        self.pieces.get(param).map_or(&[], |p| p[kind.position()].as_slice())
     }
 }

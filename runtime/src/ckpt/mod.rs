@@ -382,7 +382,9 @@ impl Checkpointer {
     /// piece verified against its checksum, every parameter against the
     /// model's names and global shapes. Nothing changes on any rank unless
     /// every rank read everything it needs. Pass `opt` as `Some(&mut adamw)`
-    /// or, under ZeRO, `Some(&mut engine)` (restoring the parameters too).
+    /// or, under ZeRO, `Some(&mut engine)`: the engine holds the
+    /// parameters' master copy, so it restores the parameters too (a model
+    /// under ZeRO loaded without its engine would lose the values to it).
     pub fn load<M: Module>(&self, dir: &Path, model: &M, opt: Option<&mut dyn OptimizerState>, cx: &Cx) -> Result<Manifest> {
         let prepared = read_manifest(dir).and_then(|m| restore::prepare(dir, &m, model, opt.as_deref(), cx).map(|p| (m, p)));
         let failures = collective::count_failures(cx, prepared.is_err())?;

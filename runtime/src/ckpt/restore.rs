@@ -4,26 +4,31 @@
 
 use super::collect::{model_params, ModelParam};
 use super::io::{self, RankFile};
-use super::manifest::{Manifest, ParamRecord, TensorKind, TensorRecord};
+use super::manifest::{Index, Manifest, ParamRecord, TensorKind, TensorRecord};
 use super::optimizer::OptimizerState;
 use super::region::{overlap, Region, Sources};
 use crate::error::{Error, Result};
 use crate::module::{Cx, Module, Param};
 use crate::tensor::{DType, Tensor};
 use crate::Device;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 /// The stored pieces of one checkpoint, each rank file read once.
 pub(crate) struct Store<'a> {
     dir: &'a Path,
-    manifest: &'a Manifest,
+    index: Index<'a>,
     files: HashMap<String, RankFile>,
 }
 
 impl<'a> Store<'a> {
     pub fn new(dir: &'a Path, manifest: &'a Manifest) -> Self {
-        Store { dir, manifest, files: HashMap::new() }
+        Store { dir, index: Index::new(manifest), files: HashMap::new() }
+    }
+
+    /// The parameter reached by `name` in the checkpoint.
+    pub fn param(&self, name: &str) -> Option<&'a ParamRecord> {
+        self.index.param(name)
     }
 
     fn mismatch(&self, detail: String) -> Error {
@@ -42,7 +47,11 @@ impl<'a> Store<'a> {
     pub fn assemble_bytes(&mut self, param: &ParamRecord, kind: TensorKind, want: &Region) -> Result<(Vec<u8>, DType, Option<u64>)> {
         let global = &param.global_shape;
         let target = want.runs(global);
-        let pieces: Vec<&TensorRecord> = self.manifest.pieces(&param.name, kind).filter(|r| r.region.check(global).is_ok() && overlap(&r.region.runs(global), &target)).collect();
+        let stored = self.index.pieces(&param.name, kind);
+        if let Some((r, e)) = stored.iter().find_map(|r| r.region.check(global).err().map(|e| (r, e))) {
+            return Err(self.mismatch(format!("piece `{}` in `{}` is not inside `{}` {global:?}: {e}", r.name, r.file, param.name)));
+        }
+        let pieces: Vec<&TensorRecord> = stored.iter().copied().filter(|r| overlap(&r.region.runs(global), &target)).collect();
         let Some(first) = pieces.first() else {
             return Err(self.mismatch(match kind {
                 TensorKind::Param => format!("it holds no values of `{}`", param.name),
@@ -88,69 +97,93 @@ pub(crate) struct Prepared {
 }
 
 /// The checkpoint's record of model parameter `m` (found by any of its names).
-fn record_of<'m>(manifest: &'m Manifest, m: &ModelParam) -> Option<&'m ParamRecord> {
-    m.names.iter().find_map(|n| manifest.param(n))
+fn record_of<'m>(store: &Store<'m>, m: &ModelParam) -> Option<&'m ParamRecord> {
+    m.names.iter().find_map(|n| store.param(n))
 }
 
 /// Reads and checks everything this rank's share of `model` (and `opt`)
 /// needs from the checkpoint in `dir`, changing nothing.
 pub(crate) fn prepare<M: Module>(dir: &Path, manifest: &Manifest, model: &M, opt: Option<&dyn OptimizerState>, cx: &Cx) -> Result<Prepared> {
-    let mismatch = |detail: String| Error::CheckpointMismatch { path: dir.display().to_string(), detail };
     let params = model_params(model)?;
-    // A parameter the checkpoint holds that the model lacks: another model.
-    // (Experts are exempt: this rank's model holds only its own.)
-    for p in manifest.params.iter().filter(|p| p.expert.is_none()) {
-        if !params.iter().any(|m| m.names.iter().any(|n| p.is_named(n))) {
-            return Err(mismatch(format!("it holds parameter `{}` (global shape {:?}), which the model lacks; load it into the model it was saved from", p.name, p.global_shape)));
-        }
-    }
-    for m in &params {
-        let model_shape = m.param.global_shape().dims().to_vec();
-        let Some(r) = record_of(manifest, m) else {
-            return Err(mismatch(format!("the model's parameter `{}` (global shape {model_shape:?}) is not in it; load a checkpoint of this model", m.name())));
-        };
-        if r.global_shape != model_shape {
-            return Err(mismatch(format!("parameter `{}` has global shape {:?} in the checkpoint but {model_shape:?} in the model; load it into the model it was saved from", m.name(), r.global_shape)));
-        }
-        if r.expert.map(|e| e.count) != m.expert.map(|e| e.count) {
-            return Err(mismatch(format!("parameter `{}` belongs to a layer of {:?} experts in the checkpoint but {:?} in the model; load it into the model it was saved from", m.name(), r.expert.map(|e| e.count), m.expert.map(|e| e.count))));
-        }
-    }
-    let slots = opt.map(|o| o.slots()).unwrap_or_default();
-    if opt.is_some() && manifest.optimizer.is_none() {
-        return Err(mismatch("it holds no optimizer state; load it without an optimizer, or save one with its optimizer".into()));
-    }
-    let device = cx.device();
     let mut store = Store::new(dir, manifest);
-    let mut values = Vec::new();
+    check_fits(&store, manifest, &params)?;
+    if opt.is_some() && manifest.optimizer.is_none() {
+        return Err(store.mismatch("it holds no optimizer state; load it without an optimizer, or save one with its optimizer".into()));
+    }
     // A ZeRO engine holds the parameters' master copy: it restores them
     // (its shard here; the rest reaches this rank through the engine).
-    let values_in_opt = opt.is_some_and(|o| o.zero_stage().is_some());
-    for m in params.iter().filter(|m| !m.param.is_remote() && !values_in_opt) {
+    let values = if opt.is_some_and(|o| o.zero_stage().is_some()) { Vec::new() } else { read_values(&mut store, &params, cx)? };
+    let state = match opt {
+        Some(o) => read_state(&mut store, &params, o, cx)?,
+        None => Vec::new(),
+    };
+    let steps = manifest.tensors.iter().filter_map(|r| r.steps).max().unwrap_or(0);
+    Ok(Prepared { values, state, steps })
+}
+
+/// Checks that the checkpoint holds the model's parameters, with their
+/// global shapes and expert counts, and no parameter the model lacks.
+fn check_fits(store: &Store, manifest: &Manifest, params: &[ModelParam]) -> Result<()> {
+    // (Experts are exempt from the second check: this rank's model holds only its own.)
+    let model_names: HashSet<&str> = params.iter().flat_map(|m| m.names.iter().map(String::as_str)).collect();
+    for p in manifest.params.iter().filter(|p| p.expert.is_none()) {
+        if !std::iter::once(&p.name).chain(&p.aliases).any(|n| model_names.contains(n.as_str())) {
+            return Err(store.mismatch(format!("it holds parameter `{}` (global shape {:?}), which the model lacks; load it into the model it was saved from", p.name, p.global_shape)));
+        }
+    }
+    for m in params {
+        let model_shape = m.param.global_shape().dims().to_vec();
+        let Some(r) = record_of(store, m) else {
+            return Err(store.mismatch(format!("the model's parameter `{}` (global shape {model_shape:?}) is not in it; load a checkpoint of this model", m.name())));
+        };
+        if r.global_shape != model_shape {
+            return Err(store.mismatch(format!(
+                "parameter `{}` has global shape {:?} in the checkpoint but {model_shape:?} in the model; load it into the model it was saved from",
+                m.name(),
+                r.global_shape
+            )));
+        }
+        let (saved, here) = (r.expert.map(|e| e.count), m.expert.map(|e| e.count));
+        if saved != here {
+            return Err(store.mismatch(format!("parameter `{}` belongs to a layer of {saved:?} experts in the checkpoint but {here:?} in the model; load it into the model it was saved from", m.name())));
+        }
+    }
+    Ok(())
+}
+
+/// This rank's shard of every parameter it holds, in the dtype it holds it in.
+fn read_values(store: &mut Store, params: &[ModelParam], cx: &Cx) -> Result<Vec<(Param, Tensor)>> {
+    let mut values = Vec::new();
+    for m in params.iter().filter(|m| !m.param.is_remote()) {
         let current = m.param.value().map_err(|_| {
-            mismatch(format!("parameter `{}` has no value on this rank: a ZeRO engine holds it, so pass the engine as the optimizer to restore it", m.name()))
+            store.mismatch(format!("parameter `{}` has no value on this rank: a ZeRO engine holds it, so pass the engine as the optimizer to restore it", m.name()))
         })?;
-        let r = record_of(manifest, m).expect("checked above");
-        let (t, _) = store.assemble(r, TensorKind::Param, &Region::of_shard(&r.global_shape, m.param.shard()), device)?;
+        let r = record_of(store, m).expect("checked by check_fits");
+        let (t, _) = store.assemble(r, TensorKind::Param, &Region::of_shard(&r.global_shape, m.param.shard()), cx.device())?;
         values.push((m.param.clone(), convert(t, current.dtype())?));
     }
+    Ok(values)
+}
+
+/// The value of every slot of `opt`, with its update count.
+fn read_state(store: &mut Store, params: &[ModelParam], opt: &dyn OptimizerState, cx: &Cx) -> Result<Vec<(Tensor, Option<u64>)>> {
+    let slots = opt.slots();
     let mut state = Vec::with_capacity(slots.len());
     for s in &slots {
         let Some(m) = params.iter().find(|m| m.param.same(&s.param)) else {
-            return Err(mismatch(format!("the optimizer updates `{}`, which is not a parameter of this model; build the optimizer from the model", s.name)));
+            return Err(store.mismatch(format!("the optimizer updates `{}`, which is not a parameter of this model; build the optimizer from the model", s.name)));
         };
-        let r = record_of(manifest, m).expect("checked above");
+        let r = record_of(store, m).expect("checked by check_fits");
         let local = Region::of_shard(&r.global_shape, s.param.shard());
         let want = match &s.elements {
             Some(e) => local.narrowed(e.clone()),
             None => local,
         };
-        let (t, steps) = store.assemble(r, s.kind, &want, device)?;
+        let (t, steps) = store.assemble(r, s.kind, &want, cx.device())?;
         let dtype = m.param.value().map_or(cx.master_dtype(), |v| v.dtype());
         state.push((convert(t, dtype)?, steps));
     }
-    let steps = manifest.tensors.iter().filter_map(|r| r.steps).max().unwrap_or(0);
-    Ok(Prepared { values, state, steps })
+    Ok(state)
 }
 
 fn convert(t: Tensor, dtype: DType) -> Result<Tensor> {

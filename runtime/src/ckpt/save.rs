@@ -157,7 +157,6 @@ impl Checkpointer {
         let commit = is_root.then(|| Commit { step, mesh, zero_stage, optimizer: opt.map(|o| o.info()), extra });
         Ok(Job { root: self.root.clone(), tmp, coords, file, part, dir: self.step_dir(step), commit })
     }
-
 }
 
 impl Root {
@@ -173,6 +172,7 @@ impl Root {
     fn commit(&self, tmp: &Path, c: Commit) -> Result<PathBuf> {
         let deadline = Instant::now() + self.timeout;
         let mut params: Vec<ParamRecord> = Vec::new();
+        let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
         let mut tensors: Vec<TensorRecord> = Vec::new();
         let mut parts = Vec::new();
         for coords in Coords::all(&c.mesh) {
@@ -182,10 +182,13 @@ impl Root {
                 return Err(Error::Checkpoint { path: tmp.display().to_string(), detail: format!("rank {} could not write its part: {e}", coords.describe()) });
             }
             for p in part.params {
-                match params.iter().find(|q| q.name == p.name) {
-                    None => params.push(p),
-                    Some(q) if *q == p => {}
-                    Some(q) => return Err(io_err(&path, &format!("ranks describe parameter `{}` differently ({q:?} and {p:?})", p.name), "every rank must build the same model")),
+                match seen.get(&p.name) {
+                    None => {
+                        seen.insert(p.name.clone(), params.len());
+                        params.push(p);
+                    }
+                    Some(&i) if params[i] == p => {}
+                    Some(&i) => return Err(io_err(&path, &format!("ranks describe parameter `{}` differently ({:?} and {p:?})", p.name, params[i]), "every rank must build the same model")),
                 }
             }
             tensors.extend(part.tensors);
