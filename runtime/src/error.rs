@@ -65,6 +65,10 @@ pub enum Error {
     #[error("checkpoint file `{file}`: tensor `{tensor}` is corrupt ({detail}); the file changed after it was written: restore it from a copy, or fall back to the previous checkpoint with `load_latest_valid`")]
     CheckpointCorrupt { file: String, tensor: String, detail: String },
 
+    /// A checkpoint's manifest has a format version this build does not read.
+    #[error("checkpoint `{path}`: {}", format_advice(*.found, *.supported))]
+    CheckpointFormat { path: String, found: Option<u32>, supported: u32 },
+
     /// A checkpoint does not fit the model (or optimizer, or mesh) it is loaded into.
     #[error("checkpoint `{path}` does not fit this model: {detail}")]
     CheckpointMismatch { path: String, detail: String },
@@ -78,6 +82,17 @@ pub enum Error {
     /// the setting (as written in the TOML file) and `detail` the fix.
     #[error("config `{key}`: {detail}")]
     Config { key: String, detail: String },
+}
+
+/// What an unreadable manifest format version means and what to do.
+fn format_advice(found: Option<u32>, supported: u32) -> String {
+    match found {
+        None => format!("the manifest names no format version (it is not a Tessera manifest); this build reads format {supported}"),
+        Some(f) if f < supported => {
+            format!("manifest format {f} was written by an older Tessera; this build reads format {supported} only: load it with the release that wrote it and save it again")
+        }
+        Some(f) => format!("manifest format {f} was written by a newer Tessera; this build reads format {supported} only: upgrade Tessera to load it"),
+    }
 }
 
 /// Result with the runtime's [`Error`].

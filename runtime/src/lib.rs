@@ -34,7 +34,7 @@ pub mod __private {
     pub use crate::module::dsl;
     pub use crate::module::{
         assert_recomputable, assert_selective, call, call_layers, call_layers_backward, join_path, call_backward, call_recompute, call_recompute_backward, Act, Column, Cx, Kept, Layout, Module, Plain, Pipelined, Recomputable, Recompute, SelectiveRecomputable, Staged,
-        PartialSum, Replicated, Row, SplitHidden, SplitSeq, Tie, Visitor, Vocab,
+        StagePart, PartialSum, Replicated, Row, SplitHidden, SplitSeq, Tie, Visitor, Vocab,
     };
     pub use crate::tensor::DType;
     pub use tessera_macros::forward_impl;

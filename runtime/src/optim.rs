@@ -90,7 +90,8 @@ pub struct AdamWState<'a> {
 /// AdamW (Adam with decoupled weight decay) over every parameter of a model.
 ///
 /// Built after the model is materialised: it visits the parameters once (a
-/// tied parameter, reached under several names, is updated once) and
+/// tied parameter, reached under several names, is updated once; one that
+/// another pipeline stage holds is left to that stage) and
 /// allocates zeroed moments `m` and `v` of each parameter's local shard
 /// shape, dtype and device, so the device's memory accounting sees the
 /// optimizer state (8 bytes per f32 parameter element).
@@ -119,7 +120,8 @@ impl AdamW {
         config.validate()?;
         let mut slots: Vec<Slot> = Vec::new();
         module::visit_params(model, |e| {
-            if slots.iter().any(|s| s.param.same(e.param)) {
+            // Another pipeline stage holds (and updates) a remote parameter.
+            if e.param.is_remote() || slots.iter().any(|s| s.param.same(e.param)) {
                 return Ok(());
             }
             let value = e.param.value().map_err(|_| {

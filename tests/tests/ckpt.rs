@@ -1,6 +1,6 @@
 //! Checkpoints: bit-exact resume, checksums with fallback, atomic writes and
 //! pruning, typed errors for a model that does not fit, and a two-rank
-//! tensor-parallel save and reload.
+//! tensor-parallel save and reload; a manifest of another format is refused.
 
 mod common;
 use common::models::Gpt;
@@ -120,10 +120,10 @@ fn resume_is_bit_exact() {
 
     // The tied embedding / output weight is stored once, with its second name recorded.
     let manifest = Checkpointer::new(&root, 2).unwrap().manifest(&restored.dir).unwrap();
-    let tied: Vec<_> = manifest.params().filter(|r| r.param == "tok.weight").collect();
+    let tied: Vec<_> = manifest.params.iter().filter(|r| r.name == "tok.weight").collect();
     assert_eq!(tied.len(), 1);
     assert_eq!(tied[0].aliases, ["head.weight"]);
-    assert!(manifest.params().all(|r| r.param != "head.weight"));
+    assert!(manifest.tensors.iter().all(|r| r.param != "head.weight"));
     let _ = std::fs::remove_dir_all(&root);
 }
 
@@ -133,7 +133,7 @@ fn a_corrupt_file_is_named_and_skipped() {
     let (model, _, _) = run(&root, 2, 3);
     let ckpt = Checkpointer::new(&root, 3).unwrap();
     let newest = ckpt.step_dir(2);
-    let file = newest.join("rank-0.safetensors");
+    let file = newest.join("pp0-tp0.safetensors");
     let mut bytes = std::fs::read(&file).unwrap();
     let last = bytes.len() - 1;
     bytes[last] ^= 0x40;
@@ -146,7 +146,7 @@ fn a_corrupt_file_is_named_and_skipped() {
     let names: Vec<String> = ckpt.manifest(&newest).unwrap().tensors.iter().map(|r| r.name.clone()).collect();
     match &err {
         Error::CheckpointCorrupt { file, tensor, .. } => {
-            assert!(file.ends_with("rank-0.safetensors"), "{err}");
+            assert!(file.ends_with("pp0-tp0.safetensors"), "{err}");
             assert!(names.contains(tensor), "{err}");
         }
         other => panic!("expected a corrupt-tensor error, got {other}"),
@@ -165,9 +165,9 @@ fn a_corrupt_file_is_named_and_skipped() {
     drop(model);
 
     // A missing rank file is named too.
-    std::fs::remove_file(ckpt.step_dir(1).join("rank-0.safetensors")).unwrap();
+    std::fs::remove_file(ckpt.step_dir(1).join("pp0-tp0.safetensors")).unwrap();
     let err = ckpt.load(&ckpt.step_dir(1), &fresh_model, None, &cx).unwrap_err();
-    assert!(matches!(&err, Error::Checkpoint { path, .. } if path.ends_with("rank-0.safetensors")), "{err}");
+    assert!(matches!(&err, Error::Checkpoint { path, .. } if path.ends_with("pp0-tp0.safetensors")), "{err}");
     assert_eq!(ckpt.latest_valid().unwrap(), None);
     let _ = std::fs::remove_dir_all(&root);
 }
@@ -178,7 +178,7 @@ fn writes_are_atomic_and_old_checkpoints_are_pruned() {
     // A crashed writer's leftover directory, newer than anything complete.
     let stale = root.join("step-99.tmp-12345");
     std::fs::create_dir_all(&stale).unwrap();
-    std::fs::write(stale.join("rank-0.safetensors"), b"half written").unwrap();
+    std::fs::write(stale.join("pp0-tp0.safetensors"), b"half written").unwrap();
 
     run(&root, 4, 2);
     let ckpt = Checkpointer::new(&root, 2).unwrap();
@@ -186,7 +186,7 @@ fn writes_are_atomic_and_old_checkpoints_are_pruned() {
     assert_eq!(steps, [3, 4], "only the newest two are kept");
     assert_eq!(ckpt.latest().unwrap(), Some(ckpt.step_dir(4)));
     assert_eq!(ckpt.latest_valid().unwrap(), Some(ckpt.step_dir(4)), "the leftover temporary directory is ignored");
-    assert!(!root.join("step-4").join("rank-0.records.json").exists(), "no writer's scratch files remain");
+    assert!(!root.join("step-4").join("part-pp0-dp0-ep0-tp0.json").exists(), "no writer's scratch files remain");
     let leftovers: Vec<String> = std::fs::read_dir(&root)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -248,9 +248,31 @@ fn two_tensor_parallel_ranks_save_and_reload_bit_exact() {
                 let manifest = ckpt.load(&dir, &other, None, &cx).unwrap();
                 assert_eq!(param_bits(&other), param_bits(&model), "rank {rank}");
                 assert_eq!(manifest.mesh.tp, 2);
-                assert!(manifest.tensors.iter().any(|r| r.file == "rank-1.safetensors"), "each rank writes its own shards");
+                assert!(manifest.tensors.iter().any(|r| r.file == "pp0-tp1.safetensors"), "each rank writes its own shards");
             });
         }
     });
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn another_format_version_is_refused_by_name() {
+    let root = scratch("format");
+    run(&root, 2, 2);
+    let ckpt = Checkpointer::new(&root, 2).unwrap();
+    let manifest = ckpt.step_dir(2).join(tessera::ckpt::MANIFEST);
+    let mut json: serde_json::Value = serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
+    json["format"] = 1.into();
+    std::fs::write(&manifest, serde_json::to_vec(&json).unwrap()).unwrap();
+
+    let cx = Cx::new(Device::cpu()).with_seed(5);
+    let (model, mut opt) = fresh(&cx);
+    let err = ckpt.load(&ckpt.step_dir(2), &model, Some(&mut opt), &cx).unwrap_err();
+    assert!(matches!(err, Error::CheckpointFormat { found: Some(1), supported: tessera::ckpt::FORMAT_VERSION, .. }), "{err}");
+    assert!(err.to_string().contains("older Tessera"), "{err}");
+    // Falling back passes it over for the intact step 1, saying why.
+    let restored = ckpt.load_latest_valid(&model, Some(&mut opt), &cx).unwrap().unwrap();
+    assert_eq!(restored.manifest.step, 1);
+    assert!(matches!(restored.skipped[0].reason, Error::CheckpointFormat { .. }));
     let _ = std::fs::remove_dir_all(&root);
 }

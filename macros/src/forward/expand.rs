@@ -408,12 +408,21 @@ impl<'a> Gen<'a> {
         let PartCode { saved_def, forward, backward } = self.part(&whole);
 
         let used = self.used_fields();
+        let split = self.split_node();
         let visits = used.iter().map(|f| {
             let fname = &f.ident;
             let name = fname.to_string();
             let r = role(f);
             let m = as_module(f);
-            quote!(__v.child::<#r>(#name, |__v| #m::visit_params(&self.#fname, __v))?;)
+            let visit = quote!(__v.child::<#r>(#name, |__v| #m::visit_params(&self.#fname, __v)));
+            match split {
+                // A pipelined model tells the visitor which stage each field is on.
+                Some(split) => match self.stage_part(f, split) {
+                    FieldPart::Split => quote!(__v.split_field(|__v| #visit)?;),
+                    FieldPart::Part(part) => quote!(__v.stage_part(#p::StagePart::#part, |__v| #visit)?;),
+                },
+                None => quote!(#visit?;),
+            }
         });
         let ties = self.m.fields.iter().filter_map(|f| {
             let partner = f.attrs.tied.as_ref()?;
@@ -472,15 +481,36 @@ impl<'a> Gen<'a> {
         }
     }
 
+    /// The node calling the `#[stage(split)]` field, if the model has one.
+    fn split_node(&self) -> Option<usize> {
+        self.prog.nodes.iter().position(|n| self.field(n).is_some_and(|f| f.attrs.stage.is_some_and(|s| s.value == Stage::Split)))
+    }
+
+    /// Which part of the pipeline cut at node `split` runs field `f`: the
+    /// split field itself, the part before it (the first stage), the part
+    /// after it (the last stage), or both (every stage holds it).
+    fn stage_part(&self, f: &Field, split: usize) -> FieldPart {
+        let before = before_split(self.prog, split);
+        let calls: Vec<usize> = self.prog.nodes.iter().enumerate().filter(|(_, n)| matches!(&n.op, Op::Call(c) if *c == f.ident)).map(|(i, _)| i).collect();
+        if calls.contains(&split) {
+            return FieldPart::Split;
+        }
+        let first = calls.iter().any(|i| before.contains(i));
+        let last = calls.iter().any(|i| !before.contains(i));
+        FieldPart::Part(match (first, last) {
+            (true, false) => format_ident!("First"),
+            (false, true) => format_ident!("Last"),
+            _ => format_ident!("Whole"),
+        })
+    }
+
     /// Pipeline entry points when one field is `#[stage(split)]`: the part
     /// before the split field, a range of its layers, and the part after.
     fn stage_impl(&self) -> TokenStream {
-        let Some((split, f)) = self.prog.nodes.iter().enumerate().find_map(|(i, n)| {
-            let f = self.field(n)?;
-            f.attrs.stage.filter(|s| s.value == Stage::Split).map(|_| (i, f))
-        }) else {
+        let Some(split) = self.split_node() else {
             return TokenStream::new();
         };
+        let f = self.field(&self.prog.nodes[split]).expect("the split node calls a field");
         let p = p();
         let ident = &self.m.ident;
         let bounds = self.bounds();
@@ -570,6 +600,14 @@ impl<'a> Gen<'a> {
             }
         }
     }
+}
+
+/// Where a field of a pipelined model runs (see [`Gen::stage_part`]).
+enum FieldPart {
+    /// The `#[stage(split)]` field: its layers are divided among the stages.
+    Split,
+    /// A `StagePart` variant: `First`, `Last` or `Whole`.
+    Part(syn::Ident),
 }
 
 /// A part of the forward program (see [`Gen::part`]).

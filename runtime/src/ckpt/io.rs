@@ -106,3 +106,56 @@ pub(crate) fn replace_file(path: &Path, bytes: &[u8]) -> Result<()> {
 pub(crate) fn read(path: &Path) -> Result<Vec<u8>> {
     fs::read(path).map_err(|e| io_err(path, "cannot read (missing or unreadable; the checkpoint is incomplete)", e))
 }
+
+/// Writes a safetensors file of `tensors` (key, dtype, shape, bytes), flushed to the disk.
+pub(crate) fn write_safetensors(path: &Path, tensors: &[(String, DType, Vec<usize>, &[u8])]) -> Result<()> {
+    let views = tensors
+        .iter()
+        .map(|(key, dtype, shape, bytes)| {
+            let view = safetensors::tensor::TensorView::new(st_dtype(*dtype), shape.clone(), bytes).map_err(|e| io_err(path, &format!("tensor `{key}`"), e))?;
+            Ok((key.as_str(), view))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let bytes = safetensors::tensor::serialize(views, None).map_err(|e| io_err(path, "cannot serialise the tensors", e))?;
+    write_synced(path, &bytes)
+}
+
+/// One rank file read into memory, its header parsed once.
+pub(crate) struct RankFile {
+    bytes: Vec<u8>,
+    header: usize,
+    meta: safetensors::tensor::Metadata,
+}
+
+impl RankFile {
+    /// Reads and parses `path`; the tensors' bytes are not looked at.
+    pub fn open(path: &Path) -> Result<RankFile> {
+        let bytes = read(path)?;
+        let (header, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| Error::CheckpointCorrupt {
+            file: path.display().to_string(),
+            tensor: "(header)".into(),
+            detail: format!("the file's header is unreadable: {e}"),
+        })?;
+        Ok(RankFile { bytes, header, meta })
+    }
+
+    /// The bytes of the tensor `r` describes, checked against its record
+    /// (key, dtype, shape, checksum) without decoding them.
+    pub fn tensor(&self, r: &super::TensorRecord, path: &Path) -> Result<&[u8]> {
+        let corrupt = |detail: String| Error::CheckpointCorrupt { file: path.display().to_string(), tensor: r.name.clone(), detail };
+        let info = self.meta.info(&r.name).ok_or_else(|| corrupt("not found in the file".into()))?;
+        let dtype = dtype_named(&r.dtype).ok_or_else(|| corrupt(format!("the manifest names an unknown dtype `{}`", r.dtype)))?;
+        let shape = r.region.stored_shape();
+        if info.shape != shape || info.dtype != st_dtype(dtype) {
+            return Err(corrupt(format!("stored as {:?} {:?}, the manifest says {} {:?}", info.dtype, info.shape, r.dtype, shape)));
+        }
+        let (a, b) = info.data_offsets;
+        let start = 8 + self.header;
+        let data = &self.bytes[start + a..start + b];
+        let sum = checksum(data);
+        if sum != r.checksum {
+            return Err(corrupt(format!("checksum {sum}, the manifest recorded {}", r.checksum)));
+        }
+        Ok(data)
+    }
+}

@@ -1,12 +1,21 @@
-//! The manifest of a checkpoint: what was saved, where, and its checksums.
+//! The manifest of a checkpoint: what was saved, where each piece lies in
+//! its global tensor, in which file, and its checksum.
 
-use crate::module::Shard;
+use super::region::Region;
+use crate::error::{Error, Result};
+use crate::module::{ExpertSlot, StagePart};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::Path;
 
 /// The manifest format this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+///
+/// Format 1 stored each tensor-parallel rank's shards by their rank and
+/// could only be restored on the same mesh; format 2 addresses every stored
+/// piece by its place in the global tensor.
+pub const FORMAT_VERSION: u32 = 2;
 
-/// The sizes of the mesh a checkpoint was written from.
+/// The mesh a checkpoint was written from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MeshInfo {
     /// Tensor-parallel degree.
@@ -17,36 +26,34 @@ pub struct MeshInfo {
     pub pp: usize,
     /// Expert-parallel degree.
     pub ep: usize,
+    /// Model chunks per pipeline stage (1 unless the schedule interleaves).
+    pub chunks: usize,
 }
 
-/// How a stored tensor is laid out over the tensor-parallel group.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum ShardInfo {
-    /// The whole tensor; every rank holds it.
-    Replicated,
-    /// The `rank`-th of `degree` equal slices of dimension `dim`.
-    Split {
-        /// The split dimension.
-        dim: usize,
-        /// Which slice.
-        rank: usize,
-        /// Number of slices.
-        degree: usize,
-    },
+impl MeshInfo {
+    /// One rank.
+    pub fn single() -> Self {
+        MeshInfo { tp: 1, dp: 1, pp: 1, ep: 1, chunks: 1 }
+    }
+
+    /// Number of ranks: `tp · dp · pp · ep`.
+    pub fn world(&self) -> usize {
+        self.tp * self.dp * self.pp * self.ep
+    }
 }
 
-impl From<Shard> for ShardInfo {
-    fn from(s: Shard) -> Self {
-        match s {
-            Shard::Replicated => ShardInfo::Replicated,
-            Shard::Split { dim, rank, degree } => ShardInfo::Split { dim, rank, degree },
+impl std::fmt::Display for MeshInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "pp{} dp{} ep{} tp{}", self.pp, self.dp, self.ep, self.tp)?;
+        if self.chunks > 1 {
+            write!(f, " ({} chunks per stage)", self.chunks)?;
         }
+        Ok(())
     }
 }
 
 /// What a stored tensor is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TensorKind {
     /// A parameter's values.
@@ -57,27 +64,83 @@ pub enum TensorKind {
     AdamV,
 }
 
-/// One stored tensor (a parameter's shard, or one of its optimizer moments).
+impl TensorKind {
+    /// Every kind, in the order pieces are listed.
+    pub const ALL: [TensorKind; 3] = [TensorKind::Param, TensorKind::AdamM, TensorKind::AdamV];
+
+    /// The index in [`ALL`](Self::ALL).
+    fn position(self) -> usize {
+        match self {
+            TensorKind::Param => 0,
+            TensorKind::AdamM => 1,
+            TensorKind::AdamV => 2,
+        }
+    }
+
+    /// `param`, `adam_m`, `adam_v`.
+    pub fn name(self) -> &'static str {
+        match self {
+            TensorKind::Param => "param",
+            TensorKind::AdamM => "adam_m",
+            TensorKind::AdamV => "adam_v",
+        }
+    }
+
+    /// The key of parameter `param`'s tensor of this kind in a rank file:
+    /// the name itself, or suffixed `.adam_m` / `.adam_v`.
+    pub fn key(self, param: &str) -> String {
+        match self {
+            TensorKind::Param => param.to_string(),
+            other => format!("{param}.{}", other.name()),
+        }
+    }
+}
+
+/// One logical parameter of the model: how it is laid out on any mesh.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TensorRecord {
-    /// The tensor's key in its rank file: the parameter's dotted name,
-    /// suffixed `.adam_m` / `.adam_v` for the moments.
-    pub name: String,
+pub struct ParamRecord {
     /// The parameter's dotted name (its first, for a tied weight).
-    pub param: String,
+    pub name: String,
     /// Every other name the parameter is reached by (a tied weight's users).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub aliases: Vec<String>,
+    /// The global (unsharded) shape.
+    pub global_shape: Vec<usize>,
+    /// Element type of the parameter (`f32`, ...).
+    pub dtype: String,
+    /// The dimension tensor parallelism splits into equal slices; `None`
+    /// when every tensor-parallel rank holds the whole parameter.
+    pub split_dim: Option<usize>,
+    /// The parts of the pipelined model that use it, one per name
+    /// (`first` for the embedding, `last` for a head tied to it).
+    pub stages: Vec<StagePart>,
+    /// For an expert's weight: which expert (expert parallelism places it on
+    /// one rank; everything else is replicated over the expert group).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert: Option<ExpertSlot>,
+}
+
+impl ParamRecord {
+    /// Whether `name` is this parameter's name or one of its aliases.
+    pub fn is_named(&self, name: &str) -> bool {
+        self.name == name || self.aliases.iter().any(|a| a == name)
+    }
+}
+
+/// One stored piece: part of a parameter (or of one of its optimizer
+/// moments), where it lies in the global tensor and where it is stored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorRecord {
+    /// The tensor's key in its rank file (see [`TensorKind::key`]).
+    pub name: String,
+    /// The parameter's dotted name (its [`ParamRecord::name`]).
+    pub param: String,
     /// What the tensor is.
     pub kind: TensorKind,
-    /// The parameter's global (unsharded) shape.
-    pub global_shape: Vec<usize>,
-    /// The stored shard's shape.
-    pub local_shape: Vec<usize>,
+    /// The elements of the global tensor it holds.
+    pub region: Region,
     /// Element type (`f32`, `bf16`, ...).
     pub dtype: String,
-    /// The shard this tensor is.
-    pub shard: ShardInfo,
     /// The rank file holding it, relative to the checkpoint directory.
     pub file: String,
     /// FNV-1a (64 bit) of the tensor's little-endian bytes, in hex.
@@ -85,6 +148,13 @@ pub struct TensorRecord {
     /// For optimizer moments: the updates applied to the parameter so far.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub steps: Option<u64>,
+}
+
+impl TensorRecord {
+    /// Bytes of tensor data the piece holds.
+    pub fn byte_len(&self) -> usize {
+        self.region.elem_count() * super::io::dtype_named(&self.dtype).map_or(0, |d| d.size_in_bytes())
+    }
 }
 
 /// The optimizer whose state a checkpoint holds.
@@ -102,7 +172,8 @@ pub struct OptimizerInfo {
     pub weight_decay: f64,
 }
 
-/// `manifest.json`: everything needed to check and restore a checkpoint.
+/// `manifest.json`: everything needed to check and restore a checkpoint on
+/// any mesh.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
     /// [`FORMAT_VERSION`] of the writer.
@@ -111,7 +182,13 @@ pub struct Manifest {
     pub step: u64,
     /// The mesh it was written from.
     pub mesh: MeshInfo,
-    /// Every stored tensor.
+    /// The ZeRO stage (1, 2 or 3) whose shards the optimizer state (and
+    /// under stage 3 the parameters) were written as; `None` without ZeRO.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zero_stage: Option<u8>,
+    /// Every parameter of the model, in the model's order.
+    pub params: Vec<ParamRecord>,
+    /// Every stored piece.
     pub tensors: Vec<TensorRecord>,
     /// The optimizer, if its state was saved.
     pub optimizer: Option<OptimizerInfo>,
@@ -120,13 +197,85 @@ pub struct Manifest {
 }
 
 impl Manifest {
+    /// Parses `manifest.json` (read from `path`), refusing any other format
+    /// version with an error that says which.
+    pub fn from_json(bytes: &[u8], path: &Path) -> Result<Manifest> {
+        #[derive(Deserialize)]
+        struct Version {
+            format: Option<u32>,
+        }
+        let shown = path.display().to_string();
+        let malformed = |e: serde_json::Error| Error::Checkpoint { path: shown.clone(), detail: format!("malformed manifest: {e}") };
+        let version: Version = serde_json::from_slice(bytes).map_err(malformed)?;
+        match version.format {
+            Some(FORMAT_VERSION) => serde_json::from_slice(bytes).map_err(malformed),
+            found => Err(Error::CheckpointFormat { path: shown, found, supported: FORMAT_VERSION }),
+        }
+    }
+
+    /// The parameter reached by `name` (its own name or an alias).
+    pub fn param(&self, name: &str) -> Option<&ParamRecord> {
+        self.params.iter().find(|p| p.is_named(name))
+    }
+
+    /// The stored pieces of parameter `param`'s tensor of `kind`.
+    pub fn pieces<'a>(&'a self, param: &'a str, kind: TensorKind) -> impl Iterator<Item = &'a TensorRecord> + 'a {
+        self.tensors.iter().filter(move |r| r.param == param && r.kind == kind)
+    }
+
     /// The record of tensor `name` in rank file `file`.
     pub fn record(&self, name: &str, file: &str) -> Option<&TensorRecord> {
         self.tensors.iter().find(|r| r.name == name && r.file == file)
     }
 
-    /// The records of parameter values (one per shard), in written order.
-    pub fn params(&self) -> impl Iterator<Item = &TensorRecord> {
-        self.tensors.iter().filter(|r| r.kind == TensorKind::Param)
+    /// Every rank file, once, in the order the manifest lists them.
+    pub fn files(&self) -> Vec<&str> {
+        let mut files: Vec<&str> = Vec::new();
+        for r in &self.tensors {
+            if !files.contains(&r.file.as_str()) {
+                files.push(&r.file);
+            }
+        }
+        files
+    }
+
+    /// Bytes of tensor data stored (headers not counted).
+    pub fn tensor_bytes(&self) -> usize {
+        self.tensors.iter().map(TensorRecord::byte_len).sum()
+    }
+}
+
+/// A manifest's records looked up by name: each parameter by every name it
+/// is reached by, the pieces by parameter and kind (a large model has
+/// thousands of parameters and many pieces of each).
+pub(crate) struct Index<'a> {
+    params: HashMap<&'a str, &'a ParamRecord>,
+    /// Per parameter, its pieces of each kind (in [`TensorKind::ALL`] order).
+    pieces: HashMap<&'a str, [Vec<&'a TensorRecord>; 3]>,
+}
+
+impl<'a> Index<'a> {
+    pub fn new(m: &'a Manifest) -> Self {
+        let mut params = HashMap::new();
+        for p in &m.params {
+            for name in std::iter::once(&p.name).chain(&p.aliases) {
+                params.entry(name.as_str()).or_insert(p);
+            }
+        }
+        let mut pieces: HashMap<&str, [Vec<&TensorRecord>; 3]> = HashMap::new();
+        for r in &m.tensors {
+            pieces.entry(r.param.as_str()).or_default()[r.kind.position()].push(r);
+        }
+        Index { params, pieces }
+    }
+
+    /// The parameter reached by `name`.
+    pub fn param(&self, name: &str) -> Option<&'a ParamRecord> {
+        self.params.get(name).copied()
+    }
+
+    /// The stored pieces of parameter `param`'s tensor of `kind`.
+    pub fn pieces(&self, param: &str, kind: TensorKind) -> &[&'a TensorRecord] {
+        self.pieces.get(param).map_or(&[], |p| p[kind.position()].as_slice())
     }
 }

@@ -76,6 +76,7 @@ pub struct Cx {
     layer_recompute: Option<super::Recompute>,
     master_dtype: DType,
     sequence_parallel: bool,
+    pipeline_chunks: Option<usize>,
     announce_grads: bool,
     path: Vec<String>,
     hooks: Vec<Arc<dyn Hooks>>,
@@ -97,6 +98,7 @@ impl Cx {
             layer_recompute: None,
             master_dtype: DType::F32,
             sequence_parallel: false,
+            pipeline_chunks: None,
             announce_grads: true,
             path: Vec::new(),
             hooks: Vec::new(),
@@ -226,6 +228,26 @@ impl Cx {
     pub fn with_sequence_parallel(mut self, on: bool) -> Self {
         self.sequence_parallel = on;
         self
+    }
+
+    /// Declares that this rank runs one stage of a pipeline over the
+    /// `groups().pp` group, with `chunks` model chunks per stage (1 unless
+    /// the schedule interleaves; see [`PipelineLayout`](super::PipelineLayout)).
+    ///
+    /// Materialising a model in this context then gives this rank only its
+    /// stage's parameters (see [`materialize`](super::materialize)), the
+    /// pipeline executor checks that its schedule has this many chunks, and
+    /// a checkpoint knows which stage owns each parameter. Without it every
+    /// rank holds the whole model.
+    pub fn with_pipeline_chunks(mut self, chunks: usize) -> Self {
+        self.pipeline_chunks = Some(chunks);
+        self
+    }
+
+    /// The pipeline layout declared with [`with_pipeline_chunks`](Self::with_pipeline_chunks)
+    /// (over the pp group's size), if any; an error for zero chunks.
+    pub fn pipeline_layout(&self) -> Result<Option<super::PipelineLayout>> {
+        self.pipeline_chunks.map(|c| super::PipelineLayout::new(self.groups.pp.size(), c)).transpose()
     }
 
     /// Whether residual activations are split along the sequence right now

@@ -11,6 +11,7 @@ pub mod dsl;
 mod layout;
 mod param;
 mod role;
+mod stage;
 mod visit;
 
 pub use call::{call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, Feeds, Kept, KeptCall, Recompute};
@@ -18,7 +19,8 @@ pub use cx::{Cx, Groups, Hooks, RecomputeOverride};
 pub use layout::{Act, Dispatched, Layout, PartialSum, Replicated, SameLayout, SplitHidden, SplitSeq};
 pub use param::{Param, Shard};
 pub use role::{Column, Plain, Role, RoleKind, Row, Vocab};
-pub use visit::{ParamEntry, Visitor};
+pub use stage::{layers_of, PipelineLayout, StagePart};
+pub use visit::{ExpertSlot, ParamEntry, Visitor};
 
 use crate::error::{Error, Result};
 
@@ -226,12 +228,20 @@ pub fn distinct_params<M: Module>(model: &M) -> Result<Vec<NamedParam>> {
 /// such as head counts) against the tensor-parallel degree and reports all
 /// that do not divide, naming the parameter or layer and both numbers, before
 /// allocating anything.
+///
+/// When the context declares its pipeline layout
+/// ([`Cx::with_pipeline_chunks`]), only the parameters of this rank's
+/// pipeline stage get values; the others are marked
+/// [remote](Param::is_remote) and take no memory here.
 pub fn materialize<M: Module>(model: &M, cx: &Cx) -> Result<()> {
     let (rank, degree) = (cx.tp().rank(), cx.tp().size());
     let mut problems = Vec::new();
     if degree > 1 {
         model.check_tp("", degree, &mut problems);
     }
+    // Every part of the pipeline through which each parameter is reached
+    // (a tied weight may be reached from the first and the last stage).
+    let mut parts: Vec<(Param, Vec<StagePart>)> = Vec::new();
     visit_params(model, |e| {
         if let Some(dim) = e.split_dim {
             let size = e.param.global_shape().dims().get(dim).copied().unwrap_or(0);
@@ -242,6 +252,10 @@ pub fn materialize<M: Module>(model: &M, cx: &Cx) -> Result<()> {
                 ));
             }
         }
+        match parts.iter_mut().find(|(p, _)| p.same(e.param)) {
+            Some((_, v)) => v.push(e.stage),
+            None => parts.push((e.param.clone(), vec![e.stage])),
+        }
         Ok(())
     })?;
     if !problems.is_empty() {
@@ -250,11 +264,22 @@ pub fn materialize<M: Module>(model: &M, cx: &Cx) -> Result<()> {
             format!("{}; choose a tensor-parallel degree that divides these sizes, or pad them", problems.join("; ")),
         ));
     }
+    let stage = cx.groups().pp.rank();
+    let layout = cx.pipeline_layout()?;
+    let held = |p: &Param| match &layout {
+        None => true,
+        Some(l) => parts.iter().find(|(q, _)| q.same(p)).is_none_or(|(_, v)| l.holders(v).contains(&stage)),
+    };
     visit_params(model, |e| {
         let shard = match e.split_dim {
             Some(dim) if degree > 1 => Shard::Split { dim, rank, degree },
             _ => Shard::Replicated,
         };
-        e.param.materialise(e.name, shard, cx.master_dtype(), cx.seed(), cx.device())
+        if held(e.param) {
+            e.param.materialise(e.name, shard, cx.master_dtype(), cx.seed(), cx.device())
+        } else {
+            e.param.mark_remote(e.name, shard);
+            Ok(())
+        }
     })
 }

@@ -39,6 +39,8 @@ struct State {
     grad: Option<Tensor>,
     /// Forward uses whose gradient has not arrived yet.
     pending: usize,
+    /// Held by other pipeline stages only: never materialised on this rank.
+    remote: bool,
 }
 
 impl Param {
@@ -47,7 +49,7 @@ impl Param {
         Param(Arc::new(Inner {
             global: shape.into(),
             init,
-            state: Mutex::new(State { name: None, shard: Shard::Replicated, value: None, grad: None, pending: 0 }),
+            state: Mutex::new(State { name: None, shard: Shard::Replicated, value: None, grad: None, pending: 0, remote: false }),
         }))
     }
 
@@ -85,11 +87,23 @@ impl Param {
         Arc::ptr_eq(&self.0, &other.0)
     }
 
+    /// Whether only other pipeline stages hold the parameter: materialising
+    /// for a stage (see [`Cx::with_pipeline_chunks`](super::Cx::with_pipeline_chunks))
+    /// gives this rank no value for it, and nothing here reads or updates it.
+    pub fn is_remote(&self) -> bool {
+        self.state().remote
+    }
+
     /// This rank's values; an error before the model is materialised.
     pub fn value(&self) -> Result<Tensor> {
         let s = self.state();
         s.value.clone().ok_or_else(|| {
-            Error::invalid("param", format!("parameter `{}` has no value yet; materialise the model for a rank first", s.name.as_deref().unwrap_or("?")))
+            let name = s.name.as_deref().unwrap_or("?");
+            if s.remote {
+                Error::invalid("param", format!("parameter `{name}` belongs to another pipeline stage; only the stages that run it hold its value"))
+            } else {
+                Error::invalid("param", format!("parameter `{name}` has no value yet; materialise the model for a rank first"))
+            }
         })
     }
 
@@ -149,7 +163,20 @@ impl Param {
         s.name = Some(name.to_string());
         s.shard = shard;
         s.value = Some(t);
+        s.remote = false;
         Ok(())
+    }
+
+    /// Names the parameter and its shard without a value: other pipeline
+    /// stages hold it. A later [`materialise`](Self::materialise) (a tied
+    /// weight another part of this stage uses) overrides this.
+    pub(crate) fn mark_remote(&self, name: &str, shard: Shard) {
+        let mut s = self.state();
+        if s.value.is_none() {
+            s.name = Some(name.to_string());
+            s.shard = shard;
+            s.remote = true;
+        }
     }
 
     /// Records a forward use whose gradient the backward will deliver.

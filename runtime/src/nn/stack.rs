@@ -124,8 +124,9 @@ where
     }
 
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
+        let count = self.layers.len();
         for (i, layer) in self.layers.iter().enumerate() {
-            v.child::<Plain>(&i.to_string(), |v| layer.visit_params(v))?;
+            v.pipeline_layer(i, count, |v| v.child::<Plain>(&i.to_string(), |v| layer.visit_params(v)))?;
         }
         Ok(())
     }

@@ -90,7 +90,8 @@ impl DataParallel {
         if bucket_bytes == 0 {
             return Err(Error::invalid("DataParallel::new", "the bucket size must be positive (e.g. 25 MiB)"));
         }
-        let params: Vec<Param> = module::distinct_params(model)?.into_iter().map(|n| n.param).collect();
+        // Parameters of other pipeline stages have no gradient here to average.
+        let params: Vec<Param> = module::distinct_params(model)?.into_iter().map(|n| n.param).filter(|p| !p.is_remote()).collect();
         let mut buckets: Vec<Vec<usize>> = Vec::new();
         let mut bytes = bucket_bytes;
         for i in (0..params.len()).rev() {

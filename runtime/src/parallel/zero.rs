@@ -162,6 +162,37 @@ pub struct ZeroStats {
     pub prefetched: usize,
 }
 
+/// A run of this rank's shard of the flat vector that lies in one parameter
+/// (see [`Zero::shard_pieces`]).
+#[derive(Clone, Debug)]
+pub struct ShardPiece {
+    /// The parameter's dotted name (its first, for a tied parameter).
+    pub name: String,
+    /// The parameter.
+    pub param: Param,
+    /// The elements of the parameter's local (tensor-parallel) shard,
+    /// flattened in row-major order, that the piece holds.
+    pub elements: Range<usize>,
+    /// Where the piece starts in this rank's shard.
+    pub offset: usize,
+}
+
+/// One rank's part of the model state a [`Zero`] engine partitions: its
+/// shard of the flat parameter vector and of both AdamW moments (each
+/// [`FlatLayout::shard_len`] elements, zero past the last parameter), and
+/// the number of updates applied.
+#[derive(Clone, Debug)]
+pub struct ShardState {
+    /// This rank's shard of the flat parameters.
+    pub params: Tensor,
+    /// This rank's shard of AdamW's first moment.
+    pub m: Tensor,
+    /// This rank's shard of AdamW's second moment.
+    pub v: Tensor,
+    /// Updates applied so far (bias correction counts them).
+    pub steps: u64,
+}
+
 /// One distinct parameter and its place in the flat vector.
 struct Entry {
     name: String,
@@ -284,6 +315,10 @@ impl Zero {
         let mut kind: Option<(DType, Device)> = None;
         let mut problem: Option<String> = None;
         module::visit_params(model, |e| {
+            // Another pipeline stage holds (and updates) a remote parameter.
+            if e.param.is_remote() {
+                return Ok(());
+            }
             let index = match entries.iter().position(|x| x.param.same(e.param)) {
                 Some(i) => i,
                 None => {
@@ -476,6 +511,72 @@ impl Zero {
             (None, None) => unreachable!("one of the two is always set"),
         };
         self.entries.iter().map(|e| Ok((e.name.clone(), flat.narrow(0, e.offset, e.len)?.reshape(e.shape.clone())?))).collect()
+    }
+
+    /// The parameters this rank's shard of the flat vector covers, in order:
+    /// what each element of [`shard_state`](Self::shard_state)'s tensors is.
+    pub fn shard_pieces(&self) -> Vec<ShardPiece> {
+        let range = self.layout.shard_range(self.rank);
+        self.pieces_in(range.clone())
+            .into_iter()
+            .map(|p| {
+                let e = &self.entries[p.entry];
+                ShardPiece { name: e.name.clone(), param: e.param.clone(), elements: p.start..p.start + p.len, offset: e.offset + p.start - range.start }
+            })
+            .collect()
+    }
+
+    /// This rank's shard of the parameters and of the optimizer state (what
+    /// a checkpoint saves). The tensors are views of the live state, which
+    /// the next [`step`](Self::step) updates in place: copy them to keep them.
+    pub fn shard_state(&self) -> Result<ShardState> {
+        let s = self.state();
+        let params = match (&s.flat, &s.shard) {
+            (Some(flat), _) => {
+                let range = self.layout.shard_range(self.rank);
+                flat.narrow(0, range.start, range.len())?
+            }
+            (None, Some(shard)) => shard.clone(),
+            (None, None) => unreachable!("one of the two is always set"),
+        };
+        Ok(ShardState { params, m: s.m.clone(), v: s.v.clone(), steps: s.stats.steps })
+    }
+
+    /// Replaces this rank's shard of the parameters and of the optimizer
+    /// state (restoring a checkpoint, between steps). Every rank of the
+    /// group calls it together: stages 1 and 2 all-gather the parameters
+    /// again, stage 3 regathers those it keeps whole.
+    pub fn load_shard_state(&self, state: ShardState) -> Result<()> {
+        const OP: &str = "Zero::load_shard_state";
+        let want = Shape::new([self.layout.shard_len]);
+        for (what, t) in [("parameter", &state.params), ("first-moment", &state.m), ("second-moment", &state.v)] {
+            if *t.shape() != want || t.dtype() != self.dtype {
+                return Err(Error::shape(OP, format!("a {what} shard of {} {}, this rank's shard is {} {want}; restore state for the same model and data-parallel degree", t.dtype(), t.shape(), self.dtype)));
+            }
+        }
+        let mut s = self.state();
+        if !s.inflight.is_empty() || s.grad_shard.is_some() || s.synced {
+            return Err(Error::invalid(OP, "gradients of a step are still being reduced; restore state between steps (after `step`, before the next backward)"));
+        }
+        s.m = state.m;
+        s.v = state.v;
+        s.stats.steps = state.steps;
+        match self.stage {
+            Stage::One | Stage::Two => {
+                let flat = self.dp.all_gather(&state.params, 0)?;
+                self.point_values_at(&flat)?;
+                s.flat = Some(flat);
+            }
+            Stage::Three => {
+                s.shard = Some(state.params);
+                if !self.persistent.is_empty() {
+                    let ids = self.persistent.clone();
+                    let got = self.gather_now(&s, &ids)?;
+                    self.install(&ids, got)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Stage 3: gathers the parameters of the sub-module at `path` (owned

@@ -552,10 +552,13 @@ impl Module<Plain> for Moe {
         let first = self.local_experts().start;
         v.group("experts", |v| {
             for (e, ex) in self.experts.iter().enumerate() {
-                v.group(&(first + e).to_string(), |v| {
-                    v.group("gate", |v| v.param("weight", &ex.gate, None))?;
-                    v.group("up", |v| v.param("weight", &ex.up, None))?;
-                    v.group("down", |v| v.param("weight", &ex.down, None))
+                let index = first + e;
+                v.expert(index, self.total, |v| {
+                    v.group(&index.to_string(), |v| {
+                        v.group("gate", |v| v.param("weight", &ex.gate, None))?;
+                        v.group("up", |v| v.param("weight", &ex.up, None))?;
+                        v.group("down", |v| v.param("weight", &ex.down, None))
+                    })
                 })?;
             }
             Ok(())

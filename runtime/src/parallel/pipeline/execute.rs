@@ -3,10 +3,10 @@
 use super::{Action, Schedule};
 use crate::dist::Communicator;
 use crate::error::{Error, Result};
+pub use crate::module::layers_of;
 use crate::module::{self, Act, Cx, Staged};
 use crate::tensor::Tensor;
 use std::collections::HashMap;
-use std::ops::Range;
 use std::time::{Duration, Instant};
 
 /// What one stage did in one pipeline step.
@@ -50,14 +50,6 @@ impl StageReport {
     }
 }
 
-/// The layers of the split field that virtual stage `k` of `virtual_stages` runs:
-/// as even as possible, earlier virtual stages taking the extra layers.
-pub fn layers_of(k: usize, virtual_stages: usize, layers: usize) -> Range<usize> {
-    let (base, extra) = (layers / virtual_stages, layers % virtual_stages);
-    let start = k * base + k.min(extra);
-    start..start + base + usize::from(k < extra)
-}
-
 /// Runs `stage`'s actions of `schedule` for one step.
 ///
 /// `inputs[mb]` is microbatch `mb`'s model input (read by the first virtual
@@ -82,6 +74,14 @@ pub fn run_stage<M: Staged>(
             OP,
             format!("stage {stage} of a {}-stage schedule runs on rank {} of a pipeline group of {}; give each stage the rank of its index", schedule.stages(), pp.rank(), pp.size()),
         ));
+    }
+    if let Some(layout) = cx.pipeline_layout()? {
+        if layout.chunks() != schedule.chunks() {
+            return Err(Error::invalid(
+                OP,
+                format!("the context declares {} chunks per stage but the schedule `{}` has {}; declare the schedule's chunks with `Cx::with_pipeline_chunks` before building the model", layout.chunks(), schedule.name(), schedule.chunks()),
+            ));
+        }
     }
     if inputs.len() != schedule.microbatches() {
         return Err(Error::invalid(OP, format!("{} inputs for {} microbatches", inputs.len(), schedule.microbatches())));
@@ -196,7 +196,8 @@ pub fn run_stage<M: Staged>(
 /// Sums the gradients of weights shared by several layers (`#[tied]`, such
 /// as an embedding and an output head on the first and last stage) over the
 /// pipeline group, so every stage holds the full gradient. Every stage must
-/// call it; a stage that did not use a shared weight contributes zeros.
+/// call it; a stage that did not use a shared weight contributes zeros (and
+/// keeps no gradient for a weight only other stages hold).
 pub fn sync_tied_grads<M: Staged>(model: &M, cx: &Cx) -> Result<()> {
     if cx.groups().pp.size() == 1 {
         // One stage holds every use of a shared weight: nothing to sum.
@@ -209,7 +210,10 @@ pub fn sync_tied_grads<M: Staged>(model: &M, cx: &Cx) -> Result<()> {
             Some(g) => g,
             None => Tensor::zeros(p.local_shape(), cx.master_dtype(), cx.device())?,
         };
-        p.set_grad(pp.all_reduce_sum(&g)?)?;
+        let sum = pp.all_reduce_sum(&g)?;
+        if !p.is_remote() {
+            p.set_grad(sum)?;
+        }
     }
     Ok(())
 }
