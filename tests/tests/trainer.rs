@@ -85,8 +85,8 @@ fn train(cfg: TrainConfig, poisoned: std::ops::Range<u64>) -> RunSummary {
     trainer.run().unwrap()
 }
 
-/// The final parameters of a run without tensor or pipeline parallelism,
-/// read back from its final checkpoint.
+/// The final parameters of a run, read back from its final checkpoint on
+/// one rank (resharded from the run's mesh).
 fn final_params(summary: &RunSummary) -> Vec<(String, Vec<f32>)> {
     let cx = Cx::new(Device::cpu());
     let model = module::build(Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false).unwrap(), &cx).unwrap();
@@ -97,27 +97,29 @@ fn final_params(summary: &RunSummary) -> Vec<(String, Vec<f32>)> {
 #[test]
 fn a_run_writes_metrics_trace_plot_and_checkpoint_and_learns() {
     let out = scratch("run");
-    let summary = train(config(&out, "[mesh]\ntp = 2\n[batch]\nmicro_batch = 4\ngrad_accum = 2\n", &["run.steps=30", "run.trace_steps=2", "optim.lr=1e-2"]), 0..0);
+    let summary = train(config(&out, "[mesh]\ndp = 2\ntp = 2\npp = 2\n[batch]\nmicro_batch = 4\ngrad_accum = 2\n", &["run.steps=30", "run.trace_steps=2", "optim.lr=1e-2"]), 0..0);
     let metrics = read_metrics(out.join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.len(), 30);
     assert_eq!(metrics.iter().map(|m| m.step).collect::<Vec<_>>(), (1..=30).collect::<Vec<_>>());
     let (first, last) = (metrics[0].loss, metrics[29].loss);
     assert!(last < 0.8 * first, "loss {first} -> {last}");
     for m in &metrics {
-        assert_eq!(m.peak_memory.len(), 2, "one peak per rank");
+        assert_eq!(m.peak_memory.len(), 8, "one peak per rank");
         assert!(m.peak_memory.iter().all(|&b| b > 0));
         assert!(m.tokens_per_s > 0.0 && m.mfu > 0.0 && m.step_time_s >= m.compute_s.max(m.bubble_s));
         assert!(m.grad_norm.is_some_and(f64::is_finite));
     }
     let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
     let events = trace["traceEvents"].as_array().unwrap();
-    for rank in 0..2 {
+    for rank in 0..8 {
         assert!(events.iter().any(|e| e["ph"] == "X" && e["tid"] == rank && e["cat"] == "compute"), "rank {rank} has a track with compute");
     }
     let png = std::fs::read(out.join("loss.png")).unwrap();
     assert_eq!(&png[1..4], b"PNG");
     assert!(out.join("config.toml").exists());
     assert!(summary.checkpoint.join("manifest.json").exists());
+    // The dp2 × tp2 × pp2 checkpoint loads on one rank.
+    assert!(final_params(&summary).iter().all(|(_, v)| v.iter().all(|x| x.is_finite())));
     let _ = std::fs::remove_dir_all(&out);
 }
 
@@ -133,6 +135,20 @@ fn a_resumed_run_continues_bit_for_bit() {
     let losses: Vec<f64> = first.losses.iter().chain(&resumed.losses).map(|l| l.1).collect();
     assert_eq!(losses, straight.losses.iter().map(|l| l.1).collect::<Vec<_>>(), "losses of 10 + resume + 10 steps");
     assert_eq!(final_params(&resumed), final_params(&straight), "final parameters");
+    let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
+}
+
+#[test]
+fn zero_training_resumes_bit_for_bit() {
+    let (a, b) = (scratch("zero-straight"), scratch("zero-resumed"));
+    let text = "[mesh]\ndp = 2\n[zero]\nstage = 2\n[optim]\nclip = 0.0\n[batch]\nmicro_batch = 2\n";
+    let straight = train(config(&a, text, &["run.steps=8"]), 0..0);
+    let first = train(config(&b, text, &["run.steps=8", "run.stop_after=4"]), 0..0);
+    let resumed = train(config(&b, text, &["run.steps=8"]), 0..0);
+    assert_eq!(resumed.resumed_from, 4);
+    let losses: Vec<f64> = first.losses.iter().chain(&resumed.losses).map(|l| l.1).collect();
+    assert_eq!(losses, straight.losses.iter().map(|l| l.1).collect::<Vec<_>>());
+    assert_eq!(final_params(&resumed), final_params(&straight));
     let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
 }
 

@@ -282,11 +282,14 @@ pub struct CheckpointConfig {
     pub dir: String,
     /// Resume from the newest valid checkpoint in `dir` if there is one.
     pub resume: bool,
+    /// Write periodic checkpoints on a background thread from a snapshot
+    /// (the final one is always written before the run returns).
+    pub background: bool,
 }
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        CheckpointConfig { every: 50, keep: 2, dir: "checkpoints".into(), resume: true }
+        CheckpointConfig { every: 50, keep: 2, dir: "checkpoints".into(), resume: true, background: true }
     }
 }
 

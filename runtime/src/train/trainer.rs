@@ -24,7 +24,7 @@
 //! end; `loss.png` plots the loss curve.
 
 use super::{clip_grad_norm, global_grad_norm, Anomaly, LossScaler, StabilityMonitor, TrainConfig, WarmupCosine};
-use crate::ckpt::Checkpointer;
+use crate::ckpt::{Checkpointer, OptimizerState};
 use crate::dist::inproc::{mesh_groups, InProcess};
 use crate::dist::mesh::{Axis, Mesh};
 use crate::dist::Communicator;
@@ -35,6 +35,7 @@ use crate::observe::{Event, LinePlot, MetricsLog, PeakRate, Series, StepMetrics,
 use crate::ops;
 use crate::optim::AdamW;
 use crate::parallel::data::DataParallel;
+use crate::parallel::pipeline::ScheduleKind;
 use crate::parallel::zero::{Stage, Zero, ZeroConfig};
 use crate::{Device, Tensor};
 use serde_json::{json, Value};
@@ -330,6 +331,14 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let groups = mesh_groups(world, mesh, rank, &dev)?;
         let (tp_group, dp_group, ep_group, pp_group) = (groups.tp.clone(), groups.dp.clone(), groups.ep.clone(), groups.pp.clone());
         let mut cx = Cx::new(dev.clone()).with_seed(cfg.run.seed).with_groups(groups).with_sequence_parallel(cfg.mesh.sp).with_dtype(cfg.precision.dtype()?);
+        if pp > 1 {
+            // Each stage materialises (and checkpoints) only its own layers.
+            let chunks = match cfg.mesh.schedule_kind()? {
+                ScheduleKind::Interleaved { chunks } => chunks,
+                _ => 1,
+            };
+            cx = cx.with_pipeline_chunks(chunks);
+        }
         cx.set_recompute_override(cfg.recompute.to_override()?);
         let model = module::build((self.build)(&cx, e, ep)?, &cx)?;
 
@@ -348,6 +357,8 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             cx = cx.with_hooks(o.clone());
         }
         let mut opt = if zero.is_none() { Some(AdamW::new(&model, cfg.optim.adamw())?) } else { None };
+        // The optimizer state checkpoints hold: AdamW's, or this rank's ZeRO shard.
+        let mut zero_state = zero.clone();
         let schedule = cfg.mesh.schedule_kind()?.build(pp, cfg.batch.grad_accum)?;
         let lr_schedule = WarmupCosine::new(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup, cfg.run.steps)?;
         let mut monitor = StabilityMonitor::new(cfg.stability.spike_factor, cfg.stability.decay, cfg.stability.warmup)?;
@@ -360,7 +371,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
 
         let mut done = 0u64;
         if cfg.checkpoint.resume {
-            if let Some(r) = ckpt.load_latest_valid(&model, opt.as_mut(), &cx)? {
+            if let Some(r) = ckpt.load_latest_valid(&model, state_mut(&mut opt, &mut zero_state), &cx)? {
                 done = r.manifest.step;
                 restore_extra(&r.manifest.extra, batches.as_mut(), &mut scaler)?;
             }
@@ -368,6 +379,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let resumed_from = done;
         let mut rollbacks = 0;
         let mut last_saved: Option<PathBuf> = None;
+        let mut pending_save: Option<crate::ckpt::SaveHandle> = None;
         let micro = cfg.batch.grad_accum;
         let last_stage = stage == pp - 1;
 
@@ -445,7 +457,16 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
                 events.push(Event::Anomaly { detail: describe(&a) });
                 zero_grads(&model)?;
                 if cfg.stability.rollback {
-                    if let Some(to) = self.roll_back(ckpt, &model, opt.as_mut(), &cx, batches.as_mut(), &mut scaler, &mut rollbacks, done)? {
+                    // Every rank must see the same newest checkpoint: let
+                    // saves in flight land (rank 0's wait covers the merged
+                    // manifest), then meet every rank of the mesh.
+                    if let Some(h) = pending_save.take() {
+                        h.wait()?;
+                    }
+                    for g in [&tp_group, &dp_group, &ep_group, &pp_group] {
+                        g.barrier()?;
+                    }
+                    if let Some(to) = self.roll_back(ckpt, &model, state_mut(&mut opt, &mut zero_state), &cx, batches.as_mut(), &mut scaler, &mut rollbacks, done)? {
                         events.push(Event::Rollback { to_step: to, skipped_batches: (done + 1 - to) * micro as u64 });
                         let r = step_report(rank, loss, grad_norm, lr, &scaler, step_started, &report, exposed, &dev, true, events);
                         collector.lock().unwrap_or_else(|e| e.into_inner()).report(done + 1, r)?;
@@ -480,7 +501,18 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             let save_now = done == stop || (cfg.checkpoint.every > 0 && done.is_multiple_of(cfg.checkpoint.every));
             if save_now && !skipped {
                 let extra = json!({ "data": batches.cursor(), "scaler": scaler });
-                let dir = trace.span(rank, "checkpoint", "io", || ckpt.save(done, &model, opt.as_ref(), &cx, extra))?;
+                if let Some(h) = pending_save.take() {
+                    h.wait()?;
+                }
+                let state = state_of(&opt, &zero);
+                let dir = if cfg.checkpoint.background && done < stop {
+                    // Snapshot now, write while training goes on; the next
+                    // save (or a rollback's load) waits for it.
+                    pending_save = Some(trace.span(rank, "checkpoint snapshot", "io", || ckpt.save_in_background(done, &model, state, &cx, extra))?);
+                    ckpt.step_dir(done)
+                } else {
+                    trace.span(rank, "checkpoint", "io", || ckpt.save(done, &model, state, &cx, extra))?
+                };
                 events.push(Event::Checkpoint { dir: dir.display().to_string() });
                 last_saved = Some(dir);
             }
@@ -490,11 +522,14 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             let r = step_report(rank, loss, grad_norm, lr, &scaler, step_started, &report, exposed, &dev, skipped, events);
             collector.lock().unwrap_or_else(|e| e.into_inner()).report(done, r)?;
         }
+        if let Some(h) = pending_save.take() {
+            h.wait()?;
+        }
         let last = match last_saved {
             Some(dir) => dir,
             None => {
                 let extra = json!({ "data": batches.cursor(), "scaler": scaler });
-                ckpt.save(done, &model, opt.as_ref(), &cx, extra)?
+                ckpt.save(done, &model, state_of(&opt, &zero), &cx, extra)?
             }
         };
         Ok((resumed_from, last))
@@ -508,7 +543,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         &self,
         ckpt: &Checkpointer,
         model: &M,
-        opt: Option<&mut AdamW>,
+        opt: Option<&mut dyn OptimizerState>,
         cx: &Cx,
         batches: &mut dyn Batches,
         scaler: &mut Option<LossScaler>,
@@ -530,6 +565,22 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         restore_extra(&r.manifest.extra, batches, scaler)?;
         batches.restore(&skip_to)?;
         Ok(Some(r.manifest.step))
+    }
+}
+
+fn state_of<'s>(opt: &'s Option<AdamW>, zero: &'s Option<Arc<Zero>>) -> Option<&'s dyn OptimizerState> {
+    match (opt, zero) {
+        (Some(o), _) => Some(o),
+        (None, Some(z)) => Some(&**z),
+        (None, None) => None,
+    }
+}
+
+fn state_mut<'s>(opt: &'s mut Option<AdamW>, zero: &'s mut Option<Arc<Zero>>) -> Option<&'s mut dyn OptimizerState> {
+    match (opt, zero) {
+        (Some(o), _) => Some(o),
+        (None, Some(z)) => Some(z),
+        (None, None) => None,
     }
 }
 
