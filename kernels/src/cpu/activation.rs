@@ -5,6 +5,7 @@
 //! of reading saved intermediates: the recomputation is a few flops per
 //! element, cheaper than the memory traffic of storing them.
 
+use super::exp::exp;
 use super::elementwise::{map1, map2, PAR_CHUNK};
 use crate::Real;
 use rayon::prelude::*;
@@ -42,7 +43,7 @@ fn gelu_grad<T: Real>(x: T) -> T {
 /// infinity and the result is a clean zero, never NaN.
 #[inline(always)]
 fn sigmoid<T: Real>(x: T) -> T {
-    T::one() / (T::one() + (-x).exp())
+    T::one() / (T::one() + exp(-x))
 }
 
 /// Derivative of `silu(x) = x * sigmoid(x)`, given `s = sigmoid(x)`.

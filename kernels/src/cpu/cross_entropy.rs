@@ -6,6 +6,7 @@
 //! any magnitude stay finite. The log-sum-exp is saved so that the backward
 //! recomputes `softmax = exp(x − lse)` in a single pass as well.
 
+use super::exp::exp;
 use crate::Real;
 use rayon::prelude::*;
 
@@ -26,7 +27,7 @@ fn log_sum_exp<T: Real>(x: &[T]) -> T {
         let bm = blk.iter().fold(T::neg_infinity(), |a, &b| a.max(b));
         if bm > m {
             // exp(-inf) = 0 makes the very first rescale a no-op.
-            s *= (m - bm).exp();
+            s *= exp(m - bm);
             m = bm;
         }
         if m == T::neg_infinity() {
@@ -34,7 +35,7 @@ fn log_sum_exp<T: Real>(x: &[T]) -> T {
         }
         let mut bs = T::zero();
         for &v in blk {
-            bs += (v - m).exp();
+            bs += exp(v - m);
         }
         s += bs;
     }
@@ -200,10 +201,10 @@ pub fn vocab_shard_backward<T: Real>(
             return;
         }
         for (d, &x) in dr.iter_mut().zip(xr) {
-            *d = dl * (x - l).exp();
+            *d = dl * exp(x - l);
         }
         if let Some(j) = local_target(t, vocab_start, vocab_local, ignore_index) {
-            dr[j] = dl * ((xr[j] - l).exp() - T::one());
+            dr[j] = dl * (exp(xr[j] - l) - T::one());
         }
     };
     if logits.len() < PAR_MIN_ELEMS {

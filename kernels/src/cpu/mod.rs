@@ -9,6 +9,7 @@ pub mod cross_entropy;
 pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
+pub(crate) mod exp;
 pub mod matmul;
 pub mod norm;
 pub mod reduce;

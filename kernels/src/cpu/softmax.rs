@@ -5,6 +5,7 @@
 //! row is processed by one task; rows are grouped into tasks of roughly
 //! `PAR_CHUNK` elements, so results never depend on the thread count.
 
+use super::exp::exp;
 use super::elementwise::PAR_CHUNK;
 use crate::Real;
 use rayon::prelude::*;
@@ -120,7 +121,7 @@ pub fn softmax_forward<T: Real>(x: &[T], row: usize, y: &mut [T]) {
     for_rows(x, y, row, |x, y| {
         let m = row_max(x);
         for (o, &v) in y.iter_mut().zip(x) {
-            *o = (v - m).exp();
+            *o = exp(v - m);
         }
         let inv = T::one() / row_sum(y);
         for o in y.iter_mut() {
@@ -154,7 +155,7 @@ pub fn log_softmax_forward<T: Real>(x: &[T], row: usize, y: &mut [T]) {
     for_rows(x, y, row, |x, y| {
         let m = row_max(x);
         for (o, &v) in y.iter_mut().zip(x) {
-            *o = (v - m).exp();
+            *o = exp(v - m);
         }
         // `(x - m) - lse`, not `x - (m + lse)`: the difference to the maximum
         // is exact for nearby values, so large logits lose no precision.
@@ -175,7 +176,7 @@ pub fn log_softmax_backward<T: Real>(y: &[T], dy: &[T], row: usize, dx: &mut [T]
     for_rows2(y, dy, dx, row, |y, dy, dx| {
         let s = row_sum(dy);
         for ((o, &l), &g) in dx.iter_mut().zip(y).zip(dy) {
-            *o = g - l.exp() * s;
+            *o = g - exp(l) * s;
         }
     });
 }

@@ -9,6 +9,8 @@ pub struct MemoryStats {
     pub peak: usize,
     /// Number of allocations made since the device was created.
     pub allocations: usize,
+    /// Bytes of freed buffers the device keeps for reuse (not in `in_use`).
+    pub cached: usize,
 }
 
 /// Exact accounting of one device's memory: every buffer the device hands out
@@ -40,6 +42,7 @@ impl MemoryTracker {
             in_use: self.in_use.load(Ordering::Acquire),
             peak: self.peak.load(Ordering::Acquire),
             allocations: self.allocations.load(Ordering::Relaxed),
+            cached: 0,
         }
     }
 

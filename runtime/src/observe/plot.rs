@@ -229,7 +229,7 @@ mod tests {
         assert_eq!(ticks(0.0, 10.0, 5), vec![0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
         let t = ticks(0.13, 0.87, 6);
         assert!(t.iter().all(|v| (0.13..=0.87).contains(v)));
-        assert!((t[1] - t[0] - 0.1).abs() < 1e-12);
+        assert!((t[1] - t[0] - 0.2).abs() < 1e-12, "{t:?}");
     }
 
     #[test]

@@ -449,8 +449,8 @@ mod tests {
 
     #[test]
     fn overrides_are_typed_and_checked() {
-        let c = TrainConfig::parse("", &["mesh.schedule=gpipe", "precision.compute=bf16", "run.steps=7", "model.layers=3"]).unwrap();
-        assert_eq!((c.mesh.schedule.as_str(), c.precision.compute.as_str(), c.run.steps), ("gpipe", "bf16", 7));
+        let c = TrainConfig::parse("", &["mesh.schedule=gpipe", "precision.compute=bf16", "run.steps=17", "model.layers=3"]).unwrap();
+        assert_eq!((c.mesh.schedule.as_str(), c.precision.compute.as_str(), c.run.steps), ("gpipe", "bf16", 17));
         assert_eq!(c.model.get("layers").and_then(|v| v.as_integer()), Some(3));
         let e = TrainConfig::parse("", &["mesh.dp=two"]).unwrap_err().to_string();
         assert!(e.contains("dp"), "{e}");

@@ -1,27 +1,43 @@
+use super::pool::HostPool;
 use crate::backend::memory::MemoryTracker;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
-/// A host allocation whose bytes are counted by its device's [`MemoryTracker`]
-/// from creation until drop. Every CPU tensor and every temporary an op needs
-/// (half-precision conversions, saved statistics) lives in one.
-pub struct Buffer<T> {
-    data: Vec<T>,
-    tracker: Arc<MemoryTracker>,
+/// A device's host memory: the accounting and the pool of freed buffers.
+#[derive(Debug, Default)]
+pub(crate) struct HostMemory {
+    pub(crate) tracker: MemoryTracker,
+    pub(crate) pool: HostPool,
 }
 
-impl<T: Copy + Default> Buffer<T> {
+/// A host allocation whose bytes are counted by its device's [`MemoryTracker`]
+/// from creation until drop. Every CPU tensor and every temporary an op needs
+/// (half-precision conversions, saved statistics) lives in one. Large
+/// buffers go back to the device's pool when dropped, to be reused.
+pub struct Buffer<T: Send + 'static> {
+    data: Vec<T>,
+    host: Arc<HostMemory>,
+}
+
+impl<T: Copy + Default + Send + 'static> Buffer<T> {
     /// `len` default (zero) elements.
-    pub(crate) fn zeros(len: usize, tracker: &Arc<MemoryTracker>) -> Self {
-        Self::from_vec(vec![T::default(); len], tracker)
+    pub(crate) fn zeros(len: usize, host: &Arc<HostMemory>) -> Self {
+        let data = match host.pool.take::<T>(len) {
+            Some(mut v) => {
+                v.fill(T::default());
+                v
+            }
+            None => vec![T::default(); len],
+        };
+        Self::from_vec(data, host)
     }
 }
 
-impl<T> Buffer<T> {
+impl<T: Send + 'static> Buffer<T> {
     /// Takes ownership of `data` and counts its bytes.
-    pub(crate) fn from_vec(data: Vec<T>, tracker: &Arc<MemoryTracker>) -> Self {
-        tracker.on_alloc(Self::bytes_of(data.len()));
-        Buffer { data, tracker: tracker.clone() }
+    pub(crate) fn from_vec(data: Vec<T>, host: &Arc<HostMemory>) -> Self {
+        host.tracker.on_alloc(Self::bytes_of(data.len()));
+        Buffer { data, host: host.clone() }
     }
 
     fn bytes_of(len: usize) -> usize {
@@ -34,20 +50,21 @@ impl<T> Buffer<T> {
     }
 }
 
-impl<T> Drop for Buffer<T> {
+impl<T: Send + 'static> Drop for Buffer<T> {
     fn drop(&mut self) {
-        self.tracker.on_free(Self::bytes_of(self.data.len()));
+        self.host.tracker.on_free(Self::bytes_of(self.data.len()));
+        self.host.pool.give(std::mem::take(&mut self.data));
     }
 }
 
-impl<T> Deref for Buffer<T> {
+impl<T: Send + 'static> Deref for Buffer<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
         &self.data
     }
 }
 
-impl<T> DerefMut for Buffer<T> {
+impl<T: Send + 'static> DerefMut for Buffer<T> {
     fn deref_mut(&mut self) -> &mut [T] {
         &mut self.data
     }

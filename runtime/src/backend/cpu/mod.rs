@@ -6,14 +6,16 @@
 mod buffer;
 mod convert;
 mod exec;
+mod pool;
 mod storage;
 
 pub use buffer::Buffer;
+use buffer::HostMemory;
 pub(crate) use convert::convert;
 pub(crate) use exec::{run_float, FloatKernel, Out};
 pub use storage::CpuStorage;
 
-use super::memory::{MemoryStats, MemoryTracker};
+use super::memory::MemoryStats;
 use crate::error::Result;
 use crate::tensor::DType;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,7 +28,7 @@ use std::sync::Arc;
 #[derive(Clone, Debug)]
 pub struct CpuDevice {
     id: usize,
-    tracker: Arc<MemoryTracker>,
+    host: Arc<HostMemory>,
 }
 
 static NEXT_CPU_ID: AtomicUsize = AtomicUsize::new(0);
@@ -34,7 +36,7 @@ static NEXT_CPU_ID: AtomicUsize = AtomicUsize::new(0);
 impl CpuDevice {
     /// A new CPU device with its own memory accounting.
     pub fn new() -> Self {
-        CpuDevice { id: NEXT_CPU_ID.fetch_add(1, Ordering::Relaxed), tracker: Arc::default() }
+        CpuDevice { id: NEXT_CPU_ID.fetch_add(1, Ordering::Relaxed), host: Arc::default() }
     }
 
     /// A process-unique number that tells devices apart in messages.
@@ -44,17 +46,23 @@ impl CpuDevice {
 
     /// Whether `other` is this very device (shares its accounting).
     pub fn same(&self, other: &CpuDevice) -> bool {
-        Arc::ptr_eq(&self.tracker, &other.tracker)
+        Arc::ptr_eq(&self.host, &other.host)
     }
 
     /// A tracked buffer of `len` zeros.
-    pub fn buffer_zeros<T: Copy + Default>(&self, len: usize) -> Buffer<T> {
-        Buffer::zeros(len, &self.tracker)
+    pub fn buffer_zeros<T: Copy + Default + Send + 'static>(&self, len: usize) -> Buffer<T> {
+        Buffer::zeros(len, &self.host)
+    }
+
+    /// Frees the buffers kept for reuse (they count in
+    /// [`MemoryStats::cached`], not in `in_use`).
+    pub fn empty_cache(&self) {
+        self.host.pool.clear()
     }
 
     /// Moves `data` into a tracked buffer.
-    pub fn buffer<T>(&self, data: Vec<T>) -> Buffer<T> {
-        Buffer::from_vec(data, &self.tracker)
+    pub fn buffer<T: Send + 'static>(&self, data: Vec<T>) -> Buffer<T> {
+        Buffer::from_vec(data, &self.host)
     }
 }
 
@@ -66,11 +74,11 @@ impl super::BackendDevice for CpuDevice {
     }
 
     fn memory_stats(&self) -> MemoryStats {
-        self.tracker.stats()
+        MemoryStats { cached: self.host.pool.cached_bytes(), ..self.host.tracker.stats() }
     }
 
     fn reset_peak(&self) {
-        self.tracker.reset_peak()
+        self.host.tracker.reset_peak()
     }
 
     /// CPU work runs synchronously: nothing is ever queued.
