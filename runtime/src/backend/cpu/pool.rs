@@ -23,10 +23,13 @@ const MIN_POOLED_BYTES: usize = 64 << 10;
 /// The most bytes a device's pool keeps.
 const DEFAULT_LIMIT: usize = 2 << 30;
 
+/// Freed buffers (each a `Vec<T>`, type-erased) by element type and length.
+type FreeLists = HashMap<(TypeId, usize), Vec<Box<dyn Any + Send>>>;
+
 /// Freed buffers by element type and length.
 #[derive(Debug)]
 pub(crate) struct HostPool {
-    free: Mutex<HashMap<(TypeId, usize), Vec<Box<dyn Any + Send>>>>,
+    free: Mutex<FreeLists>,
     cached: AtomicUsize,
     limit: usize,
 }
