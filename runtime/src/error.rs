@@ -68,6 +68,17 @@ pub enum Error {
     /// A checkpoint does not fit the model (or optimizer, or mesh) it is loaded into.
     #[error("checkpoint `{path}` does not fit this model: {detail}")]
     CheckpointMismatch { path: String, detail: String },
+
+    /// Training data cannot be used as asked: a text the tokenizer cannot
+    /// encode, a token outside the vocabulary, a sampler whose batch does
+    /// not fit the data, a cursor from another dataset.
+    #[error("data: {0}")]
+    Data(String),
+
+    /// A data file (text, tokenizer, shard or index) is missing, unreadable,
+    /// truncated or malformed. `path` names it.
+    #[error("data file `{path}`: {detail}")]
+    DataFile { path: String, detail: String },
 }
 
 /// Result with the runtime's [`Error`].
@@ -76,6 +87,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     pub(crate) fn shape(op: &'static str, detail: impl Into<String>) -> Self {
         Error::Shape { op, detail: detail.into() }
+    }
+
+    pub(crate) fn data_file(path: &std::path::Path, detail: impl Into<String>) -> Self {
+        Error::DataFile { path: path.display().to_string(), detail: detail.into() }
     }
 
     pub(crate) fn invalid(op: &'static str, detail: impl Into<String>) -> Self {
