@@ -82,6 +82,17 @@ pub enum Error {
     /// the setting (as written in the TOML file) and `detail` the fix.
     #[error("config `{key}`: {detail}")]
     Config { key: String, detail: String },
+
+    /// Training data cannot be used as asked: a text the tokenizer cannot
+    /// encode, a token outside the vocabulary, a sampler whose batch does
+    /// not fit the data, a cursor from another dataset.
+    #[error("data: {0}")]
+    Data(String),
+
+    /// A data file (text, tokenizer, shard or index) is missing, unreadable,
+    /// truncated or malformed. `path` names it.
+    #[error("data file `{path}`: {detail}")]
+    DataFile { path: String, detail: String },
 }
 
 /// What an unreadable manifest format version means and what to do.
@@ -109,6 +120,10 @@ impl Error {
 
     pub(crate) fn shape(op: &'static str, detail: impl Into<String>) -> Self {
         Error::Shape { op, detail: detail.into() }
+    }
+
+    pub(crate) fn data_file(path: &std::path::Path, detail: impl Into<String>) -> Self {
+        Error::DataFile { path: path.display().to_string(), detail: detail.into() }
     }
 
     pub(crate) fn invalid(op: &'static str, detail: impl Into<String>) -> Self {
