@@ -18,12 +18,14 @@ use clap::Parser;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tessera::ckpt::Checkpointer;
-use tessera::data::{arith, Cursor, Dataset, Sampler};
-use tessera::module::{self, Act, Cx, Module};
+use tessera::data::{arith, AnswerTargets, Dataset, Sampler};
+use tessera::module::{self, Act, Cx, Module, Replicated, SplitHidden, Staged};
 use tessera::observe::transformer_flops_per_token;
 use tessera::train::{Batches, ModelFacts, TrainConfig, Trainer};
 use tessera::{Device, Tensor};
-use tessera_models::gpt2::{Gpt2, Gpt2Config};
+use tessera_models::gpt2::Gpt2;
+use tessera_models::hf::{HfConfig, HfModel};
+use tessera_models::llama::Llama;
 
 /// The built-in configuration (also at examples/configs/arith.toml).
 const DEFAULT_CONFIG: &str = include_str!("configs/arith.toml");
@@ -78,40 +80,28 @@ impl Args {
     }
 }
 
-/// A replica's stream of training windows.
-struct Windows(Sampler);
-
-impl Batches for Windows {
-    fn next_batch(&mut self, device: &Device) -> tessera::Result<(Tensor, Tensor)> {
-        self.0.next_batch(device)
-    }
-    fn cursor(&self) -> serde_json::Value {
-        self.0.cursor().to_json().unwrap_or(serde_json::Value::Null)
-    }
-    fn restore(&mut self, cursor: &serde_json::Value) -> tessera::Result<()> {
-        self.0.restore(Cursor::from_json(cursor)?)
-    }
-}
-
-/// The model section of the config as a GPT-2 `config.json`, with the
-/// vocabulary of the data and room for the sequence length.
-fn model_config(cfg: &TrainConfig, vocab: usize) -> Result<Gpt2Config> {
+/// The model section of the config as a Hugging Face `config.json` for
+/// `kind`, with the vocabulary of the data and room for the sequence length.
+fn model_json(cfg: &TrainConfig, kind: &str, vocab: usize) -> Result<serde_json::Value> {
     let mut table = cfg.model.clone();
-    match table.remove("kind").as_ref().and_then(|v| v.as_str()) {
-        None | Some("gpt2") => {}
-        Some(other) => bail!("model.kind = {other:?}: this program trains `gpt2`; see tessera-models for Llama and Mixtral"),
-    }
+    table.remove("kind");
     let mut json = serde_json::to_value(&table).context("model section")?;
     json["vocab_size"] = vocab.into();
-    if json.get("n_positions").is_none() {
-        json["n_positions"] = cfg.batch.seq_len.into();
+    let positions = if kind == "gpt2" { "n_positions" } else { "max_position_embeddings" };
+    if json.get(positions).is_none() {
+        json[positions] = cfg.batch.seq_len.into();
     }
-    Ok(Gpt2Config::from_json(&json)?)
+    Ok(json)
+}
+
+/// A width or depth of the model, under its GPT-2 or Llama name.
+fn size(json: &serde_json::Value, names: [&str; 2]) -> usize {
+    names.iter().find_map(|n| json.get(*n).and_then(|v| v.as_u64())).unwrap_or(0) as usize
 }
 
 /// Greedy completions of equal-length prompts on one rank: each new token is
 /// the most likely one after the prompt and what was written so far.
-fn generate(model: &Gpt2, cx: &mut Cx, prompts: &[Vec<u32>], new_tokens: usize) -> tessera::Result<Vec<Vec<u32>>> {
+fn generate<M: Module<In = Replicated, Out = SplitHidden>>(model: &M, cx: &mut Cx, prompts: &[Vec<u32>], new_tokens: usize) -> tessera::Result<Vec<Vec<u32>>> {
     let mut seqs: Vec<Vec<u32>> = prompts.to_vec();
     for _ in 0..new_tokens {
         let (b, t) = (seqs.len(), seqs[0].len());
@@ -135,8 +125,19 @@ fn main() -> Result<()> {
     };
     let overrides = args.overrides();
     let cfg = TrainConfig::parse(&text, &overrides.iter().map(String::as_str).collect::<Vec<_>>())?;
-    let out = PathBuf::from(&cfg.run.out);
+    match cfg.model.get("kind").and_then(|v| v.as_str()).unwrap_or("gpt2") {
+        "gpt2" => run::<Gpt2>(&args, &cfg, "gpt2"),
+        "llama" => run::<Llama>(&args, &cfg, "llama"),
+        other => bail!("model.kind = {other:?}: this program trains `gpt2` or `llama`"),
+    }
+}
 
+fn run<M>(args: &Args, cfg: &TrainConfig, kind: &str) -> Result<()>
+where
+    M: HfModel + Staged<In = Replicated, Out = SplitHidden>,
+    M::Config: Sync,
+{
+    let out = PathBuf::from(&cfg.run.out);
     // Data: the bundled task, generated into the run directory once.
     let task = arith::Task::new(cfg.data.seed);
     let data_dir = match cfg.data.source.as_str() {
@@ -150,20 +151,29 @@ fn main() -> Result<()> {
         other => PathBuf::from(other),
     };
     let data = Dataset::open(&data_dir)?;
-    let vocab = data.index().vocab_size;
+    // The vocabulary is split over the tensor-parallel ranks: pad it to a
+    // multiple of 8 per rank, as Megatron does (the extra ids never occur).
+    let step = 8 * cfg.mesh.tp;
+    let vocab = data.index().vocab_size.div_ceil(step) * step;
 
-    let model_cfg = model_config(&cfg, vocab)?;
-    let probe = Gpt2::new(&model_cfg)?;
+    let json = model_json(cfg, kind, vocab)?;
+    let model_cfg = M::Config::from_json(&json)?;
+    let build = |cx: &Cx| M::from_config(&model_cfg, cx).map_err(|e| tessera::Error::Config { key: "model".into(), detail: e.to_string() });
+    let probe = build(&Cx::new(Device::cpu()))?;
     let params: usize = module::distinct_params(&probe)?.iter().map(|n| n.param.global_shape().elem_count()).sum();
-    let facts = ModelFacts { vocab, flops_per_token: transformer_flops_per_token(params, model_cfg.n_layer, cfg.batch.seq_len, model_cfg.n_embd) };
+    let (layers, width) = (size(&json, ["n_layer", "num_hidden_layers"]), size(&json, ["n_embd", "hidden_size"]));
+    let facts = ModelFacts { vocab, flops_per_token: transformer_flops_per_token(params, layers, cfg.batch.seq_len, width) };
     let trainer = Trainer::new(
         cfg.clone(),
         facts,
-        |_cx: &Cx, _, _| Ok(Gpt2::new(&model_cfg).map_err(|e| tessera::Error::config("model", e.to_string()))?),
+        |cx: &Cx, _, _| build(cx),
         |replica| {
             let global = cfg.batch.micro_batch * replica.count;
             let sampler = Sampler::new(&data, global, cfg.batch.seq_len, replica.index, replica.count, cfg.data.seed)?;
-            Ok(Box::new(Windows(sampler)) as Box<dyn Batches>)
+            Ok(match cfg.data.source.as_str() {
+                "bundled" => Box::new(AnswerTargets(sampler)) as Box<dyn Batches>,
+                _ => Box::new(sampler),
+            })
         },
     )?;
     if args.fresh {
@@ -174,10 +184,19 @@ fn main() -> Result<()> {
     }
     let m = &cfg.mesh;
     println!(
-        "training GPT-2 ({params} parameters: {} layers, hidden {}, {} heads) on {} CPU ranks: dp{} × tp{} × pp{} ({} schedule, {} microbatches of {} × {} tokens per replica and step)",
-        model_cfg.n_layer, model_cfg.n_embd, model_cfg.n_head, m.world_size(), m.dp, m.tp, m.pp, m.schedule, cfg.batch.grad_accum, cfg.batch.micro_batch, cfg.batch.seq_len
+        "training {kind} ({params} parameters, {layers} layers, hidden {width}) on {} CPU ranks: dp{} × tp{} × pp{} ({} schedule, {} microbatches of {} × {} tokens per replica and step)",
+        m.world_size(),
+        m.dp,
+        m.tp,
+        m.pp,
+        m.schedule,
+        cfg.batch.grad_accum,
+        cfg.batch.micro_batch,
+        cfg.batch.seq_len
     );
-    println!("task: {}-digit addition, answers written least significant digit first (\"123+045=8610\")", 3);
+    if cfg.data.source == "bundled" {
+        println!("task: three-digit addition, every number written least significant digit first (123 + 45 = 168 is \"321+540=8610\"); loss on the answers");
+    }
     let summary = trainer.run()?;
     if summary.resumed_from > 0 {
         println!("resumed from the checkpoint of step {}", summary.resumed_from);
@@ -190,20 +209,25 @@ fn main() -> Result<()> {
             println!("step {step}: {e:?}");
         }
     }
+    if cfg.data.source != "bundled" {
+        return Ok(());
+    }
 
     // Evaluation on one rank, from the final checkpoint (resharded from the training mesh).
     let started = Instant::now();
     let mut cx = Cx::new(Device::cpu());
     cx.set_training(false);
-    let model = module::build(Gpt2::new(&model_cfg)?, &cx)?;
+    let model = module::build(build(&cx)?, &cx)?;
     Checkpointer::new(trainer.checkpoint_dir(), cfg.checkpoint.keep)?.load(&summary.checkpoint, &model, None, &cx)?;
     let report = task.eval_batched(args.eval, 100, |prompts| generate(&model, &mut cx, prompts, arith::ANSWER_LEN))?;
     println!("\nexact match on {} held-out problems: {:.1}% ({} right), evaluated in {:.1}s", report.total, 100.0 * report.accuracy, report.correct, started.elapsed().as_secs_f64());
+    let digits: Vec<String> = report.digit_accuracy.iter().map(|a| format!("{:.0}%", 100.0 * a)).collect();
+    println!("per answer digit (least significant first): {}", digits.join(" "));
     println!("samples (prompt -> answer, digits least significant first):");
     for s in &report.samples {
         println!("  {}{:<5} expected {:<5} {}", s.prompt, s.got, s.expected, if s.got == s.expected { "right" } else { "WRONG" });
     }
-    let eval = serde_json::json!({ "held_out": report.total, "correct": report.correct, "exact_match": report.accuracy });
+    let eval = serde_json::json!({ "held_out": report.total, "correct": report.correct, "exact_match": report.accuracy, "digit_accuracy": report.digit_accuracy });
     write(&out.join("eval.json"), &eval.to_string())?;
     println!("\nrun directory {}: config.toml, metrics.jsonl, trace.json, loss.png, eval.json, checkpoints/", out.display());
     Ok(())

@@ -378,3 +378,39 @@ fn bundled_shards_feed_the_sampler_aligned_to_lines() {
         assert!(text.lines().all(|l| l.len() == arith::LINE_LEN - 1 && l.as_bytes()[3] == b'+'), "{text:?}");
     }
 }
+
+#[test]
+fn answer_targets_keep_only_the_answers() {
+    use tessera::train::Batches;
+    let dir = scratch("answers");
+    let task = Task::new(0).with_train_size(1_000);
+    task.write_shards(&dir, 1 << 20).unwrap();
+    let data = Dataset::open(&dir).unwrap();
+    let tok = data.tokenizer().unwrap();
+    let dev = Device::cpu();
+    let mut plain = Sampler::new(&data, 4, arith::SEQ, 0, 1, 3).unwrap();
+    let mut answers = tessera::data::AnswerTargets(Sampler::new(&data, 4, arith::SEQ, 0, 1, 3).unwrap());
+    let (_, want) = plain.next_ids().unwrap();
+    let (x, y) = answers.next_batch(&dev).unwrap();
+    assert_eq!(x.dims(), &[4, arith::SEQ]);
+    let y = y.to_vec::<u32>().unwrap();
+    let ignore = answers.ignore_index().unwrap();
+    for (row, want_row) in y.chunks(arith::SEQ).zip(want.chunks(arith::SEQ)) {
+        // Per line: the four answer digits and the newline, nothing else.
+        let kept: Vec<u32> = row.iter().zip(want_row).filter(|(t, _)| **t != ignore).map(|(t, w)| {
+            assert_eq!(t, w, "kept targets are unchanged");
+            *t
+        }).collect();
+        let text = tok.decode(&kept).unwrap();
+        assert_eq!(text.len(), 4 * arith::ANSWER_LEN, "{text:?}");
+        for (line, answer) in text.lines().zip(tok.decode(want_row).unwrap().lines()) {
+            assert_eq!(line, &answer[arith::PROMPT_LEN..], "the answer of `{answer}`");
+        }
+    }
+    // The cursor is the sampler's: restoring it repeats the batch.
+    let c = answers.cursor();
+    let (_, a) = answers.next_batch(&dev).unwrap();
+    answers.restore(&c).unwrap();
+    let (_, b) = answers.next_batch(&dev).unwrap();
+    assert_eq!(a.to_vec::<u32>().unwrap(), b.to_vec::<u32>().unwrap());
+}

@@ -36,11 +36,13 @@
 //! ```
 
 pub mod arith;
+mod batches;
 mod prepare;
 mod sampler;
 pub mod shards;
 mod tokenizer;
 
+pub use batches::AnswerTargets;
 pub use prepare::{input_files, prepare, TokenizerSource};
 pub use sampler::{Cursor, Sampler, Window, WindowRange};
 pub use shards::{Dataset, Index, ShardEntry, ShardWriter, TokenDType};

@@ -326,7 +326,7 @@ pub struct StabilityConfig {
 
 impl Default for StabilityConfig {
     fn default() -> Self {
-        StabilityConfig { spike_factor: 4.0, decay: 0.95, warmup: 20, rollback: true }
+        StabilityConfig { spike_factor: 3.0, decay: 0.95, warmup: 20, rollback: true }
     }
 }
 

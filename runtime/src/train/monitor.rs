@@ -51,6 +51,18 @@ impl StabilityMonitor {
                 return Some(Anomaly::GradNormSpike { step, grad_norm, average: self.norm_avg });
             }
         }
+        self.learn(loss, grad_norm);
+        None
+    }
+
+    /// Counts a step as healthy: its values join the moving averages. Every
+    /// step [`observe`](Self::observe) passes is learnt; a trainer that lets
+    /// a flagged step through anyway (a gradient-norm spike that clipping
+    /// bounds) calls this so the averages follow a norm that rose for good.
+    pub fn learn(&mut self, loss: f64, grad_norm: f64) {
+        if !(loss.is_finite() && grad_norm.is_finite()) {
+            return;
+        }
         if self.healthy == 0 {
             (self.loss_avg, self.norm_avg) = (loss, grad_norm);
         } else {
@@ -58,7 +70,6 @@ impl StabilityMonitor {
             self.norm_avg = self.decay * self.norm_avg + (1.0 - self.decay) * grad_norm;
         }
         self.healthy += 1;
-        None
     }
 }
 

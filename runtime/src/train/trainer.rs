@@ -10,7 +10,8 @@
 //!    rank skips the step everywhere and backs the loss scale off;
 //! 2. the global gradient norm is measured (each logical parameter once) and
 //!    clipped;
-//! 3. the [`StabilityMonitor`] judges the loss and the norm: on a NaN or a
+//! 3. the [`StabilityMonitor`] judges the loss and the norm: a norm spike
+//!    alone is recorded (clipping bounds the update); on a NaN or a loss
 //!    spike the update is dropped and, with `stability.rollback`, every rank
 //!    reloads the newest valid checkpoint and moves its data cursor past
 //!    everything drawn since that checkpoint, so the offending data is not
@@ -62,6 +63,11 @@ pub trait Batches: Send {
     fn cursor(&self) -> Value;
     /// Goes back (or forward) to a cursor.
     fn restore(&mut self, cursor: &Value) -> Result<()>;
+    /// A target id that contributes no loss (positions not to learn), if the
+    /// stream uses one.
+    fn ignore_index(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// Which data replica a [`Batches`] stream serves.
@@ -398,9 +404,10 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             }
             let scale = scaler.as_ref().map_or(1.0, |s| s.scale());
             let vocab = self.facts.vocab;
+            let ignore = batches.ignore_index();
             let report = crate::parallel::pipeline::run_stage(&model, &mut cx, &schedule, stage, &inputs, |mb, logits: &Act<SplitHidden>| {
-                let (l, saved) = vocab_parallel_cross_entropy(&*tp_group, logits, &targets[mb], vocab, None)?;
-                let dl = vocab_parallel_cross_entropy_backward(logits, &targets[mb], vocab, None, &saved, scale / micro as f64)?;
+                let (l, saved) = vocab_parallel_cross_entropy(&*tp_group, logits, &targets[mb], vocab, ignore)?;
+                let dl = vocab_parallel_cross_entropy_backward(logits, &targets[mb], vocab, ignore, &saved, scale / micro as f64)?;
                 Ok((l.to_scalar()?, dl))
             })?;
             if tracing {
@@ -453,6 +460,18 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
 
             let opt_started = Instant::now();
             let mut skipped = true;
+            // A gradient-norm spike alone is recorded, not acted on: clipping
+            // already bounds the update, and norms rise legitimately when a
+            // model starts learning something new. NaNs and loss spikes are
+            // what rollbacks are for.
+            let anomaly = match anomaly {
+                Some(a @ Anomaly::GradNormSpike { .. }) => {
+                    events.push(Event::Anomaly { detail: describe(&a) });
+                    monitor.learn(loss, grad_norm.unwrap_or(0.0));
+                    None
+                }
+                other => other,
+            };
             if let Some(a) = anomaly {
                 events.push(Event::Anomaly { detail: describe(&a) });
                 zero_grads(&model)?;
