@@ -393,9 +393,9 @@ fn answer_targets_keep_only_the_answers() {
     let (_, want) = plain.next_ids().unwrap();
     let (x, y) = answers.next_batch(&dev).unwrap();
     assert_eq!(x.dims(), &[4, arith::SEQ]);
-    let y = y.to_vec::<u32>().unwrap();
+    let (x, y) = (x.to_vec::<u32>().unwrap(), y.to_vec::<u32>().unwrap());
     let ignore = answers.ignore_index().unwrap();
-    for (row, want_row) in y.chunks(arith::SEQ).zip(want.chunks(arith::SEQ)) {
+    for ((row, want_row), input) in y.chunks(arith::SEQ).zip(want.chunks(arith::SEQ)).zip(x.chunks(arith::SEQ)) {
         // Per line: the four answer digits and the newline, nothing else.
         let kept: Vec<u32> = row.iter().zip(want_row).filter(|(t, _)| **t != ignore).map(|(t, w)| {
             assert_eq!(t, w, "kept targets are unchanged");
@@ -403,8 +403,10 @@ fn answer_targets_keep_only_the_answers() {
         }).collect();
         let text = tok.decode(&kept).unwrap();
         assert_eq!(text.len(), 4 * arith::ANSWER_LEN, "{text:?}");
-        for (line, answer) in text.lines().zip(tok.decode(want_row).unwrap().lines()) {
-            assert_eq!(line, &answer[arith::PROMPT_LEN..], "the answer of `{answer}`");
+        let lines: Vec<String> = tok.decode(input).unwrap().lines().map(String::from).collect();
+        assert_eq!(lines.len(), 4);
+        for (got, line) in text.lines().zip(&lines) {
+            assert_eq!(got, &line[arith::PROMPT_LEN..], "the answer of `{line}`");
         }
     }
     // The cursor is the sampler's: restoring it repeats the batch.
