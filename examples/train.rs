@@ -20,7 +20,7 @@ use std::time::Instant;
 use tessera::ckpt::Checkpointer;
 use tessera::data::{arith, AnswerTargets, Dataset, Sampler};
 use tessera::module::{self, Act, Cx, Module, Replicated, SplitHidden, Staged};
-use tessera::observe::transformer_flops_per_token;
+use tessera::observe::{transformer_flops_per_token, Event};
 use tessera::train::{Batches, ModelFacts, TrainConfig, Trainer};
 use tessera::{Device, Tensor};
 use tessera_models::gpt2::Gpt2;
@@ -204,10 +204,17 @@ where
     if let (Some(first), Some(last)) = (summary.losses.first(), summary.losses.last()) {
         println!("loss {:.3} (step {}) -> {:.3} (step {}) in {:.1}s, {:.0} tokens/s", first.1, first.0, last.1, last.0, summary.elapsed.as_secs_f64(), summary.tokens_per_s);
     }
+    let mut norm_spikes = 0;
     for (step, e) in &summary.events {
-        if !matches!(e, tessera::observe::Event::Checkpoint { .. }) {
-            println!("step {step}: {e:?}");
+        match e {
+            Event::Checkpoint { .. } => {}
+            Event::Anomaly { detail } if detail.contains("gradient-norm spike") => norm_spikes += 1,
+            Event::Anomaly { detail } => println!("step {step}: anomaly: {detail}"),
+            other => println!("step {step}: {other:?}"),
         }
+    }
+    if norm_spikes > 0 {
+        println!("{norm_spikes} gradient-norm spikes recorded (clipped; see metrics.jsonl)");
     }
     if cfg.data.source != "bundled" {
         return Ok(());
