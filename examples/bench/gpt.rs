@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tessera::module::{self, Cx, Hooks, Module, RecomputeOverride};
-use tessera::observe::transformer_flops_per_token;
+use tessera::observe::{transformer_flops_per_token, PeakRate};
 use tessera::ops;
 use tessera::optim::{AdamW, AdamWConfig};
 use tessera::prelude::*;
@@ -107,21 +107,6 @@ impl Hooks for Profiler {
     }
 }
 
-/// Seconds of one `m × k × n` f32 product through the runtime's matmul (best of 3).
-fn matmul_seconds(m: usize, k: usize, n: usize, dev: &Device) -> tessera::Result<f64> {
-    let init = Init::Uniform { lo: -1.0, hi: 1.0 };
-    let a = Tensor::rand(init, RngKey::new(1, 0), [m, k], DType::F32, dev)?;
-    let b = Tensor::rand(init, RngKey::new(2, 0), [k, n], DType::F32, dev)?;
-    ops::matmul(&a, &b)?;
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let t = Instant::now();
-        ops::matmul(&a, &b)?;
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    Ok(best)
-}
-
 pub fn run(args: &Args) -> Result<()> {
     let dev = Device::cpu();
     let profiler = Arc::new(Profiler(Mutex::new(Profile::default())));
@@ -158,10 +143,10 @@ pub fn run(args: &Args) -> Result<()> {
     profiler.take();
     let (mm_m, mm_k, mm_n) = (tokens, DIM, 4 * DIM);
     let mut step_times = Vec::new();
-    let mut mm_times = Vec::new();
+    let mut mm_rates = Vec::new();
     let mut loss = 0.0;
     for _ in 0..args.steps {
-        mm_times.push(matmul_seconds(mm_m, mm_k, mm_n, &dev)?);
+        mm_rates.push(PeakRate::measure_matmul_shape(&dev, mm_m, mm_k, mm_n)?.flops_per_s);
         let t = Instant::now();
         loss = step(&mut cx, &mut opt)?;
         step_times.push(t.elapsed().as_secs_f64());
@@ -171,7 +156,7 @@ pub fn run(args: &Args) -> Result<()> {
         v[v.len() / 2]
     };
     let step_s = median(&mut step_times);
-    let mm_gflops = 2.0 * (mm_m * mm_k * mm_n) as f64 / median(&mut mm_times) / 1e9;
+    let mm_gflops = median(&mut mm_rates) / 1e9;
     let gflops = flops / step_s / 1e9;
     if args.breakdown {
         let totals = profiler.take();

@@ -31,9 +31,14 @@ pub struct PeakRate {
 impl PeakRate {
     /// Measures the f32 matmul rate at `n × n × n` on `device` (best of a few runs).
     pub fn measure_matmul(device: &Device, n: usize) -> Result<PeakRate> {
+        Self::measure_matmul_shape(device, n, n, n)
+    }
+
+    /// Measures the f32 matmul rate of `[m, k] · [k, n]` on `device` (best of a few runs).
+    pub fn measure_matmul_shape(device: &Device, m: usize, k: usize, n: usize) -> Result<PeakRate> {
         let init = Init::Uniform { lo: -1.0, hi: 1.0 };
-        let a = Tensor::rand(init, RngKey::new(1, 0), [n, n], DType::F32, device)?;
-        let b = Tensor::rand(init, RngKey::new(2, 0), [n, n], DType::F32, device)?;
+        let a = Tensor::rand(init, RngKey::new(1, 0), [m, k], DType::F32, device)?;
+        let b = Tensor::rand(init, RngKey::new(2, 0), [k, n], DType::F32, device)?;
         ops::matmul(&a, &b)?;
         let mut best = f64::MAX;
         for _ in 0..3 {
@@ -41,6 +46,6 @@ impl PeakRate {
             ops::matmul(&a, &b)?;
             best = best.min(t.elapsed().as_secs_f64());
         }
-        Ok(PeakRate { flops_per_s: 2.0 * (n * n * n) as f64 / best.max(1e-9) })
+        Ok(PeakRate { flops_per_s: 2.0 * (m * k * n) as f64 / best.max(1e-9) })
     }
 }
