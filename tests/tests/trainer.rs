@@ -201,3 +201,18 @@ fn fp16_training_scales_the_loss_and_learns() {
     assert!(l.last().unwrap().1 < l[0].1, "{l:?}");
     let _ = std::fs::remove_dir_all(&out);
 }
+
+#[test]
+fn bf16_training_keeps_f32_masters_and_learns() {
+    let out = scratch("bf16");
+    let summary = train(config(&out, "[precision]\ncompute = \"bf16\"\n[batch]\nmicro_batch = 4\n", &["run.steps=12"]), 0..0);
+    let metrics = read_metrics(out.join("metrics.jsonl")).unwrap();
+    assert!(metrics.iter().all(|m| m.loss_scale.is_none() && !m.skipped), "bf16 needs no loss scaling");
+    let l = &summary.losses;
+    assert!(l.last().unwrap().1 < l[0].1, "{l:?}");
+    // The checkpoint holds f32 master weights.
+    let manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(summary.checkpoint.join("manifest.json")).unwrap()).unwrap();
+    let dtypes: Vec<&str> = manifest["tensors"].as_array().unwrap().iter().filter_map(|t| t["dtype"].as_str()).collect();
+    assert!(!dtypes.is_empty() && dtypes.iter().all(|d| *d == "f32"), "{dtypes:?}");
+    let _ = std::fs::remove_dir_all(&out);
+}
