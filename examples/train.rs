@@ -198,7 +198,9 @@ where
         println!("task: three-digit addition, every number written least significant digit first (123 + 45 = 168 is \"321+540=8610\"); loss on the answers");
     }
     let summary = trainer.run()?;
-    if summary.resumed_from > 0 {
+    if summary.resumed_from >= cfg.run.steps {
+        println!("the run in {} already finished its {} steps (--fresh starts over); evaluating its final checkpoint", out.display(), cfg.run.steps);
+    } else if summary.resumed_from > 0 {
         println!("resumed from the checkpoint of step {}", summary.resumed_from);
     }
     if let (Some(first), Some(last)) = (summary.losses.first(), summary.losses.last()) {

@@ -304,7 +304,8 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let (resumed_from, checkpoint) = outcome.ok_or_else(|| Error::invalid("trainer", "no rank ran"))?;
         let collector = collector.into_inner().unwrap_or_else(|e| e.into_inner());
         collector.bar.finish();
-        if cfg.run.trace_steps > 0 {
+        // A run that had nothing left to do keeps the trace of the run that did.
+        if cfg.run.trace_steps > 0 && !trace.spans().is_empty() {
             trace.write(out.join("trace.json"))?;
         }
         if !collector.losses.is_empty() {
@@ -384,7 +385,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         }
         let resumed_from = done;
         let mut rollbacks = 0;
-        let mut last_saved: Option<PathBuf> = None;
+        let mut last_saved: Option<(u64, PathBuf)> = None;
         let mut pending_save: Option<crate::ckpt::SaveHandle> = None;
         let micro = cfg.batch.grad_accum;
         let last_stage = stage == pp - 1;
@@ -533,7 +534,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
                     trace.span(rank, "checkpoint", "io", || ckpt.save(done, &model, state, &cx, extra))?
                 };
                 events.push(Event::Checkpoint { dir: dir.display().to_string() });
-                last_saved = Some(dir);
+                last_saved = Some((done, dir));
             }
             if tracing {
                 trace.record(rank, format!("step {done}"), "step", step_started, Instant::now());
@@ -544,9 +545,11 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         if let Some(h) = pending_save.take() {
             h.wait()?;
         }
+        // The final state is always in a checkpoint (the last step may have
+        // been skipped, and so not saved).
         let last = match last_saved {
-            Some(dir) => dir,
-            None => {
+            Some((step, dir)) if step == done => dir,
+            _ => {
                 let extra = json!({ "data": batches.cursor(), "scaler": scaler });
                 ckpt.save(done, &model, state_of(&opt, &zero), &cx, extra)?
             }
