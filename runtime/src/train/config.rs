@@ -159,7 +159,7 @@ pub struct OptimConfig {
     pub lr: f64,
     /// Learning rate at the end of the cosine decay.
     pub min_lr: f64,
-    /// Warmup steps.
+    /// Warmup steps (a run shorter than that warms up over all its steps).
     pub warmup: u64,
     /// Decoupled weight decay.
     pub weight_decay: f64,
@@ -419,9 +419,6 @@ impl TrainConfig {
         let o = &self.optim;
         if !(o.lr.is_finite() && o.lr > 0.0 && o.min_lr.is_finite() && o.min_lr >= 0.0 && o.min_lr <= o.lr) {
             return Err(Error::config("optim.lr", format!("need 0 <= min_lr <= lr and lr > 0; got lr {} and min_lr {}", o.lr, o.min_lr)));
-        }
-        if o.warmup > self.run.steps {
-            return Err(Error::config("optim.warmup", format!("{} warmup steps exceed the run's {} steps; lower optim.warmup or raise run.steps", o.warmup, self.run.steps)));
         }
         if !(o.clip.is_finite() && o.clip >= 0.0) {
             return Err(Error::config("optim.clip", "a threshold >= 0 (0 turns clipping off)"));

@@ -367,7 +367,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         // The optimizer state checkpoints hold: AdamW's, or this rank's ZeRO shard.
         let mut zero_state = zero.clone();
         let schedule = cfg.mesh.schedule_kind()?.build(pp, cfg.batch.grad_accum)?;
-        let lr_schedule = WarmupCosine::new(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup, cfg.run.steps)?;
+        let lr_schedule = WarmupCosine::new(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup.min(cfg.run.steps), cfg.run.steps)?;
         let mut monitor = StabilityMonitor::new(cfg.stability.spike_factor, cfg.stability.decay, cfg.stability.warmup)?;
         let mut scaler = if cfg.precision.scales_loss()? {
             Some(LossScaler::new().with_initial_scale(cfg.precision.initial_scale)?.with_hysteresis(cfg.precision.hysteresis)?)
