@@ -24,6 +24,7 @@ pub struct Args {
     reps: usize,
 }
 
+/// Measures every kernel on one thread, then on the whole pool, and prints the JSON lines.
 pub fn run(args: &Args) -> Result<()> {
     ensure!(args.reps > 0 && args.elems > 0, "--reps and --elems must be positive");
     let n = args.elems;
