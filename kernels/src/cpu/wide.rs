@@ -49,3 +49,43 @@ fn with_avx512<R>(body: impl FnOnce() -> R) -> R {
 fn with_avx2<R>(body: impl FnOnce() -> R) -> R {
     body()
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::cpu::exp::exp_f32;
+
+    /// A loop with the shape of the activations: polynomial, bit assembly,
+    /// select and division, over finite, infinite and NaN inputs.
+    fn logistic(x: &[f32], out: &mut [f32]) {
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = 1.0 / (1.0 + exp_f32(-v));
+        }
+    }
+
+    #[test]
+    fn every_available_copy_rounds_like_the_baseline() {
+        let mut x: Vec<f32> = (0..40_000).map(|i| (i as f32 - 20_000.0) * 0.0061).collect();
+        x.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -0.0, 1e30, -1e30]);
+        let mut want = vec![0f32; x.len()];
+        logistic(&x, &mut want);
+        let same = |got: &[f32]| got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits());
+        let mut got = vec![0f32; x.len()];
+        super::widest(|| logistic(&x, &mut got));
+        assert!(same(&got), "selected copy differs from the baseline");
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                got.fill(0.0);
+                // SAFETY: AVX2 support was just checked.
+                unsafe { super::with_avx2(|| logistic(&x, &mut got)) };
+                assert!(same(&got), "AVX2 copy differs from the baseline");
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                got.fill(0.0);
+                // SAFETY: AVX-512F support was just checked.
+                unsafe { super::with_avx512(|| logistic(&x, &mut got)) };
+                assert!(same(&got), "AVX-512 copy differs from the baseline");
+            }
+        }
+    }
+}
