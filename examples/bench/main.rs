@@ -8,8 +8,10 @@
 //! cargo run --release --example bench -- matmul --sizes 1024,2048
 //! cargo run --release --example bench -- collectives --max-bytes 16M
 //! cargo run --release --example bench -- gpt
+//! cargo run --release --example bench -- elementwise
 //! ```
 
+mod elementwise;
 mod gpt;
 
 use anyhow::{ensure, Result};
@@ -35,6 +37,9 @@ enum Bench {
     /// Training throughput of gpt-tiny on one rank, as a share of the f32
     /// matmul rate measured in the same run.
     Gpt(gpt::Args),
+    /// Nanoseconds per element of the f32 activation kernels (GELU, SiLU,
+    /// SwiGLU, forward and backward) on one thread and on the thread pool.
+    Elementwise(elementwise::Args),
 }
 
 #[derive(clap::Args)]
@@ -109,6 +114,7 @@ fn main() -> Result<()> {
         Bench::Matmul(args) => bench_matmul(&args),
         Bench::Collectives(args) => bench_collectives(&args),
         Bench::Gpt(args) => gpt::run(&args),
+        Bench::Elementwise(args) => elementwise::run(&args),
     }
 }
 

@@ -7,6 +7,7 @@
 
 use super::exp::exp;
 use super::elementwise::{map1, map2, PAR_CHUNK};
+use super::wide::widest;
 use crate::Real;
 use rayon::prelude::*;
 
@@ -93,12 +94,14 @@ pub fn swiglu_backward<T: Real>(gate: &[T], up: &[T], dy: &[T], dgate: &mut [T],
     assert_eq!(dgate.len(), n, "dgate and gate lengths differ");
     assert_eq!(dup.len(), n, "dup and gate lengths differ");
     let run = |gate: &[T], up: &[T], dy: &[T], dgate: &mut [T], dup: &mut [T]| {
-        for i in 0..gate.len() {
-            let (g, u, d) = (gate[i], up[i], dy[i]);
-            let s = sigmoid(g);
-            dgate[i] = d * u * silu_grad_from(g, s);
-            dup[i] = d * g * s;
-        }
+        widest(|| {
+            let outs = dgate.iter_mut().zip(dup.iter_mut());
+            for ((dg, du), ((&g, &u), &d)) in outs.zip(gate.iter().zip(up).zip(dy)) {
+                let s = sigmoid(g);
+                *dg = d * u * silu_grad_from(g, s);
+                *du = d * g * s;
+            }
+        })
     };
     if n <= PAR_CHUNK {
         run(gate, up, dy, dgate, dup);
@@ -211,6 +214,35 @@ mod tests {
             assert_close(&dgate, &num_g, 1e-8, 1e-6, "swiglu dgate");
             assert_close(&dup, &num_u, 1e-8, 1e-6, "swiglu dup");
         }
+    }
+
+    #[test]
+    fn f32_kernels_match_one_value_at_a_time_bit_for_bit() {
+        // The buffers run through whichever vector copy the CPU selects; a
+        // plain per-element evaluation must round identically, tails and
+        // special values included.
+        let n = 2 * PAR_CHUNK + 13;
+        let mut x: Vec<f32> = inputs(20, n).iter().map(|&v| 30.0 * v as f32).collect();
+        x[..6].copy_from_slice(&[0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, -1e30, 1e30]);
+        let u: Vec<f32> = inputs(21, n).iter().map(|&v| v as f32).collect();
+        let dy: Vec<f32> = rand_vec(22, n).iter().map(|&v| v as f32).collect();
+        let same = |got: &[f32], want: &dyn Fn(usize) -> f32, what: &str| {
+            for (i, &g) in got.iter().enumerate() {
+                let w = want(i);
+                assert!(g.to_bits() == w.to_bits(), "{what}[{i}] at x = {}: {g} != {w}", x[i]);
+            }
+        };
+        let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+        gelu_forward(&x, &mut a);
+        same(&a, &|i| gelu(std::hint::black_box(x[i])), "gelu");
+        gelu_backward(&x, &dy, &mut a);
+        same(&a, &|i| dy[i] * gelu_grad(std::hint::black_box(x[i])), "gelu backward");
+        silu_forward(&x, &mut a);
+        same(&a, &|i| x[i] * sigmoid(std::hint::black_box(x[i])), "silu");
+        swiglu_backward(&x, &u, &dy, &mut a, &mut b);
+        let s = |i: usize| sigmoid(std::hint::black_box(x[i]));
+        same(&a, &|i| dy[i] * u[i] * silu_grad_from(x[i], s(i)), "swiglu dgate");
+        same(&b, &|i| dy[i] * x[i] * s(i), "swiglu dup");
     }
 
     #[test]

@@ -2,11 +2,14 @@
 //! bias addition and its gradient.
 //!
 //! Every kernel here is memory-bound, so each makes exactly one pass over its
-//! inputs. Large buffers are cut into fixed chunks processed by `rayon`; since
+//! inputs. The generic maps also carry the point-wise activations, which are
+//! compute-bound: their loops run in the widest vector copy the CPU supports
+//! (see `wide`), bit-identical to the baseline. Large buffers are cut into fixed chunks processed by `rayon`; since
 //! no element depends on another (except in [`bias_grad`], whose reduction
 //! order is fixed by the shape alone), results never depend on the number of
 //! threads.
 
+use super::wide::widest;
 use crate::Real;
 use rayon::prelude::*;
 
@@ -24,9 +27,11 @@ where
 {
     assert_eq!(x.len(), out.len(), "input and output lengths differ");
     let run = |x: &[T], out: &mut [U]| {
-        for (o, &v) in out.iter_mut().zip(x) {
-            *o = f(v);
-        }
+        widest(|| {
+            for (o, &v) in out.iter_mut().zip(x) {
+                *o = f(v);
+            }
+        })
     };
     if out.len() <= PAR_CHUNK {
         run(x, out);
@@ -45,9 +50,11 @@ where
     assert_eq!(a.len(), out.len(), "first input and output lengths differ");
     assert_eq!(b.len(), out.len(), "second input and output lengths differ");
     let run = |a: &[T], b: &[T], out: &mut [T]| {
-        for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
-            *o = f(x, y);
-        }
+        widest(|| {
+            for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+                *o = f(x, y);
+            }
+        })
     };
     if out.len() <= PAR_CHUNK {
         run(a, b, out);
@@ -68,9 +75,11 @@ where
 {
     assert_eq!(acc.len(), x.len(), "accumulator and input lengths differ");
     let run = |acc: &mut [T], x: &[T]| {
-        for (a, &v) in acc.iter_mut().zip(x) {
-            *a = f(*a, v);
-        }
+        widest(|| {
+            for (a, &v) in acc.iter_mut().zip(x) {
+                *a = f(*a, v);
+            }
+        })
     };
     if acc.len() <= PAR_CHUNK {
         run(acc, x);

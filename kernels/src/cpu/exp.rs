@@ -26,7 +26,8 @@ pub(crate) fn exp<T: Real>(x: T) -> T {
 ///
 /// `x = n·ln2 + r` with `|r| <= ln2/2` (ln2 split in two parts so `n·ln2_hi` is
 /// exact), `exp(r)` from a degree-7 minimax polynomial, and `2^n` assembled
-/// directly in the exponent bits.
+/// directly in the exponent bits. Every step is plain lane-wise arithmetic, so
+/// loops calling this vectorise completely.
 #[inline(always)]
 pub(crate) fn exp_f32(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -38,7 +39,8 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     // Above 89 the result is infinite anyway; clamping keeps `n` in the
     // exponent's range (`2^128` assembles as infinity); NaN passes through.
     let x = if x > 89.0 { 89.0 } else { x };
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let t = x * LOG2E + ROUND;
+    let n = t - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let p = ((((((1.987_569_2e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
         * r
@@ -49,7 +51,13 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
         * r
         + r
         + 1.0;
-    let two_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // `t` is `ROUND + n` exactly (|n| < 2^22), so its bits are ROUND's plus
+    // `n`: integer arithmetic on them yields 2^n's exponent field with no
+    // float-to-int conversion, whose saturating semantics the compiler
+    // cannot vectorise. Outside the range the bits are garbage that the
+    // final select discards (or NaN swallows).
+    let biased = t.to_bits().wrapping_sub(ROUND.to_bits()).wrapping_add(127);
+    let two_n = f32::from_bits(biased << 23);
     if x < -87.3 {
         0.0
     } else {

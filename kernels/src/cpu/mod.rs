@@ -16,3 +16,4 @@ pub mod reduce;
 pub mod rope;
 pub mod softmax;
 pub mod topk;
+pub(crate) mod wide;
