@@ -9,8 +9,10 @@
 //! cargo run --release --example bench -- collectives --max-bytes 16M
 //! cargo run --release --example bench -- gpt
 //! cargo run --release --example bench -- elementwise
+//! cargo run --release --example bench -- attention
 //! ```
 
+mod attention;
 mod elementwise;
 mod gpt;
 
@@ -40,6 +42,9 @@ enum Bench {
     /// Nanoseconds per element of the f32 activation kernels (GELU, SiLU,
     /// SwiGLU, forward and backward) on one thread and on the thread pool.
     Elementwise(elementwise::Args),
+    /// GFLOP/s of the fused f32 attention forward and backward (gpt-tiny's
+    /// layer shape by default) on the thread pool.
+    Attention(attention::Args),
 }
 
 #[derive(clap::Args)]
@@ -115,6 +120,7 @@ fn main() -> Result<()> {
         Bench::Collectives(args) => bench_collectives(&args),
         Bench::Gpt(args) => gpt::run(&args),
         Bench::Elementwise(args) => elementwise::run(&args),
+        Bench::Attention(args) => attention::run(&args),
     }
 }
 
