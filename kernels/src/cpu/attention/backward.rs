@@ -15,10 +15,15 @@
 //!
 //! No output element is written by two tasks and every sum runs in index
 //! order, so results are bit-identical for any thread count. The price is
-//! recomputing `S` and `dP` in both passes (7 tile products instead of 5);
-//! the alternative of one task per (batch, kv head) owning its group's `dq`
-//! avoids that but leaves as few as `batch · kv_heads` tasks (one, for a
-//! single sequence with multi-query attention), which starves the pool.
+//! recomputing `S` and `dP` in both passes (7 tile products instead of 5).
+//!
+//! When there are at least [`FUSED_TASKS_PER_THREAD`] (batch, kv head) pairs
+//! per thread (gpt-tiny training: 48 for 2 threads), a fused schedule runs
+//! instead: one task per pair, owning its rows of `dk`, `dv` and its group's
+//! `dq`, forms each tile once. It is not used with fewer pairs (one, for a
+//! single sequence with multi-query attention), where it would starve the
+//! pool. Both schedules sum every output in the same order, so the choice,
+//! which depends on the thread count, never shows in the results.
 
 use super::exp::{exp_minus, exp_minus_each};
 use super::tile::{dot, matmul_tile, transpose_scaled};
@@ -38,6 +43,8 @@ struct Scratch<T> {
     p: Vec<T>,
     /// `dP` (transposed in pass 1), `BLOCK_Q·BLOCK_KV`.
     dp: Vec<T>,
+    /// Fused schedule: `dS` transposed back from pass 1's `dSᵀ`, `BLOCK_Q·BLOCK_KV`.
+    ds: Vec<T>,
 }
 
 impl<T: Real> Scratch<T> {
@@ -49,6 +56,7 @@ impl<T: Real> Scratch<T> {
             t2: vec![T::zero(); panel],
             p: vec![T::zero(); BLOCK_Q * BLOCK_KV],
             dp: vec![T::zero(); BLOCK_Q * BLOCK_KV],
+            ds: vec![T::zero(); BLOCK_Q * BLOCK_KV],
         }
     }
 }
@@ -118,6 +126,13 @@ pub fn attention_backward<T: Real>(
         delta: &delta,
     };
 
+    // Enough kv heads to keep every thread busy: one fused pass, which forms
+    // each tile once (5 products) instead of once per pass (7).
+    if !parallel || d.batch * d.kv_heads >= FUSED_TASKS_PER_THREAD * rayon::current_num_threads() {
+        fused(&inp, dq, dk, dv, parallel);
+        return;
+    }
+
     // Pass 1: dk, dv.
     if d.kv_len() > 0 {
         let tasks: Vec<_> = dk
@@ -169,6 +184,88 @@ pub fn attention_backward<T: Real>(
     }
 }
 
+/// The fused schedule needs this many (batch, kv head) tasks per thread: the
+/// tasks are equal in size, so a few per thread already balance the pool.
+const FUSED_TASKS_PER_THREAD: usize = 4;
+
+/// All of `dq`, `dk` and `dv` in one pass, one task per (batch, kv head).
+fn fused<T: Real>(inp: &Inputs<'_, T>, dq: &mut [T], dk: &mut [T], dv: &mut [T], parallel: bool) {
+    let d = inp.d;
+    let hd = d.head_dim;
+    if d.q_len() == 0 || d.kv_len() == 0 {
+        dq.fill(T::zero());
+        dk.fill(T::zero());
+        dv.fill(T::zero());
+        return;
+    }
+    let tasks = dq
+        .chunks_mut(d.group() * d.seq_q * hd)
+        .zip(dk.chunks_mut(d.seq_kv * hd))
+        .zip(dv.chunks_mut(d.seq_kv * hd))
+        .enumerate()
+        .map(|(bg, ((dq, dk), dv))| (bg, dq, dk, dv));
+    let run = |s: &mut Scratch<T>, (bg, dq, dk, dv): (usize, &mut [T], &mut [T], &mut [T])| {
+        group_block(inp, bg / d.kv_heads, bg % d.kv_heads, dq, dk, dv, s)
+    };
+    if parallel {
+        tasks
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .for_each_init(|| Scratch::new(hd), run);
+    } else {
+        let mut s = Scratch::new(hd);
+        tasks.for_each(|t| run(&mut s, t));
+    }
+}
+
+/// Every gradient of kv head `g` in batch `b` and of its group of query heads.
+///
+/// Runs the tiles of both passes of the two-pass schedule in an order that
+/// keeps each output's sum in the same order as there (`dk`/`dv` rows over
+/// query heads, then query blocks; `dq` rows over kv blocks), with `dS` of
+/// each tile transposed back from pass 1's `dSᵀ`, so the results are
+/// bit-identical whichever schedule runs.
+fn group_block<T: Real>(
+    inp: &Inputs<'_, T>,
+    b: usize,
+    g: usize,
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+    s: &mut Scratch<T>,
+) {
+    let d = inp.d;
+    let hd = d.head_dim;
+    let scale = T::lit(d.scale);
+    let kv_base = (b * d.kv_heads + g) * d.seq_kv * hd;
+    dq.fill(T::zero());
+    dk.fill(T::zero());
+    dv.fill(T::zero());
+    for (hi, dq) in dq.chunks_mut(d.seq_q * hd).enumerate() {
+        let bh = b * d.q_heads + g * d.group() + hi;
+        for (qb, dq) in dq.chunks_mut(BLOCK_Q * hd).enumerate() {
+            let i0 = qb * BLOCK_Q;
+            let bq = dq.len() / hd;
+            let row0 = bh * d.seq_q + i0;
+            let q_blk = &inp.q[row0 * hd..(row0 + bq) * hd];
+            let do_blk = &inp.dout[row0 * hd..(row0 + bq) * hd];
+            transpose_scaled(q_blk, bq, hd, scale, &mut s.qs);
+            transpose_scaled(do_blk, bq, hd, T::one(), &mut s.t1);
+            // Kv blocks stay aligned to BLOCK_KV, as in pass 1.
+            for j0 in (0..d.key_end(i0 + bq - 1)).step_by(BLOCK_KV) {
+                let rows = j0 * hd..(j0 + BLOCK_KV).min(d.seq_kv) * hd;
+                let k_blk = &inp.k[kv_base + rows.start..kv_base + rows.end];
+                let v_blk = &inp.v[kv_base + rows.start..kv_base + rows.end];
+                let (dk, dv) = (&mut dk[rows.clone()], &mut dv[rows]);
+                dkv_tile(inp, j0, k_blk, v_blk, i0, row0, q_blk, do_blk, dk, dv, s);
+                let bk = k_blk.len() / hd;
+                transpose_scaled(&s.p[..bk * bq], bk, bq, T::one(), &mut s.ds);
+                matmul_tile(bq, hd, bk, &s.ds, bk, k_blk, hd, dq, hd, true);
+            }
+        }
+    }
+}
+
 /// Gradients of kv rows `j0..j0 + dk.len() / head_dim` of kv head `g` in batch `b`.
 ///
 /// Works on transposed tiles (`Sᵀ = K·(scale·Q)ᵀ`, `[kv rows, q rows]`) so
@@ -202,36 +299,64 @@ fn dkv_block<T: Real>(
             let rows = bh * d.seq_q + i0..bh * d.seq_q + i0 + bq;
             let q_blk = &inp.q[rows.start * hd..rows.end * hd];
             let do_blk = &inp.dout[rows.start * hd..rows.end * hd];
-            let lse = &inp.lse[rows.clone()];
-            let delta = &inp.delta[rows];
             transpose_scaled(q_blk, bq, hd, scale, &mut s.qs);
             transpose_scaled(do_blk, bq, hd, T::one(), &mut s.t1);
-
-            let pt = &mut s.p[..bk * bq];
-            matmul_tile(bk, bq, hd, k_blk, hd, &s.qs, bq, pt, bq, false);
-            let needs_mask = d.causal && d.key_end(i0) < j0 + bk;
-            for (j, row) in pt.chunks_exact_mut(bq).enumerate() {
-                // Queries before `first` are masked from key j0 + j.
-                let first = if needs_mask {
-                    d.first_query(j0 + j).saturating_sub(i0).min(bq)
-                } else {
-                    0
-                };
-                row[..first].fill(T::zero());
-                exp_minus_each(&mut row[first..], &lse[first..]);
-            }
-            matmul_tile(bk, hd, bq, pt, bq, do_blk, hd, dv, hd, true);
-
-            let dpt = &mut s.dp[..bk * bq];
-            matmul_tile(bk, bq, hd, v_blk, hd, &s.t1, bq, dpt, bq, false);
-            for (prow, dprow) in pt.chunks_exact_mut(bq).zip(dpt.chunks_exact(bq)) {
-                for ((p, &dp), &di) in prow.iter_mut().zip(dprow).zip(delta) {
-                    *p = *p * (dp - di) * scale;
-                }
-            }
-            matmul_tile(bk, hd, bq, pt, bq, q_blk, hd, dk, hd, true);
+            dkv_tile(
+                inp, j0, k_blk, v_blk, i0, rows.start, q_blk, do_blk, dk, dv, s,
+            );
         }
     }
+}
+
+/// One (kv block, query block) tile of pass 1: adds its contributions to the
+/// kv block's `dk` and `dv` rows and leaves `dSᵀ` (`[bk, bq]`) in `s.p`.
+///
+/// Expects `s.qs` = (scale·Q)ᵀ and `s.t1` = dOᵀ of the query block starting
+/// at position `i0` (row `row0` of the `lse` layout, `q_blk.len() / head_dim`
+/// rows), and kv rows starting at position `j0`.
+#[allow(clippy::too_many_arguments)]
+fn dkv_tile<T: Real>(
+    inp: &Inputs<'_, T>,
+    j0: usize,
+    k_blk: &[T],
+    v_blk: &[T],
+    i0: usize,
+    row0: usize,
+    q_blk: &[T],
+    do_blk: &[T],
+    dk: &mut [T],
+    dv: &mut [T],
+    s: &mut Scratch<T>,
+) {
+    let d = inp.d;
+    let hd = d.head_dim;
+    let (bk, bq) = (k_blk.len() / hd, q_blk.len() / hd);
+    let scale = T::lit(d.scale);
+    let lse = &inp.lse[row0..row0 + bq];
+    let delta = &inp.delta[row0..row0 + bq];
+    let pt = &mut s.p[..bk * bq];
+    matmul_tile(bk, bq, hd, k_blk, hd, &s.qs, bq, pt, bq, false);
+    let needs_mask = d.causal && d.key_end(i0) < j0 + bk;
+    for (j, row) in pt.chunks_exact_mut(bq).enumerate() {
+        // Queries before `first` are masked from key j0 + j.
+        let first = if needs_mask {
+            d.first_query(j0 + j).saturating_sub(i0).min(bq)
+        } else {
+            0
+        };
+        row[..first].fill(T::zero());
+        exp_minus_each(&mut row[first..], &lse[first..]);
+    }
+    matmul_tile(bk, hd, bq, pt, bq, do_blk, hd, dv, hd, true);
+
+    let dpt = &mut s.dp[..bk * bq];
+    matmul_tile(bk, bq, hd, v_blk, hd, &s.t1, bq, dpt, bq, false);
+    for (prow, dprow) in pt.chunks_exact_mut(bq).zip(dpt.chunks_exact(bq)) {
+        for ((p, &dp), &di) in prow.iter_mut().zip(dprow).zip(delta) {
+            *p = *p * (dp - di) * scale;
+        }
+    }
+    matmul_tile(bk, hd, bq, pt, bq, q_blk, hd, dk, hd, true);
 }
 
 /// Gradient of query rows `i0..i0 + dq.len() / head_dim` of query head `h` in batch `b`.
@@ -458,38 +583,42 @@ mod tests {
     }
 
     #[test]
-    fn bit_identical_across_runs_and_thread_counts() {
-        let d = dims(1, 4, 1, 200, 200, 32, true);
-        assert!(d.work() >= PARALLEL_MIN_WORK);
-        let (q, k, v) = qkv(&d, 3);
-        let dout = to_f32(&rand_vec(4, d.q_len()));
-        let (q, k, v) = (to_f32(&q), to_f32(&k), to_f32(&v));
-        let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| fwd_bwd(&d, &q, &k, &v, &dout))
-        };
-        let bits = |x: &[f32]| x.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
-        let one = run(1);
-        for threads in [2, 3, 1] {
-            let other = run(threads);
-            assert_eq!(
-                bits(&one.1),
-                bits(&other.1),
-                "dq differs with {threads} threads"
-            );
-            assert_eq!(
-                bits(&one.2),
-                bits(&other.2),
-                "dk differs with {threads} threads"
-            );
-            assert_eq!(
-                bits(&one.3),
-                bits(&other.3),
-                "dv differs with {threads} threads"
-            );
+    fn bit_identical_across_runs_thread_counts_and_schedules() {
+        // The first shape has one (batch, kv head) pair and always runs the
+        // two-pass schedule; the others have four, so one thread runs the
+        // fused schedule and two or three threads the two-pass one.
+        for d in [
+            dims(1, 4, 1, 200, 200, 32, true),
+            dims(2, 4, 2, 150, 120, 16, true), // the first 30 queries see no key
+            dims(2, 2, 2, 130, 100, 8, false),
+        ] {
+            assert!(d.work() >= PARALLEL_MIN_WORK);
+            let (q, k, v) = qkv(&d, 3);
+            let dout = to_f32(&rand_vec(4, d.q_len()));
+            let (q, k, v) = (to_f32(&q), to_f32(&k), to_f32(&v));
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                pool.install(|| fwd_bwd(&d, &q, &k, &v, &dout))
+            };
+            let bits = |x: &[f32]| x.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
+            let one = run(1);
+            for threads in [2, 3, 1] {
+                let other = run(threads);
+                for (name, a, b) in [
+                    ("dq", &one.1, &other.1),
+                    ("dk", &one.2, &other.2),
+                    ("dv", &one.3, &other.3),
+                ] {
+                    assert_eq!(
+                        bits(a),
+                        bits(b),
+                        "{name} differs with {threads} threads, {d:?}"
+                    );
+                }
+            }
         }
     }
 }
