@@ -3,7 +3,7 @@
 //! skipped, and fp16 loss scaling.
 
 mod common;
-use common::models::Gpt;
+use common::models::{Gpt, MoeGpt};
 use std::path::{Path, PathBuf};
 use tessera::ckpt::serde_json;
 use tessera::module::{self, Cx};
@@ -215,4 +215,30 @@ fn bf16_training_keeps_f32_masters_and_learns() {
     let dtypes: Vec<&str> = manifest["tensors"].as_array().unwrap().iter().filter_map(|t| t["dtype"].as_str()).collect();
     assert!(!dtypes.is_empty() && dtypes.iter().all(|d| *d == "f32"), "{dtypes:?}");
     let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn expert_parallel_training_matches_one_rank() {
+    // The same four sequences a step: one replica of 4, or ep2 replicas of 2.
+    let run = |name: &str, ep: usize| {
+        let out = scratch(name);
+        let (ep_set, micro) = (format!("mesh.ep={ep}"), format!("batch.micro_batch={}", 4 / ep));
+        let cfg = config(&out, "[batch]\ngrad_accum = 1\n[optim]\nclip = 0.0\n", &["run.steps=3", &ep_set, &micro]);
+        let micro_batch = cfg.batch.micro_batch;
+        let trainer = Trainer::new(
+            cfg,
+            ModelFacts { vocab: VOCAB, flops_per_token: 1e5 },
+            |_cx: &Cx, e, ep| MoeGpt::new(VOCAB, 16, 2, 2, 4, e, ep),
+            move |replica| Ok(Box::new(Counting { replica, micro_batch, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>),
+        )
+        .unwrap();
+        let summary = trainer.run().unwrap();
+        let _ = std::fs::remove_dir_all(&out);
+        summary.losses
+    };
+    let (one, two) = (run("moe-ep1", 1), run("moe-ep2", 2));
+    assert_eq!(one.len(), 3);
+    for ((_, a), (_, b)) in one.iter().zip(&two) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "loss {a} (ep1) vs {b} (ep2)");
+    }
 }

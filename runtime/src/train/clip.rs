@@ -43,15 +43,26 @@ pub fn global_grad_norm<M: Module>(model: &M, cx: &Cx) -> Result<f64> {
 /// Scales every gradient so the global norm is at most `max_norm`; returns
 /// the norm before clipping (see [`global_grad_norm`] for how it counts).
 pub fn clip_grad_norm<M: Module>(model: &M, cx: &Cx, max_norm: f64) -> Result<f64> {
-    if !(max_norm.is_finite() && max_norm > 0.0) {
-        return Err(Error::invalid("clip_grad_norm", format!("max_norm must be a positive number (e.g. 1.0), got {max_norm}")));
-    }
+    check_max_norm(max_norm)?;
     let norm = global_grad_norm(model, cx)?;
     if !norm.is_finite() {
         return Err(Error::invalid(
             "clip_grad_norm",
             format!("the gradient norm is {norm}; skip this step (and lower the loss scale under fp16) rather than applying it"),
         ));
+    }
+    clip_to_norm(model, norm, max_norm)?;
+    Ok(norm)
+}
+
+/// Scales every gradient by `max_norm / norm` when that is below one, for a
+/// caller that has already measured the global norm with
+/// [`global_grad_norm`] (a trainer that also monitors it): the norm's
+/// reductions over the groups then run once per step, not twice.
+pub fn clip_to_norm<M: Module>(model: &M, norm: f64, max_norm: f64) -> Result<()> {
+    check_max_norm(max_norm)?;
+    if !norm.is_finite() {
+        return Err(Error::invalid("clip_to_norm", format!("the gradient norm is {norm}; skip this step rather than clipping it")));
     }
     let factor = max_norm / (norm + 1e-6);
     if factor < 1.0 {
@@ -63,5 +74,12 @@ pub fn clip_grad_norm<M: Module>(model: &M, cx: &Cx, max_norm: f64) -> Result<f6
             }
         }
     }
-    Ok(norm)
+    Ok(())
+}
+
+fn check_max_norm(max_norm: f64) -> Result<()> {
+    if !(max_norm.is_finite() && max_norm > 0.0) {
+        return Err(Error::invalid("clip_grad_norm", format!("max_norm must be a positive number (e.g. 1.0), got {max_norm}")));
+    }
+    Ok(())
 }

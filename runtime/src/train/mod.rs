@@ -9,7 +9,7 @@ mod scaler;
 mod schedule;
 mod trainer;
 
-pub use clip::{clip_grad_norm, global_grad_norm};
+pub use clip::{clip_grad_norm, clip_to_norm, global_grad_norm};
 pub use config::{BatchConfig, CheckpointConfig, DataConfig, MeshConfig, OptimConfig, PrecisionConfig, RecomputeConfig, RunConfig, StabilityConfig, TrainConfig, ZeroSection};
 pub use monitor::{Anomaly, StabilityMonitor};
 pub use scaler::LossScaler;

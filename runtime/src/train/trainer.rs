@@ -24,7 +24,7 @@
 //! rank); checkpoints are written every `checkpoint.every` steps and at the
 //! end; `loss.png` plots the loss curve.
 
-use super::{clip_grad_norm, global_grad_norm, Anomaly, LossScaler, StabilityMonitor, TrainConfig, WarmupCosine};
+use super::{clip_to_norm, global_grad_norm, Anomaly, LossScaler, StabilityMonitor, TrainConfig, WarmupCosine};
 use crate::ckpt::{Checkpointer, OptimizerState};
 use crate::dist::inproc::{mesh_groups, InProcess};
 use crate::dist::mesh::{Axis, Mesh};
@@ -450,13 +450,11 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
                 None => true,
             };
             let measurable = !matches!(zero.as_ref().map(|z| z.stage()), Some(Stage::Two | Stage::Three));
-            let grad_norm = if !finite || !measurable {
-                None
-            } else if cfg.optim.clip > 0.0 {
-                Some(clip_grad_norm_or_inf(&model, &cx, cfg.optim.clip)?)
-            } else {
-                Some(global_grad_norm(&model, &cx)?)
-            };
+            // Measured once: the monitor judges it, clipping scales by it.
+            let grad_norm = if finite && measurable { Some(global_grad_norm(&model, &cx)?) } else { None };
+            if let Some(norm) = grad_norm.filter(|n| n.is_finite() && cfg.optim.clip > 0.0) {
+                clip_to_norm(&model, norm, cfg.optim.clip)?;
+            }
             let anomaly = if finite { monitor.observe(done, loss, grad_norm.unwrap_or(0.0)) } else { None };
 
             let opt_started = Instant::now();
@@ -475,7 +473,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             };
             if let Some(a) = anomaly {
                 events.push(Event::Anomaly { detail: describe(&a) });
-                zero_grads(&model)?;
+                module::zero_grad(&model)?;
                 if cfg.stability.rollback {
                     // Every rank must see the same newest checkpoint: let
                     // saves in flight land (rank 0's wait covers the merged
@@ -495,7 +493,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
                     }
                 }
             } else if !finite {
-                zero_grads(&model)?;
+                module::zero_grad(&model)?;
                 if let Some(s) = scaler.as_mut() {
                     s.update(false);
                     events.push(Event::Overflow { scale: s.scale() });
@@ -606,16 +604,6 @@ fn state_mut<'s>(opt: &'s mut Option<AdamW>, zero: &'s mut Option<Arc<Zero>>) ->
     }
 }
 
-/// Clipping that reports a non-finite norm instead of refusing (the monitor
-/// then flags it as an anomaly).
-fn clip_grad_norm_or_inf<M: Module>(model: &M, cx: &Cx, max: f64) -> Result<f64> {
-    let norm = global_grad_norm(model, cx)?;
-    if !norm.is_finite() {
-        return Ok(norm);
-    }
-    clip_grad_norm(model, cx, max)
-}
-
 fn restore_extra(extra: &Value, batches: &mut dyn Batches, scaler: &mut Option<LossScaler>) -> Result<()> {
     if let Some(cursor) = extra.get("data") {
         batches.restore(cursor)?;
@@ -665,25 +653,26 @@ fn step_report(
     }
 }
 
-fn zero_grads<M: Module>(model: &M) -> Result<()> {
-    for n in module::distinct_params(model)? {
-        n.param.take_grad();
-    }
-    Ok(())
-}
-
 /// Averages every gradient over the data replicas when expert parallelism
 /// is on: an expert's gradient already holds every expert-parallel rank's
 /// tokens (the all-to-all brought them), every other parameter is also
 /// replicated over the expert group and sums over it.
 fn average_grads<M: Module>(model: &M, dp: &dyn Communicator, ep: &dyn Communicator, replicas: usize) -> Result<()> {
-    for n in module::distinct_params(model)? {
-        let Some(g) = n.param.grad() else { continue };
+    // Each parameter once, with whether the visitor places it in an expert.
+    let mut params: Vec<(crate::module::Param, bool)> = Vec::new();
+    module::visit_params(model, |e| {
+        if !params.iter().any(|(p, _)| p.same(e.param)) {
+            params.push((e.param.clone(), e.expert.is_some()));
+        }
+        Ok(())
+    })?;
+    for (p, expert) in params {
+        let Some(g) = p.grad() else { continue };
         let mut g = dp.all_reduce_sum(&g)?;
-        if !n.names.iter().any(|name| name.contains(".experts.")) {
+        if !expert {
             g = ep.all_reduce_sum(&g)?;
         }
-        n.param.set_grad(ops::scale(&g, 1.0 / replicas as f64)?)?;
+        p.set_grad(ops::scale(&g, 1.0 / replicas as f64)?)?;
     }
     Ok(())
 }
