@@ -7,10 +7,14 @@
 //! `T×T×hd` products), halved for causal masking, so the figure compares
 //! directly with the matmul rate. Output: one JSON line per pass, e.g.
 //! `{"bench":"attention","case":"fwd","b":8,"h":6,"t":256,"hd":64,"causal":true,"gflops":80.1}`.
+//! `--packed` times the same computation read from and written to the fused
+//! `qkv` layout an attention layer uses (cases `fwd-packed`, `bwd-packed`).
 
 use anyhow::{ensure, Result};
 use std::hint::black_box;
-use tessera_kernels::cpu::attention::{attention_backward, attention_forward, AttnDims};
+use tessera_kernels::cpu::attention::{
+    attention_backward, attention_backward_packed, attention_forward, attention_forward_packed, AttnDims,
+};
 
 /// Arguments of `bench attention`.
 #[derive(clap::Args)]
@@ -33,6 +37,10 @@ pub struct Args {
     /// Minimum wall time of one timed repetition, in seconds.
     #[arg(long, default_value_t = 0.2)]
     min_time: f64,
+    /// Use the fused `[batch, seq, heads, 3, head_dim]` q/k/v layout of a
+    /// self-attention layer instead of separate per-head tensors.
+    #[arg(long)]
+    packed: bool,
     /// Timed repetitions per pass; the fastest is reported.
     #[arg(long, default_value_t = 5)]
     reps: usize,
@@ -55,39 +63,12 @@ pub fn run(args: &Args) -> Result<()> {
         causal,
         scale: 1.0 / (args.head_dim as f64).sqrt(),
     };
-    let (q, k, v) = (
-        super::fill(d.q_len(), 1),
-        super::fill(d.kv_len(), 2),
-        super::fill(d.kv_len(), 3),
-    );
-    let dout = super::fill(d.q_len(), 4);
-    let mut out = vec![0f32; d.q_len()];
-    let mut lse = vec![0f32; d.lse_len()];
-    let (mut dq, mut dk, mut dv) = (
-        vec![0f32; d.q_len()],
-        vec![0f32; d.kv_len()],
-        vec![0f32; d.kv_len()],
-    );
-    let t_fwd = super::time_per_call(args.min_time, args.reps, || {
-        attention_forward(&d, black_box(&q), &k, &v, &mut out, &mut lse)
-    });
-    let t_bwd = super::time_per_call(args.min_time, args.reps, || {
-        attention_backward(
-            &d,
-            black_box(&q),
-            &k,
-            &v,
-            &out,
-            &lse,
-            &dout,
-            &mut dq,
-            &mut dk,
-            &mut dv,
-        )
-    });
+    let (t_fwd, t_bwd) = if args.packed { time_packed(args, &d) } else { time_heads(args, &d) };
     let product = (d.batch * d.q_heads * d.seq_q * d.seq_kv * d.head_dim) as f64 * 2.0;
     let visible = if causal { 0.5 } else { 1.0 };
+    let suffix = if args.packed { "-packed" } else { "" };
     for (case, t, products) in [("fwd", t_fwd, 2.0), ("bwd", t_bwd, 4.0)] {
+        let case = format!("{case}{suffix}");
         let gflops = product * products * visible / t / 1e9;
         eprintln!(
             "attention {case}: {:>8.3} ms  {gflops:>6.1} GFLOP/s",
@@ -109,4 +90,30 @@ pub fn run(args: &Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Seconds per forward and per backward call on separate per-head tensors.
+fn time_heads(args: &Args, d: &AttnDims) -> (f64, f64) {
+    let (q, k, v) = (super::fill(d.q_len(), 1), super::fill(d.kv_len(), 2), super::fill(d.kv_len(), 3));
+    let dout = super::fill(d.q_len(), 4);
+    let mut out = vec![0f32; d.q_len()];
+    let mut lse = vec![0f32; d.lse_len()];
+    let (mut dq, mut dk, mut dv) = (vec![0f32; d.q_len()], vec![0f32; d.kv_len()], vec![0f32; d.kv_len()]);
+    let t_fwd = super::time_per_call(args.min_time, args.reps, || attention_forward(d, black_box(&q), &k, &v, &mut out, &mut lse));
+    let t_bwd = super::time_per_call(args.min_time, args.reps, || {
+        attention_backward(d, black_box(&q), &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv)
+    });
+    (t_fwd, t_bwd)
+}
+
+/// Seconds per forward and per backward call on the fused layout.
+fn time_packed(args: &Args, d: &AttnDims) -> (f64, f64) {
+    let qkv = super::fill(d.packed_len(), 1);
+    let dout = super::fill(d.q_len(), 4);
+    let mut out = vec![0f32; d.q_len()];
+    let mut lse = vec![0f32; d.lse_len()];
+    let mut dqkv = vec![0f32; d.packed_len()];
+    let t_fwd = super::time_per_call(args.min_time, args.reps, || attention_forward_packed(d, black_box(&qkv), &mut out, &mut lse));
+    let t_bwd = super::time_per_call(args.min_time, args.reps, || attention_backward_packed(d, black_box(&qkv), &out, &lse, &dout, &mut dqkv));
+    (t_fwd, t_bwd)
 }

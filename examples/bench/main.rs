@@ -53,9 +53,11 @@ struct MatmulArgs {
     /// `--shapes` is given.
     #[arg(long, value_delimiter = ',')]
     sizes: Vec<usize>,
-    /// Shapes `MxKxN` (comma-separated, e.g. `16x1024x4096`), measured after `--sizes`.
+    /// Shapes `MxKxN` (comma-separated, e.g. `16x1024x4096`), measured after
+    /// `--sizes`; a suffix `:tn`, `:nt` or `:tt` stores `A` and/or `B`
+    /// transposed, as a linear layer's forward (`:nt`) and weight gradient (`:tn`) do.
     #[arg(long, value_delimiter = ',', value_parser = parse_shape)]
-    shapes: Vec<(usize, usize, usize)>,
+    shapes: Vec<Shape>,
     /// Timed repetitions per size (after warm-up); the median rate is reported.
     #[arg(long, default_value_t = 9)]
     reps: usize,
@@ -157,10 +159,28 @@ impl Clock {
     }
 }
 
-fn parse_shape(s: &str) -> Result<(usize, usize, usize), String> {
-    let dims: Vec<usize> = s.split('x').map(str::parse).collect::<Result<_, _>>().map_err(|e| format!("{e}"))?;
+/// A product shape for `bench matmul`: `m×k·k×n`, operands possibly stored transposed.
+#[derive(Clone, Copy)]
+struct Shape {
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_a: bool,
+    trans_b: bool,
+}
+
+fn parse_shape(s: &str) -> Result<Shape, String> {
+    let (dims, trans) = s.split_once(':').unwrap_or((s, "nn"));
+    let (trans_a, trans_b) = match trans {
+        "nn" => (false, false),
+        "tn" => (true, false),
+        "nt" => (false, true),
+        "tt" => (true, true),
+        _ => return Err(format!("shape {s:?}: the suffix after ':' must be nn, tn, nt or tt")),
+    };
+    let dims: Vec<usize> = dims.split('x').map(str::parse).collect::<Result<_, _>>().map_err(|e| format!("{e}"))?;
     match dims[..] {
-        [m, k, n] => Ok((m, k, n)),
+        [m, k, n] => Ok(Shape { m, k, n, trans_a, trans_b }),
         _ => Err(format!("shape {s:?} is not MxKxN")),
     }
 }
@@ -169,10 +189,14 @@ fn bench_matmul(args: &MatmulArgs) -> Result<()> {
     ensure!(args.reps > 0, "--reps must be positive");
     let mut lines = Vec::new();
     let sizes = if args.sizes.is_empty() && args.shapes.is_empty() { vec![1024, 2048] } else { args.sizes.clone() };
-    let cases = sizes.into_iter().map(|s| (s.to_string(), (s, s, s)));
-    let cases = cases.chain(args.shapes.iter().map(|&(m, k, n)| (format!("{m}x{k}x{n}"), (m, k, n))));
-    for (name, (m, k, n)) in cases {
-        let g = Gemm::new(1, m, k, n);
+    let square = |s| Shape { m: s, k: s, n: s, trans_a: false, trans_b: false };
+    let cases = sizes.into_iter().map(|s| (s.to_string(), square(s)));
+    let cases = cases.chain(args.shapes.iter().map(|&sh| {
+        let t = |on: bool| if on { 't' } else { 'n' };
+        (format!("{}x{}x{}:{}{}", sh.m, sh.k, sh.n, t(sh.trans_a), t(sh.trans_b)), sh)
+    }));
+    for (name, Shape { m, k, n, trans_a, trans_b }) in cases {
+        let g = Gemm::new(1, m, k, n).trans_a(trans_a).trans_b(trans_b);
         let a = fill(m * k, 1);
         let b = fill(k * n, 2);
         let mut c = vec![0f32; m * n];

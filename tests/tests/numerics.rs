@@ -67,3 +67,47 @@ fn reruns_and_thread_counts_give_identical_bits() {
     let three = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap().install(|| step_bits(&dev));
     assert_eq!(first, three, "three threads and the default pool differ");
 }
+
+/// The packed op (what attention layers call) gives what splitting the fused
+/// projection into heads and calling `attention` gives, forward and backward,
+/// with RoPE on the queries and keys, and names the expected width on a wrong one.
+#[test]
+fn packed_attention_matches_split_heads() {
+    let dev = cpu();
+    let (b, t, kv, r, d) = (2, 37, 2, 3, 8);
+    let heads = ops::QkvHeads { q_heads: kv * r, kv_heads: kv, head_dim: d };
+    let x = rand_t(11, &[b, t, heads.width()], &dev).to_dtype(DType::F32).unwrap();
+    let dy = rand_t(12, &[b, t, kv * r * d], &dev).to_dtype(DType::F32).unwrap();
+    let rope = ops::Rope::new(d, 64, 10_000.0).unwrap();
+    let pos: Vec<u32> = (0..t as u32).collect();
+
+    let xr = ops::rope_packed(&x, &rope, &pos, heads).unwrap();
+    let (y, lse) = ops::attention_packed(&xr, heads, AttnOpts::causal()).unwrap();
+    let dxr = ops::attention_packed_backward(&xr, &y, &lse, &dy, heads, AttnOpts::causal()).unwrap();
+    let dx = ops::rope_packed_backward(&dxr, &rope, &pos, heads).unwrap();
+
+    // The same through per-head tensors: [b, t, kv, r + 2, d] -> [b, heads, t, d].
+    let x5 = x.reshape([b, t, kv, r + 2, d]).unwrap();
+    let split = |start: usize, n: usize| x5.narrow(3, start, n).unwrap().reshape([b, t, kv * n, d]).unwrap().transpose(1, 2).unwrap().contiguous().unwrap();
+    let q = ops::rope(&split(0, r), &rope, &pos).unwrap();
+    let k = ops::rope(&split(r, 1), &rope, &pos).unwrap();
+    let v = split(r + 1, 1);
+    let (o, lse_ref) = ops::attention(&q, &k, &v, AttnOpts::causal()).unwrap();
+    let y_ref = o.transpose(1, 2).unwrap().reshape([b, t, kv * r * d]).unwrap();
+    let bits = |t: &Tensor| t.to_vec::<f32>().unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    assert_eq!(bits(&y), bits(&y_ref), "packed output");
+    assert_eq!(bits(&lse), bits(&lse_ref), "packed lse");
+
+    let dout = dy.reshape([b, t, kv * r, d]).unwrap().transpose(1, 2).unwrap().contiguous().unwrap();
+    let (dq, dk, dv) = ops::attention_backward(&q, &k, &v, &o, &lse_ref, &dout, AttnOpts::causal()).unwrap();
+    let (dq, dk) = (ops::rope_backward(&dq, &rope, &pos).unwrap(), ops::rope_backward(&dk, &rope, &pos).unwrap());
+    let dx5 = dx.reshape([b, t, kv, r + 2, d]).unwrap();
+    let part = |start: usize, n: usize| dx5.narrow(3, start, n).unwrap().reshape([b, t, kv * n, d]).unwrap().transpose(1, 2).unwrap().contiguous().unwrap();
+    assert_eq!(bits(&part(0, r)), bits(&dq), "packed dq");
+    assert_eq!(bits(&part(r, 1)), bits(&dk), "packed dk");
+    assert_eq!(bits(&part(r + 1, 1)), bits(&dv), "packed dv");
+
+    let wrong = rand_t(13, &[b, t, heads.width() - d], &dev);
+    let err = ops::attention_packed(&wrong, heads, AttnOpts::causal()).unwrap_err().to_string();
+    assert!(err.contains(&format!("[batch, seq, {}]", heads.width())), "{err}");
+}

@@ -65,20 +65,36 @@ impl<T: Real> RopeTable<T> {
     }
 }
 
-/// Rotates every head vector of `src` into `dst`; `sign` = +1 rotates by the
-/// position's angle, −1 by its negation.
+/// Which head vectors of a buffer rotate, and by which position.
+#[derive(Clone, Copy)]
+struct Rows {
+    /// Consecutive head vectors that share a position (1 for `[.., seq, head_dim]`).
+    per_position: usize,
+    /// Head vectors repeat in a pattern of this many, of which the last
+    /// `period - rotated` are copied unrotated (values in a fused projection).
+    period: usize,
+    rotated: usize,
+}
+
+impl Rows {
+    /// Every vector of a `[batch_heads, seq, head_dim]` buffer.
+    const ALL: Rows = Rows { per_position: 1, period: 1, rotated: 1 };
+}
+
+/// Rotates the head vectors of `src` into `dst` (copying those `rows` leaves
+/// alone); `sign` = +1 rotates by the position's angle, −1 by its negation.
 fn rotate<T: Real>(
     table: &RopeTable<T>,
     src: &[T],
-    batch_heads: usize,
     seq: usize,
     positions: &[u32],
+    rows: Rows,
     dst: &mut [T],
     sign: T,
 ) {
     let d = table.head_dim;
     let half = d / 2;
-    assert_eq!(src.len(), batch_heads * seq * d, "rope input length");
+    assert!(src.len().is_multiple_of(seq.max(1) * rows.per_position * d), "rope input length");
     assert_eq!(dst.len(), src.len(), "rope output length");
     assert_eq!(positions.len(), seq, "rope positions length");
     if let Some(&p) = positions.iter().find(|&&p| p as usize >= table.max_position) {
@@ -86,7 +102,11 @@ fn rotate<T: Real>(
     }
 
     let one = |(r, (s, o)): (usize, (&[T], &mut [T]))| {
-        let p = positions[r % seq] as usize;
+        if r % rows.period >= rows.rotated {
+            o.copy_from_slice(s);
+            return;
+        }
+        let p = positions[(r / rows.per_position) % seq] as usize;
         let c = &table.cos[p * half..(p + 1) * half];
         let sn = &table.sin[p * half..(p + 1) * half];
         let (x1, x2) = s.split_at(half);
@@ -124,7 +144,8 @@ pub fn rope_forward<T: Real>(
     positions: &[u32],
     y: &mut [T],
 ) {
-    rotate(table, x, batch_heads, seq, positions, y, T::one());
+    assert_eq!(x.len(), batch_heads * seq * table.head_dim, "rope input length");
+    rotate(table, x, seq, positions, Rows::ALL, y, T::one());
 }
 
 /// Backward of [`rope_forward`]: the inverse rotation (angle negated) of `dy`
@@ -137,7 +158,38 @@ pub fn rope_backward<T: Real>(
     positions: &[u32],
     dx: &mut [T],
 ) {
-    rotate(table, dy, batch_heads, seq, positions, dx, -T::one());
+    assert_eq!(dy.len(), batch_heads * seq * table.head_dim, "rope input length");
+    rotate(table, dy, seq, positions, Rows::ALL, dx, -T::one());
+}
+
+/// The heads of a fused self-attention projection, `[batch, seq, kv_heads,
+/// group + 2, head_dim]`: per position and kv head, `group` query heads, a
+/// key head and a value head.
+#[derive(Clone, Copy, Debug)]
+pub struct PackedHeads {
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Query heads per key/value head.
+    pub group: usize,
+}
+
+impl PackedHeads {
+    fn rows(self) -> Rows {
+        Rows { per_position: self.kv_heads * (self.group + 2), period: self.group + 2, rotated: self.group + 1 }
+    }
+}
+
+/// [`rope_forward`] on the query and key heads of a fused projection
+/// `x` (`[batch, seq, kv_heads, group + 2, head_dim]`, see [`PackedHeads`]);
+/// value heads are copied to `y` unchanged.
+pub fn rope_packed_forward<T: Real>(table: &RopeTable<T>, x: &[T], heads: PackedHeads, seq: usize, positions: &[u32], y: &mut [T]) {
+    rotate(table, x, seq, positions, heads.rows(), y, T::one());
+}
+
+/// Backward of [`rope_packed_forward`]: the inverse rotation of the query and
+/// key heads of `dy`, value heads copied.
+pub fn rope_packed_backward<T: Real>(table: &RopeTable<T>, dy: &[T], heads: PackedHeads, seq: usize, positions: &[u32], dx: &mut [T]) {
+    rotate(table, dy, seq, positions, heads.rows(), dx, -T::one());
 }
 
 #[cfg(test)]
@@ -239,5 +291,29 @@ mod tests {
     #[should_panic(expected = "even")]
     fn odd_head_dim_is_rejected() {
         let _ = RopeTable::<f32>::new(4, 5, 10_000.0);
+    }
+
+    #[test]
+    fn packed_layout_rotates_queries_and_keys_and_copies_values() {
+        // [batch 2, seq 3, kv 2, group 2 + 2, d 4] against the per-head form.
+        let (b, seq, kv, g, d) = (2, 3, 2, 2, 4);
+        let t = RopeTable::<f64>::new(16, d, 100.0);
+        let pos = [5u32, 0, 9];
+        let heads = PackedHeads { kv_heads: kv, group: g };
+        let x = rand_vec(30, b * seq * kv * (g + 2) * d);
+        let mut y = vec![f64::NAN; x.len()];
+        rope_packed_forward(&t, &x, heads, seq, &pos, &mut y);
+        for bi in 0..b {
+            for s in 0..seq {
+                for slot in 0..kv * (g + 2) {
+                    let at = ((bi * seq + s) * kv * (g + 2) + slot) * d;
+                    let want = if slot % (g + 2) <= g { fwd(&t, &x[at..at + d], 1, 1, &pos[s..s + 1]) } else { x[at..at + d].to_vec() };
+                    assert_eq!(&y[at..at + d], &want[..], "batch {bi} position {s} slot {slot}");
+                }
+            }
+        }
+        let mut back = vec![f64::NAN; x.len()];
+        rope_packed_backward(&t, &y, heads, seq, &pos, &mut back);
+        assert_close(&back, &x, 1e-14, 1e-14, "packed rope inverse");
     }
 }

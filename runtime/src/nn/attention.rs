@@ -1,9 +1,8 @@
 //! Causal grouped-query self-attention on packed query/key/value projections.
 
-use super::rows;
 use crate::error::{Error, Result};
 use crate::module::{Act, Cx, Module, Plain, SplitHidden, Visitor};
-use crate::ops::{self, AttnOpts, Rope};
+use crate::ops::{self, AttnOpts, QkvHeads, Rope};
 use crate::tensor::Tensor;
 use std::fmt;
 
@@ -70,13 +69,12 @@ impl fmt::Debug for CausalAttention {
 
 /// What a [`CausalAttention`] keeps for its backward.
 ///
-/// * Without selective recompute: the query, key and value heads (after
-///   RoPE), `[batch, heads, seq, head_dim]` each (together the size of the
-///   packed input), the output (the size of the layer's output) and the
-///   per-query log-sum-exp, `[batch, q_heads, seq]` in f32 (f64 for f64
-///   inputs).
+/// * Without selective recompute: the packed input (after RoPE, when the
+///   layer has it; otherwise shared with the caller's copy), the output
+///   (shared with the layer's output tensor) and the per-query log-sum-exp,
+///   `[batch, q_heads, seq]` in f32 (f64 for f64 inputs).
 /// * With selective recompute: only the packed input, shared with the
-///   caller's copy of it; the backward recomputes the split, RoPE, output and
+///   caller's copy of it; the backward recomputes RoPE, the output and the
 ///   log-sum-exp.
 pub struct AttentionSaved(Kept);
 
@@ -86,9 +84,8 @@ enum Kept {
 }
 
 struct Core {
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    /// The packed input the kernel read (rotated when the layer has RoPE).
+    qkv: Tensor,
     out: Tensor,
     lse: Tensor,
 }
@@ -98,7 +95,7 @@ impl AttentionSaved {
     pub fn bytes(&self) -> usize {
         use super::bytes_of;
         match &self.0 {
-            Kept::Core(c) => [&c.q, &c.k, &c.v, &c.out, &c.lse].into_iter().map(bytes_of).sum(),
+            Kept::Core(c) => [&c.qkv, &c.out, &c.lse].into_iter().map(bytes_of).sum(),
             Kept::Input(x) => bytes_of(x),
         }
     }
@@ -127,6 +124,10 @@ struct Heads {
 impl Heads {
     fn total(self) -> usize {
         self.q + 2 * self.kv
+    }
+
+    fn packed(self) -> QkvHeads {
+        QkvHeads { q_heads: self.q, kv_heads: self.kv, head_dim: self.d }
     }
 }
 
@@ -191,7 +192,7 @@ impl CausalAttention {
         (0..seq as u32).collect()
     }
 
-    /// Splits the packed input into heads, applies RoPE and runs attention.
+    /// Applies RoPE (if any) and runs attention on the packed input in place.
     fn core(&self, h: Heads, x: &Tensor) -> Result<Core> {
         let dims = x.dims();
         if dims.len() != 3 || dims[2] != h.total() * h.d {
@@ -207,34 +208,13 @@ impl CausalAttention {
                 ),
             ));
         }
-        let (b, t) = (dims[0], dims[1]);
-        let r = h.q / h.kv;
-        let x5 = x.reshape([b, t, h.kv, r + 2, h.d])?;
-        // Slots `start..start + n` of every group, as [b, heads, t, d].
-        let heads = |start: usize, n: usize| x5.narrow(3, start, n)?.reshape([b, t, h.kv * n, h.d])?.transpose(1, 2)?.contiguous();
-        let (mut q, mut k, v) = (heads(0, r)?, heads(r, 1)?, heads(r + 1, 1)?);
-        if let Some(r) = &self.rope {
-            let pos = Self::positions(t);
-            q = ops::rope(&q, &r.table, &pos)?;
-            k = ops::rope(&k, &r.table, &pos)?;
-        }
-        let (out, lse) = ops::attention(&q, &k, &v, AttnOpts::causal())?;
-        Ok(Core { q, k, v, out, lse })
+        let qkv = match &self.rope {
+            Some(r) => ops::rope_packed(x, &r.table, &Self::positions(dims[1]), h.packed())?,
+            None => x.clone(),
+        };
+        let (out, lse) = ops::attention_packed(&qkv, h.packed(), AttnOpts::causal())?;
+        Ok(Core { qkv, out, lse })
     }
-}
-
-/// Row indices placing the rows of a `[b, n, t]`-ordered head tensor at the
-/// slots `slot(h)` of a `[b, t, slots]`-ordered packed tensor.
-fn pack_index(b: usize, t: usize, slots: usize, n: usize, slot: impl Fn(usize) -> usize) -> Vec<u32> {
-    let mut idx = Vec::with_capacity(b * n * t);
-    for bi in 0..b {
-        for h in 0..n {
-            for ti in 0..t {
-                idx.push(((bi * t + ti) * slots + slot(h)) as u32);
-            }
-        }
-    }
-    idx
 }
 
 impl Module<Plain> for CausalAttention {
@@ -252,8 +232,7 @@ impl Module<Plain> for CausalAttention {
         let h = self.local(cx.tp().size())?;
         let x = x.into_tensor();
         let c = self.core(h, &x)?;
-        let (b, t) = (x.dims()[0], x.dims()[1]);
-        let y = c.out.transpose(1, 2)?.reshape([b, t, h.q * h.d])?;
+        let y = c.out.clone();
         let kept = if cx.selective_recompute() { Kept::Input(x) } else { Kept::Core(Box::new(c)) };
         Ok((Act::new(y), AttentionSaved(kept)))
     }
@@ -264,29 +243,18 @@ impl Module<Plain> for CausalAttention {
             Kept::Core(c) => *c,
             Kept::Input(x) => self.core(h, &x)?,
         };
-        let (b, t) = (c.q.dims()[0], c.q.dims()[2]);
         let dy = dy.into_tensor();
-        if dy.dims() != [b, t, h.q * h.d] {
-            return Err(Error::shape("CausalAttention::backward", format!("upstream gradient {} for an output of [{b}, {t}, {}]", dy.shape(), h.q * h.d)));
+        if dy.shape() != c.out.shape() {
+            return Err(Error::shape("CausalAttention::backward", format!("upstream gradient {} for an output of {}", dy.shape(), c.out.shape())));
         }
-        let dout = dy.reshape([b, t, h.q, h.d])?.transpose(1, 2)?.contiguous()?;
-        let (mut dq, mut dk, dv) = ops::attention_backward(&c.q, &c.k, &c.v, &c.out, &c.lse, &dout, AttnOpts::causal())?;
+        let dqkv = ops::attention_packed_backward(&c.qkv, &c.out, &c.lse, &dy, h.packed(), AttnOpts::causal())?;
+        let t = c.qkv.dims()[1];
         drop(c);
-        if let Some(r) = &self.rope {
-            let pos = Self::positions(t);
-            dq = ops::rope_backward(&dq, &r.table, &pos)?;
-            dk = ops::rope_backward(&dk, &r.table, &pos)?;
-        }
-        // Interleave the three gradients back into the packed layout: per
-        // key/value group g, slots g·(r+2) .. hold its r query heads, its key, its value.
-        let (total, r) = (h.total(), h.q / h.kv);
-        let flat = |g: &Tensor, n: usize| g.reshape([b * n * t, h.d]);
-        let (fq, fk, fv) = (flat(&dq, h.q)?, flat(&dk, h.kv)?, flat(&dv, h.kv)?);
-        let iq = pack_index(b, t, total, h.q, |q| (q / r) * (r + 2) + q % r);
-        let ik = pack_index(b, t, total, h.kv, |g| g * (r + 2) + r);
-        let iv = pack_index(b, t, total, h.kv, |g| g * (r + 2) + r + 1);
-        let dx = rows::scatter_parts(&[(&fq, &iq), (&fk, &ik), (&fv, &iv)], b * t * total)?;
-        Ok(Act::new(dx.reshape([b, t, total * h.d])?))
+        let dx = match &self.rope {
+            Some(r) => ops::rope_packed_backward(&dqkv, &r.table, &Self::positions(t), h.packed())?,
+            None => dqkv,
+        };
+        Ok(Act::new(dx))
     }
 
     fn visit_params(&self, _v: &mut Visitor<'_>) -> Result<()> {

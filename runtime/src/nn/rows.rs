@@ -29,18 +29,3 @@ pub(super) fn scatter_add(src: &Tensor, idx: &[u32], rows: usize) -> Result<Tens
     check_rows("scatter_rows", rows)?;
     ops::embedding_backward(&index_tensor(idx, src)?, src, rows, 0, rows)
 }
-
-/// Places the rows of each part at its indices in a `[rows, d]` tensor of
-/// zeros (a concatenation or interleaving when the indices cover every row
-/// exactly once).
-pub(super) fn scatter_parts(parts: &[(&Tensor, &[u32])], rows: usize) -> Result<Tensor> {
-    let mut acc: Option<Tensor> = None;
-    for (src, idx) in parts {
-        let s = scatter_add(src, idx, rows)?;
-        acc = Some(match acc {
-            None => s,
-            Some(a) => ops::add(&a, &s)?,
-        });
-    }
-    acc.ok_or_else(|| Error::invalid("scatter_rows", "no parts to place"))
-}

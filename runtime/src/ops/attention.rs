@@ -1,10 +1,12 @@
 //! Fused causal self-attention with grouped-query heads.
 
-use super::{check_same_shape, float_kernel, run};
+use super::{check_same_shape, float_kernel, run, run1};
 use crate::backend::cpu::Out;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
-use tessera_kernels::cpu::attention::{attention_backward as back, attention_forward as fwd, AttnDims};
+use tessera_kernels::cpu::attention::{
+    attention_backward as back, attention_backward_packed as back_packed, attention_forward as fwd, attention_forward_packed as fwd_packed, AttnDims,
+};
 
 float_kernel!(AttnFwd { d: AttnDims } |s, i, o| {
     let (out, lse) = o.split_at_mut(1);
@@ -15,6 +17,12 @@ float_kernel!(AttnBack { d: AttnDims } |s, i, o| {
     let (dk, dv) = rest.split_at_mut(1);
     back(&s.d, i[0], i[1], i[2], i[3], i[4], i[5], dq[0], dk[0], dv[0])
 });
+
+float_kernel!(AttnFwdPacked { d: AttnDims } |s, i, o| {
+    let (out, lse) = o.split_at_mut(1);
+    fwd_packed(&s.d, i[0], out[0], lse[0])
+});
+float_kernel!(AttnBackPacked { d: AttnDims } |s, i, o| back_packed(&s.d, i[0], i[1], i[2], i[3], o[0]));
 
 /// How queries attend: causally or not, and the factor on `q·k`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -82,4 +90,81 @@ pub fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, lse:
     let dv = r.pop().expect("three outputs");
     let dk = r.pop().expect("three outputs");
     Ok((r.pop().expect("three outputs"), dk, dv))
+}
+
+/// The heads of a fused self-attention projection: a tensor
+/// `[batch, seq, (q_heads + 2·kv_heads)·head_dim]` that holds, for each
+/// position and each key/value head `g`, the `q_heads / kv_heads` query heads
+/// of its group, then key head `g`, then value head `g` (each `head_dim`
+/// values). A column-parallel split of such a projection hands every rank
+/// whole groups, which is why attention layers pack it this way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QkvHeads {
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl QkvHeads {
+    /// Elements per position: `(q_heads + 2·kv_heads)·head_dim`.
+    pub fn width(&self) -> usize {
+        (self.q_heads + 2 * self.kv_heads) * self.head_dim
+    }
+
+    /// Checks `x` against these heads; returns `(batch, seq)`.
+    pub(crate) fn check(&self, op: &'static str, x: &Tensor) -> Result<(usize, usize)> {
+        let QkvHeads { q_heads, kv_heads, head_dim } = *self;
+        if q_heads == 0 || kv_heads == 0 || head_dim == 0 || !q_heads.is_multiple_of(kv_heads) {
+            return Err(Error::invalid(op, format!("{q_heads} query heads, {kv_heads} key/value heads of {head_dim}: all must be positive and kv_heads must divide q_heads")));
+        }
+        match x.dims() {
+            &[b, t, w] if w == self.width() => Ok((b, t)),
+            _ => Err(Error::shape(
+                op,
+                format!(
+                    "packed q/k/v of shape {} for {q_heads} query and {kv_heads} key/value heads of {head_dim}; pass [batch, seq, {}] packed per key/value group as [q.. | k | v]",
+                    x.shape(),
+                    self.width()
+                ),
+            )),
+        }
+    }
+
+    fn dims(&self, op: &'static str, x: &Tensor, opts: AttnOpts) -> Result<AttnDims> {
+        let (b, t) = self.check(op, x)?;
+        let scale = opts.scale.unwrap_or(1.0 / (self.head_dim as f64).sqrt());
+        Ok(AttnDims { batch: b, q_heads: self.q_heads, kv_heads: self.kv_heads, seq_q: t, seq_kv: t, head_dim: self.head_dim, causal: opts.causal, scale })
+    }
+}
+
+/// Self-attention straight from a fused projection `qkv` (see [`QkvHeads`]),
+/// without splitting it into per-head tensors: returns the output
+/// `[batch, seq, q_heads·head_dim]` (query heads in order, ready for the
+/// output projection) and the log-sum-exp `[batch, q_heads, seq]`. Computes
+/// exactly what [`attention`] computes on the split heads.
+pub fn attention_packed(qkv: &Tensor, heads: QkvHeads, opts: AttnOpts) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "attention_packed";
+    let d = heads.dims(OP, qkv, opts)?;
+    let out = Shape::new(vec![d.batch, d.seq_q, d.q_heads * d.head_dim]);
+    let lse = Shape::new(vec![d.batch, d.q_heads, d.seq_q]);
+    let mut r = run(OP, &AttnFwdPacked { d }, &[qkv], &[(out, Out::Primary), (lse, Out::Compute)])?;
+    let lse = r.pop().expect("two outputs");
+    Ok((r.pop().expect("two outputs"), lse))
+}
+
+/// Backward of [`attention_packed`]: the gradient of `qkv`, in its layout,
+/// from the forward's output and log-sum-exp and the upstream gradient `dout`
+/// (shaped like the output).
+pub fn attention_packed_backward(qkv: &Tensor, out: &Tensor, lse: &Tensor, dout: &Tensor, heads: QkvHeads, opts: AttnOpts) -> Result<Tensor> {
+    const OP: &str = "attention_packed_backward";
+    let d = heads.dims(OP, qkv, opts)?;
+    let want = [d.batch, d.seq_q, d.q_heads * d.head_dim];
+    if out.dims() != want {
+        return Err(Error::shape(OP, format!("the output must be {:?}, got {}", want, out.shape())));
+    }
+    check_same_shape(OP, "output and its gradient", out, dout)?;
+    if lse.dims() != [d.batch, d.q_heads, d.seq_q] {
+        return Err(Error::shape(OP, format!("lse must be [{}, {}, {}], got {}", d.batch, d.q_heads, d.seq_q, lse.shape())));
+    }
+    run1(OP, &AttnBackPacked { d }, &[qkv, out, lse, dout], qkv.shape().clone(), Out::Primary)
 }

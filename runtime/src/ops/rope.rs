@@ -6,7 +6,8 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use std::any::Any;
 use std::sync::OnceLock;
-use tessera_kernels::cpu::rope::{rope_backward as back, rope_forward as fwd, RopeTable};
+use super::QkvHeads;
+use tessera_kernels::cpu::rope::{rope_backward as back, rope_forward as fwd, rope_packed_backward as back_packed, rope_packed_forward as fwd_packed, PackedHeads, RopeTable};
 use tessera_kernels::Real;
 
 /// Precomputed rotation angles for heads of `head_dim` at positions below `max_position`.
@@ -45,6 +46,12 @@ impl Rope {
         let &[b, h, t, d] = x.dims() else {
             return Err(Error::shape(op, format!("expects [batch, heads, seq, head_dim], got {}", x.shape())));
         };
+        self.check_heads(op, d, t, positions)?;
+        Ok((b * h, t))
+    }
+
+    /// Checks the head size and the positions of a sequence of `t`.
+    fn check_heads(&self, op: &'static str, d: usize, t: usize, positions: &[u32]) -> Result<()> {
         if d != self.head_dim {
             return Err(Error::shape(op, format!("head_dim is {d} but the table was built for {}", self.head_dim)));
         }
@@ -54,7 +61,13 @@ impl Rope {
         if let Some(p) = positions.iter().position(|&p| p as usize >= self.max_position) {
             return Err(Error::IndexOutOfRange { op, index: positions[p] as u64, position: p, bound: self.max_position as u64, hint: "; build the Rope with a larger max_position" });
         }
-        Ok((b * h, t))
+        Ok(())
+    }
+
+    fn check_packed(&self, op: &'static str, x: &Tensor, heads: QkvHeads, positions: &[u32]) -> Result<(PackedHeads, usize)> {
+        let (_, t) = heads.check(op, x)?;
+        self.check_heads(op, heads.head_dim, t, positions)?;
+        Ok((PackedHeads { kv_heads: heads.kv_heads, group: heads.q_heads / heads.kv_heads }, t))
     }
 }
 
@@ -81,4 +94,28 @@ pub fn rope_backward(dy: &Tensor, rope: &Rope, positions: &[u32]) -> Result<Tens
             check_same_shape("rope_backward", "gradient", &dx, dy)?;
             Ok(dx)
         })
+}
+
+float_kernel!(RopePackedK<'a> { rope: &'a Rope, positions: &'a [u32], heads: PackedHeads, seq: usize, inverse: bool } |s, i, o| {
+    let table = s.rope.table::<T>();
+    if s.inverse {
+        back_packed(table, i[0], s.heads, s.seq, s.positions, o[0])
+    } else {
+        fwd_packed(table, i[0], s.heads, s.seq, s.positions, o[0])
+    }
+});
+
+/// [`rope`] on the query and key heads of a fused projection
+/// `[batch, seq, (q_heads + 2·kv_heads)·head_dim]` (see [`QkvHeads`]); the
+/// value heads pass through unchanged.
+pub fn rope_packed(qkv: &Tensor, rope: &Rope, positions: &[u32], heads: QkvHeads) -> Result<Tensor> {
+    let (heads, seq) = rope.check_packed("rope_packed", qkv, heads, positions)?;
+    run1("rope_packed", &RopePackedK { rope, positions, heads, seq, inverse: false }, &[qkv], qkv.shape().clone(), Out::Primary)
+}
+
+/// Backward of [`rope_packed`]: the inverse rotation of the query and key
+/// heads of the upstream gradient, value heads unchanged.
+pub fn rope_packed_backward(dy: &Tensor, rope: &Rope, positions: &[u32], heads: QkvHeads) -> Result<Tensor> {
+    let (heads, seq) = rope.check_packed("rope_packed_backward", dy, heads, positions)?;
+    run1("rope_packed_backward", &RopePackedK { rope, positions, heads, seq, inverse: true }, &[dy], dy.shape().clone(), Out::Primary)
 }

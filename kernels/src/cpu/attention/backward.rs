@@ -27,6 +27,7 @@
 
 use super::exp::{exp_minus, exp_minus_each};
 use super::tile::{dot, matmul_tile, transpose_scaled};
+use super::layout::{Layout, SharedOut};
 use super::{AttnDims, BLOCK_KV, BLOCK_Q, PARALLEL_MIN_WORK};
 use crate::Real;
 use rayon::prelude::*;
@@ -61,9 +62,49 @@ impl<T: Real> Scratch<T> {
     }
 }
 
+/// Gradient rows a task accumulates before writing them out (the fused
+/// schedule's whole (batch, kv head) group, or one block in the two passes),
+/// and the fused schedule's contiguous copies of its inputs.
+struct Acc<T> {
+    dq: Vec<T>,
+    dk: Vec<T>,
+    dv: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+    q: Vec<T>,
+    dout: Vec<T>,
+}
+
+impl<T: Real> Acc<T> {
+    fn new() -> Self {
+        Acc { dq: Vec::new(), dk: Vec::new(), dv: Vec::new(), k: Vec::new(), v: Vec::new(), q: Vec::new(), dout: Vec::new() }
+    }
+}
+
+/// Copies `rows` rows of `hd` from `src`, row `t` at `at(t)`, into `buf`
+/// back to back: a fused layout's rows lie a whole position apart (and so on
+/// separate pages), which the tile loops that re-read every row many times
+/// pay for on each pass.
+fn gather<'a, T: Real>(buf: &'a mut Vec<T>, src: &[T], rows: usize, hd: usize, at: impl Fn(usize) -> usize) -> &'a [T] {
+    buf.clear();
+    for t in 0..rows {
+        let o = at(t);
+        buf.extend_from_slice(&src[o..o + hd]);
+    }
+    buf
+}
+
+/// Zeros `buf` to `len` elements (growing it on first use) and returns them.
+fn zeroed<T: Real>(buf: &mut Vec<T>, len: usize) -> &mut [T] {
+    buf.clear();
+    buf.resize(len, T::zero());
+    buf
+}
+
 /// Everything both passes read.
 struct Inputs<'a, T> {
     d: &'a AttnDims,
+    lay: Layout,
     q: &'a [T],
     k: &'a [T],
     v: &'a [T],
@@ -73,7 +114,28 @@ struct Inputs<'a, T> {
     delta: &'a [T],
 }
 
-/// Fused attention backward (see [`AttnDims`] for layouts and masking).
+impl<T> Inputs<'_, T> {
+    /// Offset of position `t` of query head `h` in batch `b` in `q` (and `dq`).
+    fn q_at(&self, b: usize, h: usize, t: usize) -> usize {
+        self.lay.q.at(self.d.group(), b, h, t)
+    }
+
+    /// Offset of position `t` of query head `h` in batch `b` in `dout` (and `out`).
+    fn o_at(&self, b: usize, h: usize, t: usize) -> usize {
+        self.lay.o.at(self.d.group(), b, h, t)
+    }
+}
+
+/// Where the three gradients go (one buffer for the packed layout).
+#[derive(Clone, Copy)]
+struct Grads<T> {
+    dq: SharedOut<T>,
+    dk: SharedOut<T>,
+    dv: SharedOut<T>,
+}
+
+/// Fused attention backward on separate per-head tensors (see [`AttnDims`]
+/// for layouts and masking).
 ///
 /// `out` and `lse` are what [`attention_forward`](super::attention_forward)
 /// produced for the same `q`, `k`, `v`; `dout` is the gradient of the loss
@@ -99,89 +161,90 @@ pub fn attention_backward<T: Real>(
     assert_eq!(k.len(), d.kv_len(), "attention_backward: k length");
     assert_eq!(v.len(), d.kv_len(), "attention_backward: v length");
     assert_eq!(out.len(), d.q_len(), "attention_backward: out length");
-    assert_eq!(lse.len(), d.lse_len(), "attention_backward: lse length");
     assert_eq!(dout.len(), d.q_len(), "attention_backward: dout length");
     assert_eq!(dq.len(), d.q_len(), "attention_backward: dq length");
     assert_eq!(dk.len(), d.kv_len(), "attention_backward: dk length");
     assert_eq!(dv.len(), d.kv_len(), "attention_backward: dv length");
+    let grads = Grads { dq: SharedOut::new(dq), dk: SharedOut::new(dk), dv: SharedOut::new(dv) };
+    backward(d, Layout::heads(d), q, k, v, out, lse, dout, grads);
+}
+
+/// [`attention_backward`] in the fused layout of
+/// [`attention_forward_packed`](super::attention_forward_packed): reads `qkv`,
+/// `out` and `dout` in place and writes `dq`, `dk` and `dv` into `dqkv`
+/// (laid out like `qkv`). Bit-identical to [`attention_backward`] on the same
+/// values.
+pub fn attention_backward_packed<T: Real>(
+    d: &AttnDims,
+    qkv: &[T],
+    out: &[T],
+    lse: &[T],
+    dout: &[T],
+    dqkv: &mut [T],
+) {
+    d.check();
+    assert_eq!(d.seq_q, d.seq_kv, "attention_backward_packed: self-attention needs seq_q == seq_kv");
+    assert_eq!(qkv.len(), d.packed_len(), "attention_backward_packed: qkv length");
+    assert_eq!(out.len(), d.q_len(), "attention_backward_packed: out length");
+    assert_eq!(dout.len(), d.q_len(), "attention_backward_packed: dout length");
+    assert_eq!(dqkv.len(), d.packed_len(), "attention_backward_packed: dqkv length");
+    let g = SharedOut::new(dqkv);
+    backward(d, Layout::packed(d), qkv, qkv, qkv, out, lse, dout, Grads { dq: g, dk: g, dv: g });
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward<T: Real>(
+    d: &AttnDims,
+    lay: Layout,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &[T],
+    lse: &[T],
+    dout: &[T],
+    grads: Grads<T>,
+) {
+    assert_eq!(lse.len(), d.lse_len(), "attention_backward: lse length");
     let hd = d.head_dim;
     let parallel = d.work() >= PARALLEL_MIN_WORK;
 
     let mut delta = vec![T::zero(); d.lse_len()];
     let row_delta = |(i, di): (usize, &mut T)| {
-        *di = dot(&dout[i * hd..(i + 1) * hd], &out[i * hd..(i + 1) * hd])
+        let (bh, t) = (i / d.seq_q.max(1), i % d.seq_q.max(1));
+        let o = lay.o.at(d.group(), bh / d.q_heads, bh % d.q_heads, t);
+        *di = dot(&dout[o..o + hd], &out[o..o + hd])
     };
     if parallel {
         delta.par_iter_mut().enumerate().for_each(row_delta);
     } else {
         delta.iter_mut().enumerate().for_each(row_delta);
     }
-    let inp = Inputs {
-        d,
-        q,
-        k,
-        v,
-        lse,
-        dout,
-        delta: &delta,
-    };
+    let inp = Inputs { d, lay, q, k, v, lse, dout, delta: &delta };
 
     // Enough kv heads to keep every thread busy: one fused pass, which forms
     // each tile once (5 products) instead of once per pass (7).
     if !parallel || d.batch * d.kv_heads >= FUSED_TASKS_PER_THREAD * rayon::current_num_threads() {
-        fused(&inp, dq, dk, dv, parallel);
+        fused(&inp, grads, parallel);
         return;
     }
 
-    // Pass 1: dk, dv.
-    if d.kv_len() > 0 {
-        let tasks: Vec<_> = dk
-            .chunks_mut(d.seq_kv * hd)
-            .zip(dv.chunks_mut(d.seq_kv * hd))
-            .enumerate()
-            .flat_map(|(bg, (dk, dv))| {
-                dk.chunks_mut(BLOCK_KV * hd)
-                    .zip(dv.chunks_mut(BLOCK_KV * hd))
-                    .enumerate()
-                    .map(move |(kb, (dk, dv))| (bg, kb * BLOCK_KV, dk, dv))
-            })
-            .collect();
-        let run = |s: &mut Scratch<T>, (bg, j0, dk, dv): (usize, usize, &mut [T], &mut [T])| {
-            dkv_block(&inp, bg / d.kv_heads, bg % d.kv_heads, j0, dk, dv, s)
-        };
-        if parallel {
-            tasks
-                .into_par_iter()
-                .for_each_init(|| Scratch::new(hd), run);
-        } else {
-            let mut s = Scratch::new(hd);
-            tasks.into_iter().for_each(|t| run(&mut s, t));
-        }
-    }
+    // Pass 1: dk, dv, one task per (batch, kv head, kv block).
+    let tasks: Vec<_> = (0..d.batch * d.kv_heads)
+        .flat_map(|bg| (0..d.seq_kv).step_by(BLOCK_KV).map(move |j0| (bg, j0)))
+        .collect();
+    let run = |(s, a): &mut (Scratch<T>, Acc<T>), (bg, j0): (usize, usize)| {
+        dkv_block(&inp, bg / d.kv_heads, bg % d.kv_heads, j0, grads, s, a)
+    };
+    tasks.into_par_iter().for_each_init(|| (Scratch::new(hd), Acc::new()), run);
 
-    // Pass 2: dq.
-    if d.q_len() > 0 {
-        let tasks: Vec<_> = dq
-            .chunks_mut(d.seq_q * hd)
-            .enumerate()
-            .flat_map(|(bh, dq)| {
-                dq.chunks_mut(BLOCK_Q * hd)
-                    .enumerate()
-                    .map(move |(qb, dq)| (bh, qb * BLOCK_Q, dq))
-            })
-            .collect();
-        let run = |s: &mut Scratch<T>, (bh, i0, dq): (usize, usize, &mut [T])| {
-            dq_block(&inp, bh / d.q_heads, bh % d.q_heads, i0, dq, s)
-        };
-        if parallel {
-            tasks
-                .into_par_iter()
-                .for_each_init(|| Scratch::new(hd), run);
-        } else {
-            let mut s = Scratch::new(hd);
-            tasks.into_iter().for_each(|t| run(&mut s, t));
-        }
-    }
+    // Pass 2: dq, one task per (batch, query head, query block).
+    let tasks: Vec<_> = (0..d.batch * d.q_heads)
+        .flat_map(|bh| (0..d.seq_q).step_by(BLOCK_Q).map(move |i0| (bh, i0)))
+        .collect();
+    let run = |(s, a): &mut (Scratch<T>, Acc<T>), (bh, i0): (usize, usize)| {
+        dq_block(&inp, bh / d.q_heads, bh % d.q_heads, i0, grads, s, a)
+    };
+    tasks.into_par_iter().for_each_init(|| (Scratch::new(hd), Acc::new()), run);
 }
 
 /// The fused schedule needs this many (batch, kv head) tasks per thread: the
@@ -189,32 +252,31 @@ pub fn attention_backward<T: Real>(
 const FUSED_TASKS_PER_THREAD: usize = 4;
 
 /// All of `dq`, `dk` and `dv` in one pass, one task per (batch, kv head).
-fn fused<T: Real>(inp: &Inputs<'_, T>, dq: &mut [T], dk: &mut [T], dv: &mut [T], parallel: bool) {
+fn fused<T: Real>(inp: &Inputs<'_, T>, grads: Grads<T>, parallel: bool) {
     let d = inp.d;
     let hd = d.head_dim;
-    if d.q_len() == 0 || d.kv_len() == 0 {
-        dq.fill(T::zero());
-        dk.fill(T::zero());
-        dv.fill(T::zero());
-        return;
-    }
-    let tasks = dq
-        .chunks_mut(d.group() * d.seq_q * hd)
-        .zip(dk.chunks_mut(d.seq_kv * hd))
-        .zip(dv.chunks_mut(d.seq_kv * hd))
-        .enumerate()
-        .map(|(bg, ((dq, dk), dv))| (bg, dq, dk, dv));
-    let run = |s: &mut Scratch<T>, (bg, dq, dk, dv): (usize, &mut [T], &mut [T], &mut [T])| {
-        group_block(inp, bg / d.kv_heads, bg % d.kv_heads, dq, dk, dv, s)
+    let run = |(s, a): &mut (Scratch<T>, Acc<T>), bg: usize| {
+        group_block(inp, bg / d.kv_heads, bg % d.kv_heads, grads, s, a)
     };
     if parallel {
-        tasks
-            .collect::<Vec<_>>()
+        (0..d.batch * d.kv_heads)
             .into_par_iter()
-            .for_each_init(|| Scratch::new(hd), run);
+            .for_each_init(|| (Scratch::new(hd), Acc::new()), run);
     } else {
-        let mut s = Scratch::new(hd);
-        tasks.for_each(|t| run(&mut s, t));
+        let mut sa = (Scratch::new(hd), Acc::new());
+        (0..d.batch * d.kv_heads).for_each(|bg| run(&mut sa, bg));
+    }
+}
+
+/// Writes `rows` rows of `head_dim` from `src` to `out`, row `t` of them at
+/// `at(t)`.
+///
+/// # Safety
+/// The caller must be the only task writing those rows, and the buffer behind
+/// `out` must outlive the call (see [`SharedOut::write_row`]).
+unsafe fn store<T: Real>(out: SharedOut<T>, src: &[T], hd: usize, at: impl Fn(usize) -> usize) {
+    for (t, row) in src.chunks_exact(hd).enumerate() {
+        out.write_row(at(t), row);
     }
 }
 
@@ -229,44 +291,66 @@ fn group_block<T: Real>(
     inp: &Inputs<'_, T>,
     b: usize,
     g: usize,
-    dq: &mut [T],
-    dk: &mut [T],
-    dv: &mut [T],
+    grads: Grads<T>,
     s: &mut Scratch<T>,
+    acc: &mut Acc<T>,
 ) {
     let d = inp.d;
-    let hd = d.head_dim;
+    let (hd, r) = (d.head_dim, d.group());
     let scale = T::lit(d.scale);
-    let kv_base = (b * d.kv_heads + g) * d.seq_kv * hd;
-    dq.fill(T::zero());
-    dk.fill(T::zero());
-    dv.fill(T::zero());
-    for (hi, dq) in dq.chunks_mut(d.seq_q * hd).enumerate() {
-        let bh = b * d.q_heads + g * d.group() + hi;
+    let Acc { dq: dq_all, dk, dv, k, v, q, dout } = acc;
+    let k = gather(k, inp.k, d.seq_kv, hd, |t| inp.lay.k.at(1, b, g, t));
+    let v = gather(v, inp.v, d.seq_kv, hd, |t| inp.lay.v.at(1, b, g, t));
+    let dq_all = zeroed(dq_all, r * d.seq_q * hd);
+    let dk = zeroed(dk, d.seq_kv * hd);
+    let dv = zeroed(dv, d.seq_kv * hd);
+    for (hi, dq) in dq_all.chunks_mut(d.seq_q * hd).enumerate() {
+        let h = g * r + hi;
+        let bh = b * d.q_heads + h;
         for (qb, dq) in dq.chunks_mut(BLOCK_Q * hd).enumerate() {
             let i0 = qb * BLOCK_Q;
             let bq = dq.len() / hd;
             let row0 = bh * d.seq_q + i0;
-            let q_blk = &inp.q[row0 * hd..(row0 + bq) * hd];
-            let do_blk = &inp.dout[row0 * hd..(row0 + bq) * hd];
-            transpose_scaled(q_blk, bq, hd, scale, &mut s.qs);
-            transpose_scaled(do_blk, bq, hd, T::one(), &mut s.t1);
+            let q_blk = gather(q, inp.q, bq, hd, |t| inp.q_at(b, h, i0 + t));
+            let do_blk = gather(dout, inp.dout, bq, hd, |t| inp.o_at(b, h, i0 + t));
+            transpose_scaled(q_blk, bq, hd, hd, scale, &mut s.qs);
+            transpose_scaled(do_blk, bq, hd, hd, T::one(), &mut s.t1);
+            let qb = Block { data: q_blk, rows: bq, ld: hd };
+            let ob = Block { data: do_blk, rows: bq, ld: hd };
             // Kv blocks stay aligned to BLOCK_KV, as in pass 1.
             for j0 in (0..d.key_end(i0 + bq - 1)).step_by(BLOCK_KV) {
-                let rows = j0 * hd..(j0 + BLOCK_KV).min(d.seq_kv) * hd;
-                let k_blk = &inp.k[kv_base + rows.start..kv_base + rows.end];
-                let v_blk = &inp.v[kv_base + rows.start..kv_base + rows.end];
-                let (dk, dv) = (&mut dk[rows.clone()], &mut dv[rows]);
-                dkv_tile(inp, j0, k_blk, v_blk, i0, row0, q_blk, do_blk, dk, dv, s);
-                let bk = k_blk.len() / hd;
-                transpose_scaled(&s.p[..bk * bq], bk, bq, T::one(), &mut s.ds);
-                matmul_tile(bq, hd, bk, &s.ds, bk, k_blk, hd, dq, hd, true);
+                let bk = BLOCK_KV.min(d.seq_kv - j0);
+                let rows = j0 * hd..(j0 + bk) * hd;
+                let kb = Block { data: &k[rows.clone()], rows: bk, ld: hd };
+                let vb = Block { data: &v[rows.clone()], rows: bk, ld: hd };
+                dkv_tile(inp, j0, kb, vb, i0, row0, qb, ob, &mut dk[rows.clone()], &mut dv[rows.clone()], s);
+                transpose_scaled(&s.p[..bk * bq], bk, bq, bq, T::one(), &mut s.ds);
+                matmul_tile(bq, hd, bk, &s.ds, bk, kb.data, hd, dq, hd, true);
             }
         }
     }
+    // SAFETY: this task is the only one computing the gradients of kv head
+    // `g` in batch `b` and of its query heads; their rows are disjoint from
+    // every other task's, and the caller keeps the buffers borrowed.
+    unsafe {
+        for (hi, dq) in dq_all.chunks_exact(d.seq_q * hd).enumerate() {
+            store(grads.dq, dq, hd, |t| inp.q_at(b, g * r + hi, t));
+        }
+        store(grads.dk, dk, hd, |t| inp.lay.k.at(1, b, g, t));
+        store(grads.dv, dv, hd, |t| inp.lay.v.at(1, b, g, t));
+    }
 }
 
-/// Gradients of kv rows `j0..j0 + dk.len() / head_dim` of kv head `g` in batch `b`.
+/// `rows` rows of a tensor starting at `data[0]`, `ld` elements apart.
+#[derive(Clone, Copy)]
+struct Block<'a, T> {
+    data: &'a [T],
+    rows: usize,
+    ld: usize,
+}
+
+/// Gradients of kv rows `j0..j0 + BLOCK_KV` (or to the end) of kv head `g`
+/// in batch `b`.
 ///
 /// Works on transposed tiles (`Sᵀ = K·(scale·Q)ᵀ`, `[kv rows, q rows]`) so
 /// that `Pᵀ` and `dSᵀ` come out in the row-major form the products
@@ -276,19 +360,18 @@ fn dkv_block<T: Real>(
     b: usize,
     g: usize,
     j0: usize,
-    dk: &mut [T],
-    dv: &mut [T],
+    grads: Grads<T>,
     s: &mut Scratch<T>,
+    acc: &mut Acc<T>,
 ) {
     let d = inp.d;
     let hd = d.head_dim;
-    let bk = dk.len() / hd;
+    let bk = BLOCK_KV.min(d.seq_kv - j0);
     let scale = T::lit(d.scale);
-    let kv_row0 = ((b * d.kv_heads + g) * d.seq_kv + j0) * hd;
-    let k_blk = &inp.k[kv_row0..kv_row0 + bk * hd];
-    let v_blk = &inp.v[kv_row0..kv_row0 + bk * hd];
-    dk.fill(T::zero());
-    dv.fill(T::zero());
+    let kb = Block { data: &inp.k[inp.lay.k.at(1, b, g, j0)..], rows: bk, ld: inp.lay.k.row() };
+    let vb = Block { data: &inp.v[inp.lay.v.at(1, b, g, j0)..], rows: bk, ld: inp.lay.v.row() };
+    let dk = zeroed(&mut acc.dk, bk * hd);
+    let dv = zeroed(&mut acc.dv, bk * hd);
 
     // Query blocks stay aligned to BLOCK_Q, as in the forward and in pass 2.
     let first_block = d.first_query(j0) / BLOCK_Q * BLOCK_Q;
@@ -296,46 +379,50 @@ fn dkv_block<T: Real>(
         let bh = b * d.q_heads + h;
         for i0 in (first_block..d.seq_q).step_by(BLOCK_Q) {
             let bq = BLOCK_Q.min(d.seq_q - i0);
-            let rows = bh * d.seq_q + i0..bh * d.seq_q + i0 + bq;
-            let q_blk = &inp.q[rows.start * hd..rows.end * hd];
-            let do_blk = &inp.dout[rows.start * hd..rows.end * hd];
-            transpose_scaled(q_blk, bq, hd, scale, &mut s.qs);
-            transpose_scaled(do_blk, bq, hd, T::one(), &mut s.t1);
-            dkv_tile(
-                inp, j0, k_blk, v_blk, i0, rows.start, q_blk, do_blk, dk, dv, s,
-            );
+            let qb = Block { data: &inp.q[inp.q_at(b, h, i0)..], rows: bq, ld: inp.lay.q.row() };
+            let ob = Block { data: &inp.dout[inp.o_at(b, h, i0)..], rows: bq, ld: inp.lay.o.row() };
+            transpose_scaled(qb.data, bq, hd, qb.ld, scale, &mut s.qs);
+            transpose_scaled(ob.data, bq, hd, ob.ld, T::one(), &mut s.t1);
+            dkv_tile(inp, j0, kb, vb, i0, bh * d.seq_q + i0, qb, ob, dk, dv, s);
         }
+    }
+    // SAFETY: this task alone computes kv rows `j0..j0 + bk` of kv head `g`
+    // in batch `b`; the caller keeps the buffers borrowed.
+    unsafe {
+        store(grads.dk, dk, hd, |t| inp.lay.k.at(1, b, g, j0 + t));
+        store(grads.dv, dv, hd, |t| inp.lay.v.at(1, b, g, j0 + t));
     }
 }
 
 /// One (kv block, query block) tile of pass 1: adds its contributions to the
-/// kv block's `dk` and `dv` rows and leaves `dSᵀ` (`[bk, bq]`) in `s.p`.
+/// kv block's `dk` and `dv` rows (contiguous, `head_dim` apart) and leaves
+/// `dSᵀ` (`[bk, bq]`) in `s.p`.
 ///
 /// Expects `s.qs` = (scale·Q)ᵀ and `s.t1` = dOᵀ of the query block starting
-/// at position `i0` (row `row0` of the `lse` layout, `q_blk.len() / head_dim`
-/// rows), and kv rows starting at position `j0`.
+/// at position `i0` (row `row0` of the `lse` layout), and kv rows starting at
+/// position `j0`.
 #[allow(clippy::too_many_arguments)]
 fn dkv_tile<T: Real>(
     inp: &Inputs<'_, T>,
     j0: usize,
-    k_blk: &[T],
-    v_blk: &[T],
+    kb: Block<'_, T>,
+    vb: Block<'_, T>,
     i0: usize,
     row0: usize,
-    q_blk: &[T],
-    do_blk: &[T],
+    qb: Block<'_, T>,
+    ob: Block<'_, T>,
     dk: &mut [T],
     dv: &mut [T],
     s: &mut Scratch<T>,
 ) {
     let d = inp.d;
     let hd = d.head_dim;
-    let (bk, bq) = (k_blk.len() / hd, q_blk.len() / hd);
+    let (bk, bq) = (kb.rows, qb.rows);
     let scale = T::lit(d.scale);
     let lse = &inp.lse[row0..row0 + bq];
     let delta = &inp.delta[row0..row0 + bq];
     let pt = &mut s.p[..bk * bq];
-    matmul_tile(bk, bq, hd, k_blk, hd, &s.qs, bq, pt, bq, false);
+    matmul_tile(bk, bq, hd, kb.data, kb.ld, &s.qs, bq, pt, bq, false);
     let needs_mask = d.causal && d.key_end(i0) < j0 + bk;
     for (j, row) in pt.chunks_exact_mut(bq).enumerate() {
         // Queries before `first` are masked from key j0 + j.
@@ -347,49 +434,54 @@ fn dkv_tile<T: Real>(
         row[..first].fill(T::zero());
         exp_minus_each(&mut row[first..], &lse[first..]);
     }
-    matmul_tile(bk, hd, bq, pt, bq, do_blk, hd, dv, hd, true);
+    matmul_tile(bk, hd, bq, pt, bq, ob.data, ob.ld, dv, hd, true);
 
     let dpt = &mut s.dp[..bk * bq];
-    matmul_tile(bk, bq, hd, v_blk, hd, &s.t1, bq, dpt, bq, false);
+    matmul_tile(bk, bq, hd, vb.data, vb.ld, &s.t1, bq, dpt, bq, false);
     for (prow, dprow) in pt.chunks_exact_mut(bq).zip(dpt.chunks_exact(bq)) {
         for ((p, &dp), &di) in prow.iter_mut().zip(dprow).zip(delta) {
             *p = *p * (dp - di) * scale;
         }
     }
-    matmul_tile(bk, hd, bq, pt, bq, q_blk, hd, dk, hd, true);
+    matmul_tile(bk, hd, bq, pt, bq, qb.data, qb.ld, dk, hd, true);
 }
 
-/// Gradient of query rows `i0..i0 + dq.len() / head_dim` of query head `h` in batch `b`.
+/// Gradient of query rows `i0..i0 + BLOCK_Q` (or to the end) of query head
+/// `h` in batch `b`.
 fn dq_block<T: Real>(
     inp: &Inputs<'_, T>,
     b: usize,
     h: usize,
     i0: usize,
-    dq: &mut [T],
+    grads: Grads<T>,
     s: &mut Scratch<T>,
+    acc: &mut Acc<T>,
 ) {
     let d = inp.d;
     let hd = d.head_dim;
-    let bq = dq.len() / hd;
+    let bq = BLOCK_Q.min(d.seq_q - i0);
     let scale = T::lit(d.scale);
     let rows = (b * d.q_heads + h) * d.seq_q + i0..(b * d.q_heads + h) * d.seq_q + i0 + bq;
-    let q_blk = &inp.q[rows.start * hd..rows.end * hd];
-    let do_blk = &inp.dout[rows.start * hd..rows.end * hd];
+    let (q_ld, o_ld, k_ld, v_ld) = (inp.lay.q.row(), inp.lay.o.row(), inp.lay.k.row(), inp.lay.v.row());
+    let q_blk = &inp.q[inp.q_at(b, h, i0)..];
+    let do_blk = &inp.dout[inp.o_at(b, h, i0)..];
     let lse = &inp.lse[rows.clone()];
     let delta = &inp.delta[rows];
-    let kv_base = (b * d.kv_heads + h / d.group()) * d.seq_kv * hd;
-    for (dst, &x) in s.qs.iter_mut().zip(q_blk) {
-        *dst = x * scale;
+    let g = h / d.group();
+    for (r, dst) in s.qs[..bq * hd].chunks_exact_mut(hd).enumerate() {
+        for (dst, &x) in dst.iter_mut().zip(&q_blk[r * q_ld..r * q_ld + hd]) {
+            *dst = x * scale;
+        }
     }
-    dq.fill(T::zero());
+    let dq = zeroed(&mut acc.dq, bq * hd);
 
     let kend = d.key_end(i0 + bq - 1);
     for j0 in (0..kend).step_by(BLOCK_KV) {
         let bk = BLOCK_KV.min(kend - j0);
-        let k_blk = &inp.k[kv_base + j0 * hd..kv_base + (j0 + bk) * hd];
-        let v_blk = &inp.v[kv_base + j0 * hd..kv_base + (j0 + bk) * hd];
-        transpose_scaled(k_blk, bk, hd, T::one(), &mut s.t2);
-        transpose_scaled(v_blk, bk, hd, T::one(), &mut s.t1);
+        let k_blk = &inp.k[inp.lay.k.at(1, b, g, j0)..];
+        let v_blk = &inp.v[inp.lay.v.at(1, b, g, j0)..];
+        transpose_scaled(k_blk, bk, hd, k_ld, T::one(), &mut s.t2);
+        transpose_scaled(v_blk, bk, hd, v_ld, T::one(), &mut s.t1);
 
         let p = &mut s.p[..bq * bk];
         matmul_tile(bq, bk, hd, &s.qs, hd, &s.t2, bk, p, bk, false);
@@ -405,14 +497,17 @@ fn dq_block<T: Real>(
         }
 
         let dp = &mut s.dp[..bq * bk];
-        matmul_tile(bq, bk, hd, do_blk, hd, &s.t1, bk, dp, bk, false);
+        matmul_tile(bq, bk, hd, do_blk, o_ld, &s.t1, bk, dp, bk, false);
         for ((prow, dprow), &di) in p.chunks_exact_mut(bk).zip(dp.chunks_exact(bk)).zip(delta) {
             for (p, &dp) in prow.iter_mut().zip(dprow) {
                 *p = *p * (dp - di) * scale;
             }
         }
-        matmul_tile(bq, hd, bk, p, bk, k_blk, hd, dq, hd, true);
+        matmul_tile(bq, hd, bk, p, bk, k_blk, k_ld, dq, hd, true);
     }
+    // SAFETY: this task alone computes query rows `i0..i0 + bq` of head `h`
+    // in batch `b`; the caller keeps the buffer borrowed.
+    unsafe { store(grads.dq, dq, hd, |t| inp.q_at(b, h, i0 + t)) };
 }
 
 #[cfg(test)]

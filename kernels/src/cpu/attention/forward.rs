@@ -3,6 +3,7 @@
 
 use super::exp::exp_minus;
 use super::tile::{matmul_tile, max_of, sum_of, transpose_scaled};
+use super::layout::{Layout, SharedOut};
 use super::{AttnDims, BLOCK_KV, BLOCK_Q, PARALLEL_MIN_WORK};
 use crate::Real;
 use rayon::prelude::*;
@@ -13,6 +14,8 @@ struct Scratch<T> {
     qs: Vec<T>,
     /// Transposed key block, `[head_dim, BLOCK_KV]`.
     kt: Vec<T>,
+    /// Value block, `[BLOCK_KV, head_dim]`, when the values are not contiguous.
+    vb: Vec<T>,
     /// Scores, then unnormalised probabilities, `[BLOCK_Q, BLOCK_KV]`.
     s: Vec<T>,
     /// Unnormalised output, `[BLOCK_Q, head_dim]`.
@@ -27,6 +30,7 @@ impl<T: Real> Scratch<T> {
         Self {
             qs: vec![T::zero(); BLOCK_Q * hd],
             kt: vec![T::zero(); hd * BLOCK_KV],
+            vb: vec![T::zero(); BLOCK_KV * hd],
             s: vec![T::zero(); BLOCK_Q * BLOCK_KV],
             acc: vec![T::zero(); BLOCK_Q * hd],
             m: vec![T::zero(); BLOCK_Q],
@@ -35,7 +39,8 @@ impl<T: Real> Scratch<T> {
     }
 }
 
-/// Fused attention forward (see [`AttnDims`] for layouts and masking).
+/// Fused attention forward on separate per-head tensors (see [`AttnDims`]
+/// for layouts and masking).
 ///
 /// Overwrites `out` (`[batch, q_heads, seq_q, head_dim]`) with the attention
 /// output and `lse` (`[batch, q_heads, seq_q]`) with each query's log-sum-exp
@@ -56,24 +61,37 @@ pub fn attention_forward<T: Real>(
     assert_eq!(k.len(), d.kv_len(), "attention_forward: k length");
     assert_eq!(v.len(), d.kv_len(), "attention_forward: v length");
     assert_eq!(out.len(), d.q_len(), "attention_forward: out length");
+    forward(d, &Layout::heads(d), q, k, v, out, lse);
+}
+
+/// [`attention_forward`] on the fused projection of self-attention: `qkv` is
+/// `[batch, seq, kv_heads, q_heads / kv_heads + 2, head_dim]` (per kv head,
+/// its query heads, its key, its value) and `out` is
+/// `[batch, seq, q_heads, head_dim]`, so neither side needs a copy into
+/// per-head tensors. Needs `seq_q == seq_kv`; results are bit-identical to
+/// [`attention_forward`] on the same values.
+pub fn attention_forward_packed<T: Real>(d: &AttnDims, qkv: &[T], out: &mut [T], lse: &mut [T]) {
+    d.check();
+    assert_eq!(d.seq_q, d.seq_kv, "attention_forward_packed: self-attention needs seq_q == seq_kv");
+    assert_eq!(qkv.len(), d.packed_len(), "attention_forward_packed: qkv length");
+    assert_eq!(out.len(), d.q_len(), "attention_forward_packed: out length");
+    forward(d, &Layout::packed(d), qkv, qkv, qkv, out, lse);
+}
+
+fn forward<T: Real>(d: &AttnDims, lay: &Layout, q: &[T], k: &[T], v: &[T], out: &mut [T], lse: &mut [T]) {
     assert_eq!(lse.len(), d.lse_len(), "attention_forward: lse length");
     if d.lse_len() == 0 {
         return;
     }
     let hd = d.head_dim;
-    let tasks: Vec<_> = out
-        .chunks_mut(d.seq_q * hd)
-        .zip(lse.chunks_mut(d.seq_q))
+    let out = SharedOut::new(out);
+    let tasks: Vec<_> = lse
+        .chunks_mut(d.seq_q)
         .enumerate()
-        .flat_map(|(bh, (o, l))| {
-            o.chunks_mut(BLOCK_Q * hd)
-                .zip(l.chunks_mut(BLOCK_Q))
-                .enumerate()
-                .map(move |(qb, (o, l))| (bh, qb * BLOCK_Q, o, l))
-        })
+        .flat_map(|(bh, l)| l.chunks_mut(BLOCK_Q).enumerate().map(move |(qb, l)| (bh, qb * BLOCK_Q, l)))
         .collect();
-    let run = |s: &mut Scratch<T>, (bh, i0, o, l): (usize, usize, &mut [T], &mut [T])| {
-        forward_block(d, bh / d.q_heads, bh % d.q_heads, i0, q, k, v, o, l, s)
+    let run = |s: &mut Scratch<T>, (bh, i0, l): (usize, usize, &mut [T])| {
+        forward_block(d, lay, bh / d.q_heads, bh % d.q_heads, i0, q, k, v, out, l, s)
     };
     if d.work() < PARALLEL_MIN_WORK {
         let mut s = Scratch::new(hd);
@@ -85,27 +103,30 @@ pub fn attention_forward<T: Real>(
     }
 }
 
-/// Output rows `i0..i0 + out.len() / head_dim` of query head `h` in batch `b`.
+/// Output rows `i0..i0 + lse.len()` of query head `h` in batch `b`.
 #[allow(clippy::too_many_arguments)]
 fn forward_block<T: Real>(
     d: &AttnDims,
+    lay: &Layout,
     b: usize,
     h: usize,
     i0: usize,
     q: &[T],
     k: &[T],
     v: &[T],
-    out: &mut [T],
+    out: SharedOut<T>,
     lse: &mut [T],
     s: &mut Scratch<T>,
 ) {
     let hd = d.head_dim;
     let bq = lse.len();
-    let q_row0 = ((b * d.q_heads + h) * d.seq_q + i0) * hd;
-    let kv_base = (b * d.kv_heads + h / d.group()) * d.seq_kv * hd;
+    let g = h / d.group();
     let scale = T::lit(d.scale);
-    for (dst, &x) in s.qs.iter_mut().zip(&q[q_row0..q_row0 + bq * hd]) {
-        *dst = x * scale;
+    for (r, dst) in s.qs[..bq * hd].chunks_exact_mut(hd).enumerate() {
+        let row = lay.q.at(d.group(), b, h, i0 + r);
+        for (dst, &x) in dst.iter_mut().zip(&q[row..row + hd]) {
+            *dst = x * scale;
+        }
     }
     s.m[..bq].fill(T::neg_infinity());
     s.l[..bq].fill(T::zero());
@@ -115,9 +136,9 @@ fn forward_block<T: Real>(
     let kend = d.key_end(i0 + bq - 1);
     for j0 in (0..kend).step_by(BLOCK_KV) {
         let bk = BLOCK_KV.min(kend - j0);
-        let k_blk = &k[kv_base + j0 * hd..kv_base + (j0 + bk) * hd];
-        let v_blk = &v[kv_base + j0 * hd..kv_base + (j0 + bk) * hd];
-        transpose_scaled(k_blk, bk, hd, T::one(), &mut s.kt);
+        let k_blk = &k[lay.k.at(1, b, g, j0)..];
+        let v_blk = &v[lay.v.at(1, b, g, j0)..];
+        transpose_scaled(k_blk, bk, hd, lay.k.row(), T::one(), &mut s.kt);
         let st = &mut s.s[..bq * bk];
         matmul_tile(bq, bk, hd, &s.qs, hd, &s.kt, bk, st, bk, false);
         let needs_mask = d.causal && d.key_end(i0) < j0 + bk;
@@ -146,21 +167,35 @@ fn forward_block<T: Real>(
             s.l[r] = s.l[r] * alpha + sum;
             s.m[r] = m_new;
         }
-        matmul_tile(bq, hd, bk, st, bk, v_blk, hd, &mut s.acc, hd, true);
+        // A fused layout's value rows lie a whole position apart; the
+        // product re-reads each row, so it gets them back to back.
+        let (v_blk, v_ld) = if lay.v.row() == hd {
+            (v_blk, hd)
+        } else {
+            for (t, dst) in s.vb[..bk * hd].chunks_exact_mut(hd).enumerate() {
+                dst.copy_from_slice(&v_blk[t * lay.v.row()..t * lay.v.row() + hd]);
+            }
+            (&s.vb[..], hd)
+        };
+        matmul_tile(bq, hd, bk, st, bk, v_blk, v_ld, &mut s.acc, hd, true);
     }
 
-    for (r, (o, l)) in out.chunks_exact_mut(hd).zip(lse.iter_mut()).enumerate() {
+    for (r, (o, l)) in s.acc[..bq * hd].chunks_exact_mut(hd).zip(lse.iter_mut()).enumerate() {
         let sum = s.l[r];
         if sum == T::zero() {
             o.fill(T::zero());
             *l = T::neg_infinity();
-            continue;
+        } else {
+            let inv = T::one() / sum;
+            for a in o.iter_mut() {
+                *a *= inv;
+            }
+            *l = s.m[r] + sum.ln();
         }
-        let inv = T::one() / sum;
-        for (oe, &a) in o.iter_mut().zip(&s.acc[r * hd..(r + 1) * hd]) {
-            *oe = a * inv;
-        }
-        *l = s.m[r] + sum.ln();
+        // SAFETY: this task is the only one computing query `i0 + r` of head
+        // `h` in batch `b`, whose row no other row of the layout overlaps;
+        // `out` stays borrowed by `forward` until every task has returned.
+        unsafe { out.write_row(lay.o.at(d.group(), b, h, i0 + r), o) };
     }
 }
 

@@ -20,10 +20,11 @@
 mod backward;
 mod exp;
 mod forward;
+mod layout;
 mod tile;
 
-pub use backward::attention_backward;
-pub use forward::attention_forward;
+pub use backward::{attention_backward, attention_backward_packed};
+pub use forward::{attention_forward, attention_forward_packed};
 
 use crate::Real;
 
@@ -76,6 +77,12 @@ impl AttnDims {
     /// Elements of `k`, `v`, `dk` and `dv`.
     pub fn kv_len(&self) -> usize {
         self.batch * self.kv_heads * self.seq_kv * self.head_dim
+    }
+
+    /// Elements of the fused `qkv` buffer of
+    /// [`attention_forward_packed`]: `batch · seq · (q_heads + 2·kv_heads) · head_dim`.
+    pub fn packed_len(&self) -> usize {
+        self.batch * self.seq_q * (self.q_heads + 2 * self.kv_heads) * self.head_dim
     }
 
     /// Elements of `lse`.
@@ -274,5 +281,85 @@ mod tests {
             &z[..d.kv_len()],
             &mut vec![0f32; d.q_len()],
         );
+    }
+
+    /// The fused layout reads and writes the same values as separate
+    /// tensors, and, summing in the same order, gives the same bits: forward
+    /// and backward, with grouped queries, on one thread (fused backward
+    /// schedule) and on several (two-pass schedule where the pairs are few).
+    #[test]
+    fn packed_layout_is_bit_identical_to_separate_tensors() {
+        use super::test_inputs::{qkv, to_f32};
+        use super::{attention_backward, attention_backward_packed, attention_forward, attention_forward_packed};
+        use crate::testing::rand_vec;
+        for d in [dims(2, 4, 2, 70, 70, 8, true), dims(1, 3, 1, 150, 150, 16, true), dims(2, 2, 2, 33, 33, 4, false)] {
+            let (r, hd, t) = (d.q_heads / d.kv_heads, d.head_dim, d.seq_q);
+            let (q, k, v) = qkv(&d, 21);
+            let (q, k, v) = (to_f32(&q), to_f32(&k), to_f32(&v));
+            // [b, h, t, hd] -> [b, t, kv, r + 2, hd]
+            let mut packed = vec![f32::NAN; d.packed_len()];
+            let slot = |b: usize, ti: usize, g: usize, s: usize| (((b * t + ti) * d.kv_heads + g) * (r + 2) + s) * hd;
+            for b in 0..d.batch {
+                for ti in 0..t {
+                    for g in 0..d.kv_heads {
+                        for s in 0..r + 2 {
+                            let src = match s {
+                                s if s < r => &q[((b * d.q_heads + g * r + s) * t + ti) * hd..][..hd],
+                                s if s == r => &k[((b * d.kv_heads + g) * t + ti) * hd..][..hd],
+                                _ => &v[((b * d.kv_heads + g) * t + ti) * hd..][..hd],
+                            };
+                            packed[slot(b, ti, g, s)..][..hd].copy_from_slice(src);
+                        }
+                    }
+                }
+            }
+            // [b, h, t, hd] <-> [b, t, h, hd] for the output side.
+            let to_bthd = |x: &[f32]| {
+                let mut y = vec![0f32; x.len()];
+                for b in 0..d.batch {
+                    for h in 0..d.q_heads {
+                        for ti in 0..t {
+                            let src = ((b * d.q_heads + h) * t + ti) * hd;
+                            let dst = ((b * t + ti) * d.q_heads + h) * hd;
+                            y[dst..dst + hd].copy_from_slice(&x[src..src + hd]);
+                        }
+                    }
+                }
+                y
+            };
+            let dout = to_f32(&rand_vec(22, d.q_len()));
+            for threads in [1, 2, 3] {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                pool.install(|| {
+                    let (mut out, mut lse) = (vec![0f32; d.q_len()], vec![0f32; d.lse_len()]);
+                    attention_forward(&d, &q, &k, &v, &mut out, &mut lse);
+                    let (mut pout, mut plse) = (vec![f32::NAN; d.q_len()], vec![f32::NAN; d.lse_len()]);
+                    attention_forward_packed(&d, &packed, &mut pout, &mut plse);
+                    let bits = |x: &[f32]| x.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&pout), bits(&to_bthd(&out)), "packed out, {threads} threads, {d:?}");
+                    assert_eq!(bits(&plse), bits(&lse), "packed lse, {threads} threads");
+
+                    let (mut dq, mut dk, mut dv) = (vec![0f32; d.q_len()], vec![0f32; d.kv_len()], vec![0f32; d.kv_len()]);
+                    attention_backward(&d, &q, &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv);
+                    let mut dpacked = vec![f32::NAN; d.packed_len()];
+                    attention_backward_packed(&d, &packed, &pout, &plse, &to_bthd(&dout), &mut dpacked);
+                    for b in 0..d.batch {
+                        for ti in 0..t {
+                            for g in 0..d.kv_heads {
+                                for s in 0..r + 2 {
+                                    let want = match s {
+                                        s if s < r => &dq[((b * d.q_heads + g * r + s) * t + ti) * hd..][..hd],
+                                        s if s == r => &dk[((b * d.kv_heads + g) * t + ti) * hd..][..hd],
+                                        _ => &dv[((b * d.kv_heads + g) * t + ti) * hd..][..hd],
+                                    };
+                                    let got = &dpacked[slot(b, ti, g, s)..][..hd];
+                                    assert_eq!(bits(got), bits(want), "packed grad slot {s}, {threads} threads, {d:?}");
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        }
     }
 }

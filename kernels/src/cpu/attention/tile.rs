@@ -205,19 +205,23 @@ pub(super) fn axpy<T: Real>(y: &mut [T], alpha: T, x: &[T]) {
     }
 }
 
-/// `dst[c×r] = scale * srcᵀ` for `src[r×c]` row-major (`dst` has leading
-/// dimension `r`). Puts a block of keys (or queries) in the layout whose rows
-/// [`matmul_tile`] streams contiguously.
+/// `dst[c×r] = scale * srcᵀ` for `src[r×c]` row-major with row stride `ld`
+/// (`dst` has leading dimension `r`). Puts a block of keys (or queries) in
+/// the layout whose rows [`matmul_tile`] streams contiguously.
 pub(super) fn transpose_scaled<T: Real>(
     src: &[T],
     rows: usize,
     cols: usize,
+    ld: usize,
     scale: T,
     dst: &mut [T],
 ) {
-    assert!(src.len() >= rows * cols && dst.len() >= rows * cols);
-    for (r, src_row) in src[..rows * cols].chunks_exact(cols).enumerate() {
-        for (c, &x) in src_row.iter().enumerate() {
+    if rows == 0 {
+        return;
+    }
+    assert!(src.len() >= (rows - 1) * ld + cols && dst.len() >= rows * cols);
+    for r in 0..rows {
+        for (c, &x) in src[r * ld..r * ld + cols].iter().enumerate() {
             dst[c * rows + r] = x * scale;
         }
     }
@@ -394,10 +398,18 @@ mod tests {
         }
         let src = rand_vec(6, 3 * 5);
         let mut dst = vec![0.0; 15];
-        transpose_scaled(&src, 3, 5, 2.0, &mut dst);
+        transpose_scaled(&src, 3, 5, 5, 2.0, &mut dst);
         for r in 0..3 {
             for c in 0..5 {
                 assert_eq!(dst[c * 3 + r], 2.0 * src[r * 5 + c]);
+            }
+        }
+        // Rows 7 apart (a block of a fused buffer): the gaps are never read.
+        let src = rand_vec(8, 2 * 7 + 5);
+        transpose_scaled(&src, 3, 5, 7, 1.0, &mut dst);
+        for r in 0..3 {
+            for c in 0..5 {
+                assert_eq!(dst[c * 3 + r], src[r * 7 + c]);
             }
         }
     }

@@ -141,13 +141,15 @@ unsafe fn column_block(
     threads: usize,
 ) {
     // Equal depth blocks, a function of `k` alone (never of the thread count).
-    let kc_nom = k.div_ceil(k.div_ceil(KC_MAX));
+    let kcm: usize = std::env::var("KCM").ok().and_then(|v| v.parse().ok()).unwrap_or(KC_MAX);
+    let kc_nom = k.div_ceil(k.div_ceil(kcm));
     let strips = n.div_ceil(NR);
     let mut bbuf = take_buf(&PACK_B, kc_nom * strips * NR);
     // Split the dimension with more micro-tiles; two tasks per thread let a
     // thread that was slowed down by other load hand work over.
     let parts = if threads <= 1 { 1 } else { 2 * threads };
-    let (rows, cols) = if m.div_ceil(MR) >= strips {
+    let force_rows = std::env::var("ROWS").is_ok();
+    let (rows, cols) = if force_rows || m.div_ceil(MR) >= strips {
         (split(m, parts, MR), split(n, 1, NR))
     } else {
         (split(m, 1, MR), split(n, parts, NR))
