@@ -48,3 +48,43 @@ fn devices_account_separately() {
     assert_eq!(d0.memory_stats().in_use, 4000);
     assert_eq!(d1.memory_stats().in_use, 0);
 }
+
+/// Ops whose kernels write every output element get reused buffers without
+/// zeroing them first; filling the pool with NaNs beforehand must not change
+/// a single bit of what they return.
+#[test]
+fn reused_buffers_never_leak_stale_values() {
+    let run = |dev: &Device, poison: bool| -> Vec<u32> {
+        let f = |seed: u64, shape: &[usize]| {
+            let n: usize = shape.iter().product();
+            let v: Vec<f32> = (0..n).map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 - 500.0) / 700.0).collect();
+            Tensor::from_vec(v, shape.to_vec(), dev).unwrap()
+        };
+        // Every output at least 64 KiB: smaller buffers are not pooled.
+        let (b, t, d) = (2, 128, 96);
+        let heads = ops::QkvHeads { q_heads: 4, kv_heads: 2, head_dim: 16 };
+        let x = f(1, &[b * t, d]);
+        let w = f(2, &[d, d]);
+        let qkv = f(3, &[b, t, heads.width()]);
+        let rope = ops::Rope::new(16, t, 10_000.0).unwrap();
+        let pos: Vec<u32> = (0..t as u32).collect();
+        if poison {
+            // NaN buffers of every length the ops below ask for, freed into the pool.
+            let nan = |n: usize| Tensor::from_vec(vec![f32::NAN; n], [n], dev).unwrap();
+            let held: Vec<Tensor> = [b * t * d, b * t * heads.width(), b * t * 64].iter().flat_map(|&n| (0..8).map(move |_| n)).map(nan).collect();
+            drop(held);
+        }
+        let y = ops::matmul(&x, &w).unwrap();
+        let y = ops::add_bias(&y, &f(4, &[d])).unwrap();
+        let g = ops::gelu(&y).unwrap();
+        let dg = ops::gelu_backward(&y, &x).unwrap();
+        let s = ops::add(&g, &dg).unwrap();
+        let s = ops::mul(&ops::scale(&s, 0.5).unwrap(), &ops::sub(&g, &x).unwrap()).unwrap();
+        let r = ops::rope_packed(&qkv, &rope, &pos, heads).unwrap();
+        let (o, lse) = ops::attention_packed(&r, heads, ops::AttnOpts::causal()).unwrap();
+        let dqkv = ops::attention_packed_backward(&r, &o, &lse, &o, heads, ops::AttnOpts::causal()).unwrap();
+        [y, g, dg, s, r, o, lse, dqkv].iter().flat_map(|t| t.to_vec::<f32>().unwrap().into_iter().map(f32::to_bits)).collect()
+    };
+    let clean = run(&Device::cpu(), false);
+    assert_eq!(run(&Device::cpu(), true), clean);
+}

@@ -6,11 +6,11 @@ use crate::error::Result;
 use crate::tensor::Tensor;
 use tessera_kernels::cpu::activation as k;
 
-float_kernel!(Gelu {} |s, i, o| k::gelu_forward(i[0], o[0]));
-float_kernel!(GeluBack {} |s, i, o| k::gelu_backward(i[0], i[1], o[0]));
-float_kernel!(Silu {} |s, i, o| k::silu_forward(i[0], o[0]));
-float_kernel!(SiluBack {} |s, i, o| k::silu_backward(i[0], i[1], o[0]));
-float_kernel!(SwiGlu {} |s, i, o| k::swiglu_forward(i[0], i[1], o[0]));
+float_kernel!(writes_all Gelu {} |s, i, o| k::gelu_forward(i[0], o[0]));
+float_kernel!(writes_all GeluBack {} |s, i, o| k::gelu_backward(i[0], i[1], o[0]));
+float_kernel!(writes_all Silu {} |s, i, o| k::silu_forward(i[0], o[0]));
+float_kernel!(writes_all SiluBack {} |s, i, o| k::silu_backward(i[0], i[1], o[0]));
+float_kernel!(writes_all SwiGlu {} |s, i, o| k::swiglu_forward(i[0], i[1], o[0]));
 float_kernel!(SwiGluBack {} |s, i, o| {
     let (dgate, dup) = o.split_at_mut(1);
     k::swiglu_backward(i[0], i[1], i[2], dgate[0], dup[0])

@@ -8,21 +8,21 @@ use tessera_kernels::cpu::attention::{
     attention_backward as back, attention_backward_packed as back_packed, attention_forward as fwd, attention_forward_packed as fwd_packed, AttnDims,
 };
 
-float_kernel!(AttnFwd { d: AttnDims } |s, i, o| {
+float_kernel!(writes_all AttnFwd { d: AttnDims } |s, i, o| {
     let (out, lse) = o.split_at_mut(1);
     fwd(&s.d, i[0], i[1], i[2], out[0], lse[0])
 });
-float_kernel!(AttnBack { d: AttnDims } |s, i, o| {
+float_kernel!(writes_all AttnBack { d: AttnDims } |s, i, o| {
     let (dq, rest) = o.split_at_mut(1);
     let (dk, dv) = rest.split_at_mut(1);
     back(&s.d, i[0], i[1], i[2], i[3], i[4], i[5], dq[0], dk[0], dv[0])
 });
 
-float_kernel!(AttnFwdPacked { d: AttnDims } |s, i, o| {
+float_kernel!(writes_all AttnFwdPacked { d: AttnDims } |s, i, o| {
     let (out, lse) = o.split_at_mut(1);
     fwd_packed(&s.d, i[0], out[0], lse[0])
 });
-float_kernel!(AttnBackPacked { d: AttnDims } |s, i, o| back_packed(&s.d, i[0], i[1], i[2], i[3], o[0]));
+float_kernel!(writes_all AttnBackPacked { d: AttnDims } |s, i, o| back_packed(&s.d, i[0], i[1], i[2], i[3], o[0]));
 
 /// How queries attend: causally or not, and the factor on `q·k`.
 #[derive(Clone, Copy, Debug, PartialEq)]

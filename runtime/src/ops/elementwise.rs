@@ -8,11 +8,11 @@ use crate::tensor::{DType, Tensor};
 use tessera_kernels::cpu::elementwise as k;
 use tessera_kernels::Real;
 
-float_kernel!(Add {} |s, i, o| k::add(i[0], i[1], o[0]));
-float_kernel!(Sub {} |s, i, o| k::sub(i[0], i[1], o[0]));
-float_kernel!(Mul {} |s, i, o| k::mul(i[0], i[1], o[0]));
-float_kernel!(Scale { by: f64 } |s, i, o| k::scale(i[0], T::lit(s.by), o[0]));
-float_kernel!(AddBias {} |s, i, o| k::add_bias(i[0], i[1], o[0]));
+float_kernel!(writes_all Add {} |s, i, o| k::add(i[0], i[1], o[0]));
+float_kernel!(writes_all Sub {} |s, i, o| k::sub(i[0], i[1], o[0]));
+float_kernel!(writes_all Mul {} |s, i, o| k::mul(i[0], i[1], o[0]));
+float_kernel!(writes_all Scale { by: f64 } |s, i, o| k::scale(i[0], T::lit(s.by), o[0]));
+float_kernel!(writes_all AddBias {} |s, i, o| k::add_bias(i[0], i[1], o[0]));
 float_kernel!(BiasGrad {} |s, i, o| k::bias_grad(i[0], o[0]));
 
 fn binary<K: super::FloatKernel>(op: &'static str, kernel: &K, a: &Tensor, b: &Tensor) -> Result<Tensor> {

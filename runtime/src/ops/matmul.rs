@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 use tessera_kernels::cpu::matmul::{matmul as gemm, Gemm};
 
-float_kernel!(MatMul { g: Gemm } |s, i, o| gemm(&s.g, i[0], i[1], o[0]));
+float_kernel!(writes_all MatMul { g: Gemm } |s, i, o| gemm(&s.g, i[0], i[1], o[0]));
 
 /// A matrix operand: a contiguous tensor, and whether its last two dimensions
 /// are stored transposed (so `x.t()` costs no copy).

@@ -44,10 +44,21 @@ use crate::tensor::{DType, Shape, Tensor};
 
 /// Declares a kernel struct and its [`FloatKernel`] impl; the body sees the
 /// struct as `$s`, the input slices as `$i` and the output slices as `$o`.
+///
+/// A leading `writes_all` declares that the body writes every element of
+/// every output (see [`FloatKernel::WRITES_ALL`]); a kernel that leaves any
+/// element unwritten must not say so, or it would return stale values.
 macro_rules! float_kernel {
+    (writes_all $name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* $(,)? } |$s:ident, $i:ident, $o:ident| $body:expr) => {
+        float_kernel!(@impl true, $name $(<$lt>)? { $($f : $t),* } |$s, $i, $o| $body);
+    };
     ($name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* $(,)? } |$s:ident, $i:ident, $o:ident| $body:expr) => {
+        float_kernel!(@impl false, $name $(<$lt>)? { $($f : $t),* } |$s, $i, $o| $body);
+    };
+    (@impl $all:expr, $name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* } |$s:ident, $i:ident, $o:ident| $body:expr) => {
         struct $name $(<$lt>)? { $($f: $t),* }
         impl $(<$lt>)? $crate::backend::cpu::FloatKernel for $name $(<$lt>)? {
+            const WRITES_ALL: bool = $all;
             #[allow(unused_variables)]
             fn run<T: tessera_kernels::Real>(&self, $i: &[&[T]], $o: &mut [&mut [T]]) {
                 let $s = self;

@@ -71,7 +71,7 @@ impl Rope {
     }
 }
 
-float_kernel!(RopeK<'a> { rope: &'a Rope, positions: &'a [u32], bh: usize, seq: usize, inverse: bool } |s, i, o| {
+float_kernel!(writes_all RopeK<'a> { rope: &'a Rope, positions: &'a [u32], bh: usize, seq: usize, inverse: bool } |s, i, o| {
     let table = s.rope.table::<T>();
     if s.inverse {
         back(table, i[0], s.bh, s.seq, s.positions, o[0])
@@ -96,7 +96,7 @@ pub fn rope_backward(dy: &Tensor, rope: &Rope, positions: &[u32]) -> Result<Tens
         })
 }
 
-float_kernel!(RopePackedK<'a> { rope: &'a Rope, positions: &'a [u32], heads: PackedHeads, seq: usize, inverse: bool } |s, i, o| {
+float_kernel!(writes_all RopePackedK<'a> { rope: &'a Rope, positions: &'a [u32], heads: PackedHeads, seq: usize, inverse: bool } |s, i, o| {
     let table = s.rope.table::<T>();
     if s.inverse {
         back_packed(table, i[0], s.heads, s.seq, s.positions, o[0])

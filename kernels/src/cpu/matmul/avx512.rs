@@ -141,15 +141,16 @@ unsafe fn column_block(
     threads: usize,
 ) {
     // Equal depth blocks, a function of `k` alone (never of the thread count).
-    let kcm: usize = std::env::var("KCM").ok().and_then(|v| v.parse().ok()).unwrap_or(KC_MAX);
-    let kc_nom = k.div_ceil(k.div_ceil(kcm));
+    let kc_nom = k.div_ceil(k.div_ceil(KC_MAX));
     let strips = n.div_ceil(NR);
     let mut bbuf = take_buf(&PACK_B, kc_nom * strips * NR);
-    // Split the dimension with more micro-tiles; two tasks per thread let a
-    // thread that was slowed down by other load hand work over.
+    // Two tasks per thread let a thread that was slowed down by other load
+    // hand work over. Splitting the rows is preferred: each task then packs
+    // only its own rows of `A`, while tasks that split the columns each pack
+    // all of it. Only when there are too few row tiles to share out (at
+    // least two per task) do the columns split.
     let parts = if threads <= 1 { 1 } else { 2 * threads };
-    let force_rows = std::env::var("ROWS").is_ok();
-    let (rows, cols) = if force_rows || m.div_ceil(MR) >= strips {
+    let (rows, cols) = if m.div_ceil(MR) >= 2 * parts || m.div_ceil(MR) >= strips {
         (split(m, parts, MR), split(n, 1, NR))
     } else {
         (split(m, 1, MR), split(n, parts, NR))
@@ -222,19 +223,26 @@ unsafe fn pack_b(b: View, p0: usize, kc: usize, j0: usize, nv: usize, dst: &mut 
 /// The addressed elements of `a` must be in bounds;
 /// `dst.len() == mv.div_ceil(MR)*MR*kc`.
 unsafe fn pack_a(a: View, i0: usize, mv: usize, p0: usize, kc: usize, dst: &mut [f32]) {
-    for (t, panel) in dst.chunks_exact_mut(MR * kc).enumerate() {
-        let r0 = i0 + t * MR;
-        let rows = (mv - t * MR).min(MR);
-        if rows < MR {
-            panel.fill(0.0);
-        }
-        if a.rs == 1 {
-            for (p, group) in panel.chunks_exact_mut(MR).enumerate() {
-                let src = a.ptr.add((p0 + p) * a.cs + r0);
-                group[..rows].copy_from_slice(std::slice::from_raw_parts(src, rows));
+    let panels = mv.div_ceil(MR);
+    let last_rows = mv - (panels - 1) * MR;
+    if last_rows < MR {
+        dst[(panels - 1) * MR * kc..].fill(0.0);
+    }
+    if a.rs == 1 {
+        // `op(A)` is stored transposed (a weight gradient's `dYᵀ`): each depth
+        // step is one contiguous run of `mv` values, dealt out to the panels,
+        // so every source row is read once instead of once per panel.
+        for p in 0..kc {
+            let src = std::slice::from_raw_parts(a.ptr.add((p0 + p) * a.cs + i0), mv);
+            for (t, group) in src.chunks(MR).enumerate() {
+                let at = t * MR * kc + p * MR;
+                dst.get_unchecked_mut(at..at + group.len()).copy_from_slice(group);
             }
-        } else {
-            for i in 0..rows {
+        }
+    } else {
+        for (t, panel) in dst.chunks_exact_mut(MR * kc).enumerate() {
+            let r0 = i0 + t * MR;
+            for i in 0..(mv - t * MR).min(MR) {
                 let src = a.ptr.add((r0 + i) * a.rs + p0 * a.cs);
                 for p in 0..kc {
                     *panel.get_unchecked_mut(p * MR + i) = *src.add(p * a.cs);

@@ -21,6 +21,15 @@ pub struct Buffer<T: Send + 'static> {
 
 impl<T: Copy + Default + Send + 'static> Buffer<T> {
     /// `len` default (zero) elements.
+    /// A buffer of `len` elements for a kernel that writes every one of
+    /// them: a reused buffer keeps its old contents instead of being zeroed
+    /// first (a whole extra pass over the output, on one thread), a new one
+    /// comes zeroed from the allocator.
+    pub(crate) fn for_overwrite(len: usize, host: &Arc<HostMemory>) -> Self {
+        let data = host.pool.take::<T>(len).unwrap_or_else(|| vec![T::default(); len]);
+        Self::from_vec(data, host)
+    }
+
     pub(crate) fn zeros(len: usize, host: &Arc<HostMemory>) -> Self {
         let data = match host.pool.take::<T>(len) {
             Some(mut v) => {

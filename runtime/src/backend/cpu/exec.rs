@@ -12,7 +12,11 @@ use tessera_kernels::Real;
 
 /// An op's arithmetic, written once over the compute type `T`.
 pub(crate) trait FloatKernel {
-    /// Reads `inputs` and overwrites `outputs` (lengths as the op requested).
+    /// Whether [`run`](Self::run) writes every element of every output. Then
+    /// the outputs are handed over with stale contents instead of zeros;
+    /// otherwise they start zeroed.
+    const WRITES_ALL: bool = false;
+    /// Reads `inputs` and writes `outputs` (lengths as the op requested).
     fn run<T: Real>(&self, inputs: &[&[T]], outputs: &mut [&mut [T]]);
 }
 
@@ -90,7 +94,8 @@ fn run_in<T: ComputeType, K: FloatKernel>(
             None => &T::view(s).expect("compute type")[r.clone()],
         })
         .collect();
-    let mut outs: Vec<Buffer<T>> = outputs.iter().map(|&(n, _)| dev.buffer_zeros::<T>(n)).collect();
+    let fresh = |n| if K::WRITES_ALL { dev.buffer_for_overwrite::<T>(n) } else { dev.buffer_zeros::<T>(n) };
+    let mut outs: Vec<Buffer<T>> = outputs.iter().map(|&(n, _)| fresh(n)).collect();
     {
         let mut out_slices: Vec<&mut [T]> = outs.iter_mut().map(|b| &mut **b).collect();
         kernel.run(&slices, &mut out_slices);

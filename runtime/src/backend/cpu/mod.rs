@@ -54,6 +54,12 @@ impl CpuDevice {
         Buffer::zeros(len, &self.host)
     }
 
+    /// A tracked buffer of `len` elements with unspecified (but initialised)
+    /// contents, for a kernel that overwrites all of them.
+    pub(crate) fn buffer_for_overwrite<T: Copy + Default + Send + 'static>(&self, len: usize) -> Buffer<T> {
+        Buffer::for_overwrite(len, &self.host)
+    }
+
     /// Frees the buffers kept for reuse (they count in
     /// [`MemoryStats::cached`], not in `in_use`).
     pub fn empty_cache(&self) {
