@@ -5,12 +5,18 @@
 //! the columns are cut into blocks of at most [`NC`] and the depth into blocks
 //! of at most [`KC_MAX`]; for each pair the `KC×NC` slab of `op(B)` is packed
 //! once into strips of [`NR`] columns (shared by all threads, lives in L2/L3),
-//! each task packs `MC×KC` blocks of
-//! `op(A)` into micro-panels of [`MR`] rows (private, lives in L2), and the
-//! micro-kernel keeps an `MR×NR` tile of `C` in 24 zmm registers while it
-//! streams both panels. Each step of the depth loop issues 24 FMAs against
-//! 2 vector loads and 12 broadcasts, so the FMA pipes, not the load ports,
-//! set the pace.
+//! and the micro-kernel keeps an `MR×NR` tile of `C` in 24 zmm registers
+//! while it streams an `MR`-row panel of `op(A)` against a strip. Each step
+//! of the depth loop issues 24 FMAs against 2 vector loads and 12
+//! broadcasts, so the FMA pipes, not the load ports, set the pace.
+//!
+//! `op(A)` is only packed (each task its `MC×KC` blocks, into micro-panels of
+//! [`MR`] rows that live in L2) when it is stored transposed. A row-major
+//! `A` is read in place: the 12 broadcasts of a step come from 12 rows, each
+//! walked sequentially, which the prefetchers follow as well as a packed
+//! panel, and skipping the pack saves a full pass over `A`. That pass is
+//! what made products with a thin output (`n = 384`, a linear layer's input
+//! gradient) run 10 % slower than wide ones: they pack 4× more `A` per FLOP.
 //!
 //! Determinism: every element of `C` is summed over the depth in the same
 //! order whatever the thread count (fixed depth blocks, one FMA chain per
@@ -276,13 +282,23 @@ unsafe fn block(
     while ic < rows.end {
         let mv = MC.min(rows.end - ic);
         let packed_a = aligned(&mut abuf, mv.div_ceil(MR) * MR * kc);
-        pack_a(a, ic, mv, p0, kc, packed_a);
+        // Full panels of a row-major A are read in place; a partial last
+        // panel (reading past it would leave the operand) is still packed.
+        let direct = a.cs == 1;
+        let packed_rows = if direct { mv / MR * MR } else { 0 };
+        if packed_rows < mv {
+            pack_a(a, ic + packed_rows, mv - packed_rows, p0, kc, &mut packed_a[packed_rows * kc..]);
+        }
         for jr in cols.clone().step_by(NR) {
             let nv = NR.min(n - jr);
             let bp = packed_b.as_ptr().add(jr / NR * kc * NR);
             for ir in (0..mv).step_by(MR) {
                 let rv = MR.min(mv - ir);
-                let ap = packed_a.as_ptr().add(ir * kc);
+                let ap = if ir < packed_rows {
+                    Panel::Rows { ptr: a.ptr.add((ic + ir) * a.rs + p0), ld: a.rs }
+                } else {
+                    Panel::Packed(packed_a.as_ptr().add(ir * kc))
+                };
                 let cp = out.0.add((ic + ir) * ldc + jr);
                 if rv == MR && nv == NR {
                     kernel(kc, ap, bp, cp, ldc, overwrite);
@@ -306,25 +322,59 @@ unsafe fn block(
     PACK_A.with(|s| s.set(abuf));
 }
 
-/// `C[0..MR][0..NR] (+)= Apanel · Bpanel` over depth `kc`, where `ap` holds
-/// `kc` groups of `MR` floats and `bp` holds `kc` rows of `NR` floats; `C` has
-/// row stride `ldc`.
+/// Where a micro-kernel reads its `MR` rows of `op(A)`.
+#[derive(Clone, Copy)]
+enum Panel {
+    /// Packed: `kc` groups of `MR` floats.
+    Packed(*const f32),
+    /// In place: `MR` rows `ld` apart, each `kc` contiguous floats.
+    Rows { ptr: *const f32, ld: usize },
+}
+
+/// `C[0..MR][0..NR] (+)= A · Bpanel` over depth `kc`, where `A` is the
+/// panel `ap` and `bp` holds `kc` rows of `NR` floats; `C` has row stride
+/// `ldc`.
 ///
 /// # Safety
-/// AVX-512F present; `ap`, `bp` valid for `kc*MR` / `kc*NR` reads; `c` valid
-/// for an `MR×NR` tile with row stride `ldc`.
+/// AVX-512F present; `ap` valid for its `MR×kc` reads, `bp` for `kc*NR`;
+/// `c` valid for an `MR×NR` tile with row stride `ldc`.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn kernel(kc: usize, ap: *const f32, bp: *const f32, c: *mut f32, ldc: usize, overwrite: bool) {
+unsafe fn kernel(kc: usize, ap: Panel, bp: *const f32, c: *mut f32, ldc: usize, overwrite: bool) {
+    match ap {
+        Panel::Packed(ptr) => kernel_strided::<MR, 1>(kc, ptr, 1, bp, c, ldc, overwrite),
+        Panel::Rows { ptr, ld } => kernel_strided::<1, 0>(kc, ptr, ld, bp, c, ldc, overwrite),
+    }
+}
+
+/// [`kernel`] with `A(i, p)` at `a[p·STEP + i·(ROW or ld when ROW = 0)]`:
+/// `STEP = MR, ROW = 1` for a packed panel, `STEP = 1, ROW = 0` for rows
+/// `ld` apart. The strides are constants where they can be, so the
+/// broadcasts address `A` with no arithmetic in the loop.
+///
+/// # Safety
+/// As for [`kernel`].
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn kernel_strided<const STEP: usize, const ROW: usize>(
+    kc: usize,
+    ap: *const f32,
+    ld: usize,
+    bp: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    overwrite: bool,
+) {
+    let row = if ROW == 0 { ld } else { ROW };
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     let (mut ap, mut bp) = (ap, bp);
     let step = |acc: &mut [[__m512; 2]; MR], ap: *const f32, bp: *const f32| {
         let b0 = _mm512_loadu_ps(bp);
         let b1 = _mm512_loadu_ps(bp.add(16));
-        for (i, row) in acc.iter_mut().enumerate() {
-            let ai = _mm512_set1_ps(*ap.add(i));
-            row[0] = _mm512_fmadd_ps(ai, b0, row[0]);
-            row[1] = _mm512_fmadd_ps(ai, b1, row[1]);
+        for (i, r) in acc.iter_mut().enumerate() {
+            let ai = _mm512_set1_ps(*ap.add(i * row));
+            r[0] = _mm512_fmadd_ps(ai, b0, r[0]);
+            r[1] = _mm512_fmadd_ps(ai, b1, r[1]);
         }
     };
     // The C tile is touched only at the end; its rows lie far apart in
@@ -332,7 +382,7 @@ unsafe fn kernel(kc: usize, ap: *const f32, bp: *const f32, c: *mut f32, ldc: us
     let ahead = kc.min(PREFETCH_STEPS);
     for _ in 0..kc - ahead {
         step(&mut acc, ap, bp);
-        ap = ap.add(MR);
+        ap = ap.add(STEP);
         bp = bp.add(NR);
     }
     for i in 0..MR {
@@ -342,17 +392,17 @@ unsafe fn kernel(kc: usize, ap: *const f32, bp: *const f32, c: *mut f32, ldc: us
     }
     for _ in 0..ahead {
         step(&mut acc, ap, bp);
-        ap = ap.add(MR);
+        ap = ap.add(STEP);
         bp = bp.add(NR);
     }
-    for (i, row) in acc.iter().enumerate() {
+    for (i, r) in acc.iter().enumerate() {
         let ci = c.add(i * ldc);
         if overwrite {
-            _mm512_storeu_ps(ci, row[0]);
-            _mm512_storeu_ps(ci.add(16), row[1]);
+            _mm512_storeu_ps(ci, r[0]);
+            _mm512_storeu_ps(ci.add(16), r[1]);
         } else {
-            _mm512_storeu_ps(ci, _mm512_add_ps(_mm512_loadu_ps(ci), row[0]));
-            _mm512_storeu_ps(ci.add(16), _mm512_add_ps(_mm512_loadu_ps(ci.add(16)), row[1]));
+            _mm512_storeu_ps(ci, _mm512_add_ps(_mm512_loadu_ps(ci), r[0]));
+            _mm512_storeu_ps(ci.add(16), _mm512_add_ps(_mm512_loadu_ps(ci.add(16)), r[1]));
         }
     }
 }
