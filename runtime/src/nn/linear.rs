@@ -138,14 +138,12 @@ impl Linear {
             ));
         }
         let x = if x.dtype() == w.dtype() { x } else { x.to_dtype(w.dtype())? };
-        let mut y = ops::matmul(&x, &w.t()?)?;
-        if let Some(b) = &self.bias {
-            // Every rank reads the bias so every rank's backward delivers its gradient.
-            let b = cx.param(b)?;
-            if with_bias {
-                y = ops::add_bias(&y, &b)?;
-            }
-        }
+        // Every rank reads the bias so every rank's backward delivers its gradient.
+        let bias = self.bias.as_ref().map(|b| cx.param(b)).transpose()?;
+        let y = match bias.filter(|_| with_bias) {
+            Some(b) => ops::matmul_bias(&x, &w.t()?, &b)?,
+            None => ops::matmul(&x, &w.t()?)?,
+        };
         Ok((y, LinearSaved { x }))
     }
 

@@ -4,9 +4,10 @@ use super::{check_device, float_kernel, run1};
 use crate::backend::cpu::Out;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
-use tessera_kernels::cpu::matmul::{matmul as gemm, Gemm};
+use tessera_kernels::cpu::matmul::{matmul as gemm, matmul_bias as gemm_bias, Gemm};
 
 float_kernel!(writes_all MatMul { g: Gemm } |s, i, o| gemm(&s.g, i[0], i[1], o[0]));
+float_kernel!(writes_all MatMulBias { g: Gemm } |s, i, o| gemm_bias(&s.g, i[0], i[1], i[2], o[0]));
 
 /// A matrix operand: a contiguous tensor, and whether its last two dimensions
 /// are stored transposed (so `x.t()` costs no copy).
@@ -27,21 +28,39 @@ fn operand(x: &Tensor) -> Result<(Tensor, bool)> {
 /// matrix shared by every batch (a linear layer's weight). Operands that are
 /// transposed views (`w.t()`) are read in place.
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    const OP: &str = "matmul";
-    check_device(OP, a, b)?;
+    product("matmul", a, b, None)
+}
+
+/// `a · b + bias`, with `bias` (one dimension, `n`) added to every row: a
+/// linear layer's forward. Same shapes as [`matmul`]; the sum rounds as
+/// [`matmul`] followed by [`add_bias`](super::add_bias) does, in one pass over
+/// the output. Its backward is [`matmul_backward`] and
+/// [`bias_grad`](super::bias_grad).
+pub fn matmul_bias(a: &Tensor, b: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    product("matmul_bias", a, b, Some(bias))
+}
+
+fn product(op: &'static str, a: &Tensor, b: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    check_device(op, a, b)?;
     if a.rank() < 2 || b.rank() < 2 {
-        return Err(Error::shape(OP, format!("operands need at least two dimensions, got {} and {}", a.shape(), b.shape())));
+        return Err(Error::shape(op, format!("operands need at least two dimensions, got {} and {}", a.shape(), b.shape())));
     }
     let (ad, bd) = (a.dims(), b.dims());
     let (m, k) = (ad[ad.len() - 2], ad[ad.len() - 1]);
     let (k2, n) = (bd[bd.len() - 2], bd[bd.len() - 1]);
     if k != k2 {
-        return Err(Error::shape(OP, format!("inner dimensions differ: {} · {} ({k} vs {k2})", a.shape(), b.shape())));
+        return Err(Error::shape(op, format!("inner dimensions differ: {} · {} ({k} vs {k2})", a.shape(), b.shape())));
     }
     let a_batch = &ad[..ad.len() - 2];
     let b_batch = &bd[..bd.len() - 2];
     if !b_batch.is_empty() && a_batch != b_batch {
-        return Err(Error::shape(OP, format!("batch dimensions differ: {} · {}; make them equal, or pass a single [k, n] right operand", a.shape(), b.shape())));
+        return Err(Error::shape(op, format!("batch dimensions differ: {} · {}; make them equal, or pass a single [k, n] right operand", a.shape(), b.shape())));
+    }
+    if let Some(bias) = bias {
+        check_device(op, a, bias)?;
+        if bias.dims() != [n] {
+            return Err(Error::shape(op, format!("bias has shape {} but the product has {n} columns; the bias must be [{n}]", bias.shape())));
+        }
     }
     let batch: usize = a_batch.iter().product();
     let mut out_dims = a_batch.to_vec();
@@ -60,7 +79,10 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
             ..Gemm::new(batch, m, k, n)
         }
     };
-    run1(OP, &MatMul { g }, &[&a_op, &b_op], Shape::new(out_dims), Out::Primary)
+    match bias {
+        None => run1(op, &MatMul { g }, &[&a_op, &b_op], Shape::new(out_dims), Out::Primary),
+        Some(bias) => run1(op, &MatMulBias { g }, &[&a_op, &b_op, bias], Shape::new(out_dims), Out::Primary),
+    }
 }
 
 /// Backward of [`matmul`]: `(da, db) = (dc · bᵀ, aᵀ · dc)`, with `db` summed

@@ -91,7 +91,13 @@ fn forward<T: Real>(d: &AttnDims, lay: &Layout, q: &[T], k: &[T], v: &[T], out: 
         .flat_map(|(bh, l)| l.chunks_mut(BLOCK_Q).enumerate().map(move |(qb, l)| (bh, qb * BLOCK_Q, l)))
         .collect();
     let run = |s: &mut Scratch<T>, (bh, i0, l): (usize, usize, &mut [T])| {
-        forward_block(d, lay, bh / d.q_heads, bh % d.q_heads, i0, q, k, v, out, l, s)
+        let (b, h) = (bh / d.q_heads, bh % d.q_heads);
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the running CPU supports AVX-512F (just checked).
+            return unsafe { forward_block_avx512(d, lay, b, h, i0, q, k, v, out, l, s) };
+        }
+        forward_block(d, lay, b, h, i0, q, k, v, out, l, s)
     };
     if d.work() < PARALLEL_MIN_WORK {
         let mut s = Scratch::new(hd);
@@ -103,8 +109,32 @@ fn forward<T: Real>(d: &AttnDims, lay: &Layout, q: &[T], k: &[T], v: &[T], out: 
     }
 }
 
+/// [`forward_block`] compiled for AVX-512: the softmax's `exp`, max and sum
+/// loops between the tile products run sixteen lanes wide instead of the
+/// baseline's four. No multiply-adds are contracted, so the bits are the
+/// same as the baseline copy's.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+fn forward_block_avx512<T: Real>(
+    d: &AttnDims,
+    lay: &Layout,
+    b: usize,
+    h: usize,
+    i0: usize,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: SharedOut<T>,
+    lse: &mut [T],
+    s: &mut Scratch<T>,
+) {
+    forward_block(d, lay, b, h, i0, q, k, v, out, lse, s)
+}
+
 /// Output rows `i0..i0 + lse.len()` of query head `h` in batch `b`.
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 fn forward_block<T: Real>(
     d: &AttnDims,
     lay: &Layout,

@@ -208,6 +208,7 @@ pub(super) fn axpy<T: Real>(y: &mut [T], alpha: T, x: &[T]) {
 /// `dst[c×r] = scale * srcᵀ` for `src[r×c]` row-major with row stride `ld`
 /// (`dst` has leading dimension `r`). Puts a block of keys (or queries) in
 /// the layout whose rows [`matmul_tile`] streams contiguously.
+#[inline(always)]
 pub(super) fn transpose_scaled<T: Real>(
     src: &[T],
     rows: usize,

@@ -103,7 +103,19 @@ fn split(len: usize, parts: usize, align: usize) -> Vec<Range<usize>> {
     (0..len).step_by(chunk).map(|s| s..(s + chunk).min(len)).collect()
 }
 
-/// `C = op(A)·op(B)` (or `C +=` when `accumulate`) with `C` row-major `m×n`
+/// How a product meets what `C` held before.
+#[derive(Clone, Copy)]
+pub(super) enum Start<'a> {
+    /// `C = op(A)·op(B)`.
+    Overwrite,
+    /// `C += op(A)·op(B)`.
+    Accumulate,
+    /// `C = op(A)·op(B) + bias`, the `n` values of `bias` added to every row
+    /// once the product is complete, as a separate bias add would.
+    Bias(&'a [f32]),
+}
+
+/// `C = op(A)·op(B)` (or as `start` says) with `C` row-major `m×n`
 /// (row stride `n`), using up to `threads` rayon tasks per depth block.
 ///
 /// # Safety
@@ -118,15 +130,22 @@ pub(super) unsafe fn gemm_f32(
     a: View,
     b: View,
     c: *mut f32,
-    accumulate: bool,
+    start: Start<'_>,
     threads: usize,
 ) {
     debug_assert!(m > 0 && n > 0 && k > 0);
+    if let Start::Bias(bias) = start {
+        assert_eq!(bias.len(), n, "matmul: the bias must have n elements");
+    }
     // Column blocks bound the packed `B` slab (and the buffer kept for the
     // next call) to NC·KC floats, however wide the output (e.g. a vocabulary).
     for j0 in (0..n).step_by(NC) {
         let bj = View { ptr: b.ptr.wrapping_add(j0 * b.cs), ..b };
-        column_block(m, NC.min(n - j0), n, k, a, bj, c.add(j0), accumulate, threads);
+        let start = match start {
+            Start::Bias(bias) => Start::Bias(&bias[j0..]),
+            other => other,
+        };
+        column_block(m, NC.min(n - j0), n, k, a, bj, c.add(j0), start, threads);
     }
 }
 
@@ -143,7 +162,7 @@ unsafe fn column_block(
     a: View,
     b: View,
     c: *mut f32,
-    accumulate: bool,
+    start: Start<'_>,
     threads: usize,
 ) {
     // Equal depth blocks, a function of `k` alone (never of the thread count).
@@ -180,11 +199,18 @@ unsafe fn column_block(
             packed_b.chunks_mut(kc * NR).enumerate().for_each(pack_strip);
         }
         let packed_b = &*packed_b;
-        let overwrite = !accumulate && p0 == 0;
+        // Only the first depth block may replace C, only the last adds the bias.
+        let first = Store {
+            add_to_c: p0 > 0 || matches!(start, Start::Accumulate),
+            bias: match start {
+                Start::Bias(bias) if p0 + kc == k => Some(bias),
+                _ => None,
+            },
+        };
         let run = |(r, cl): &(Range<usize>, Range<usize>)| {
             // SAFETY: the tasks' (rows, cols) rectangles partition `C`; the
             // caller guarantees the CPU features and operand bounds.
-            unsafe { block(n, ldc, r.clone(), cl.clone(), a, p0, kc, packed_b, out, overwrite) }
+            unsafe { block(n, ldc, r.clone(), cl.clone(), a, p0, kc, packed_b, out, first) }
         };
         if tasks.len() > 1 {
             tasks.par_iter().for_each(run);
@@ -275,7 +301,7 @@ unsafe fn block(
     kc: usize,
     packed_b: &[f32],
     out: OutPtr,
-    overwrite: bool,
+    store: Store<'_>,
 ) {
     let mut abuf = take_buf(&PACK_A, MC * kc);
     let mut ic = rows.start;
@@ -300,18 +326,25 @@ unsafe fn block(
                     Panel::Packed(packed_a.as_ptr().add(ir * kc))
                 };
                 let cp = out.0.add((ic + ir) * ldc + jr);
+                let tile_store = Store { bias: store.bias.map(|b| &b[jr..]), ..store };
                 if rv == MR && nv == NR {
-                    kernel(kc, ap, bp, cp, ldc, overwrite);
+                    kernel(kc, ap, bp, cp, ldc, tile_store);
                 } else {
                     // Edge tile: same arithmetic into a scratch tile, then
                     // only the valid part is written.
                     let mut tile = [0f32; MR * NR];
-                    kernel(kc, ap, bp, tile.as_mut_ptr(), NR, true);
+                    kernel(kc, ap, bp, tile.as_mut_ptr(), NR, Store { add_to_c: false, bias: None });
                     for i in 0..rv {
                         for j in 0..nv {
                             let dst = cp.add(i * ldc + j);
-                            let v = tile[i * NR + j];
-                            *dst = if overwrite { v } else { *dst + v };
+                            let mut v = tile[i * NR + j];
+                            if tile_store.add_to_c {
+                                v = *dst + v;
+                            }
+                            if let Some(bias) = tile_store.bias {
+                                v += bias[j];
+                            }
+                            *dst = v;
                         }
                     }
                 }
@@ -320,6 +353,15 @@ unsafe fn block(
         ic += mv;
     }
     PACK_A.with(|s| s.set(abuf));
+}
+
+/// How a micro-kernel writes its tile of `C`: `C = tile` or `C = C + tile`,
+/// then `+ bias` when there is one.
+#[derive(Clone, Copy)]
+struct Store<'a> {
+    add_to_c: bool,
+    /// Starting at the tile's first column (at least `NR` values for a full tile).
+    bias: Option<&'a [f32]>,
 }
 
 /// Where a micro-kernel reads its `MR` rows of `op(A)`.
@@ -340,10 +382,10 @@ enum Panel {
 /// `c` valid for an `MR×NR` tile with row stride `ldc`.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn kernel(kc: usize, ap: Panel, bp: *const f32, c: *mut f32, ldc: usize, overwrite: bool) {
+unsafe fn kernel(kc: usize, ap: Panel, bp: *const f32, c: *mut f32, ldc: usize, store: Store<'_>) {
     match ap {
-        Panel::Packed(ptr) => kernel_strided::<MR, 1>(kc, ptr, 1, bp, c, ldc, overwrite),
-        Panel::Rows { ptr, ld } => kernel_strided::<1, 0>(kc, ptr, ld, bp, c, ldc, overwrite),
+        Panel::Packed(ptr) => kernel_strided::<MR, 1>(kc, ptr, 1, bp, c, ldc, store),
+        Panel::Rows { ptr, ld } => kernel_strided::<1, 0>(kc, ptr, ld, bp, c, ldc, store),
     }
 }
 
@@ -363,7 +405,7 @@ unsafe fn kernel_strided<const STEP: usize, const ROW: usize>(
     bp: *const f32,
     c: *mut f32,
     ldc: usize,
-    overwrite: bool,
+    store: Store<'_>,
 ) {
     let row = if ROW == 0 { ld } else { ROW };
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
@@ -395,14 +437,21 @@ unsafe fn kernel_strided<const STEP: usize, const ROW: usize>(
         ap = ap.add(STEP);
         bp = bp.add(NR);
     }
+    let bias = store.bias.map(|b| {
+        assert!(b.len() >= NR, "matmul: bias shorter than the tile");
+        [_mm512_loadu_ps(b.as_ptr()), _mm512_loadu_ps(b.as_ptr().add(16))]
+    });
     for (i, r) in acc.iter().enumerate() {
         let ci = c.add(i * ldc);
-        if overwrite {
-            _mm512_storeu_ps(ci, r[0]);
-            _mm512_storeu_ps(ci.add(16), r[1]);
-        } else {
-            _mm512_storeu_ps(ci, _mm512_add_ps(_mm512_loadu_ps(ci), r[0]));
-            _mm512_storeu_ps(ci.add(16), _mm512_add_ps(_mm512_loadu_ps(ci.add(16)), r[1]));
+        for (h, &v) in r.iter().enumerate() {
+            let mut v = v;
+            if store.add_to_c {
+                v = _mm512_add_ps(_mm512_loadu_ps(ci.add(16 * h)), v);
+            }
+            if let Some(b) = bias {
+                v = _mm512_add_ps(v, b[h]);
+            }
+            _mm512_storeu_ps(ci.add(16 * h), v);
         }
     }
 }
@@ -423,7 +472,8 @@ mod tests {
         let mut c = c0.clone();
         // SAFETY: checked `available()`; the views address m×k and k×n
         // elements of `a` and `b`; `c` has m*n elements.
-        unsafe { gemm_f32(m, n, k, av, bv, c.as_mut_ptr(), acc, threads) };
+        let start = if acc { Start::Accumulate } else { Start::Overwrite };
+        unsafe { gemm_f32(m, n, k, av, bv, c.as_mut_ptr(), start, threads) };
         let mut expected = vec![0.0f64; m * n];
         for i in 0..m {
             for j in 0..n {
