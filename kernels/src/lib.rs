@@ -16,6 +16,7 @@
 //! - work is split over rows with `rayon` once it is large enough to pay for it.
 
 pub mod cpu;
+pub mod cuda;
 mod real;
 pub mod rng;
 

@@ -36,6 +36,31 @@ pub enum Error {
     #[error("this build of Tessera has no CUDA backend; rebuild with `--features cuda` (no CUDA toolkit is needed to build) or use `Device::cpu()`")]
     NotCompiledWithCuda,
 
+    /// A CUDA device was asked for but cannot be used: the driver library
+    /// cannot be loaded, no GPU is visible, or the ordinal is out of range.
+    #[error("CUDA device {ordinal} is not available: {reason}; use `Device::cpu()`, or run on a machine with an NVIDIA GPU and driver")]
+    CudaUnavailable { ordinal: usize, reason: String },
+
+    /// A CUDA driver call failed on a device that was opened.
+    #[error("cuda:{ordinal}: {op} failed: {detail}")]
+    Cuda { ordinal: usize, op: &'static str, detail: String },
+
+    /// A CUDA allocation failed even after the allocator released its cached blocks.
+    #[error("cuda:{ordinal}: out of memory allocating {requested} bytes ({in_use} bytes in use by tensors); free tensors, use a smaller batch, or turn on recompute or ZeRO")]
+    CudaOutOfMemory { ordinal: usize, requested: usize, in_use: usize },
+
+    /// The CUDA backend does not implement this operation yet.
+    #[error("{op} is not yet implemented on CUDA; run it on `Device::cpu()` for now")]
+    NotImplementedOnCuda { op: &'static str },
+
+    /// The NVRTC library, which compiles the CUDA kernels at run time, cannot be loaded.
+    #[error("NVRTC is not available: {detail}; install the CUDA toolkit's NVRTC (or the `nvidia-cuda-nvrtc-cu12` wheel, see docs/cuda.md) and put the directory of libnvrtc.so.12 on LD_LIBRARY_PATH")]
+    NvrtcUnavailable { detail: String },
+
+    /// NVRTC rejected a kernel source: `log` is its compiler output.
+    #[error("compiling CUDA kernels `{kernel}` for {arch} failed: {detail}\n{log}")]
+    KernelCompile { kernel: String, arch: String, detail: String, log: String },
+
     /// An in-place update was given the same tensor for two roles.
     #[error("{op}: `{a}` and `{b}` share storage; pass distinct tensors")]
     Aliased { op: &'static str, a: &'static str, b: &'static str },

@@ -87,8 +87,8 @@ impl Device {
     pub fn same(&self, other: &Device) -> bool {
         match (self, other) {
             (Device::Cpu(a), Device::Cpu(b)) => a.same(b),
-            (Device::Cuda(a), _) => match *a {},
-            (_, Device::Cuda(b)) => match *b {},
+            (Device::Cuda(a), Device::Cuda(b)) => a.same(b),
+            _ => false,
         }
     }
 }

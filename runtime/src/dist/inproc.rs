@@ -208,6 +208,9 @@ impl Group {
         let me = self.state.ranks.iter().position(|&r| r == rank).ok_or_else(|| {
             Error::invalid("Group::communicator", format!("rank {rank} is not a member of group {:?}", self.state.ranks))
         })?;
+        if let Device::Cuda(d) = device {
+            return d.unsupported("the in-process communicator (CUDA ranks will communicate through NCCL)");
+        }
         self.state.attach(me, device)?;
         let core = Core {
             world: self.world.clone(),
@@ -444,6 +447,23 @@ struct Core {
     exec: Mutex<()>,
 }
 
+/// `p` if it holds host tensors only: the in-process communicator moves host
+/// memory, so every collective rejects CUDA tensors at its first step (which
+/// is what lets `data` assume CPU storage).
+fn host_only(op: &'static str, p: Payload) -> Result<Payload> {
+    let tensors: &[Tensor] = match &p {
+        Payload::One(t) => std::slice::from_ref(t),
+        Payload::Many(ts) => ts,
+        Payload::None => &[],
+    };
+    for t in tensors {
+        if let Device::Cuda(d) = t.device() {
+            return d.unsupported(op);
+        }
+    }
+    Ok(p)
+}
+
 /// The element range of part `i` when `len` elements are cut into `n`
 /// near-equal parts.
 fn chunk(len: usize, n: usize, i: usize) -> Range<usize> {
@@ -485,6 +505,7 @@ impl Core {
     /// the same call with agreeing arguments. Every rank reaches the same
     /// verdict, since all see the same posts.
     fn open(&self, op: &'static str, kind: Kind, t: Option<&Tensor>, local: Result<Payload>) -> Result<Vec<Arc<Post>>> {
+        let local = local.and_then(|p| host_only(op, p));
         let meta = t.map(|t| (t.dtype(), t.dims().to_vec()));
         let (data, invalid, own_error) = match local {
             Ok(d) => (d, None, None),
@@ -658,6 +679,9 @@ impl Core {
         }
         // Copied straight onto the receiver's device when it is known, so the
         // message is counted where it will live and needs no second copy.
+        if let Device::Cuda(d) = t.device() {
+            return d.unsupported("send");
+        }
         let to = self.group.device_of(peer).unwrap_or_else(|| self.device.clone());
         let dev = cpu_device(&to);
         let src = t.contiguous()?;

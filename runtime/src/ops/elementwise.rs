@@ -89,8 +89,8 @@ pub fn axpy(y: &Tensor, alpha: f64, x: &Tensor) -> Result<()> {
             DType::F64 => inplace::<f64>(ys.as_mut_slice().expect("f64"), xs.as_slice().expect("f64"), range, xr, alpha),
             other => return Err(Error::DType { op: OP, expected: "f32 or f64 accumulator".into(), got: other, hint: "; accumulate gradients in full precision" }),
         },
-        (Storage::Cuda(s), _) => match *s {},
-        (_, Storage::Cuda(s)) => match *s {},
+        (Storage::Cuda(s), _) => s.unsupported(OP)?,
+        (_, Storage::Cuda(s)) => s.unsupported(OP)?,
     }
     Ok(())
 }

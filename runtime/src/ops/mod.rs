@@ -80,18 +80,18 @@ pub(crate) fn run<K: FloatKernel>(op: &'static str, kernel: &K, inputs: &[&Tenso
     let contiguous: Vec<Tensor> = inputs.iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
     let guards: Vec<_> = contiguous.iter().map(|t| t.read()).collect();
     let device = first.device().clone();
-    let Device::Cpu(dev) = &device else {
-        let Device::Cuda(d) = &device else { unreachable!() };
-        match *d {}
+    let dev = match &device {
+        Device::Cpu(dev) => dev,
+        Device::Cuda(d) => return d.unsupported(op),
     };
     let operands: Vec<(&CpuStorage, std::ops::Range<usize>)> = guards
         .iter()
         .zip(&contiguous)
         .map(|(g, t)| match &**g {
-            Storage::Cpu(s) => (s, t.layout().contiguous_range().expect("contiguous")),
-            Storage::Cuda(s) => match *s {},
+            Storage::Cpu(s) => Ok((s, t.layout().contiguous_range().expect("contiguous"))),
+            Storage::Cuda(s) => s.unsupported(op),
         })
-        .collect();
+        .collect::<Result<_>>()?;
     let sizes: Vec<(usize, Out)> = outputs.iter().map(|(s, o)| (s.elem_count(), *o)).collect();
     let results = cpu::run_float(dev, kernel, first.dtype(), &operands, &sizes);
     Ok(results.into_iter().zip(outputs).map(|(s, (shape, _))| Tensor::from_cpu(s, shape.clone(), dev)).collect())
@@ -112,7 +112,7 @@ pub(crate) fn with_u32<R>(op: &'static str, what: &'static str, t: &Tensor, f: i
     let g = t.read();
     match &*g {
         Storage::Cpu(s) => f(&s.as_slice::<u32>().expect("u32 checked")[range]),
-        Storage::Cuda(s) => match *s {},
+        Storage::Cuda(s) => s.unsupported(op),
     }
 }
 

@@ -58,8 +58,8 @@ pub fn adamw_update(step: &AdamWStep, param: &Tensor, grad: &Tensor, m: &Tensor,
                 go::<f32>(step, p, g, ms, vs, ranges)
             }
         }
-        (Storage::Cuda(s), ..) | (_, Storage::Cuda(s), ..) | (_, _, Storage::Cuda(s), _) => match *s {},
-        (.., Storage::Cuda(s)) => match *s {},
+        (Storage::Cuda(s), ..) | (_, Storage::Cuda(s), ..) | (_, _, Storage::Cuda(s), _) => s.unsupported("adamw_step")?,
+        (.., Storage::Cuda(s)) => s.unsupported("adamw_step")?,
     }
     Ok(())
 }

@@ -25,9 +25,9 @@ pub fn topk(x: &Tensor, k: usize) -> Result<(Tensor, Tensor)> {
         return Err(Error::invalid(OP, format!("k must be in 1..={row} (the row length), got {k}")));
     }
     let out_shape = x.shape().with_last(k);
-    let Device::Cpu(dev) = x.device() else {
-        let Device::Cuda(d) = x.device() else { unreachable!() };
-        match *d {}
+    let dev = match x.device() {
+        Device::Cpu(dev) => dev,
+        Device::Cuda(d) => return d.unsupported(OP),
     };
     let mut idx = dev.buffer_zeros::<u32>(out_shape.elem_count());
     let values = run1(OP, &TopK { row, k, indices: RefCell::new(&mut idx) }, &[x], out_shape.clone(), Out::Primary)?;

@@ -18,9 +18,9 @@ impl Tensor {
         }
         let total: usize = parts.iter().map(|p| p.elem_count()).sum();
         let contiguous: Vec<Tensor> = parts.iter().map(|p| p.contiguous()).collect::<Result<_>>()?;
-        let Device::Cpu(dev) = first.device() else {
-            let Device::Cuda(d) = first.device() else { unreachable!() };
-            match *d {}
+        let dev = match first.device() {
+            Device::Cpu(dev) => dev,
+            Device::Cuda(d) => return d.unsupported(OP),
         };
         let guards: Vec<_> = contiguous.iter().map(|t| t.read()).collect();
         macro_rules! join {
@@ -31,7 +31,7 @@ impl Tensor {
                     match &**g {
                         Storage::Cpu(CpuStorage::$v(b)) => out.extend_from_slice(&b[range]),
                         Storage::Cpu(_) => unreachable!("dtypes checked"),
-                        Storage::Cuda(s) => match *s {},
+                        Storage::Cuda(s) => return s.unsupported(OP),
                     }
                 }
                 CpuStorage::$v(dev.buffer(out))

@@ -38,7 +38,10 @@ impl Tensor {
         }
         match device {
             Device::Cpu(dev) => Ok(Tensor::from_cpu(CpuStorage::from_buffer(dev.buffer(data)), shape, dev)),
-            Device::Cuda(d) => match *d {},
+            Device::Cuda(d) => {
+                let storage = d.upload(T::DTYPE, data.len(), bytemuck::cast_slice(&data))?;
+                Ok(Tensor::from_storage(Storage::Cuda(storage), shape, device.clone()))
+            }
         }
     }
 
@@ -86,9 +89,9 @@ impl Tensor {
         if !dtype.is_float() {
             return Err(Error::DType { op: "rand", expected: "a float dtype".into(), got: dtype, hint: "" });
         }
-        let Device::Cpu(dev) = device else {
-            let Device::Cuda(d) = device else { unreachable!() };
-            match *d {}
+        let dev = match device {
+            Device::Cpu(dev) => dev,
+            Device::Cuda(d) => return d.unsupported("rand"),
         };
         let storage = if dtype == DType::F64 {
             CpuStorage::F64(draw_block::<f64>(dev, init, key, global, starts, &local))

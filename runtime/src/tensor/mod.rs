@@ -35,7 +35,7 @@ impl Tensor {
     pub(crate) fn from_storage(storage: Storage, shape: Shape, device: Device) -> Tensor {
         let dtype = match &storage {
             Storage::Cpu(s) => s.dtype(),
-            Storage::Cuda(s) => match *s {},
+            Storage::Cuda(s) => s.dtype(),
         };
         Tensor { storage: Arc::new(RwLock::new(storage)), layout: Layout::contiguous(shape), dtype, device }
     }
@@ -119,7 +119,13 @@ impl Tensor {
         let guard = t.read();
         match &*guard {
             Storage::Cpu(s) => Ok(s.as_slice::<T>().expect("dtype checked")[range].to_vec()),
-            Storage::Cuda(s) => match *s {},
+            Storage::Cuda(s) => {
+                let bytes = s.to_host_bytes()?;
+                let size = std::mem::size_of::<T>();
+                let mut out = vec![T::zeroed(); range.len()];
+                bytemuck::cast_slice_mut::<T, u8>(&mut out).copy_from_slice(&bytes[range.start * size..range.end * size]);
+                Ok(out)
+            }
         }
     }
 
@@ -148,8 +154,8 @@ impl Tensor {
         let guard = t.read();
         let out = match (&*guard, &self.device) {
             (Storage::Cpu(s), Device::Cpu(dev)) => crate::backend::cpu::convert(dev, s, range, dtype),
-            (Storage::Cuda(s), _) => match *s {},
-            (_, Device::Cuda(d)) => match *d {},
+            (Storage::Cuda(s), _) => return s.unsupported("to_dtype"),
+            (_, Device::Cuda(d)) => return d.unsupported("to_dtype"),
         };
         Ok(Tensor::from_storage(Storage::Cpu(out), self.shape().clone(), self.device.clone()))
     }

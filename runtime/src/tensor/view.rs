@@ -81,8 +81,8 @@ impl Tensor {
                     CpuStorage::U32(b) => gather!(U32, b),
                 }
             }
-            (Storage::Cuda(s), _) => match *s {},
-            (_, Device::Cuda(d)) => match *d {},
+            (Storage::Cuda(s), _) => return s.unsupported("contiguous (strided copy)"),
+            (_, Device::Cuda(d)) => return d.unsupported("contiguous (strided copy)"),
         };
         Ok(Tensor::from_storage(Storage::Cpu(out), self.shape().clone(), self.device.clone()))
     }

@@ -11,11 +11,12 @@ use half::{bf16, f16};
 use std::ops::Range;
 use tessera_kernels::cpu::{cast, elementwise};
 
-/// The CPU device a tensor lives on (every device of this build is one).
+/// The CPU device a tensor lives on: communicators refuse CUDA devices when
+/// they are made, and collectives refuse CUDA tensors at their first step.
 pub(super) fn cpu_device(d: &Device) -> &CpuDevice {
     match d {
         Device::Cpu(dev) => dev,
-        Device::Cuda(c) => match *c {},
+        Device::Cuda(_) => unreachable!("in-process collectives move host tensors only"),
     }
 }
 
@@ -80,7 +81,7 @@ pub(super) fn reduce(dev: &CpuDevice, dtype: DType, sources: &[&Tensor], segment
         .zip(sources)
         .map(|(g, t)| match &**g {
             Storage::Cpu(s) => (s, range_of(t).start),
-            Storage::Cuda(c) => match *c {},
+            Storage::Cuda(_) => unreachable!("in-process collectives move host tensors only"),
         })
         .collect();
     match dtype {

@@ -28,6 +28,39 @@ impl CudaDevice {
     pub fn ordinal(&self) -> usize {
         match *self {}
     }
+
+    /// Whether both handles name the same device.
+    pub fn same(&self, _: &CudaDevice) -> bool {
+        match *self {}
+    }
+
+    /// Frees the allocator's cached blocks.
+    pub fn empty_cache(&self) {
+        match *self {}
+    }
+
+    pub(crate) fn unsupported<T>(&self, _: &'static str) -> Result<T> {
+        match *self {}
+    }
+
+    pub(crate) fn upload(&self, _: DType, _: usize, _: &[u8]) -> Result<CudaStorage> {
+        match *self {}
+    }
+}
+
+impl CudaStorage {
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match *self {}
+    }
+
+    pub(crate) fn unsupported<T>(&self, _: &'static str) -> Result<T> {
+        match *self {}
+    }
+
+    pub(crate) fn to_host_bytes(&self) -> Result<Vec<u8>> {
+        match *self {}
+    }
 }
 
 impl BackendDevice for CudaDevice {

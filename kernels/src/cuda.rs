@@ -1,0 +1,63 @@
+//! The CUDA C kernel sources, compiled at run time by NVRTC (the runtime's
+//! `backend::cuda::nvrtc`), so building needs no CUDA toolkit.
+//!
+//! Each source is `cuda/common.cuh` (element types, conversions, the block
+//! reduction) followed by one `.cu` file of `kernels/cuda/`. An op `foo` on
+//! element type `T` is the symbol `foo_{f32,bf16,f16}`.
+
+/// One compilation unit: its name, its full source, and the kernels whose
+/// speed matters most (the kernel gate fails if ptxas reports that any of
+/// them spills registers).
+#[derive(Clone, Copy, Debug)]
+pub struct Source {
+    /// Names the unit in errors and cache files (`elementwise`).
+    pub name: &'static str,
+    /// The CUDA C text, prelude included.
+    pub source: &'static str,
+    /// Entry points that must not spill registers.
+    pub hot_kernels: &'static [&'static str],
+}
+
+macro_rules! source {
+    ($name:literal, [$($hot:literal),* $(,)?]) => {
+        Source {
+            name: $name,
+            source: concat!(include_str!("../cuda/common.cuh"), "\n", include_str!(concat!("../cuda/", $name, ".cu"))),
+            hot_kernels: &[$($hot),*],
+        }
+    };
+}
+
+/// Every kernel source of the CUDA backend.
+pub const SOURCES: &[Source] = &[
+    source!("elementwise", ["add_f32", "add_bf16", "mul_f32", "gelu_f32", "gelu_bf16", "gelu_backward_f32", "gelu_backward_bf16", "silu_f32", "silu_backward_f32"]),
+    source!("reduce", ["row_sum_f32", "row_sum_bf16"]),
+    source!("norm", ["layernorm_f32", "layernorm_bf16", "rmsnorm_f32", "rmsnorm_bf16"]),
+    source!("adamw", ["adamw_f32", "adamw_bf16"]),
+];
+
+/// The source named `name`, if there is one.
+pub fn source(name: &str) -> Option<&'static Source> {
+    SOURCES.iter().find(|s| s.name == name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every hot kernel is defined in its source, by its exact symbol, so the
+    /// gate cannot silently check nothing.
+    #[test]
+    fn every_hot_kernel_is_instantiated_in_its_source() {
+        for s in SOURCES {
+            assert!(!s.hot_kernels.is_empty(), "{} names no hot kernel", s.name);
+            for k in s.hot_kernels {
+                let (op, ty) = k.rsplit_once('_').expect("op_dtype");
+                assert!(["f32", "bf16", "f16"].contains(&ty), "{k}: the symbol ends in its dtype");
+                let defined = s.source.contains(&format!("void {k}(")) || s.source.contains(&format!("void {op}_##S("));
+                assert!(defined, "{}: no kernel {k}", s.name);
+            }
+        }
+        assert!(source("norm").is_some() && source("nope").is_none());
+    }
+}

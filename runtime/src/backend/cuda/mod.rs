@@ -1,0 +1,42 @@
+//! The CUDA backend: devices, their caching allocator, storages and the
+//! run-time kernel compiler.
+//!
+//! Built with the `cuda` cargo feature on top of `cudarc`, which opens the
+//! CUDA libraries with `dlopen` at run time: the feature builds on any
+//! machine, and a machine without a driver or GPU gets
+//! [`Error::CudaUnavailable`](crate::Error::CudaUnavailable) from
+//! [`CudaDevice::new`], never a panic. Without the feature the device and
+//! storage are uninhabited stand-ins (see `stub.rs`), so code that dispatches
+//! on [`Device`](crate::Device) never needs `#[cfg]`.
+//!
+//! What runs on a CUDA device so far: allocation (zeros), copies between host
+//! and device, memory statistics and synchronisation. Every other operation
+//! returns [`Error::NotImplementedOnCuda`](crate::Error::NotImplementedOnCuda)
+//! naming the operation. docs/cuda.md says what is next.
+
+// The allocator's policy is plain Rust and is tested in every build.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod alloc;
+
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(feature = "cuda")]
+pub mod nvrtc;
+#[cfg(feature = "cuda")]
+mod storage;
+#[cfg(not(feature = "cuda"))]
+mod stub;
+pub mod testing;
+
+#[cfg(feature = "cuda")]
+pub use device::{ComputeCapability, CudaDevice};
+#[cfg(feature = "cuda")]
+pub use storage::CudaStorage;
+#[cfg(not(feature = "cuda"))]
+pub use stub::{CudaDevice, CudaStorage};
+pub use testing::report_skip;
+
+/// Whether this build has the CUDA backend (the `cuda` cargo feature).
+///
+/// Says nothing about the machine: [`CudaDevice::new`] answers that.
+pub const COMPILED: bool = cfg!(feature = "cuda");

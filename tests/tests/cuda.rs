@@ -1,0 +1,50 @@
+//! The CUDA backend as seen from outside: a machine without a GPU or driver
+//! gets a typed error, and the device tests written once run on the CPU and,
+//! where there is one, on a GPU (elsewhere they report that they skipped).
+
+use tessera::backend::cuda::{testing::cuda_or_skip, COMPILED};
+use tessera::{bf16, DType, Device, Error, Tensor};
+use tessera_tests::device_test;
+
+#[test]
+fn a_missing_gpu_or_driver_is_a_typed_error_not_a_panic() {
+    // No machine has a millionth GPU: this is an error everywhere.
+    let e = Device::cuda(1 << 20).unwrap_err();
+    if COMPILED {
+        assert!(matches!(e, Error::CudaUnavailable { ordinal, .. } if ordinal == 1 << 20), "{e}");
+        assert!(e.to_string().contains("Device::cpu()"), "{e}");
+    } else {
+        assert!(matches!(e, Error::NotCompiledWithCuda), "{e}");
+    }
+    // Device 0 exists only on a GPU machine; anywhere else the same typed error.
+    match Device::cuda(0) {
+        Ok(d) => assert_eq!(d.to_string(), "cuda:0"),
+        Err(e) if COMPILED => assert!(matches!(e, Error::CudaUnavailable { ordinal: 0, .. }), "{e}"),
+        Err(e) => assert!(matches!(e, Error::NotCompiledWithCuda), "{e}"),
+    }
+}
+
+device_test! {
+    fn host_round_trip_and_exact_memory_accounting(dev: &Device) {
+        let before = dev.memory_stats().in_use;
+        let data: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5).collect();
+        let t = Tensor::from_vec(data.clone(), [10, 100], dev).unwrap();
+        assert!(dev.memory_stats().in_use >= before + 4000, "{:?}", dev.memory_stats());
+        assert_eq!(t.to_vec::<f32>().unwrap(), data);
+        let z = Tensor::zeros([3, 5], DType::BF16, dev).unwrap();
+        assert_eq!(z.to_vec::<bf16>().unwrap(), vec![bf16::ZERO; 15]);
+        assert!(dev.memory_stats().peak >= dev.memory_stats().in_use);
+        drop((t, z));
+        assert_eq!(dev.memory_stats().in_use, before, "every byte is returned on drop");
+        dev.synchronize().unwrap();
+    }
+}
+
+/// Until the CUDA kernels are wired to the ops, an op on a GPU tensor says so.
+#[test]
+fn ops_not_yet_on_cuda_say_so() {
+    let Some(dev) = cuda_or_skip("ops_not_yet_on_cuda_say_so") else { return };
+    let a = Tensor::zeros([4], DType::F32, &dev).unwrap();
+    let e = tessera::ops::add(&a, &a).unwrap_err();
+    assert!(matches!(e, Error::NotImplementedOnCuda { .. }) && e.to_string().contains("Device::cpu()"), "{e}");
+}
