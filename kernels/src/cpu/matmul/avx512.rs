@@ -339,7 +339,7 @@ unsafe fn block(
                             let dst = cp.add(i * ldc + j);
                             let mut v = tile[i * NR + j];
                             if tile_store.add_to_c {
-                                v = *dst + v;
+                                v += *dst;
                             }
                             if let Some(bias) = tile_store.bias {
                                 v += bias[j];
