@@ -220,11 +220,13 @@ fn recompute_gives_identical_gradients_and_holds_less() {
     let sel = module::build(sel, &cx).unwrap();
     let (held_sel, bits_sel) = held_and_grads(&sel, &mut cx, &x);
     assert_eq!(bits_sel, bits_none, "selective recompute changes no gradient bit (same init as the full model)");
-    // Selective keeps the attention's packed input (q|k|v before RoPE, 3 activations)
-    // instead of its core: roped q, k, v, the output and one lse per query and head.
+    // Selective keeps the attention's packed input (q|k|v, 3 activations) instead
+    // of its core. Without RoPE the core is that same input (the kernel reads
+    // q, k and v in place), the output (which the output projection holds as
+    // its input anyway) and one lse per query and head: the lse is all that
+    // selective recompute drops.
     let lse = b * 2 * t * 4;
-    let core = 4 * act + lse;
-    assert_eq!(held_none - held_sel, layers * (core - 3 * act), "selective recompute drops exactly the attention core");
+    assert_eq!(held_none - held_sel, layers * lse, "selective recompute drops exactly the attention core");
 
     // Nothing of size T×T is held in either mode: doubling the sequence
     // exactly doubles the bytes held between forward and backward.

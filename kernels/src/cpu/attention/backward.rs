@@ -228,23 +228,19 @@ fn backward<T: Real>(
         return;
     }
 
+    let pass = |tasks: Vec<Task>| {
+        tasks
+            .into_par_iter()
+            .for_each_init(|| (Scratch::new(hd), Acc::new()), |(s, a), t| run_task(&inp, t, grads, s, a))
+    };
     // Pass 1: dk, dv, one task per (batch, kv head, kv block).
-    let tasks: Vec<_> = (0..d.batch * d.kv_heads)
-        .flat_map(|bg| (0..d.seq_kv).step_by(BLOCK_KV).map(move |j0| (bg, j0)))
-        .collect();
-    let run = |(s, a): &mut (Scratch<T>, Acc<T>), (bg, j0): (usize, usize)| {
-        run_task(&inp, Task::Dkv { b: bg / d.kv_heads, g: bg % d.kv_heads, j0 }, grads, s, a)
-    };
-    tasks.into_par_iter().for_each_init(|| (Scratch::new(hd), Acc::new()), run);
-
+    pass((0..d.batch * d.kv_heads)
+        .flat_map(|bg| (0..d.seq_kv).step_by(BLOCK_KV).map(move |j0| Task::Dkv { b: bg / d.kv_heads, g: bg % d.kv_heads, j0 }))
+        .collect());
     // Pass 2: dq, one task per (batch, query head, query block).
-    let tasks: Vec<_> = (0..d.batch * d.q_heads)
-        .flat_map(|bh| (0..d.seq_q).step_by(BLOCK_Q).map(move |i0| (bh, i0)))
-        .collect();
-    let run = |(s, a): &mut (Scratch<T>, Acc<T>), (bh, i0): (usize, usize)| {
-        run_task(&inp, Task::Dq { b: bh / d.q_heads, h: bh % d.q_heads, i0 }, grads, s, a)
-    };
-    tasks.into_par_iter().for_each_init(|| (Scratch::new(hd), Acc::new()), run);
+    pass((0..d.batch * d.q_heads)
+        .flat_map(|bh| (0..d.seq_q).step_by(BLOCK_Q).map(move |i0| Task::Dq { b: bh / d.q_heads, h: bh % d.q_heads, i0 }))
+        .collect());
 }
 
 /// One task of either schedule.

@@ -84,7 +84,7 @@ fn forward<T: Real>(d: &AttnDims, lay: &Layout, q: &[T], k: &[T], v: &[T], out: 
         return;
     }
     let hd = d.head_dim;
-    let out = SharedOut::new(out);
+    let io = Io { d, lay, q, k, v, out: SharedOut::new(out) };
     let tasks: Vec<_> = lse
         .chunks_mut(d.seq_q)
         .enumerate()
@@ -95,9 +95,9 @@ fn forward<T: Real>(d: &AttnDims, lay: &Layout, q: &[T], k: &[T], v: &[T], out: 
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: the running CPU supports AVX-512F (just checked).
-            return unsafe { forward_block_avx512(d, lay, b, h, i0, q, k, v, out, l, s) };
+            return unsafe { forward_block_avx512(&io, b, h, i0, l, s) };
         }
-        forward_block(d, lay, b, h, i0, q, k, v, out, l, s)
+        forward_block(&io, b, h, i0, l, s)
     };
     if d.work() < PARALLEL_MIN_WORK {
         let mut s = Scratch::new(hd);
@@ -109,45 +109,30 @@ fn forward<T: Real>(d: &AttnDims, lay: &Layout, q: &[T], k: &[T], v: &[T], out: 
     }
 }
 
+/// What every forward task reads, and the output it writes its rows of.
+struct Io<'a, T> {
+    d: &'a AttnDims,
+    lay: &'a Layout,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    out: SharedOut<T>,
+}
+
 /// [`forward_block`] compiled for AVX-512: the softmax's `exp`, max and sum
 /// loops between the tile products run sixteen lanes wide instead of the
 /// baseline's four. No multiply-adds are contracted, so the bits are the
 /// same as the baseline copy's.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-fn forward_block_avx512<T: Real>(
-    d: &AttnDims,
-    lay: &Layout,
-    b: usize,
-    h: usize,
-    i0: usize,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    out: SharedOut<T>,
-    lse: &mut [T],
-    s: &mut Scratch<T>,
-) {
-    forward_block(d, lay, b, h, i0, q, k, v, out, lse, s)
+fn forward_block_avx512<T: Real>(io: &Io<'_, T>, b: usize, h: usize, i0: usize, lse: &mut [T], s: &mut Scratch<T>) {
+    forward_block(io, b, h, i0, lse, s)
 }
 
 /// Output rows `i0..i0 + lse.len()` of query head `h` in batch `b`.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn forward_block<T: Real>(
-    d: &AttnDims,
-    lay: &Layout,
-    b: usize,
-    h: usize,
-    i0: usize,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    out: SharedOut<T>,
-    lse: &mut [T],
-    s: &mut Scratch<T>,
-) {
+fn forward_block<T: Real>(io: &Io<'_, T>, b: usize, h: usize, i0: usize, lse: &mut [T], s: &mut Scratch<T>) {
+    let Io { d, lay, q, k, v, out } = *io;
     let hd = d.head_dim;
     let bq = lse.len();
     let g = h / d.group();
