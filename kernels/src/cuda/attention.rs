@@ -419,10 +419,11 @@ mod tests {
         let mut all = offsets(&d, &p);
         all.sort_unstable();
         assert_eq!(all, (0..d.packed_len() as u64).collect::<Vec<_>>());
-        // The key of kv head 1 at position 3 of batch 1 follows that head's 3 queries.
-        assert_eq!(p.k.at(1, 1, 1, 3), ((1 * 5 + 3) * 2 + 1) * 5 * 4 + 3 * 4);
-        // out is [batch, seq, q_heads, hd].
-        assert_eq!(p.o.at(3, 1, 4, 2), ((1 * 5 + 2) * 6 + 4) * 4);
+        // The key of kv head 1 at position 3 of batch 1 (row 5 + 3 of the
+        // [batch·seq, kv_heads, 3 + 2, hd] buffer) follows that head's 3 queries.
+        assert_eq!(p.k.at(1, 1, 1, 3), ((5 + 3) * 2 + 1) * 5 * 4 + 3 * 4);
+        // out is [batch, seq, q_heads, hd]: row 5 + 2, head 4.
+        assert_eq!(p.o.at(3, 1, 4, 2), ((5 + 2) * 6 + 4) * 4);
     }
 
     #[test]
