@@ -5,6 +5,8 @@
 //! reduction) followed by one `.cu` file of `kernels/cuda/`. An op `foo` on
 //! element type `T` is the symbol `foo_{f32,bf16,f16}`.
 
+pub mod attention;
+
 /// One compilation unit: its name, its full source, and the kernels whose
 /// speed matters most (the kernel gate fails if ptxas reports that any of
 /// them spills registers).
@@ -34,6 +36,11 @@ pub const SOURCES: &[Source] = &[
     source!("reduce", ["row_sum_f32", "row_sum_bf16"]),
     source!("norm", ["layernorm_f32", "layernorm_bf16", "rmsnorm_f32", "rmsnorm_bf16"]),
     source!("adamw", ["adamw_f32", "adamw_bf16"]),
+    source!("attention", [
+        "attention_fwd_f32", "attention_fwd_bf16", "attention_fwd_f16",
+        "attention_bwd_dkv_f32", "attention_bwd_dkv_bf16", "attention_bwd_dkv_f16",
+        "attention_bwd_dq_f32", "attention_bwd_dq_bf16", "attention_bwd_dq_f16",
+    ]),
 ];
 
 /// The source named `name`, if there is one.
