@@ -30,6 +30,10 @@ __device__ __forceinline__ float silu_grad(float x) {
         for (u64 i = grid_start(); i < n; i += grid_stride())                                    \
             out[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));                                   \
     }                                                                                            \
+    extern "C" __global__ void sub_##S(const T* a, const T* b, T* out, u64 n) {                  \
+        for (u64 i = grid_start(); i < n; i += grid_stride())                                    \
+            out[i] = from_f32<T>(to_f32(a[i]) - to_f32(b[i]));                                   \
+    }                                                                                            \
     extern "C" __global__ void mul_##S(const T* a, const T* b, T* out, u64 n) {                  \
         for (u64 i = grid_start(); i < n; i += grid_stride())                                    \
             out[i] = from_f32<T>(to_f32(a[i]) * to_f32(b[i]));                                   \
