@@ -41,7 +41,8 @@ device_test! {
 }
 
 /// An op whose kernel has no CUDA implementation yet says so, naming itself,
-/// and so does an op on a dtype the GPU kernels do not cover.
+/// and so does an op on a dtype the GPU kernels do not cover; operands of
+/// mixed dtypes are a dtype error.
 #[test]
 fn ops_not_yet_on_cuda_say_so() {
     let Some(dev) = cuda_or_skip("ops_not_yet_on_cuda_say_so") else { return };
@@ -51,4 +52,9 @@ fn ops_not_yet_on_cuda_say_so() {
     let wide = Tensor::zeros([4], DType::F64, &dev).unwrap();
     let e = tessera::ops::add(&wide, &wide).unwrap_err();
     assert!(matches!(e, Error::NotImplementedOnCuda { op: "add" }), "{e}");
+    // The CPU widens operands of mixed dtypes; the GPU kernels refuse them
+    // with a typed error instead of reading one dtype as another.
+    let half = Tensor::zeros([4], DType::BF16, &dev).unwrap();
+    let e = tessera::ops::add(&half, &a).unwrap_err();
+    assert!(matches!(e, Error::DType { op: "add", got: DType::F32, .. }), "{e}");
 }

@@ -26,7 +26,7 @@ float_kernel!(LayerNormBack { row: usize, has_beta: bool } |s, i, o| {
 }; cuda |s, c| {
     // Inputs: x, gamma, mean, rstd, dy.
     let dbeta = if s.has_beta { Arg::Output(2) } else { Arg::Null };
-    norm_backward_cuda(c, s.row, Arg::Input(2), Arg::Input(3), Arg::Input(4), dbeta)
+    norm_backward_cuda(c, s.row, Arg::Stats(2), Arg::Stats(3), Arg::Input(4), dbeta)
 });
 float_kernel!(RmsNormFwd { eps: f64, row: usize } |s, i, o| {
     let (y, rstd) = o.split_at_mut(1);
@@ -41,7 +41,7 @@ float_kernel!(RmsNormBack { row: usize } |s, i, o| {
     k::rmsnorm_backward(i[0], i[1], i[2], i[3], s.row, dx[0], dgamma[0])
 }; cuda |s, c| {
     // Inputs: x, gamma, rstd, dy; no mean.
-    norm_backward_cuda(c, s.row, Arg::Null, Arg::Input(2), Arg::Input(3), Arg::Null)
+    norm_backward_cuda(c, s.row, Arg::Null, Arg::Stats(2), Arg::Input(3), Arg::Null)
 });
 
 /// Both norms' backward on a GPU: `dx` per row (output 0), then `dgamma`

@@ -16,8 +16,11 @@ pub(crate) enum Grid {
 /// One kernel argument.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum Arg {
-    /// The device pointer of the op's `i`-th input, at its first element.
+    /// The device pointer of the op's `i`-th input, at its first element;
+    /// the input must have the primary input's dtype.
     Input(usize),
+    /// The same for an input of f32 statistics (a norm's saved mean or rstd).
+    Stats(usize),
     /// The device pointer of the op's `i`-th output.
     Output(usize),
     /// A null pointer (an optional operand that is absent).

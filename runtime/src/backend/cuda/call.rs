@@ -21,9 +21,10 @@ pub struct CudaCall {
     op: &'static str,
     device: CudaDevice,
     primary: DType,
-    // Each input's device pointer at its first element, and its length. The
-    // caller holds the storages (and their read guards) for the whole call.
-    inputs: Vec<(u64, usize)>,
+    // Each input's device pointer at its first element, its length and
+    // dtype. The caller holds the storages (and their read guards) for the
+    // whole call.
+    inputs: Vec<(u64, usize, DType)>,
     outputs: Vec<CudaStorage>,
 }
 
@@ -53,7 +54,7 @@ pub(crate) fn run_op(
     if suffix(primary).is_none() {
         return Err(Error::NotImplementedOnCuda { op });
     }
-    let inputs = inputs.iter().map(|(s, r)| (s.device_ptr_at(r.start), r.len())).collect();
+    let inputs = inputs.iter().map(|(s, r)| (s.device_ptr_at(r.start), r.len(), s.dtype())).collect();
     let outputs = outputs
         .iter()
         .map(|&(n, kind)| {
@@ -99,21 +100,39 @@ impl CudaCall {
         let values: Vec<Value> = args
             .iter()
             .map(|a| match *a {
-                Arg::Input(i) => Value::U64(self.inputs[i].0),
-                Arg::Output(i) => Value::U64(self.outputs[i].device_ptr_at(0)),
-                Arg::Null => Value::U64(0),
-                Arg::U64(x) => Value::U64(x as u64),
-                Arg::F32(x) => Value::F32(x),
+                Arg::Input(i) => self.input(i, self.primary).map(Value::U64),
+                Arg::Stats(i) => self.input(i, DType::F32).map(Value::U64),
+                Arg::Output(i) => Ok(Value::U64(self.outputs[i].device_ptr_at(0))),
+                Arg::Null => Ok(Value::U64(0)),
+                Arg::U64(x) => Ok(Value::U64(x as u64)),
+                Arg::F32(x) => Ok(Value::F32(x)),
             })
-            .collect();
+            .collect::<Result<_>>()?;
         self.device.launch(source, &symbol, grid, &values)
+    }
+
+    /// The pointer of input `i`, which the kernel reads as `dtype`.
+    ///
+    /// The CPU widens operands of mixed dtypes; the GPU kernels read each
+    /// operand in one dtype, so a mismatch is an error rather than garbage.
+    fn input(&self, i: usize, dtype: DType) -> Result<u64> {
+        let (ptr, _, got) = self.inputs[i];
+        if got != dtype {
+            return Err(Error::DType {
+                op: self.op,
+                expected: format!("{dtype} (the dtype of the op's first operand) for operand {i}"),
+                got,
+                hint: "; on a GPU the operands of an op must share a dtype: convert them with `to_dtype`",
+            });
+        }
+        Ok(ptr)
     }
 
     /// `output 0 = op(input 0) · op(input 1)` through cuBLAS, with the
     /// shapes, transpositions and batch strides of `g` (row-major, as the
     /// CPU kernel reads them).
     pub(crate) fn gemm(&mut self, g: &Gemm) -> Result<()> {
-        let (a, b) = (self.inputs[0].0, self.inputs[1].0);
+        let (a, b) = (self.input(0, self.primary)?, self.input(1, self.primary)?);
         let c = self.outputs[0].device_ptr_at(0);
         self.device.gemm(self.op, self.primary, g, a, b, c)
     }
