@@ -57,6 +57,9 @@ impl CudaDevice {
         // With k = 0 the product is empty and beta = 0 sets C to zeros (BLAS semantics).
         let beta = if g.accumulate { 1.0f32 } else { 0.0f32 };
         let blas = self.blas().map_err(|detail| Error::Cuda { ordinal: self.ordinal(), op: "creating a cuBLAS handle", detail })?;
+        // cuBLAS runs in the context current on the calling thread, which
+        // need not be the thread that created the handle.
+        self.compute_stream().context().bind_to_thread().map_err(|e| self.error("binding the device to this thread", e))?;
         // SAFETY: the handle is bound to this device's compute stream; the
         // caller guarantees that a, b and c address batch matrices of the
         // shapes and strides of `g`; alpha and beta are f32, as

@@ -14,7 +14,7 @@ use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-/// A device's loaded modules (by source name) and functions (by symbol).
+/// A device's loaded modules (by source name) and functions (by source and symbol).
 #[derive(Default)]
 pub(crate) struct Modules {
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
@@ -26,7 +26,8 @@ impl CudaDevice {
     /// `tessera_kernels::cuda::SOURCES`), compiled and loaded on first use.
     pub(crate) fn function(&self, source: &'static str, symbol: &str) -> Result<CudaFunction> {
         let cache = self.modules();
-        if let Some(f) = cache.functions.lock().unwrap_or_else(|e| e.into_inner()).get(symbol) {
+        let key = format!("{source}/{symbol}");
+        if let Some(f) = cache.functions.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return Ok(f.clone());
         }
         let module = self.module(source)?;
@@ -35,7 +36,7 @@ impl CudaDevice {
             op: "looking up a kernel",
             detail: format!("`{symbol}` in the `{source}` kernels: {}", super::device::describe(&e)),
         })?;
-        cache.functions.lock().unwrap_or_else(|e| e.into_inner()).insert(symbol.to_string(), f.clone());
+        cache.functions.lock().unwrap_or_else(|e| e.into_inner()).insert(key, f.clone());
         Ok(f)
     }
 
