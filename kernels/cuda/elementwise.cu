@@ -47,6 +47,11 @@ __device__ __forceinline__ float silu_grad(float x) {
         for (u64 i = grid_start(); i < n; i += grid_stride())                                    \
             out[i] = from_f32<T>(to_f32(x[i]) + to_f32(bias[i % cols]));                         \
     }                                                                                            \
+    /* In place: y += alpha x (gradient accumulation). */                                      \
+    extern "C" __global__ void axpy_##S(const T* x, float alpha, T* y, u64 n) {                  \
+        for (u64 i = grid_start(); i < n; i += grid_stride())                                    \
+            y[i] = from_f32<T>(to_f32(y[i]) + alpha * to_f32(x[i]));                             \
+    }                                                                                            \
     extern "C" __global__ void gelu_##S(const T* x, T* y, u64 n) {                               \
         for (u64 i = grid_start(); i < n; i += grid_stride())                                    \
             y[i] = from_f32<T>(gelu(to_f32(x[i])));                                              \

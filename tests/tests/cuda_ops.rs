@@ -90,6 +90,13 @@ device_test! {
             assert_close("scale", &ops::scale(&a, -0.37).unwrap(), &ops::scale(&da, -0.37).unwrap(), dev, tol);
             assert_close("add_bias", &ops::add_bias(&a, &bias).unwrap(), &ops::add_bias(&da, &dbias).unwrap(), dev, tol);
             assert_close("bias_grad", &ops::bias_grad(&a).unwrap(), &ops::bias_grad(&da).unwrap(), dev, tol);
+            // Gradient accumulation into an f32 accumulator, from any dtype.
+            let (acc, dacc) = pair(dev, &[7, 33], DType::F32, 30);
+            ops::axpy(&acc, -0.25, &a).unwrap();
+            ops::axpy(&dacc, -0.25, &da).unwrap();
+            ops::accumulate(&acc, &b).unwrap();
+            ops::accumulate(&dacc, &db).unwrap();
+            assert_close("axpy and accumulate", &acc, &dacc, dev, 2e-5);
             let (cx, cy) = ops::mul_backward(&a, &b, &a).unwrap();
             let (gx, gy) = ops::mul_backward(&da, &db, &da).unwrap();
             assert_close("mul_backward a", &cx, &gx, dev, tol);

@@ -94,14 +94,19 @@ pub fn axpy(y: &Tensor, alpha: f64, x: &Tensor) -> Result<()> {
     let xr = x.layout().contiguous_range().expect("fresh tensor");
     let xg = x.read();
     let mut yg = y.write();
+    let not_full = |other| Error::DType { op: OP, expected: "f32 or f64 accumulator".into(), got: other, hint: "; accumulate gradients in full precision" };
     match (&mut *yg, &*xg) {
         (Storage::Cpu(ys), Storage::Cpu(xs)) => match y.dtype() {
             DType::F32 => inplace::<f32>(ys.as_mut_slice().expect("f32"), xs.as_slice().expect("f32"), range, xr, alpha),
             DType::F64 => inplace::<f64>(ys.as_mut_slice().expect("f64"), xs.as_slice().expect("f64"), range, xr, alpha),
-            other => return Err(Error::DType { op: OP, expected: "f32 or f64 accumulator".into(), got: other, hint: "; accumulate gradients in full precision" }),
+            other => return Err(not_full(other)),
         },
-        (Storage::Cuda(s), _) => s.unsupported(OP)?,
-        (_, Storage::Cuda(s)) => s.unsupported(OP)?,
+        (Storage::Cuda(ys), Storage::Cuda(xs)) => match y.dtype() {
+            DType::F32 => ys.axpy(range.start, alpha, xs, xr.start, range.len())?,
+            DType::F64 => return Err(Error::NotImplementedOnCuda { op: "axpy on f64" }),
+            other => return Err(not_full(other)),
+        },
+        _ => unreachable!("the operands' devices were checked to be the same"),
     }
     Ok(())
 }

@@ -33,6 +33,8 @@ mod copy;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
+mod inplace;
+#[cfg(feature = "cuda")]
 mod launch;
 #[cfg(feature = "cuda")]
 mod module;

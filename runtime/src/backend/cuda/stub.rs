@@ -119,6 +119,10 @@ impl CudaStorage {
     pub(crate) fn gather(&self, _: &crate::tensor::Layout) -> Result<CudaStorage> {
         match *self {}
     }
+
+    pub(crate) fn axpy(&self, _: usize, _: f64, _: &CudaStorage, _: usize, _: usize) -> Result<()> {
+        match *self {}
+    }
 }
 
 impl BackendDevice for CudaDevice {
