@@ -47,6 +47,10 @@ __device__ __forceinline__ float silu_grad(float x) {
         for (u64 i = grid_start(); i < n; i += grid_stride())                                    \
             out[i] = from_f32<T>(to_f32(x[i]) + to_f32(bias[i % cols]));                         \
     }                                                                                            \
+    /* out[i] = x[0]: a scalar gradient spread over a tensor. */                               \
+    extern "C" __global__ void broadcast_##S(const T* x, T* out, u64 n) {                        \
+        for (u64 i = grid_start(); i < n; i += grid_stride()) out[i] = x[0];                     \
+    }                                                                                            \
     /* In place: y += alpha x (gradient accumulation). */                                      \
     extern "C" __global__ void axpy_##S(const T* x, float alpha, T* y, u64 n) {                  \
         for (u64 i = grid_start(); i < n; i += grid_stride())                                    \

@@ -167,6 +167,8 @@ device_test! {
             let magnitude: f64 = x.to_f64_vec().unwrap().iter().map(|v| v.abs()).sum();
             assert!((s.to_scalar().unwrap() - gs.to_scalar().unwrap()).abs() <= 1e-5 * magnitude, "sum {s:?} vs {gs:?}");
             assert_close("sum_squares", &ops::sum_squares(&x).unwrap(), &ops::sum_squares(&dx).unwrap(), dev, 1e-5);
+            let (dy, ddy) = pair(dev, &[], dtype, 31);
+            assert_close("sum_backward", &ops::sum_backward(&dy, [4, 5]).unwrap(), &ops::sum_backward(&ddy, [4, 5]).unwrap(), dev, 0.0);
         }
     }
 }
