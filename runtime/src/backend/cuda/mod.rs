@@ -51,13 +51,11 @@ pub use device::{ComputeCapability, CudaDevice};
 #[cfg(feature = "cuda")]
 pub use storage::CudaStorage;
 #[cfg(feature = "cuda")]
-pub use call::CudaCall;
-#[cfg(feature = "cuda")]
-pub(crate) use call::run_op;
+pub(crate) use call::{run_op, CudaCall};
 #[cfg(not(feature = "cuda"))]
-pub use stub::{CudaCall, CudaDevice, CudaStorage};
+pub use stub::{CudaDevice, CudaStorage};
 #[cfg(not(feature = "cuda"))]
-pub(crate) use stub::{adamw, run_op};
+pub(crate) use stub::{adamw, run_op, CudaCall};
 pub use testing::report_skip;
 
 /// Whether this build has the CUDA backend (the `cuda` cargo feature).
