@@ -30,6 +30,10 @@ __device__ __forceinline__ float silu_grad(float x) {
         for (u64 i = grid_start(); i < n; i += grid_stride())                                    \
             out[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));                                   \
     }                                                                                            \
+    extern "C" __global__ void sub_##S(const T* a, const T* b, T* out, u64 n) {                  \
+        for (u64 i = grid_start(); i < n; i += grid_stride())                                    \
+            out[i] = from_f32<T>(to_f32(a[i]) - to_f32(b[i]));                                   \
+    }                                                                                            \
     extern "C" __global__ void mul_##S(const T* a, const T* b, T* out, u64 n) {                  \
         for (u64 i = grid_start(); i < n; i += grid_stride())                                    \
             out[i] = from_f32<T>(to_f32(a[i]) * to_f32(b[i]));                                   \
@@ -42,6 +46,15 @@ __device__ __forceinline__ float silu_grad(float x) {
     extern "C" __global__ void add_bias_##S(const T* x, const T* bias, T* out, u64 n, u64 cols) { \
         for (u64 i = grid_start(); i < n; i += grid_stride())                                    \
             out[i] = from_f32<T>(to_f32(x[i]) + to_f32(bias[i % cols]));                         \
+    }                                                                                            \
+    /* out[i] = x[0]: a scalar gradient spread over a tensor. */                               \
+    extern "C" __global__ void broadcast_##S(const T* x, T* out, u64 n) {                        \
+        for (u64 i = grid_start(); i < n; i += grid_stride()) out[i] = x[0];                     \
+    }                                                                                            \
+    /* In place: y += alpha x (gradient accumulation). */                                      \
+    extern "C" __global__ void axpy_##S(const T* x, float alpha, T* y, u64 n) {                  \
+        for (u64 i = grid_start(); i < n; i += grid_stride())                                    \
+            y[i] = from_f32<T>(to_f32(y[i]) + alpha * to_f32(x[i]));                             \
     }                                                                                            \
     extern "C" __global__ void gelu_##S(const T* x, T* y, u64 n) {                               \
         for (u64 i = grid_start(); i < n; i += grid_stride())                                    \

@@ -15,4 +15,34 @@
         }                                                                               \
     }
 
+// The same with every element squared: a squared L2 norm.
+#define ROW_SUM_SQUARES(T, S)                                                                   \
+    extern "C" __global__ void row_sum_squares_##S(const T* x, float* out, u64 rows, u64 cols) { \
+        __shared__ float scratch[32];                                                           \
+        for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {                              \
+            const T* r = x + row * cols;                                                        \
+            float acc = 0.0f;                                                                   \
+            for (u64 j = threadIdx.x; j < cols; j += blockDim.x) {                              \
+                const float v = to_f32(r[j]);                                                   \
+                acc += v * v;                                                                   \
+            }                                                                                   \
+            acc = block_sum(acc, scratch);                                                      \
+            if (threadIdx.x == 0) out[row] = acc;                                               \
+        }                                                                                       \
+    }
+
+// Column sums of a row-major [rows, cols] matrix (a bias gradient): one
+// thread per column, so neighbouring threads read neighbouring elements, each
+// summing its column top to bottom in f32.
+#define COL_SUM(T, S)                                                                     \
+    extern "C" __global__ void col_sum_##S(const T* x, T* out, u64 rows, u64 cols) {       \
+        for (u64 j = grid_start(); j < cols; j += grid_stride()) {                        \
+            float acc = 0.0f;                                                             \
+            for (u64 r = 0; r < rows; r++) acc += to_f32(x[r * cols + j]);                \
+            out[j] = from_f32<T>(acc);                                                    \
+        }                                                                                 \
+    }
+
 FOR_FLOAT_TYPES(ROW_SUM)
+FOR_FLOAT_TYPES(ROW_SUM_SQUARES)
+FOR_FLOAT_TYPES(COL_SUM)

@@ -33,14 +33,15 @@ macro_rules! source {
 /// Every kernel source of the CUDA backend.
 pub const SOURCES: &[Source] = &[
     source!("elementwise", ["add_f32", "add_bf16", "mul_f32", "gelu_f32", "gelu_bf16", "gelu_backward_f32", "gelu_backward_bf16", "silu_f32", "silu_backward_f32"]),
-    source!("reduce", ["row_sum_f32", "row_sum_bf16"]),
-    source!("norm", ["layernorm_f32", "layernorm_bf16", "rmsnorm_f32", "rmsnorm_bf16"]),
+    source!("reduce", ["row_sum_f32", "row_sum_bf16", "row_sum_squares_f32", "col_sum_f32"]),
+    source!("norm", ["layernorm_f32", "layernorm_bf16", "rmsnorm_f32", "rmsnorm_bf16", "norm_backward_f32", "norm_backward_bf16"]),
     source!("adamw", ["adamw_f32", "adamw_bf16"]),
     source!("attention", [
         "attention_fwd_f32", "attention_fwd_bf16", "attention_fwd_f16",
         "attention_bwd_dkv_f32", "attention_bwd_dkv_bf16", "attention_bwd_dkv_f16",
         "attention_bwd_dq_f32", "attention_bwd_dq_bf16", "attention_bwd_dq_f16",
     ]),
+    source!("convert", ["cast_f32_to_bf16", "cast_bf16_to_f32"]),
 ];
 
 /// The source named `name`, if there is one.

@@ -40,11 +40,21 @@ device_test! {
     }
 }
 
-/// Until the CUDA kernels are wired to the ops, an op on a GPU tensor says so.
+/// An op whose kernel has no CUDA implementation yet says so, naming itself,
+/// and so does an op on a dtype the GPU kernels do not cover; operands of
+/// mixed dtypes are a dtype error.
 #[test]
 fn ops_not_yet_on_cuda_say_so() {
     let Some(dev) = cuda_or_skip("ops_not_yet_on_cuda_say_so") else { return };
     let a = Tensor::zeros([4], DType::F32, &dev).unwrap();
-    let e = tessera::ops::add(&a, &a).unwrap_err();
-    assert!(matches!(e, Error::NotImplementedOnCuda { .. }) && e.to_string().contains("Device::cpu()"), "{e}");
+    let e = tessera::ops::swiglu(&a, &a).unwrap_err();
+    assert!(matches!(e, Error::NotImplementedOnCuda { op: "swiglu" }) && e.to_string().contains("Device::cpu()"), "{e}");
+    let wide = Tensor::zeros([4], DType::F64, &dev).unwrap();
+    let e = tessera::ops::add(&wide, &wide).unwrap_err();
+    assert!(matches!(e, Error::NotImplementedOnCuda { op: "add" }), "{e}");
+    // The CPU widens operands of mixed dtypes; the GPU kernels refuse them
+    // with a typed error instead of reading one dtype as another.
+    let half = Tensor::zeros([4], DType::BF16, &dev).unwrap();
+    let e = tessera::ops::add(&half, &a).unwrap_err();
+    assert!(matches!(e, Error::DType { op: "add", got: DType::F32, .. }), "{e}");
 }

@@ -1,15 +1,15 @@
 //! Activation functions: GELU (tanh form), SiLU and SwiGLU.
 
-use super::{check_same_shape, float_kernel, run, run1};
+use super::{check_same_shape, cuda_launch, float_kernel, run, run1};
 use crate::backend::cpu::Out;
 use crate::error::Result;
 use crate::tensor::Tensor;
 use tessera_kernels::cpu::activation as k;
 
-float_kernel!(writes_all Gelu {} |s, i, o| k::gelu_forward(i[0], o[0]));
-float_kernel!(writes_all GeluBack {} |s, i, o| k::gelu_backward(i[0], i[1], o[0]));
-float_kernel!(writes_all Silu {} |s, i, o| k::silu_forward(i[0], o[0]));
-float_kernel!(writes_all SiluBack {} |s, i, o| k::silu_backward(i[0], i[1], o[0]));
+float_kernel!(writes_all Gelu {} |s, i, o| k::gelu_forward(i[0], o[0]); cuda |s, c| cuda_launch::unary(c, "elementwise", "gelu"));
+float_kernel!(writes_all GeluBack {} |s, i, o| k::gelu_backward(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "gelu_backward"));
+float_kernel!(writes_all Silu {} |s, i, o| k::silu_forward(i[0], o[0]); cuda |s, c| cuda_launch::unary(c, "elementwise", "silu"));
+float_kernel!(writes_all SiluBack {} |s, i, o| k::silu_backward(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "silu_backward"));
 float_kernel!(writes_all SwiGlu {} |s, i, o| k::swiglu_forward(i[0], i[1], o[0]));
 float_kernel!(SwiGluBack {} |s, i, o| {
     let (dgate, dup) = o.split_at_mut(1);

@@ -1,6 +1,7 @@
 //! Elementwise arithmetic and bias addition.
 
-use super::{check_device, check_same_shape, float_kernel, run1};
+use super::{check_device, check_same_shape, cuda_launch, float_kernel, run1};
+use crate::backend::cuda::args::{Arg, Grid};
 use crate::backend::cpu::Out;
 use crate::backend::Storage;
 use crate::error::{Error, Result};
@@ -8,12 +9,22 @@ use crate::tensor::{DType, Tensor};
 use tessera_kernels::cpu::elementwise as k;
 use tessera_kernels::Real;
 
-float_kernel!(writes_all Add {} |s, i, o| k::add(i[0], i[1], o[0]));
-float_kernel!(writes_all Sub {} |s, i, o| k::sub(i[0], i[1], o[0]));
-float_kernel!(writes_all Mul {} |s, i, o| k::mul(i[0], i[1], o[0]));
-float_kernel!(writes_all Scale { by: f64 } |s, i, o| k::scale(i[0], T::lit(s.by), o[0]));
-float_kernel!(writes_all AddBias {} |s, i, o| k::add_bias(i[0], i[1], o[0]));
-float_kernel!(BiasGrad {} |s, i, o| k::bias_grad(i[0], o[0]));
+float_kernel!(writes_all Add {} |s, i, o| k::add(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "add"));
+float_kernel!(writes_all Sub {} |s, i, o| k::sub(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "sub"));
+float_kernel!(writes_all Mul {} |s, i, o| k::mul(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "mul"));
+float_kernel!(writes_all Scale { by: f64 } |s, i, o| k::scale(i[0], T::lit(s.by), o[0]); cuda |s, c| {
+    let n = c.output_len(0);
+    c.launch("elementwise", "scale", Grid::Items(n), &[Arg::Input(0), Arg::F32(s.by as f32), Arg::Output(0), Arg::U64(n)])
+});
+float_kernel!(writes_all AddBias {} |s, i, o| k::add_bias(i[0], i[1], o[0]); cuda |s, c| {
+    let (n, cols) = (c.output_len(0), c.input_len(1));
+    c.launch("elementwise", "add_bias", Grid::Items(n), &[Arg::Input(0), Arg::Input(1), Arg::Output(0), Arg::U64(n), Arg::U64(cols)])
+});
+float_kernel!(BiasGrad {} |s, i, o| k::bias_grad(i[0], o[0]); cuda |s, c| {
+    let cols = c.output_len(0);
+    let rows = c.input_len(0).checked_div(cols).unwrap_or(0);
+    c.launch("reduce", "col_sum", Grid::Items(cols), &[Arg::Input(0), Arg::Output(0), Arg::U64(rows), Arg::U64(cols)])
+});
 
 fn binary<K: super::FloatKernel>(op: &'static str, kernel: &K, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     check_same_shape(op, "operands", a, b)?;
@@ -83,14 +94,19 @@ pub fn axpy(y: &Tensor, alpha: f64, x: &Tensor) -> Result<()> {
     let xr = x.layout().contiguous_range().expect("fresh tensor");
     let xg = x.read();
     let mut yg = y.write();
+    let not_full = |other| Error::DType { op: OP, expected: "f32 or f64 accumulator".into(), got: other, hint: "; accumulate gradients in full precision" };
     match (&mut *yg, &*xg) {
         (Storage::Cpu(ys), Storage::Cpu(xs)) => match y.dtype() {
             DType::F32 => inplace::<f32>(ys.as_mut_slice().expect("f32"), xs.as_slice().expect("f32"), range, xr, alpha),
             DType::F64 => inplace::<f64>(ys.as_mut_slice().expect("f64"), xs.as_slice().expect("f64"), range, xr, alpha),
-            other => return Err(Error::DType { op: OP, expected: "f32 or f64 accumulator".into(), got: other, hint: "; accumulate gradients in full precision" }),
+            other => return Err(not_full(other)),
         },
-        (Storage::Cuda(s), _) => s.unsupported(OP)?,
-        (_, Storage::Cuda(s)) => s.unsupported(OP)?,
+        (Storage::Cuda(ys), Storage::Cuda(xs)) => match y.dtype() {
+            DType::F32 => ys.axpy(range.start, alpha, xs, xr.start, range.len())?,
+            DType::F64 => return Err(Error::NotImplementedOnCuda { op: "axpy on f64" }),
+            other => return Err(not_full(other)),
+        },
+        _ => unreachable!("the operands' devices were checked to be the same"),
     }
     Ok(())
 }

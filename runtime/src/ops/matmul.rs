@@ -1,13 +1,20 @@
 //! Matrix products, batched, with transposed operands taken as views.
 
 use super::{check_device, float_kernel, run1};
+use crate::backend::cuda::args::{Arg, Grid};
 use crate::backend::cpu::Out;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 use tessera_kernels::cpu::matmul::{matmul as gemm, matmul_bias as gemm_bias, Gemm};
 
-float_kernel!(writes_all MatMul { g: Gemm } |s, i, o| gemm(&s.g, i[0], i[1], o[0]));
-float_kernel!(writes_all MatMulBias { g: Gemm } |s, i, o| gemm_bias(&s.g, i[0], i[1], i[2], o[0]));
+float_kernel!(writes_all MatMul { g: Gemm } |s, i, o| gemm(&s.g, i[0], i[1], o[0]); cuda |s, c| c.gemm(&s.g));
+float_kernel!(writes_all MatMulBias { g: Gemm } |s, i, o| gemm_bias(&s.g, i[0], i[1], i[2], o[0]); cuda |s, c| {
+    // The product, rounded to the output dtype, then the bias added in
+    // place: the same rounding as the CPU's fused pass.
+    c.gemm(&s.g)?;
+    let (n, cols) = (c.output_len(0), c.input_len(2));
+    c.launch("elementwise", "add_bias", Grid::Items(n), &[Arg::Output(0), Arg::Input(2), Arg::Output(0), Arg::U64(n), Arg::U64(cols)])
+});
 
 /// A matrix operand: a contiguous tensor, and whether its last two dimensions
 /// are stored transposed (so `x.t()` costs no copy).

@@ -11,6 +11,7 @@
 
 mod activation;
 mod attention;
+mod cuda_launch;
 mod dropout;
 mod elementwise;
 mod embedding;
@@ -38,6 +39,7 @@ pub use softmax::*;
 pub use topk::*;
 
 use crate::backend::cpu::{self, FloatKernel, Out};
+use crate::backend::cuda::{self, CudaStorage};
 use crate::backend::{CpuStorage, Device, Storage};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Shape, Tensor};
@@ -48,14 +50,19 @@ use crate::tensor::{DType, Shape, Tensor};
 /// A leading `writes_all` declares that the body writes every element of
 /// every output (see [`FloatKernel::WRITES_ALL`]); a kernel that leaves any
 /// element unwritten must not say so, or it would return stale values.
+///
+/// A trailing `; cuda |s, c| body` is the op's CUDA implementation
+/// ([`FloatKernel::cuda`]), with the struct as `s` and the
+/// [`CudaCall`](crate::backend::cuda::CudaCall) as `c`; without it the op
+/// returns `NotImplementedOnCuda` on a GPU.
 macro_rules! float_kernel {
-    (writes_all $name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* $(,)? } |$s:ident, $i:ident, $o:ident| $body:expr) => {
-        float_kernel!(@impl true, $name $(<$lt>)? { $($f : $t),* } |$s, $i, $o| $body);
+    (writes_all $name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* $(,)? } |$s:ident, $i:ident, $o:ident| $body:expr $(; cuda |$cs:ident, $c:ident| $cuda:expr)?) => {
+        float_kernel!(@impl true, $name $(<$lt>)? { $($f : $t),* } |$s, $i, $o| $body $(; cuda |$cs, $c| $cuda)?);
     };
-    ($name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* $(,)? } |$s:ident, $i:ident, $o:ident| $body:expr) => {
-        float_kernel!(@impl false, $name $(<$lt>)? { $($f : $t),* } |$s, $i, $o| $body);
+    ($name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* $(,)? } |$s:ident, $i:ident, $o:ident| $body:expr $(; cuda |$cs:ident, $c:ident| $cuda:expr)?) => {
+        float_kernel!(@impl false, $name $(<$lt>)? { $($f : $t),* } |$s, $i, $o| $body $(; cuda |$cs, $c| $cuda)?);
     };
-    (@impl $all:expr, $name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* } |$s:ident, $i:ident, $o:ident| $body:expr) => {
+    (@impl $all:expr, $name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* } |$s:ident, $i:ident, $o:ident| $body:expr $(; cuda |$cs:ident, $c:ident| $cuda:expr)?) => {
         struct $name $(<$lt>)? { $($f: $t),* }
         impl $(<$lt>)? $crate::backend::cpu::FloatKernel for $name $(<$lt>)? {
             const WRITES_ALL: bool = $all;
@@ -64,6 +71,13 @@ macro_rules! float_kernel {
                 let $s = self;
                 $body
             }
+            $(
+                #[allow(unused_variables)]
+                fn cuda(&self, $c: &mut $crate::backend::cuda::CudaCall) -> $crate::error::Result<()> {
+                    let $cs = self;
+                    $cuda
+                }
+            )?
         }
     };
 }
@@ -80,19 +94,30 @@ pub(crate) fn run<K: FloatKernel>(op: &'static str, kernel: &K, inputs: &[&Tenso
     let contiguous: Vec<Tensor> = inputs.iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
     let guards: Vec<_> = contiguous.iter().map(|t| t.read()).collect();
     let device = first.device().clone();
+    let sizes: Vec<(usize, Out)> = outputs.iter().map(|(s, o)| (s.elem_count(), *o)).collect();
     let dev = match &device {
         Device::Cpu(dev) => dev,
-        Device::Cuda(d) => return d.unsupported(op),
+        Device::Cuda(d) => {
+            let operands: Vec<(&CudaStorage, std::ops::Range<usize>)> = guards
+                .iter()
+                .zip(&contiguous)
+                .map(|(g, t)| match &**g {
+                    Storage::Cuda(s) => Ok((s, t.layout().contiguous_range().expect("contiguous"))),
+                    Storage::Cpu(_) => Err(Error::DeviceMismatch { op, lhs: device.to_string(), rhs: "cpu".into() }),
+                })
+                .collect::<Result<_>>()?;
+            let results = cuda::run_op(op, d, first.dtype(), &operands, &sizes, K::WRITES_ALL, |c| kernel.cuda(c))?;
+            return Ok(results.into_iter().zip(outputs).map(|(s, (shape, _))| Tensor::from_storage(Storage::Cuda(s), shape.clone(), device.clone())).collect());
+        }
     };
     let operands: Vec<(&CpuStorage, std::ops::Range<usize>)> = guards
         .iter()
         .zip(&contiguous)
         .map(|(g, t)| match &**g {
             Storage::Cpu(s) => Ok((s, t.layout().contiguous_range().expect("contiguous"))),
-            Storage::Cuda(s) => s.unsupported(op),
+            Storage::Cuda(_) => Err(Error::DeviceMismatch { op, lhs: device.to_string(), rhs: t.device().to_string() }),
         })
         .collect::<Result<_>>()?;
-    let sizes: Vec<(usize, Out)> = outputs.iter().map(|(s, o)| (s.elem_count(), *o)).collect();
     let results = cpu::run_float(dev, kernel, first.dtype(), &operands, &sizes);
     Ok(results.into_iter().zip(outputs).map(|(s, (shape, _))| Tensor::from_cpu(s, shape.clone(), dev)).collect())
 }

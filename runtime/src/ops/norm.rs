@@ -1,6 +1,8 @@
 //! LayerNorm and RMSNorm over the last dimension.
 
 use super::{check_same_shape, float_kernel, rows, run};
+use crate::backend::cuda::args::{Arg, Grid};
+use crate::backend::cuda::CudaCall;
 use crate::backend::cpu::Out;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
@@ -10,21 +12,47 @@ float_kernel!(LayerNormFwd { eps: f64, row: usize, has_beta: bool } |s, i, o| {
     let (y, rest) = o.split_at_mut(1);
     let (mean, rstd) = rest.split_at_mut(1);
     k::layernorm_forward(i[0], i[1], s.has_beta.then(|| i[2]), s.eps, s.row, y[0], mean[0], rstd[0])
+}; cuda |s, c| {
+    let (rows, cols) = (c.output_len(1), s.row);
+    let beta = if s.has_beta { Arg::Input(2) } else { Arg::Null };
+    let args = [Arg::Input(0), Arg::Input(1), beta, Arg::Output(0), Arg::Output(1), Arg::Output(2), Arg::U64(rows), Arg::U64(cols), Arg::F32(s.eps as f32)];
+    c.launch("norm", "layernorm", Grid::Rows { rows, cols }, &args)
 });
 float_kernel!(LayerNormBack { row: usize, has_beta: bool } |s, i, o| {
     let (dx, rest) = o.split_at_mut(1);
     let (dgamma, dbeta) = rest.split_at_mut(1);
     let dbeta = if s.has_beta { Some(&mut *dbeta[0]) } else { None };
     k::layernorm_backward(i[0], i[1], i[2], i[3], i[4], s.row, dx[0], dgamma[0], dbeta)
+}; cuda |s, c| {
+    // Inputs: x, gamma, mean, rstd, dy.
+    let dbeta = if s.has_beta { Arg::Output(2) } else { Arg::Null };
+    norm_backward_cuda(c, s.row, Arg::Stats(2), Arg::Stats(3), Arg::Input(4), dbeta)
 });
 float_kernel!(RmsNormFwd { eps: f64, row: usize } |s, i, o| {
     let (y, rstd) = o.split_at_mut(1);
     k::rmsnorm_forward(i[0], i[1], s.eps, s.row, y[0], rstd[0])
+}; cuda |s, c| {
+    let (rows, cols) = (c.output_len(1), s.row);
+    let args = [Arg::Input(0), Arg::Input(1), Arg::Output(0), Arg::Output(1), Arg::U64(rows), Arg::U64(cols), Arg::F32(s.eps as f32)];
+    c.launch("norm", "rmsnorm", Grid::Rows { rows, cols }, &args)
 });
 float_kernel!(RmsNormBack { row: usize } |s, i, o| {
     let (dx, dgamma) = o.split_at_mut(1);
     k::rmsnorm_backward(i[0], i[1], i[2], i[3], s.row, dx[0], dgamma[0])
+}; cuda |s, c| {
+    // Inputs: x, gamma, rstd, dy; no mean.
+    norm_backward_cuda(c, s.row, Arg::Null, Arg::Stats(2), Arg::Input(3), Arg::Null)
 });
+
+/// Both norms' backward on a GPU: `dx` per row (output 0), then `dgamma`
+/// (output 1) and `dbeta` (`Arg::Null` when there is none) per column.
+/// Inputs 0 and 1 are `x` and `gamma`; a null `mean` means RMSNorm.
+fn norm_backward_cuda(c: &mut CudaCall, cols: usize, mean: Arg, rstd: Arg, dy: Arg, dbeta: Arg) -> Result<()> {
+    let rows = c.input_len(0).checked_div(cols).unwrap_or(0);
+    let (x, gamma, dims) = (Arg::Input(0), Arg::Input(1), [Arg::U64(rows), Arg::U64(cols)]);
+    c.launch("norm", "norm_backward", Grid::Rows { rows, cols }, &[x, gamma, mean, rstd, dy, Arg::Output(0), dims[0], dims[1]])?;
+    c.launch("norm", "norm_param_grad", Grid::Items(cols), &[x, mean, rstd, dy, Arg::Output(1), dbeta, dims[0], dims[1]])
+}
 
 /// What a normalisation keeps for its backward: per-row statistics in the
 /// compute dtype (the input itself is kept by the caller).

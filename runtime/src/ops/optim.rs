@@ -58,8 +58,14 @@ pub fn adamw_update(step: &AdamWStep, param: &Tensor, grad: &Tensor, m: &Tensor,
                 go::<f32>(step, p, g, ms, vs, ranges)
             }
         }
-        (Storage::Cuda(s), ..) | (_, Storage::Cuda(s), ..) | (_, _, Storage::Cuda(s), _) => s.unsupported("adamw_step")?,
-        (.., Storage::Cuda(s)) => s.unsupported("adamw_step")?,
+        (Storage::Cuda(p), Storage::Cuda(ms), Storage::Cuda(vs), Storage::Cuda(g)) => {
+            if param.dtype() != DType::F32 {
+                return Err(Error::NotImplementedOnCuda { op: "adamw_update on f64 master weights" });
+            }
+            let len = pr.len();
+            crate::backend::cuda::adamw::adamw_f32(step, (p, pr.start), (g, gr.start), (ms, mr.start), (vs, vr.start), len)?
+        }
+        _ => unreachable!("the operands' devices were checked to be the same"),
     }
     Ok(())
 }

@@ -153,11 +153,11 @@ impl Tensor {
         let range = t.layout.contiguous_range().expect("contiguous");
         let guard = t.read();
         let out = match (&*guard, &self.device) {
-            (Storage::Cpu(s), Device::Cpu(dev)) => crate::backend::cpu::convert(dev, s, range, dtype),
-            (Storage::Cuda(s), _) => return s.unsupported("to_dtype"),
-            (_, Device::Cuda(d)) => return d.unsupported("to_dtype"),
+            (Storage::Cpu(s), Device::Cpu(dev)) => Storage::Cpu(crate::backend::cpu::convert(dev, s, range, dtype)),
+            (Storage::Cuda(s), Device::Cuda(_)) => Storage::Cuda(s.to_dtype(range, dtype)?),
+            _ => unreachable!("a tensor's storage lives on its device"),
         };
-        Ok(Tensor::from_storage(Storage::Cpu(out), self.shape().clone(), self.device.clone()))
+        Ok(Tensor::from_storage(out, self.shape().clone(), self.device.clone()))
     }
 }
 

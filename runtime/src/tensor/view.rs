@@ -81,8 +81,11 @@ impl Tensor {
                     CpuStorage::U32(b) => gather!(U32, b),
                 }
             }
-            (Storage::Cuda(s), _) => return s.unsupported("contiguous (strided copy)"),
-            (_, Device::Cuda(d)) => return d.unsupported("contiguous (strided copy)"),
+            (Storage::Cuda(s), Device::Cuda(_)) => {
+                let out = s.gather(&self.layout)?;
+                return Ok(Tensor::from_storage(Storage::Cuda(out), self.shape().clone(), self.device.clone()));
+            }
+            _ => unreachable!("a tensor's storage lives on its device"),
         };
         Ok(Tensor::from_storage(Storage::Cpu(out), self.shape().clone(), self.device.clone()))
     }

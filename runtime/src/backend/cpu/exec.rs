@@ -10,7 +10,8 @@ use crate::tensor::DType;
 use std::ops::Range;
 use tessera_kernels::Real;
 
-/// An op's arithmetic, written once over the compute type `T`.
+/// An op's arithmetic, written once over the compute type `T` for the CPU,
+/// and, where the op has one, its CUDA implementation.
 pub(crate) trait FloatKernel {
     /// Whether [`run`](Self::run) writes every element of every output. Then
     /// the outputs are handed over with stale contents instead of zeros;
@@ -18,6 +19,13 @@ pub(crate) trait FloatKernel {
     const WRITES_ALL: bool = false;
     /// Reads `inputs` and writes `outputs` (lengths as the op requested).
     fn run<T: Real>(&self, inputs: &[&[T]], outputs: &mut [&mut [T]]);
+
+    /// The same on a CUDA device: launches on `call`'s operands that write
+    /// its outputs (same order, lengths and dtypes as [`run`](Self::run)'s;
+    /// statistics of [`Out::Compute`] are `f32`). An op without one says so.
+    fn cuda(&self, call: &mut crate::backend::cuda::CudaCall) -> crate::error::Result<()> {
+        call.unsupported()
+    }
 }
 
 /// The dtype an output is stored in.

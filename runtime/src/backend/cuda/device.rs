@@ -2,11 +2,13 @@
 //! ordered by events, and its caching allocator.
 
 use super::alloc::{BlockSource, CachingAllocator, SourceError};
+use super::module::Modules;
 use super::storage::CudaStorage;
 use crate::backend::memory::MemoryStats;
 use crate::backend::BackendDevice;
 use crate::error::{Error, Result};
 use crate::tensor::DType;
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DriverError};
 use std::fmt;
 use std::panic::catch_unwind;
@@ -58,6 +60,9 @@ struct Inner {
     comm: Arc<CudaStream>,
     // The streams and every block hold the context, which lives as long as they do.
     allocator: CachingAllocator<StreamBlocks>,
+    modules: Modules,
+    // Created on the first matrix product; the error says why it cannot be.
+    blas: OnceLock<std::result::Result<CudaBlas, String>>,
 }
 
 /// Blocks allocated in the order of the compute stream.
@@ -141,7 +146,7 @@ impl CudaDevice {
         let compute = context.new_stream().map_err(failed("creating the compute stream"))?;
         let comm = context.new_stream().map_err(failed("creating the communication stream"))?;
         let allocator = CachingAllocator::new(StreamBlocks { stream: compute.clone() });
-        Ok(CudaDevice { inner: Arc::new(Inner { ordinal, name, capability, compute, comm, allocator }) })
+        Ok(CudaDevice { inner: Arc::new(Inner { ordinal, name, capability, compute, comm, allocator, modules: Modules::default(), blas: OnceLock::new() }) })
     }
 
     /// The device's CUDA ordinal.
@@ -186,6 +191,16 @@ impl CudaDevice {
     /// about to read an all-reduced gradient).
     pub fn compute_waits_for_comm(&self) -> Result<()> {
         self.inner.compute.join(&self.inner.comm).map_err(|e| self.error("ordering the compute stream after communication", e))
+    }
+
+    /// The kernel modules and functions loaded on this device.
+    pub(crate) fn modules(&self) -> &Modules {
+        &self.inner.modules
+    }
+
+    /// The device's cuBLAS handle, created on first use on the compute stream.
+    pub(crate) fn blas(&self) -> std::result::Result<&CudaBlas, String> {
+        self.inner.blas.get_or_init(|| super::blas::create_handle(self)).as_ref().map_err(Clone::clone)
     }
 
     /// Returns the allocator's cached blocks to the driver; the bytes released.

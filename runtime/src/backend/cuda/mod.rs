@@ -10,7 +10,10 @@
 //! on [`Device`](crate::Device) never needs `#[cfg]`.
 //!
 //! What runs on a CUDA device so far: allocation (zeros), copies between host
-//! and device, memory statistics and synchronisation. Every other operation
+//! and device, memory statistics and synchronisation, dtype conversion and
+//! strided copies, and the ops whose kernel struct has a CUDA implementation
+//! (`FloatKernel::cuda`: elementwise arithmetic, activations, norms, sums,
+//! matrix products through cuBLAS) and the AdamW step. Every other operation
 //! returns [`Error::NotImplementedOnCuda`](crate::Error::NotImplementedOnCuda)
 //! naming the operation. docs/cuda.md says what is next.
 
@@ -19,7 +22,22 @@
 mod alloc;
 
 #[cfg(feature = "cuda")]
+pub(crate) mod adamw;
+pub(crate) mod args;
+#[cfg(feature = "cuda")]
+mod blas;
+#[cfg(feature = "cuda")]
+pub(crate) mod call;
+#[cfg(feature = "cuda")]
+mod copy;
+#[cfg(feature = "cuda")]
 mod device;
+#[cfg(feature = "cuda")]
+mod inplace;
+#[cfg(feature = "cuda")]
+mod launch;
+#[cfg(feature = "cuda")]
+mod module;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
 #[cfg(feature = "cuda")]
@@ -32,8 +50,12 @@ pub mod testing;
 pub use device::{ComputeCapability, CudaDevice};
 #[cfg(feature = "cuda")]
 pub use storage::CudaStorage;
+#[cfg(feature = "cuda")]
+pub(crate) use call::{run_op, CudaCall};
 #[cfg(not(feature = "cuda"))]
 pub use stub::{CudaDevice, CudaStorage};
+#[cfg(not(feature = "cuda"))]
+pub(crate) use stub::{adamw, run_op, CudaCall};
 pub use testing::report_skip;
 
 /// Whether this build has the CUDA backend (the `cuda` cargo feature).

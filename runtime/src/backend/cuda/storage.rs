@@ -5,7 +5,7 @@
 use super::device::CudaDevice;
 use crate::error::{Error, Result};
 use crate::tensor::DType;
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr};
 
 /// The elements of a tensor on a CUDA device.
 pub struct CudaStorage {
@@ -19,7 +19,7 @@ pub struct CudaStorage {
 
 impl CudaStorage {
     /// `len` elements of `dtype` whose bytes are not yet written.
-    fn uninit(device: &CudaDevice, dtype: DType, len: usize) -> Result<Self> {
+    pub(crate) fn uninit(device: &CudaDevice, dtype: DType, len: usize) -> Result<Self> {
         let bytes = len
             .checked_mul(dtype.size_in_bytes())
             .ok_or_else(|| Error::invalid("cuda alloc", format!("{len} elements of {dtype} overflow the address space")))?;
@@ -77,6 +77,16 @@ impl CudaStorage {
     /// The device holding the elements.
     pub fn device(&self) -> &CudaDevice {
         &self.device
+    }
+
+    /// The device address of element `index`, for a kernel argument.
+    ///
+    /// Every kernel, copy and allocation of a device is queued on its compute
+    /// stream, whose order is what orders the kernel after earlier writes.
+    pub(crate) fn device_ptr_at(&self, index: usize) -> u64 {
+        let block = self.block.as_ref().expect("a live storage holds its block");
+        let (ptr, _recorded) = block.device_ptr(self.device.compute_stream());
+        ptr + (index * self.dtype.size_in_bytes()) as u64
     }
 
     fn bytes(&self) -> usize {

@@ -5,6 +5,7 @@
 //! and asking for a CUDA device is the one place that reports the missing
 //! backend.
 
+use crate::backend::cpu::Out;
 use crate::backend::memory::MemoryStats;
 use crate::backend::BackendDevice;
 use crate::tensor::DType;
@@ -16,6 +17,55 @@ pub enum CudaDevice {}
 
 /// The elements of a tensor on a CUDA device (none can exist in this build).
 pub enum CudaStorage {}
+
+/// An op running on a CUDA device (none can in this build).
+pub enum CudaCall {}
+
+impl CudaCall {
+    pub(crate) fn unsupported<T>(&self) -> Result<T> {
+        match *self {}
+    }
+
+    pub(crate) fn output_len(&self, _: usize) -> usize {
+        match *self {}
+    }
+
+    pub(crate) fn input_len(&self, _: usize) -> usize {
+        match *self {}
+    }
+
+    pub(crate) fn launch(&mut self, _: &'static str, _: &str, _: super::args::Grid, _: &[super::args::Arg]) -> Result<()> {
+        match *self {}
+    }
+
+    pub(crate) fn gemm(&mut self, _: &tessera_kernels::cpu::matmul::Gemm) -> Result<()> {
+        match *self {}
+    }
+}
+
+/// Runs an op on a CUDA device (none can exist in this build).
+pub(crate) fn run_op(
+    _: &'static str,
+    device: &CudaDevice,
+    _: DType,
+    _: &[(&CudaStorage, std::ops::Range<usize>)],
+    _: &[(usize, Out)],
+    _: bool,
+    _: impl FnOnce(&mut CudaCall) -> Result<()>,
+) -> Result<Vec<CudaStorage>> {
+    match *device {}
+}
+
+/// The AdamW step on a CUDA device (none can exist in this build).
+pub(crate) mod adamw {
+    use super::CudaStorage;
+    use crate::error::Result;
+    use tessera_kernels::cpu::adamw::AdamWStep;
+
+    pub(crate) fn adamw_f32(_: &AdamWStep, param: (&CudaStorage, usize), _: (&CudaStorage, usize), _: (&CudaStorage, usize), _: (&CudaStorage, usize), _: usize) -> Result<()> {
+        match *param.0 {}
+    }
+}
 
 impl CudaDevice {
     /// Opens CUDA device `ordinal`: always [`Error::NotCompiledWithCuda`] here.
@@ -59,6 +109,18 @@ impl CudaStorage {
     }
 
     pub(crate) fn to_host_bytes(&self) -> Result<Vec<u8>> {
+        match *self {}
+    }
+
+    pub(crate) fn to_dtype(&self, _: std::ops::Range<usize>, _: DType) -> Result<CudaStorage> {
+        match *self {}
+    }
+
+    pub(crate) fn gather(&self, _: &crate::tensor::Layout) -> Result<CudaStorage> {
+        match *self {}
+    }
+
+    pub(crate) fn axpy(&self, _: usize, _: f64, _: &CudaStorage, _: usize, _: usize) -> Result<()> {
         match *self {}
     }
 }

@@ -1,0 +1,70 @@
+//! Moving elements on the device: dtype conversion and the gather that
+//! makes a strided view contiguous.
+
+use super::args::Grid;
+use super::call::suffix;
+use super::launch::Value;
+use super::storage::CudaStorage;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Layout};
+use std::ops::Range;
+
+impl CudaStorage {
+    /// The elements `range` converted to `dtype`, in a new storage.
+    ///
+    /// Floats convert among f32, bf16 and f16 (rounding to nearest even);
+    /// any dtype copies to itself. Other conversions are not on the GPU yet.
+    pub(crate) fn to_dtype(&self, range: Range<usize>, dtype: DType) -> Result<CudaStorage> {
+        let device = self.device();
+        let n = range.len();
+        let out = CudaStorage::uninit(device, dtype, n)?;
+        let values = [Value::U64(self.device_ptr_at(range.start)), Value::U64(out.device_ptr_at(0)), Value::U64(n as u64)];
+        match (suffix(self.dtype()), suffix(dtype)) {
+            (Some(from), Some(to)) => device.launch("convert", &format!("cast_{from}_to_{to}"), Grid::Items(n), &values)?,
+            _ if self.dtype() == dtype => {
+                // A copy moves bits: the strided copy of a contiguous layout.
+                let layout = Layout::contiguous_at([n].into(), range.start);
+                return self.gather(&layout);
+            }
+            _ => return Err(Error::NotImplementedOnCuda { op: "to_dtype (only among f32, bf16 and f16, or to the same dtype)" }),
+        }
+        Ok(out)
+    }
+
+    /// The elements of the view `layout` of this storage, contiguous and in
+    /// row-major order, in a new storage.
+    pub(crate) fn gather(&self, layout: &Layout) -> Result<CudaStorage> {
+        let device = self.device();
+        let n = layout.shape().elem_count();
+        let width = match self.dtype().size_in_bytes() {
+            2 => "b16",
+            4 => "b32",
+            8 => "b64",
+            _ => return Err(Error::NotImplementedOnCuda { op: "contiguous (strided copy) of this dtype" }),
+        };
+        let out = CudaStorage::uninit(device, self.dtype(), n)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        // The dimensions then the strides, as the kernel reads them.
+        let mut shape: Vec<u64> = layout.shape().dims().iter().chain(layout.strides()).map(|&d| d as u64).collect();
+        let rank = layout.shape().dims().len();
+        if shape.is_empty() {
+            shape.push(0); // a scalar: nothing to index, but no empty allocation either
+        }
+        let stream = device.compute_stream();
+        let table = stream.clone_htod(&shape).map_err(|e| device.error("copying a view's shape to the device", e))?;
+        let (table_ptr, _recorded) = cudarc::driver::DevicePtr::device_ptr(&table, stream);
+        let values = [
+            Value::U64(self.device_ptr_at(0)),
+            Value::U64(out.device_ptr_at(0)),
+            Value::U64(n as u64),
+            Value::U64(table_ptr),
+            Value::U32(rank as u32),
+            Value::U64(layout.offset() as u64),
+        ];
+        // The table is freed in stream order, after the kernel has read it.
+        device.launch("convert", &format!("strided_copy_{width}"), Grid::Items(n), &values)?;
+        Ok(out)
+    }
+}

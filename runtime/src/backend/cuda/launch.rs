@@ -1,0 +1,86 @@
+//! Launching a kernel on a device's compute stream.
+//!
+//! Every kernel is a grid-stride loop (over items, or over rows with one
+//! block per row), so any grid covers any size: the grid is sized for
+//! occupancy and capped, never for the data alone.
+
+use super::args::Grid;
+use super::device::CudaDevice;
+use crate::error::{Error, Result};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+/// Threads per block of an item loop.
+const ITEM_THREADS: u32 = 256;
+/// Most blocks of a launch: enough to fill any current GPU many times over;
+/// the grid-stride loops cover the rest.
+const MAX_BLOCKS: usize = 1 << 16;
+
+/// A kernel argument's value.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Value {
+    /// A device pointer, a length or a dimension.
+    U64(u64),
+    U32(u32),
+    F32(f32),
+}
+
+/// The launch configuration of `grid`; `None` when there is nothing to do.
+pub(crate) fn config(grid: Grid) -> Option<LaunchConfig> {
+    let (blocks, threads) = match grid {
+        Grid::Items(0) | Grid::Rows { rows: 0, .. } => return None,
+        Grid::Items(n) => (n.div_ceil(ITEM_THREADS as usize).min(MAX_BLOCKS), ITEM_THREADS),
+        // A multiple of 32 (whole warps, as the block reduction needs), at most 1024.
+        Grid::Rows { rows, cols } => (rows.min(MAX_BLOCKS), cols.clamp(1, 1024).next_multiple_of(32) as u32),
+    };
+    Some(LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 })
+}
+
+impl CudaDevice {
+    /// Launches `symbol` of the source `source` over `grid` on the compute
+    /// stream with `values` as its arguments, in order.
+    ///
+    /// The caller guarantees that the values match the kernel's parameters
+    /// and that every pointer among them addresses live device memory of
+    /// this device large enough for what the kernel reads and writes. All
+    /// work runs on the compute stream, whose order is what makes a kernel
+    /// see the writes queued before it.
+    pub(crate) fn launch(&self, source: &'static str, symbol: &str, grid: Grid, values: &[Value]) -> Result<()> {
+        let Some(cfg) = config(grid) else { return Ok(()) };
+        let f = self.function(source, symbol)?;
+        let stream = self.compute_stream();
+        let mut builder = stream.launch_builder(&f);
+        for v in values {
+            match v {
+                Value::U64(x) => builder.arg(x),
+                Value::U32(x) => builder.arg(x),
+                Value::F32(x) => builder.arg(x),
+            };
+        }
+        // SAFETY: the caller guarantees the arguments match the kernel's
+        // parameters and that its pointers are live and large enough.
+        unsafe { builder.launch(cfg) }.map_err(|e| Error::Cuda {
+            ordinal: self.ordinal(),
+            op: "launching a kernel",
+            detail: format!("`{symbol}`: {}", super::device::describe(&e)),
+        })?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grids_cover_the_data_with_whole_warps_and_capped_blocks() {
+        assert!(config(Grid::Items(0)).is_none());
+        assert!(config(Grid::Rows { rows: 0, cols: 8 }).is_none());
+        let c = config(Grid::Items(1000)).unwrap();
+        assert_eq!((c.grid_dim.0, c.block_dim.0), (4, 256));
+        assert_eq!(config(Grid::Items(usize::MAX / 2)).unwrap().grid_dim.0 as usize, MAX_BLOCKS);
+        let r = config(Grid::Rows { rows: 3, cols: 5 }).unwrap();
+        assert_eq!((r.grid_dim.0, r.block_dim.0), (3, 32));
+        assert_eq!(config(Grid::Rows { rows: 1 << 20, cols: 4096 }).unwrap().block_dim.0, 1024);
+        assert_eq!(config(Grid::Rows { rows: 2, cols: 100 }).unwrap().block_dim.0, 128);
+    }
+}

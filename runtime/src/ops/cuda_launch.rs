@@ -1,0 +1,26 @@
+//! The CUDA launches several ops share: each describes, for a `.cu` kernel,
+//! which operands go where. Written against the kernels' parameter lists in
+//! `kernels/cuda/`.
+
+use crate::backend::cuda::args::{Arg, Grid};
+use crate::backend::cuda::CudaCall;
+use crate::error::Result;
+
+/// `kernel(x, out, n)` over every element: one input, one output of its size.
+pub(crate) fn unary(c: &mut CudaCall, source: &'static str, kernel: &str) -> Result<()> {
+    let n = c.output_len(0);
+    c.launch(source, kernel, Grid::Items(n), &[Arg::Input(0), Arg::Output(0), Arg::U64(n)])
+}
+
+/// `kernel(a, b, out, n)` over every element: two inputs of the output's size.
+pub(crate) fn binary(c: &mut CudaCall, source: &'static str, kernel: &str) -> Result<()> {
+    let n = c.output_len(0);
+    c.launch(source, kernel, Grid::Items(n), &[Arg::Input(0), Arg::Input(1), Arg::Output(0), Arg::U64(n)])
+}
+
+/// `kernel(x, out, rows, cols)` with one block per row: input 0 seen as
+/// `[rows, cols]`, one f32 per row written to output 0 (a scalar when
+/// `rows` is 1).
+pub(crate) fn row_reduce(c: &mut CudaCall, kernel: &str, rows: usize, cols: usize) -> Result<()> {
+    c.launch("reduce", kernel, Grid::Rows { rows, cols }, &[Arg::Input(0), Arg::Output(0), Arg::U64(rows), Arg::U64(cols)])
+}

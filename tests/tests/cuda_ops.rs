@@ -1,0 +1,246 @@
+//! Every op with a CUDA implementation, run on the CPU and on the device
+//! under test from the same inputs, compared within the dtype's tolerance.
+//!
+//! Each test is written once and runs per device (`device_test!`): on a CPU
+//! device it compares the CPU with itself, on CUDA device 0 it compares the
+//! GPU kernels with the CPU reference, and where there is no GPU it reports
+//! `skipped: no CUDA device`.
+
+use tessera::ops::{self, AdamWStep};
+use tessera::{DType, Device, Tensor};
+use tessera_tests::device_test;
+
+/// The CPU device every reference result is computed on (operands of one
+/// op must share a device, so the tests use one).
+fn reference() -> &'static Device {
+    static CPU: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    CPU.get_or_init(Device::cpu)
+}
+
+/// `n` reproducible values in `[-2, 2)` (a small LCG: the same on every machine).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        })
+        .collect()
+}
+
+/// The same random tensor on the CPU and on `dev`, in `dtype`: both are
+/// made from the same f32 values and rounded to `dtype` on the CPU, so the
+/// two sides start from identical bits.
+fn pair(dev: &Device, shape: &[usize], dtype: DType, seed: u64) -> (Tensor, Tensor) {
+    let n = shape.iter().product();
+    let cpu = Tensor::from_vec(values(n, seed), shape, reference()).unwrap().to_dtype(dtype).unwrap();
+    (cpu.clone(), to_device(&cpu, dev))
+}
+
+/// A copy of the CPU tensor `t` on `dev`, bit for bit.
+fn to_device(t: &Tensor, dev: &Device) -> Tensor {
+    let shape = t.dims().to_vec();
+    match t.dtype() {
+        DType::F32 => Tensor::from_vec(t.to_vec::<f32>().unwrap(), shape, dev),
+        DType::BF16 => Tensor::from_vec(t.to_vec::<tessera::bf16>().unwrap(), shape, dev),
+        DType::F16 => Tensor::from_vec(t.to_vec::<tessera::f16>().unwrap(), shape, dev),
+        DType::U32 => Tensor::from_vec(t.to_vec::<u32>().unwrap(), shape, dev),
+        other => panic!("no test tensors of {other}"),
+    }
+    .unwrap()
+}
+
+/// Relative tolerance of a result stored in `dtype` (one or two roundings
+/// of the output, plus f32 sums taken in another order).
+fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::BF16 => 1e-2,
+        DType::F16 => 2e-3,
+        _ => 2e-5,
+    }
+}
+
+/// Asserts that the device result `got` matches the CPU result `want`: same
+/// shape, dtype and device, every element within `tol` relative to the
+/// largest magnitude of `want` (so values near zero are judged at the scale
+/// of the tensor, not their own).
+fn assert_close(what: &str, want: &Tensor, got: &Tensor, dev: &Device, tol: f64) {
+    assert_eq!(want.dims(), got.dims(), "{what}: shape");
+    assert_eq!(want.dtype(), got.dtype(), "{what}: dtype");
+    assert!(got.device().same(dev), "{what}: the result is on {}, not on {dev}", got.device());
+    let (w, g) = (want.to_f64_vec().unwrap(), got.to_f64_vec().unwrap());
+    let scale = w.iter().fold(1e-3f64, |m, x| m.max(x.abs()));
+    for (i, (a, b)) in w.iter().zip(&g).enumerate() {
+        assert!((a - b).abs() <= tol * scale, "{what}: element {i} is {b}, the CPU gives {a} (tolerance {tol} x {scale})");
+    }
+}
+
+const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+device_test! {
+    fn elementwise_ops_match_the_cpu(dev: &Device) {
+        for dtype in FLOATS {
+            let tol = tolerance(dtype);
+            let (a, da) = pair(dev, &[7, 33], dtype, 1);
+            let (b, db) = pair(dev, &[7, 33], dtype, 2);
+            let (bias, dbias) = pair(dev, &[33], dtype, 3);
+            assert_close("add", &ops::add(&a, &b).unwrap(), &ops::add(&da, &db).unwrap(), dev, tol);
+            assert_close("sub", &ops::sub(&a, &b).unwrap(), &ops::sub(&da, &db).unwrap(), dev, tol);
+            assert_close("mul", &ops::mul(&a, &b).unwrap(), &ops::mul(&da, &db).unwrap(), dev, tol);
+            assert_close("scale", &ops::scale(&a, -0.37).unwrap(), &ops::scale(&da, -0.37).unwrap(), dev, tol);
+            assert_close("add_bias", &ops::add_bias(&a, &bias).unwrap(), &ops::add_bias(&da, &dbias).unwrap(), dev, tol);
+            assert_close("bias_grad", &ops::bias_grad(&a).unwrap(), &ops::bias_grad(&da).unwrap(), dev, tol);
+            // Gradient accumulation into an f32 accumulator, from any dtype.
+            let (acc, dacc) = pair(dev, &[7, 33], DType::F32, 30);
+            ops::axpy(&acc, -0.25, &a).unwrap();
+            ops::axpy(&dacc, -0.25, &da).unwrap();
+            ops::accumulate(&acc, &b).unwrap();
+            ops::accumulate(&dacc, &db).unwrap();
+            assert_close("axpy and accumulate", &acc, &dacc, dev, 2e-5);
+            let (cx, cy) = ops::mul_backward(&a, &b, &a).unwrap();
+            let (gx, gy) = ops::mul_backward(&da, &db, &da).unwrap();
+            assert_close("mul_backward a", &cx, &gx, dev, tol);
+            assert_close("mul_backward b", &cy, &gy, dev, tol);
+        }
+    }
+}
+
+device_test! {
+    fn activations_and_their_backwards_match_the_cpu(dev: &Device) {
+        for dtype in FLOATS {
+            let tol = tolerance(dtype);
+            let (x, dx) = pair(dev, &[5, 129], dtype, 4);
+            let (dy, ddy) = pair(dev, &[5, 129], dtype, 5);
+            assert_close("gelu", &ops::gelu(&x).unwrap(), &ops::gelu(&dx).unwrap(), dev, tol);
+            assert_close("gelu_backward", &ops::gelu_backward(&x, &dy).unwrap(), &ops::gelu_backward(&dx, &ddy).unwrap(), dev, tol);
+            assert_close("silu", &ops::silu(&x).unwrap(), &ops::silu(&dx).unwrap(), dev, tol);
+            assert_close("silu_backward", &ops::silu_backward(&x, &dy).unwrap(), &ops::silu_backward(&dx, &ddy).unwrap(), dev, tol);
+        }
+    }
+}
+
+device_test! {
+    fn norms_and_their_backwards_match_the_cpu(dev: &Device) {
+        for dtype in FLOATS {
+            let tol = tolerance(dtype);
+            // A row longer than one block's threads, and one shorter than a warp.
+            for (rows, cols) in [(6, 1500), (9, 20)] {
+                let (x, dx) = pair(dev, &[rows, cols], dtype, 6);
+                let (gamma, dgamma) = pair(dev, &[cols], dtype, 7);
+                let (beta, dbeta) = pair(dev, &[cols], dtype, 8);
+                let (dy, ddy) = pair(dev, &[rows, cols], dtype, 9);
+                for with_beta in [true, false] {
+                    let (y, saved) = ops::layer_norm(&x, &gamma, with_beta.then_some(&beta), 1e-5).unwrap();
+                    let (gy, gsaved) = ops::layer_norm(&dx, &dgamma, with_beta.then_some(&dbeta), 1e-5).unwrap();
+                    assert_close("layer_norm", &y, &gy, dev, tol);
+                    assert_close("layer_norm mean", saved.mean.as_ref().unwrap(), gsaved.mean.as_ref().unwrap(), dev, 2e-5);
+                    assert_close("layer_norm rstd", &saved.rstd, &gsaved.rstd, dev, 2e-5);
+                    let (cx, cg, cb) = ops::layer_norm_backward(&x, &gamma, with_beta, &saved, &dy).unwrap();
+                    let (gx, gg, gb) = ops::layer_norm_backward(&dx, &dgamma, with_beta, &gsaved, &ddy).unwrap();
+                    assert_close("layer_norm_backward dx", &cx, &gx, dev, tol);
+                    assert_close("layer_norm_backward dgamma", &cg, &gg, dev, tol);
+                    assert_eq!(cb.is_some(), gb.is_some());
+                    if let (Some(cb), Some(gb)) = (cb, gb) {
+                        assert_close("layer_norm_backward dbeta", &cb, &gb, dev, tol);
+                    }
+                }
+                let (y, saved) = ops::rms_norm(&x, &gamma, 1e-6).unwrap();
+                let (gy, gsaved) = ops::rms_norm(&dx, &dgamma, 1e-6).unwrap();
+                assert_close("rms_norm", &y, &gy, dev, tol);
+                assert_close("rms_norm rstd", &saved.rstd, &gsaved.rstd, dev, 2e-5);
+                let (cx, cg) = ops::rms_norm_backward(&x, &gamma, &saved, &dy).unwrap();
+                let (gx, gg) = ops::rms_norm_backward(&dx, &dgamma, &gsaved, &ddy).unwrap();
+                assert_close("rms_norm_backward dx", &cx, &gx, dev, tol);
+                assert_close("rms_norm_backward dgamma", &cg, &gg, dev, tol);
+            }
+        }
+    }
+}
+
+device_test! {
+    fn sums_match_the_cpu(dev: &Device) {
+        for dtype in FLOATS {
+            // The sums are f32 whatever the input: f32 tolerance, at the scale of the sum of magnitudes.
+            let (x, dx) = pair(dev, &[3, 1000], dtype, 10);
+            let (s, gs) = (ops::sum(&x).unwrap(), ops::sum(&dx).unwrap());
+            assert_eq!(gs.dtype(), DType::F32);
+            let magnitude: f64 = x.to_f64_vec().unwrap().iter().map(|v| v.abs()).sum();
+            assert!((s.to_scalar().unwrap() - gs.to_scalar().unwrap()).abs() <= 1e-5 * magnitude, "sum {s:?} vs {gs:?}");
+            assert_close("sum_squares", &ops::sum_squares(&x).unwrap(), &ops::sum_squares(&dx).unwrap(), dev, 1e-5);
+            let (dy, ddy) = pair(dev, &[], dtype, 31);
+            assert_close("sum_backward", &ops::sum_backward(&dy, [4, 5]).unwrap(), &ops::sum_backward(&ddy, [4, 5]).unwrap(), dev, 0.0);
+        }
+    }
+}
+
+device_test! {
+    fn matrix_products_match_the_cpu(dev: &Device) {
+        for dtype in FLOATS {
+            // Products of up to 64 terms, each input rounded to dtype: the
+            // output's own rounding dominates.
+            let tol = tolerance(dtype).max(1e-5);
+            let (a, da) = pair(dev, &[2, 5, 64], dtype, 11);
+            let (w, dw) = pair(dev, &[64, 7], dtype, 12);
+            let (wt, dwt) = pair(dev, &[7, 64], dtype, 13);
+            let (b, db) = pair(dev, &[2, 64, 3], dtype, 14);
+            let (bias, dbias) = pair(dev, &[7], dtype, 15);
+            let (at, dat) = pair(dev, &[2, 64, 5], dtype, 16);
+            // A shared right operand, its transposed view, a batched product,
+            // a transposed left operand, and the fused bias.
+            assert_close("matmul shared", &ops::matmul(&a, &w).unwrap(), &ops::matmul(&da, &dw).unwrap(), dev, tol);
+            assert_close("matmul w.t()", &ops::matmul(&a, &wt.t().unwrap()).unwrap(), &ops::matmul(&da, &dwt.t().unwrap()).unwrap(), dev, tol);
+            assert_close("matmul batched", &ops::matmul(&a, &b).unwrap(), &ops::matmul(&da, &db).unwrap(), dev, tol);
+            let (att, datt) = (at.transpose(1, 2).unwrap(), dat.transpose(1, 2).unwrap());
+            assert_close("matmul a.t()", &ops::matmul(&att, &b).unwrap(), &ops::matmul(&datt, &db).unwrap(), dev, tol);
+            assert_close("matmul_bias", &ops::matmul_bias(&a, &w, &bias).unwrap(), &ops::matmul_bias(&da, &dw, &dbias).unwrap(), dev, tol);
+            let (dc, ddc) = pair(dev, &[2, 5, 7], dtype, 17);
+            let (ca, cb) = ops::matmul_backward(&a, &w, &dc).unwrap();
+            let (ga, gb) = ops::matmul_backward(&da, &dw, &ddc).unwrap();
+            assert_close("matmul_backward da", &ca, &ga, dev, tol);
+            // db sums over all ten rows of the batch as well.
+            assert_close("matmul_backward db", &cb, &gb, dev, tol);
+        }
+    }
+}
+
+device_test! {
+    fn dtype_conversions_and_strided_copies_match_the_cpu_exactly(dev: &Device) {
+        for from in FLOATS {
+            let (x, dx) = pair(dev, &[4, 6, 5], from, 18);
+            for to in FLOATS {
+                assert_close(&format!("to_dtype {from} -> {to}"), &x.to_dtype(to).unwrap(), &dx.to_dtype(to).unwrap(), dev, 0.0);
+            }
+            // Transposed, narrowed and permuted views made contiguous.
+            let views = |t: &Tensor| vec![t.transpose(0, 2).unwrap(), t.narrow(1, 2, 3).unwrap(), t.transpose(1, 2).unwrap().narrow(0, 1, 2).unwrap()];
+            for (i, (v, dv)) in views(&x).iter().zip(views(&dx)).enumerate() {
+                assert!(!dv.is_contiguous(), "view {i} is strided");
+                assert_close(&format!("contiguous view {i} of {from}"), &v.contiguous().unwrap(), &dv.contiguous().unwrap(), dev, 0.0);
+            }
+        }
+        // Integer tensors move too (a copy is bits).
+        let ids = Tensor::from_vec((0..24u32).collect::<Vec<_>>(), [4, 6], reference()).unwrap();
+        let dids = to_device(&ids, dev);
+        let (want, got) = (ids.t().unwrap().contiguous().unwrap(), dids.t().unwrap().contiguous().unwrap());
+        assert_eq!(want.to_vec::<u32>().unwrap(), got.to_vec::<u32>().unwrap());
+        assert_eq!(ids.to_dtype(DType::U32).unwrap().to_vec::<u32>().unwrap(), dids.to_dtype(DType::U32).unwrap().to_vec::<u32>().unwrap());
+    }
+}
+
+device_test! {
+    fn the_adamw_step_matches_the_cpu(dev: &Device) {
+        for grad_dtype in [DType::F32, DType::BF16] {
+            let (p, dp) = pair(dev, &[300], DType::F32, 19);
+            let (m, dm) = (Tensor::zeros([300], DType::F32, reference()).unwrap(), Tensor::zeros([300], DType::F32, dev).unwrap());
+            let (v, dv) = (Tensor::zeros([300], DType::F32, reference()).unwrap(), Tensor::zeros([300], DType::F32, dev).unwrap());
+            for step in 1..=3 {
+                let (g, dg) = pair(dev, &[300], grad_dtype, 20 + step);
+                let s = AdamWStep { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step, grad_scale: 0.5 };
+                ops::adamw_update(&s, &p, &g, &m, &v).unwrap();
+                ops::adamw_update(&s, &dp, &dg, &dm, &dv).unwrap();
+            }
+            assert_close("adamw param", &p, &dp, dev, 1e-5);
+            assert_close("adamw m", &m, &dm, dev, 1e-5);
+            assert_close("adamw v", &v, &dv, dev, 1e-5);
+        }
+    }
+}
