@@ -98,8 +98,8 @@ fn reference(inputs: &[Tensor], call: &(dyn Fn(&dyn Communicator, &Tensor) -> Re
     })
 }
 
-/// What the NCCL group gives each rank for `call` on `inputs` (copied to the ranks' GPUs).
-fn on_gpus(devices: &[Device], comms: &[NcclCommunicator], inputs: &[Tensor], call: &(dyn Fn(&dyn Communicator, &Tensor) -> Result<Tensor> + Sync)) -> Vec<Got> {
+/// What the group `comms` gives each rank for `call` on `inputs` (copied to the ranks' devices).
+fn on_devices<C: Communicator>(devices: &[Device], comms: &[C], inputs: &[Tensor], call: &(dyn Fn(&dyn Communicator, &Tensor) -> Result<Tensor> + Sync)) -> Vec<Got> {
     per_rank(devices.len(), |r| {
         let x = to_device(&inputs[r], &devices[r]);
         let out = call(&comms[r], &x).unwrap();
@@ -133,15 +133,15 @@ fn assert_agree(got: &[Got], want: &[Got], dtype: DType, what: &str) {
 }
 
 /// Every collective of the trait, every float dtype and every dim, through
-/// NCCL and through the in-process communicator.
-fn check_every_collective(devices: &[Device], comms: &[NcclCommunicator]) {
+/// `comms` (NCCL on GPUs) and through the in-process communicator.
+fn check_every_collective<C: Communicator>(devices: &[Device], comms: &[C]) {
     let n = devices.len();
     for (case, dtype) in DTYPES.into_iter().enumerate() {
         let case = case as u64 * 100;
         let compare = |dims: &[usize], sub: u64, what: &str, call: &(dyn Fn(&dyn Communicator, &Tensor) -> Result<Tensor> + Sync)| {
             let inputs: Vec<Tensor> = (0..n).map(|r| input(r, case + sub, dims, dtype)).collect();
             let want = reference(&inputs, call);
-            let got = on_gpus(devices, comms, &inputs, call);
+            let got = on_devices(devices, comms, &inputs, call);
             assert_agree(&got, &want, dtype, &format!("{what} {dtype} {dims:?}"));
         };
         compare(&[3, 5, 7], 1, "all_reduce_sum", &|c, t| c.all_reduce_sum(t));
@@ -157,6 +157,16 @@ fn check_every_collective(devices: &[Device], comms: &[NcclCommunicator]) {
         compare(&[6, 2 * n], 41, "all_reduce_sum of a transposed view", &|c, t| c.all_reduce_sum(&t.t()?));
     }
     per_rank(n, |r| comms[r].barrier().unwrap());
+}
+
+/// The comparison itself, checked where there is no GPU: the in-process
+/// communicator of CPU ranks against itself must pass it.
+#[test]
+fn the_comparison_passes_for_the_in_process_communicator_on_cpu_ranks() {
+    let world = InProcess::new(2).unwrap();
+    let devices = [Device::cpu(), Device::cpu()];
+    let comms: Vec<_> = devices.iter().enumerate().map(|(r, d)| world.communicator(r, d).unwrap()).collect();
+    check_every_collective(&devices, &comms);
 }
 
 #[test]
