@@ -155,6 +155,19 @@ fn check_every_collective<C: Communicator>(devices: &[Device], comms: &[C]) {
         // A strided view is made contiguous before it is sent.
         compare(&[4, 6], 40, "all_gather of a transposed view", &|c, t| c.all_gather(&t.t()?, 1));
         compare(&[6, 2 * n], 41, "all_reduce_sum of a transposed view", &|c, t| c.all_reduce_sum(&t.t()?));
+        // Uneven parts: rank r sends rank p a [r + 1, p + 2] part (the one to itself too).
+        let parts_of = |r: usize| -> Vec<Tensor> { (0..n).map(|p| input(r, case + 50 + p as u64, &[r + 1, p + 2], dtype)).collect() };
+        let world = InProcess::new(n).unwrap();
+        let cpu = Device::cpu();
+        let want = per_rank(n, |r| world.communicator(r, &cpu).unwrap().all_to_all(parts_of(r)).unwrap());
+        let got = per_rank(n, |r| comms[r].all_to_all(parts_of(r).iter().map(|t| to_device(t, &devices[r])).collect()).unwrap());
+        for (r, (got, want)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(got.len(), n, "all_to_all: rank {r} receives one part per rank");
+            for (s, (g, w)) in got.iter().zip(want).enumerate() {
+                assert_eq!(g.device().to_string(), devices[r].to_string());
+                assert_agree(&[(g.dims().to_vec(), host(g))], &[(w.dims().to_vec(), host(w))], dtype, &format!("all_to_all {dtype}: rank {r} from {s}"));
+            }
+        }
     }
     per_rank(n, |r| comms[r].barrier().unwrap());
 }
@@ -195,8 +208,10 @@ fn bad_arguments_on_a_gpu_are_errors_naming_the_fix() {
     assert!(e.to_string().contains("dim 2 is out of range"), "{e}");
     let e = comm.broadcast(&x, 1).unwrap_err();
     assert!(e.to_string().contains("root 1"), "{e}");
-    let e = comm.all_to_all(vec![x.clone()]).unwrap_err();
-    assert!(matches!(e, Error::NotImplementedOnCuda { .. }), "{e}");
+    let e = comm.all_to_all(vec![x.clone(), x.clone()]).unwrap_err();
+    assert!(e.to_string().contains("takes exactly 1"), "{e}");
+    let e = comm.send(&x, 0).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
     // The communicator still works after refusing those calls.
     assert_eq!(host(&comm.all_reduce_sum(&x).unwrap()), vec![0.0; 6]);
 }

@@ -33,8 +33,9 @@
 //! which the compute stream then waits for (the result is read next); both
 //! are event waits between streams, so a call returns as soon as the work is
 //! queued and the host never blocks. Only [`barrier`](Communicator::barrier)
-//! waits on the host. The `*_async` methods keep the trait's defaults: the
-//! synchronous call already runs in the background of the compute stream.
+//! and [`all_to_all`](Communicator::all_to_all) wait on the host. The
+//! `*_async` methods keep the trait's defaults: the synchronous call already
+//! runs in the background of the compute stream.
 //!
 //! # Differences from the in-process communicator
 //!
@@ -51,12 +52,15 @@
 //!   group: every member's NCCL handle is aborted (which also ends the
 //!   collectives already queued on the devices) and every later call returns
 //!   [`Error::PeerFailed`] naming the rank. There is no timeout.
-//! - **Not yet**: [`all_to_all`](Communicator::all_to_all) (its uneven
-//!   parts need their shapes exchanged first) and point-to-point
-//!   [`send`](Communicator::send) / [`recv`](Communicator::recv) (NCCL's
-//!   are rendezvous: two ranks that both send first deadlock, which the
-//!   trait promises they do not) return errors.
+//! - [`all_to_all`](Communicator::all_to_all) first all-gathers a table of
+//!   the parts' dtypes and shapes and reads it on the host: the one
+//!   collective besides the barrier that waits on the host.
+//! - **Not yet**: point-to-point [`send`](Communicator::send) /
+//!   [`recv`](Communicator::recv) (NCCL's are rendezvous: two ranks that
+//!   both send first deadlock, which the trait promises they do not) return
+//!   the trait's error.
 
+mod all_to_all;
 mod raw;
 
 use super::comm::Communicator;
@@ -64,7 +68,7 @@ use super::mesh::{Axis, Mesh};
 use crate::backend::{CudaDevice, CudaStorage, Device, Storage};
 use crate::error::{Error, Result};
 use crate::module::Groups;
-use crate::tensor::{Shape, Tensor};
+use crate::tensor::{DType, Shape, Tensor};
 use cudarc::nccl::{result, sys};
 use raw::{describe, nccl_type, RawComm};
 use std::fmt;
@@ -192,9 +196,14 @@ impl NcclCommunicator {
         }
     }
 
-    /// `len` elements of `dtype` on this rank's device, written by the collective.
+    /// A tensor of `t`'s dtype and `shape` on this rank's device, written by the collective.
     fn output(&self, t: &Tensor, shape: Shape) -> Result<Tensor> {
-        let storage = CudaStorage::uninit(self.cuda(), t.dtype(), shape.elem_count())?;
+        self.output_of(t.dtype(), shape)
+    }
+
+    /// A tensor of `dtype` and `shape` on this rank's device, written by the collective.
+    fn output_of(&self, dtype: DType, shape: Shape) -> Result<Tensor> {
+        let storage = CudaStorage::uninit(self.cuda(), dtype, shape.elem_count())?;
         Ok(Tensor::from_storage(Storage::Cuda(storage), shape, Device::Cuda(self.cuda().clone())))
     }
 
@@ -334,14 +343,13 @@ impl Communicator for NcclCommunicator {
     }
 
     fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        let _ = parts;
-        Err(Error::NotImplementedOnCuda { op: "all_to_all through NCCL (expert parallelism across GPUs)" })
+        self.all_to_all_parts(parts)
     }
 
     fn barrier(&self) -> Result<()> {
         let op = "barrier";
         // A one-element all-reduce every rank must join, then a host wait.
-        let token = Tensor::zeros([1], crate::tensor::DType::F32, &self.device())?;
+        let token = Tensor::zeros([1], DType::F32, &self.device())?;
         self.all_reduce_sum(&token)?;
         self.cuda().comm_stream().synchronize().map_err(|e| self.cuda().error(op, e))
     }
