@@ -37,6 +37,13 @@
 //! `*_async` methods keep the trait's defaults: the synchronous call already
 //! runs in the background of the compute stream.
 //!
+//! All of a device's communicators (its rank's tp, dp, pp and ep groups)
+//! share its one communication stream, so their collectives run in the order
+//! they were issued: ranks must issue collectives of different groups in the
+//! same relative order too, or each waits on its stream for a peer that
+//! waits behind something else. The code generated for a model does, since
+//! every rank runs the same program.
+//!
 //! # Differences from the in-process communicator
 //!
 //! - **Sums** are NCCL's: in the tensor's dtype (bf16 and f16 round at every
