@@ -13,6 +13,7 @@
 //! ```
 
 mod attention;
+mod cuda;
 mod elementwise;
 mod gpt;
 
@@ -45,6 +46,9 @@ enum Bench {
     /// GFLOP/s of the fused f32 attention forward and backward (gpt-tiny's
     /// layer shape by default) on the thread pool.
     Attention(attention::Args),
+    /// GPU figures (bf16 GEMM, attention, GPT-2 124M training) on a CUDA
+    /// device; needs a build with `--features cuda` and a GPU.
+    Cuda(cuda::Args),
 }
 
 #[derive(clap::Args)]
@@ -123,6 +127,7 @@ fn main() -> Result<()> {
         Bench::Gpt(args) => gpt::run(&args),
         Bench::Elementwise(args) => elementwise::run(&args),
         Bench::Attention(args) => attention::run(&args),
+        Bench::Cuda(args) => cuda::run(&args),
     }
 }
 

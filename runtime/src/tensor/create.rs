@@ -91,7 +91,9 @@ impl Tensor {
         }
         let dev = match device {
             Device::Cpu(dev) => dev,
-            Device::Cuda(d) => return d.unsupported("rand"),
+            // Drawn on the host and uploaded: initialisation happens once,
+            // and the values are then exactly the CPU's, element for element.
+            Device::Cuda(_) => return Self::rand_slice(init, key, global, starts, local, dtype, &Device::cpu())?.to_device(device),
         };
         let storage = if dtype == DType::F64 {
             CpuStorage::F64(draw_block::<f64>(dev, init, key, global, starts, &local))

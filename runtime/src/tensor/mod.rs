@@ -103,6 +103,22 @@ impl Tensor {
         self.storage.write().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// A copy of this tensor on `device` (same dtype, shape and values,
+    /// contiguous), through host memory. Waits for queued work on the source.
+    pub fn to_device(&self, device: &Device) -> Result<Tensor> {
+        fn copy<T: Element>(t: &Tensor, device: &Device) -> Result<Tensor> {
+            Tensor::from_vec(t.to_vec::<T>()?, t.shape().clone(), device)
+        }
+        match self.dtype {
+            DType::F32 => copy::<f32>(self, device),
+            DType::F64 => copy::<f64>(self, device),
+            DType::BF16 => copy::<half::bf16>(self, device),
+            DType::F16 => copy::<half::f16>(self, device),
+            DType::I32 => copy::<i32>(self, device),
+            DType::U32 => copy::<u32>(self, device),
+        }
+    }
+
     /// The elements as a host vector of `T`, which must be this tensor's
     /// element type. Waits for queued work on the device.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# The GPU check: runs the CUDA tests and the GPU benchmarks against PyTorch in
+# the same run, and writes the figures to a file. Two steps, because the GPU
+# machine may have no Rust toolchain and no network:
+#
+#   scripts/gpu-check.sh prepare        # where cargo works: builds gpu-bundle/
+#   scripts/gpu-check.sh run [OUT]      # on the GPU machine (PyTorch installed)
+#
+# `run` builds the bundle itself when it is missing and cargo is there. It
+# prints and writes (to OUT, default gpu-check.jsonl) one JSON line per test
+# binary and per benchmark, then the ratios the CUDA issue sets as targets:
+#   gemm       bf16 8192³ through cuBLAS vs torch.matmul        (target ≥ 0.9)
+#   gpt2       GPT-2 124M bf16 training tokens/s vs torch eager (target ≥ 1.0)
+#   attention  fused causal attention forward+backward TFLOP/s (reported)
+# Each step has a time limit, so the whole run stays within 8 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bundle=gpu-bundle
+mode=${1:-run}
+
+prepare() {
+    set -e
+    echo "gpu-check: building the benchmark and the GPU test binaries (release, --features cuda)" >&2
+    cargo build --release --features cuda --example bench
+    local tests
+    tests=$(cargo test --release --features cuda -p tessera-tests --test cuda --test cuda_ops --test nccl --no-run \
+        --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"] + " " + m["executable"])')
+    rm -rf "$bundle" && mkdir -p "$bundle"
+    cp target/release/examples/bench "$bundle/bench"
+    while read -r name exe; do cp "$exe" "$bundle/test-$name"; done <<<"$tests"
+    strip "$bundle"/* 2>/dev/null || true
+    du -sh "$bundle" >&2
+    set +e
+}
+
+# Directory of unversioned names for the CUDA libraries found on this machine
+# (PyTorch's NVIDIA wheels, then the toolkit): the bindings look for
+# libnvrtc.so, libcublas.so, libcublasLt.so and libnccl.so among others, and a
+# machine may carry a newer major version than the one they name.
+cuda_libs() {
+    local dir=/tmp/tessera-cuda-libs
+    mkdir -p "$dir"
+    local roots
+    roots=$(python3 - <<'EOF' 2>/dev/null
+import glob, os, site
+dirs = []
+for p in site.getsitepackages():
+    dirs += glob.glob(os.path.join(p, "nvidia", "*", "lib")) + glob.glob(os.path.join(p, "nvidia", "cu*", "lib"))
+print("\n".join(sorted(set(dirs))))
+EOF
+)
+    for lib in nvrtc cublas cublasLt nccl; do
+        local found=""
+        for d in $roots /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu; do
+            found=$(ls "$d"/lib"$lib".so* 2>/dev/null | sort -V | tail -1)
+            [ -n "$found" ] && break
+        done
+        if [ -n "$found" ]; then
+            ln -sf "$found" "$dir/lib$lib.so"
+            echo "gpu-check: lib$lib.so -> $found" >&2
+        else
+            echo "gpu-check: lib$lib.so not found; what needs it will report that" >&2
+        fi
+    done
+    echo "$dir"
+}
+
+run() {
+    local out=${1:-gpu-check.jsonl}
+    : >"$out"
+    if [ ! -x "$bundle/bench" ]; then
+        command -v cargo >/dev/null || { echo "gpu-check: no $bundle/ and no cargo here; run 'scripts/gpu-check.sh prepare' where cargo works and bring $bundle/" >&2; exit 1; }
+        prepare
+    fi
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a /dev/stderr |
+        python3 -c 'import json,sys; n,d,m=[s.strip() for s in sys.stdin.read().split(",")]; print(json.dumps({"check":"gpu","name":n,"driver":d,"memory":m}))' >>"$out"
+    export LD_LIBRARY_PATH="$(cuda_libs)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export TESSERA_KERNEL_CACHE=${TESSERA_KERNEL_CACHE:-/tmp/tessera-kernel-cache}
+
+    # The GPU tests: each binary with a time limit; failures are recorded, not fatal.
+    for t in "$bundle"/test-*; do
+        local name=${t##*/test-} log=/tmp/gpu-check-$name.log
+        timeout 120 "$t" --test-threads=1 >"$log" 2>&1
+        local rc=$?
+        local summary
+        summary=$(grep -E '^test result:' "$log" | tail -1)
+        echo "gpu-check: tests $name: rc=$rc $summary" >&2
+        grep -E 'FAILED|panicked' "$log" | head -20 >&2
+        python3 -c 'import json,sys; print(json.dumps({"check":"tests","binary":sys.argv[1],"rc":int(sys.argv[2]),"summary":sys.argv[3]}))' "$name" "$rc" "$summary" >>"$out"
+    done
+
+    # The benchmarks, Tessera then PyTorch for each case, in the same run.
+    local case
+    for case in gemm attention gpt2; do
+        local ours theirs
+        ours=$(timeout 150 "$bundle/bench" cuda "$case" 2>/tmp/gpu-check-bench.log | tail -1)
+        [ -n "$ours" ] || ours=$(python3 -c 'import json,sys; print(json.dumps({"bench":"cuda","case":sys.argv[1],"error":sys.argv[2]}))' "$case" "$(tail -3 /tmp/gpu-check-bench.log)")
+        theirs=$(timeout 150 python3 scripts/torch_reference.py "$case" 2>/tmp/gpu-check-torch.log | tail -1)
+        [ -n "$theirs" ] || theirs=$(python3 -c 'import json,sys; print(json.dumps({"bench":"torch","case":sys.argv[1],"error":sys.argv[2]}))' "$case" "$(tail -3 /tmp/gpu-check-torch.log)")
+        echo "$ours" | tee -a "$out"
+        echo "$theirs" | tee -a "$out"
+    done
+
+    # Ratios against the targets.
+    python3 - "$out" <<'EOF' | tee -a "$out"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+get = lambda bench, case: next((r for r in rows if r.get("bench") == bench and r.get("case") == case), {})
+for case, key, target in [("gemm", "tflops", 0.9), ("gpt2", "tokens_per_s", 1.0), ("attention", "tflops", None)]:
+    a, b = get("cuda", case), get("torch", case)
+    ratio = a[key] / b[key] if key in a and key in b and b[key] else None
+    print(json.dumps({"check": "ratio", "case": case, "measure": key, "tessera": a.get(key), "torch": b.get(key),
+                      "ratio": ratio, "target": target, "met": None if ratio is None or target is None else ratio >= target}))
+EOF
+    echo "gpu-check: figures in $out" >&2
+}
+
+case "$mode" in
+    prepare) prepare ;;
+    run) shift; run "$@" ;;
+    *) echo "usage: scripts/gpu-check.sh [prepare | run [OUT]]" >&2; exit 2 ;;
+esac
