@@ -244,3 +244,45 @@ device_test! {
         }
     }
 }
+
+device_test! {
+    fn attention_and_its_backward_match_the_cpu(dev: &Device) {
+        use ops::{AttnOpts, QkvHeads};
+        for dtype in FLOATS {
+            // Sums over up to 160 keys in another order than the CPU's.
+            let tol = tolerance(dtype).max(1e-4);
+            // Grouped-query heads; a partial last tile; both head-dim
+            // instantiations (64, and 96 on the 128-wide one); a KV cache
+            // (fewer queries than keys), causal and not.
+            for (hq, hkv, tq, tkv, hd, causal) in [(4, 2, 100, 100, 64, true), (2, 2, 70, 70, 96, false), (4, 1, 30, 160, 32, true)] {
+                let opts = AttnOpts { causal, scale: None };
+                let what = |part: &str| format!("attention {dtype} {hq}/{hkv} heads {tq}x{tkv}x{hd} causal {causal}: {part}");
+                let (q, dq) = pair(dev, &[2, hq, tq, hd], dtype, 40);
+                let (k, dk) = pair(dev, &[2, hkv, tkv, hd], dtype, 41);
+                let (v, dv) = pair(dev, &[2, hkv, tkv, hd], dtype, 42);
+                let (go, dgo) = pair(dev, &[2, hq, tq, hd], dtype, 43);
+                let (out, lse) = ops::attention(&q, &k, &v, opts).unwrap();
+                let (gout, glse) = ops::attention(&dq, &dk, &dv, opts).unwrap();
+                assert_close(&what("out"), &out, &gout, dev, tol);
+                assert_close(&what("lse"), &lse, &glse, dev, 1e-5);
+                let cpu = ops::attention_backward(&q, &k, &v, &out, &lse, &go, opts).unwrap();
+                let gpu = ops::attention_backward(&dq, &dk, &dv, &gout, &glse, &dgo, opts).unwrap();
+                assert_close(&what("dq"), &cpu.0, &gpu.0, dev, tol);
+                assert_close(&what("dk"), &cpu.1, &gpu.1, dev, tol);
+                assert_close(&what("dv"), &cpu.2, &gpu.2, dev, tol);
+            }
+            // The fused projection: 4 query heads on 2 kv heads of 64, 90 positions.
+            let heads = QkvHeads { q_heads: 4, kv_heads: 2, head_dim: 64 };
+            let opts = AttnOpts::causal();
+            let (qkv, dqkv) = pair(dev, &[2, 90, heads.width()], dtype, 44);
+            let (go, dgo) = pair(dev, &[2, 90, 4 * 64], dtype, 45);
+            let (out, lse) = ops::attention_packed(&qkv, heads, opts).unwrap();
+            let (gout, glse) = ops::attention_packed(&dqkv, heads, opts).unwrap();
+            assert_close("attention_packed out", &out, &gout, dev, tol);
+            assert_close("attention_packed lse", &lse, &glse, dev, 1e-5);
+            let want = ops::attention_packed_backward(&qkv, &out, &lse, &go, heads, opts).unwrap();
+            let got = ops::attention_packed_backward(&dqkv, &gout, &glse, &dgo, heads, opts).unwrap();
+            assert_close("attention_packed_backward", &want, &got, dev, tol);
+        }
+    }
+}

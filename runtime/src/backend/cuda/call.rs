@@ -7,7 +7,7 @@
 
 use super::args::{Arg, Grid};
 use super::device::CudaDevice;
-use super::launch::Value;
+use super::launch::{AttnArg, Value};
 use super::storage::CudaStorage;
 use crate::backend::cpu::Out;
 use crate::error::{Error, Result};
@@ -26,6 +26,9 @@ pub struct CudaCall {
     // whole call.
     inputs: Vec<(u64, usize, DType)>,
     outputs: Vec<CudaStorage>,
+    // f32 buffers the op needs between its launches (attention's `delta`);
+    // freed after the call in stream order, so later work may reuse them.
+    scratch: Vec<CudaStorage>,
 }
 
 /// The dtype part of a kernel's symbol; `None` for dtypes with no kernels.
@@ -69,7 +72,7 @@ pub(crate) fn run_op(
             }
         })
         .collect::<Result<_>>()?;
-    let mut call = CudaCall { op, device: device.clone(), primary, inputs, outputs };
+    let mut call = CudaCall { op, device: device.clone(), primary, inputs, outputs, scratch: Vec::new() };
     body(&mut call)?;
     Ok(call.outputs)
 }
@@ -90,6 +93,18 @@ impl CudaCall {
         self.inputs[i].1
     }
 
+    /// A zeroed f32 buffer of `n` elements for the rest of the call, named
+    /// by the returned index in [`Arg::Scratch`].
+    pub(crate) fn scratch_f32(&mut self, n: usize) -> Result<usize> {
+        self.scratch.push(CudaStorage::zeros(&self.device, DType::F32, n)?);
+        Ok(self.scratch.len() - 1)
+    }
+
+    /// The dtype of the op's primary input.
+    pub(crate) fn primary(&self) -> DType {
+        self.primary
+    }
+
     /// Launches the kernel `{kernel}_{dtype}` of the source `source` over
     /// `grid`, `dtype` being the primary input's.
     ///
@@ -106,6 +121,9 @@ impl CudaCall {
                 Arg::Null => Ok(Value::U64(0)),
                 Arg::U64(x) => Ok(Value::U64(x as u64)),
                 Arg::F32(x) => Ok(Value::F32(x)),
+                Arg::U32(x) => Ok(Value::U32(x)),
+                Arg::Scratch(i) => Ok(Value::U64(self.scratch[i].device_ptr_at(0))),
+                Arg::Attn(p) => Ok(Value::Attn(AttnArg(p))),
             })
             .collect::<Result<_>>()?;
         self.device.launch(source, &symbol, grid, &values)

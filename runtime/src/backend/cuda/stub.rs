@@ -34,6 +34,14 @@ impl CudaCall {
         match *self {}
     }
 
+    pub(crate) fn scratch_f32(&mut self, _: usize) -> Result<usize> {
+        match *self {}
+    }
+
+    pub(crate) fn primary(&self) -> DType {
+        match *self {}
+    }
+
     pub(crate) fn launch(&mut self, _: &'static str, _: &str, _: super::args::Grid, _: &[super::args::Arg]) -> Result<()> {
         match *self {}
     }
