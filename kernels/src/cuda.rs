@@ -42,6 +42,8 @@ pub const SOURCES: &[Source] = &[
         "attention_bwd_dq_f32", "attention_bwd_dq_bf16", "attention_bwd_dq_f16",
     ]),
     source!("convert", ["cast_f32_to_bf16", "cast_bf16_to_f32"]),
+    source!("loss", ["softmax_f32", "softmax_bf16", "log_softmax_f32", "cross_entropy_rows_f32", "cross_entropy_rows_bf16", "cross_entropy_backward_f32", "cross_entropy_backward_bf16"]),
+    source!("embedding", ["embedding_f32", "embedding_bf16", "embedding_backward_f32", "embedding_backward_bf16"]),
 ];
 
 /// The source named `name`, if there is one.

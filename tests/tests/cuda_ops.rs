@@ -286,3 +286,74 @@ device_test! {
         }
     }
 }
+
+device_test! {
+    fn softmax_and_log_softmax_match_the_cpu(dev: &Device) {
+        for dtype in FLOATS {
+            let tol = tolerance(dtype).max(1e-5);
+            // A row longer than a block, and one shorter than a warp.
+            for (rows, cols) in [(3, 1500), (7, 10)] {
+                let (x, dx) = pair(dev, &[rows, cols], dtype, 50);
+                let (dy, ddy) = pair(dev, &[rows, cols], dtype, 51);
+                let (y, gy) = (ops::softmax(&x).unwrap(), ops::softmax(&dx).unwrap());
+                assert_close("softmax", &y, &gy, dev, tol);
+                assert_close("softmax_backward", &ops::softmax_backward(&y, &dy).unwrap(), &ops::softmax_backward(&gy, &ddy).unwrap(), dev, tol);
+                let (l, gl) = (ops::log_softmax(&x).unwrap(), ops::log_softmax(&dx).unwrap());
+                assert_close("log_softmax", &l, &gl, dev, tol);
+                assert_close("log_softmax_backward", &ops::log_softmax_backward(&l, &dy).unwrap(), &ops::log_softmax_backward(&gl, &ddy).unwrap(), dev, tol);
+            }
+        }
+    }
+}
+
+device_test! {
+    fn cross_entropy_and_vocab_shards_match_the_cpu(dev: &Device) {
+        let (rows, vocab) = (6, 1100);
+        // Row 2 is ignored (target 7 is the ignore index).
+        let targets = Tensor::from_vec(vec![3u32, 1099, 7, 0, 512, 64], [rows], reference()).unwrap();
+        let dtargets = to_device(&targets, dev);
+        for dtype in FLOATS {
+            let tol = tolerance(dtype).max(1e-5);
+            let (x, dx) = pair(dev, &[rows, vocab], dtype, 52);
+            let (loss, saved) = ops::cross_entropy(&x, &targets, Some(7)).unwrap();
+            let (gloss, gsaved) = ops::cross_entropy(&dx, &dtargets, Some(7)).unwrap();
+            assert_close("cross_entropy loss", &loss, &gloss, dev, 1e-5);
+            assert_close("cross_entropy lse", &saved.lse, &gsaved.lse, dev, 1e-5);
+            assert_eq!(saved.count, gsaved.count);
+            let want = ops::cross_entropy_backward(&x, &targets, Some(7), &saved, 0.5).unwrap();
+            let got = ops::cross_entropy_backward(&dx, &dtargets, Some(7), &gsaved, 0.5).unwrap();
+            assert_close("cross_entropy_backward", &want, &got, dev, tol);
+            // The second half of the vocabulary as a shard.
+            let (sx, sdx) = (x.narrow(1, 550, 550).unwrap(), dx.narrow(1, 550, 550).unwrap());
+            let (lse, tl) = ops::vocab_shard_stats(&sx, &targets, 550, vocab, Some(7)).unwrap();
+            let (glse, gtl) = ops::vocab_shard_stats(&sdx, &dtargets, 550, vocab, Some(7)).unwrap();
+            assert_close("vocab_shard_stats lse", &lse, &glse, dev, 1e-5);
+            assert_close("vocab_shard_stats target logit", &tl, &gtl, dev, 0.0);
+            let (dl, gdl) = pair(dev, &[rows], DType::F32, 53);
+            let want = ops::vocab_shard_backward(&sx, &targets, 550, vocab, Some(7), &saved.lse, &dl).unwrap();
+            let got = ops::vocab_shard_backward(&sdx, &dtargets, 550, vocab, Some(7), &gsaved.lse, &gdl).unwrap();
+            assert_close("vocab_shard_backward", &want, &got, dev, tol);
+        }
+    }
+}
+
+device_test! {
+    fn embedding_and_its_backward_match_the_cpu_exactly(dev: &Device) {
+        // Repeated ids (their rows sum in the CPU's order), and ids outside a shard.
+        let ids = Tensor::from_vec(vec![4u32, 0, 9, 4, 4, 2, 9, 5], [2, 4], reference()).unwrap();
+        let dids = to_device(&ids, dev);
+        for dtype in FLOATS {
+            let (table, dtable) = pair(dev, &[10, 33], dtype, 54);
+            assert_close("embedding", &ops::embedding(&table, &ids).unwrap(), &ops::embedding(&dtable, &dids).unwrap(), dev, 0.0);
+            let (shard, dshard) = (table.narrow(0, 3, 4).unwrap(), dtable.narrow(0, 3, 4).unwrap());
+            assert_close("embedding_shard", &ops::embedding_shard(&shard, &ids, 3, 10).unwrap(), &ops::embedding_shard(&dshard, &dids, 3, 10).unwrap(), dev, 0.0);
+            let (dout, ddout) = pair(dev, &[2, 4, 33], dtype, 55);
+            let want = ops::embedding_backward(&ids, &dout, 10, 0, 10).unwrap();
+            let got = ops::embedding_backward(&dids, &ddout, 10, 0, 10).unwrap();
+            assert_close("embedding_backward", &want, &got, dev, 0.0);
+            let want = ops::embedding_backward(&ids, &dout, 4, 3, 10).unwrap();
+            let got = ops::embedding_backward(&dids, &ddout, 4, 3, 10).unwrap();
+            assert_close("embedding_backward shard", &want, &got, dev, 0.0);
+        }
+    }
+}

@@ -100,9 +100,15 @@ impl CudaCall {
         Ok(self.scratch.len() - 1)
     }
 
-    /// The dtype of the op's primary input.
-    pub(crate) fn primary(&self) -> DType {
-        self.primary
+    /// A copy of the host values `data` on the device for the rest of the
+    /// call (token ids, targets, index lists), named by the returned index in
+    /// [`Arg::Scratch`].
+    pub(crate) fn upload_u32(&mut self, data: &[u32]) -> Result<usize> {
+        // An empty list still gets a (one-element) buffer: its pointer must be valid.
+        let data = if data.is_empty() { &[0][..] } else { data };
+        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_ne_bytes()).collect();
+        self.scratch.push(CudaStorage::from_host_bytes(&self.device, DType::U32, data.len(), &bytes)?);
+        Ok(self.scratch.len() - 1)
     }
 
     /// Launches the kernel `{kernel}_{dtype}` of the source `source` over
