@@ -357,3 +357,52 @@ device_test! {
         }
     }
 }
+
+device_test! {
+    fn swiglu_rope_dropout_and_max_abs_match_the_cpu(dev: &Device) {
+        use ops::{QkvHeads, Rope};
+        for dtype in FLOATS {
+            let tol = tolerance(dtype);
+            let (g, dg) = pair(dev, &[5, 129], dtype, 60);
+            let (u, du) = pair(dev, &[5, 129], dtype, 61);
+            let (dy, ddy) = pair(dev, &[5, 129], dtype, 62);
+            assert_close("swiglu", &ops::swiglu(&g, &u).unwrap(), &ops::swiglu(&dg, &du).unwrap(), dev, tol);
+            let (cg, cu) = ops::swiglu_backward(&g, &u, &dy).unwrap();
+            let (gg, gu) = ops::swiglu_backward(&dg, &du, &ddy).unwrap();
+            assert_close("swiglu_backward dgate", &cg, &gg, dev, tol);
+            assert_close("swiglu_backward dup", &cu, &gu, dev, tol);
+
+            // Positions that are not 0..seq (a KV cache continuing at 40).
+            let rope = Rope::new(16, 64, 10000.0).unwrap();
+            let positions: Vec<u32> = (40..47).collect();
+            let (x, dx) = pair(dev, &[2, 3, 7, 16], dtype, 63);
+            let (y, gy) = (ops::rope(&x, &rope, &positions).unwrap(), ops::rope(&dx, &rope, &positions).unwrap());
+            assert_close("rope", &y, &gy, dev, tol);
+            assert_close("rope_backward", &ops::rope_backward(&y, &rope, &positions).unwrap(), &ops::rope_backward(&gy, &rope, &positions).unwrap(), dev, tol);
+            let heads = QkvHeads { q_heads: 4, kv_heads: 2, head_dim: 16 };
+            let (qkv, dqkv) = pair(dev, &[2, 7, heads.width()], dtype, 64);
+            let (y, gy) = (ops::rope_packed(&qkv, &rope, &positions, heads).unwrap(), ops::rope_packed(&dqkv, &rope, &positions, heads).unwrap());
+            assert_close("rope_packed", &y, &gy, dev, tol);
+            let (b, gb) = (ops::rope_packed_backward(&y, &rope, &positions, heads).unwrap(), ops::rope_packed_backward(&gy, &rope, &positions, heads).unwrap());
+            assert_close("rope_packed_backward", &b, &gb, dev, tol);
+
+            // The same mask bit for bit, from an offset that is not a multiple of 4.
+            let key = tessera::RngKey::new(0x1234_5678_9abc, 3);
+            let (x, dx) = pair(dev, &[1001], dtype, 65);
+            for p in [0.0, 0.1, 0.5] {
+                let (y, gy) = (ops::dropout(&x, p, key, 13).unwrap(), ops::dropout(&dx, p, key, 13).unwrap());
+                assert_close(&format!("dropout p={p}"), &y, &gy, dev, 0.0);
+                let (b, gb) = (ops::dropout_backward(&x, p, key, 13).unwrap(), ops::dropout_backward(&dx, p, key, 13).unwrap());
+                assert_close(&format!("dropout_backward p={p}"), &b, &gb, dev, 0.0);
+            }
+
+            // The maximum is exact; a NaN anywhere makes it NaN.
+            let (x, dx) = pair(dev, &[3, 1000], dtype, 66);
+            assert_close("max_abs", &ops::max_abs(&x).unwrap(), &ops::max_abs(&dx).unwrap(), dev, 0.0);
+            let mut v = vec![1.0f32; 2000];
+            v[1234] = f32::NAN;
+            let nan = to_device(&Tensor::from_vec(v, [2000], reference()).unwrap().to_dtype(dtype).unwrap(), dev);
+            assert!(ops::max_abs(&nan).unwrap().to_scalar().unwrap().is_nan(), "max_abs of a NaN on {dev}");
+        }
+    }
+}

@@ -104,10 +104,20 @@ impl CudaCall {
     /// call (token ids, targets, index lists), named by the returned index in
     /// [`Arg::Scratch`].
     pub(crate) fn upload_u32(&mut self, data: &[u32]) -> Result<usize> {
+        self.upload(DType::U32, data.len(), data.iter().flat_map(|v| v.to_ne_bytes()).collect())
+    }
+
+    /// The same for f32 values (lookup tables).
+    pub(crate) fn upload_f32(&mut self, data: &[f32]) -> Result<usize> {
+        self.upload(DType::F32, data.len(), data.iter().flat_map(|v| v.to_ne_bytes()).collect())
+    }
+
+    fn upload(&mut self, dtype: DType, len: usize, mut bytes: Vec<u8>) -> Result<usize> {
         // An empty list still gets a (one-element) buffer: its pointer must be valid.
-        let data = if data.is_empty() { &[0][..] } else { data };
-        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_ne_bytes()).collect();
-        self.scratch.push(CudaStorage::from_host_bytes(&self.device, DType::U32, data.len(), &bytes)?);
+        if len == 0 {
+            bytes = vec![0; dtype.size_in_bytes()];
+        }
+        self.scratch.push(CudaStorage::from_host_bytes(&self.device, dtype, len.max(1), &bytes)?);
         Ok(self.scratch.len() - 1)
     }
 

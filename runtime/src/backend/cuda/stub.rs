@@ -42,6 +42,10 @@ impl CudaCall {
         match *self {}
     }
 
+    pub(crate) fn upload_f32(&mut self, _: &[f32]) -> Result<usize> {
+        match *self {}
+    }
+
     pub(crate) fn launch(&mut self, _: &'static str, _: &str, _: super::args::Grid, _: &[super::args::Arg]) -> Result<()> {
         match *self {}
     }
