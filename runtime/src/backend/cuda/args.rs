@@ -21,6 +21,9 @@ pub(crate) enum Grid {
 /// One kernel argument.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+// An argument list is a handful of values built per launch: boxing the one
+// large variant would cost an allocation for no saving.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Arg {
     /// The device pointer of the op's `i`-th input, at its first element;
     /// the input must have the primary input's dtype.

@@ -18,6 +18,8 @@ const ITEM_THREADS: u32 = 256;
 const MAX_BLOCKS: usize = 1 << 16;
 
 /// A kernel argument's value.
+// Built per launch, a few at a time (see `Arg`).
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Value {
     /// A device pointer, a length or a dimension.
