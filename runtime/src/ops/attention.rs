@@ -36,7 +36,8 @@ fn grid(l: &Launch) -> Grid {
 /// Sizes the CUDA kernels do not support (a `head_dim` above 128) are an
 /// error naming the limit; the CPU runs them.
 fn unsupported(op: &'static str, e: gpu::AttnLaunchError) -> Error {
-    Error::invalid(op, format!("{e} (the CPU supports it: move the tensors with `to_device`)"))
+    let e = e.to_string();
+    Error::invalid(op, format!("{}; the CPU backend runs any size", e.trim_start_matches("attention: ")))
 }
 
 /// The forward on a GPU (`kernels/cuda/attention.cu`). Heads: inputs `q, k,
