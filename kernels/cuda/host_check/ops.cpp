@@ -1,5 +1,5 @@
 // Checks the logic of the row and lookup kernels (loss.cu, embedding.cu,
-// rope.cu) on the CPU against double-precision references, under the host
+// rope.cu, reduce.cu's max_abs) on the CPU against double-precision references, under the host
 // emulation of shim.h; see scripts/cuda-host-check.sh. f32 only: the element
 // conversions are the prelude's, which the attention check covers.
 #include "shim.h"
@@ -22,6 +22,7 @@ inline float block_sum(float v, float* scratch) {
 #include "loss.inc"
 #include "embedding.inc"
 #include "rope.inc"
+#include "reduce.inc"
 
 static int failures = 0;
 static void check(const char* what, const std::vector<float>& got, const std::vector<double>& want, double tol) {
@@ -165,6 +166,19 @@ int main() {
         emu_launch(3, 64, 0, [&] { rope_f32(y.data(), back.data(), table.data(), rows, seq, half, per_position, group + 2, group + 1, -1.0f); });
         std::vector<double> xd(x.begin(), x.end());
         check("rope_packed_backward undoes it", back, xd, 1e-6);
+    }
+    // max_abs over more elements than the block has threads; a NaN wins.
+    {
+        auto x = values(3000, 9);
+        x[2077] = -7.5f;
+        std::vector<float> m(1);
+        emu_launch(1, 1024, 0, [&] { max_abs_f32(x.data(), m.data(), x.size()); });
+        check("max_abs", m, {7.5}, 0);
+        x[11] = NAN;
+        emu_launch(1, 1024, 0, [&] { max_abs_f32(x.data(), m.data(), x.size()); });
+        if (m[0] == m[0]) { printf("FAIL max_abs with a NaN is %g\n", m[0]); failures++; } else printf("ok   max_abs of a NaN\n");
+        emu_launch(1, 32, 0, [&] { max_abs_f32(x.data(), m.data(), 0); });
+        check("max_abs of nothing", m, {0.0}, 0);
     }
     if (failures) { printf("%d failures\n", failures); return 1; }
     printf("all ops checks passed\n");
