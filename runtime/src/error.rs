@@ -53,6 +53,15 @@ pub enum Error {
     #[error("{op} is not yet implemented on CUDA; run it on `Device::cpu()` for now")]
     NotImplementedOnCuda { op: &'static str },
 
+    /// The NCCL library, which CUDA ranks communicate through, cannot be
+    /// loaded or lacks functions this build needs.
+    #[error("NCCL is not available: {detail}; install NCCL 2.x (libnccl.so.2, e.g. from the `nvidia-nccl-cu12` wheel) and put its directory on LD_LIBRARY_PATH, or run the ranks on CPU devices with the in-process communicator")]
+    NcclUnavailable { detail: String },
+
+    /// An NCCL call failed on a device whose communicator was created.
+    #[error("cuda:{ordinal}: NCCL {op} failed: {detail}")]
+    Nccl { ordinal: usize, op: &'static str, detail: String },
+
     /// The NVRTC library, which compiles the CUDA kernels at run time, cannot be loaded.
     #[error("NVRTC is not available: {detail}; install the CUDA toolkit's NVRTC (or the `nvidia-cuda-nvrtc-cu12` wheel, see docs/cuda.md) and put the directory of libnvrtc.so.12 on LD_LIBRARY_PATH")]
     NvrtcUnavailable { detail: String },

@@ -4,5 +4,7 @@
 mod comm;
 pub mod inproc;
 pub mod mesh;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 
 pub use comm::{Communicator, Completer, Pending, SingleRank};

@@ -1,0 +1,261 @@
+//! The NCCL communicator against the in-process CPU communicator: the same
+//! inputs through every collective, on one rank per GPU, compared within the
+//! dtype's tolerance (NCCL sums in the tensor's dtype, in its own order).
+//!
+//! The multi-rank tests need as many GPUs as ranks and report
+//! `skipped: needs N CUDA devices` where there are fewer (`skipped: no CUDA
+//! device` where there is none); the one-rank tests run on a single GPU.
+//! The argument checks that need no GPU run everywhere.
+
+#![cfg(feature = "cuda")]
+
+use std::thread;
+use tessera::backend::cuda::report_skip;
+use tessera::dist::inproc::InProcess;
+use tessera::dist::mesh::Mesh;
+use tessera::dist::nccl::{self, NcclCommunicator};
+use tessera::dist::Communicator;
+use tessera::{bf16, f16, DType, Device, Error, Init, Result, RngKey, Tensor};
+
+const DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
+
+/// `n` CUDA devices and the NCCL group over them, or `None` after reporting
+/// why the test cannot run here.
+fn group_or_skip(test: &str, n: usize) -> Option<(Vec<Device>, Vec<NcclCommunicator>)> {
+    let mut devices = Vec::new();
+    for i in 0..n {
+        match Device::cuda(i) {
+            Ok(d) => devices.push(d),
+            Err(e) if i == 0 => {
+                report_skip(test, &format!("no CUDA device: {e}"));
+                return None;
+            }
+            Err(e) => {
+                report_skip(test, &format!("needs {n} CUDA devices: {e}"));
+                return None;
+            }
+        }
+    }
+    match NcclCommunicator::group(&devices) {
+        Ok(comms) => Some((devices, comms)),
+        Err(e @ Error::NcclUnavailable { .. }) => {
+            report_skip(test, &format!("no NCCL library: {e}"));
+            None
+        }
+        Err(e) => panic!("creating the NCCL group failed: {e}"),
+    }
+}
+
+/// Runs `f(rank)` on one thread per rank and returns the results in rank order.
+fn per_rank<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = (0..n).map(|r| s.spawn(move || f(r))).collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+    })
+}
+
+/// Rank `rank`'s input for case `case`, on the CPU: reproducible values in
+/// `[-1, 1)` of `dtype`.
+fn input(rank: usize, case: u64, dims: &[usize], dtype: DType) -> Tensor {
+    Tensor::rand(Init::Uniform { lo: -1.0, hi: 1.0 }, RngKey::new(7000 + rank as u64, case), dims, dtype, &Device::cpu()).unwrap()
+}
+
+/// A copy of the CPU tensor `t` on `dev`, with the same bits.
+fn to_device(t: &Tensor, dev: &Device) -> Tensor {
+    match t.dtype() {
+        DType::F32 => Tensor::from_vec(t.to_vec::<f32>().unwrap(), t.dims(), dev),
+        DType::F64 => Tensor::from_vec(t.to_vec::<f64>().unwrap(), t.dims(), dev),
+        DType::BF16 => Tensor::from_vec(t.to_vec::<bf16>().unwrap(), t.dims(), dev),
+        DType::F16 => Tensor::from_vec(t.to_vec::<f16>().unwrap(), t.dims(), dev),
+        other => panic!("no test inputs of {other}"),
+    }
+    .unwrap()
+}
+
+/// The elements of `t` (on any device) as `f64`, read as its own dtype.
+fn host(t: &Tensor) -> Vec<f64> {
+    match t.dtype() {
+        DType::F32 => t.to_vec::<f32>().unwrap().into_iter().map(f64::from).collect(),
+        DType::F64 => t.to_vec::<f64>().unwrap(),
+        DType::BF16 => t.to_vec::<bf16>().unwrap().into_iter().map(f64::from).collect(),
+        DType::F16 => t.to_vec::<f16>().unwrap().into_iter().map(f64::from).collect(),
+        other => panic!("no test outputs of {other}"),
+    }
+}
+
+/// A rank's result: its dims and elements.
+type Got = (Vec<usize>, Vec<f64>);
+
+/// What the in-process CPU communicator gives each rank for `call` on `inputs`.
+fn reference(inputs: &[Tensor], call: &(dyn Fn(&dyn Communicator, &Tensor) -> Result<Tensor> + Sync)) -> Vec<Got> {
+    let world = InProcess::new(inputs.len()).unwrap();
+    let cpu = Device::cpu();
+    per_rank(inputs.len(), |r| {
+        let comm = world.communicator(r, &cpu).unwrap();
+        let out = call(&comm, &inputs[r]).unwrap();
+        (out.dims().to_vec(), host(&out))
+    })
+}
+
+/// What the group `comms` gives each rank for `call` on `inputs` (copied to the ranks' devices).
+fn on_devices<C: Communicator>(devices: &[Device], comms: &[C], inputs: &[Tensor], call: &(dyn Fn(&dyn Communicator, &Tensor) -> Result<Tensor> + Sync)) -> Vec<Got> {
+    per_rank(devices.len(), |r| {
+        let x = to_device(&inputs[r], &devices[r]);
+        let out = call(&comms[r], &x).unwrap();
+        assert_eq!(out.device().to_string(), devices[r].to_string(), "a rank's result lives on its own device");
+        (out.dims().to_vec(), host(&out))
+    })
+}
+
+/// Agreement relative to the largest magnitude of the expected values.
+fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-6,
+        DType::F64 => 1e-12,
+        DType::BF16 => 1e-2,
+        _ => 2e-3,
+    }
+}
+
+#[track_caller]
+fn assert_agree(got: &[Got], want: &[Got], dtype: DType, what: &str) {
+    for (r, ((gd, gv), (wd, wv))) in got.iter().zip(want).enumerate() {
+        assert_eq!(gd, wd, "{what}, rank {r}: dims");
+        let scale = wv.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+        let worst = gv.iter().zip(wv).map(|(g, w)| (g - w).abs() / scale).fold(0.0, f64::max);
+        assert!(worst <= tolerance(dtype), "{what}, rank {r}: relative error {worst:e} over {}", tolerance(dtype));
+    }
+    // Every rank of a reduction receives the same values.
+    if got.iter().all(|(d, _)| *d == got[0].0) && what.starts_with("all_reduce") {
+        assert!(got.iter().all(|g| g.1 == got[0].1), "{what}: ranks received different sums");
+    }
+}
+
+/// Every collective of the trait, every float dtype and every dim, through
+/// `comms` (NCCL on GPUs) and through the in-process communicator.
+fn check_every_collective<C: Communicator>(devices: &[Device], comms: &[C]) {
+    let n = devices.len();
+    for (case, dtype) in DTYPES.into_iter().enumerate() {
+        let case = case as u64 * 100;
+        let compare = |dims: &[usize], sub: u64, what: &str, call: &(dyn Fn(&dyn Communicator, &Tensor) -> Result<Tensor> + Sync)| {
+            let inputs: Vec<Tensor> = (0..n).map(|r| input(r, case + sub, dims, dtype)).collect();
+            let want = reference(&inputs, call);
+            let got = on_devices(devices, comms, &inputs, call);
+            assert_agree(&got, &want, dtype, &format!("{what} {dtype} {dims:?}"));
+        };
+        compare(&[3, 5, 7], 1, "all_reduce_sum", &|c, t| c.all_reduce_sum(t));
+        for dim in 0..3 {
+            compare(&[2, 3, 4], 10 + dim as u64, &format!("all_gather dim {dim}"), &move |c, t| c.all_gather(t, dim));
+            compare(&[2 * n, 3 * n, n], 20 + dim as u64, &format!("reduce_scatter_sum dim {dim}"), &move |c, t| c.reduce_scatter_sum(t, dim));
+        }
+        for root in [0, n - 1] {
+            compare(&[4, 6], 30 + root as u64, &format!("broadcast root {root}"), &move |c, t| c.broadcast(t, root));
+        }
+        // A strided view is made contiguous before it is sent.
+        compare(&[4, 6], 40, "all_gather of a transposed view", &|c, t| c.all_gather(&t.t()?, 1));
+        compare(&[6, 2 * n], 41, "all_reduce_sum of a transposed view", &|c, t| c.all_reduce_sum(&t.t()?));
+        // Uneven parts: rank r sends rank p a [r + 1, p + 2] part (the one to itself too).
+        let parts_of = |r: usize| -> Vec<Tensor> { (0..n).map(|p| input(r, case + 50 + p as u64, &[r + 1, p + 2], dtype)).collect() };
+        let world = InProcess::new(n).unwrap();
+        let cpu = Device::cpu();
+        let want = per_rank(n, |r| world.communicator(r, &cpu).unwrap().all_to_all(parts_of(r)).unwrap());
+        let got = per_rank(n, |r| comms[r].all_to_all(parts_of(r).iter().map(|t| to_device(t, &devices[r])).collect()).unwrap());
+        for (r, (got, want)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(got.len(), n, "all_to_all: rank {r} receives one part per rank");
+            for (s, (g, w)) in got.iter().zip(want).enumerate() {
+                assert_eq!(g.device().to_string(), devices[r].to_string());
+                assert_agree(&[(g.dims().to_vec(), host(g))], &[(w.dims().to_vec(), host(w))], dtype, &format!("all_to_all {dtype}: rank {r} from {s}"));
+            }
+        }
+    }
+    per_rank(n, |r| comms[r].barrier().unwrap());
+}
+
+/// The comparison itself, checked where there is no GPU: the in-process
+/// communicator of CPU ranks against itself must pass it.
+#[test]
+fn the_comparison_passes_for_the_in_process_communicator_on_cpu_ranks() {
+    let world = InProcess::new(2).unwrap();
+    let devices = [Device::cpu(), Device::cpu()];
+    let comms: Vec<_> = devices.iter().enumerate().map(|(r, d)| world.communicator(r, d).unwrap()).collect();
+    check_every_collective(&devices, &comms);
+}
+
+#[test]
+fn every_collective_on_one_gpu_matches_the_in_process_communicator() {
+    let Some((devices, comms)) = group_or_skip("every_collective_on_one_gpu_matches_the_in_process_communicator", 1) else { return };
+    assert_eq!((comms[0].rank(), comms[0].size()), (0, 1));
+    check_every_collective(&devices, &comms);
+}
+
+#[test]
+fn every_collective_on_two_gpus_matches_the_in_process_communicator() {
+    let Some((devices, comms)) = group_or_skip("every_collective_on_two_gpus_matches_the_in_process_communicator", 2) else { return };
+    assert_eq!(comms.iter().map(|c| (c.rank(), c.size())).collect::<Vec<_>>(), [(0, 2), (1, 2)]);
+    check_every_collective(&devices, &comms);
+}
+
+#[test]
+fn bad_arguments_on_a_gpu_are_errors_naming_the_fix() {
+    let Some((devices, comms)) = group_or_skip("bad_arguments_on_a_gpu_are_errors_naming_the_fix", 1) else { return };
+    let comm = &comms[0];
+    let host_tensor = Tensor::zeros([4], DType::F32, &Device::cpu()).unwrap();
+    let e = comm.all_reduce_sum(&host_tensor).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("cuda:0"), "{e}");
+    let x = Tensor::zeros([2, 3], DType::F32, &devices[0]).unwrap();
+    let e = comm.all_gather(&x, 2).unwrap_err();
+    assert!(e.to_string().contains("dim 2 is out of range"), "{e}");
+    let e = comm.broadcast(&x, 1).unwrap_err();
+    assert!(e.to_string().contains("root 1"), "{e}");
+    let e = comm.all_to_all(vec![x.clone(), x.clone()]).unwrap_err();
+    assert!(e.to_string().contains("takes exactly 1"), "{e}");
+    let e = comm.send(&x, 0).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+    // The communicator still works after refusing those calls.
+    assert_eq!(host(&comm.all_reduce_sum(&x).unwrap()), vec![0.0; 6]);
+}
+
+#[test]
+fn abort_stops_the_group_with_a_typed_error() {
+    let Some((devices, comms)) = group_or_skip("abort_stops_the_group_with_a_typed_error", 1) else { return };
+    let x = Tensor::zeros([3], DType::F32, &devices[0]).unwrap();
+    comms[0].abort("a test gave up");
+    let e = comms[0].all_reduce_sum(&x).unwrap_err();
+    assert!(matches!(&e, Error::PeerFailed { rank: 0, reason } if reason.contains("a test gave up")), "{e}");
+    assert!(matches!(comms[0].barrier().unwrap_err(), Error::PeerFailed { rank: 0, .. }));
+}
+
+#[test]
+fn mesh_groups_on_two_gpus_reduce_along_each_axis() {
+    let Some((devices, comms)) = group_or_skip("mesh_groups_on_two_gpus_reduce_along_each_axis", 2) else { return };
+    drop(comms);
+    for (spec, dp, tp) in [("dp2", 2, 1), ("tp2", 1, 2)] {
+        let mesh = Mesh::parse(spec, 2, 2).unwrap();
+        let groups = nccl::mesh_groups(&mesh, &devices).unwrap();
+        let sums = per_rank(2, |r| {
+            let g = &groups[r];
+            assert_eq!((g.dp.size(), g.tp.size(), g.pp.size(), g.ep.size()), (dp, tp, 1, 1), "{spec}");
+            let x = Tensor::from_vec(vec![r as f32 + 1.0; 4], [4], &devices[r]).unwrap();
+            let along = if dp == 2 { &g.dp } else { &g.tp };
+            (along.all_reduce_sum(&x).unwrap().to_vec::<f32>().unwrap(), g.pp.all_reduce_sum(&x).unwrap().to_vec::<f32>().unwrap())
+        });
+        for (r, (sum, own)) in sums.into_iter().enumerate() {
+            assert_eq!(sum, vec![3.0; 4], "{spec}: rank {r} sums over its group");
+            assert_eq!(own, vec![r as f32 + 1.0; 4], "{spec}: a one-rank axis returns the input");
+        }
+    }
+}
+
+#[test]
+fn groups_of_no_device_or_of_cpu_devices_are_refused() {
+    let e = NcclCommunicator::group(&[]).unwrap_err();
+    assert!(e.to_string().contains("at least one device"), "{e}");
+    let e = NcclCommunicator::group(&[Device::cpu()]).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("in-process communicator"), "{e}");
+    let mesh = Mesh::parse("dp2", 2, 2).unwrap();
+    let e = nccl::mesh_groups(&mesh, &[Device::cpu()]).unwrap_err();
+    assert!(e.to_string().contains("2 ranks but 1 devices"), "{e}");
+    let e = nccl::mesh_groups(&mesh, &[Device::cpu(), Device::cpu()]).unwrap_err();
+    assert!(e.to_string().contains("NCCL connects CUDA devices"), "{e}");
+}
