@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Checks the logic of the CUDA attention kernels on the CPU: compiles
-# kernels/cuda/attention.cu as C++ against a host emulation of the CUDA
-# features it uses (kernels/cuda/host_check/shim.h) and compares its results
-# with a double-precision reference. Needs g++ with C++20; no GPU, no CUDA.
+# Checks the logic of the CUDA attention kernels, and of the softmax,
+# cross-entropy, embedding, RoPE and max_abs kernels, on the CPU: compiles their
+# sources as C++ against a host emulation of the CUDA features they use
+# (kernels/cuda/host_check/shim.h) and compares their results with
+# double-precision references. Needs g++ with C++20; no GPU, no CUDA.
 #
 #   scripts/cuda-host-check.sh
 set -euo pipefail
@@ -24,3 +25,17 @@ fi
 cp kernels/cuda/host_check/shim.h kernels/cuda/host_check/attention.cpp "$dir/"
 g++ -std=c++20 -O1 -pthread -w "$dir/attention.cpp" -o "$dir/attention"
 "$dir/attention"
+
+# The row and lookup kernels declare their block-reduction scratch as a
+# static __shared__ array; the emulation runs one block at a time, so a
+# function-static array stands in for it.
+for f in loss embedding rope reduce; do
+    sed -e 's/extern "C" //' -e 's/__shared__ float scratch\[32\];/static float scratch[32];/' "kernels/cuda/$f.cu" >"$dir/$f.inc"
+    if grep -q '__shared__\|asm(' "$dir/$f.inc"; then
+        echo "cuda-host-check: kernels/cuda/$f.cu has device-only code the emulation does not replace" >&2
+        exit 1
+    fi
+done
+cp kernels/cuda/host_check/ops.cpp "$dir/"
+g++ -std=c++20 -O1 -pthread -w "$dir/ops.cpp" -o "$dir/ops"
+"$dir/ops"

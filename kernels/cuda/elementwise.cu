@@ -78,3 +78,24 @@ __device__ __forceinline__ float silu_grad(float x) {
     }
 
 FOR_FLOAT_TYPES(ELEMENTWISE)
+
+// SwiGLU: y = silu(gate) * up; the backward from the forward's inputs:
+// dgate = dy * up * s (1 + g (1 - s)), dup = dy * g * s, s = sigmoid(g).
+#define SWIGLU(T, S)                                                                              \
+    extern "C" __global__ void swiglu_##S(const T* gate, const T* up, T* y, u64 n) {              \
+        for (u64 i = grid_start(); i < n; i += grid_stride()) {                                   \
+            const float g = to_f32(gate[i]);                                                      \
+            y[i] = from_f32<T>(g * sigmoid(g) * to_f32(up[i]));                                   \
+        }                                                                                         \
+    }                                                                                             \
+    extern "C" __global__ void swiglu_backward_##S(const T* gate, const T* up, const T* dy,       \
+                                                   T* dgate, T* dup, u64 n) {                     \
+        for (u64 i = grid_start(); i < n; i += grid_stride()) {                                   \
+            const float g = to_f32(gate[i]), u = to_f32(up[i]), d = to_f32(dy[i]);                \
+            const float s = sigmoid(g);                                                           \
+            dgate[i] = from_f32<T>(d * u * (s * (1.0f + g * (1.0f - s))));                        \
+            dup[i] = from_f32<T>(d * g * s);                                                      \
+        }                                                                                         \
+    }
+
+FOR_FLOAT_TYPES(SWIGLU)

@@ -244,3 +244,165 @@ device_test! {
         }
     }
 }
+
+device_test! {
+    fn attention_and_its_backward_match_the_cpu(dev: &Device) {
+        use ops::{AttnOpts, QkvHeads};
+        for dtype in FLOATS {
+            // Sums over up to 160 keys in another order than the CPU's.
+            let tol = tolerance(dtype).max(1e-4);
+            // Grouped-query heads; a partial last tile; both head-dim
+            // instantiations (64, and 96 on the 128-wide one); a KV cache
+            // (fewer queries than keys), causal and not.
+            for (hq, hkv, tq, tkv, hd, causal) in [(4, 2, 100, 100, 64, true), (2, 2, 70, 70, 96, false), (4, 1, 30, 160, 32, true)] {
+                let opts = AttnOpts { causal, scale: None };
+                let what = |part: &str| format!("attention {dtype} {hq}/{hkv} heads {tq}x{tkv}x{hd} causal {causal}: {part}");
+                let (q, dq) = pair(dev, &[2, hq, tq, hd], dtype, 40);
+                let (k, dk) = pair(dev, &[2, hkv, tkv, hd], dtype, 41);
+                let (v, dv) = pair(dev, &[2, hkv, tkv, hd], dtype, 42);
+                let (go, dgo) = pair(dev, &[2, hq, tq, hd], dtype, 43);
+                let (out, lse) = ops::attention(&q, &k, &v, opts).unwrap();
+                let (gout, glse) = ops::attention(&dq, &dk, &dv, opts).unwrap();
+                assert_close(&what("out"), &out, &gout, dev, tol);
+                assert_close(&what("lse"), &lse, &glse, dev, 1e-5);
+                let cpu = ops::attention_backward(&q, &k, &v, &out, &lse, &go, opts).unwrap();
+                let gpu = ops::attention_backward(&dq, &dk, &dv, &gout, &glse, &dgo, opts).unwrap();
+                assert_close(&what("dq"), &cpu.0, &gpu.0, dev, tol);
+                assert_close(&what("dk"), &cpu.1, &gpu.1, dev, tol);
+                assert_close(&what("dv"), &cpu.2, &gpu.2, dev, tol);
+            }
+            // The fused projection: 4 query heads on 2 kv heads of 64, 90 positions.
+            let heads = QkvHeads { q_heads: 4, kv_heads: 2, head_dim: 64 };
+            let opts = AttnOpts::causal();
+            let (qkv, dqkv) = pair(dev, &[2, 90, heads.width()], dtype, 44);
+            let (go, dgo) = pair(dev, &[2, 90, 4 * 64], dtype, 45);
+            let (out, lse) = ops::attention_packed(&qkv, heads, opts).unwrap();
+            let (gout, glse) = ops::attention_packed(&dqkv, heads, opts).unwrap();
+            assert_close("attention_packed out", &out, &gout, dev, tol);
+            assert_close("attention_packed lse", &lse, &glse, dev, 1e-5);
+            let want = ops::attention_packed_backward(&qkv, &out, &lse, &go, heads, opts).unwrap();
+            let got = ops::attention_packed_backward(&dqkv, &gout, &glse, &dgo, heads, opts).unwrap();
+            assert_close("attention_packed_backward", &want, &got, dev, tol);
+        }
+    }
+}
+
+device_test! {
+    fn softmax_and_log_softmax_match_the_cpu(dev: &Device) {
+        for dtype in FLOATS {
+            let tol = tolerance(dtype).max(1e-5);
+            // A row longer than a block, and one shorter than a warp.
+            for (rows, cols) in [(3, 1500), (7, 10)] {
+                let (x, dx) = pair(dev, &[rows, cols], dtype, 50);
+                let (dy, ddy) = pair(dev, &[rows, cols], dtype, 51);
+                let (y, gy) = (ops::softmax(&x).unwrap(), ops::softmax(&dx).unwrap());
+                assert_close("softmax", &y, &gy, dev, tol);
+                assert_close("softmax_backward", &ops::softmax_backward(&y, &dy).unwrap(), &ops::softmax_backward(&gy, &ddy).unwrap(), dev, tol);
+                let (l, gl) = (ops::log_softmax(&x).unwrap(), ops::log_softmax(&dx).unwrap());
+                assert_close("log_softmax", &l, &gl, dev, tol);
+                assert_close("log_softmax_backward", &ops::log_softmax_backward(&l, &dy).unwrap(), &ops::log_softmax_backward(&gl, &ddy).unwrap(), dev, tol);
+            }
+        }
+    }
+}
+
+device_test! {
+    fn cross_entropy_and_vocab_shards_match_the_cpu(dev: &Device) {
+        let (rows, vocab) = (6, 1100);
+        // Row 2 is ignored (target 7 is the ignore index).
+        let targets = Tensor::from_vec(vec![3u32, 1099, 7, 0, 512, 64], [rows], reference()).unwrap();
+        let dtargets = to_device(&targets, dev);
+        for dtype in FLOATS {
+            let tol = tolerance(dtype).max(1e-5);
+            let (x, dx) = pair(dev, &[rows, vocab], dtype, 52);
+            let (loss, saved) = ops::cross_entropy(&x, &targets, Some(7)).unwrap();
+            let (gloss, gsaved) = ops::cross_entropy(&dx, &dtargets, Some(7)).unwrap();
+            assert_close("cross_entropy loss", &loss, &gloss, dev, 1e-5);
+            assert_close("cross_entropy lse", &saved.lse, &gsaved.lse, dev, 1e-5);
+            assert_eq!(saved.count, gsaved.count);
+            let want = ops::cross_entropy_backward(&x, &targets, Some(7), &saved, 0.5).unwrap();
+            let got = ops::cross_entropy_backward(&dx, &dtargets, Some(7), &gsaved, 0.5).unwrap();
+            assert_close("cross_entropy_backward", &want, &got, dev, tol);
+            // The second half of the vocabulary as a shard.
+            let (sx, sdx) = (x.narrow(1, 550, 550).unwrap(), dx.narrow(1, 550, 550).unwrap());
+            let (lse, tl) = ops::vocab_shard_stats(&sx, &targets, 550, vocab, Some(7)).unwrap();
+            let (glse, gtl) = ops::vocab_shard_stats(&sdx, &dtargets, 550, vocab, Some(7)).unwrap();
+            assert_close("vocab_shard_stats lse", &lse, &glse, dev, 1e-5);
+            assert_close("vocab_shard_stats target logit", &tl, &gtl, dev, 0.0);
+            let (dl, gdl) = pair(dev, &[rows], DType::F32, 53);
+            let want = ops::vocab_shard_backward(&sx, &targets, 550, vocab, Some(7), &saved.lse, &dl).unwrap();
+            let got = ops::vocab_shard_backward(&sdx, &dtargets, 550, vocab, Some(7), &gsaved.lse, &gdl).unwrap();
+            assert_close("vocab_shard_backward", &want, &got, dev, tol);
+        }
+    }
+}
+
+device_test! {
+    fn embedding_and_its_backward_match_the_cpu_exactly(dev: &Device) {
+        // Repeated ids (their rows sum in the CPU's order), and ids outside a shard.
+        let ids = Tensor::from_vec(vec![4u32, 0, 9, 4, 4, 2, 9, 5], [2, 4], reference()).unwrap();
+        let dids = to_device(&ids, dev);
+        for dtype in FLOATS {
+            let (table, dtable) = pair(dev, &[10, 33], dtype, 54);
+            assert_close("embedding", &ops::embedding(&table, &ids).unwrap(), &ops::embedding(&dtable, &dids).unwrap(), dev, 0.0);
+            let (shard, dshard) = (table.narrow(0, 3, 4).unwrap(), dtable.narrow(0, 3, 4).unwrap());
+            assert_close("embedding_shard", &ops::embedding_shard(&shard, &ids, 3, 10).unwrap(), &ops::embedding_shard(&dshard, &dids, 3, 10).unwrap(), dev, 0.0);
+            let (dout, ddout) = pair(dev, &[2, 4, 33], dtype, 55);
+            let want = ops::embedding_backward(&ids, &dout, 10, 0, 10).unwrap();
+            let got = ops::embedding_backward(&dids, &ddout, 10, 0, 10).unwrap();
+            assert_close("embedding_backward", &want, &got, dev, 0.0);
+            let want = ops::embedding_backward(&ids, &dout, 4, 3, 10).unwrap();
+            let got = ops::embedding_backward(&dids, &ddout, 4, 3, 10).unwrap();
+            assert_close("embedding_backward shard", &want, &got, dev, 0.0);
+        }
+    }
+}
+
+device_test! {
+    fn swiglu_rope_dropout_and_max_abs_match_the_cpu(dev: &Device) {
+        use ops::{QkvHeads, Rope};
+        for dtype in FLOATS {
+            let tol = tolerance(dtype);
+            let (g, dg) = pair(dev, &[5, 129], dtype, 60);
+            let (u, du) = pair(dev, &[5, 129], dtype, 61);
+            let (dy, ddy) = pair(dev, &[5, 129], dtype, 62);
+            assert_close("swiglu", &ops::swiglu(&g, &u).unwrap(), &ops::swiglu(&dg, &du).unwrap(), dev, tol);
+            let (cg, cu) = ops::swiglu_backward(&g, &u, &dy).unwrap();
+            let (gg, gu) = ops::swiglu_backward(&dg, &du, &ddy).unwrap();
+            assert_close("swiglu_backward dgate", &cg, &gg, dev, tol);
+            assert_close("swiglu_backward dup", &cu, &gu, dev, tol);
+
+            // Positions that are not 0..seq (a KV cache continuing at 40).
+            let rope = Rope::new(16, 64, 10000.0).unwrap();
+            let positions: Vec<u32> = (40..47).collect();
+            let (x, dx) = pair(dev, &[2, 3, 7, 16], dtype, 63);
+            let (y, gy) = (ops::rope(&x, &rope, &positions).unwrap(), ops::rope(&dx, &rope, &positions).unwrap());
+            assert_close("rope", &y, &gy, dev, tol);
+            assert_close("rope_backward", &ops::rope_backward(&y, &rope, &positions).unwrap(), &ops::rope_backward(&gy, &rope, &positions).unwrap(), dev, tol);
+            let heads = QkvHeads { q_heads: 4, kv_heads: 2, head_dim: 16 };
+            let (qkv, dqkv) = pair(dev, &[2, 7, heads.width()], dtype, 64);
+            let (y, gy) = (ops::rope_packed(&qkv, &rope, &positions, heads).unwrap(), ops::rope_packed(&dqkv, &rope, &positions, heads).unwrap());
+            assert_close("rope_packed", &y, &gy, dev, tol);
+            let (b, gb) = (ops::rope_packed_backward(&y, &rope, &positions, heads).unwrap(), ops::rope_packed_backward(&gy, &rope, &positions, heads).unwrap());
+            assert_close("rope_packed_backward", &b, &gb, dev, tol);
+
+            // The same mask bit for bit, from an offset that is not a multiple of 4.
+            let key = tessera::RngKey::new(0x1234_5678_9abc, 3);
+            let (x, dx) = pair(dev, &[1001], dtype, 65);
+            for p in [0.0, 0.1, 0.5] {
+                let (y, gy) = (ops::dropout(&x, p, key, 13).unwrap(), ops::dropout(&dx, p, key, 13).unwrap());
+                assert_close(&format!("dropout p={p}"), &y, &gy, dev, 0.0);
+                let (b, gb) = (ops::dropout_backward(&x, p, key, 13).unwrap(), ops::dropout_backward(&dx, p, key, 13).unwrap());
+                assert_close(&format!("dropout_backward p={p}"), &b, &gb, dev, 0.0);
+            }
+
+            // The maximum is exact; a NaN anywhere makes it NaN.
+            let (x, dx) = pair(dev, &[3, 1000], dtype, 66);
+            assert_close("max_abs", &ops::max_abs(&x).unwrap(), &ops::max_abs(&dx).unwrap(), dev, 0.0);
+            let mut v = vec![1.0f32; 2000];
+            v[1234] = f32::NAN;
+            let nan = to_device(&Tensor::from_vec(v, [2000], reference()).unwrap().to_dtype(dtype).unwrap(), dev);
+            assert!(ops::max_abs(&nan).unwrap().to_scalar().unwrap().is_nan(), "max_abs of a NaN on {dev}");
+        }
+    }
+}

@@ -2,6 +2,7 @@
 
 use super::{check_same_shape, cuda_launch, float_kernel, run, run1};
 use crate::backend::cpu::Out;
+use crate::backend::cuda::args::{Arg, Grid};
 use crate::error::Result;
 use crate::tensor::Tensor;
 use tessera_kernels::cpu::activation as k;
@@ -10,10 +11,14 @@ float_kernel!(writes_all Gelu {} |s, i, o| k::gelu_forward(i[0], o[0]); cuda |s,
 float_kernel!(writes_all GeluBack {} |s, i, o| k::gelu_backward(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "gelu_backward"));
 float_kernel!(writes_all Silu {} |s, i, o| k::silu_forward(i[0], o[0]); cuda |s, c| cuda_launch::unary(c, "elementwise", "silu"));
 float_kernel!(writes_all SiluBack {} |s, i, o| k::silu_backward(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "silu_backward"));
-float_kernel!(writes_all SwiGlu {} |s, i, o| k::swiglu_forward(i[0], i[1], o[0]));
-float_kernel!(SwiGluBack {} |s, i, o| {
+float_kernel!(writes_all SwiGlu {} |s, i, o| k::swiglu_forward(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "swiglu"));
+float_kernel!(writes_all SwiGluBack {} |s, i, o| {
     let (dgate, dup) = o.split_at_mut(1);
     k::swiglu_backward(i[0], i[1], i[2], dgate[0], dup[0])
+}; cuda |s, c| {
+    let n = c.output_len(0);
+    let args = [Arg::Input(0), Arg::Input(1), Arg::Input(2), Arg::Output(0), Arg::Output(1), Arg::U64(n)];
+    c.launch("elementwise", "swiglu_backward", Grid::Items(n), &args)
 });
 
 /// GELU, tanh approximation: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.

@@ -2,27 +2,73 @@
 
 use super::{check_same_shape, float_kernel, run, run1};
 use crate::backend::cpu::Out;
+use crate::backend::cuda::args::{Arg, Grid};
+use crate::backend::cuda::CudaCall;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 use tessera_kernels::cpu::attention::{
     attention_backward as back, attention_backward_packed as back_packed, attention_forward as fwd, attention_forward_packed as fwd_packed, AttnDims,
 };
+use tessera_kernels::cuda::attention::{self as gpu, AttnLayout, Launch};
 
 float_kernel!(writes_all AttnFwd { d: AttnDims } |s, i, o| {
     let (out, lse) = o.split_at_mut(1);
     fwd(&s.d, i[0], i[1], i[2], out[0], lse[0])
-});
+}; cuda |s, c| forward_cuda(c, &s.d, AttnLayout::Heads));
 float_kernel!(writes_all AttnBack { d: AttnDims } |s, i, o| {
     let (dq, rest) = o.split_at_mut(1);
     let (dk, dv) = rest.split_at_mut(1);
     back(&s.d, i[0], i[1], i[2], i[3], i[4], i[5], dq[0], dk[0], dv[0])
-});
+}; cuda |s, c| backward_cuda(c, &s.d, AttnLayout::Heads));
 
 float_kernel!(writes_all AttnFwdPacked { d: AttnDims } |s, i, o| {
     let (out, lse) = o.split_at_mut(1);
     fwd_packed(&s.d, i[0], out[0], lse[0])
-});
-float_kernel!(writes_all AttnBackPacked { d: AttnDims } |s, i, o| back_packed(&s.d, i[0], i[1], i[2], i[3], o[0]));
+}; cuda |s, c| forward_cuda(c, &s.d, AttnLayout::Packed));
+float_kernel!(writes_all AttnBackPacked { d: AttnDims } |s, i, o| back_packed(&s.d, i[0], i[1], i[2], i[3], o[0]);
+    cuda |s, c| backward_cuda(c, &s.d, AttnLayout::Packed));
+
+/// The grid of one attention launch, which fixes its own block and shared memory.
+fn grid(l: &Launch) -> Grid {
+    Grid::Fixed { blocks: l.grid, threads: l.block, shared_bytes: l.shared_bytes }
+}
+
+/// Sizes the CUDA kernels do not support (a `head_dim` above 128) are an
+/// error naming the limit; the CPU runs them.
+fn unsupported(op: &'static str, e: gpu::AttnLaunchError) -> Error {
+    let e = e.to_string();
+    Error::invalid(op, format!("{}; the CPU backend runs any size", e.trim_start_matches("attention: ")))
+}
+
+/// The forward on a GPU (`kernels/cuda/attention.cu`). Heads: inputs `q, k,
+/// v`; packed: input `qkv`, read as all three through the layout's places.
+/// Outputs: `out` and the f32 `lse`.
+fn forward_cuda(c: &mut CudaCall, d: &AttnDims, layout: AttnLayout) -> Result<()> {
+    let (p, l) = gpu::forward(d, layout).map_err(|e| unsupported("attention", e))?;
+    let (k, v) = match layout {
+        AttnLayout::Heads => (Arg::Input(1), Arg::Input(2)),
+        AttnLayout::Packed => (Arg::Input(0), Arg::Input(0)),
+    };
+    c.launch("attention", l.op, grid(&l), &[Arg::Input(0), k, v, Arg::Output(0), Arg::Output(1), Arg::Attn(p)])
+}
+
+/// The backward on a GPU: `delta` into an f32 scratch buffer, then `dk` and
+/// `dv`, then `dq`, in stream order. Heads: inputs `q, k, v, out, lse, dout`,
+/// outputs `dq, dk, dv`; packed: inputs `qkv, out, lse, dout`, one output
+/// shaped like `qkv` that the places split into `dq`, `dk` and `dv`.
+fn backward_cuda(c: &mut CudaCall, d: &AttnDims, layout: AttnLayout) -> Result<()> {
+    let (p, l) = gpu::backward(d, layout).map_err(|e| unsupported("attention_backward", e))?;
+    let (q, k, v, out, lse, dout, dq, dk, dv) = match layout {
+        AttnLayout::Heads => (0, 1, 2, 3, 4, 5, 0, 1, 2),
+        AttnLayout::Packed => (0, 0, 0, 1, 2, 3, 0, 0, 0),
+    };
+    let delta = Arg::Scratch(c.scratch_f32(d.batch * d.q_heads * d.seq_q)?);
+    let (q, k, v, out, lse, dout) = (Arg::Input(q), Arg::Input(k), Arg::Input(v), Arg::Input(out), Arg::Stats(lse), Arg::Input(dout));
+    let p = Arg::Attn(p);
+    c.launch("attention", l.delta.op, grid(&l.delta), &[out, dout, delta, p])?;
+    c.launch("attention", l.dkv.op, grid(&l.dkv), &[q, k, v, dout, lse, delta, Arg::Output(dk), Arg::Output(dv), p])?;
+    c.launch("attention", l.dq.op, grid(&l.dq), &[q, k, v, dout, lse, delta, Arg::Output(dq), p])
+}
 
 /// How queries attend: causally or not, and the factor on `q·k`.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -24,3 +24,17 @@ pub(crate) fn binary(c: &mut CudaCall, source: &'static str, kernel: &str) -> Re
 pub(crate) fn row_reduce(c: &mut CudaCall, kernel: &str, rows: usize, cols: usize) -> Result<()> {
     c.launch("reduce", kernel, Grid::Rows { rows, cols }, &[Arg::Input(0), Arg::Output(0), Arg::U64(rows), Arg::U64(cols)])
 }
+
+/// `kernel(x, y, rows, cols)` with one block per row: input 0 and output 0
+/// seen as `[rows, cols]` (softmax).
+pub(crate) fn rows_unary(c: &mut CudaCall, source: &'static str, kernel: &str, cols: usize) -> Result<()> {
+    let rows = c.output_len(0) / cols.max(1);
+    c.launch(source, kernel, Grid::Rows { rows, cols }, &[Arg::Input(0), Arg::Output(0), Arg::U64(rows), Arg::U64(cols)])
+}
+
+/// `kernel(a, b, out, rows, cols)` with one block per row: inputs 0 and 1
+/// and output 0 seen as `[rows, cols]` (softmax backwards).
+pub(crate) fn rows_binary(c: &mut CudaCall, source: &'static str, kernel: &str, cols: usize) -> Result<()> {
+    let rows = c.output_len(0) / cols.max(1);
+    c.launch(source, kernel, Grid::Rows { rows, cols }, &[Arg::Input(0), Arg::Input(1), Arg::Output(0), Arg::U64(rows), Arg::U64(cols)])
+}

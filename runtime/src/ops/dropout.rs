@@ -2,13 +2,37 @@
 
 use super::{check_same_shape, float_kernel, run1};
 use crate::backend::cpu::Out;
+use crate::backend::cuda::args::{Arg, Grid};
+use crate::backend::cuda::CudaCall;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use tessera_kernels::cpu::dropout as k;
 use tessera_kernels::rng::RngKey;
 
-float_kernel!(DropFwd { key: RngKey, start: u64, p: f64 } |s, i, o| k::dropout_forward(s.key, s.start, s.p, i[0], o[0]));
-float_kernel!(DropBack { key: RngKey, start: u64, p: f64 } |s, i, o| k::dropout_backward(s.key, s.start, s.p, i[0], o[0]));
+float_kernel!(writes_all DropFwd { key: RngKey, start: u64, p: f64 } |s, i, o| k::dropout_forward(s.key, s.start, s.p, i[0], o[0]);
+    cuda |s, c| dropout_cuda(c, s.key, s.start, s.p));
+float_kernel!(writes_all DropBack { key: RngKey, start: u64, p: f64 } |s, i, o| k::dropout_backward(s.key, s.start, s.p, i[0], o[0]);
+    cuda |s, c| dropout_cuda(c, s.key, s.start, s.p));
+
+/// Dropout (or its backward, the same map) on a GPU: `dropout.cu` draws the
+/// CPU's mask, so both devices drop the same elements for a key and offset.
+fn dropout_cuda(c: &mut CudaCall, key: RngKey, start: u64, p: f64) -> Result<()> {
+    let n = c.output_len(0);
+    // The CPU's rule: keep when the top 24 bits reach ceil(p · 2^24), scale in the compute type.
+    let threshold = (p * (1u32 << 24) as f64).ceil() as u32;
+    let scale = (1.0 / (1.0 - p)) as f32;
+    let args = [
+        Arg::Input(0),
+        Arg::Output(0),
+        Arg::U64(n),
+        Arg::U64(start as usize),
+        Arg::U64(key.seed as usize),
+        Arg::U64(key.stream as usize),
+        Arg::U32(threshold),
+        Arg::F32(scale),
+    ];
+    c.launch("dropout", "dropout", Grid::Items(n), &args)
+}
 
 fn check_p(op: &'static str, p: f64) -> Result<()> {
     if (0.0..1.0).contains(&p) {

@@ -2,16 +2,53 @@
 
 use super::{float_kernel, run1, with_u32};
 use crate::backend::cpu::Out;
+use crate::backend::cuda::args::{Arg, Grid};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 use tessera_kernels::cpu::embedding as k;
 
 float_kernel!(EmbedFwd<'a> { ids: &'a [u32], rows: usize, dim: usize, start: u32 } |s, i, o| {
     k::embedding_forward(i[0], s.rows, s.dim, s.start, s.ids, o[0])
+}; cuda |s, c| {
+    let n = s.ids.len();
+    let ids = Arg::Scratch(c.upload_u32(s.ids)?);
+    let args = [Arg::Input(0), ids, Arg::Output(0), Arg::U64(n), Arg::U64(s.rows), Arg::U64(s.dim), Arg::U64(s.start as usize)];
+    c.launch("embedding", "embedding", Grid::Items(n * s.dim), &args)
 });
 float_kernel!(EmbedBack<'a> { ids: &'a [u32], rows: usize, dim: usize, start: u32 } |s, i, o| {
     k::embedding_backward(s.ids, i[0], s.rows, s.dim, s.start, o[0])
+}; cuda |s, c| {
+    // The positions of each table row, in order (as the CPU sums them),
+    // built here and uploaded: one block per row sums them without atomics.
+    let (offsets, order) = positions_by_row(s.ids, s.rows, s.start)?;
+    let (offsets, order) = (Arg::Scratch(c.upload_u32(&offsets)?), Arg::Scratch(c.upload_u32(&order)?));
+    let args = [Arg::Input(0), offsets, order, Arg::Output(0), Arg::U64(s.rows), Arg::U64(s.dim)];
+    c.launch("embedding", "embedding_backward", Grid::Rows { rows: s.rows, cols: s.dim }, &args)
 });
+
+/// For a table of `rows` rows holding entries `start..`: `offsets` (`rows + 1`)
+/// and `order` such that `order[offsets[r]..offsets[r + 1]]` are the
+/// positions of `ids` that name row `r`, in increasing order.
+fn positions_by_row(ids: &[u32], rows: usize, start: u32) -> Result<(Vec<u32>, Vec<u32>)> {
+    if ids.len() > u32::MAX as usize {
+        return Err(Error::invalid("embedding_backward", format!("{} ids exceed the GPU kernel's u32 positions; split the batch", ids.len())));
+    }
+    let local = |id: u32| id.checked_sub(start).map(|r| r as usize).filter(|&r| r < rows);
+    let mut offsets = vec![0u32; rows + 1];
+    for r in ids.iter().filter_map(|&id| local(id)) {
+        offsets[r + 1] += 1;
+    }
+    for r in 0..rows {
+        offsets[r + 1] += offsets[r];
+    }
+    let mut next: Vec<u32> = offsets[..rows].to_vec();
+    let mut order = vec![0u32; offsets[rows] as usize];
+    for (i, r) in ids.iter().enumerate().filter_map(|(i, &id)| local(id).map(|r| (i, r))) {
+        order[next[r] as usize] = i as u32;
+        next[r] += 1;
+    }
+    Ok((offsets, order))
+}
 
 fn table_dims(op: &'static str, table: &Tensor) -> Result<(usize, usize)> {
     match table.dims() {

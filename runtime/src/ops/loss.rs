@@ -2,6 +2,8 @@
 
 use super::{float_kernel, rows, run, run1, with_u32};
 use crate::backend::cpu::Out;
+use crate::backend::cuda::args::{Arg, Grid};
+use crate::backend::cuda::CudaCall;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Shape, Tensor};
 use tessera_kernels::cpu::cross_entropy as k;
@@ -9,13 +11,40 @@ use tessera_kernels::cpu::cross_entropy as k;
 float_kernel!(CeFwd<'a> { targets: &'a [u32], vocab: usize, ignore: Option<u32> } |s, i, o| {
     let (losses, lse) = o.split_at_mut(1);
     k::cross_entropy_forward(i[0], s.vocab, s.targets, s.ignore, losses[0], lse[0]);
-});
+}; cuda |s, c| rows_cuda(c, s.targets, s.vocab, 0, s.ignore, true));
 float_kernel!(CeBack<'a> { targets: &'a [u32], vocab: usize, ignore: Option<u32> } |s, i, o| {
     k::cross_entropy_backward(i[0], i[1], s.vocab, s.targets, s.ignore, i[2], o[0])
-});
+}; cuda |s, c| backward_cuda(c, s.targets, s.vocab, 0, s.ignore));
 float_kernel!(Mean { count: usize } |s, i, o| {
     o[0][0] = tessera_kernels::cpu::reduce::sum(i[0]) / T::lit(s.count.max(1) as f64)
+}; cuda |s, c| {
+    let n = c.input_len(0);
+    c.launch("loss", "mean", Grid::Rows { rows: 1, cols: n }, &[Arg::Input(0), Arg::Output(0), Arg::U64(n), Arg::U64(s.count)])
 });
+
+/// The ignore index as the kernels take it: above `u32::MAX` means none.
+fn ignore_arg(ignore: Option<u32>) -> Arg {
+    Arg::U64(ignore.map_or(usize::MAX, |t| t as usize))
+}
+
+/// Per-row statistics on a GPU (`cross_entropy_rows` of `loss.cu`): with
+/// `full`, outputs (losses, lse) of a whole vocabulary; without, a shard's
+/// (lse, target logit).
+fn rows_cuda(c: &mut CudaCall, targets: &[u32], vocab: usize, start: u32, ignore: Option<u32>, full: bool) -> Result<()> {
+    let rows = targets.len();
+    let t = Arg::Scratch(c.upload_u32(targets)?);
+    let args = [Arg::Input(0), t, Arg::Output(0), Arg::Output(1), Arg::U64(rows), Arg::U64(vocab), Arg::U64(start as usize), ignore_arg(ignore), Arg::U32(full as u32)];
+    c.launch("loss", "cross_entropy_rows", Grid::Rows { rows, cols: vocab }, &args)
+}
+
+/// The gradient of the logits on a GPU: inputs logits, the f32 `lse` and the
+/// f32 per-row upstream gradient.
+fn backward_cuda(c: &mut CudaCall, targets: &[u32], vocab: usize, start: u32, ignore: Option<u32>) -> Result<()> {
+    let rows = targets.len();
+    let t = Arg::Scratch(c.upload_u32(targets)?);
+    let args = [Arg::Input(0), Arg::Stats(1), Arg::Stats(2), t, Arg::Output(0), Arg::U64(rows), Arg::U64(vocab), Arg::U64(start as usize), ignore_arg(ignore)];
+    c.launch("loss", "cross_entropy_backward", Grid::Rows { rows, cols: vocab }, &args)
+}
 
 /// What [`cross_entropy`] keeps for its backward.
 #[derive(Clone, Debug)]
@@ -71,8 +100,13 @@ pub fn cross_entropy_backward(logits: &Tensor, targets: &Tensor, ignore_index: O
         if count != saved.count {
             return Err(Error::invalid(OP, "the saved state belongs to another batch of targets"));
         }
-        let compute = if logits.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
-        let per_row = Tensor::full(dloss / count.max(1) as f64, [rows(logits)], compute, logits.device())?;
+        let per_row = dloss / count.max(1) as f64;
+        // Made in the compute dtype directly: a GPU has no f64 conversions.
+        let per_row = if logits.dtype() == DType::F64 {
+            Tensor::full(per_row, [rows(logits)], DType::F64, logits.device())?
+        } else {
+            Tensor::from_vec(vec![per_row as f32; rows(logits)], [rows(logits)], logits.device())?
+        };
         let kernel = CeBack { targets: t, vocab, ignore: ignore_index };
         run1(OP, &kernel, &[logits, &saved.lse, &per_row], logits.shape().clone(), Out::Primary)
     })
@@ -81,10 +115,10 @@ pub fn cross_entropy_backward(logits: &Tensor, targets: &Tensor, ignore_index: O
 float_kernel!(ShardStats<'a> { targets: &'a [u32], vocab: usize, start: u32, ignore: Option<u32> } |s, i, o| {
     let (lse, tl) = o.split_at_mut(1);
     k::vocab_shard_stats(i[0], s.vocab, s.start, s.targets, s.ignore, lse[0], tl[0])
-});
+}; cuda |s, c| rows_cuda(c, s.targets, s.vocab, s.start, s.ignore, false));
 float_kernel!(ShardBack<'a> { targets: &'a [u32], vocab: usize, start: u32, ignore: Option<u32> } |s, i, o| {
     k::vocab_shard_backward(i[0], i[1], s.vocab, s.start, s.targets, s.ignore, i[2], o[0])
-});
+}; cuda |s, c| backward_cuda(c, s.targets, s.vocab, s.start, s.ignore));
 
 fn check_shard(op: &'static str, logits: &Tensor, targets: &[u32], target_shape: &Shape, vocab_start: usize, vocab_size: usize, ignore: Option<u32>) -> Result<usize> {
     let local = logits.shape().last_dim(op)?;

@@ -137,7 +137,14 @@ pub(crate) fn with_u32<R>(op: &'static str, what: &'static str, t: &Tensor, f: i
     let g = t.read();
     match &*g {
         Storage::Cpu(s) => f(&s.as_slice::<u32>().expect("u32 checked")[range]),
-        Storage::Cuda(s) => s.unsupported(op),
+        // The ops check every index on the host (a bad one is an error, not
+        // a fault), so indices on a GPU are copied back first; their kernels
+        // get them uploaded again.
+        Storage::Cuda(s) => {
+            let bytes = s.to_host_bytes()?;
+            let all: Vec<u32> = bytes.chunks_exact(4).map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect();
+            f(&all[range])
+        }
     }
 }
 

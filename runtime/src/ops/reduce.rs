@@ -2,13 +2,17 @@
 
 use super::{cuda_launch, float_kernel, run1, scale};
 use crate::backend::cpu::Out;
+use crate::backend::cuda::args::{Arg, Grid};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 use tessera_kernels::cpu::reduce as k;
 
 float_kernel!(Sum {} |s, i, o| o[0][0] = k::sum(i[0]); cuda |s, c| { let n = c.input_len(0); cuda_launch::row_reduce(c, "row_sum", 1, n) });
 float_kernel!(SumSquares {} |s, i, o| o[0][0] = k::sum_squares(i[0]); cuda |s, c| { let n = c.input_len(0); cuda_launch::row_reduce(c, "row_sum_squares", 1, n) });
-float_kernel!(MaxAbs {} |s, i, o| o[0][0] = k::max_abs(i[0]));
+float_kernel!(writes_all MaxAbs {} |s, i, o| o[0][0] = k::max_abs(i[0]); cuda |s, c| {
+    let n = c.input_len(0);
+    c.launch("reduce", "max_abs", Grid::Rows { rows: 1, cols: n }, &[Arg::Input(0), Arg::Output(0), Arg::U64(n)])
+});
 float_kernel!(Broadcast {} |s, i, o| o[0].fill(i[0][0]); cuda |s, c| cuda_launch::unary(c, "elementwise", "broadcast"));
 
 /// The sum of all elements, as a scalar tensor in the compute dtype.

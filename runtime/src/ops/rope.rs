@@ -2,6 +2,8 @@
 
 use super::{check_same_shape, float_kernel, run1};
 use crate::backend::cpu::Out;
+use crate::backend::cuda::args::{Arg, Grid};
+use crate::backend::cuda::CudaCall;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use std::any::Any;
@@ -78,7 +80,7 @@ float_kernel!(writes_all RopeK<'a> { rope: &'a Rope, positions: &'a [u32], bh: u
     } else {
         fwd(table, i[0], s.bh, s.seq, s.positions, o[0])
     }
-});
+}; cuda |s, c| rope_cuda(c, s.rope, s.positions, s.bh * s.seq, (1, 1, 1), s.inverse));
 
 /// Rotates `x` (`[batch, heads, seq, head_dim]`) by the angles of `positions` (one per sequence index).
 pub fn rope(x: &Tensor, rope: &Rope, positions: &[u32]) -> Result<Tensor> {
@@ -103,7 +105,37 @@ float_kernel!(writes_all RopePackedK<'a> { rope: &'a Rope, positions: &'a [u32],
     } else {
         fwd_packed(table, i[0], s.heads, s.seq, s.positions, o[0])
     }
+}; cuda |s, c| {
+    let (kv, group) = (s.heads.kv_heads, s.heads.group);
+    let rows = c.output_len(0) / s.rope.head_dim;
+    rope_cuda(c, s.rope, s.positions, rows, (kv * (group + 2), group + 2, group + 1), s.inverse)
 });
+
+/// RoPE on a GPU (`rope.cu`): `rows` rows of `head_dim`, with
+/// `(per_position, period, rotated)` saying which rows rotate at which
+/// sequence index. The cos and sin of each sequence index's position are
+/// computed here exactly as the CPU's f32 table and uploaded.
+fn rope_cuda(c: &mut CudaCall, rope: &Rope, positions: &[u32], rows: usize, (per_position, period, rotated): (usize, usize, usize), inverse: bool) -> Result<()> {
+    let (half, seq) = (rope.head_dim / 2, positions.len());
+    let inv_freq: Vec<f64> = (0..half).map(|i| rope.theta.powf(-2.0 * i as f64 / rope.head_dim as f64)).collect();
+    let angles = || positions.iter().flat_map(|&p| inv_freq.iter().map(move |f| p as f64 * f));
+    let table: Vec<f32> = angles().map(|a| a.cos() as f32).chain(angles().map(|a| a.sin() as f32)).collect();
+    let table = Arg::Scratch(c.upload_f32(&table)?);
+    let sign = if inverse { -1.0 } else { 1.0 };
+    let args = [
+        Arg::Input(0),
+        Arg::Output(0),
+        table,
+        Arg::U64(rows),
+        Arg::U64(seq),
+        Arg::U64(half),
+        Arg::U64(per_position),
+        Arg::U64(period),
+        Arg::U64(rotated),
+        Arg::F32(sign),
+    ];
+    c.launch("rope", "rope", Grid::Items(rows * half), &args)
+}
 
 /// [`rope`] on the query and key heads of a fused projection
 /// `[batch, seq, (q_heads + 2·kv_heads)·head_dim]` (see [`QkvHeads`]); the

@@ -1,15 +1,20 @@
 //! Softmax and log-softmax over the last dimension.
 
+use super::cuda_launch::{rows_binary, rows_unary};
 use super::{check_same_shape, float_kernel, run1};
 use crate::backend::cpu::Out;
 use crate::error::Result;
 use crate::tensor::Tensor;
 use tessera_kernels::cpu::softmax as k;
 
-float_kernel!(Softmax { row: usize } |s, i, o| k::softmax_forward(i[0], s.row, o[0]));
-float_kernel!(SoftmaxBack { row: usize } |s, i, o| k::softmax_backward(i[0], i[1], s.row, o[0]));
-float_kernel!(LogSoftmax { row: usize } |s, i, o| k::log_softmax_forward(i[0], s.row, o[0]));
-float_kernel!(LogSoftmaxBack { row: usize } |s, i, o| k::log_softmax_backward(i[0], i[1], s.row, o[0]));
+float_kernel!(writes_all Softmax { row: usize } |s, i, o| k::softmax_forward(i[0], s.row, o[0]);
+    cuda |s, c| rows_unary(c, "loss", "softmax", s.row));
+float_kernel!(writes_all SoftmaxBack { row: usize } |s, i, o| k::softmax_backward(i[0], i[1], s.row, o[0]);
+    cuda |s, c| rows_binary(c, "loss", "softmax_backward", s.row));
+float_kernel!(writes_all LogSoftmax { row: usize } |s, i, o| k::log_softmax_forward(i[0], s.row, o[0]);
+    cuda |s, c| rows_unary(c, "loss", "log_softmax", s.row));
+float_kernel!(writes_all LogSoftmaxBack { row: usize } |s, i, o| k::log_softmax_backward(i[0], i[1], s.row, o[0]);
+    cuda |s, c| rows_binary(c, "loss", "log_softmax_backward", s.row));
 
 /// Softmax over the last dimension.
 pub fn softmax(x: &Tensor) -> Result<Tensor> {

@@ -7,7 +7,7 @@
 
 use super::args::{Arg, Grid};
 use super::device::CudaDevice;
-use super::launch::Value;
+use super::launch::{AttnArg, Value};
 use super::storage::CudaStorage;
 use crate::backend::cpu::Out;
 use crate::error::{Error, Result};
@@ -26,6 +26,9 @@ pub struct CudaCall {
     // whole call.
     inputs: Vec<(u64, usize, DType)>,
     outputs: Vec<CudaStorage>,
+    // f32 buffers the op needs between its launches (attention's `delta`);
+    // freed after the call in stream order, so later work may reuse them.
+    scratch: Vec<CudaStorage>,
 }
 
 /// The dtype part of a kernel's symbol; `None` for dtypes with no kernels.
@@ -69,7 +72,7 @@ pub(crate) fn run_op(
             }
         })
         .collect::<Result<_>>()?;
-    let mut call = CudaCall { op, device: device.clone(), primary, inputs, outputs };
+    let mut call = CudaCall { op, device: device.clone(), primary, inputs, outputs, scratch: Vec::new() };
     body(&mut call)?;
     Ok(call.outputs)
 }
@@ -90,6 +93,34 @@ impl CudaCall {
         self.inputs[i].1
     }
 
+    /// A zeroed f32 buffer of `n` elements for the rest of the call, named
+    /// by the returned index in [`Arg::Scratch`].
+    pub(crate) fn scratch_f32(&mut self, n: usize) -> Result<usize> {
+        self.scratch.push(CudaStorage::zeros(&self.device, DType::F32, n)?);
+        Ok(self.scratch.len() - 1)
+    }
+
+    /// A copy of the host values `data` on the device for the rest of the
+    /// call (token ids, targets, index lists), named by the returned index in
+    /// [`Arg::Scratch`].
+    pub(crate) fn upload_u32(&mut self, data: &[u32]) -> Result<usize> {
+        self.upload(DType::U32, data.len(), data.iter().flat_map(|v| v.to_ne_bytes()).collect())
+    }
+
+    /// The same for f32 values (lookup tables).
+    pub(crate) fn upload_f32(&mut self, data: &[f32]) -> Result<usize> {
+        self.upload(DType::F32, data.len(), data.iter().flat_map(|v| v.to_ne_bytes()).collect())
+    }
+
+    fn upload(&mut self, dtype: DType, len: usize, mut bytes: Vec<u8>) -> Result<usize> {
+        // An empty list still gets a (one-element) buffer: its pointer must be valid.
+        if len == 0 {
+            bytes = vec![0; dtype.size_in_bytes()];
+        }
+        self.scratch.push(CudaStorage::from_host_bytes(&self.device, dtype, len.max(1), &bytes)?);
+        Ok(self.scratch.len() - 1)
+    }
+
     /// Launches the kernel `{kernel}_{dtype}` of the source `source` over
     /// `grid`, `dtype` being the primary input's.
     ///
@@ -106,6 +137,9 @@ impl CudaCall {
                 Arg::Null => Ok(Value::U64(0)),
                 Arg::U64(x) => Ok(Value::U64(x as u64)),
                 Arg::F32(x) => Ok(Value::F32(x)),
+                Arg::U32(x) => Ok(Value::U32(x)),
+                Arg::Scratch(i) => Ok(Value::U64(self.scratch[i].device_ptr_at(0))),
+                Arg::Attn(p) => Ok(Value::Attn(AttnArg(p))),
             })
             .collect::<Result<_>>()?;
         self.device.launch(source, &symbol, grid, &values)

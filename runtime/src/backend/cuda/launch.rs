@@ -7,7 +7,9 @@
 use super::args::Grid;
 use super::device::CudaDevice;
 use crate::error::{Error, Result};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use tessera_kernels::cuda::attention::{AttnParams, DEFAULT_SHARED_LIMIT};
 
 /// Threads per block of an item loop.
 const ITEM_THREADS: u32 = 256;
@@ -16,13 +18,28 @@ const ITEM_THREADS: u32 = 256;
 const MAX_BLOCKS: usize = 1 << 16;
 
 /// A kernel argument's value.
+// Built per launch, a few at a time (see `Arg`).
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Value {
     /// A device pointer, a length or a dimension.
     U64(u64),
     U32(u32),
     F32(f32),
+    /// The attention kernels' argument struct, passed by value.
+    Attn(AttnArg),
 }
+
+/// [`AttnParams`] as a kernel argument.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AttnArg(pub(crate) AttnParams);
+
+// SAFETY: `AttnParams` is `#[repr(C)]` plain data (u64s, an f32, a u32)
+// that mirrors `struct AttnParams` of `attention.cu` field for field (a test
+// of `tessera_kernels::cuda::attention` ties the two), so its bytes are the
+// kernel parameter's bytes.
+unsafe impl DeviceRepr for AttnArg {}
 
 /// The launch configuration of `grid`; `None` when there is nothing to do.
 pub(crate) fn config(grid: Grid) -> Option<LaunchConfig> {
@@ -31,6 +48,10 @@ pub(crate) fn config(grid: Grid) -> Option<LaunchConfig> {
         Grid::Items(n) => (n.div_ceil(ITEM_THREADS as usize).min(MAX_BLOCKS), ITEM_THREADS),
         // A multiple of 32 (whole warps, as the block reduction needs), at most 1024.
         Grid::Rows { rows, cols } => (rows.min(MAX_BLOCKS), cols.clamp(1, 1024).next_multiple_of(32) as u32),
+        Grid::Fixed { blocks: 0, .. } => return None,
+        Grid::Fixed { blocks, threads, shared_bytes } => {
+            return Some(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared_bytes })
+        }
     };
     Some(LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 })
 }
@@ -47,6 +68,16 @@ impl CudaDevice {
     pub(crate) fn launch(&self, source: &'static str, symbol: &str, grid: Grid, values: &[Value]) -> Result<()> {
         let Some(cfg) = config(grid) else { return Ok(()) };
         let f = self.function(source, symbol)?;
+        if cfg.shared_mem_bytes > DEFAULT_SHARED_LIMIT {
+            // More than the default dynamic shared memory must be allowed per
+            // function before the launch, or the launch fails.
+            f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.shared_mem_bytes as i32)
+                .map_err(|e| Error::Cuda {
+                    ordinal: self.ordinal(),
+                    op: "allowing a kernel more shared memory",
+                    detail: format!("`{symbol}` with {} bytes: {}", cfg.shared_mem_bytes, super::device::describe(&e)),
+                })?;
+        }
         let stream = self.compute_stream();
         let mut builder = stream.launch_builder(&f);
         for v in values {
@@ -54,6 +85,7 @@ impl CudaDevice {
                 Value::U64(x) => builder.arg(x),
                 Value::U32(x) => builder.arg(x),
                 Value::F32(x) => builder.arg(x),
+                Value::Attn(x) => builder.arg(x),
             };
         }
         // SAFETY: the caller guarantees the arguments match the kernel's
@@ -82,5 +114,8 @@ mod tests {
         assert_eq!((r.grid_dim.0, r.block_dim.0), (3, 32));
         assert_eq!(config(Grid::Rows { rows: 1 << 20, cols: 4096 }).unwrap().block_dim.0, 1024);
         assert_eq!(config(Grid::Rows { rows: 2, cols: 100 }).unwrap().block_dim.0, 128);
+        assert!(config(Grid::Fixed { blocks: 0, threads: 256, shared_bytes: 1 }).is_none());
+        let f = config(Grid::Fixed { blocks: 7, threads: 256, shared_bytes: 83_200 }).unwrap();
+        assert_eq!((f.grid_dim.0, f.block_dim.0, f.shared_mem_bytes), (7, 256, 83_200));
     }
 }

@@ -13,7 +13,8 @@
 //! and device, memory statistics and synchronisation, dtype conversion and
 //! strided copies, and the ops whose kernel struct has a CUDA implementation
 //! (`FloatKernel::cuda`: elementwise arithmetic, activations, norms, sums,
-//! matrix products through cuBLAS) and the AdamW step. Every other operation
+//! matrix products through cuBLAS, fused attention, softmax, cross-entropy,
+//! embedding, RoPE, dropout) and the AdamW step. Every other operation
 //! returns [`Error::NotImplementedOnCuda`](crate::Error::NotImplementedOnCuda)
 //! naming the operation. docs/cuda.md says what is next.
 

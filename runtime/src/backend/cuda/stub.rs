@@ -34,6 +34,18 @@ impl CudaCall {
         match *self {}
     }
 
+    pub(crate) fn scratch_f32(&mut self, _: usize) -> Result<usize> {
+        match *self {}
+    }
+
+    pub(crate) fn upload_u32(&mut self, _: &[u32]) -> Result<usize> {
+        match *self {}
+    }
+
+    pub(crate) fn upload_f32(&mut self, _: &[f32]) -> Result<usize> {
+        match *self {}
+    }
+
     pub(crate) fn launch(&mut self, _: &'static str, _: &str, _: super::args::Grid, _: &[super::args::Arg]) -> Result<()> {
         match *self {}
     }
