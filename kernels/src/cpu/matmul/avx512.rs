@@ -10,13 +10,16 @@
 //! of the depth loop issues 24 FMAs against 2 vector loads and 12
 //! broadcasts, so the FMA pipes, not the load ports, set the pace.
 //!
-//! `op(A)` is only packed (each task its `MC×KC` blocks, into micro-panels of
-//! [`MR`] rows that live in L2) when it is stored transposed. A row-major
-//! `A` is read in place: the 12 broadcasts of a step come from 12 rows, each
-//! walked sequentially, which the prefetchers follow as well as a packed
-//! panel, and skipping the pack saves a full pass over `A`. That pass is
-//! what made products with a thin output (`n = 384`, a linear layer's input
-//! gradient) run 10 % slower than wide ones: they pack 4× more `A` per FLOP.
+//! `op(A)` is read in place, not packed: for a row-major `A` the 12
+//! broadcasts of a step come from 12 rows, each walked sequentially; for a
+//! transposed one (a weight gradient's `dYᵀ`) they are 12 consecutive values
+//! of one stored row. The prefetchers follow either as well as a packed
+//! panel, and skipping the pack saves a full pass over `A` per product. That
+//! pass is what made products with a thin output (`n = 384`, a linear
+//! layer's input gradient) run 10 % slower than wide ones: they pack 4× more
+//! `A` per FLOP. Only a partial last panel (fewer than [`MR`] rows, where
+//! reading a full panel would leave the operand) is packed, into a buffer
+//! that lives in L2; an `A` with neither stride 1 is packed whole.
 //!
 //! Determinism: every element of `C` is summed over the depth in the same
 //! order whatever the thread count (fixed depth blocks, one FMA chain per
@@ -308,9 +311,9 @@ unsafe fn block(
     while ic < rows.end {
         let mv = MC.min(rows.end - ic);
         let packed_a = aligned(&mut abuf, mv.div_ceil(MR) * MR * kc);
-        // Full panels of a row-major A are read in place; a partial last
-        // panel (reading past it would leave the operand) is still packed.
-        let direct = a.cs == 1;
+        // Full panels are read in place; a partial last panel (reading past
+        // it would leave the operand) is still packed.
+        let direct = a.cs == 1 || a.rs == 1;
         let packed_rows = if direct { mv / MR * MR } else { 0 };
         if packed_rows < mv {
             pack_a(a, ic + packed_rows, mv - packed_rows, p0, kc, &mut packed_a[packed_rows * kc..]);
@@ -320,7 +323,9 @@ unsafe fn block(
             let bp = packed_b.as_ptr().add(jr / NR * kc * NR);
             for ir in (0..mv).step_by(MR) {
                 let rv = MR.min(mv - ir);
-                let ap = if ir < packed_rows {
+                let ap = if ir < packed_rows && a.cs != 1 {
+                    Panel::Cols { ptr: a.ptr.add((ic + ir) + p0 * a.cs), ld: a.cs }
+                } else if ir < packed_rows {
                     Panel::Rows { ptr: a.ptr.add((ic + ir) * a.rs + p0), ld: a.rs }
                 } else {
                     Panel::Packed(packed_a.as_ptr().add(ir * kc))
@@ -371,6 +376,8 @@ enum Panel {
     Packed(*const f32),
     /// In place: `MR` rows `ld` apart, each `kc` contiguous floats.
     Rows { ptr: *const f32, ld: usize },
+    /// In place, transposed: `kc` runs of `MR` floats, `ld` apart.
+    Cols { ptr: *const f32, ld: usize },
 }
 
 /// `C[0..MR][0..NR] (+)= A · Bpanel` over depth `kc`, where `A` is the
@@ -386,6 +393,7 @@ unsafe fn kernel(kc: usize, ap: Panel, bp: *const f32, c: *mut f32, ldc: usize, 
     match ap {
         Panel::Packed(ptr) => kernel_strided::<MR, 1>(kc, ptr, 1, bp, c, ldc, store),
         Panel::Rows { ptr, ld } => kernel_strided::<1, 0>(kc, ptr, ld, bp, c, ldc, store),
+        Panel::Cols { ptr, ld } => kernel_strided::<0, 1>(kc, ptr, ld, bp, c, ldc, store),
     }
 }
 
@@ -408,6 +416,7 @@ unsafe fn kernel_strided<const STEP: usize, const ROW: usize>(
     store: Store<'_>,
 ) {
     let row = if ROW == 0 { ld } else { ROW };
+    let stride = if STEP == 0 { ld } else { STEP };
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     let (mut ap, mut bp) = (ap, bp);
     let step = |acc: &mut [[__m512; 2]; MR], ap: *const f32, bp: *const f32| {
@@ -424,7 +433,7 @@ unsafe fn kernel_strided<const STEP: usize, const ROW: usize>(
     let ahead = kc.min(PREFETCH_STEPS);
     for _ in 0..kc - ahead {
         step(&mut acc, ap, bp);
-        ap = ap.add(STEP);
+        ap = ap.add(stride);
         bp = bp.add(NR);
     }
     for i in 0..MR {
@@ -434,7 +443,7 @@ unsafe fn kernel_strided<const STEP: usize, const ROW: usize>(
     }
     for _ in 0..ahead {
         step(&mut acc, ap, bp);
-        ap = ap.add(STEP);
+        ap = ap.add(stride);
         bp = bp.add(NR);
     }
     let bias = store.bias.map(|b| {
