@@ -84,7 +84,8 @@ run() {
 
     # The GPU tests: each binary with a time limit; failures are recorded, not fatal.
     for t in "$bundle"/test-*; do
-        local name=${t##*/test-} log=/tmp/gpu-check-$name.log
+        local name=${t##*/test-}
+        local log=/tmp/gpu-check-$name.log
         timeout 120 "$t" --test-threads=1 >"$log" 2>&1
         local rc=$?
         local summary
@@ -98,7 +99,7 @@ run() {
     local case
     for case in gemm attention gpt2; do
         local ours theirs
-        ours=$(timeout 150 "$bundle/bench" cuda "$case" 2>/tmp/gpu-check-bench.log | tail -1)
+        ours=$(RUST_BACKTRACE=0 timeout 150 "$bundle/bench" cuda "$case" 2>/tmp/gpu-check-bench.log | tail -1)
         [ -n "$ours" ] || ours=$(python3 -c 'import json,sys; print(json.dumps({"bench":"cuda","case":sys.argv[1],"error":sys.argv[2]}))' "$case" "$(tail -3 /tmp/gpu-check-bench.log)")
         theirs=$(timeout 150 python3 scripts/torch_reference.py "$case" 2>/tmp/gpu-check-torch.log | tail -1)
         [ -n "$theirs" ] || theirs=$(python3 -c 'import json,sys; print(json.dumps({"bench":"torch","case":sys.argv[1],"error":sys.argv[2]}))' "$case" "$(tail -3 /tmp/gpu-check-torch.log)")
