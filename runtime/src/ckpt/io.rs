@@ -1,8 +1,8 @@
 //! Bytes, checksums and durable file operations for checkpoints.
 
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Tensor};
-use crate::{bf16, f16, Device};
+use crate::tensor::{with_elem, DType, Tensor};
+use crate::Device;
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::Path;
@@ -23,14 +23,7 @@ pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
         }
         Ok(bytemuck::cast_slice(&t.to_vec::<T>()?).to_vec())
     }
-    match t.dtype() {
-        DType::F32 => le::<f32>(t),
-        DType::F64 => le::<f64>(t),
-        DType::BF16 => le::<bf16>(t),
-        DType::F16 => le::<f16>(t),
-        DType::I32 => le::<i32>(t),
-        DType::U32 => le::<u32>(t),
-    }
+    with_elem!(t.dtype(), T => le::<T>(t))
 }
 
 /// A tensor of `dtype` and `shape` on `device` from little-endian bytes.
@@ -39,14 +32,7 @@ pub(crate) fn tensor_from_bytes(bytes: &[u8], dtype: DType, shape: &[usize], dev
         let data: Vec<T> = bytes.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned).collect();
         Tensor::from_vec(data, shape.to_vec(), device)
     }
-    match dtype {
-        DType::F32 => build::<f32>(bytes, shape, device),
-        DType::F64 => build::<f64>(bytes, shape, device),
-        DType::BF16 => build::<bf16>(bytes, shape, device),
-        DType::F16 => build::<f16>(bytes, shape, device),
-        DType::I32 => build::<i32>(bytes, shape, device),
-        DType::U32 => build::<u32>(bytes, shape, device),
-    }
+    with_elem!(dtype, T => build::<T>(bytes, shape, device))
 }
 
 /// The safetensors dtype of `d`.

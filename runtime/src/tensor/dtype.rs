@@ -74,3 +74,19 @@ impl Element for i32 {
 impl Element for u32 {
     const DTYPE: DType = DType::U32;
 }
+
+/// Runs `$body` with `$t` bound to the Rust element type of `$dtype`: the one
+/// place that maps each dtype to its type, for code generic over [`Element`].
+macro_rules! with_elem {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            $crate::tensor::DType::F32 => { type $t = f32; $body }
+            $crate::tensor::DType::F64 => { type $t = f64; $body }
+            $crate::tensor::DType::BF16 => { type $t = $crate::bf16; $body }
+            $crate::tensor::DType::F16 => { type $t = $crate::f16; $body }
+            $crate::tensor::DType::I32 => { type $t = i32; $body }
+            $crate::tensor::DType::U32 => { type $t = u32; $body }
+        }
+    };
+}
+pub(crate) use with_elem;

@@ -8,6 +8,7 @@ mod shape;
 mod view;
 
 pub use dtype::{DType, Element};
+pub(crate) use dtype::with_elem;
 pub use layout::Layout;
 pub use shape::Shape;
 pub use create::Init;
@@ -106,17 +107,7 @@ impl Tensor {
     /// A copy of this tensor on `device` (same dtype, shape and values,
     /// contiguous), through host memory. Waits for queued work on the source.
     pub fn to_device(&self, device: &Device) -> Result<Tensor> {
-        fn copy<T: Element>(t: &Tensor, device: &Device) -> Result<Tensor> {
-            Tensor::from_vec(t.to_vec::<T>()?, t.shape().clone(), device)
-        }
-        match self.dtype {
-            DType::F32 => copy::<f32>(self, device),
-            DType::F64 => copy::<f64>(self, device),
-            DType::BF16 => copy::<half::bf16>(self, device),
-            DType::F16 => copy::<half::f16>(self, device),
-            DType::I32 => copy::<i32>(self, device),
-            DType::U32 => copy::<u32>(self, device),
-        }
+        with_elem!(self.dtype, T => Tensor::from_vec(self.to_vec::<T>()?, self.shape().clone(), device))
     }
 
     /// The elements as a host vector of `T`, which must be this tensor's

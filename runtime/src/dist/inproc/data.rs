@@ -6,7 +6,7 @@
 
 use crate::backend::cpu::Buffer;
 use crate::backend::{CpuDevice, CpuStorage, Device, Storage};
-use crate::tensor::{DType, Element, Shape, Tensor};
+use crate::tensor::{with_elem, DType, Element, Shape, Tensor};
 use half::{bf16, f16};
 use std::ops::Range;
 use tessera_kernels::cpu::{cast, elementwise};
@@ -28,20 +28,6 @@ fn range_of(t: &Tensor) -> Range<usize> {
 /// Wraps `storage` as a tensor of `shape` on `dev`.
 pub(super) fn wrap(storage: CpuStorage, shape: impl Into<Shape>, dev: &CpuDevice) -> Tensor {
     Tensor::from_cpu(storage, shape, dev)
-}
-
-/// Runs `$body` with `$t` bound to the Rust element type of `$dtype`.
-macro_rules! with_elem {
-    ($dtype:expr, $t:ident => $body:expr) => {
-        match $dtype {
-            DType::F32 => { type $t = f32; $body }
-            DType::F64 => { type $t = f64; $body }
-            DType::BF16 => { type $t = bf16; $body }
-            DType::F16 => { type $t = f16; $body }
-            DType::I32 => { type $t = i32; $body }
-            DType::U32 => { type $t = u32; $body }
-        }
-    };
 }
 
 /// A new storage on `dev` holding, in order, the elements `range` (counted
