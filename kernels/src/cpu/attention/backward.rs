@@ -81,15 +81,18 @@ impl<T: Real> Acc<T> {
     }
 }
 
-/// Copies `rows` rows of `hd` from `src`, row `t` at `at(t)`, into `buf`
-/// back to back: a fused layout's rows lie a whole position apart (and so on
-/// separate pages), which the tile loops that re-read every row many times
-/// pay for on each pass.
-fn gather<'a, T: Real>(buf: &'a mut Vec<T>, src: &[T], rows: usize, hd: usize, at: impl Fn(usize) -> usize) -> &'a [T] {
+/// `rows` rows of `hd` from `src`, the first at `start` and each `ld` after
+/// the last, back to back: the rows themselves when they already are,
+/// otherwise a copy in `buf`. A fused layout's rows lie a whole position
+/// apart (and so on separate pages), which the tile loops that re-read every
+/// row many times would pay for on each pass.
+fn contiguous_rows<'a, T: Real>(buf: &'a mut Vec<T>, src: &'a [T], start: usize, ld: usize, rows: usize, hd: usize) -> &'a [T] {
+    if ld == hd {
+        return &src[start..start + rows * hd];
+    }
     buf.clear();
     for t in 0..rows {
-        let o = at(t);
-        buf.extend_from_slice(&src[o..o + hd]);
+        buf.extend_from_slice(&src[start + t * ld..start + t * ld + hd]);
     }
     buf
 }
@@ -335,8 +338,8 @@ fn group_block<T: Real>(
     let (hd, r) = (d.head_dim, d.group());
     let scale = T::lit(d.scale);
     let Acc { dq: dq_all, dk, dv, k, v, q, dout } = acc;
-    let k = gather(k, inp.k, d.seq_kv, hd, |t| inp.lay.k.at(1, b, g, t));
-    let v = gather(v, inp.v, d.seq_kv, hd, |t| inp.lay.v.at(1, b, g, t));
+    let k = contiguous_rows(k, inp.k, inp.lay.k.at(1, b, g, 0), inp.lay.k.row(), d.seq_kv, hd);
+    let v = contiguous_rows(v, inp.v, inp.lay.v.at(1, b, g, 0), inp.lay.v.row(), d.seq_kv, hd);
     let dq_all = zeroed(dq_all, r * d.seq_q * hd);
     let dk = zeroed(dk, d.seq_kv * hd);
     let dv = zeroed(dv, d.seq_kv * hd);
@@ -347,8 +350,8 @@ fn group_block<T: Real>(
             let i0 = qb * BLOCK_Q;
             let bq = dq.len() / hd;
             let row0 = bh * d.seq_q + i0;
-            let q_blk = gather(q, inp.q, bq, hd, |t| inp.q_at(b, h, i0 + t));
-            let do_blk = gather(dout, inp.dout, bq, hd, |t| inp.o_at(b, h, i0 + t));
+            let q_blk = contiguous_rows(q, inp.q, inp.q_at(b, h, i0), inp.lay.q.row(), bq, hd);
+            let do_blk = contiguous_rows(dout, inp.dout, inp.o_at(b, h, i0), inp.lay.o.row(), bq, hd);
             transpose_scaled(q_blk, bq, hd, hd, scale, &mut s.qs);
             transpose_scaled(do_blk, bq, hd, hd, T::one(), &mut s.t1);
             let qb = Block { data: q_blk, rows: bq, ld: hd };

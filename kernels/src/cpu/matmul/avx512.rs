@@ -18,8 +18,8 @@
 //! pass is what made products with a thin output (`n = 384`, a linear
 //! layer's input gradient) run 10 % slower than wide ones: they pack 4× more
 //! `A` per FLOP. Only a partial last panel (fewer than [`MR`] rows, where
-//! reading a full panel would leave the operand) is packed, into a buffer
-//! that lives in L2; an `A` with neither stride 1 is packed whole.
+//! reading a full panel would leave the operand) is packed, into a one-panel
+//! buffer kept per thread.
 //!
 //! Determinism: every element of `C` is summed over the depth in the same
 //! order whatever the thread count (fixed depth blocks, one FMA chain per
@@ -38,8 +38,8 @@ const NR: usize = 32;
 /// Largest depth block: an `MR×KC` panel of `A` (12 KiB) plus the
 /// `KC×NR` panel of `B` (32 KiB) it meets stay close to L1.
 const KC_MAX: usize = 1024;
-/// Rows of `A` packed at once: `MC×KC` floats (192 KiB) stay in the 1 MiB L2
-/// while every strip of `B` sweeps over them.
+/// Rows of `A` a task walks before moving on: their `MC×KC` floats stay in
+/// the 1 MiB L2 while every strip of `B` sweeps over them.
 const MC: usize = 96;
 /// Depth steps before the end of the micro-kernel at which the `C` tile is
 /// prefetched (each step is about 24 cycles).
@@ -250,39 +250,18 @@ unsafe fn pack_b(b: View, p0: usize, kc: usize, j0: usize, nv: usize, dst: &mut 
     }
 }
 
-/// Packs rows `i0..i0+mv` and depth `p0..p0+kc` of `op(A)` into `dst` as
-/// micro-panels of `MR` rows, each `kc` groups of `MR` floats (rows past `mv`
-/// are zero).
+/// Packs rows `i0..i0+rows` (fewer than `MR`) and depth `p0..p0+kc` of
+/// `op(A)` into one micro-panel: `kc` groups of `MR` floats, rows past
+/// `rows` zero. Only a partial last panel is packed, so this is rare and small.
 ///
 /// # Safety
-/// The addressed elements of `a` must be in bounds;
-/// `dst.len() == mv.div_ceil(MR)*MR*kc`.
-unsafe fn pack_a(a: View, i0: usize, mv: usize, p0: usize, kc: usize, dst: &mut [f32]) {
-    let panels = mv.div_ceil(MR);
-    let last_rows = mv - (panels - 1) * MR;
-    if last_rows < MR {
-        dst[(panels - 1) * MR * kc..].fill(0.0);
-    }
-    if a.rs == 1 {
-        // `op(A)` is stored transposed (a weight gradient's `dYᵀ`): each depth
-        // step is one contiguous run of `mv` values, dealt out to the panels,
-        // so every source row is read once instead of once per panel.
-        for p in 0..kc {
-            let src = std::slice::from_raw_parts(a.ptr.add((p0 + p) * a.cs + i0), mv);
-            for (t, group) in src.chunks(MR).enumerate() {
-                let at = t * MR * kc + p * MR;
-                dst.get_unchecked_mut(at..at + group.len()).copy_from_slice(group);
-            }
-        }
-    } else {
-        for (t, panel) in dst.chunks_exact_mut(MR * kc).enumerate() {
-            let r0 = i0 + t * MR;
-            for i in 0..(mv - t * MR).min(MR) {
-                let src = a.ptr.add((r0 + i) * a.rs + p0 * a.cs);
-                for p in 0..kc {
-                    *panel.get_unchecked_mut(p * MR + i) = *src.add(p * a.cs);
-                }
-            }
+/// The addressed elements of `a` must be in bounds; `dst.len() == MR*kc`.
+unsafe fn pack_a(a: View, i0: usize, rows: usize, p0: usize, kc: usize, dst: &mut [f32]) {
+    debug_assert!(rows < MR && dst.len() == MR * kc);
+    dst.fill(0.0);
+    for (p, group) in dst.chunks_exact_mut(MR).enumerate() {
+        for (i, x) in group[..rows].iter_mut().enumerate() {
+            *x = *a.ptr.add((i0 + i) * a.rs + (p0 + p) * a.cs);
         }
     }
 }
@@ -306,29 +285,29 @@ unsafe fn block(
     out: OutPtr,
     store: Store<'_>,
 ) {
-    let mut abuf = take_buf(&PACK_A, MC * kc);
+    debug_assert!(a.cs == 1 || a.rs == 1, "A is read in place along one of its strides");
+    let mut abuf = take_buf(&PACK_A, MR * kc);
     let mut ic = rows.start;
     while ic < rows.end {
         let mv = MC.min(rows.end - ic);
-        let packed_a = aligned(&mut abuf, mv.div_ceil(MR) * MR * kc);
         // Full panels are read in place; a partial last panel (reading past
-        // it would leave the operand) is still packed.
-        let direct = a.cs == 1 || a.rs == 1;
-        let packed_rows = if direct { mv / MR * MR } else { 0 };
-        if packed_rows < mv {
-            pack_a(a, ic + packed_rows, mv - packed_rows, p0, kc, &mut packed_a[packed_rows * kc..]);
+        // it would leave the operand) is packed, zero-padded, into `tail`.
+        let full = mv / MR * MR;
+        let tail = aligned(&mut abuf, MR * kc);
+        if full < mv {
+            pack_a(a, ic + full, mv - full, p0, kc, tail);
         }
         for jr in cols.clone().step_by(NR) {
             let nv = NR.min(n - jr);
             let bp = packed_b.as_ptr().add(jr / NR * kc * NR);
             for ir in (0..mv).step_by(MR) {
                 let rv = MR.min(mv - ir);
-                let ap = if ir < packed_rows && a.cs != 1 {
-                    Panel::Cols { ptr: a.ptr.add((ic + ir) + p0 * a.cs), ld: a.cs }
-                } else if ir < packed_rows {
+                let ap = if ir == full {
+                    Panel::Packed(tail.as_ptr())
+                } else if a.cs == 1 {
                     Panel::Rows { ptr: a.ptr.add((ic + ir) * a.rs + p0), ld: a.rs }
                 } else {
-                    Panel::Packed(packed_a.as_ptr().add(ir * kc))
+                    Panel::Cols { ptr: a.ptr.add((ic + ir) + p0 * a.cs), ld: a.cs }
                 };
                 let cp = out.0.add((ic + ir) * ldc + jr);
                 let tile_store = Store { bias: store.bias.map(|b| &b[jr..]), ..store };
