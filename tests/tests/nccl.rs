@@ -9,12 +9,19 @@
 
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::models::GptBlock;
+use common::{assert_close, rand_vec};
+use std::sync::Arc;
 use std::thread;
 use tessera::backend::cuda::report_skip;
 use tessera::dist::inproc::InProcess;
 use tessera::dist::mesh::Mesh;
 use tessera::dist::nccl::{self, NcclCommunicator};
 use tessera::dist::Communicator;
+use tessera::module::{self, Act, Cx, Groups, Module};
+use tessera::parallel::data::{DataParallel, SyncStats};
 use tessera::{bf16, f16, DType, Device, Error, Init, Result, RngKey, Tensor};
 
 const DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
@@ -145,6 +152,10 @@ fn check_every_collective<C: Communicator>(devices: &[Device], comms: &[C]) {
             assert_agree(&got, &want, dtype, &format!("{what} {dtype} {dims:?}"));
         };
         compare(&[3, 5, 7], 1, "all_reduce_sum", &|c, t| c.all_reduce_sum(t));
+        compare(&[3, 5, 7], 2, "all_reduce_sum_async", &|c, t| c.all_reduce_sum_async(t)?.wait());
+        compare(&[2, 3, 4], 3, "all_gather_async dim 1", &|c, t| c.all_gather_async(t, 1)?.wait());
+        compare(&[2, 3 * n, 4], 4, "reduce_scatter_sum_async dim 1", &|c, t| c.reduce_scatter_sum_async(t, 1)?.wait());
+        compare(&[4, 6], 5, "broadcast_async root 0", &|c, t| c.broadcast_async(t, 0)?.wait());
         for dim in 0..3 {
             compare(&[2, 3, 4], 10 + dim as u64, &format!("all_gather dim {dim}"), &move |c, t| c.all_gather(t, dim));
             compare(&[2 * n, 3 * n, n], 20 + dim as u64, &format!("reduce_scatter_sum dim {dim}"), &move |c, t| c.reduce_scatter_sum(t, dim));
@@ -258,4 +269,109 @@ fn groups_of_no_device_or_of_cpu_devices_are_refused() {
     assert!(e.to_string().contains("2 ranks but 1 devices"), "{e}");
     let e = nccl::mesh_groups(&mesh, &[Device::cpu(), Device::cpu()]).unwrap_err();
     assert!(e.to_string().contains("NCCL connects CUDA devices"), "{e}");
+}
+
+/// An asynchronous all-reduce leaves the compute stream free, so the
+/// buffers it reads must outlive the caller's handles: the input is dropped
+/// and its memory churned by new tensors while the collective may still
+/// run, and the sums must still be right.
+#[test]
+fn an_async_all_reduce_keeps_its_input_alive_until_waited_for() {
+    let Some((devices, comms)) = group_or_skip("an_async_all_reduce_keeps_its_input_alive_until_waited_for", 1) else { return };
+    let dev = &devices[0];
+    let n = 1 << 20;
+    let x = Tensor::from_vec(vec![1.5f32; n], [n], dev).unwrap();
+    let pending = comms[0].all_reduce_sum_async(&x).unwrap();
+    drop(x);
+    let churn: Vec<Tensor> = (0..4).map(|i| Tensor::from_vec(vec![i as f32 - 9.0; n], [n], dev).unwrap()).collect();
+    let sum = pending.wait().unwrap();
+    assert!(host(&sum).iter().all(|&v| v == 1.5), "the all-reduce read a buffer reused by later work");
+    assert_eq!(host(&churn[3])[0], -6.0);
+    // A handle dropped without waiting still orders the device's later work
+    // after the collective, so its buffers are not reused under it.
+    let y = Tensor::from_vec(vec![2.0f32; n], [n], dev).unwrap();
+    drop(comms[0].all_reduce_sum_async(&y).unwrap());
+    drop(y);
+    let z = Tensor::from_vec(vec![3.0f32; n], [n], dev).unwrap();
+    assert!(host(&comms[0].all_reduce_sum(&z).unwrap()).iter().all(|&v| v == 3.0));
+}
+
+/// One data-parallel step of a GPT block in f32, rank `r` on `devices[r]`
+/// with the data-parallel group `comms[r]`: every rank's averaged gradients
+/// (in parameter order) and sync figures.
+fn dp_step(devices: &[Device], comms: &[Arc<dyn Communicator>]) -> Vec<(Vec<Vec<f64>>, SyncStats)> {
+    let n = devices.len();
+    let (per, t, d) = (2, 3, 8);
+    let x = rand_vec(1, n * per * t * d);
+    let dy = rand_vec(2, n * per * t * d);
+    per_rank(n, |r| {
+        let dev = &devices[r];
+        let mut groups = Groups::single();
+        groups.dp = comms[r].clone();
+        let cx = Cx::new(dev.clone()).with_dtype(DType::F32).with_seed(7).with_groups(groups);
+        let block = module::build(GptBlock::new(d, 2).unwrap(), &cx).unwrap();
+        // Small buckets: several all-reduces, launched during the backward.
+        let sync = Arc::new(DataParallel::new(&block, comms[r].clone(), 512).unwrap());
+        let mut cx = cx.with_hooks(sync.clone());
+        // Rank r's share of the batch; its upstream gradient is scaled by the
+        // number of ranks, so that the average is the whole batch's.
+        let share = |v: &[f64], scale: f64| -> Vec<f32> { v[r * per * t * d..(r + 1) * per * t * d].iter().map(|&e| (e * scale) as f32).collect() };
+        let xr = Tensor::from_vec(share(&x, 1.0), [per, t, d], dev).unwrap();
+        let (y, saved) = block.forward(&mut cx, Act::new(xr)).unwrap();
+        let dyr = Tensor::from_vec(share(&dy, n as f64), y.tensor().shape().clone(), dev).unwrap();
+        block.backward(&mut cx, saved, Act::new(dyr)).unwrap();
+        let stats = sync.finish().unwrap();
+        let mut grads = Vec::new();
+        module::visit_params(&block, |e| {
+            grads.push(host(&e.param.grad().expect("every parameter has a gradient")));
+            Ok(())
+        })
+        .unwrap();
+        (grads, stats)
+    })
+}
+
+/// Data parallelism over NCCL: buckets all-reduced on the communication
+/// stream while the backward runs give every rank the gradients CPU ranks
+/// get from the in-process communicator.
+fn check_data_parallel(devices: Vec<Device>, comms: Vec<NcclCommunicator>) {
+    let n = devices.len();
+    let world = InProcess::new(n).unwrap();
+    let cpus: Vec<Device> = (0..n).map(|_| Device::cpu()).collect();
+    let cpu_comms: Vec<Arc<dyn Communicator>> = cpus.iter().enumerate().map(|(r, d)| Arc::new(world.communicator(r, d).unwrap()) as Arc<dyn Communicator>).collect();
+    let want = dp_step(&cpus, &cpu_comms);
+    let gpu_comms: Vec<Arc<dyn Communicator>> = comms.into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect();
+    let got = dp_step(&devices, &gpu_comms);
+    for (r, ((g, stats), (w, _))) in got.iter().zip(&want).enumerate() {
+        assert!(stats.buckets >= 3 && stats.launched_during_backward == stats.buckets, "rank {r}: {stats:?}");
+        for (i, (g, w)) in g.iter().zip(w).enumerate() {
+            assert_close(g, w, 1e-4, 1e-3, &format!("rank {r}: gradient of parameter {i}"));
+        }
+    }
+}
+
+/// The data-parallel harness itself, where there is no GPU: on two CPU
+/// ranks the step makes several buckets and both ranks end with the same
+/// gradients.
+#[test]
+fn the_data_parallel_step_runs_on_cpu_ranks() {
+    let world = InProcess::new(2).unwrap();
+    let cpus = [Device::cpu(), Device::cpu()];
+    let comms: Vec<Arc<dyn Communicator>> = cpus.iter().enumerate().map(|(r, d)| Arc::new(world.communicator(r, d).unwrap()) as Arc<dyn Communicator>).collect();
+    let got = dp_step(&cpus, &comms);
+    assert!(got[0].1.buckets >= 3, "{:?}", got[0].1);
+    assert_eq!(got[0].0, got[1].0, "the replicas' averaged gradients agree");
+    assert!(got[0].0.iter().flatten().any(|&g| g != 0.0));
+}
+
+#[test]
+fn data_parallel_on_one_gpu_matches_cpu_ranks() {
+    let Some((devices, comms)) = group_or_skip("data_parallel_on_one_gpu_matches_cpu_ranks", 1) else { return };
+    check_data_parallel(devices, comms);
+}
+
+#[test]
+fn data_parallel_on_two_gpus_matches_cpu_ranks() {
+    let Some((devices, comms)) = group_or_skip("data_parallel_on_two_gpus_matches_cpu_ranks", 2) else { return };
+    check_data_parallel(devices, comms);
 }

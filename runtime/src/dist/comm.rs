@@ -184,6 +184,14 @@ pub struct Pending<T = Tensor> {
     rank: usize,
     rx: Option<mpsc::Receiver<Result<T>>>,
     got: OnceCell<Result<T>>,
+    queued: Option<Queued<T>>,
+}
+
+/// An operation queued on a device: how to ask whether it has run, and how
+/// to take its result (which orders the caller's later work after it).
+struct Queued<T> {
+    done: Box<dyn Fn() -> bool + Send>,
+    finish: Box<dyn FnOnce() -> Result<T> + Send>,
 }
 
 /// The sending side of a [`Pending`]: whoever runs the operation completes it.
@@ -201,7 +209,17 @@ impl<T> Pending<T> {
     pub fn ready(op: &'static str, result: Result<T>) -> Self {
         let got = OnceCell::new();
         let _ = got.set(result);
-        Pending { op, rank: 0, rx: None, got }
+        Pending { op, rank: 0, rx: None, got, queued: None }
+    }
+
+    /// A handle for an operation queued on a device's stream rather than run
+    /// by a thread: `done` tells whether the device has run it (never
+    /// blocks), and `finish` produces the result when the handle is waited
+    /// for. `finish` need not block either: it may order the work that reads
+    /// the result after the operation on the device (a stream waiting for an
+    /// event) and return at once.
+    pub fn queued(op: &'static str, rank: usize, done: impl Fn() -> bool + Send + 'static, finish: impl FnOnce() -> Result<T> + Send + 'static) -> Self {
+        Pending { op, rank, rx: None, got: OnceCell::new(), queued: Some(Queued { done: Box::new(done), finish: Box::new(finish) }) }
     }
 
     /// A handle for the operation `op` of rank `rank` (both named in
@@ -210,7 +228,7 @@ impl<T> Pending<T> {
     pub fn channel(op: &'static str, rank: usize) -> (Completer<T>, Pending<T>) {
         // Capacity 1: the single result never blocks the completing thread.
         let (tx, rx) = mpsc::sync_channel(1);
-        (Completer { tx }, Pending { op, rank, rx: Some(rx), got: OnceCell::new() })
+        (Completer { tx }, Pending { op, rank, rx: Some(rx), got: OnceCell::new(), queued: None })
     }
 
     /// Whether the operation has finished, successfully or not (then
@@ -218,6 +236,9 @@ impl<T> Pending<T> {
     pub fn is_done(&self) -> bool {
         if self.got.get().is_some() {
             return true;
+        }
+        if let Some(q) = &self.queued {
+            return (q.done)();
         }
         let Some(rx) = &self.rx else { return true };
         match rx.try_recv() {
@@ -237,6 +258,9 @@ impl<T> Pending<T> {
     pub fn wait(mut self) -> Result<T> {
         if let Some(r) = self.got.take() {
             return r;
+        }
+        if let Some(q) = self.queued.take() {
+            return (q.finish)();
         }
         match self.rx.take().map(|rx| rx.recv()) {
             Some(Ok(r)) => r,

@@ -29,13 +29,22 @@
 //! # Streams
 //!
 //! A collective is queued on its device's communication stream, which first
-//! waits for the compute queued so far (the input was just written) and
-//! which the compute stream then waits for (the result is read next); both
-//! are event waits between streams, so a call returns as soon as the work is
-//! queued and the host never blocks. Only [`barrier`](Communicator::barrier)
-//! and [`all_to_all`](Communicator::all_to_all) wait on the host. The
-//! `*_async` methods keep the trait's defaults: the synchronous call already
-//! runs in the background of the compute stream.
+//! waits for the compute queued so far (the input was just written). A
+//! synchronous call then makes the compute stream wait for it (the result is
+//! read next); both are event waits between streams, so a call returns as
+//! soon as the work is queued and the host never blocks. Only
+//! [`barrier`](Communicator::barrier) and
+//! [`all_to_all`](Communicator::all_to_all) wait on the host.
+//!
+//! The `*_async` forms of the all-reduce, all-gather, reduce-scatter and
+//! broadcast leave the compute stream free: kernels queued after the call
+//! (the rest of the backward) run while the collective does, and only
+//! [`Pending::wait`] orders the compute stream after it. That is how a
+//! data-parallel bucket's all-reduce overlaps the backward
+//! ([`DataParallel`](crate::parallel::DataParallel)). The handle holds the
+//! buffers the collective reads until then, since the allocator hands freed
+//! blocks out again in compute-stream order; [`Pending::is_done`] asks the
+//! device whether the collective has run.
 //!
 //! All of a device's communicators (its rank's tp, dp, pp and ep groups)
 //! share its one communication stream, so their collectives run in the order
@@ -70,12 +79,13 @@
 mod all_to_all;
 mod raw;
 
-use super::comm::Communicator;
+use super::comm::{Communicator, Pending};
 use super::mesh::{Axis, Mesh};
 use crate::backend::{CudaDevice, CudaStorage, Device, Storage};
 use crate::error::{Error, Result};
 use crate::module::Groups;
 use crate::tensor::{DType, Shape, Tensor};
+use cudarc::driver::CudaEvent;
 use cudarc::nccl::{result, sys};
 use raw::{describe, nccl_type, RawComm};
 use std::fmt;
@@ -215,8 +225,8 @@ impl NcclCommunicator {
     }
 
     /// Queues one NCCL call on the communication stream, ordered after the
-    /// compute queued so far and before the compute queued next.
-    fn launch(&self, op: &'static str, call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<result::NcclStatus, result::NcclError>) -> Result<()> {
+    /// compute queued so far, and returns an event recorded after it.
+    fn queue(&self, op: &'static str, call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<result::NcclStatus, result::NcclError>) -> Result<Arc<CudaEvent>> {
         let member = self.member();
         let state = lock(&member.state);
         let comm = match &*state {
@@ -234,7 +244,27 @@ impl NcclCommunicator {
             Ok(Err(e)) => return Err(Error::Nccl { ordinal: device.ordinal(), op, detail: describe(&e) }),
             Err(_) => return Err(Error::NcclUnavailable { detail: format!("the NCCL library lacks a function {op} needs") }),
         }
-        device.compute_waits_for_comm()
+        let event = stream.record_event(None).map_err(|e| device.error("recording the end of a collective", e))?;
+        Ok(Arc::new(event))
+    }
+
+    /// Queues one NCCL call like [`queue`](Self::queue), and orders the
+    /// compute queued next after it.
+    fn launch(&self, op: &'static str, call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<result::NcclStatus, result::NcclError>) -> Result<()> {
+        let event = self.queue(op, call)?;
+        Inflight { device: self.cuda().clone(), event, keep: Vec::new() }.release()
+    }
+
+    /// The handle of the collective `op` queued as `event`, reading the
+    /// buffers `keep`: done once the device has run it; waiting for it orders
+    /// the compute queued from then on after it (the host does not block),
+    /// then returns what `finish` makes of the output.
+    fn pending<T: Send + 'static>(&self, op: &'static str, event: Arc<CudaEvent>, keep: Vec<Tensor>, finish: impl FnOnce() -> Result<T> + Send + 'static) -> Pending<T> {
+        let inflight = Inflight { device: self.cuda().clone(), event: event.clone(), keep };
+        Pending::queued(op, self.rank, move || event.is_complete(), move || {
+            inflight.release()?;
+            finish()
+        })
     }
 
     fn check_dim(op: &'static str, t: &Tensor, dim: usize) -> Result<()> {
@@ -254,6 +284,42 @@ fn address(op: &'static str, t: &Tensor) -> Result<*mut std::ffi::c_void> {
     }
 }
 
+/// A collective queued on a device's communication stream and the buffers
+/// it reads. Releasing it (or dropping it unreleased, when a handle is
+/// dropped without waiting) makes the compute stream wait for the
+/// collective before the buffers go back to the allocator, which hands
+/// freed blocks out again in compute-stream order.
+struct Inflight {
+    device: CudaDevice,
+    event: Arc<CudaEvent>,
+    keep: Vec<Tensor>,
+}
+
+impl Inflight {
+    /// Orders the compute stream after the collective, then drops the buffers.
+    fn release(mut self) -> Result<()> {
+        let ordered = self.order_compute();
+        if ordered.is_ok() {
+            self.keep.clear();
+        }
+        ordered
+    }
+
+    fn order_compute(&self) -> Result<()> {
+        self.device.compute_stream().wait(&self.event).map_err(|e| self.device.error("ordering the compute stream after a collective", e))
+    }
+}
+
+impl Drop for Inflight {
+    fn drop(&mut self) {
+        if !self.keep.is_empty() && self.order_compute().is_err() {
+            // The device is failing: the stream cannot be ordered, so the
+            // buffers are safer leaked than handed out while NCCL may read them.
+            std::mem::forget(std::mem::take(&mut self.keep));
+        }
+    }
+}
+
 /// The product of the dimensions before `dim`: how many blocks a
 /// concatenation along `dim` interleaves.
 fn outer(t: &Tensor, dim: usize) -> usize {
@@ -270,42 +336,63 @@ impl Communicator for NcclCommunicator {
     }
 
     fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        self.all_reduce_sum_async(t)?.wait()
+    }
+
+    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        self.all_gather_async(t, dim)?.wait()
+    }
+
+    fn reduce_scatter_sum(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        self.reduce_scatter_sum_async(t, dim)?.wait()
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        self.broadcast_async(t, root)?.wait()
+    }
+
+    fn all_reduce_sum_async(&self, t: &Tensor) -> Result<Pending> {
         let op = "all_reduce_sum";
         let x = self.input(op, t)?;
         let out = self.output(&x, x.shape().clone())?;
         let (src, dst, n, ty) = (address(op, &x)?, address(op, &out)?, x.elem_count(), nccl_type(x.dtype()));
         // SAFETY: `src` and `dst` hold `n` elements of `ty` on this rank's
-        // device and live until the queued call has run (the compute stream,
-        // which frees blocks, waits for the communication stream).
-        self.launch(op, |comm, stream| unsafe { result::all_reduce(src, dst, n, ty, sys::ncclRedOp_t::ncclSum, comm, stream) })?;
-        Ok(out)
+        // device and live until the queued call has run: the handle keeps
+        // `x`, and the compute stream, which reuses freed blocks, waits for
+        // the call before either is released (`Inflight`).
+        let event = self.queue(op, |comm, stream| unsafe { result::all_reduce(src, dst, n, ty, sys::ncclRedOp_t::ncclSum, comm, stream) })?;
+        Ok(self.pending(op, event, vec![x], move || Ok(out)))
     }
 
-    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+    fn all_gather_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
         let op = "all_gather";
         Self::check_dim(op, t, dim)?;
         let x = self.input(op, t)?;
         let size = self.size();
         // NCCL concatenates along the leading dimension: gather into
         // [size, ...] and, if `dim` is not leading, move the rank index next
-        // to `dim` with one strided copy on the compute stream.
+        // to `dim` with one strided copy on the compute stream once the
+        // gather has run.
         let mut stacked = vec![size];
         stacked.extend_from_slice(x.dims());
         let gathered = self.output(&x, Shape::new(stacked))?;
         let (src, dst, n, ty) = (address(op, &x)?, address(op, &gathered)?, x.elem_count(), nccl_type(x.dtype()));
         // SAFETY: `src` holds `n` and `dst` `size · n` elements of `ty` on this
-        // rank's device, alive until the call has run (see all_reduce_sum).
-        self.launch(op, |comm, stream| unsafe { result::all_gather(src, dst, n, ty, comm, stream) })?;
+        // rank's device, alive until the call has run (see all_reduce_sum_async).
+        let event = self.queue(op, |comm, stream| unsafe { result::all_gather(src, dst, n, ty, comm, stream) })?;
         let mut dims = x.dims().to_vec();
         dims[dim] *= size;
         let pre = outer(&x, dim);
-        if pre == 1 {
-            return gathered.reshape(dims);
-        }
-        gathered.reshape([size, pre, x.elem_count() / pre])?.transpose(0, 1)?.contiguous()?.reshape(dims)
+        let per_rank = x.elem_count() / pre.max(1);
+        Ok(self.pending(op, event, vec![x], move || {
+            if pre == 1 {
+                return gathered.reshape(dims);
+            }
+            gathered.reshape([size, pre, per_rank])?.transpose(0, 1)?.contiguous()?.reshape(dims)
+        }))
     }
 
-    fn reduce_scatter_sum(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+    fn reduce_scatter_sum_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
         let op = "reduce_scatter_sum";
         Self::check_dim(op, t, dim)?;
         let size = self.size();
@@ -326,12 +413,12 @@ impl Communicator for NcclCommunicator {
         let out = self.output(&x, Shape::new(dims))?;
         let (src, dst, n, ty) = (address(op, &send)?, address(op, &out)?, out.elem_count(), nccl_type(x.dtype()));
         // SAFETY: `src` holds `size · n` and `dst` `n` elements of `ty` on this
-        // rank's device, alive until the call has run (see all_reduce_sum).
-        self.launch(op, |comm, stream| unsafe { result::reduce_scatter(src, dst, n, ty, sys::ncclRedOp_t::ncclSum, comm, stream) })?;
-        Ok(out)
+        // rank's device, alive until the call has run (see all_reduce_sum_async).
+        let event = self.queue(op, |comm, stream| unsafe { result::reduce_scatter(src, dst, n, ty, sys::ncclRedOp_t::ncclSum, comm, stream) })?;
+        Ok(self.pending(op, event, vec![send], move || Ok(out)))
     }
 
-    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+    fn broadcast_async(&self, t: &Tensor, root: usize) -> Result<Pending> {
         let op = "broadcast";
         if root >= self.size() {
             return Err(Error::invalid(op, format!("root {root} is not a rank of this group of {} ranks (0..{})", self.size(), self.size())));
@@ -343,10 +430,10 @@ impl Communicator for NcclCommunicator {
         let (src, dst, n, ty) = (address(op, &x)?, address(op, &out)?, x.elem_count(), nccl_type(x.dtype()));
         let root = root as i32; // checked above: below the group size, an i32
         // SAFETY: `src` and `dst` hold `n` elements of `ty` on this rank's
-        // device, alive until the call has run (see all_reduce_sum); on the
-        // root they are the same buffer, which NCCL allows.
-        self.launch(op, |comm, stream| unsafe { result::broadcast(src, dst, n, ty, root, comm, stream) })?;
-        Ok(out)
+        // device, alive until the call has run (see all_reduce_sum_async); on
+        // the root they are the same buffer, which NCCL allows.
+        let event = self.queue(op, |comm, stream| unsafe { result::broadcast(src, dst, n, ty, root, comm, stream) })?;
+        Ok(self.pending(op, event, vec![x], move || Ok(out)))
     }
 
     fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {

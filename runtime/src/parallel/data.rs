@@ -73,6 +73,14 @@ struct State {
 /// final, while the backward continues; [`finish`](Self::finish) sends the
 /// rest, waits for all, and writes every gradient back as the average over
 /// the replicas.
+///
+/// On GPUs with [NCCL](crate::dist::nccl), a bucket's all-reduce is queued
+/// on the device's communication stream and runs beside the kernels of the
+/// rest of the backward on the compute stream; `finish` orders the compute
+/// stream after each one without blocking the host. There the figures of
+/// [`SyncStats`] are host-side: `comm` ends when the host first sees the
+/// device done with the bucket, and `exposed` is near zero, since the
+/// device, not the host, does the waiting.
 pub struct DataParallel {
     dp: Arc<dyn Communicator>,
     compression: Compression,

@@ -1,7 +1,7 @@
 //! Joining tensors end to end (gradient buckets, packed transfers).
 
 use super::{Shape, Tensor};
-use crate::backend::{CpuStorage, Device, Storage};
+use crate::backend::{CpuStorage, CudaStorage, Device, Storage};
 use crate::error::{Error, Result};
 
 impl Tensor {
@@ -18,11 +18,22 @@ impl Tensor {
         }
         let total: usize = parts.iter().map(|p| p.elem_count()).sum();
         let contiguous: Vec<Tensor> = parts.iter().map(|p| p.contiguous()).collect::<Result<_>>()?;
+        let guards: Vec<_> = contiguous.iter().map(|t| t.read()).collect();
         let dev = match first.device() {
             Device::Cpu(dev) => dev,
-            Device::Cuda(d) => return d.unsupported(OP),
+            Device::Cuda(d) => {
+                let parts = guards
+                    .iter()
+                    .zip(&contiguous)
+                    .map(|(g, t)| match &**g {
+                        Storage::Cuda(s) => Ok((s, t.layout().contiguous_range().expect("contiguous"))),
+                        Storage::Cpu(_) => Err(Error::invalid(OP, "a host part among device parts; move every part to one device first")),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let storage = CudaStorage::concat(d, first.dtype(), &parts)?;
+                return Ok(Tensor::from_storage(Storage::Cuda(storage), Shape::new(vec![total]), first.device().clone()));
+            }
         };
-        let guards: Vec<_> = contiguous.iter().map(|t| t.read()).collect();
         macro_rules! join {
             ($v:ident, $t:ty) => {{
                 let mut out: Vec<$t> = Vec::with_capacity(total);

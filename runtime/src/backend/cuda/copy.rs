@@ -2,6 +2,7 @@
 //! makes a strided view contiguous.
 
 use super::args::Grid;
+use super::device::CudaDevice;
 use super::call::suffix;
 use super::launch::Value;
 use super::storage::CudaStorage;
@@ -65,6 +66,34 @@ impl CudaStorage {
         ];
         // The table is freed in stream order, after the kernel has read it.
         device.launch("convert", &format!("strided_copy_{width}"), Grid::Items(n), &values)?;
+        Ok(out)
+    }
+    /// The elements `parts` (each a storage of `dtype` and a range of it)
+    /// one after another in a new storage: one device-to-device copy per
+    /// part, queued on the compute stream.
+    pub(crate) fn concat(device: &CudaDevice, dtype: DType, parts: &[(&CudaStorage, Range<usize>)]) -> Result<CudaStorage> {
+        let width = dtype.size_in_bytes();
+        let total = parts.iter().map(|(_, r)| r.len()).sum();
+        let out = CudaStorage::uninit(device, dtype, total)?;
+        let stream = device.compute_stream();
+        stream.context().bind_to_thread().map_err(|e| device.error("making the device current before a copy", e))?;
+        let mut at = 0;
+        for (part, range) in parts {
+            if part.dtype() != dtype || !part.device().same(device) || range.end > part.len() {
+                return Err(Error::invalid("concat_flat", format!("a part of {} {} elements on cuda:{} does not fit a join of {dtype} on cuda:{}", part.len(), part.dtype(), part.device().ordinal(), device.ordinal())));
+            }
+            let bytes = range.len() * width;
+            if bytes > 0 {
+                // SAFETY: the source holds `range` (checked against its
+                // length) and the destination `total` elements from `at`, of
+                // `width` bytes each, on this device; both storages outlive
+                // the copy, which is queued on the compute stream that orders
+                // every use and reuse of their blocks.
+                unsafe { cudarc::driver::result::memcpy_dtod_async(out.device_ptr_at(at), part.device_ptr_at(range.start), bytes, stream.cu_stream()) }
+                    .map_err(|e| device.error("copying a part of a join", e))?;
+            }
+            at += range.len();
+        }
         Ok(out)
     }
 }
