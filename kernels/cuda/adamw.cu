@@ -10,7 +10,13 @@
 // low-precision copy the forward reads, in the same pass.
 //
 // Launch: grid.y = number of tensors (blockIdx.y picks one), grid.x blocks
-// stride over that tensor's elements.
+// stride over that tensor's elements. Each tensor carries its own
+// hyper-parameters: the bias corrections depend on how many updates that
+// tensor has had, which differs for a parameter some steps did not use.
+
+struct AdamWHyper {
+    float lr, beta1, beta2, eps, weight_decay, grad_scale, bias_correction1, bias_correction2;
+};
 
 struct AdamWTensor {
     float* param;      // f32 master weights
@@ -19,14 +25,12 @@ struct AdamWTensor {
     float* v;
     void* copy;        // the low-precision weights (the _bf16 / _f16 variants), else unused
     u64 len;
-};
-
-struct AdamWHyper {
-    float lr, beta1, beta2, eps, weight_decay, grad_scale, bias_correction1, bias_correction2;
+    AdamWHyper h;
 };
 
 template <typename C>
-__device__ __forceinline__ void adamw_tensor(const AdamWTensor& t, const AdamWHyper& h, bool write_copy) {
+__device__ __forceinline__ void adamw_tensor(const AdamWTensor& t, bool write_copy) {
+    const AdamWHyper h = t.h;
     for (u64 i = grid_start(); i < t.len; i += grid_stride()) {
         const float g = t.grad[i] * h.grad_scale;
         const float m = h.beta1 * t.m[i] + (1.0f - h.beta1) * g;
@@ -41,14 +45,14 @@ __device__ __forceinline__ void adamw_tensor(const AdamWTensor& t, const AdamWHy
     }
 }
 
-extern "C" __global__ void adamw_f32(const AdamWTensor* tensors, AdamWHyper h) {
-    adamw_tensor<float>(tensors[blockIdx.y], h, false);
+extern "C" __global__ void adamw_f32(const AdamWTensor* tensors) {
+    adamw_tensor<float>(tensors[blockIdx.y], false);
 }
 
-extern "C" __global__ void adamw_bf16(const AdamWTensor* tensors, AdamWHyper h) {
-    adamw_tensor<bf16>(tensors[blockIdx.y], h, true);
+extern "C" __global__ void adamw_bf16(const AdamWTensor* tensors) {
+    adamw_tensor<bf16>(tensors[blockIdx.y], true);
 }
 
-extern "C" __global__ void adamw_f16(const AdamWTensor* tensors, AdamWHyper h) {
-    adamw_tensor<f16>(tensors[blockIdx.y], h, true);
+extern "C" __global__ void adamw_f16(const AdamWTensor* tensors) {
+    adamw_tensor<f16>(tensors[blockIdx.y], true);
 }

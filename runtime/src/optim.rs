@@ -162,16 +162,30 @@ impl AdamW {
     ///
     /// The gradients stay where they are; call [`zero_grad`](Self::zero_grad)
     /// before the next step's backward.
+    ///
+    /// All parameters are updated by one [`ops::adamw_update_many`]: on a
+    /// GPU, one fused launch for the whole model.
     pub fn step(&mut self, lr: f64) -> Result<()> {
         self.config.at(1, lr)?;
-        for s in &mut self.slots {
+        // (slot, parameter, gradient) of every parameter used this step.
+        let mut used = Vec::with_capacity(self.slots.len());
+        for (i, s) in self.slots.iter().enumerate() {
             let Some(g) = s.param.grad() else { continue };
             let p = s.param.value().map_err(|_| {
                 Error::invalid("AdamW::step", format!("parameter `{}` has no value (freed by a sharding engine?); a sharded model is updated by its ZeRO engine, not by `AdamW`", s.name))
             })?;
-            let upd = self.config.at(s.steps + 1, lr)?;
-            ops::adamw_update(&upd, &p, &g, &s.m, &s.v)?;
-            s.steps += 1;
+            used.push((i, p, g));
+        }
+        let targets = used
+            .iter()
+            .map(|(i, p, g)| {
+                let s = &self.slots[*i];
+                Ok(ops::AdamWTarget { step: self.config.at(s.steps + 1, lr)?, param: p, grad: g, m: &s.m, v: &s.v })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        ops::adamw_update_many(&targets)?;
+        for (i, _, _) in &used {
+            self.slots[*i].steps += 1;
         }
         Ok(())
     }

@@ -246,6 +246,48 @@ device_test! {
 }
 
 device_test! {
+    fn the_multi_tensor_adamw_step_matches_one_tensor_at_a_time(dev: &Device) {
+        use ops::AdamWTarget;
+        // Tensors of unlike sizes, one a view at an offset into a larger
+        // buffer, each at its own update count (its own bias corrections).
+        let sizes = [300, 1, 4097];
+        let first_step = [1, 5, 2];
+        let host: Vec<Tensor> = sizes.iter().enumerate().map(|(i, &n)| pair(dev, &[n], DType::F32, 40 + i as u64).0).collect();
+        let backing = pair(dev, &[5000], DType::F32, 50);
+        let mut params: Vec<Tensor> = sizes.iter().enumerate().map(|(i, &n)| pair(dev, &[n], DType::F32, 40 + i as u64).1).collect();
+        params[2] = backing.1.narrow(0, 700, 4097).unwrap();
+        let mut want: Vec<Tensor> = host.clone();
+        want[2] = backing.0.narrow(0, 700, 4097).unwrap();
+        let zeros = |d: &Device| -> Vec<Tensor> { sizes.iter().map(|&n| Tensor::zeros([n], DType::F32, d).unwrap()).collect() };
+        let (wm, wv, m, v) = (zeros(reference()), zeros(reference()), zeros(dev), zeros(dev));
+        for round in 0..3u64 {
+            let grads: Vec<(Tensor, Tensor)> = sizes.iter().enumerate().map(|(i, &n)| pair(dev, &[n], DType::F32, 60 + 10 * round + i as u64)).collect();
+            let step = |i: usize| AdamWStep { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: first_step[i] + round, grad_scale: 0.5 };
+            for i in 0..sizes.len() {
+                ops::adamw_update(&step(i), &want[i], &grads[i].0, &wm[i], &wv[i]).unwrap();
+            }
+            let targets: Vec<AdamWTarget> = (0..sizes.len()).map(|i| AdamWTarget { step: step(i), param: &params[i], grad: &grads[i].1, m: &m[i], v: &v[i] }).collect();
+            ops::adamw_update_many(&targets).unwrap();
+        }
+        for i in 0..sizes.len() {
+            assert_close(&format!("param {i}"), &want[i], &params[i], dev, 1e-5);
+            assert_close(&format!("m {i}"), &wm[i], &m[i], dev, 1e-5);
+            assert_close(&format!("v {i}"), &wv[i], &v[i], dev, 1e-5);
+        }
+        // The view's neighbours in the backing buffer are untouched.
+        for (start, len) in [(0, 700), (4797, 203)] {
+            assert_close("outside the view", &backing.0.narrow(0, start, len).unwrap(), &backing.1.narrow(0, start, len).unwrap(), dev, 0.0);
+        }
+        // A tensor written by one update and used by another is refused.
+        let s = AdamWStep { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0, step: 1, grad_scale: 1.0 };
+        let (g, m2, v2) = (pair(dev, &[300], DType::F32, 90).1, zeros(dev).remove(0), zeros(dev).remove(0));
+        let shared = [AdamWTarget { step: s, param: &params[0], grad: &g, m: &m[0], v: &v[0] }, AdamWTarget { step: s, param: &params[0], grad: &g, m: &m2, v: &v2 }];
+        let e = ops::adamw_update_many(&shared).unwrap_err();
+        assert!(e.to_string().contains("updates 0 and 1 share a tensor"), "{e}");
+    }
+}
+
+device_test! {
     fn attention_and_its_backward_match_the_cpu(dev: &Device) {
         use ops::{AttnOpts, QkvHeads};
         for dtype in FLOATS {

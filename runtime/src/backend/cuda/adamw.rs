@@ -1,11 +1,23 @@
-//! The fused AdamW step on the device (`kernels/cuda/adamw.cu`).
+//! The fused multi-tensor AdamW step on the device (`kernels/cuda/adamw.cu`).
 
-use super::launch::config;
 use super::args::Grid;
-use super::storage::CudaStorage;
+use super::device::CudaDevice;
+use super::launch::config;
 use crate::error::{Error, Result};
 use cudarc::driver::{DeviceRepr, PushKernelArg};
 use tessera_kernels::cpu::adamw::AdamWStep;
+
+/// One tensor of a multi-tensor step: the device addresses of its f32
+/// parameter, gradient and moments (each `len` elements), and its step.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AdamWSlot {
+    pub step: AdamWStep,
+    pub param: u64,
+    pub grad: u64,
+    pub m: u64,
+    pub v: u64,
+    pub len: usize,
+}
 
 /// The kernel's `AdamWHyper`, field for field.
 #[repr(C)]
@@ -21,15 +33,28 @@ struct Hyper {
     bias_correction2: f32,
 }
 
-// SAFETY: plain f32 fields in C layout, as the kernel declares them.
-unsafe impl DeviceRepr for Hyper {}
+/// The kernel's `AdamWTensor`, field for field.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Entry {
+    param: u64,
+    grad: u64,
+    m: u64,
+    v: u64,
+    /// The low-precision copy of the `_bf16` / `_f16` variants: none here.
+    copy: u64,
+    len: u64,
+    hyper: Hyper,
+}
 
-/// One AdamW step in place on `len` f32 elements of the parameter, its
-/// moments and its (f32) gradient, each starting at the given element.
-pub(crate) fn adamw_f32(s: &AdamWStep, param: (&CudaStorage, usize), grad: (&CudaStorage, usize), m: (&CudaStorage, usize), v: (&CudaStorage, usize), len: usize) -> Result<()> {
-    let device = param.0.device();
-    let Some(mut cfg) = config(Grid::Items(len)) else { return Ok(()) };
-    cfg.grid_dim.1 = 1; // one tensor
+// SAFETY: plain integer and f32 fields in C layout, as the kernel declares them.
+unsafe impl DeviceRepr for Entry {}
+
+/// Most tensors one launch takes: the grid's y dimension.
+const MAX_TENSORS: usize = 65_535;
+
+fn entry(slot: &AdamWSlot) -> Entry {
+    let s = &slot.step;
     // Bias corrections in f64 on the host, as the CPU kernel computes them.
     let hyper = Hyper {
         lr: s.lr as f32,
@@ -41,17 +66,31 @@ pub(crate) fn adamw_f32(s: &AdamWStep, param: (&CudaStorage, usize), grad: (&Cud
         bias_correction1: (1.0 - s.beta1.powf(s.step as f64)) as f32,
         bias_correction2: (1.0 - s.beta2.powf(s.step as f64)) as f32,
     };
-    // The kernel's AdamWTensor: param, grad, m, v, the low-precision copy (none), len.
-    let at = |(st, i): (&CudaStorage, usize)| st.device_ptr_at(i);
-    let tensor = [at(param), at(grad), at(m), at(v), 0, len as u64];
-    let stream = device.compute_stream();
-    let table = stream.clone_htod(&tensor).map_err(|e| device.error("copying the AdamW tensor table to the device", e))?;
+    Entry { param: slot.param, grad: slot.grad, m: slot.m, v: slot.v, copy: 0, len: slot.len as u64, hyper }
+}
+
+/// One AdamW step in place on every slot's f32 tensors of `device`: one
+/// launch per 65 535 tensors, whatever their sizes, instead of one per
+/// tensor. The caller holds the tensors (and their guards) until the
+/// launch is queued; the work runs in compute-stream order.
+pub(crate) fn adamw_f32(device: &CudaDevice, slots: &[AdamWSlot]) -> Result<()> {
     let f = device.function("adamw", "adamw_f32")?;
-    let mut builder = stream.launch_builder(&f);
-    builder.arg(&table).arg(&hyper);
-    // SAFETY: the arguments are the kernel's (const AdamWTensor*, AdamWHyper);
-    // the table's pointers address `len` live f32 elements each, held by the
-    // caller's write guards; the table is freed in stream order after the kernel.
-    unsafe { builder.launch(cfg) }.map_err(|e| Error::Cuda { ordinal: device.ordinal(), op: "launching the AdamW step", detail: super::device::describe(&e) })?;
+    let stream = device.compute_stream();
+    for chunk in slots.chunks(MAX_TENSORS) {
+        let longest = chunk.iter().map(|s| s.len).max().unwrap_or(0);
+        // Blocks for the longest tensor; a shorter one's extra blocks find
+        // no element and return at once.
+        let Some(mut cfg) = config(Grid::Items(longest)) else { continue };
+        cfg.grid_dim.1 = chunk.len() as u32; // at most MAX_TENSORS
+        let table: Vec<Entry> = chunk.iter().map(entry).collect();
+        let table = stream.clone_htod(&table).map_err(|e| device.error("copying the AdamW tensor table to the device", e))?;
+        let mut builder = stream.launch_builder(&f);
+        builder.arg(&table);
+        // SAFETY: the argument is the kernel's `const AdamWTensor*`; every
+        // entry's pointers address `len` live f32 elements on this device,
+        // held by the caller's guards; the table is freed in stream order
+        // after the kernel has read it.
+        unsafe { builder.launch(cfg) }.map_err(|e| Error::Cuda { ordinal: device.ordinal(), op: "launching the AdamW step", detail: super::device::describe(&e) })?;
+    }
     Ok(())
 }
