@@ -23,7 +23,7 @@ prepare() {
     echo "gpu-check: building the benchmark and the GPU test binaries (release, --features cuda)" >&2
     cargo build --release --features cuda --example bench
     local tests
-    tests=$(cargo test --release --features cuda -p tessera-tests --test cuda --test cuda_ops --test nccl --no-run \
+    tests=$(cargo test --release --features cuda -p tessera-tests --test cuda --test cuda_ops --test nccl --test trainer --no-run \
         --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -86,7 +86,10 @@ run() {
     for t in "$bundle"/test-*; do
         local name=${t##*/test-}
         local log=/tmp/gpu-check-$name.log
-        timeout 120 "$t" --test-threads=1 >"$log" 2>&1
+        # Of the trainer's tests only the GPU run; the rest are the CPU suite's.
+        local filter=()
+        [ "$name" = trainer ] && filter=(gpu)
+        timeout 120 "$t" --test-threads=1 "${filter[@]}" >"$log" 2>&1
         local rc=$?
         local summary
         summary=$(grep -E '^test result:' "$log" | tail -1)

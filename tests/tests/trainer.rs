@@ -242,3 +242,35 @@ fn expert_parallel_training_matches_one_rank() {
         assert!((a - b).abs() <= 1e-5 * a.abs(), "loss {a} (ep1) vs {b} (ep2)");
     }
 }
+
+/// `mesh.device = "cuda"` puts rank r on GPU r with NCCL between them. On
+/// one GPU the run learns the same task as on the CPU, its losses within
+/// the GPU kernels' rounding of the CPU's; without a GPU the configuration
+/// is refused with an error naming the key (never a panic).
+#[test]
+fn a_run_on_a_gpu_follows_the_cpu_run() {
+    let text = "[batch]\nmicro_batch = 4\n";
+    let steps = ["run.steps=8", "run.trace_steps=0"];
+    if tessera::backend::cuda::testing::cuda_or_skip("trainer::a_run_on_a_gpu_follows_the_cpu_run").is_none() {
+        let out = scratch("no-gpu");
+        let cfg = config(&out, text, &["run.steps=2", "mesh.device=\"cuda\""]);
+        let facts = ModelFacts { vocab: VOCAB, flops_per_token: 1e5 };
+        let trainer = Trainer::new(cfg, facts, |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false), |replica| {
+            Ok(Box::new(Counting { replica, micro_batch: 4, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>)
+        })
+        .unwrap();
+        let e = trainer.run().unwrap_err().to_string();
+        assert!(e.contains("mesh.device") && e.contains("GPU 0"), "{e}");
+        let _ = std::fs::remove_dir_all(&out);
+        return;
+    }
+    let (a, b) = (scratch("cpu-ranks"), scratch("gpu-ranks"));
+    let cpu = train(config(&a, text, &steps), 0..0);
+    let gpu = train(config(&b, text, &[steps[0], steps[1], "mesh.device=\"cuda\""]), 0..0);
+    assert_eq!(gpu.losses.len(), cpu.losses.len());
+    for ((step, g), (_, c)) in gpu.losses.iter().zip(&cpu.losses) {
+        assert!((g - c).abs() <= 1e-3 * c.abs().max(1.0), "step {step}: loss {g} on the GPU, {c} on the CPU");
+    }
+    assert!(final_params(&gpu).iter().all(|(_, v)| v.iter().all(|x| x.is_finite())));
+    let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
+}

@@ -102,12 +102,25 @@ pub struct MeshConfig {
     pub chunks: usize,
     /// Data-parallel gradient bucket size in bytes.
     pub bucket_bytes: usize,
+    /// Where the ranks run: `cpu` (a thread per rank, the in-process
+    /// communicator) or `cuda` (rank `r` on GPU `r`, a thread per GPU,
+    /// NCCL between them).
+    pub device: String,
 }
 
 impl Default for MeshConfig {
     fn default() -> Self {
-        MeshConfig { dp: 1, tp: 1, pp: 1, ep: 1, sp: false, schedule: "1f1b".into(), chunks: 2, bucket_bytes: 1 << 20 }
+        MeshConfig { dp: 1, tp: 1, pp: 1, ep: 1, sp: false, schedule: "1f1b".into(), chunks: 2, bucket_bytes: 1 << 20, device: "cpu".into() }
     }
+}
+
+/// Where a run's ranks execute ([`MeshConfig::device`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RankDevice {
+    /// One CPU thread per rank.
+    Cpu,
+    /// Rank `r` on CUDA device `r`.
+    Cuda,
 }
 
 impl MeshConfig {
@@ -119,6 +132,15 @@ impl MeshConfig {
     /// The mesh as [`Mesh::parse`](crate::dist::mesh::Mesh::parse) reads it.
     pub fn spec(&self) -> String {
         format!("dp{},ep{},pp{},tp{}", self.dp, self.ep, self.pp, self.tp)
+    }
+
+    /// Where the ranks run.
+    pub fn rank_device(&self) -> Result<RankDevice> {
+        match self.device.as_str() {
+            "cpu" => Ok(RankDevice::Cpu),
+            "cuda" => Ok(RankDevice::Cuda),
+            other => Err(Error::config("mesh.device", format!("unknown device `{other}`; use `cpu` (a thread per rank) or `cuda` (rank r on GPU r)"))),
+        }
     }
 
     /// The pipeline schedule family.
@@ -392,6 +414,11 @@ impl TrainConfig {
             return Err(Error::config("run.steps", "must be at least 1"));
         }
         let kind = self.mesh.schedule_kind()?;
+        if self.mesh.rank_device()? == RankDevice::Cuda && self.mesh.pp > 1 {
+            // Stages pass activations with point-to-point messages, which
+            // the NCCL communicator does not have yet.
+            return Err(Error::config("mesh.pp", "pipeline parallelism does not run on GPUs yet (NCCL point-to-point is missing); set mesh.pp = 1, or mesh.device = \"cpu\""));
+        }
         if self.mesh.pp > 1 && self.batch.grad_accum < self.mesh.pp && !matches!(kind, ScheduleKind::GPipe) {
             return Err(Error::config(
                 "batch.grad_accum",
@@ -464,6 +491,11 @@ mod tests {
         assert!(e.contains("grad_accum"), "{e}");
         let e = TrainConfig::parse("[precision]\ncompute = \"fp8\"\n", &[]).unwrap_err().to_string();
         assert!(e.contains("precision.compute"), "{e}");
+        let e = TrainConfig::parse("[mesh]\ndevice = \"tpu\"\n", &[]).unwrap_err().to_string();
+        assert!(e.contains("mesh.device") && e.contains("`cuda`"), "{e}");
+        let e = TrainConfig::parse("[mesh]\ndevice = \"cuda\"\npp = 2\n", &[]).unwrap_err().to_string();
+        assert!(e.contains("mesh.pp") && e.contains("GPUs"), "{e}");
+        assert_eq!(TrainConfig::parse("[mesh]\ndevice = \"cuda\"\ndp = 2\n", &[]).unwrap().mesh.rank_device().unwrap(), RankDevice::Cuda);
     }
 
     #[test]

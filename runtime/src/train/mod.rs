@@ -5,12 +5,13 @@
 mod clip;
 mod config;
 mod monitor;
+mod ranks;
 mod scaler;
 mod schedule;
 mod trainer;
 
 pub use clip::{clip_grad_norm, clip_to_norm, global_grad_norm};
-pub use config::{BatchConfig, CheckpointConfig, DataConfig, MeshConfig, OptimConfig, PrecisionConfig, RecomputeConfig, RunConfig, StabilityConfig, TrainConfig, ZeroSection};
+pub use config::{BatchConfig, CheckpointConfig, DataConfig, MeshConfig, OptimConfig, PrecisionConfig, RankDevice, RecomputeConfig, RunConfig, StabilityConfig, TrainConfig, ZeroSection};
 pub use monitor::{Anomaly, StabilityMonitor};
 pub use scaler::LossScaler;
 pub use schedule::WarmupCosine;

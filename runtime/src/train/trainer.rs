@@ -26,7 +26,7 @@
 
 use super::{clip_to_norm, global_grad_norm, Anomaly, LossScaler, StabilityMonitor, TrainConfig, WarmupCosine};
 use crate::ckpt::{Checkpointer, OptimizerState};
-use crate::dist::inproc::{mesh_groups, InProcess};
+use super::ranks::Ranks;
 use crate::dist::mesh::{Axis, Mesh};
 use crate::dist::Communicator;
 use crate::error::{Error, Result};
@@ -235,7 +235,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
 
         let world_size = cfg.mesh.world_size();
         let mesh = Mesh::parse(&format!("pp{},dp{},ep{},tp{}", cfg.mesh.pp, cfg.mesh.dp, cfg.mesh.ep, cfg.mesh.tp), world_size, world_size)?;
-        let world = InProcess::new(world_size)?;
+        let ranks = Ranks::new(cfg.mesh.rank_device()?, &mesh)?;
         let tracks = (0..world_size)
             .map(|r| {
                 let c = mesh.coords(r)?;
@@ -255,7 +255,12 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         );
         let replicas = cfg.mesh.dp * cfg.mesh.ep;
         let tokens_per_step = (replicas * cfg.batch.grad_accum * cfg.batch.micro_batch * cfg.batch.seq_len) as u64;
-        let peak = PeakRate::measure_matmul(&Device::cpu(), 384)?.flops_per_s;
+        let peak = match &ranks {
+            Ranks::Cpu(_) => PeakRate::measure_matmul(&Device::cpu(), 384)?,
+            // A GPU reaches its rate only on large products.
+            Ranks::Cuda { .. } => PeakRate::measure_matmul(&ranks.first_device(), 4096)?,
+        }
+        .flops_per_s;
         let collector = Mutex::new(Collector {
             world: world_size,
             pending: BTreeMap::new(),
@@ -273,11 +278,11 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let results: Vec<Result<(u64, PathBuf)>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..world_size)
                 .map(|rank| {
-                    let (world, mesh, trace, ckpt, collector) = (&world, &mesh, &trace, &ckpt, &collector);
+                    let (ranks, mesh, trace, ckpt, collector) = (&ranks, &mesh, &trace, &ckpt, &collector);
                     s.spawn(move || {
-                        let r = self.run_rank(world, mesh, rank, trace, ckpt, collector);
+                        let r = self.run_rank(ranks, mesh, rank, trace, ckpt, collector);
                         if let Err(e) = &r {
-                            world.abort(rank, &e.to_string());
+                            ranks.abort(rank, &e.to_string());
                         }
                         r
                     })
@@ -329,13 +334,12 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
     }
 
     /// One rank's whole run: returns the step it started from and the final checkpoint.
-    fn run_rank(&self, world: &InProcess, mesh: &Mesh, rank: usize, trace: &Trace, ckpt: &Checkpointer, collector: &Mutex<Collector>) -> Result<(u64, PathBuf)> {
+    fn run_rank(&self, ranks: &Ranks, mesh: &Mesh, rank: usize, trace: &Trace, ckpt: &Checkpointer, collector: &Mutex<Collector>) -> Result<(u64, PathBuf)> {
         let cfg = &self.config;
-        let dev = Device::cpu();
+        let (dev, groups) = ranks.take(mesh, rank)?;
         let c = mesh.coords(rank)?;
         let (d, e, stage) = (c[Axis::Dp], c[Axis::Ep], c[Axis::Pp]);
         let (dp, ep, pp) = (cfg.mesh.dp, cfg.mesh.ep, cfg.mesh.pp);
-        let groups = mesh_groups(world, mesh, rank, &dev)?;
         let (tp_group, dp_group, ep_group, pp_group) = (groups.tp.clone(), groups.dp.clone(), groups.ep.clone(), groups.pp.clone());
         let mut cx = Cx::new(dev.clone()).with_seed(cfg.run.seed).with_groups(groups).with_sequence_parallel(cfg.mesh.sp).with_dtype(cfg.precision.dtype()?);
         if pp > 1 {
