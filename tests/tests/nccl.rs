@@ -22,7 +22,7 @@ use tessera::dist::nccl::{self, NcclCommunicator};
 use tessera::dist::Communicator;
 use tessera::module::{self, Act, Cx, Groups, Module};
 use tessera::parallel::data::{DataParallel, SyncStats};
-use tessera::{bf16, f16, DType, Device, Error, Init, Result, RngKey, Tensor};
+use tessera::{bf16, f16, ops, DType, Device, Error, Init, Result, RngKey, Tensor};
 
 const DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
 
@@ -222,7 +222,9 @@ fn bad_arguments_on_a_gpu_are_errors_naming_the_fix() {
     let e = comm.all_to_all(vec![x.clone(), x.clone()]).unwrap_err();
     assert!(e.to_string().contains("takes exactly 1"), "{e}");
     let e = comm.send(&x, 0).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+    assert!(matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("itself"), "{e}");
+    let e = comm.recv(3).unwrap_err();
+    assert!(e.to_string().contains("peer 3"), "{e}");
     // The communicator still works after refusing those calls.
     assert_eq!(host(&comm.all_reduce_sum(&x).unwrap()), vec![0.0; 6]);
 }
@@ -374,4 +376,38 @@ fn data_parallel_on_one_gpu_matches_cpu_ranks() {
 fn data_parallel_on_two_gpus_matches_cpu_ranks() {
     let Some((devices, comms)) = group_or_skip("data_parallel_on_two_gpus_matches_cpu_ranks", 2) else { return };
     check_data_parallel(devices, comms);
+}
+
+/// Messages between two GPUs: both ranks send before they receive (a
+/// rendezvous would deadlock), messages arrive in the order sent with their
+/// shape, dtype and bits, and the sender may overwrite its tensor at once.
+#[test]
+fn send_and_recv_between_two_gpus_are_buffered_and_ordered() {
+    let Some((devices, comms)) = group_or_skip("send_and_recv_between_two_gpus_are_buffered_and_ordered", 2) else { return };
+    let got = per_rank(2, |r| {
+        let peer = 1 - r;
+        let dev = &devices[r];
+        let first = to_device(&input(r, 900, &[3, 5], DType::BF16), dev);
+        let second = to_device(&input(r, 901, &[7], DType::F32), dev);
+        comms[r].send(&first, peer).unwrap();
+        comms[r].send(&second, peer).unwrap();
+        // Overwritten right after sending: the messages hold copies.
+        ops::axpy(&second, 5.0, &Tensor::from_vec(vec![1.0f32; 7], [7], dev).unwrap()).unwrap();
+        let a = comms[r].recv(peer).unwrap();
+        let b = comms[r].recv(peer).unwrap();
+        assert_eq!(a.device().to_string(), dev.to_string());
+        ((a.dtype(), a.dims().to_vec(), host(&a)), (b.dtype(), b.dims().to_vec(), host(&b)))
+    });
+    for (r, (a, b)) in got.into_iter().enumerate() {
+        let peer = 1 - r;
+        assert_eq!(a, (DType::BF16, vec![3, 5], host(&input(peer, 900, &[3, 5], DType::BF16))), "rank {r}: first message");
+        assert_eq!(b, (DType::F32, vec![7], host(&input(peer, 901, &[7], DType::F32))), "rank {r}: second message");
+    }
+    // A receiver waiting for a message that never comes is released by an abort.
+    let e = per_rank(2, |r| if r == 0 { comms[0].recv(1).unwrap_err().to_string() } else {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        comms[1].abort("gave up");
+        String::new()
+    });
+    assert!(e[0].contains("gave up"), "{}", e[0]);
 }

@@ -274,3 +274,26 @@ fn a_run_on_a_gpu_follows_the_cpu_run() {
     assert!(final_params(&gpu).iter().all(|(_, v)| v.iter().all(|x| x.is_finite())));
     let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
 }
+
+/// Two pipeline stages on two GPUs (activations and their gradients pass
+/// between them as messages) learn like the same mesh of CPU ranks.
+#[test]
+fn a_pipeline_on_two_gpus_follows_the_cpu_run() {
+    const TEST: &str = "trainer::a_pipeline_on_two_gpus_follows_the_cpu_run";
+    if tessera::backend::cuda::testing::cuda_or_skip(TEST).is_none() {
+        return;
+    }
+    if let Err(e) = Device::cuda(1) {
+        return tessera::backend::cuda::report_skip(TEST, &format!("needs 2 CUDA devices: {e}"));
+    }
+    let text = "[mesh]\npp = 2\n[batch]\nmicro_batch = 2\ngrad_accum = 2\n";
+    let steps = ["run.steps=6", "run.trace_steps=0"];
+    let (a, b) = (scratch("pp-cpu"), scratch("pp-gpu"));
+    let cpu = train(config(&a, text, &steps), 0..0);
+    let gpu = train(config(&b, text, &[steps[0], steps[1], "mesh.device=\"cuda\""]), 0..0);
+    for ((step, g), (_, c)) in gpu.losses.iter().zip(&cpu.losses) {
+        assert!((g - c).abs() <= 1e-3 * c.abs().max(1.0), "step {step}: loss {g} on the GPUs, {c} on the CPU");
+    }
+    assert_eq!(gpu.losses.len(), 6);
+    let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
+}

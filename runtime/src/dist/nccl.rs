@@ -71,12 +71,15 @@
 //! - [`all_to_all`](Communicator::all_to_all) first all-gathers a table of
 //!   the parts' dtypes and shapes and reads it on the host: the one
 //!   collective besides the barrier that waits on the host.
-//! - **Not yet**: point-to-point [`send`](Communicator::send) /
-//!   [`recv`](Communicator::recv) (NCCL's are rendezvous: two ranks that
-//!   both send first deadlock, which the trait promises they do not) return
-//!   the trait's error.
+//! - **Point-to-point** [`send`](Communicator::send) and
+//!   [`recv`](Communicator::recv) do not use NCCL's, which are a rendezvous
+//!   (two ranks that both send first deadlock, which the trait promises they
+//!   do not): every rank of a group lives in this process, so a message is a
+//!   copy on the sender's device handed over through a mailbox and copied
+//!   across by the receiver (`nccl/p2p.rs`).
 
 mod all_to_all;
+mod p2p;
 mod raw;
 
 use super::comm::{Communicator, Pending};
@@ -110,6 +113,8 @@ struct Shared {
     /// Each member's rank in the world (its group rank in a plain group),
     /// named in [`Error::PeerFailed`].
     world_ranks: Vec<usize>,
+    /// The messages sent and not yet received.
+    mail: p2p::Mailboxes,
 }
 
 struct Member {
@@ -179,7 +184,7 @@ impl NcclCommunicator {
         let handles = RawComm::init_all(&ordinals)
             .map_err(|detail| Error::Nccl { ordinal: ordinals[0], op: "creating the communicators of a group (ncclCommInitAll)", detail })?;
         let members = cuda.into_iter().zip(handles).map(|(device, h)| Member { device, state: Mutex::new(State::Live(h)) }).collect();
-        let shared = Arc::new(Shared { members, world_ranks });
+        let shared = Arc::new(Shared { members, mail: p2p::Mailboxes::new(world_ranks.len()), world_ranks });
         Ok((0..devices.len()).map(|rank| NcclCommunicator { shared: shared.clone(), rank }).collect())
     }
 
@@ -440,6 +445,14 @@ impl Communicator for NcclCommunicator {
         self.all_to_all_parts(parts)
     }
 
+    fn send(&self, t: &Tensor, peer: usize) -> Result<()> {
+        self.send_to(t, peer)
+    }
+
+    fn recv(&self, peer: usize) -> Result<Tensor> {
+        self.recv_from(peer)
+    }
+
     fn barrier(&self) -> Result<()> {
         let op = "barrier";
         // A one-element all-reduce every rank must join, then a host wait.
@@ -457,6 +470,7 @@ impl Communicator for NcclCommunicator {
                 *state = State::Stopped { rank: me, reason: format!("aborted: {reason}") };
             }
         }
+        self.shared.mail.wake_all();
     }
 }
 

@@ -414,11 +414,7 @@ impl TrainConfig {
             return Err(Error::config("run.steps", "must be at least 1"));
         }
         let kind = self.mesh.schedule_kind()?;
-        if self.mesh.rank_device()? == RankDevice::Cuda && self.mesh.pp > 1 {
-            // Stages pass activations with point-to-point messages, which
-            // the NCCL communicator does not have yet.
-            return Err(Error::config("mesh.pp", "pipeline parallelism does not run on GPUs yet (NCCL point-to-point is missing); set mesh.pp = 1, or mesh.device = \"cpu\""));
-        }
+        self.mesh.rank_device()?;
         if self.mesh.pp > 1 && self.batch.grad_accum < self.mesh.pp && !matches!(kind, ScheduleKind::GPipe) {
             return Err(Error::config(
                 "batch.grad_accum",
@@ -493,8 +489,6 @@ mod tests {
         assert!(e.contains("precision.compute"), "{e}");
         let e = TrainConfig::parse("[mesh]\ndevice = \"tpu\"\n", &[]).unwrap_err().to_string();
         assert!(e.contains("mesh.device") && e.contains("`cuda`"), "{e}");
-        let e = TrainConfig::parse("[mesh]\ndevice = \"cuda\"\npp = 2\n", &[]).unwrap_err().to_string();
-        assert!(e.contains("mesh.pp") && e.contains("GPUs"), "{e}");
         assert_eq!(TrainConfig::parse("[mesh]\ndevice = \"cuda\"\ndp = 2\n", &[]).unwrap().mesh.rank_device().unwrap(), RankDevice::Cuda);
     }
 
