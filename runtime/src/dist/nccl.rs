@@ -41,7 +41,7 @@
 //! (the rest of the backward) run while the collective does, and only
 //! [`Pending::wait`] orders the compute stream after it. That is how a
 //! data-parallel bucket's all-reduce overlaps the backward
-//! ([`DataParallel`](crate::parallel::DataParallel)). The handle holds the
+//! ([`DataParallel`](crate::parallel::data::DataParallel)). The handle holds the
 //! buffers the collective reads until then, since the allocator hands freed
 //! blocks out again in compute-stream order; [`Pending::is_done`] asks the
 //! device whether the collective has run.

@@ -74,7 +74,7 @@ struct State {
 /// rest, waits for all, and writes every gradient back as the average over
 /// the replicas.
 ///
-/// On GPUs with [NCCL](crate::dist::nccl), a bucket's all-reduce is queued
+/// On GPUs with NCCL (`dist::nccl`), a bucket's all-reduce is queued
 /// on the device's communication stream and runs beside the kernels of the
 /// rest of the backward on the compute stream; `finish` orders the compute
 /// stream after each one without blocking the host. There the figures of
