@@ -39,3 +39,15 @@ done
 cp kernels/cuda/host_check/ops.cpp "$dir/"
 g++ -std=c++20 -O1 -pthread -w "$dir/ops.cpp" -o "$dir/ops"
 "$dir/ops"
+
+# The norms and the multi-tensor AdamW step, the same way.
+for f in norm adamw; do
+    sed -e 's/extern "C" //' -e 's/__shared__ float scratch\[32\];/static float scratch[32];/' "kernels/cuda/$f.cu" >"$dir/$f.inc"
+    if grep -q '__shared__\|asm(' "$dir/$f.inc"; then
+        echo "cuda-host-check: kernels/cuda/$f.cu has device-only code the emulation does not replace" >&2
+        exit 1
+    fi
+done
+cp kernels/cuda/host_check/rows.h kernels/cuda/host_check/norm.cpp "$dir/"
+g++ -std=c++20 -O1 -pthread -w "$dir/norm.cpp" -o "$dir/norm"
+"$dir/norm"
