@@ -46,6 +46,7 @@ pub const SOURCES: &[Source] = &[
     source!("rope", ["rope_f32", "rope_bf16"]),
     source!("dropout", ["dropout_f32", "dropout_bf16"]),
     source!("embedding", ["embedding_f32", "embedding_bf16", "embedding_backward_f32", "embedding_backward_bf16"]),
+    source!("topk", ["topk_f32", "topk_bf16", "topk_backward_f32", "topk_backward_bf16"]),
 ];
 
 /// The source named `name`, if there is one.

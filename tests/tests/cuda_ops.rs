@@ -448,3 +448,52 @@ device_test! {
         }
     }
 }
+
+/// The bit patterns of a float tensor's elements (NaNs compare too).
+fn float_bits(t: &Tensor) -> Vec<u32> {
+    match t.dtype() {
+        DType::F32 => t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect(),
+        DType::BF16 => t.to_vec::<tessera::bf16>().unwrap().iter().map(|v| v.to_bits() as u32).collect(),
+        DType::F16 => t.to_vec::<tessera::f16>().unwrap().iter().map(|v| v.to_bits() as u32).collect(),
+        other => panic!("no float bits of {other}"),
+    }
+}
+
+device_test! {
+    fn topk_and_its_backward_match_the_cpu_exactly(dev: &Device) {
+        for dtype in FLOATS {
+            // Rows shorter than a warp (k = row), MoE-sized, and longer than a
+            // block with a sampling-sized k; few distinct values (ties
+            // everywhere), NaNs, -inf, and -0 beside +0 (equal, so by index).
+            for (rows, row, k) in [(3, 5, 5), (64, 256, 8), (2, 5000, 64)] {
+                let mut v: Vec<f32> = values(rows * row, 70 + row as u64).iter().map(|x| (x * 3.0).round()).collect();
+                for j in (0..v.len()).step_by(13) {
+                    v[j] = f32::NAN;
+                }
+                (v[1], v[2], v[3]) = (f32::NEG_INFINITY, -0.0, 0.0);
+                let x = Tensor::from_vec(v, [rows, row], reference()).unwrap().to_dtype(dtype).unwrap();
+                let (cv, ci) = ops::topk(&x, k).unwrap();
+                let (gv, gi) = ops::topk(&to_device(&x, dev), k).unwrap();
+                let what = format!("topk {dtype} [{rows}, {row}] k={k}");
+                assert!(gv.device().same(dev) && gi.device().same(dev), "{what}: the results are on {}, not on {dev}", gv.device());
+                assert_eq!((gv.dims(), gi.dims(), gv.dtype(), gi.dtype()), (cv.dims(), ci.dims(), dtype, DType::U32), "{what}");
+                assert_eq!(gi.to_vec::<u32>().unwrap(), ci.to_vec::<u32>().unwrap(), "{what}: indices");
+                assert_eq!(float_bits(&gv), float_bits(&cv), "{what}: values");
+
+                let (dy, ddy) = pair(dev, &[rows, k], dtype, 71);
+                let want = ops::topk_backward(&ci, &dy, row).unwrap();
+                let got = ops::topk_backward(&gi, &ddy, row).unwrap();
+                assert_close(&format!("{what} backward"), &want, &got, dev, 0.0);
+            }
+            // A repeated index sums its gradients in order; one past the row is an error.
+            let (dy, ddy) = pair(dev, &[2, 3], dtype, 72);
+            let idx = Tensor::from_vec(vec![4u32, 0, 4, 1, 2, 3], [2, 3], reference()).unwrap();
+            let want = ops::topk_backward(&idx, &dy, 5).unwrap();
+            let got = ops::topk_backward(&to_device(&idx, dev), &ddy, 5).unwrap();
+            assert_close("topk_backward with a repeated index", &want, &got, dev, 0.0);
+            let bad = to_device(&Tensor::from_vec(vec![0u32, 5, 1, 2, 3, 4], [2, 3], reference()).unwrap(), dev);
+            let e = ops::topk_backward(&bad, &ddy, 5).unwrap_err();
+            assert!(matches!(e, tessera::Error::IndexOutOfRange { index: 5, position: 1, bound: 5, .. }), "{e}");
+        }
+    }
+}

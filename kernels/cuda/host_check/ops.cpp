@@ -1,49 +1,13 @@
 // Checks the logic of the row and lookup kernels (loss.cu, embedding.cu,
-// rope.cu, reduce.cu's max_abs) on the CPU against double-precision references, under the host
+// rope.cu, reduce.cu's max_abs, topk.cu) on the CPU against double-precision references, under the host
 // emulation of shim.h; see scripts/cuda-host-check.sh. f32 only: the element
 // conversions are the prelude's, which the attention check covers.
-#include "shim.h"
-struct float2 { float x, y; };
-inline float2 make_float2(float x, float y) { return {x, y}; }
-inline u64 grid_start() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
-inline u64 grid_stride() { return (u64)gridDim.x * blockDim.x; }
-// common.cuh's block reduction, as the kernels see it.
-inline float block_sum(float v, float* scratch) {
-    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const unsigned int warps = (blockDim.x + 31) / 32;
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < warps ? scratch[lane] : 0.0f;
-    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    return v;
-}
+#include "rows.h"
 #include "loss.inc"
 #include "embedding.inc"
 #include "rope.inc"
 #include "reduce.inc"
-
-static int failures = 0;
-static void check(const char* what, const std::vector<float>& got, const std::vector<double>& want, double tol) {
-    double scale = 1e-3;
-    for (double w : want) scale = std::max(scale, std::fabs(w));
-    for (size_t i = 0; i < want.size(); i++) {
-        if (!(std::fabs(got[i] - want[i]) <= tol * scale)) {
-            printf("FAIL %s: element %zu is %g, want %g\n", what, i, got[i], want[i]);
-            failures++;
-            return;
-        }
-    }
-    printf("ok   %s\n", what);
-}
-static std::vector<float> values(size_t n, unsigned seed) {
-    std::vector<float> v(n);
-    for (auto& x : v) { seed = seed * 1664525u + 1013904223u; x = (float)((seed >> 8) % 4000) / 1000.0f - 2.0f; }
-    return v;
-}
-// The block size the runtime's Grid::Rows picks.
-static unsigned row_threads(u64 cols) { return (unsigned)((std::clamp<u64>(cols, 1, 1024) + 31) / 32 * 32); }
+#include "topk.inc"
 
 int main() {
     // Threads per block: the emulation runs one std::thread per CUDA thread,
@@ -179,6 +143,74 @@ int main() {
         if (m[0] == m[0]) { printf("FAIL max_abs with a NaN is %g\n", m[0]); failures++; } else printf("ok   max_abs of a NaN\n");
         emu_launch(1, 32, 0, [&] { max_abs_f32(x.data(), m.data(), 0); });
         check("max_abs of nothing", m, {0.0}, 0);
+    }
+    // Top-k: rows shorter than a warp, of a few warps, and longer than a
+    // block, with few distinct values (ties everywhere), NaNs (one seeds the
+    // first round), -inf, and +0 beside -0 (equal, so ordered by index).
+    // Checked exactly against a full stable sort in the CPU's order, in f32
+    // and bf16; the backward against the CPU's in-order f32 scatter.
+    for (u64 cols : {5ull, 70ull, 1100ull}) {
+        const u64 rows = 3;
+        auto x = values(rows * cols, 11u + (unsigned)cols);
+        for (auto& v : x) v = std::round(v * 1.5f);
+        for (u64 j = 0; j < rows * cols; j += 7) x[j] = NAN;
+        x[1] = -INFINITY, x[2] = -0.0f, x[3] = 0.0f;
+        // A NaN with another payload, so copying the value (not a canonical NaN) shows.
+        x[cols] = __uint_as_float(0x7fc01234u);
+        auto rank_order = [&](const float* xr) {
+            std::vector<unsigned> order(cols);
+            for (unsigned j = 0; j < cols; j++) order[j] = j;
+            std::stable_sort(order.begin(), order.end(), [&](unsigned a, unsigned b) {
+                const float va = xr[a], vb = xr[b];
+                if (std::isnan(va) || std::isnan(vb)) return !std::isnan(va) && std::isnan(vb);
+                return va > vb;
+            });
+            return order;
+        };
+        for (u64 k : {1ull, 3ull, std::min<u64>(cols, 9ull), cols}) {
+            if (cols > 100 && k == cols) continue;  // k rounds of 1024 emulated threads: too slow here
+            std::vector<float> v(rows * k);
+            std::vector<unsigned> idx(rows * k);
+            std::vector<bf16> xb(rows * cols), vb(rows * k);
+            std::vector<unsigned> idxb(rows * k);
+            for (u64 j = 0; j < rows * cols; j++) xb[j].bits = (unsigned short)(__float_as_uint(x[j]) >> 16);
+            std::vector<float> xbf(rows * cols);
+            for (u64 j = 0; j < rows * cols; j++) xbf[j] = to_f32(xb[j]);
+            emu_launch(2, row_threads(cols), 0, [&] { topk_f32(x.data(), v.data(), idx.data(), rows, cols, k); });
+            emu_launch(2, row_threads(cols), 0, [&] { topk_bf16(xb.data(), vb.data(), idxb.data(), rows, cols, k); });
+            bool ok = true;
+            for (u64 r = 0; r < rows && ok; r++) {
+                const auto want = rank_order(&x[r * cols]), want_b = rank_order(&xbf[r * cols]);
+                for (u64 t = 0; t < k && ok; t++) {
+                    const u64 o = r * k + t;
+                    ok = idx[o] == want[t] && __float_as_uint(v[o]) == __float_as_uint(x[r * cols + want[t]])
+                         && idxb[o] == want_b[t] && vb[o].bits == xb[r * cols + want_b[t]].bits;
+                    if (!ok) printf("FAIL topk cols %llu k %llu: row %llu place %llu is (%g, %u) / bf16 %u, want index %u / %u\n",
+                                    cols, k, r, t, v[o], idx[o], idxb[o], want[t], want_b[t]);
+                }
+            }
+            if (ok) printf("ok   topk cols %llu k %llu\n", cols, k); else failures++;
+        }
+        // Backward: row 0 as topk gives it, row 1 with a repeated index
+        // (summed in order), row 2 with an index past the row (skipped).
+        const u64 k = std::min<u64>(cols, 4ull);
+        std::vector<unsigned> idx(rows * k);
+        std::vector<float> v(rows * k), dv = values(rows * k, 21u), dx(rows * cols, NAN);
+        emu_launch(2, row_threads(cols), 0, [&] { topk_f32(x.data(), v.data(), idx.data(), rows, cols, k); });
+        idx[k + k - 1] = idx[k];
+        idx[2 * k] = (unsigned)cols;
+        std::vector<float> want(rows * cols, 0.0f);
+        for (u64 r = 0; r < rows; r++)
+            for (u64 j = 0; j < k; j++)
+                if (idx[r * k + j] < cols) want[r * cols + idx[r * k + j]] += dv[r * k + j];
+        std::fill(dx.begin(), dx.end(), 0.0f);  // the launcher zeroes dx
+        emu_launch(2, 64, 0, [&] { topk_backward_f32(idx.data(), dv.data(), dx.data(), rows, cols, k); });
+        bool ok = true;
+        for (u64 j = 0; j < rows * cols && ok; j++) {
+            ok = __float_as_uint(dx[j]) == __float_as_uint(want[j]);
+            if (!ok) printf("FAIL topk_backward cols %llu: element %llu is %g, want %g\n", cols, j, dx[j], want[j]);
+        }
+        if (ok) printf("ok   topk_backward cols %llu\n", cols); else failures++;
     }
     if (failures) { printf("%d failures\n", failures); return 1; }
     printf("all ops checks passed\n");

@@ -35,6 +35,10 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
     float r = emu_shfl[(t & ~31u) | ((t % 32) ^ o)]; emu_warp_barrier[w]->arrive_and_wait();
     return r;
 }
+inline unsigned __shfl_xor_sync(unsigned mask, unsigned v, int o) {
+    float f; memcpy(&f, &v, 4); f = __shfl_xor_sync(mask, f, o);
+    unsigned r; memcpy(&r, &f, 4); return r;
+}
 inline void __trap() { fprintf(stderr, "trap\n"); abort(); }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }

@@ -14,8 +14,9 @@
 //! strided copies, and the ops whose kernel struct has a CUDA implementation
 //! (`FloatKernel::cuda`: elementwise arithmetic, activations, norms, sums,
 //! matrix products through cuBLAS, fused attention, softmax, cross-entropy,
-//! embedding, RoPE, dropout) and the AdamW step. Every other operation
-//! returns [`Error::NotImplementedOnCuda`](crate::Error::NotImplementedOnCuda)
+//! embedding, RoPE, dropout), top-k and its backward, and the AdamW step.
+//! Every other operation returns
+//! [`Error::NotImplementedOnCuda`](crate::Error::NotImplementedOnCuda)
 //! naming the operation. docs/cuda.md says what is next.
 
 // The allocator's policy is plain Rust and is tested in every build.
@@ -45,6 +46,8 @@ pub mod nvrtc;
 mod storage;
 #[cfg(not(feature = "cuda"))]
 mod stub;
+#[cfg(feature = "cuda")]
+mod topk;
 pub mod testing;
 
 #[cfg(feature = "cuda")]

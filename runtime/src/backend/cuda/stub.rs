@@ -156,6 +156,14 @@ impl CudaStorage {
     pub(crate) fn axpy(&self, _: usize, _: f64, _: &CudaStorage, _: usize, _: usize) -> Result<()> {
         match *self {}
     }
+
+    pub(crate) fn topk(&self, _: std::ops::Range<usize>, _: usize, _: usize) -> Result<(CudaStorage, CudaStorage)> {
+        match *self {}
+    }
+
+    pub(crate) fn topk_backward(&self, _: std::ops::Range<usize>, _: (&CudaStorage, std::ops::Range<usize>), _: usize, _: usize, _: usize) -> Result<CudaStorage> {
+        match *self {}
+    }
 }
 
 impl BackendDevice for CudaDevice {
