@@ -47,8 +47,9 @@ cp kernels/cuda/host_check/rows.h kernels/cuda/host_check/ops.cpp "$dir/"
 g++ -std=c++20 -O1 -pthread -w "$dir/ops.cpp" -o "$dir/ops"
 "$dir/ops"
 
-# The norms and the multi-tensor AdamW step, the same way.
-for f in norm adamw; do
+# The norms, the multi-tensor AdamW step, the element-wise kernels and the
+# strided copy, the same way.
+for f in norm adamw elementwise convert; do
     sed -e 's/extern "C" //' -e 's/__shared__ float scratch\[32\];/static float scratch[32];/' "kernels/cuda/$f.cu" >"$dir/$f.inc"
     if grep -q '__shared__\|asm(' "$dir/$f.inc"; then
         echo "cuda-host-check: kernels/cuda/$f.cu has device-only code the emulation does not replace" >&2
@@ -58,3 +59,6 @@ done
 cp kernels/cuda/host_check/norm.cpp "$dir/"
 g++ -std=c++20 -O1 -pthread -w "$dir/norm.cpp" -o "$dir/norm"
 "$dir/norm"
+cp kernels/cuda/host_check/elementwise.cpp "$dir/"
+g++ -std=c++20 -O1 -pthread -w "$dir/elementwise.cpp" -o "$dir/elementwise"
+"$dir/elementwise"
