@@ -26,39 +26,21 @@ cp kernels/cuda/host_check/shim.h kernels/cuda/host_check/attention.cpp "$dir/"
 g++ -std=c++20 -O1 -pthread -w "$dir/attention.cpp" -o "$dir/attention"
 "$dir/attention"
 
-# The row and lookup kernels declare their block-reduction scratch as a
-# static __shared__ array; the emulation runs one block at a time, so a
-# function-static array stands in for it.
-for f in loss embedding rope reduce; do
-    sed -e 's/extern "C" //' -e 's/__shared__ float scratch\[32\];/static float scratch[32];/' "kernels/cuda/$f.cu" >"$dir/$f.inc"
+# The other kernels keep their block's partials in static __shared__ arrays
+# (the block reduction's scratch, top-k's best entries); the emulation runs
+# one block at a time, so function-static arrays stand in for them.
+for f in loss embedding rope reduce topk norm adamw elementwise convert; do
+    sed -e 's/extern "C" //' -e 's/__shared__ \(float\|unsigned int\) /static \1 /' "kernels/cuda/$f.cu" >"$dir/$f.inc"
     if grep -q '__shared__\|asm(' "$dir/$f.inc"; then
         echo "cuda-host-check: kernels/cuda/$f.cu has device-only code the emulation does not replace" >&2
         exit 1
     fi
 done
-# topk.cu keeps its block's partials in two static __shared__ arrays; the
-# same function-static stand-in serves.
-sed -e 's/extern "C" //' -e 's/__shared__ \(float\|unsigned int\) /static \1 /' kernels/cuda/topk.cu >"$dir/topk.inc"
-if grep -q '__shared__\|asm(' "$dir/topk.inc"; then
-    echo "cuda-host-check: kernels/cuda/topk.cu has device-only code the emulation does not replace" >&2
-    exit 1
-fi
-cp kernels/cuda/host_check/rows.h kernels/cuda/host_check/ops.cpp "$dir/"
-g++ -std=c++20 -O1 -pthread -w "$dir/ops.cpp" -o "$dir/ops"
-"$dir/ops"
-
-# The norms, the multi-tensor AdamW step, the element-wise kernels and the
-# strided copy, the same way.
-for f in norm adamw elementwise convert; do
-    sed -e 's/extern "C" //' -e 's/__shared__ float scratch\[32\];/static float scratch[32];/' "kernels/cuda/$f.cu" >"$dir/$f.inc"
-    if grep -q '__shared__\|asm(' "$dir/$f.inc"; then
-        echo "cuda-host-check: kernels/cuda/$f.cu has device-only code the emulation does not replace" >&2
-        exit 1
-    fi
+cp kernels/cuda/host_check/rows.h "$dir/"
+# ops.cpp: loss, embedding, RoPE, max_abs, top-k; norm.cpp: the norms and
+# AdamW; elementwise.cpp: activations, bias, axpy, the strided copy.
+for check in ops norm elementwise; do
+    cp "kernels/cuda/host_check/$check.cpp" "$dir/"
+    g++ -std=c++20 -O1 -pthread -w "$dir/$check.cpp" -o "$dir/$check"
+    "$dir/$check"
 done
-cp kernels/cuda/host_check/norm.cpp "$dir/"
-g++ -std=c++20 -O1 -pthread -w "$dir/norm.cpp" -o "$dir/norm"
-"$dir/norm"
-cp kernels/cuda/host_check/elementwise.cpp "$dir/"
-g++ -std=c++20 -O1 -pthread -w "$dir/elementwise.cpp" -o "$dir/elementwise"
-"$dir/elementwise"

@@ -5,19 +5,7 @@ use super::device::CudaDevice;
 use super::launch::config;
 use crate::error::{Error, Result};
 use cudarc::driver::{DeviceRepr, PushKernelArg};
-use tessera_kernels::cpu::adamw::AdamWStep;
-
-/// One tensor of a multi-tensor step: the device addresses of its f32
-/// parameter, gradient and moments (each `len` elements), and its step.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct AdamWSlot {
-    pub step: AdamWStep,
-    pub param: u64,
-    pub grad: u64,
-    pub m: u64,
-    pub v: u64,
-    pub len: usize,
-}
+pub(crate) use super::AdamWSlot;
 
 /// The kernel's `AdamWHyper`, field for field.
 #[repr(C)]

@@ -62,6 +62,21 @@ pub use stub::{CudaDevice, CudaStorage};
 pub(crate) use stub::{adamw, run_op, CudaCall};
 pub use testing::report_skip;
 
+/// One tensor of a multi-tensor AdamW step on a device: the device
+/// addresses of its f32 parameter, gradient and moments (each `len`
+/// elements), and its step.
+#[derive(Clone, Copy, Debug)]
+// Without the CUDA backend nothing launches the step, so nothing reads these.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct AdamWSlot {
+    pub step: tessera_kernels::cpu::adamw::AdamWStep,
+    pub param: u64,
+    pub grad: u64,
+    pub m: u64,
+    pub v: u64,
+    pub len: usize,
+}
+
 /// Whether this build has the CUDA backend (the `cuda` cargo feature).
 ///
 /// Says nothing about the machine: [`CudaDevice::new`] answers that.

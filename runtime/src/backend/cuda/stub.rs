@@ -70,22 +70,9 @@ pub(crate) fn run_op(
 
 /// The AdamW step on a CUDA device (none can exist in this build).
 pub(crate) mod adamw {
+    pub(crate) use super::super::AdamWSlot;
     use super::CudaDevice;
     use crate::error::Result;
-    use tessera_kernels::cpu::adamw::AdamWStep;
-
-    /// One tensor of a multi-tensor step (never built in this build, so
-    /// nothing reads its fields).
-    #[allow(dead_code)]
-    #[derive(Clone, Copy, Debug)]
-    pub(crate) struct AdamWSlot {
-        pub step: AdamWStep,
-        pub param: u64,
-        pub grad: u64,
-        pub m: u64,
-        pub v: u64,
-        pub len: usize,
-    }
 
     pub(crate) fn adamw_f32(device: &CudaDevice, _: &[AdamWSlot]) -> Result<()> {
         match *device {}
