@@ -223,6 +223,17 @@ device_test! {
         let (want, got) = (ids.t().unwrap().contiguous().unwrap(), dids.t().unwrap().contiguous().unwrap());
         assert_eq!(want.to_vec::<u32>().unwrap(), got.to_vec::<u32>().unwrap());
         assert_eq!(ids.to_dtype(DType::U32).unwrap().to_vec::<u32>().unwrap(), dids.to_dtype(DType::U32).unwrap().to_vec::<u32>().unwrap());
+        // Joined end to end (a gradient bucket): a whole tensor, a strided
+        // view, a view at an offset and an empty part.
+        for dtype in FLOATS {
+            let (x, dx) = pair(dev, &[4, 6], dtype, 30);
+            let parts = |t: &Tensor| vec![t.clone(), t.t().unwrap(), t.narrow(0, 1, 2).unwrap(), t.narrow(1, 3, 0).unwrap()];
+            let (p, dp) = (parts(&x), parts(&dx));
+            let joined = Tensor::concat_flat(&p.iter().collect::<Vec<_>>()).unwrap();
+            let djoined = Tensor::concat_flat(&dp.iter().collect::<Vec<_>>()).unwrap();
+            assert_eq!(djoined.dims(), [24 + 24 + 12]);
+            assert_close(&format!("concat_flat of {dtype}"), &joined, &djoined, dev, 0.0);
+        }
     }
 }
 
