@@ -83,6 +83,12 @@ impl CudaCall {
         Err(Error::NotImplementedOnCuda { op: self.op })
     }
 
+    /// The dtype part of this call's kernel symbols (`f32`, `bf16`, `f16`):
+    /// the primary input's, which picks between kernel families.
+    pub(crate) fn dtype_suffix(&self) -> &'static str {
+        suffix(self.primary).expect("checked by run_op")
+    }
+
     /// The number of elements of output `i`.
     pub(crate) fn output_len(&self, i: usize) -> usize {
         self.outputs[i].len()
