@@ -3,7 +3,8 @@
 // kernels and the backward's `delta` kernel), with every product a warp-wide
 // mma.sync.m16n8k16 on 16-bit operands with f32 accumulation. The launch
 // geometry is described in kernels/src/cuda/attention_tc.rs; the two must
-// change together.
+// change together. Needs sm_80 or newer (the bf16 mma and cvt ...bf16x2);
+// the runtime runs attention.cu on older GPUs.
 //
 // Semantics (as attention.cu). Query head h reads kv head h / (q_heads /
 // kv_heads). With `causal`, query i attends keys j <= i + seq_kv - seq_q.

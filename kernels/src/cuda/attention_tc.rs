@@ -20,6 +20,9 @@ pub const THREADS: u32 = 128;
 pub const MAX_HEAD_DIM: usize = 128;
 /// The element types with tensor-core kernels (f32 keeps the CUDA cores).
 pub const DTYPES: [&str; 2] = ["bf16", "f16"];
+/// The oldest GPU the kernels compile for, as `10 · major + minor`:
+/// `mma.sync.m16n8k16` on bf16 and `cvt.rn.bf16x2.f32` need sm_80 (Ampere).
+pub const MIN_SM: u32 = 80;
 /// 16-bit elements of padding after each staged row (keeps fragment loads
 /// free of bank conflicts).
 const PAD: usize = 8;
@@ -31,10 +34,11 @@ const DKV_SHARED: (usize, usize) = (4, 2);
 const DQ_SHARED: (usize, usize) = (4, 0);
 
 /// Whether the tensor-core kernels serve `dtype` (a kernel suffix: `f32`,
-/// `bf16`, `f16`) at `head_dim`. Where they do not, the CUDA-core kernels of
+/// `bf16`, `f16`) at `head_dim` on a GPU of compute capability `sm`
+/// (`10 · major + minor`). Where they do not, the CUDA-core kernels of
 /// [`attention`](super::attention) run (and report unsupported sizes).
-pub fn serves(dtype: &str, head_dim: usize) -> bool {
-    DTYPES.contains(&dtype) && (1..=MAX_HEAD_DIM).contains(&head_dim)
+pub fn serves(dtype: &str, head_dim: usize, sm: u32) -> bool {
+    DTYPES.contains(&dtype) && (1..=MAX_HEAD_DIM).contains(&head_dim) && sm >= MIN_SM
 }
 
 /// Head-dim width of the instantiation that serves `head_dim`.
@@ -107,12 +111,14 @@ mod tests {
     }
 
     #[test]
-    fn only_16_bit_types_up_to_head_dim_128_run_on_tensor_cores() {
+    fn only_16_bit_types_up_to_head_dim_128_on_ampere_or_newer_run_on_tensor_cores() {
         for hd in [1, 8, 32, 64, 96, 128] {
-            assert!(serves("bf16", hd) && serves("f16", hd), "{hd}");
-            assert!(!serves("f32", hd), "{hd}");
+            assert!(serves("bf16", hd, 90) && serves("f16", hd, 80), "{hd}");
+            assert!(!serves("f32", hd, 90), "{hd}");
         }
-        assert!(!serves("bf16", 0) && !serves("bf16", 129) && !serves("f16", 256));
+        assert!(!serves("bf16", 0, 90) && !serves("bf16", 129, 90) && !serves("f16", 256, 90));
+        // Volta and Turing lack the m16n8k16 bf16 instruction: CUDA cores.
+        assert!(!serves("bf16", 64, 75) && !serves("f16", 64, 70));
     }
 
     #[test]

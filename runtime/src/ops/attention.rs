@@ -41,18 +41,19 @@ fn unsupported(op: &'static str, e: gpu::AttnLaunchError) -> Error {
     Error::invalid(op, format!("{}; the CPU backend runs any size", e.trim_start_matches("attention: ")))
 }
 
-/// The forward launch for this call's dtype and `head_dim`: bf16 and f16 run
-/// the tensor-core kernels of `kernels/cuda/attention_tc.cu` where they serve
-/// the head dim (up to 128), everything else the CUDA-core kernels of
-/// `kernels/cuda/attention.cu`. Both take the same arguments.
+/// The forward launch for this call: bf16 and f16 with `head_dim` up to 128
+/// on a GPU of compute capability 8.0 or newer run the tensor-core kernels of
+/// `kernels/cuda/attention_tc.cu` ([`tc::serves`]), everything else the
+/// CUDA-core kernels of `kernels/cuda/attention.cu`. Both take the same
+/// arguments and compute the same outputs.
 fn forward_launch(c: &CudaCall, d: &AttnDims, layout: AttnLayout) -> Result<(AttnParams, Launch)> {
-    let launch = if tc::serves(c.dtype_suffix(), d.head_dim) { tc::forward(d, layout) } else { gpu::forward(d, layout) };
+    let launch = if tc::serves(c.dtype_suffix(), d.head_dim, c.sm()) { tc::forward(d, layout) } else { gpu::forward(d, layout) };
     launch.map_err(|e| unsupported("attention", e))
 }
 
 /// The backward's launches, chosen as [`forward_launch`] chooses.
 fn backward_launches(c: &CudaCall, d: &AttnDims, layout: AttnLayout) -> Result<(AttnParams, BackwardLaunches)> {
-    let launches = if tc::serves(c.dtype_suffix(), d.head_dim) { tc::backward(d, layout) } else { gpu::backward(d, layout) };
+    let launches = if tc::serves(c.dtype_suffix(), d.head_dim, c.sm()) { tc::backward(d, layout) } else { gpu::backward(d, layout) };
     launches.map_err(|e| unsupported("attention_backward", e))
 }
 

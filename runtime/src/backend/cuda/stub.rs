@@ -30,6 +30,10 @@ impl CudaCall {
         match *self {}
     }
 
+    pub(crate) fn sm(&self) -> u32 {
+        match *self {}
+    }
+
     pub(crate) fn output_len(&self, _: usize) -> usize {
         match *self {}
     }
