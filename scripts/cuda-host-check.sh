@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Checks the logic of the CUDA attention kernels, and of the softmax,
-# cross-entropy, embedding, RoPE, max_abs and top-k kernels, on the CPU:
-# compiles their sources as C++ against a host emulation of the CUDA features
-# they use (kernels/cuda/host_check/shim.h) and compares their results with
-# double-precision references (top-k with an exact one). Needs g++ with C++20; no GPU, no CUDA.
+# Checks the logic of the CUDA kernels on the CPU: the attention kernels
+# (CUDA-core and tensor-core), softmax, cross-entropy, embedding, RoPE,
+# max_abs, top-k, the norms, AdamW, the element-wise kernels and the strided
+# copy. Compiles their sources as C++ against a host emulation of the CUDA
+# features they use (kernels/cuda/host_check/shim.h, shim_mma.h) and compares
+# their results with double-precision references (top-k with an exact one).
+# Needs g++ with C++20; no GPU, no CUDA.
 #
 #   scripts/cuda-host-check.sh
 set -euo pipefail
@@ -25,6 +27,21 @@ fi
 cp kernels/cuda/host_check/shim.h kernels/cuda/host_check/attention.cpp "$dir/"
 g++ -std=c++20 -O1 -pthread -w "$dir/attention.cpp" -o "$dir/attention"
 "$dir/attention"
+
+# The tensor-core kernels keep their device-only instructions (mma, the
+# 16-bit packing, the shared array and its size register) in one block that
+# only a CUDA compiler sees; shim_mma.h supplies host versions of those
+# functions. The tiles are 16-bit arrays read as 32- and 64-bit words, hence
+# -fno-strict-aliasing.
+src=kernels/cuda/attention_tc.cu
+sed -e 's/extern "C" //' "$src" >"$dir/attention_tc.inc"
+if g++ -std=c++20 -E -P -x c++ "$dir/attention_tc.inc" | grep -q 'asm\|__shared__'; then
+    echo "cuda-host-check: $src has device-only code outside the block the emulation replaces" >&2
+    exit 1
+fi
+cp kernels/cuda/host_check/shim_mma.h kernels/cuda/host_check/attention_tc.cpp "$dir/"
+g++ -std=c++20 -O1 -pthread -w -fno-strict-aliasing "$dir/attention_tc.cpp" -o "$dir/attention_tc"
+"$dir/attention_tc"
 
 # The other kernels keep their block's partials in static __shared__ arrays
 # (the block reduction's scratch, top-k's best entries); the emulation runs

@@ -23,7 +23,9 @@
 // tid%8 + 8c (c < D/8); the eight threads of a row are eight consecutive lanes
 // of one warp, so row maxima and sums are three shuffles. Tiles are staged in
 // shared memory as f32 rows padded to D + 1 floats (conflict-free column
-// walks). Products are f32 FMAs on the CUDA cores: no tensor cores yet.
+// walks). Products are f32 FMAs on the CUDA cores. The runtime uses these
+// kernels for f32; bf16 and f16 run the tensor-core kernels of
+// attention_tc.cu, which share this file's `delta` kernel.
 //
 // Head dims. One symbol per element type serves every head_dim <= 128: a
 // head_dim <= 64 runs the D = 64 instantiation, a larger one the D = 128 one,

@@ -6,6 +6,7 @@
 //! element type `T` is the symbol `foo_{f32,bf16,f16}`.
 
 pub mod attention;
+pub mod attention_tc;
 
 /// One compilation unit: its name, its full source, and the kernels whose
 /// speed matters most (the kernel gate fails if ptxas reports that any of
@@ -40,6 +41,11 @@ pub const SOURCES: &[Source] = &[
         "attention_fwd_f32", "attention_fwd_bf16", "attention_fwd_f16",
         "attention_bwd_dkv_f32", "attention_bwd_dkv_bf16", "attention_bwd_dkv_f16",
         "attention_bwd_dq_f32", "attention_bwd_dq_bf16", "attention_bwd_dq_f16",
+    ]),
+    source!("attention_tc", [
+        "attention_tc_fwd_bf16", "attention_tc_fwd_f16",
+        "attention_tc_bwd_dkv_bf16", "attention_tc_bwd_dkv_f16",
+        "attention_tc_bwd_dq_bf16", "attention_tc_bwd_dq_f16",
     ]),
     source!("convert", ["cast_f32_to_bf16", "cast_bf16_to_f32"]),
     source!("loss", ["softmax_f32", "softmax_bf16", "log_softmax_f32", "cross_entropy_rows_f32", "cross_entropy_rows_bf16", "cross_entropy_backward_f32", "cross_entropy_backward_bf16"]),

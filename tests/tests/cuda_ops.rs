@@ -305,9 +305,12 @@ device_test! {
             // Sums over up to 160 keys in another order than the CPU's.
             let tol = tolerance(dtype).max(1e-4);
             // Grouped-query heads; a partial last tile; both head-dim
-            // instantiations (64, and 96 on the 128-wide one); a KV cache
-            // (fewer queries than keys), causal and not.
-            for (hq, hkv, tq, tkv, hd, causal) in [(4, 2, 100, 100, 64, true), (2, 2, 70, 70, 96, false), (4, 1, 30, 160, 32, true)] {
+            // instantiations (64 and 128, and 96 on the 128-wide one); a KV
+            // cache (fewer queries than keys), causal and not. bf16 and f16
+            // run the tensor-core kernels, f32 the CUDA-core ones.
+            for (hq, hkv, tq, tkv, hd, causal) in
+                [(4, 2, 100, 100, 64, true), (2, 2, 70, 70, 96, false), (4, 1, 30, 160, 32, true), (2, 1, 80, 80, 128, true), (2, 2, 50, 120, 128, false)]
+            {
                 let opts = AttnOpts { causal, scale: None };
                 let what = |part: &str| format!("attention {dtype} {hq}/{hkv} heads {tq}x{tkv}x{hd} causal {causal}: {part}");
                 let (q, dq) = pair(dev, &[2, hq, tq, hd], dtype, 40);

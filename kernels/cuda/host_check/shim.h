@@ -19,7 +19,7 @@ using std::min; using std::max;
 #define __host__
 #define __forceinline__ inline
 #define __shared__
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 struct dim3e { unsigned x, y, z; };
 thread_local dim3e threadIdx, blockIdx;
 dim3e blockDim, gridDim;

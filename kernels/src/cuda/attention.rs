@@ -144,6 +144,9 @@ pub enum AttnLaunchError {
 /// dynamic shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Launch {
+    /// The kernel source (an entry of [`SOURCES`](crate::cuda::SOURCES))
+    /// that defines the kernel.
+    pub source: &'static str,
     /// The op; the symbol is `{op}_{f32,bf16,f16}` after the element type.
     pub op: &'static str,
     /// The kernel's arguments in order; `params` is the [`AttnParams`] by value,
@@ -204,7 +207,7 @@ fn shared_bytes(width: usize, (tiles, vectors): (usize, usize)) -> u32 {
     (4 * (tiles * TILE * (width + 1) + TILE * (TILE + 1) + vectors * TILE)) as u32
 }
 
-fn blocks(n: usize) -> Result<u32, AttnLaunchError> {
+pub(crate) fn blocks(n: usize) -> Result<u32, AttnLaunchError> {
     u32::try_from(n).ok().filter(|&b| b <= i32::MAX as u32).ok_or(AttnLaunchError::TooManyBlocks { blocks: n })
 }
 
@@ -264,6 +267,7 @@ pub fn params(d: &AttnDims, layout: AttnLayout) -> Result<AttnParams, AttnLaunch
 pub fn forward(d: &AttnDims, layout: AttnLayout) -> Result<(AttnParams, Launch), AttnLaunchError> {
     let p = params(d, layout)?;
     let launch = Launch {
+        source: "attention",
         op: "attention_fwd",
         args: &["q", "k", "v", "out", "lse", "params"],
         grid: blocks(d.batch * d.q_heads * d.seq_q.div_ceil(TILE))?,
@@ -283,6 +287,7 @@ pub fn backward(d: &AttnDims, layout: AttnLayout) -> Result<(AttnParams, Backwar
     let warps_per_block = THREADS as usize / 32;
     let launches = BackwardLaunches {
         delta: Launch {
+            source: "attention",
             op: "attention_bwd_delta",
             args: &["out", "dout", "delta", "params"],
             grid: blocks(rows.div_ceil(warps_per_block).min(DELTA_MAX_BLOCKS))?,
@@ -290,6 +295,7 @@ pub fn backward(d: &AttnDims, layout: AttnLayout) -> Result<(AttnParams, Backwar
             shared_bytes: 0,
         },
         dkv: Launch {
+            source: "attention",
             op: "attention_bwd_dkv",
             args: &["q", "k", "v", "dout", "lse", "delta", "dk", "dv", "params"],
             grid: blocks(d.batch * d.kv_heads * d.seq_kv.div_ceil(TILE))?,
@@ -297,6 +303,7 @@ pub fn backward(d: &AttnDims, layout: AttnLayout) -> Result<(AttnParams, Backwar
             shared_bytes: shared_bytes(w, DKV_SHARED),
         },
         dq: Launch {
+            source: "attention",
             op: "attention_bwd_dq",
             args: &["q", "k", "v", "dout", "lse", "delta", "dq", "params"],
             grid: blocks(d.batch * d.q_heads * d.seq_q.div_ceil(TILE))?,

@@ -9,7 +9,8 @@ use crate::tensor::{Shape, Tensor};
 use tessera_kernels::cpu::attention::{
     attention_backward as back, attention_backward_packed as back_packed, attention_forward as fwd, attention_forward_packed as fwd_packed, AttnDims,
 };
-use tessera_kernels::cuda::attention::{self as gpu, AttnLayout, Launch};
+use tessera_kernels::cuda::attention::{self as gpu, AttnLayout, AttnParams, BackwardLaunches, Launch};
+use tessera_kernels::cuda::attention_tc as tc;
 
 float_kernel!(writes_all AttnFwd { d: AttnDims } |s, i, o| {
     let (out, lse) = o.split_at_mut(1);
@@ -40,16 +41,31 @@ fn unsupported(op: &'static str, e: gpu::AttnLaunchError) -> Error {
     Error::invalid(op, format!("{}; the CPU backend runs any size", e.trim_start_matches("attention: ")))
 }
 
-/// The forward on a GPU (`kernels/cuda/attention.cu`). Heads: inputs `q, k,
-/// v`; packed: input `qkv`, read as all three through the layout's places.
-/// Outputs: `out` and the f32 `lse`.
+/// The forward launch for this call: bf16 and f16 with `head_dim` up to 128
+/// on a GPU of compute capability 8.0 or newer run the tensor-core kernels of
+/// `kernels/cuda/attention_tc.cu` ([`tc::serves`]), everything else the
+/// CUDA-core kernels of `kernels/cuda/attention.cu`. Both take the same
+/// arguments and compute the same outputs.
+fn forward_launch(c: &CudaCall, d: &AttnDims, layout: AttnLayout) -> Result<(AttnParams, Launch)> {
+    let launch = if tc::serves(c.dtype_suffix(), d.head_dim, c.sm()) { tc::forward(d, layout) } else { gpu::forward(d, layout) };
+    launch.map_err(|e| unsupported("attention", e))
+}
+
+/// The backward's launches, chosen as [`forward_launch`] chooses.
+fn backward_launches(c: &CudaCall, d: &AttnDims, layout: AttnLayout) -> Result<(AttnParams, BackwardLaunches)> {
+    let launches = if tc::serves(c.dtype_suffix(), d.head_dim, c.sm()) { tc::backward(d, layout) } else { gpu::backward(d, layout) };
+    launches.map_err(|e| unsupported("attention_backward", e))
+}
+
+/// The forward on a GPU. Heads: inputs `q, k, v`; packed: input `qkv`, read
+/// as all three through the layout's places. Outputs: `out` and the f32 `lse`.
 fn forward_cuda(c: &mut CudaCall, d: &AttnDims, layout: AttnLayout) -> Result<()> {
-    let (p, l) = gpu::forward(d, layout).map_err(|e| unsupported("attention", e))?;
+    let (p, l) = forward_launch(c, d, layout)?;
     let (k, v) = match layout {
         AttnLayout::Heads => (Arg::Input(1), Arg::Input(2)),
         AttnLayout::Packed => (Arg::Input(0), Arg::Input(0)),
     };
-    c.launch("attention", l.op, grid(&l), &[Arg::Input(0), k, v, Arg::Output(0), Arg::Output(1), Arg::Attn(p)])
+    c.launch(l.source, l.op, grid(&l), &[Arg::Input(0), k, v, Arg::Output(0), Arg::Output(1), Arg::Attn(p)])
 }
 
 /// The backward on a GPU: `delta` into an f32 scratch buffer, then `dk` and
@@ -57,7 +73,7 @@ fn forward_cuda(c: &mut CudaCall, d: &AttnDims, layout: AttnLayout) -> Result<()
 /// outputs `dq, dk, dv`; packed: inputs `qkv, out, lse, dout`, one output
 /// shaped like `qkv` that the places split into `dq`, `dk` and `dv`.
 fn backward_cuda(c: &mut CudaCall, d: &AttnDims, layout: AttnLayout) -> Result<()> {
-    let (p, l) = gpu::backward(d, layout).map_err(|e| unsupported("attention_backward", e))?;
+    let (p, l) = backward_launches(c, d, layout)?;
     let (q, k, v, out, lse, dout, dq, dk, dv) = match layout {
         AttnLayout::Heads => (0, 1, 2, 3, 4, 5, 0, 1, 2),
         AttnLayout::Packed => (0, 0, 0, 1, 2, 3, 0, 0, 0),
@@ -65,9 +81,9 @@ fn backward_cuda(c: &mut CudaCall, d: &AttnDims, layout: AttnLayout) -> Result<(
     let delta = Arg::Scratch(c.scratch_f32(d.batch * d.q_heads * d.seq_q)?);
     let (q, k, v, out, lse, dout) = (Arg::Input(q), Arg::Input(k), Arg::Input(v), Arg::Input(out), Arg::Stats(lse), Arg::Input(dout));
     let p = Arg::Attn(p);
-    c.launch("attention", l.delta.op, grid(&l.delta), &[out, dout, delta, p])?;
-    c.launch("attention", l.dkv.op, grid(&l.dkv), &[q, k, v, dout, lse, delta, Arg::Output(dk), Arg::Output(dv), p])?;
-    c.launch("attention", l.dq.op, grid(&l.dq), &[q, k, v, dout, lse, delta, Arg::Output(dq), p])
+    c.launch(l.delta.source, l.delta.op, grid(&l.delta), &[out, dout, delta, p])?;
+    c.launch(l.dkv.source, l.dkv.op, grid(&l.dkv), &[q, k, v, dout, lse, delta, Arg::Output(dk), Arg::Output(dv), p])?;
+    c.launch(l.dq.source, l.dq.op, grid(&l.dq), &[q, k, v, dout, lse, delta, Arg::Output(dq), p])
 }
 
 /// How queries attend: causally or not, and the factor on `q·k`.

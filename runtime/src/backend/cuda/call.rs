@@ -83,6 +83,19 @@ impl CudaCall {
         Err(Error::NotImplementedOnCuda { op: self.op })
     }
 
+    /// The dtype part of this call's kernel symbols (`f32`, `bf16`, `f16`):
+    /// the primary input's, which picks between kernel families.
+    pub(crate) fn dtype_suffix(&self) -> &'static str {
+        suffix(self.primary).expect("checked by run_op")
+    }
+
+    /// The device's compute capability as one number (`90` for sm_90):
+    /// kernel families that need newer instructions check it.
+    pub(crate) fn sm(&self) -> u32 {
+        let c = self.device.capability();
+        10 * c.major + c.minor
+    }
+
     /// The number of elements of output `i`.
     pub(crate) fn output_len(&self, i: usize) -> usize {
         self.outputs[i].len()

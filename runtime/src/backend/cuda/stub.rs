@@ -26,6 +26,14 @@ impl CudaCall {
         match *self {}
     }
 
+    pub(crate) fn dtype_suffix(&self) -> &'static str {
+        match *self {}
+    }
+
+    pub(crate) fn sm(&self) -> u32 {
+        match *self {}
+    }
+
     pub(crate) fn output_len(&self, _: usize) -> usize {
         match *self {}
     }
