@@ -1,7 +1,7 @@
 //! How to launch the tensor-core attention kernels of `cuda/attention_tc.cu`
 //! (bf16 and f16 only): the grid, the block and the dynamic shared memory of
 //! each kernel. The argument struct, the layouts, the argument order and the
-//! errors are those of [`attention`](super::attention), whose f32 kernels
+//! errors are those of [`attention`], whose f32 kernels
 //! keep the CUDA cores and whose `delta` kernel the backward shares.
 //!
 //! The CUDA source states the same rules (tile size, threads, shared memory
@@ -36,7 +36,7 @@ const DQ_SHARED: (usize, usize) = (4, 0);
 /// Whether the tensor-core kernels serve `dtype` (a kernel suffix: `f32`,
 /// `bf16`, `f16`) at `head_dim` on a GPU of compute capability `sm`
 /// (`10 · major + minor`). Where they do not, the CUDA-core kernels of
-/// [`attention`](super::attention) run (and report unsupported sizes).
+/// [`attention`] run (and report unsupported sizes).
 pub fn serves(dtype: &str, head_dim: usize, sm: u32) -> bool {
     DTYPES.contains(&dtype) && (1..=MAX_HEAD_DIM).contains(&head_dim) && sm >= MIN_SM
 }
