@@ -13,13 +13,14 @@ cd "$(dirname "$0")/.."
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 
-# Three device-only constructs get host stand-ins: the read of the shared
+# Both attention sources start with attention_common.cuh, as the runtime
+# compiles them. Three device-only constructs get host stand-ins: the read of the shared
 # memory size register, the C linkage of the entry points (the check calls the
 # templates directly), and the shared array (the shim's global one).
 src=kernels/cuda/attention.cu
 sed -e 's/asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem));/smem = emu_smem_bytes;/' \
     -e 's/extern "C" //' \
-    -e 's/extern __shared__ float smem\[\];//' "$src" >"$dir/attention.inc"
+    -e 's/extern __shared__ float smem\[\];//' kernels/cuda/attention_common.cuh "$src" >"$dir/attention.inc"
 if grep -q 'asm(\|extern __shared__' "$dir/attention.inc"; then
     echo "cuda-host-check: $src has device-only code the emulation does not replace" >&2
     exit 1
@@ -34,7 +35,7 @@ g++ -std=c++20 -O1 -pthread -w "$dir/attention.cpp" -o "$dir/attention"
 # functions. The tiles are 16-bit arrays read as 32- and 64-bit words, hence
 # -fno-strict-aliasing.
 src=kernels/cuda/attention_tc.cu
-sed -e 's/extern "C" //' "$src" >"$dir/attention_tc.inc"
+sed -e 's/extern "C" //' kernels/cuda/attention_common.cuh "$src" >"$dir/attention_tc.inc"
 if g++ -std=c++20 -E -P -x c++ "$dir/attention_tc.inc" | grep -q 'asm\|__shared__'; then
     echo "cuda-host-check: $src has device-only code outside the block the emulation replaces" >&2
     exit 1

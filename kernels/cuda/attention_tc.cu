@@ -46,24 +46,9 @@
 // Determinism. No atomics: every output element is written by one thread and
 // every sum runs in a fixed order.
 
-#define ATC_TILE 64
+#define ATC_TILE ATTN_TILE
 #define ATC_THREADS 128
 #define ATC_PAD 8  // 16-bit elements of padding per staged row
-
-// Where the rows of one tensor live; mirrored by `AttnPlace` in Rust and
-// identical to attention.cu's.
-struct AttnPlace {
-    u64 base, batch, group, head, row;
-};
-
-// One attention call; mirrored by `AttnParams` in Rust (field order matters)
-// and identical to attention.cu's.
-struct AttnParams {
-    AttnPlace q, k, v, o;
-    u64 batch, q_heads, kv_heads, seq_q, seq_kv, head_dim;
-    float scale;
-    unsigned int causal;
-};
 
 // ---------------------------------------------------------------- device-only instructions
 //
@@ -123,18 +108,6 @@ __device__ __forceinline__ void atc_mma<f16>(float (&d)[4], const unsigned int (
 
 // ---------------------------------------------------------------- helpers
 
-__device__ __forceinline__ float atc_neg_inf() { return __uint_as_float(0xff800000u); }
-
-// Offset of row t of query head h (of a query-layout place).
-__device__ __forceinline__ u64 attn_q_row(const AttnPlace& p, u64 group, u64 b, u64 h, u64 t) {
-    return p.base + b * p.batch + (h / group) * p.group + (h % group) * p.head + t * p.row;
-}
-
-// Offset of row t of kv head g (of a key- or value-layout place).
-__device__ __forceinline__ u64 attn_kv_row(const AttnPlace& p, u64 b, u64 g, u64 t) {
-    return p.base + b * p.batch + g * p.group + t * p.row;
-}
-
 // Dynamic shared memory bytes one block of the D instantiation needs:
 // `tiles` staged 16-bit tiles [64][D + 8] and `vectors` f32 vectors of 64.
 __host__ __device__ constexpr unsigned int atc_smem_bytes(int d, int tiles, int vectors) {
@@ -146,32 +119,6 @@ __host__ __device__ constexpr unsigned int atc_smem_bytes(int d, int tiles, int 
 // must fail loudly rather than read out of bounds.
 __device__ __forceinline__ void atc_check_launch(unsigned int smem_needed) {
     if (blockDim.x != ATC_THREADS || atc_dynamic_smem_size() < smem_needed) __trap();
-}
-
-// Whether query i may attend key j (both in range).
-__device__ __forceinline__ bool attn_visible(const AttnParams& p, long long i, long long j) {
-    if (i >= (long long)p.seq_q || j >= (long long)p.seq_kv) return false;
-    return !p.causal || j <= i + ((long long)p.seq_kv - (long long)p.seq_q);
-}
-
-// Keys 0..end that the queries i0..i0+64 attend.
-__device__ __forceinline__ long long attn_key_end(const AttnParams& p, long long i0) {
-    long long end = (long long)p.seq_kv;
-    if (p.causal) {
-        const long long last = min(i0 + ATC_TILE, (long long)p.seq_q) - 1;
-        end = min(end, max(0ll, last + 1 + (long long)p.seq_kv - (long long)p.seq_q));
-    }
-    return end;
-}
-
-// The query tile of this block: tiles with the most keys first.
-__device__ __forceinline__ void attn_query_block(const AttnParams& p, u64& b, u64& h, long long& i0) {
-    const u64 heads = p.batch * p.q_heads;
-    const u64 tiles = (p.seq_q + ATC_TILE - 1) / ATC_TILE;
-    const u64 bh = blockIdx.x % heads;
-    b = bh / p.q_heads;
-    h = bh % p.q_heads;
-    i0 = (long long)(tiles - 1 - blockIdx.x / heads) * ATC_TILE;
 }
 
 // Stages up to 64 rows of `src` (rows `row_stride` elements apart, `hd`
@@ -312,7 +259,7 @@ __device__ void atc_forward(const T* q, const T* k, const T* v, T* out, float* l
     float m[2], l[2], o[D / 8][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        m[i] = atc_neg_inf();
+        m[i] = attn_neg_inf();
         l[i] = 0.0f;
     }
 #pragma unroll
@@ -330,13 +277,13 @@ __device__ void atc_forward(const T* q, const T* k, const T* v, T* out, float* l
 
         float s[ATC_TILE / 8][4];
         atc_scores<T, D, ATC_TILE / 8>(s, sq, r0, sk, 0);
-        float mx[2] = {atc_neg_inf(), atc_neg_inf()};
+        float mx[2] = {attn_neg_inf(), attn_neg_inf()};
 #pragma unroll
         for (int n = 0; n < ATC_TILE / 8; ++n)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const long long qi = i0 + r0 + g + 8 * (c >> 1), kj = j0 + 8 * n + 2 * t + (c & 1);
-                s[n][c] = attn_visible(p, qi, kj) ? s[n][c] * p.scale : atc_neg_inf();
+                s[n][c] = attn_visible(p, qi, kj) ? s[n][c] * p.scale : attn_neg_inf();
                 mx[c >> 1] = fmaxf(mx[c >> 1], s[n][c]);
             }
         float alpha[2], m_new[2], sum[2] = {0.0f, 0.0f};
@@ -346,14 +293,14 @@ __device__ void atc_forward(const T* q, const T* k, const T* v, T* out, float* l
             mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
             m_new[i] = fmaxf(m[i], mx[i]);
             // A row that has seen no key yet keeps m = -inf, l = 0, o = 0.
-            alpha[i] = m_new[i] == atc_neg_inf() ? 1.0f : expf(m[i] - m_new[i]);
+            alpha[i] = m_new[i] == attn_neg_inf() ? 1.0f : expf(m[i] - m_new[i]);
         }
 #pragma unroll
         for (int n = 0; n < ATC_TILE / 8; ++n)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int i = c >> 1;
-                const float e = m_new[i] == atc_neg_inf() ? 0.0f : expf(s[n][c] - m_new[i]);
+                const float e = m_new[i] == attn_neg_inf() ? 0.0f : expf(s[n][c] - m_new[i]);
                 s[n][c] = e;
                 sum[i] += e;
             }
@@ -383,7 +330,7 @@ __device__ void atc_forward(const T* q, const T* k, const T* v, T* out, float* l
         const bool seen = l[i] > 0.0f;
         inv[i] = seen ? 1.0f / l[i] : 0.0f;
         if (t == 0 && qi < (long long)p.seq_q)
-            lse[(b * p.q_heads + h) * p.seq_q + (u64)qi] = seen ? m[i] + logf(l[i]) : atc_neg_inf();
+            lse[(b * p.q_heads + h) * p.seq_q + (u64)qi] = seen ? m[i] + logf(l[i]) : attn_neg_inf();
     }
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)

@@ -2,8 +2,10 @@
 //! `backend::cuda::nvrtc`), so building needs no CUDA toolkit.
 //!
 //! Each source is `cuda/common.cuh` (element types, conversions, the block
-//! reduction) followed by one `.cu` file of `kernels/cuda/`. An op `foo` on
-//! element type `T` is the symbol `foo_{f32,bf16,f16}`.
+//! reduction) followed by one `.cu` file of `kernels/cuda/`; the two fused
+//! attention sources also share `cuda/attention_common.cuh` (the argument
+//! structs, row offsets and masking), placed between the two. An op `foo`
+//! on element type `T` is the symbol `foo_{f32,bf16,f16}`.
 
 pub mod attention;
 pub mod attention_tc;
@@ -29,6 +31,20 @@ macro_rules! source {
             hot_kernels: &[$($hot),*],
         }
     };
+    // A source that also shares a header with others (after the prelude).
+    ($name:literal, with $shared:literal, [$($hot:literal),* $(,)?]) => {
+        Source {
+            name: $name,
+            source: concat!(
+                include_str!("../cuda/common.cuh"),
+                "\n",
+                include_str!(concat!("../cuda/", $shared, ".cuh")),
+                "\n",
+                include_str!(concat!("../cuda/", $name, ".cu"))
+            ),
+            hot_kernels: &[$($hot),*],
+        }
+    };
 }
 
 /// Every kernel source of the CUDA backend.
@@ -37,12 +53,12 @@ pub const SOURCES: &[Source] = &[
     source!("reduce", ["row_sum_f32", "row_sum_bf16", "row_sum_squares_f32", "col_sum_f32", "max_abs_f32", "max_abs_bf16"]),
     source!("norm", ["layernorm_f32", "layernorm_bf16", "rmsnorm_f32", "rmsnorm_bf16", "norm_backward_f32", "norm_backward_bf16"]),
     source!("adamw", ["adamw_f32", "adamw_bf16"]),
-    source!("attention", [
+    source!("attention", with "attention_common", [
         "attention_fwd_f32", "attention_fwd_bf16", "attention_fwd_f16",
         "attention_bwd_dkv_f32", "attention_bwd_dkv_bf16", "attention_bwd_dkv_f16",
         "attention_bwd_dq_f32", "attention_bwd_dq_bf16", "attention_bwd_dq_f16",
     ]),
-    source!("attention_tc", [
+    source!("attention_tc", with "attention_common", [
         "attention_tc_fwd_bf16", "attention_tc_fwd_f16",
         "attention_tc_bwd_dkv_bf16", "attention_tc_bwd_dkv_f16",
         "attention_tc_bwd_dq_bf16", "attention_tc_bwd_dq_f16",
