@@ -25,7 +25,7 @@ if grep -q 'asm(\|extern __shared__' "$dir/attention.inc"; then
     echo "cuda-host-check: $src has device-only code the emulation does not replace" >&2
     exit 1
 fi
-cp kernels/cuda/host_check/shim.h kernels/cuda/host_check/attention.cpp "$dir/"
+cp kernels/cuda/host_check/shim.h kernels/cuda/host_check/attention_case.h kernels/cuda/host_check/attention.cpp "$dir/"
 g++ -std=c++20 -O1 -pthread -w "$dir/attention.cpp" -o "$dir/attention"
 "$dir/attention"
 
@@ -40,7 +40,7 @@ if g++ -std=c++20 -E -P -x c++ "$dir/attention_tc.inc" | grep -q 'asm\|__shared_
     echo "cuda-host-check: $src has device-only code outside the block the emulation replaces" >&2
     exit 1
 fi
-cp kernels/cuda/host_check/shim_mma.h kernels/cuda/host_check/attention_tc.cpp "$dir/"
+cp kernels/cuda/host_check/shim_mma.h kernels/cuda/host_check/attention_case.h kernels/cuda/host_check/attention_tc.cpp "$dir/"
 g++ -std=c++20 -O1 -pthread -w -fno-strict-aliasing "$dir/attention_tc.cpp" -o "$dir/attention_tc"
 "$dir/attention_tc"
 
