@@ -294,24 +294,37 @@ pub fn backward(d: &AttnDims, layout: AttnLayout) -> Result<(AttnParams, Backwar
             block: THREADS,
             shared_bytes: 0,
         },
-        dkv: Launch {
-            source: "attention",
-            op: "attention_bwd_dkv",
-            args: &["q", "k", "v", "dout", "lse", "delta", "dk", "dv", "params"],
-            grid: blocks(d.batch * d.kv_heads * d.seq_kv.div_ceil(TILE))?,
-            block: THREADS,
-            shared_bytes: shared_bytes(w, DKV_SHARED),
-        },
-        dq: Launch {
-            source: "attention",
-            op: "attention_bwd_dq",
-            args: &["q", "k", "v", "dout", "lse", "delta", "dq", "params"],
-            grid: blocks(d.batch * d.q_heads * d.seq_q.div_ceil(TILE))?,
-            block: THREADS,
-            shared_bytes: shared_bytes(w, DQ_SHARED),
-        },
+        dkv: dkv_launch(d, "attention", "attention_bwd_dkv", THREADS, shared_bytes(w, DKV_SHARED))?,
+        dq: dq_launch(d, "attention", "attention_bwd_dq", THREADS, shared_bytes(w, DQ_SHARED))?,
     };
     Ok((p, launches))
+}
+
+/// The launch of a backward's `dk` and `dv` kernel `op` in `source`: one
+/// block of `block` threads per key tile of every kv head. Both kernel
+/// families share the tiling and the arguments.
+pub(crate) fn dkv_launch(d: &AttnDims, source: &'static str, op: &'static str, block: u32, shared_bytes: u32) -> Result<Launch, AttnLaunchError> {
+    Ok(Launch {
+        source,
+        op,
+        args: &["q", "k", "v", "dout", "lse", "delta", "dk", "dv", "params"],
+        grid: blocks(d.batch * d.kv_heads * d.seq_kv.div_ceil(TILE))?,
+        block,
+        shared_bytes,
+    })
+}
+
+/// The launch of a backward's `dq` kernel `op` in `source`: one block per
+/// query tile of every query head.
+pub(crate) fn dq_launch(d: &AttnDims, source: &'static str, op: &'static str, block: u32, shared_bytes: u32) -> Result<Launch, AttnLaunchError> {
+    Ok(Launch {
+        source,
+        op,
+        args: &["q", "k", "v", "dout", "lse", "delta", "dq", "params"],
+        grid: blocks(d.batch * d.q_heads * d.seq_q.div_ceil(TILE))?,
+        block,
+        shared_bytes,
+    })
 }
 
 #[cfg(test)]

@@ -80,22 +80,8 @@ pub fn backward(d: &AttnDims, layout: AttnLayout) -> Result<(AttnParams, Backwar
     let w = width(d.head_dim);
     let launches = BackwardLaunches {
         delta: cuda_cores.delta,
-        dkv: Launch {
-            source: "attention_tc",
-            op: "attention_tc_bwd_dkv",
-            args: &["q", "k", "v", "dout", "lse", "delta", "dk", "dv", "params"],
-            grid: blocks(d.batch * d.kv_heads * d.seq_kv.div_ceil(TILE))?,
-            block: THREADS,
-            shared_bytes: shared_bytes(w, DKV_SHARED),
-        },
-        dq: Launch {
-            source: "attention_tc",
-            op: "attention_tc_bwd_dq",
-            args: &["q", "k", "v", "dout", "lse", "delta", "dq", "params"],
-            grid: blocks(d.batch * d.q_heads * d.seq_q.div_ceil(TILE))?,
-            block: THREADS,
-            shared_bytes: shared_bytes(w, DQ_SHARED),
-        },
+        dkv: attention::dkv_launch(d, "attention_tc", "attention_tc_bwd_dkv", THREADS, shared_bytes(w, DKV_SHARED))?,
+        dq: attention::dq_launch(d, "attention_tc", "attention_tc_bwd_dq", THREADS, shared_bytes(w, DQ_SHARED))?,
     };
     Ok((p, launches))
 }
