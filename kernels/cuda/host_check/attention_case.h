@@ -82,3 +82,66 @@ Reference reference(const Dims& d, unsigned seed) {
     }
     return Reference{p, r, qlen, kvlen, lse_len, qd, kd, vd, dod, out, lse, dq, dk, dv};
 }
+
+// The kernels' operands for one case: the inputs in T, and outputs that
+// start as NaN, so an element a kernel fails to write is an error. In the
+// fused layout q, k and v are one buffer, and so are their gradients.
+template <typename T>
+struct Operands {
+    std::vector<T> q, k, v, dout, o, g1, g2, g3;
+    std::vector<float> l, delta;
+    T *gq, *gk, *gv;
+    const T *kp, *vp;
+    unsigned w, tq, tk;  // the D instantiation, query and key tiles
+
+    Operands(const Dims& d, const Reference& ref)
+        : q(conv<T>(ref.qd)), k(conv<T>(ref.kd)), v(conv<T>(ref.vd)), dout(conv<T>(ref.dod)),
+          o(ref.qlen, from_f32<T>(NAN)), g1(q.size(), from_f32<T>(NAN)), g2(k.size(), from_f32<T>(NAN)),
+          g3(v.size(), from_f32<T>(NAN)), l(ref.lse_len, NAN), delta(ref.lse_len, NAN) {
+        gq = g1.data(); gk = d.packed ? g1.data() : g2.data(); gv = d.packed ? g1.data() : g3.data();
+        kp = d.packed ? q.data() : k.data(); vp = d.packed ? q.data() : v.data();
+        w = d.hd <= 64 ? 64 : 128;
+        tq = (unsigned)((d.sq + 63) / 64); tk = (unsigned)((d.skv + 63) / 64);
+    }
+    Operands(const Operands&) = delete;  // the pointers point into its own buffers
+};
+
+// Runs one case: `kernels(ref, ops)` launches the forward and the backward
+// on `ops`; then out, dq, dk and dv are compared with the reference relative
+// to each tensor's largest magnitude, and lse to `lse_tol`. Returns the
+// worst relative error of out and the gradients; sets `lse_failed` when lse
+// misses its tolerance. Failures are printed.
+template <typename T, typename Kernels>
+double check_case(const Dims& d, unsigned seed, double tol, double lse_tol, bool& lse_failed, Kernels kernels) {
+    const Reference ref = reference<T>(d, seed);
+    Operands<T> ops(d, ref);
+    kernels(ref, ops);
+    double worst = 0;
+    auto cmp = [&](const char* name, const std::vector<double>& want, const std::vector<double>& got, bool is_lse) {
+        const double t = is_lse ? lse_tol : tol;
+        double e = 0, m = 0;
+        for (size_t i = 0; i < want.size(); ++i) {
+            if (std::isinf(want[i]) && want[i] == got[i]) continue;
+            double diff = std::fabs(want[i] - got[i]);
+            if (!(diff <= e)) e = std::isnan(diff) ? INFINITY : diff;
+            m = std::max(m, std::fabs(want[i]));
+        }
+        double rel = e / std::max(1.0, m);
+        if (!(rel <= t)) printf("  FAIL %s: max err %g (scale %g)\n", name, e, m);
+        if (is_lse) lse_failed |= !(rel <= t);
+        else worst = std::max(worst, std::isnan(rel) ? INFINITY : rel);
+    };
+    cmp("out", ref.out, back(ops.o), false);
+    cmp("lse", ref.lse, std::vector<double>(ops.l.begin(), ops.l.end()), true);
+    if (d.packed) {
+        // one gradient buffer: dq at query slots, dk/dv at key/value slots
+        std::vector<double> want(ops.q.size(), 0);
+        for (size_t i = 0; i < want.size(); ++i) want[i] = ref.dq[i] + ref.dk[i] + ref.dv[i];
+        cmp("dqkv", want, back(ops.g1), false);
+    } else {
+        cmp("dq", ref.dq, back(ops.g1), false);
+        cmp("dk", ref.dk, back(ops.g2), false);
+        cmp("dv", ref.dv, back(ops.g3), false);
+    }
+    return worst;
+}

@@ -20,49 +20,18 @@ bool lse_failed = false;
 // inputs, as exact as on the CUDA cores) and sets lse_failed.
 template <typename T>
 double run(const Dims& d, unsigned seed, double tol) {
-    Reference ref = reference<T>(d, seed);
-    const AttnParams& p = ref.p;
-    const u64 r = ref.r, qlen = ref.qlen, lse_len = ref.lse_len;
-    const auto &qd = ref.qd, &kd = ref.kd, &vd = ref.vd, &dod = ref.dod, &out = ref.out, &lse = ref.lse, &dq = ref.dq, &dk = ref.dk, &dv = ref.dv;
-    // kernels
-    auto q = conv<T>(qd), k = conv<T>(kd), v = conv<T>(vd), dout = conv<T>(dod);
-    std::vector<T> o(qlen, from_f32<T>(NAN)); std::vector<float> l(lse_len, NAN), delta(lse_len, NAN);
-    std::vector<T> g1(q.size(), from_f32<T>(NAN)), g2(k.size(), from_f32<T>(NAN)), g3(v.size(), from_f32<T>(NAN));
-    T *gq = g1.data(), *gk = d.packed ? g1.data() : g2.data(), *gv = d.packed ? g1.data() : g3.data();
-    const T* kp = d.packed ? q.data() : k.data(); const T* vp = d.packed ? q.data() : v.data();
-    unsigned w = d.hd <= 64 ? 64 : 128;
-    unsigned tq = (d.sq + 63) / 64, tk = (d.skv + 63) / 64;
-    emu_launch(d.batch * d.qh * tq, 128, atc_smem_bytes(w, 3, 0), [&] { if (w == 64) atc_forward<T, 64>(q.data(), kp, vp, o.data(), l.data(), p); else atc_forward<T, 128>(q.data(), kp, vp, o.data(), l.data(), p); });
-    for (u64 b = 0; b < d.batch; ++b) for (u64 h = 0; h < d.qh; ++h) for (u64 i = 0; i < d.sq; ++i) {
-        u64 at = attn_q_row(p.o, r, b, h, i); float acc = 0;
-        for (u64 e = 0; e < d.hd; ++e) acc = std::fma(to_f32(dout[at + e]), to_f32(o[at + e]), acc);
-        delta[(b * d.qh + h) * d.sq + i] = acc;
-    }
-    emu_launch(d.batch * d.kh * tk, 128, atc_smem_bytes(w, 4, 2), [&] { if (w == 64) atc_backward_dkv<T, 64>(q.data(), kp, vp, dout.data(), l.data(), delta.data(), gk, gv, p); else atc_backward_dkv<T, 128>(q.data(), kp, vp, dout.data(), l.data(), delta.data(), gk, gv, p); });
-    emu_launch(d.batch * d.qh * tq, 128, atc_smem_bytes(w, 4, 0), [&] { if (w == 64) atc_backward_dq<T, 64>(q.data(), kp, vp, dout.data(), l.data(), delta.data(), gq, p); else atc_backward_dq<T, 128>(q.data(), kp, vp, dout.data(), l.data(), delta.data(), gq, p); });
-    double worst = 0;
-    auto cmp = [&](const char* name, const std::vector<double>& ref, const std::vector<double>& got, bool is_lse) {
-        const double t = is_lse ? 1e-5 : tol;
-        double e = 0, m = 0;
-        for (size_t i = 0; i < ref.size(); ++i) {
-            if (std::isinf(ref[i]) && ref[i] == got[i]) continue;
-            double diff = std::fabs(ref[i] - got[i]);
-            if (!(diff <= e)) e = std::isnan(diff) ? INFINITY : diff;
-            m = std::max(m, std::fabs(ref[i]));
+    return check_case<T>(d, seed, tol, 1e-5, lse_failed, [&](const Reference& ref, Operands<T>& x) {
+        const AttnParams& p = ref.p;
+        const unsigned w = x.w;
+        emu_launch(d.batch * d.qh * x.tq, 128, atc_smem_bytes(w, 3, 0), [&] { if (w == 64) atc_forward<T, 64>(x.q.data(), x.kp, x.vp, x.o.data(), x.l.data(), p); else atc_forward<T, 128>(x.q.data(), x.kp, x.vp, x.o.data(), x.l.data(), p); });
+        for (u64 b = 0; b < d.batch; ++b) for (u64 h = 0; h < d.qh; ++h) for (u64 i = 0; i < d.sq; ++i) {
+            u64 at = attn_q_row(p.o, ref.r, b, h, i); float acc = 0;
+            for (u64 e = 0; e < d.hd; ++e) acc = std::fma(to_f32(x.dout[at + e]), to_f32(x.o[at + e]), acc);
+            x.delta[(b * d.qh + h) * d.sq + i] = acc;
         }
-        double rel = e / std::max(1.0, m);
-        if (!(rel <= t)) printf("  FAIL %s: max err %g (scale %g)\n", name, e, m);
-        if (is_lse) lse_failed |= !(rel <= t);
-        else worst = std::max(worst, std::isnan(rel) ? INFINITY : rel);
-    };
-    cmp("out", out, back(o), false);
-    std::vector<double> ld(l.begin(), l.end()); cmp("lse", lse, ld, true);
-    if (d.packed) {
-        // one gradient buffer: dq at query slots, dk/dv at key/value slots
-        std::vector<double> ref(q.size(), 0); for (size_t i = 0; i < ref.size(); ++i) ref[i] = dq[i] + dk[i] + dv[i];
-        cmp("dqkv", ref, back(g1), false);
-    } else { cmp("dq", dq, back(g1), false); cmp("dk", dk, back(g2), false); cmp("dv", dv, back(g3), false); }
-    return worst;
+        emu_launch(d.batch * d.kh * x.tk, 128, atc_smem_bytes(w, 4, 2), [&] { if (w == 64) atc_backward_dkv<T, 64>(x.q.data(), x.kp, x.vp, x.dout.data(), x.l.data(), x.delta.data(), x.gk, x.gv, p); else atc_backward_dkv<T, 128>(x.q.data(), x.kp, x.vp, x.dout.data(), x.l.data(), x.delta.data(), x.gk, x.gv, p); });
+        emu_launch(d.batch * d.qh * x.tq, 128, atc_smem_bytes(w, 4, 0), [&] { if (w == 64) atc_backward_dq<T, 64>(x.q.data(), x.kp, x.vp, x.dout.data(), x.l.data(), x.delta.data(), x.gq, p); else atc_backward_dq<T, 128>(x.q.data(), x.kp, x.vp, x.dout.data(), x.l.data(), x.delta.data(), x.gq, p); });
+    });
 }
 
 int main() {

@@ -266,15 +266,14 @@ pub fn params(d: &AttnDims, layout: AttnLayout) -> Result<AttnParams, AttnLaunch
 /// per (batch, query head, query tile).
 pub fn forward(d: &AttnDims, layout: AttnLayout) -> Result<(AttnParams, Launch), AttnLaunchError> {
     let p = params(d, layout)?;
-    let launch = Launch {
-        source: "attention",
-        op: "attention_fwd",
-        args: &["q", "k", "v", "out", "lse", "params"],
-        grid: blocks(d.batch * d.q_heads * d.seq_q.div_ceil(TILE))?,
-        block: THREADS,
-        shared_bytes: shared_bytes(width(d.head_dim), FWD_SHARED),
-    };
-    Ok((p, launch))
+    Ok((p, fwd_launch(d, "attention", "attention_fwd", THREADS, shared_bytes(width(d.head_dim), FWD_SHARED))?))
+}
+
+/// The launch of a forward kernel `op` in `source`: one block of `block`
+/// threads per query tile of every query head. Both kernel families share
+/// the tiling and the arguments.
+pub(crate) fn fwd_launch(d: &AttnDims, source: &'static str, op: &'static str, block: u32, shared_bytes: u32) -> Result<Launch, AttnLaunchError> {
+    Ok(Launch { source, op, args: &["q", "k", "v", "out", "lse", "params"], grid: blocks(d.batch * d.q_heads * d.seq_q.div_ceil(TILE))?, block, shared_bytes })
 }
 
 /// The backward's three launches. The caller provides an f32 `delta` buffer
@@ -301,8 +300,7 @@ pub fn backward(d: &AttnDims, layout: AttnLayout) -> Result<(AttnParams, Backwar
 }
 
 /// The launch of a backward's `dk` and `dv` kernel `op` in `source`: one
-/// block of `block` threads per key tile of every kv head. Both kernel
-/// families share the tiling and the arguments.
+/// block of `block` threads per key tile of every kv head.
 pub(crate) fn dkv_launch(d: &AttnDims, source: &'static str, op: &'static str, block: u32, shared_bytes: u32) -> Result<Launch, AttnLaunchError> {
     Ok(Launch {
         source,

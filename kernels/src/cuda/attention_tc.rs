@@ -8,7 +8,7 @@
 //! per head-dim width); the tests below tie the two together. Every kernel
 //! traps if it is launched with a block or shared memory other than these.
 
-use super::attention::{self, blocks, AttnLaunchError, AttnLayout, AttnParams, BackwardLaunches, Launch};
+use super::attention::{self, AttnLaunchError, AttnLayout, AttnParams, BackwardLaunches, Launch};
 use crate::cpu::attention::AttnDims;
 
 /// Query rows and key rows per tile; one block owns one tile (as the CUDA-core kernels).
@@ -60,15 +60,7 @@ fn shared_bytes(width: usize, (tiles, vectors): (usize, usize)) -> u32 {
 /// per (batch, query head, query tile).
 pub fn forward(d: &AttnDims, layout: AttnLayout) -> Result<(AttnParams, Launch), AttnLaunchError> {
     let p = attention::params(d, layout)?;
-    let launch = Launch {
-        source: "attention_tc",
-        op: "attention_tc_fwd",
-        args: &["q", "k", "v", "out", "lse", "params"],
-        grid: blocks(d.batch * d.q_heads * d.seq_q.div_ceil(TILE))?,
-        block: THREADS,
-        shared_bytes: shared_bytes(width(d.head_dim), FWD_SHARED),
-    };
-    Ok((p, launch))
+    Ok((p, attention::fwd_launch(d, "attention_tc", "attention_tc_fwd", THREADS, shared_bytes(width(d.head_dim), FWD_SHARED))?))
 }
 
 /// The backward's three launches: `delta` from `attention.cu` (its
