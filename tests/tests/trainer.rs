@@ -297,3 +297,34 @@ fn a_pipeline_on_two_gpus_follows_the_cpu_run() {
     assert_eq!(gpu.losses.len(), 6);
     let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
 }
+
+/// A rank that panics (here: its data source) ends the run with an error
+/// naming it, on every rank, instead of leaving its peers waiting.
+#[test]
+fn a_panicking_rank_ends_the_run_with_an_error() {
+    struct Broken(Counting);
+    impl Batches for Broken {
+        fn next_batch(&mut self, device: &Device) -> tessera::Result<(Tensor, Tensor)> {
+            if self.0.replica.index == 1 && self.0.drawn == 3 {
+                panic!("the data source of replica 1 broke");
+            }
+            self.0.next_batch(device)
+        }
+        fn cursor(&self) -> serde_json::Value {
+            self.0.cursor()
+        }
+        fn restore(&mut self, cursor: &serde_json::Value) -> tessera::Result<()> {
+            self.0.restore(cursor)
+        }
+    }
+    let out = scratch("panic");
+    let cfg = config(&out, "[mesh]\ndp = 2\n[batch]\nmicro_batch = 2\n", &["run.steps=6", "run.trace_steps=0"]);
+    let facts = ModelFacts { vocab: VOCAB, flops_per_token: 1e5 };
+    let trainer = Trainer::new(cfg, facts, |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false), |replica| {
+        Ok(Box::new(Broken(Counting { replica, micro_batch: 2, drawn: 0, poisoned: 0..0 })) as Box<dyn Batches>)
+    })
+    .unwrap();
+    let e = trainer.run().unwrap_err().to_string();
+    assert!(e.contains("panicked"), "{e}");
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -280,7 +280,10 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
                 .map(|rank| {
                     let (ranks, mesh, trace, ckpt, collector) = (&ranks, &mesh, &trace, &ckpt, &collector);
                     s.spawn(move || {
-                        let r = self.run_rank(ranks, mesh, rank, trace, ckpt, collector);
+                        // A panic is caught so that it, too, aborts the rank's
+                        // groups: NCCL peers would otherwise wait for it forever.
+                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_rank(ranks, mesh, rank, trace, ckpt, collector)))
+                            .unwrap_or_else(|_| Err(Error::invalid("trainer", format!("rank {rank} panicked; see its message above"))));
                         if let Err(e) = &r {
                             ranks.abort(rank, &e.to_string());
                         }
@@ -288,7 +291,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
                     })
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("trainer", "a rank panicked; see its message above")))).collect()
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("trainer", "a rank's thread could not be joined")))).collect()
         });
         let elapsed = started.elapsed();
         // The root cause is the first error that is not a consequence of another rank's failure.
