@@ -156,12 +156,10 @@ __device__ void attn_forward(const T* q, const T* k, const T* v, T* out, float* 
     float* skv = sq + ATTN_TILE * (D + 1);
     float* sp = skv + ATTN_TILE * (D + 1);
     const int tx = threadIdx.x % 8, ty = threadIdx.x / 8;
-    const u64 group = p.q_heads / p.kv_heads, hd = p.head_dim;
-    u64 b, h;
-    long long i0;
-    attn_query_block(p, b, h, i0);
-    const u64 g = h / group;
-    const long long q_rows = (long long)p.seq_q - i0;
+    const u64 hd = p.head_dim;
+    const AttnQueryTile tile = attn_query_tile(p);
+    const u64 group = tile.group, b = tile.b, h = tile.h, g = tile.kv;
+    const long long i0 = tile.i0, q_rows = tile.rows;
 
     attn_stage<T, D>(sq, q + attn_q_row(p.q, group, b, h, i0), p.q.row, q_rows, hd, p.scale);
 
@@ -349,12 +347,10 @@ __device__ void attn_backward_dq(const T* q, const T* k, const T* v, const T* do
     float* sv = sk + ATTN_TILE * (D + 1);
     float* sp = sv + ATTN_TILE * (D + 1);
     const int tx = threadIdx.x % 8, ty = threadIdx.x / 8;
-    const u64 group = p.q_heads / p.kv_heads, hd = p.head_dim;
-    u64 b, h;
-    long long i0;
-    attn_query_block(p, b, h, i0);
-    const u64 g = h / group;
-    const long long q_rows = (long long)p.seq_q - i0;
+    const u64 hd = p.head_dim;
+    const AttnQueryTile tile = attn_query_tile(p);
+    const u64 group = tile.group, b = tile.b, h = tile.h, g = tile.kv;
+    const long long i0 = tile.i0, q_rows = tile.rows;
 
     attn_stage<T, D>(sq, q + attn_q_row(p.q, group, b, h, i0), p.q.row, q_rows, hd, p.scale);
     attn_stage<T, D>(sdo, dout + attn_q_row(p.o, group, b, h, i0), p.o.row, q_rows, hd, 1.0f);

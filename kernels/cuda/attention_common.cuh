@@ -49,13 +49,26 @@ __device__ __forceinline__ long long attn_key_end(const AttnParams& p, long long
     return end;
 }
 
-// The query tile of this block: tiles with the most keys first, so that the
-// longest blocks of a causal launch start early.
-__device__ __forceinline__ void attn_query_block(const AttnParams& p, u64& b, u64& h, long long& i0) {
+// The query tile a forward or dq block works on, and where its queries
+// live: tiles with the most keys first, so that the longest blocks of a
+// causal launch start early.
+struct AttnQueryTile {
+    u64 group;       // query heads per kv head
+    u64 b, h, kv;    // batch, query head, and the kv head it reads
+    long long i0;    // the tile's first query
+    long long rows;  // queries from i0 to the end of the sequence
+};
+
+__device__ __forceinline__ AttnQueryTile attn_query_tile(const AttnParams& p) {
     const u64 heads = p.batch * p.q_heads;
     const u64 tiles = (p.seq_q + ATTN_TILE - 1) / ATTN_TILE;
     const u64 bh = blockIdx.x % heads;
-    b = bh / p.q_heads;
-    h = bh % p.q_heads;
-    i0 = (long long)(tiles - 1 - blockIdx.x / heads) * ATTN_TILE;
+    AttnQueryTile t;
+    t.group = p.q_heads / p.kv_heads;
+    t.b = bh / p.q_heads;
+    t.h = bh % p.q_heads;
+    t.kv = t.h / t.group;
+    t.i0 = (long long)(tiles - 1 - blockIdx.x / heads) * ATTN_TILE;
+    t.rows = (long long)p.seq_q - t.i0;
+    return t;
 }

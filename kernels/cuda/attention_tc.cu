@@ -247,12 +247,10 @@ __device__ void atc_forward(const T* q, const T* k, const T* v, T* out, float* l
     unsigned short* sv = sk + ATC_TILE * (D + ATC_PAD);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int r0 = 16 * warp;
-    const u64 group = p.q_heads / p.kv_heads, hd = p.head_dim;
-    u64 b, h;
-    long long i0;
-    attn_query_block(p, b, h, i0);
-    const u64 kvh = h / group;
-    const long long q_rows = (long long)p.seq_q - i0;
+    const u64 hd = p.head_dim;
+    const AttnQueryTile tile = attn_query_tile(p);
+    const u64 group = tile.group, b = tile.b, h = tile.h, kvh = tile.kv;
+    const long long i0 = tile.i0, q_rows = tile.rows;
 
     atc_stage<T, D>(sq, q + attn_q_row(p.q, group, b, h, i0), p.q.row, q_rows, hd);
 
@@ -444,12 +442,10 @@ __device__ void atc_backward_dq(const T* q, const T* k, const T* v, const T* dou
     unsigned short* sv = sk + ATC_TILE * (D + ATC_PAD);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int r0 = 16 * warp;
-    const u64 group = p.q_heads / p.kv_heads, hd = p.head_dim;
-    u64 b, h;
-    long long i0;
-    attn_query_block(p, b, h, i0);
-    const u64 kvh = h / group;
-    const long long q_rows = (long long)p.seq_q - i0;
+    const u64 hd = p.head_dim;
+    const AttnQueryTile tile = attn_query_tile(p);
+    const u64 group = tile.group, b = tile.b, h = tile.h, kvh = tile.kv;
+    const long long i0 = tile.i0, q_rows = tile.rows;
 
     atc_stage<T, D>(sq, q + attn_q_row(p.q, group, b, h, i0), p.q.row, q_rows, hd);
     atc_stage<T, D>(sdo, dout + attn_q_row(p.o, group, b, h, i0), p.o.row, q_rows, hd);
