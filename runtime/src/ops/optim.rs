@@ -5,6 +5,7 @@ use crate::backend::cuda::adamw::{adamw_f32, AdamWSlot};
 use crate::backend::{CpuStorage, Device, Storage};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Element, Tensor};
+use std::collections::HashMap;
 pub use tessera_kernels::cpu::adamw::AdamWStep;
 use tessera_kernels::cpu::adamw::adamw_update as fused;
 use tessera_kernels::Real;
@@ -113,15 +114,16 @@ fn check(t: &AdamWTarget<'_>) -> Result<Tensor> {
 /// Refuses a call where a tensor one target writes is also read or written
 /// by another: the updates would race, and the locks would deadlock.
 fn check_no_overlap(targets: &[AdamWTarget<'_>], grads: &[Tensor]) -> Result<()> {
-    for (i, a) in targets.iter().enumerate() {
-        for (j, b) in targets.iter().enumerate().skip(i + 1) {
-            let touched_a = [a.param, a.m, a.v, &grads[i]];
-            let touched_b = [b.param, b.m, b.v, &grads[j]];
-            // The first three of each are written.
-            let clash = touched_a[..3].iter().any(|x| touched_b.iter().any(|y| x.shares_storage(y))) || touched_b[..3].iter().any(|x| touched_a.iter().any(|y| x.shares_storage(y)));
-            if clash {
+    // Each storage: the first update that touches it, and whether any update writes it.
+    let mut seen: HashMap<usize, (usize, bool)> = HashMap::new();
+    for (j, (t, grad)) in targets.iter().zip(grads).enumerate() {
+        for (x, writes) in [(t.param, true), (t.m, true), (t.v, true), (grad, false)] {
+            let entry = seen.entry(x.storage_key()).or_insert((j, writes));
+            let (i, written) = *entry;
+            if i != j && (written || writes) {
                 return Err(Error::invalid(OP, format!("updates {i} and {j} share a tensor that one of them writes; give every parameter its own tensors (update a tied parameter once)")));
             }
+            entry.1 |= writes;
         }
     }
     Ok(())

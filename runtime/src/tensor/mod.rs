@@ -94,6 +94,13 @@ impl Tensor {
         Arc::ptr_eq(&self.storage, &other.storage)
     }
 
+    /// A key equal for two tensors exactly when they share one storage
+    /// ([`shares_storage`](Self::shares_storage)), for finding shared
+    /// storage among many tensors in one pass.
+    pub(crate) fn storage_key(&self) -> usize {
+        Arc::as_ptr(&self.storage) as *const () as usize
+    }
+
     pub(crate) fn read(&self) -> RwLockReadGuard<'_, Storage> {
         // A poisoned lock only means another thread panicked while holding
         // it; the elements themselves are still plain data.
