@@ -46,7 +46,7 @@ fn state(model: &Gpt, opt: &AdamW, cx: &Cx) -> BTreeMap<String, Vec<u32>> {
     let whole = |t: &Tensor, shard: Shard| -> Vec<u32> {
         let t = match shard {
             Shard::Split { dim, .. } => tp.all_gather(t, dim).unwrap(),
-            Shard::Replicated => t.clone(),
+            Shard::Full => t.clone(),
         };
         t.to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
     };

@@ -14,8 +14,9 @@ pub struct Model {
     pub vis: syn::Visibility,
     pub attrs: ModelAttrs,
     pub fields: Vec<Field>,
-    /// Whether the struct has no generic parameters (generic models are refused).
-    pub generics_empty: bool,
+    /// The struct's type and const parameters and where-clause (a model
+    /// generic over its block type, `Lm<B: Block>`).
+    pub generics: syn::Generics,
 }
 
 impl Model {
@@ -29,8 +30,8 @@ impl Model {
             cx.error_spanned_by(&item.ident, "`#[derive(Module)]` needs named fields: their names become the parameters' dotted paths");
             return None;
         };
-        if !item.generics.params.is_empty() {
-            cx.error_spanned_by(&item.generics, "generic models are not supported by `#[derive(Module)]`; use concrete layer types (a `Stack<Block>` field repeats a block)");
+        for lt in item.generics.lifetimes() {
+            cx.error_spanned_by(lt, "a model owns its layers: lifetime parameters are not supported by `#[derive(Module)]`; make the model generic over layer types instead (`Lm<B: Block>`)");
         }
         let fields = named
             .named
@@ -42,11 +43,12 @@ impl Model {
             vis: item.vis.clone(),
             attrs: ModelAttrs::parse(cx, &item.attrs),
             fields,
-            generics_empty: item.generics.params.is_empty(),
+            generics: item.generics.clone(),
         })
     }
 
     pub fn field(&self, name: &syn::Ident) -> Option<&Field> {
         self.fields.iter().find(|f| f.ident == *name)
     }
+
 }

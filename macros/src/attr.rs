@@ -21,7 +21,7 @@ impl Shard {
             Shard::Vocab => "Vocab",
         }
     }
-    fn word(self) -> &'static str {
+    pub fn word(self) -> &'static str {
         match self {
             Shard::Column => COLUMN,
             Shard::Row => ROW,
@@ -101,7 +101,7 @@ impl<T: Copy + PartialEq> Slot<T> {
 }
 
 /// The DSL attributes of one field.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct FieldAttrs {
     pub shard: Option<Spanned<Shard>>,
     pub stage: Option<Spanned<Stage>>,

@@ -27,12 +27,31 @@ fn check_static_dims(cx: &Ctxt, m: &Model) {
     }
 }
 
-/// A tied field must name another field of the same struct: the weight is shared, not copied.
+/// A tied field must name another field of the same struct: the weight is
+/// shared, not copied. Both layers must split it the same way over the
+/// tensor-parallel group (their roles are known here; their shapes only when
+/// the model is built, where a mismatch names both fields).
 fn check_tied(cx: &Ctxt, m: &Model) {
+    let role = |f: &crate::ast::Field| match f.attrs.shard {
+        Some(s) => format!("`{}`-parallel (`#[shard({})]`)", s.value.word(), s.value.word()),
+        None => "not sharded".to_string(),
+    };
     for f in &m.fields {
         let Some(partner) = &f.attrs.tied else { continue };
         if *partner == f.ident {
             cx.error_spanned_by(partner, format!("`{}` cannot be tied to itself; name the field whose weight it shares", f.ident));
+        } else if let Some(pf) = m.field(partner) {
+            if f.attrs.shard.map(|s| s.value) != pf.attrs.shard.map(|s| s.value) {
+                cx.error_spanned_by(
+                    partner,
+                    format!(
+                        "`{}` is {} but `{partner}`, whose weight it shares, is {}; tied layers split their one weight the same way over the tensor-parallel group: give both the same `#[shard(..)]`",
+                        f.ident,
+                        role(f),
+                        role(pf)
+                    ),
+                );
+            }
         } else if m.field(partner).is_none() {
             let names: Vec<String> = m.fields.iter().filter(|g| g.ident != f.ident).map(|g| format!("`{}`", g.ident)).collect();
             cx.error_spanned_by(partner, format!("no field `{partner}` to tie `{}` to; fields of `{}` are {}", f.ident, m.ident, names.join(", ")));

@@ -2,9 +2,11 @@
 //! struct to the `#[forward]` expansion through a callback macro.
 //!
 //! A derive sees only the struct and an attribute on an `impl` sees only the
-//! impl. The derive therefore emits `macro_rules! __derive_Module_of_<Name>`
-//! (named so that a missing derive reads as such in rustc's error),
-//! which the `#[forward]` attribute invokes with the impl: the macro rule
+//! impl. The derive therefore emits a `macro_rules!` holding the struct and
+//! imports it under the struct's own name in the macro namespace (`use
+//! __tessera_model_Name as Name;`), so that wherever the struct's name
+//! resolves (its module, another module that imports it, a path to it), the
+//! `#[forward]` attribute can invoke `Name! { impl .. }`: the macro rule
 //! forwards both the struct and the impl to `forward_impl!`, one procedural
 //! macro that sees field types, field attributes and the forward body
 //! together. That is what lets it name each sub-module's `Saved` type, apply
@@ -37,9 +39,15 @@ pub fn expand(input: syn::DeriveInput) -> TokenStream {
     }
 }
 
-/// The macro through which `#[forward]` reaches the struct's definition.
+/// The macro through which `#[forward]` reaches the struct's definition,
+/// imported under the struct's name (macros and types live in separate
+/// namespaces, so the name resolves to the struct as a type and to this
+/// macro as a macro), and the marker `#[forward]` checks to say in words
+/// that the derive is missing.
 fn callback_macro(input: &syn::DeriveInput) -> TokenStream {
-    let name = format_ident!("__derive_Module_of_{}", input.ident);
+    let ident = &input.ident;
+    let name = format_ident!("__tessera_model_{}", ident);
+    let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
     quote! {
         #[doc(hidden)]
         #[allow(unused_macros)]
@@ -48,6 +56,12 @@ fn callback_macro(input: &syn::DeriveInput) -> TokenStream {
                 ::tessera::__private::forward_impl! { { #input } $($body)* }
             };
         }
+        #[doc(hidden)]
+        #[allow(unused_imports)]
+        pub(crate) use #name as #ident;
+
+        #[automatically_derived]
+        impl #impl_generics ::tessera::__private::Derived for #ident #ty_generics #where_clause {}
     }
 }
 
@@ -75,17 +89,18 @@ fn assertions(m: &Model) -> TokenStream {
     }
     // A model may contain attention anywhere below it: selective recompute
     // is accepted on it (and checked again on the layers it names).
-    let recomputable = m.generics_empty.then(|| quote! {
+    let (impl_generics, ty_generics, where_clause) = m.generics.split_for_impl();
+    let recomputable = quote! {
         #[automatically_derived]
-        impl #p::Recomputable for #ident {}
+        impl #impl_generics #p::Recomputable for #ident #ty_generics #where_clause {}
         #[automatically_derived]
-        impl #p::SelectiveRecomputable for #ident {}
-    });
+        impl #impl_generics #p::SelectiveRecomputable for #ident #ty_generics #where_clause {}
+    };
     quote! {
         #recomputable
         const _: () = {
             #[allow(dead_code)]
-            fn __tessera_assertions() {
+            fn __tessera_assertions #impl_generics () #where_clause {
                 #(#checks)*
             }
         };
@@ -115,9 +130,10 @@ fn static_dims(m: &Model) -> TokenStream {
     if tp.is_none() && m.attrs.dims.is_empty() {
         return TokenStream::new();
     }
+    let (impl_generics, ty_generics, where_clause) = m.generics.split_for_impl();
     quote! {
         #[automatically_derived]
-        impl #ident {
+        impl #impl_generics #ident #ty_generics #where_clause {
             #tp
             #(#dims)*
         }

@@ -5,7 +5,9 @@
 //! * [`llama`]: Llama ([`Llama`](llama::Llama), [`LlamaConfig`](llama::LlamaConfig)):
 //!   RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
 //! * [`mixtral`]: Mixtral ([`Mixtral`](mixtral::Mixtral), [`MixtralConfig`](mixtral::MixtralConfig)):
-//!   Llama's attention with a sparse mixture of SwiGLU experts.
+//!   Llama's attention with a sparse mixture of SwiGLU experts. Llama and
+//!   Mixtral are one generic definition, [`CausalLm`](llama::CausalLm), over
+//!   their blocks.
 //! * [`hf`]: loading a Hugging Face checkpoint directory (`config.json` +
 //!   `model.safetensors`) into a model on each tensor-parallel rank, and
 //!   exporting a model in the same form.
@@ -42,6 +44,7 @@
 //! communicators: every rank loads its own shard of every weight. See
 //! `docs/models.md` for the name mapping and layout conversions.
 
+mod causal_lm;
 mod config;
 mod error;
 pub mod gpt2;

@@ -162,7 +162,7 @@ fn holds_halves<M: Module>(model: &M, cx: &Cx) {
                 assert_eq!(p.param.value().unwrap().dims(), local.as_slice());
                 split += 1;
             }
-            Shard::Replicated => assert_eq!(local, global),
+            Shard::Full => assert_eq!(local, global),
         }
     }
     assert!(split > 0, "some parameters are split");

@@ -70,6 +70,12 @@ pub enum Error {
     #[error("compiling CUDA kernels `{kernel}` for {arch} failed: {detail}\n{log}")]
     KernelCompile { kernel: String, arch: String, detail: String, log: String },
 
+    /// A parallel run of a model (or its backward) does not compute what one
+    /// rank (or finite differences) computes: every disagreement found by
+    /// [`testing::check_parallel`](crate::testing::check_parallel), one a line.
+    #[error("the parallel runs disagree with the single-rank model:\n{0}")]
+    ParallelMismatch(String),
+
     /// An in-place update was given the same tensor for two roles.
     #[error("{op}: `{a}` and `{b}` share storage; pass distinct tensors")]
     Aliased { op: &'static str, a: &'static str, b: &'static str },

@@ -47,8 +47,10 @@
 //! Anything else is a compile error that lists what is allowed. For layers
 //! the DSL cannot express, implement [`Module`](crate::module::Module) by
 //! hand with an explicit backward, as every layer of [`nn`](crate::nn) does.
-//! The `#[forward]` impl must follow the struct in the same module (it reaches
-//! the struct's definition through a macro the derive defines there).
+//! The `#[forward]` impl may sit in any module that can name the struct (it
+//! reaches the struct's definition through a macro the derive imports under
+//! the struct's name); on a struct without `#[derive(Module)]` it is an error
+//! that says so.
 //!
 //! ## Layouts
 //!
@@ -65,11 +67,41 @@
 //! | `#[shard(row)]` linear | `SplitHidden -> PartialSum` | no communication |
 //! | `all_reduce(x)` | `PartialSum -> Replicated` | identity |
 //! | `reduce_scatter(x)` | `PartialSum -> SplitSeq` | all-gather |
-//! | `all_gather(x)` | `SplitSeq -> Replicated` | reduce-scatter |
+//! | `all_gather(x)` | `SplitSeq -> Replicated` | this rank's slice, no communication |
 //! | `#[shard(vocab)]` embedding | ids `-> PartialSum` | scatter-add into local rows |
 //! | `#[shard(vocab)]` linear head | `Replicated -> SplitHidden` | input gradient all-reduced |
+//! | `a + b` | equal layouts (`PartialSum + PartialSum` stays partial) | the gradient to both |
+//! | `a * b`, `swiglu(a, b)` | equal layouts, not `PartialSum` | elementwise |
+//! | `gelu(a)`, `silu(a)` | any layout but `PartialSum` | elementwise |
 //!
-//! A value used twice (a residual) receives the sum of both uses' gradients.
+//! The backward column follows from one invariant: the gradient of a
+//! `Replicated`, `SplitHidden` or `SplitSeq` value is complete on every rank
+//! (for the part it holds), and the gradient of a `PartialSum` is the
+//! complete gradient of the sum. A `PartialSum` goes only through linear
+//! operations: `gelu(a) + gelu(b)` is not `gelu(a + b)`, so a nonlinear
+//! function or a product of a partial sum is a compile error until it is
+//! reduced. A value used twice (a residual) receives the sum of both uses'
+//! gradients.
+//!
+//! ## Sequence parallelism
+//!
+//! [`Cx::with_sequence_parallel`](crate::module::Cx::with_sequence_parallel)
+//! splits the tokens that per-token layers read over the tensor-parallel
+//! group, without changing the model. Each `Replicated` value then has a
+//! form fixed at compile time, whole or this rank's slice of the sequence
+//! ([`Seq`](crate::module::Seq)): a layer states the form it takes and
+//! returns ([`Module::SEQ_IN`](crate::module::Module::SEQ_IN),
+//! [`SEQ_OUT`](crate::module::Module::SEQ_OUT); norms, unsharded linear
+//! maps, dropout and the position table take slices, a column-parallel linear
+//! takes a slice and gathers it, an embedding and a mixture of experts take
+//! the whole sequence, and any hand-written layer does unless it says
+//! otherwise). The macro derives every value's form from the body and
+//! inserts a gather or a slice wherever a value's form differs from what its
+//! consumer takes; `all_reduce` becomes a reduce-scatter. A parameter
+//! replicated over the group and read on a slice of the tokens has its
+//! gradient summed over the group as it is delivered. Dropout masks are drawn
+//! at global positions. The same model computes the same loss and gradients
+//! with sequence parallelism on or off.
 //!
 //! ## Field attributes
 //!
@@ -89,7 +121,9 @@
 //! - `#[precision(f32)]` (or `bf16`, `f16`): the sub-module computes in that
 //!   dtype; its input is cast at the border and its output cast back.
 //! - `#[tied(field)]`: the layer shares the weight of `field` (an output head
-//!   tied to the token embedding).
+//!   tied to the token embedding). Both must have the same `#[shard(..)]`
+//!   (a compile error otherwise); weights of different shapes are an error
+//!   when the model is built, naming both fields.
 //!
 //! Struct attributes, in `#[model(..)]`:
 //!
@@ -100,7 +134,9 @@
 //! - `tp = N` and `dims(name = value, ..)`: a static tensor-parallel degree
 //!   and const dimensions. Each dimension the degree does not divide is a
 //!   compile error on its value; each becomes an associated constant
-//!   (`Model::TP`, `Model::VOCAB`, ...) to build the layers from.
+//!   (`Model::TP`, `Model::VOCAB`, ...) to build the layers from. When the
+//!   model is built, the real group's size must equal `N` and divide every
+//!   dimension, or [`module::build`](crate::module::build) says which.
 //!
 //! ```
 //! use tessera::prelude::*;
@@ -130,6 +166,39 @@
 //! # }
 //! ```
 //!
+//! ## Generic models
+//!
+//! A model may be generic over its layers; the `#[forward]` impl carries the
+//! bounds, and every generated impl repeats them:
+//!
+//! ```
+//! use tessera::prelude::*;
+//! use tessera::nn::{Embedding, Linear, RmsNorm, Stack};
+//! use tessera::{forward, Module};
+//!
+//! pub trait Block: Module<In = Replicated, Out = Replicated> {}
+//! impl<B: Module<In = Replicated, Out = Replicated>> Block for B {}
+//!
+//! #[derive(Module)]
+//! pub struct Lm<B: Block> {
+//!     #[stage(first)] #[shard(vocab)] tok: Embedding,
+//!     #[stage(split)] blocks: Stack<B>,
+//!     #[stage(last)] norm: RmsNorm,
+//!     #[stage(last)] #[shard(vocab)] #[tied(tok)] head: Linear,
+//! }
+//!
+//! #[forward]
+//! impl<B: Block> Lm<B> {
+//!     fn forward(&self, ids: Act<Replicated>) -> Act<SplitHidden> {
+//!         self.head(self.norm(self.blocks(all_reduce(self.tok(ids)))))
+//!     }
+//! }
+//! # fn main() {}
+//! ```
+//!
+//! `tessera_models` defines Llama and Mixtral this way, as one
+//! `CausalLm<B>` over their two kinds of block.
+//!
 //! ## Pipeline stages
 //!
 //! A model with a `#[stage(split)]` field also gets typed entry points for a
@@ -137,7 +206,8 @@
 //! split field), `forward_split`/`backward_split` over any range of its layers
 //! (`Stack::stage_range` divides them), and `forward_last`/`backward_last`.
 //! Their argument and result layouts are the split field's, so what crosses
-//! a stage boundary is fixed by the types; run in order over all layers they
+//! a stage boundary is fixed by the types; they honour the model's and the
+//! split field's `#[precision]`, and run in order over all layers they
 //! compute exactly the model's forward and backward.
 //!
 //! ```
@@ -176,16 +246,27 @@
 //!
 //! - layout mismatches in the forward body (a `PartialSum` added to a
 //!   `Replicated` residual, a row-parallel layer fed a replicated input, a
-//!   norm fed `SplitHidden`, a reduction of a value that is not partial);
+//!   norm fed `SplitHidden`, a reduction of a value that is not partial, a
+//!   nonlinear function or a product of a `PartialSum`);
 //! - attributes that contradict each other or the field (`row` and `column`
 //!   together, `#[shard(column)]` on a norm, unknown keys, duplicates,
-//!   `#[recompute]` on a parameter-free layer, `#[tied]` to a missing field);
+//!   `#[recompute]` on a parameter-free layer, `#[tied]` to a missing field
+//!   or to a layer of another role);
 //! - pipeline stages that go backwards in the data flow, two `split` fields;
 //! - an fp16 region in a model with `loss_scaling = none`;
 //! - a forward body outside the grammar, unknown fields and values, values
 //!   computed and never used.
 //!
 //! What depends on run-time values (the tensor-parallel degree against
-//! head counts and hidden sizes) is checked when the model is materialised
-//! for a rank ([`module::build`](crate::module::build)), before anything is
-//! allocated, naming every parameter that does not divide.
+//! head counts and hidden sizes, a static `tp = N` against the real group,
+//! the shapes of tied weights) is checked when the model is built for a rank
+//! ([`module::build`](crate::module::build)), before anything is allocated,
+//! naming every parameter that does not divide.
+//!
+//! ## Checking a model
+//!
+//! [`testing::check_parallel`](crate::testing::check_parallel) runs a model
+//! on one rank and on a list of meshes of in-process ranks and compares the
+//! loss and every gradient, and the single-rank gradients with finite
+//! differences: the test to write for a hand-written layer, and what the
+//! project's own differential fuzzer runs on generated models.

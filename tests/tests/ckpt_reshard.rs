@@ -163,7 +163,7 @@ impl<M: Staged<In = Replicated, Out = SplitHidden>> Rank<M> {
             let v = gathered.get(n.name()).cloned().unwrap_or_else(|| n.param.value().unwrap());
             let whole = match n.param.shard() {
                 Shard::Split { dim, .. } => tp.all_gather(&v, dim).unwrap(),
-                Shard::Replicated => v,
+                Shard::Full => v,
             };
             out.insert(n.name().to_string(), whole.to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect());
         }

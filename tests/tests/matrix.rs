@@ -182,7 +182,7 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(
         };
         let whole = match p.param.shard() {
             Shard::Split { dim, .. } => tp_group.all_gather(&v, dim)?,
-            Shard::Replicated => v,
+            Shard::Full => v,
         };
         out.insert(p.name.to_string(), whole.to_vec::<f32>()?);
         Ok(())

@@ -5,7 +5,7 @@ mod common;
 use common::*;
 use std::sync::Arc;
 use tessera::dist::inproc::InProcess;
-use tessera::module::{materialize, Groups};
+use tessera::module::{self, materialize, Groups, Plain, Replicated};
 use tessera::nn::PositionEmbedding;
 use tessera::prelude::*;
 
@@ -81,7 +81,8 @@ fn refuses_long_sequences_and_bad_shapes() {
 
 /// Under sequence parallelism each of two ranks holds half of a sequence of
 /// 4: its output is that half of the single-rank output, and the table's
-/// gradient (summed over the group) is the single-rank gradient.
+/// gradient (summed over the group, as for every layer that reads a slice of
+/// the tokens and is called as a sub-module) is the single-rank gradient.
 #[test]
 fn sequence_parallel_ranks_add_their_own_positions() {
     let dev = cpu();
@@ -107,9 +108,9 @@ fn sequence_parallel_ranks_add_their_own_positions() {
                 materialize(&wpe, c).unwrap();
                 wpe.weight().set_value(Tensor::from_vec(table.to_f64_vec().unwrap(), [5, 3], &dev).unwrap()).unwrap();
                 let half = |t: &Tensor| Tensor::from_vec(t.narrow(1, 2 * rank, 2).unwrap().to_f64_vec().unwrap(), [2, 2, 3], &dev).unwrap();
-                let (y, saved) = wpe.forward(c, Act::new(half(x))).unwrap();
+                let (y, saved) = module::call::<Plain, _, Replicated>(&wpe, c, "wpe", Act::new(half(x))).unwrap();
                 assert_eq!(y.tensor().to_f64_vec().unwrap(), half(y_full).to_f64_vec().unwrap(), "rank {rank}: output");
-                wpe.backward(c, saved, Act::new(half(dy))).unwrap();
+                module::call_backward::<Plain, _>(&wpe, c, "wpe", saved, Act::new(half(dy))).unwrap();
                 assert_close(&wpe.weight().grad().unwrap().to_f64_vec().unwrap(), g_full, 1e-14, 1e-12, &format!("rank {rank}: table gradient"));
             });
         }

@@ -118,7 +118,7 @@ where
                 } else if sp {
                     seq_shard
                 } else {
-                    Shard::Replicated
+                    Shard::Full
                 };
                 let expect_y = shard_of(y_full, y_dims, shard);
                 assert_close(&y.tensor().to_f64_vec().unwrap(), &expect_y, 1e-11, 1e-9, &format!("{name} rank {rank}: output"));

@@ -1,11 +1,19 @@
 //! Generates `Module` for a model: the forward over the SSA nodes with a
 //! typed `Saved` struct, the backward as their reverse, the parameter
-//! visitor and weight tying.
+//! visitor, weight tying, and the sequence-parallel form of every value.
+//!
+//! Every value has a layout type (`layouts`), checked by rustc, and, as a
+//! constant of type `Seq` computed in the generated code (`__q{i}`), the form
+//! a `Replicated` value takes under sequence parallelism: whole or this
+//! rank's slice of the sequence. Where a value's form differs from what its
+//! consumer takes, the generated code converts it (`seq_convert`) and the
+//! backward converts the gradient back; both are no-ops without sequence
+//! parallelism and for other layouts.
 
 use super::parse::{Func, Node, Op, Program};
 use crate::ast::{Field, Model};
 use crate::attr::{Precision, Recompute, Stage};
-use proc_macro2::TokenStream;
+use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
 
 fn p() -> TokenStream {
@@ -20,6 +28,9 @@ fn g(i: usize) -> syn::Ident {
 }
 fn s(i: usize) -> syn::Ident {
     format_ident!("__s{}", i)
+}
+fn q(i: usize) -> syn::Ident {
+    format_ident!("__q{}", i)
 }
 
 fn role(f: &Field) -> TokenStream {
@@ -40,6 +51,11 @@ fn dtype(pr: Precision) -> TokenStream {
     let p = p();
     let d = format_ident!("{}", pr.dtype());
     quote!(#p::DType::#d)
+}
+
+/// `ts` with every token located at `span` (resolved as the macro's own).
+fn at(span: Span, ts: TokenStream) -> TokenStream {
+    crate::respan::respan(ts, Span::call_site().located_at(span))
 }
 
 struct Gen<'a> {
@@ -72,15 +88,22 @@ impl<'a> Gen<'a> {
         Gen { m, prog, layouts }
     }
 
-    /// The bounds the generated code needs of the fields, each placed at the
-    /// attribute that asks for it: if one fails, rustc reports it there, and
-    /// the bodies (which assume it) add no follow-on errors.
-    fn bounds(&self) -> TokenStream {
+    /// The where-clause of every generated item: the struct's own predicates
+    /// and the bounds the generated code needs of the fields, each placed at
+    /// the attribute (or field type) that asks for it: if one fails, rustc
+    /// reports it there, and the bodies (which assume it) add no follow-on errors.
+    fn where_clause(&self) -> TokenStream {
         let p = p();
-        let mut b = Vec::new();
-        let at = |span: proc_macro2::Span, ts: TokenStream| crate::respan::respan(ts, proc_macro2::Span::call_site().located_at(span));
+        let mut b: Vec<TokenStream> = self.prog.generics.where_clause.iter().flat_map(|w| w.predicates.iter()).map(|pr| quote!(#pr)).collect();
         for f in self.used_fields() {
             let ty = &f.ty;
+            // A bound on a type built from the impl's parameters (`Stack<B>`)
+            // would hide its impl: rustc would take the bound as the only
+            // fact about it and stop seeing `In = Replicated`. Such a field is
+            // checked where it is used instead.
+            if self.mentions_params(ty) {
+                continue;
+            }
             if let Some(sh) = f.attrs.shard {
                 let r = role(f);
                 // The role fixes the layouts (for vocab, the input): stating
@@ -113,11 +136,91 @@ impl<'a> Gen<'a> {
         }
     }
 
+    /// `impl<..>` generics and the model as a type, as the `#[forward]` impl
+    /// writes them (a generic model's bounds live there).
+    fn generics(&self) -> (TokenStream, TokenStream) {
+        let (impl_generics, _, _) = self.prog.generics.split_for_impl();
+        let self_ty = &self.prog.self_ty;
+        (quote!(#impl_generics), quote!(#self_ty))
+    }
+
+    /// Whether `ty` names one of the `#[forward]` impl's type parameters.
+    fn mentions_params(&self, ty: &syn::Type) -> bool {
+        fn idents(ts: TokenStream, out: &mut Vec<String>) {
+            for t in ts {
+                match t {
+                    proc_macro2::TokenTree::Ident(i) => out.push(i.to_string()),
+                    proc_macro2::TokenTree::Group(g) => idents(g.stream(), out),
+                    _ => {}
+                }
+            }
+        }
+        let mut names = Vec::new();
+        idents(quote!(#ty), &mut names);
+        self.prog.generics.type_params().any(|p| names.contains(&p.ident.to_string()))
+    }
+
+    /// `<T, ..>`: the impl's parameters as arguments (for the saved structs).
+    fn ty_generics(&self) -> TokenStream {
+        let (_, ty_generics, _) = self.prog.generics.split_for_impl();
+        quote!(#ty_generics)
+    }
+
     fn field(&self, n: &Node) -> Option<&'a Field> {
         match &n.op {
             Op::Call(f) => self.m.field(f),
             _ => None,
         }
+    }
+
+    /// `let __q{i}: Seq = ..;` for every node: the form each value has under
+    /// sequence parallelism, from the input's ([`Self::seq_in`]) forward.
+    fn seq_states(&self) -> Vec<TokenStream> {
+        let p = p();
+        self.prog
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let qi = q(i);
+                let e = match &n.op {
+                    Op::Input => quote!(<Self as #p::Module>::SEQ_IN),
+                    Op::Call(_) => {
+                        let m = as_module(self.field(n).expect("checked"));
+                        quote!(#m::SEQ_OUT)
+                    }
+                    Op::Add | Op::Mul | Op::Func(Func::Swiglu) => {
+                        let (a, b) = (q(n.args[0]), q(n.args[1]));
+                        quote!(#p::Seq::join(#a, #b))
+                    }
+                    Op::Func(Func::Gelu | Func::Silu) => {
+                        let a = q(n.args[0]);
+                        quote!(#a)
+                    }
+                    // Under sequence parallelism `all_reduce` reduce-scatters.
+                    Op::Func(Func::AllReduce | Func::ReduceScatter) => quote!(#p::Seq::Split),
+                    Op::Func(Func::AllGather) => quote!(#p::Seq::Whole),
+                };
+                quote!(#[allow(unused_variables)] let #qi: #p::Seq = #e;)
+            })
+            .collect()
+    }
+
+    /// The model's `SEQ_IN`: the input whole when any layer reading it takes
+    /// it whole (token ids for an embedding), else split.
+    fn seq_in(&self) -> TokenStream {
+        let p = p();
+        let takes: Vec<TokenStream> = self
+            .prog
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::Call(_)) && n.args.contains(&0))
+            .map(|n| {
+                let m = as_module(self.field(n).expect("checked"));
+                quote!(#m::SEQ_IN)
+            })
+            .collect();
+        quote!(#p::Seq::for_all(&[#(#takes),*]))
     }
 
     /// The type of what node `n` keeps for the backward, if anything.
@@ -138,85 +241,125 @@ impl<'a> Gen<'a> {
         format_ident!("__TesseraSaved{}", self.m.ident)
     }
 
+    /// Runs `call` (which reads `__c`, the input, and evaluates to the
+    /// sub-module's `Result<(output, saved)>`) inside field `f`'s precision
+    /// region; binds `(out, saved)`.
+    fn forward_in_region(&self, f: &Field, out: &TokenStream, call: TokenStream) -> TokenStream {
+        let p = p();
+        match f.attrs.precision {
+            Some(pr) => {
+                let d = dtype(pr.value);
+                quote! {
+                    let #out = {
+                        let __outer = __cx.compute_dtype();
+                        let __region = #p::dsl::region_dtype(__outer, #d);
+                        let __c = #p::dsl::cast(__c, __region)?;
+                        __cx.set_compute_dtype(__region);
+                        let __r = #call;
+                        __cx.set_compute_dtype(__outer);
+                        let (__y, __s) = __r?;
+                        (#p::dsl::cast(__y, __outer)?, __s)
+                    };
+                }
+            }
+            None => quote!(let #out = #call?;),
+        }
+    }
+
+    /// Runs `call` (which reads `__gy` and evaluates to `Result<input
+    /// gradient>`) inside field `f`'s precision region; binds `__dx`.
+    fn backward_in_region(&self, f: &Field, call: TokenStream) -> TokenStream {
+        let p = p();
+        match f.attrs.precision {
+            Some(pr) => {
+                let d = dtype(pr.value);
+                quote! {
+                    let __dx = {
+                        let __outer = __cx.compute_dtype();
+                        let __region = #p::dsl::region_dtype(__outer, #d);
+                        __cx.set_compute_dtype(__region);
+                        let __gy = #p::dsl::cast(__gy, __region)?;
+                        let __r = #call;
+                        __cx.set_compute_dtype(__outer);
+                        #p::dsl::cast(__r?, __outer)?
+                    };
+                }
+            }
+            None => quote!(let __dx = #call?;),
+        }
+    }
+
     fn forward_node(&self, i: usize, n: &Node) -> TokenStream {
         let p = p();
-        let (out, sv) = (v(i), s(i));
+        let (out, sv, qi) = (v(i), s(i), q(i));
         // Resolve names as the generated code does, but report at the user's
         // expression: every token of a checked call carries this span, so the
         // error underlines the user's code and nothing of the macro's.
-        let span = proc_macro2::Span::call_site().located_at(n.span);
+        let span = Span::call_site().located_at(n.span);
         let ps = quote_spanned!(span=> ::tessera::__private);
         let args: Vec<syn::Ident> = n.args.iter().map(|&a| syn::Ident::new(&format!("__v{a}"), span)).collect();
+        let qa: Vec<syn::Ident> = n.args.iter().map(|&a| q(a)).collect();
         // Both layouts named explicitly: inference would otherwise equate them
         // from the bound and report a bare type mismatch instead of its message.
         let lts: Vec<TokenStream> = n.args.iter().map(|&a| crate::respan::respan(self.layouts[a].clone(), span)).collect();
+        // The operands of an elementwise node in the node's own form.
+        let operands = |k: usize| -> TokenStream {
+            let names: Vec<syn::Ident> = (0..k).map(|j| syn::Ident::new(&format!("__o{j}"), span)).collect();
+            let converts = names.iter().zip(&args).zip(&qa).map(|((o, a), qa)| quote!(let #o = #p::seq_convert(__cx, #a.clone(), #qa, #qi)?;));
+            quote!(#(#converts)*)
+        };
+        let o: Vec<syn::Ident> = (0..2).map(|j| syn::Ident::new(&format!("__o{j}"), span)).collect();
         match &n.op {
             Op::Input => unreachable!("the input is bound by the signature"),
             Op::Call(fname) => {
                 let f = self.field(n).expect("checked");
-                let ty = &f.ty;
-                let r = role(f);
+                let (ty, r, m) = (&f.ty, role(f), as_module(f));
                 let name = fname.to_string();
-                let a = &args[0];
-                let arg = match f.attrs.precision {
-                    Some(_) => quote!(#p::dsl::cast(#a.clone(), __region)?),
-                    None => quote!(#a.clone()),
-                };
+                let (a, qa) = (&args[0], &qa[0]);
+                let c = syn::Ident::new("__c", span);
                 let call = match f.attrs.recompute {
                     Some(rc) => {
                         let mode = match rc.value {
                             Recompute::Full => quote!(#p::Recompute::Full),
                             Recompute::Selective => quote!(#p::Recompute::Selective),
                         };
-                        quote_spanned!(span=> #ps::call_recompute::<#r, #ty, _>(&self.#fname, __cx, #name, #arg, #mode))
+                        quote_spanned!(span=> #ps::call_recompute::<#r, #ty, _>(&self.#fname, __cx, #name, #c, #mode))
                     }
-                    None => quote_spanned!(span=> #ps::call::<#r, #ty, _>(&self.#fname, __cx, #name, #arg)),
+                    None => quote_spanned!(span=> #ps::call::<#r, #ty, _>(&self.#fname, __cx, #name, #c)),
                 };
-                match f.attrs.precision {
-                    Some(pr) => {
-                        let d = dtype(pr.value);
-                        quote! {
-                            let (#out, #sv) = {
-                                let __outer = __cx.compute_dtype();
-                                let __region = #p::dsl::region_dtype(__outer, #d);
-                                __cx.set_compute_dtype(__region);
-                                let __r = #call;
-                                __cx.set_compute_dtype(__outer);
-                                let (__y, __s) = __r?;
-                                (#p::dsl::cast(__y, __outer)?, __s)
-                            };
-                        }
-                    }
-                    None => quote!(let (#out, #sv) = #call?;),
+                let bind = self.forward_in_region(f, &quote!((#out, #sv)), call);
+                quote! {
+                    let __c = #p::seq_convert(__cx, #a.clone(), #qa, #m::SEQ_IN)?;
+                    #bind
                 }
             }
             Op::Add => {
-                let (a, b) = (&args[0], &args[1]);
-                {
-                    let (ta, tb) = (&lts[0], &lts[1]);
-                    quote_spanned!(span=> let #out = #ps::dsl::add::<#ta, #tb>(#a.clone(), #b.clone())?;)
-                }
+                let (ta, tb) = (&lts[0], &lts[1]);
+                let conv = operands(2);
+                let (o0, o1) = (&o[0], &o[1]);
+                let add = quote_spanned!(span=> let #out = #ps::dsl::add::<#ta, #tb>(#o0, #o1)?;);
+                quote!(#conv #add)
             }
             Op::Mul => {
-                let (a, b) = (&args[0], &args[1]);
-                {
-                    let (ta, tb) = (&lts[0], &lts[1]);
-                    quote_spanned!(span=> let (#out, #sv) = #ps::dsl::mul::<#ta, #tb>(#a.clone(), #b.clone())?;)
-                }
+                let (ta, tb) = (&lts[0], &lts[1]);
+                let conv = operands(2);
+                let (o0, o1) = (&o[0], &o[1]);
+                let mul = quote_spanned!(span=> let (#out, #sv) = #ps::dsl::mul::<#ta, #tb>(#o0, #o1)?;);
+                quote!(#conv #mul)
             }
             Op::Func(func) => {
                 let fname = format_ident!("{}", func.name());
                 match func {
                     Func::Gelu | Func::Silu => {
-                        let a = &args[0];
-                        quote_spanned!(span=> let (#out, #sv) = #ps::dsl::#fname(#a.clone())?;)
+                        let (a, ta) = (&args[0], &lts[0]);
+                        quote_spanned!(span=> let (#out, #sv) = #ps::dsl::#fname::<#ta>(#a.clone())?;)
                     }
                     Func::Swiglu => {
-                        let (a, b) = (&args[0], &args[1]);
-                        {
                         let (ta, tb) = (&lts[0], &lts[1]);
-                        quote_spanned!(span=> let (#out, #sv) = #ps::dsl::swiglu::<#ta, #tb>(#a.clone(), #b.clone())?;)
-                    }
+                        let conv = operands(2);
+                        let (o0, o1) = (&o[0], &o[1]);
+                        let call = quote_spanned!(span=> let (#out, #sv) = #ps::dsl::swiglu::<#ta, #tb>(#o0, #o1)?;);
+                        quote!(#conv #call)
                     }
                     Func::AllReduce | Func::ReduceScatter | Func::AllGather => {
                         let a = &args[0];
@@ -229,53 +372,50 @@ impl<'a> Gen<'a> {
 
     fn backward_node(&self, i: usize, n: &Node) -> TokenStream {
         let p = p();
-        let (gy, sv) = (g(i), s(i));
+        let (gy, sv, qi) = (g(i), s(i), q(i));
         let ga: Vec<syn::Ident> = n.args.iter().map(|&a| g(a)).collect();
+        let qa: Vec<syn::Ident> = n.args.iter().map(|&a| q(a)).collect();
         let la: Vec<&TokenStream> = n.args.iter().map(|&a| &self.layouts[a]).collect();
+        // Each operand's gradient, back in the operand's own form.
+        let back = |j: usize, d: TokenStream| {
+            let (gj, qj) = (&ga[j], &qa[j]);
+            quote!(#p::dsl::accumulate(&mut #gj, #p::seq_convert_backward(__cx, #d, #qj, #qi)?)?;)
+        };
         let body = match &n.op {
             Op::Input => return TokenStream::new(),
             Op::Call(fname) => {
                 let f = self.field(n).expect("checked");
-                let ty = &f.ty;
-                let r = role(f);
+                let (ty, r, m) = (&f.ty, role(f), as_module(f));
                 let name = fname.to_string();
                 let call = if f.attrs.recompute.is_some() {
                     quote!(#p::call_recompute_backward::<#r, #ty>(&self.#fname, __cx, #name, #sv, __gy))
                 } else {
                     quote!(#p::call_backward::<#r, #ty>(&self.#fname, __cx, #name, #sv, __gy))
                 };
-                let a = &ga[0];
-                match f.attrs.precision {
-                    Some(pr) => {
-                        let d = dtype(pr.value);
-                        quote! {
-                            let __outer = __cx.compute_dtype();
-                            let __region = #p::dsl::region_dtype(__outer, #d);
-                            __cx.set_compute_dtype(__region);
-                            let __gy = #p::dsl::cast(__gy, __region)?;
-                            let __r = #call;
-                            __cx.set_compute_dtype(__outer);
-                            #p::dsl::accumulate(&mut #a, #p::dsl::relabel(#p::dsl::cast(__r?, __outer)?))?;
-                        }
-                    }
-                    None => quote!(#p::dsl::accumulate(&mut #a, #p::dsl::relabel(#call?))?;),
+                let bind = self.backward_in_region(f, call);
+                let (a, qa) = (&ga[0], &qa[0]);
+                quote! {
+                    #bind
+                    #p::dsl::accumulate(&mut #a, #p::seq_convert_backward(__cx, #p::dsl::relabel(__dx), #qa, #m::SEQ_IN)?)?;
                 }
             }
             Op::Add => {
-                let (a, b, ta, tb) = (&ga[0], &ga[1], la[0], la[1]);
+                let (ta, tb) = (la[0], la[1]);
+                let (b0, b1) = (back(0, quote!(__da)), back(1, quote!(__db)));
                 quote! {
                     let (__da, __db) = #p::dsl::add_backward::<#ta, #tb>(__gy);
-                    #p::dsl::accumulate(&mut #a, __da)?;
-                    #p::dsl::accumulate(&mut #b, __db)?;
+                    #b0
+                    #b1
                 }
             }
             Op::Mul | Op::Func(Func::Swiglu) => {
-                let (a, b, ta, tb) = (&ga[0], &ga[1], la[0], la[1]);
+                let (ta, tb) = (la[0], la[1]);
                 let f = if matches!(n.op, Op::Mul) { format_ident!("mul_backward") } else { format_ident!("swiglu_backward") };
+                let (b0, b1) = (back(0, quote!(__da)), back(1, quote!(__db)));
                 quote! {
                     let (__da, __db) = #p::dsl::#f::<#ta, #tb>(#sv, __gy)?;
-                    #p::dsl::accumulate(&mut #a, __da)?;
-                    #p::dsl::accumulate(&mut #b, __db)?;
+                    #b0
+                    #b1
                 }
             }
             Op::Func(func @ (Func::Gelu | Func::Silu)) => {
@@ -316,17 +456,24 @@ impl<'a> Gen<'a> {
         let p = p();
         let saved = &part.saved;
         let nodes = &self.prog.nodes;
+        let states = self.seq_states();
         let fwd: Vec<TokenStream> = part.nodes.iter().map(|&i| self.forward_node(i, &nodes[i])).collect();
         let saved_fields: Vec<syn::Ident> = part.nodes.iter().filter(|&&i| self.saved_type(&nodes[i]).is_some()).map(|&i| s(i)).collect();
         let saved_types: Vec<TokenStream> = part.nodes.iter().filter_map(|&i| self.saved_type(&nodes[i])).collect();
-        let exit = v(part.exit);
+        let (exit, q_exit) = (v(part.exit), q(part.exit));
         let out_l = &part.out_l;
         let out = if part.check_output {
-            let span = proc_macro2::Span::call_site().located_at(nodes[part.exit].span);
+            let span = Span::call_site().located_at(nodes[part.exit].span);
             let exit = syn::Ident::new(&format!("__v{}", part.exit), span);
             quote_spanned!(span=> ::tessera::__private::dsl::returns::<#out_l, _>(#exit))
         } else {
             quote!(#exit)
+        };
+        // A part that ends at the pipeline cut hands its value over in the
+        // form the split field takes.
+        let (out, dy_seq) = match &part.exit_seq {
+            Some(to) => (quote!(#p::seq_convert(__cx, #out, #q_exit, #to)?), Some(to)),
+            None => (out, None),
         };
         let slot_ids: Vec<usize> = std::iter::once(part.entry).chain(part.nodes.iter().copied()).collect();
         let slots = slot_ids.iter().map(|&i| {
@@ -337,33 +484,44 @@ impl<'a> Gen<'a> {
         let bwd: Vec<TokenStream> = part.nodes.iter().rev().map(|&i| self.backward_node(i, &nodes[i])).collect();
         let (g_exit, v_entry, g_entry) = (g(part.exit), v(part.entry), g(part.entry));
         let (enter, exit_fwd, exit_bwd, in_cast, dy_cast) = self.model_precision();
+        let dy = match dy_seq {
+            Some(to) => quote!(#p::seq_convert_backward(__cx, #p::dsl::relabel(#dy_cast), #q_exit, #to)?),
+            None => quote!(#p::dsl::relabel(#dy_cast)),
+        };
         let ident = &self.m.ident;
         let input_name = self.prog.input.to_string();
         let vis = &self.m.vis;
-        let bounds = self.bounds();
+        let (impl_generics, self_ty) = self.generics();
+        let ty_generics = self.ty_generics();
+        let bounds = self.where_clause();
         let doc = format!("What part of `{ident}`'s forward keeps for its backward: one field per stored activation.");
         PartCode {
             saved_def: quote! {
                 #[doc = #doc]
                 #[doc(hidden)]
                 #[allow(non_camel_case_types, dead_code)]
-                #vis struct #saved #bounds { #(#saved_fields: #saved_types,)* }
+                #vis struct #saved #impl_generics #bounds {
+                    #(#saved_fields: #saved_types,)*
+                    __marker: ::core::marker::PhantomData<fn() -> #self_ty>,
+                }
             },
             forward: quote! {
                 #enter
-                let __r = (|__cx: &mut #p::Cx| -> #p::Result<(#p::Act<#out_l>, #saved)> {
+                let __r = (|__cx: &mut #p::Cx| -> #p::Result<(#p::Act<#out_l>, #saved #ty_generics)> {
+                    #(#states)*
                     let #v_entry = #in_cast;
                     #(#fwd)*
-                    ::core::result::Result::Ok((#out, #saved { #(#saved_fields,)* }))
+                    ::core::result::Result::Ok((#out, #saved { #(#saved_fields,)* __marker: ::core::marker::PhantomData }))
                 })(__cx);
                 #exit_fwd
             },
             backward: quote! {
                 #enter
                 let __r = (|__cx: &mut #p::Cx| {
-                    let #saved { #(#saved_fields,)* } = __saved;
+                    let #saved { #(#saved_fields,)* .. } = __saved;
+                    #(#states)*
                     #(#slots)*
-                    #p::dsl::accumulate(&mut #g_exit, #p::dsl::relabel(#dy_cast))?;
+                    #p::dsl::accumulate(&mut #g_exit, #dy)?;
                     #(#bwd)*
                     #g_entry.ok_or_else(|| #p::Error::InvalidArgument {
                         op: "backward",
@@ -374,7 +532,37 @@ impl<'a> Gen<'a> {
             },
         }
     }
+}
 
+/// Where a field of a pipelined model runs (see [`Gen::stage_part`]).
+enum FieldPart {
+    /// The `#[stage(split)]` field: its layers are divided among the stages.
+    Split,
+    /// A `StagePart` variant: `First`, `Last` or `Whole`.
+    Part(syn::Ident),
+}
+
+/// A part of the forward program (see [`Gen::part`]).
+struct Part {
+    saved: syn::Ident,
+    entry: usize,
+    nodes: Vec<usize>,
+    exit: usize,
+    out_l: TokenStream,
+    /// Whether the exit is checked against the declared output layout.
+    check_output: bool,
+    /// The sequence-parallel form the exit value is handed over in, when it
+    /// is not its own (the part before the pipeline cut).
+    exit_seq: Option<TokenStream>,
+}
+
+struct PartCode {
+    saved_def: TokenStream,
+    forward: TokenStream,
+    backward: TokenStream,
+}
+
+impl<'a> Gen<'a> {
     /// Entering and leaving the model's `#[model(precision = ..)]` region.
     fn model_precision(&self) -> (TokenStream, TokenStream, TokenStream, TokenStream, TokenStream) {
         let p = p();
@@ -390,12 +578,44 @@ impl<'a> Gen<'a> {
         }
     }
 
+    /// Checks of `#[model(tp = N, dims(..))]` against the group the model
+    /// is built for (the compile-time check covers only the declared `N`).
+    fn static_checks(&self) -> TokenStream {
+        let ident = self.m.ident.to_string();
+        let here = quote!(if __path.is_empty() { #ident.to_string() } else { __path.to_string() });
+        let tp = self.m.attrs.tp.map(|tp| {
+            let n = tp.value as usize;
+            quote! {
+                if __degree != #n {
+                    __problems.push(::std::format!(
+                        "`{}` declares `#[model(tp = {})]` but is built for a tensor-parallel group of {}; build it on a group of {} ranks or change the attribute",
+                        #here, #n, __degree, #n
+                    ));
+                }
+            }
+        });
+        let dims = self.m.attrs.dims.iter().map(|(name, n)| {
+            let (name, v) = (name.to_string(), n.value as usize);
+            quote! {
+                if #v % __degree != 0 {
+                    __problems.push(::std::format!(
+                        "`{}` declares `{} = {}` in `#[model(dims(..))]`, which the tensor-parallel degree {} does not divide",
+                        #here, #name, #v, __degree
+                    ));
+                }
+            }
+        });
+        quote!(#tp #(#dims)*)
+    }
+
     fn module_impl(&self) -> TokenStream {
         let p = p();
         let ident = &self.m.ident;
         let in_l = &self.prog.in_layout;
         let out_l = &self.prog.out_layout;
-        let bounds = self.bounds();
+        let bounds = self.where_clause();
+        let (impl_generics, self_ty) = self.generics();
+        let ty_generics = self.ty_generics();
         let whole = Part {
             saved: self.saved_struct_name(),
             entry: 0,
@@ -403,6 +623,7 @@ impl<'a> Gen<'a> {
             exit: self.prog.output,
             out_l: quote!(#out_l),
             check_output: true,
+            exit_seq: None,
         };
         let saved = &whole.saved;
         let PartCode { saved_def, forward, backward } = self.part(&whole);
@@ -424,12 +645,14 @@ impl<'a> Gen<'a> {
                 None => quote!(#visit?;),
             }
         });
+        let model = ident.to_string();
         let ties = self.m.fields.iter().filter_map(|f| {
             let partner = f.attrs.tied.as_ref()?;
             let fname = &f.ident;
+            let (field, with) = (fname.to_string(), partner.to_string());
             Some(quote! {
                 let __w = #p::Tie::weight(&self.#partner).clone();
-                #p::Tie::tie_weight(&mut self.#fname, &__w)?;
+                #p::Tie::tie_weight(&mut self.#fname, &__w).map_err(|e| #p::dsl::tie_error(#model, #field, #with, e))?;
             })
         });
         let checks = used.iter().map(|f| {
@@ -438,28 +661,36 @@ impl<'a> Gen<'a> {
             let m = as_module(f);
             quote!(#m::check_tp(&self.#fname, &#p::join_path(__path, #name), __degree, __problems);)
         });
+        let static_checks = self.static_checks();
         let child_ties = used.iter().map(|f| {
             let fname = &f.ident;
             let m = as_module(f);
             quote!(#m::tie_params(&mut self.#fname)?;)
         });
+        let states = self.seq_states();
+        let q_out = q(self.prog.output);
+        let seq_in = self.seq_in();
 
         quote! {
             #saved_def
 
             #[automatically_derived]
-            impl #p::Module for #ident #bounds {
+            impl #impl_generics #p::Module for #self_ty #bounds {
                 type In = #in_l;
                 type Out = #out_l;
-                type Saved = #saved;
+                type Saved = #saved #ty_generics;
+
+                const SEQ_IN: #p::Seq = #seq_in;
+                #[allow(unused_variables)]
+                const SEQ_OUT: #p::Seq = { #(#states)* #q_out };
 
                 #[allow(unused_mut, unused_variables, clippy::all)]
-                fn forward(&self, __cx: &mut #p::Cx, __x: #p::Act<#in_l>) -> #p::Result<(#p::Act<#out_l>, #saved)> {
+                fn forward(&self, __cx: &mut #p::Cx, __x: #p::Act<#in_l>) -> #p::Result<(#p::Act<#out_l>, #saved #ty_generics)> {
                     #forward
                 }
 
                 #[allow(unused_mut, unused_variables, clippy::all)]
-                fn backward(&self, __cx: &mut #p::Cx, __saved: #saved, __dy: #p::Act<#out_l>) -> #p::Result<#p::Act<#in_l>> {
+                fn backward(&self, __cx: &mut #p::Cx, __saved: #saved #ty_generics, __dy: #p::Act<#out_l>) -> #p::Result<#p::Act<#in_l>> {
                     #backward
                 }
 
@@ -469,6 +700,7 @@ impl<'a> Gen<'a> {
                 }
 
                 fn check_tp(&self, __path: &str, __degree: usize, __problems: &mut ::std::vec::Vec<::std::string::String>) {
+                    #static_checks
                     #(#checks)*
                 }
 
@@ -506,6 +738,9 @@ impl<'a> Gen<'a> {
 
     /// Pipeline entry points when one field is `#[stage(split)]`: the part
     /// before the split field, a range of its layers, and the part after.
+    /// Each honours the model's and the split field's precision and hands
+    /// values over in the form (whole or split sequence) the split field takes,
+    /// so the stages run in order compute exactly the model's forward.
     fn stage_impl(&self) -> TokenStream {
         let Some(split) = self.split_node() else {
             return TokenStream::new();
@@ -513,12 +748,13 @@ impl<'a> Gen<'a> {
         let f = self.field(&self.prog.nodes[split]).expect("the split node calls a field");
         let p = p();
         let ident = &self.m.ident;
-        let bounds = self.bounds();
+        let bounds = self.where_clause();
+        let (impl_generics, self_ty) = self.generics();
+        let ty_generics = self.ty_generics();
         let (in_l, out_l) = (&self.prog.in_layout, &self.prog.out_layout);
-        let ty = &f.ty;
         let fname = &f.ident;
         let name = fname.to_string();
-        let m = quote!(<#ty as #p::Module<#p::Plain>>);
+        let m = as_module(f);
         let before = before_split(self.prog, split);
         let first = Part {
             saved: format_ident!("__TesseraSaved{}First", ident),
@@ -527,6 +763,7 @@ impl<'a> Gen<'a> {
             exit: self.prog.nodes[split].args[0],
             out_l: quote!(#m::In),
             check_output: false,
+            exit_seq: Some(quote!(#m::SEQ_IN)),
         };
         let last = Part {
             saved: format_ident!("__TesseraSaved{}Last", ident),
@@ -535,6 +772,7 @@ impl<'a> Gen<'a> {
             exit: self.prog.output,
             out_l: quote!(#out_l),
             check_output: false,
+            exit_seq: None,
         };
         let (sf, sl) = (&first.saved, &last.saved);
         let first_code = self.part(&first);
@@ -546,6 +784,10 @@ impl<'a> Gen<'a> {
             Some(Recompute::Selective) => quote!(::core::option::Option::Some(#p::Recompute::Selective)),
             None => quote!(::core::option::Option::None),
         };
+        // The split field runs in the model's region and then its own.
+        let (enter, exit_fwd, exit_bwd, in_cast, dy_cast) = self.model_precision();
+        let split_fwd = self.forward_in_region(f, &quote!((__y, __s)), quote!(#p::call_layers(&self.#fname, __cx, #name, layers, __c, #recompute)));
+        let split_bwd = self.backward_in_region(f, quote!(#p::call_layers_backward(&self.#fname, __cx, #name, layers, __saved, __gy)));
         let doc = format!(
             "Pipeline stages of `{ident}`, split at `{fname}`: the first stage runs `forward_first` and then its \
              range of `{fname}`'s layers, middle stages a range of layers, the last stage its range and then \
@@ -557,74 +799,62 @@ impl<'a> Gen<'a> {
 
             #[doc = #doc]
             #[automatically_derived]
-            impl #p::Staged for #ident #bounds {
+            impl #impl_generics #p::Staged for #self_ty #bounds {
                 type Boundary = #m::In;
-                type FirstSaved = #sf;
+                type FirstSaved = #sf #ty_generics;
                 type SplitSaved = #m::Saved;
-                type LastSaved = #sl;
+                type LastSaved = #sl #ty_generics;
 
                 fn split_layers(&self) -> usize {
                     #p::Pipelined::layer_count(&self.#fname)
                 }
 
                 #[allow(unused_mut, unused_variables, clippy::all)]
-                fn forward_first(&self, __cx: &mut #p::Cx, __x: #p::Act<#in_l>) -> #p::Result<(#p::Act<#m::In>, #sf)> {
+                fn forward_first(&self, __cx: &mut #p::Cx, __x: #p::Act<#in_l>) -> #p::Result<(#p::Act<#m::In>, #sf #ty_generics)> {
                     #first_fwd
                 }
 
                 #[allow(unused_mut, unused_variables, clippy::all)]
-                fn backward_first(&self, __cx: &mut #p::Cx, __saved: #sf, __dy: #p::Act<#m::In>) -> #p::Result<#p::Act<#in_l>> {
+                fn backward_first(&self, __cx: &mut #p::Cx, __saved: #sf #ty_generics, __dy: #p::Act<#m::In>) -> #p::Result<#p::Act<#in_l>> {
                     #first_bwd
                 }
 
+                #[allow(unused_mut, unused_variables, clippy::all)]
                 fn forward_split(&self, __cx: &mut #p::Cx, layers: ::core::ops::Range<usize>, __x: #p::Act<#m::In>) -> #p::Result<(#p::Act<#m::In>, #m::Saved)> {
-                    let (__y, __s) = #p::call_layers(&self.#fname, __cx, #name, layers, __x, #recompute)?;
-                    ::core::result::Result::Ok((#p::dsl::relabel(__y), __s))
-                }
-
-                fn backward_split(&self, __cx: &mut #p::Cx, layers: ::core::ops::Range<usize>, __saved: #m::Saved, __dy: #p::Act<#m::In>) -> #p::Result<#p::Act<#m::In>> {
-                    #p::call_layers_backward(&self.#fname, __cx, #name, layers, __saved, #p::dsl::relabel(__dy))
+                    #enter
+                    let __r = (|__cx: &mut #p::Cx| -> #p::Result<(#p::Act<#m::In>, #m::Saved)> {
+                        let __c = #in_cast;
+                        #split_fwd
+                        ::core::result::Result::Ok((#p::dsl::relabel(__y), __s))
+                    })(__cx);
+                    #exit_fwd
                 }
 
                 #[allow(unused_mut, unused_variables, clippy::all)]
-                fn forward_last(&self, __cx: &mut #p::Cx, __x: #p::Act<#m::In>) -> #p::Result<(#p::Act<#out_l>, #sl)> {
+                fn backward_split(&self, __cx: &mut #p::Cx, layers: ::core::ops::Range<usize>, __saved: #m::Saved, __dy: #p::Act<#m::In>) -> #p::Result<#p::Act<#m::In>> {
+                    #enter
+                    let __r = (|__cx: &mut #p::Cx| -> #p::Result<#p::Act<#m::In>> {
+                        let __gy = #p::dsl::relabel(#dy_cast);
+                        #split_bwd
+                        ::core::result::Result::Ok(#p::dsl::relabel(__dx))
+                    })(__cx);
+                    #exit_bwd
+                }
+
+                #[allow(unused_mut, unused_variables, clippy::all)]
+                fn forward_last(&self, __cx: &mut #p::Cx, __x: #p::Act<#m::In>) -> #p::Result<(#p::Act<#out_l>, #sl #ty_generics)> {
                     let __x: #p::Act<#m::Out> = #p::dsl::relabel(__x);
                     #last_fwd
                 }
 
                 #[allow(unused_mut, unused_variables, clippy::all)]
-                fn backward_last(&self, __cx: &mut #p::Cx, __saved: #sl, __dy: #p::Act<#out_l>) -> #p::Result<#p::Act<#m::In>> {
+                fn backward_last(&self, __cx: &mut #p::Cx, __saved: #sl #ty_generics, __dy: #p::Act<#out_l>) -> #p::Result<#p::Act<#m::In>> {
                     let __r: #p::Result<#p::Act<#m::Out>> = (|| { #last_bwd })();
                     __r.map(#p::dsl::relabel)
                 }
             }
         }
     }
-}
-
-/// Where a field of a pipelined model runs (see [`Gen::stage_part`]).
-enum FieldPart {
-    /// The `#[stage(split)]` field: its layers are divided among the stages.
-    Split,
-    /// A `StagePart` variant: `First`, `Last` or `Whole`.
-    Part(syn::Ident),
-}
-
-/// A part of the forward program (see [`Gen::part`]).
-struct Part {
-    saved: syn::Ident,
-    entry: usize,
-    nodes: Vec<usize>,
-    exit: usize,
-    out_l: TokenStream,
-    /// Whether the exit is checked against the declared output layout.
-    check_output: bool,
-}
-
-struct PartCode {
-    saved_def: TokenStream,
-    forward: TokenStream,
-    backward: TokenStream,
 }
 
 /// The nodes the split call's input depends on (the input included), in order.
@@ -652,14 +882,15 @@ pub fn expand(m: &Model, prog: &Program) -> TokenStream {
 
 /// After an error: a `Module` impl with the declared layouts and no body, so
 /// one mistake does not cascade into errors wherever the model is used.
-pub fn fallback(m: &Model, prog: Option<&Program>) -> TokenStream {
+pub fn fallback(_m: &Model, prog: Option<&Program>) -> TokenStream {
     let Some(prog) = prog else { return TokenStream::new() };
     let p = p();
-    let ident = &m.ident;
+    let self_ty = &prog.self_ty;
+    let (impl_generics, _, where_clause) = prog.generics.split_for_impl();
     let (in_l, out_l) = (&prog.in_layout, &prog.out_layout);
     quote! {
         #[automatically_derived]
-        impl #p::Module for #ident {
+        impl #impl_generics #p::Module for #self_ty #where_clause {
             type In = #in_l;
             type Out = #out_l;
             type Saved = ();

@@ -8,23 +8,44 @@ mod parse;
 use crate::ast::Model;
 use crate::ctxt::Ctxt;
 use proc_macro2::TokenStream;
-use quote::{format_ident, quote};
+use quote::quote;
 
-/// `#[forward] impl Name { .. }` becomes `__derive_Module_of_Name! { impl .. }`.
+/// `#[forward] impl Name { .. }` becomes `Name! { impl .. }`: the macro the
+/// derive imported under the struct's name (see `derive.rs`), reached by the
+/// same path as the type, so the impl may sit in any module that can name
+/// the struct. A check placed at the type says in words when the struct has
+/// no `#[derive(Module)]`.
 pub fn attribute(item: syn::ItemImpl) -> TokenStream {
-    let name = match &*item.self_ty {
-        syn::Type::Path(p) if p.qself.is_none() => p.path.segments.last().map(|s| s.ident.clone()),
+    let path = match &*item.self_ty {
+        syn::Type::Path(p) if p.qself.is_none() && !p.path.segments.is_empty() => Some(p.path.clone()),
         _ => None,
     };
-    let Some(name) = name else {
+    let Some(mut path) = path else {
         return syn::Error::new_spanned(&item.self_ty, "`#[forward]` goes on `impl Model { fn forward(..) }` for a struct with `#[derive(Module)]`")
             .to_compile_error();
     };
     if let Some((_, tr, _)) = &item.trait_ {
         return syn::Error::new_spanned(tr, "`#[forward]` goes on an inherent impl (`impl Model { .. }`); it writes the `Module` impl itself").to_compile_error();
     }
-    let callback = format_ident!("__derive_Module_of_{}", name);
-    quote!(#callback! { #item })
+    path.segments.last_mut().expect("non-empty").arguments = syn::PathArguments::None;
+    let self_ty = &item.self_ty;
+    let span = syn::spanned::Spanned::span(self_ty);
+    let (impl_generics, _, where_clause) = item.generics.split_for_impl();
+    let check = crate::respan::respan(
+        quote! {
+            ::tessera::__private::assert_derived::<#self_ty>();
+        },
+        proc_macro2::Span::call_site().located_at(span),
+    );
+    quote! {
+        const _: () = {
+            #[allow(dead_code)]
+            fn __tessera_forward_needs_derive #impl_generics () #where_clause {
+                #check
+            }
+        };
+        #path! { #item }
+    }
 }
 
 /// Input: `{ struct } impl ..`, as assembled by the derive's callback.

@@ -81,6 +81,11 @@ pub struct Program {
     pub out_layout: syn::Type,
     pub nodes: Vec<Node>,
     pub output: usize,
+    /// The `#[forward]` impl's parameters and where-clause (`impl<B: Block> Lm<B>`),
+    /// which every generated impl repeats.
+    pub generics: syn::Generics,
+    /// The model type as the impl names it (`Lm<B>`).
+    pub self_ty: syn::Type,
 }
 
 const ALLOWED: &str = "a `#[forward]` body may use `let` bindings, sub-module calls `self.field(x)`, \
@@ -198,7 +203,7 @@ pub fn parse(cx: &Ctxt, item: &syn::ItemImpl) -> Option<Program> {
         }
     };
     lower.nodes[output].uses += 1;
-    Some(Program { input: input.ident.clone(), in_layout, out_layout, nodes: lower.nodes, output })
+    Some(Program { input: input.ident.clone(), in_layout, out_layout, nodes: lower.nodes, output, generics: item.generics.clone(), self_ty: (*item.self_ty).clone() })
 }
 
 struct Lower<'a> {

@@ -164,7 +164,7 @@ pub fn load_weights<M: HfModel>(model: &M, config: &M::Config, dir: impl AsRef<P
         }
         let global = hf.conversion.import(&parts)?;
         let local = match p.param.shard() {
-            Shard::Replicated => global,
+            Shard::Full => global,
             Shard::Split { dim, rank, degree } => {
                 let len = global.dims()[dim] / degree;
                 global.narrow(dim, rank * len, len)?.contiguous()?
@@ -192,7 +192,7 @@ pub fn save_pretrained<M: HfModel>(model: &M, config: &M::Config, dir: impl AsRe
     model.check_exportable()?;
     let mut tensors = Vec::new();
     for p in module::distinct_params(model)? {
-        if p.param.shard() != Shard::Replicated {
+        if p.param.shard() != Shard::Full {
             return Err(Error::Export(format!(
                 "parameter `{}` holds only this rank's shard ({:?}); export from a model on a single rank (tensor-parallel degree 1)",
                 p.name(),

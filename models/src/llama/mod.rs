@@ -12,8 +12,9 @@ pub(crate) mod hf;
 pub use config::LlamaConfig;
 pub(crate) use config::{check_silu, read_heads, read_rope_theta, write_rope_theta, AttentionConfig};
 
+pub use crate::causal_lm::CausalLm;
 use crate::error::Result;
-use tessera::nn::{CausalAttention, Embedding, Linear, RmsNorm, Stack};
+use tessera::nn::{CausalAttention, Linear, RmsNorm, Stack};
 use tessera::prelude::*;
 
 /// Grouped-query attention with rotary embeddings: the packed query/key/value
@@ -86,16 +87,7 @@ impl LlamaBlock {
     }
 }
 
-/// Llama as a causal language model: token ids `[batch, seq]` (u32) to
-/// logits `[batch, seq, vocab]`, split over the vocabulary on a
-/// tensor-parallel group (`Act<SplitHidden>`).
-///
-/// Pipeline stages: the embedding on the first, the blocks (`layers`) split
-/// over the stages, the final norm and head on the last. The blocks declare
-/// selective recompute, which
-/// [`Cx::set_recompute_override`](tessera::module::Cx::set_recompute_override)
-/// can turn off or into full recompute. Under tensor parallelism the degree
-/// must divide the key/value head count (every rank holds whole groups).
+/// Llama as a causal language model: [`CausalLm`] over [`LlamaBlock`]s.
 ///
 /// ```
 /// use tessera::module::{self, Act, Cx, Module};
@@ -109,32 +101,13 @@ impl LlamaBlock {
 /// assert_eq!(logits.tensor().dims(), &[1, 4, 64]);
 /// # Ok::<(), tessera_models::Error>(())
 /// ```
-#[derive(Module)]
-pub struct Llama {
-    #[stage(first)]
-    #[shard(vocab)]
-    embed_tokens: Embedding,
-    #[stage(split)]
-    #[recompute(selective)]
-    layers: Stack<LlamaBlock>,
-    #[stage(last)]
-    norm: RmsNorm,
-    #[stage(last)]
-    #[shard(vocab)]
-    lm_head: Linear,
-}
+pub type Llama = CausalLm<LlamaBlock>;
 
-#[forward]
-impl Llama {
-    fn forward(&self, ids: Act<Replicated>) -> Act<SplitHidden> {
-        let h = all_reduce(self.embed_tokens(ids));
-        self.lm_head(self.norm(self.layers(h)))
-    }
-}
-
-impl Llama {
+impl CausalLm<LlamaBlock> {
     /// The model `config` describes (validated first), not yet materialised:
     /// [`module::build`](tessera::module::build) gives it a rank's values.
+    /// Under tensor parallelism the degree must divide the key/value head
+    /// count (every rank holds whole groups).
     pub fn new(config: &LlamaConfig) -> Result<Llama> {
         config.validate()?;
         let (d, eps) = (config.hidden_size, config.rms_norm_eps);
@@ -150,19 +123,8 @@ impl Llama {
                 },
             })
         };
-        let (embed_tokens, lm_head) = embedding_and_head(config.vocab_size, d, config.tie_word_embeddings)?;
-        Ok(Llama { embed_tokens, layers: stack(config.num_hidden_layers, block)?, norm: RmsNorm::new(d, eps)?, lm_head })
+        Ok(CausalLm::from_parts(config.vocab_size, d, eps, config.tie_word_embeddings, stack(config.num_hidden_layers, block)?)?)
     }
-}
-
-/// The token embedding and the output head, sharing one parameter when `tied`.
-pub(crate) fn embedding_and_head(vocab: usize, d: usize, tied: bool) -> tessera::Result<(Embedding, Linear)> {
-    let embedding = Embedding::new(vocab, d)?;
-    let mut head = Linear::new(d, vocab, false)?;
-    if tied {
-        head.tie_weight(embedding.weight())?;
-    }
-    Ok((embedding, head))
 }
 
 /// `n` blocks built by `f`, with this crate's errors.

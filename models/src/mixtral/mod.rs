@@ -19,9 +19,10 @@ mod hf;
 
 pub use config::MixtralConfig;
 
+pub use crate::causal_lm::CausalLm;
 use crate::error::Result;
-use crate::llama::{embedding_and_head, stack, LlamaAttention};
-use tessera::nn::{Embedding, Linear, Moe, RmsNorm, Stack};
+use crate::llama::{stack, LlamaAttention};
+use tessera::nn::{Moe, RmsNorm};
 use tessera::prelude::*;
 
 /// One Mixtral block: RMSNorm, grouped-query attention, RMSNorm, experts.
@@ -45,10 +46,7 @@ impl MixtralBlock {
     }
 }
 
-/// Mixtral as a causal language model: token ids `[batch, seq]` (u32) to
-/// logits `[batch, seq, vocab]`, split over the vocabulary on a
-/// tensor-parallel group (`Act<SplitHidden>`).
-///
+/// Mixtral as a causal language model: [`CausalLm`] over [`MixtralBlock`]s.
 /// Pipeline stages and recompute are as in [`Llama`](crate::llama::Llama).
 ///
 /// ```
@@ -64,30 +62,9 @@ impl MixtralBlock {
 /// assert_eq!(logits.tensor().dims(), &[1, 4, 64]);
 /// # Ok::<(), tessera_models::Error>(())
 /// ```
-#[derive(Module)]
-pub struct Mixtral {
-    #[stage(first)]
-    #[shard(vocab)]
-    embed_tokens: Embedding,
-    #[stage(split)]
-    #[recompute(selective)]
-    layers: Stack<MixtralBlock>,
-    #[stage(last)]
-    norm: RmsNorm,
-    #[stage(last)]
-    #[shard(vocab)]
-    lm_head: Linear,
-}
+pub type Mixtral = CausalLm<MixtralBlock>;
 
-#[forward]
-impl Mixtral {
-    fn forward(&self, ids: Act<Replicated>) -> Act<SplitHidden> {
-        let h = all_reduce(self.embed_tokens(ids));
-        self.lm_head(self.norm(self.layers(h)))
-    }
-}
-
-impl Mixtral {
+impl CausalLm<MixtralBlock> {
     /// The model `config` describes (validated first) with every expert on
     /// this rank, not yet materialised.
     pub fn new(config: &MixtralConfig) -> Result<Mixtral> {
@@ -109,8 +86,7 @@ impl Mixtral {
                 block_sparse_moe: moe.with_expert_parallel(rank, degree)?,
             })
         };
-        let (embed_tokens, lm_head) = embedding_and_head(config.vocab_size, d, config.tie_word_embeddings)?;
-        Ok(Mixtral { embed_tokens, layers: stack(config.num_hidden_layers, block)?, norm: RmsNorm::new(d, eps)?, lm_head })
+        Ok(CausalLm::from_parts(config.vocab_size, d, eps, config.tie_word_embeddings, stack(config.num_hidden_layers, block)?)?)
     }
 
     /// The global indices of the experts this rank holds (the same in every layer).

@@ -54,7 +54,7 @@ fn problems(manifest: &Manifest, mesh: &MeshInfo) -> Vec<String> {
 fn shard_of(p: &ParamRecord, tp: usize, mesh: &MeshInfo) -> Shard {
     match p.split_dim {
         Some(dim) if mesh.tp > 1 => Shard::Split { dim, rank: tp, degree: mesh.tp },
-        _ => Shard::Replicated,
+        _ => Shard::Full,
     }
 }
 

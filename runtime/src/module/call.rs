@@ -1,7 +1,7 @@
 //! Calling a sub-module from generated code: path and hooks around it,
 //! typed layout checks with readable errors, and recompute.
 
-use super::{Act, Cx, Layout, Module, Pipelined, RecomputeOverride, Role};
+use super::{Act, Cx, Layout, Module, Pipelined, RecomputeOverride, Role, Seq};
 use crate::error::Result;
 
 /// Layouts that can be fed to a layer taking `To`: only `To` itself.
@@ -16,28 +16,40 @@ use crate::error::Result;
 pub trait Feeds<To: Layout>: Layout {}
 impl<L: Layout> Feeds<L> for L {}
 
+/// Whether `M` reads a slice of the tokens under sequence parallelism.
+fn reads_token_slice<R: Role, M: Module<R>>() -> bool {
+    <M::In as Layout>::IS_REPLICATED && M::SEQ_IN == Seq::Split
+}
+
 /// Runs `m.forward` as the sub-module `name`, with hooks around it.
 pub fn call<R: Role, M: Module<R>, L: Feeds<M::In>>(m: &M, cx: &mut Cx, name: &str, x: Act<L>) -> Result<(Act<M::Out>, M::Saved)> {
     cx.enter(name);
+    let outer = cx.set_token_slice(reads_token_slice::<R, M>());
     let r = (|| {
         cx.each_hook(|h, p| h.before_forward(p))?;
         let r = m.forward(cx, Act::new(x.into_tensor()))?;
         cx.each_hook(|h, p| h.after_forward(p))?;
         Ok(r)
     })();
+    cx.set_token_slice(outer);
     cx.exit();
     r
 }
 
-/// Runs `m.backward` as the sub-module `name`, with hooks around it.
+/// Runs `m.backward` as the sub-module `name`, with hooks around it. The
+/// gradients it delivers for parameters replicated over the tensor-parallel
+/// group are summed over the group when it read a slice of the tokens (see
+/// [`Cx::grad`]).
 pub fn call_backward<R: Role, M: Module<R>>(m: &M, cx: &mut Cx, name: &str, saved: M::Saved, dy: Act<M::Out>) -> Result<Act<M::In>> {
     cx.enter(name);
+    let outer = cx.set_token_slice(reads_token_slice::<R, M>());
     let r = (|| {
         cx.each_hook(|h, p| h.before_backward(p))?;
         let r = m.backward(cx, saved, dy)?;
         cx.each_hook(|h, p| h.after_backward(p))?;
         Ok(r)
     })();
+    cx.set_token_slice(outer);
     cx.exit();
     r
 }

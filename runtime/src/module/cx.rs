@@ -1,6 +1,6 @@
 //! The per-rank context every forward and backward runs in.
 
-use super::Param;
+use super::{Param, Shard};
 use crate::dist::{Communicator, SingleRank};
 use crate::error::Result;
 use crate::tensor::{DType, Tensor};
@@ -76,6 +76,8 @@ pub struct Cx {
     layer_recompute: Option<super::Recompute>,
     master_dtype: DType,
     sequence_parallel: bool,
+    token_slice: bool,
+    batch_offset: u64,
     pipeline_chunks: Option<usize>,
     announce_grads: bool,
     path: Vec<String>,
@@ -98,6 +100,8 @@ impl Cx {
             layer_recompute: None,
             master_dtype: DType::F32,
             sequence_parallel: false,
+            token_slice: false,
+            batch_offset: 0,
             pipeline_chunks: None,
             announce_grads: true,
             path: Vec::new(),
@@ -219,15 +223,40 @@ impl Cx {
     /// Turns sequence parallelism on or off (the model is unchanged).
     ///
     /// With it on (and a tensor-parallel group of more than one rank), the
-    /// `Replicated` activations of the residual stream are split along the
-    /// sequence (dim 1) over the group: `all_reduce` becomes a
-    /// reduce-scatter, column-parallel layers all-gather their input (and
-    /// reduce-scatter its gradient), per-token layers (norms, dropout) work on
-    /// the local tokens, and their parameters' gradients are summed over the
-    /// group. Token ids stay whole; the embedding must be vocab-parallel.
+    /// `Replicated` activations that per-token layers read are split along
+    /// the sequence (dim 1) over the group. Which values are split is fixed at
+    /// compile time by what each layer declares ([`Module::SEQ_IN`](super::Module::SEQ_IN),
+    /// [`Seq`](super::Seq)); the generated code gathers or slices where a
+    /// value's form differs from what its consumer takes, `all_reduce`
+    /// becomes a reduce-scatter, and column-parallel layers all-gather their
+    /// input (reduce-scattering its gradient). Parameters replicated over the
+    /// group and read on a slice of the tokens have their gradients summed
+    /// over the group ([`grad`](Self::grad)). A model computes the same loss
+    /// and gradients with it on or off.
     pub fn with_sequence_parallel(mut self, on: bool) -> Self {
         self.sequence_parallel = on;
         self
+    }
+
+    /// Whether the layer running now reads this rank's slice of the tokens
+    /// (set around each sub-module call from its [`Module::SEQ_IN`](super::Module::SEQ_IN));
+    /// returns the previous value.
+    pub fn set_token_slice(&mut self, on: bool) -> bool {
+        std::mem::replace(&mut self.token_slice, on)
+    }
+
+    /// The index, in the step's global batch, of the first row (sequence) of
+    /// the batch this rank computes now: data-parallel replicas and pipeline
+    /// microbatches each hold a block of rows, and dropout draws its mask at
+    /// global positions from it, so any parallel run drops exactly the
+    /// elements a single rank would. 0 by default.
+    pub fn batch_offset(&self) -> u64 {
+        self.batch_offset
+    }
+
+    /// Sets [`batch_offset`](Self::batch_offset); returns the previous value.
+    pub fn set_batch_offset(&mut self, rows: u64) -> u64 {
+        std::mem::replace(&mut self.batch_offset, rows)
     }
 
     /// Declares that this rank runs one stage of a pipeline over the
@@ -254,14 +283,6 @@ impl Cx {
     /// (sequence parallelism on, over a tensor-parallel group of several ranks).
     pub fn sequence_split(&self) -> bool {
         self.sequence_parallel && self.groups.tp.size() > 1
-    }
-
-    /// Delivers the gradient of a parameter applied to each token separately
-    /// (a norm's gain): under sequence parallelism each rank saw only its
-    /// tokens, so the parts are summed over the tensor-parallel group first.
-    pub fn grad_per_token(&self, p: &Param, g: Tensor) -> Result<()> {
-        let g = if self.sequence_split() { self.tp().all_reduce_sum(&g)? } else { g };
-        self.grad(p, g)
     }
 
     /// The dotted path of the sub-module running now.
@@ -318,7 +339,15 @@ impl Cx {
     }
 
     /// Delivers one use's gradient of `p`; announces it to the hooks once final.
+    ///
+    /// Every gradient delivered here must be complete for the values the
+    /// layer read. One case is completed here rather than in each layer: a
+    /// layer that reads a slice of the tokens under sequence parallelism
+    /// (see [`set_token_slice`](Self::set_token_slice)) computes, for a
+    /// parameter replicated over the tensor-parallel group, only its tokens'
+    /// part, so that part is summed over the group first.
     pub fn grad(&self, p: &Param, g: Tensor) -> Result<()> {
+        let g = if self.token_slice && self.sequence_split() && p.shard() == Shard::Full { self.tp().all_reduce_sum(&g)? } else { g };
         if p.add_grad(g)? && self.announce_grads {
             for h in &self.hooks {
                 h.grad_ready(p)?;

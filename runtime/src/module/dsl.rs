@@ -1,16 +1,23 @@
 //! The differentiable functions a `#[forward]` body may call, on typed
 //! activations, each with the backward the generated code pairs it with.
 //!
+//! The backward of each follows from one invariant on gradients: the
+//! gradient of a `Replicated`, `SplitHidden` or `SplitSeq` value is complete
+//! (never a partial sum) on every rank, for the part of the value the rank
+//! holds; the gradient of a `PartialSum` value is the complete gradient of
+//! the sum, the same on every rank.
+//!
 //! | function | forward | backward |
 //! |---|---|---|
-//! | `x + y`, `x * y` | layouts must be equal | gradient to both (times the other for `*`) |
-//! | `gelu`, `silu` | any layout, elementwise | elementwise |
-//! | `swiglu(gate, up)` | equal layouts | elementwise |
+//! | `x + y` | equal layouts (`PartialSum + PartialSum` stays partial) | the gradient to both |
+//! | `x * y` | equal layouts, not `PartialSum` | the gradient times the other |
+//! | `gelu`, `silu` | any layout but `PartialSum`, elementwise | elementwise |
+//! | `swiglu(gate, up)` | equal layouts, not `PartialSum` | elementwise |
 //! | `all_reduce` | `PartialSum -> Replicated` | identity (Megatron's g) |
 //! | `reduce_scatter` | `PartialSum -> SplitSeq` (over the sequence, dim 1) | all-gather |
-//! | `all_gather` | `SplitSeq -> Replicated` | reduce-scatter |
+//! | `all_gather` | `SplitSeq -> Replicated` | this rank's slice, no communication |
 
-use super::{Act, Cx, Layout, PartialSum, Replicated, SameLayout, SplitSeq};
+use super::{Act, Cx, Layout, PartialSum, Pointwise, Replicated, SameLayout, SplitSeq};
 use crate::error::Result;
 use crate::ops;
 use crate::tensor::{DType, Tensor};
@@ -31,7 +38,7 @@ pub fn add_backward<A: Layout, B: Layout>(g: Act<A>) -> (Act<A>, Act<B>) {
 }
 
 /// `a * b` elementwise.
-pub fn mul<A: SameLayout<B>, B: Layout>(a: Act<A>, b: Act<B>) -> Result<(Act<A>, Inputs)> {
+pub fn mul<A: SameLayout<B> + Pointwise, B: Layout>(a: Act<A>, b: Act<B>) -> Result<(Act<A>, Inputs)> {
     let y = ops::mul(a.tensor(), b.tensor())?;
     Ok((Act::new(y), Inputs(vec![a.into_tensor(), b.into_tensor()])))
 }
@@ -43,7 +50,7 @@ pub fn mul_backward<A: Layout, B: Layout>(saved: Inputs, g: Act<A>) -> Result<(A
 }
 
 /// GELU (tanh form).
-pub fn gelu<L: Layout>(x: Act<L>) -> Result<(Act<L>, Inputs)> {
+pub fn gelu<L: Pointwise>(x: Act<L>) -> Result<(Act<L>, Inputs)> {
     Ok((Act::new(ops::gelu(x.tensor())?), Inputs(vec![x.into_tensor()])))
 }
 
@@ -53,7 +60,7 @@ pub fn gelu_backward<L: Layout>(saved: Inputs, g: Act<L>) -> Result<Act<L>> {
 }
 
 /// SiLU.
-pub fn silu<L: Layout>(x: Act<L>) -> Result<(Act<L>, Inputs)> {
+pub fn silu<L: Pointwise>(x: Act<L>) -> Result<(Act<L>, Inputs)> {
     Ok((Act::new(ops::silu(x.tensor())?), Inputs(vec![x.into_tensor()])))
 }
 
@@ -63,7 +70,7 @@ pub fn silu_backward<L: Layout>(saved: Inputs, g: Act<L>) -> Result<Act<L>> {
 }
 
 /// `silu(gate) * up`.
-pub fn swiglu<A: SameLayout<B>, B: Layout>(gate: Act<A>, up: Act<B>) -> Result<(Act<A>, Inputs)> {
+pub fn swiglu<A: SameLayout<B> + Pointwise, B: Layout>(gate: Act<A>, up: Act<B>) -> Result<(Act<A>, Inputs)> {
     let y = ops::swiglu(gate.tensor(), up.tensor())?;
     Ok((Act::new(y), Inputs(vec![gate.into_tensor(), up.into_tensor()])))
 }
@@ -149,10 +156,22 @@ pub fn all_gather<L: Gatherable>(cx: &mut Cx, x: Act<L>) -> Result<Act<Replicate
     Ok(Act::new(cx.tp().all_gather(x.tensor(), 1)?))
 }
 
-/// Backward of [`all_gather`]: reduce-scatter, since each rank's downstream
-/// use of the gathered value contributed a partial gradient.
+/// Backward of [`all_gather`]: the gradient of the gathered `Replicated`
+/// value is already complete on every rank, so each keeps its slice of the
+/// sequence; no communication. (A reduce-scatter here would count every
+/// gradient once per rank: the column-parallel layer that usually follows
+/// already completes its input gradient.)
 pub fn all_gather_backward(cx: &mut Cx, g: Act<Replicated>) -> Result<Act<SplitSeq>> {
-    Ok(Act::new(cx.tp().reduce_scatter_sum(g.tensor(), 1)?))
+    let (rank, tp) = (cx.tp().rank(), cx.tp().size());
+    let t = g.tensor();
+    if t.rank() < 2 || t.dims()[1] % tp != 0 {
+        return Err(crate::error::Error::shape(
+            "all_gather_backward",
+            format!("a gradient of shape {} cannot be split over dimension 1 into {tp} slices", t.shape()),
+        ));
+    }
+    let part = t.dims()[1] / tp;
+    Ok(Act::new(t.narrow(1, rank * part, part)?.contiguous()?))
 }
 
 /// Re-types a gradient whose layout the forward already checked (the
@@ -183,4 +202,10 @@ pub fn accumulate<L: Layout>(slot: &mut Option<Act<L>>, g: Act<L>) -> Result<()>
         Some(acc) => Act::new(ops::add(acc.tensor(), g.tensor())?),
     });
     Ok(())
+}
+
+/// The error of a `#[tied(..)]` field whose weight does not fit its
+/// partner's, naming both fields.
+pub fn tie_error(model: &str, field: &str, partner: &str, e: crate::error::Error) -> crate::error::Error {
+    crate::error::Error::invalid("tie", format!("`{model}.{field}` is `#[tied({partner})]` to `{model}.{partner}`, but: {e}"))
 }

@@ -11,12 +11,31 @@ pub mod dsl;
 mod layout;
 mod param;
 mod role;
+pub(crate) mod seq;
 mod stage;
 mod visit;
 
 pub use call::{call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, Feeds, Kept, KeptCall, Recompute};
 pub use cx::{Cx, Groups, Hooks, RecomputeOverride};
-pub use layout::{Act, Dispatched, Layout, PartialSum, Replicated, SameLayout, SplitHidden, SplitSeq};
+pub use layout::{Act, Dispatched, Layout, PartialSum, Pointwise, Replicated, SameLayout, Seq, SplitHidden, SplitSeq};
+pub use seq::{seq_convert, seq_convert_backward};
+
+/// Not layouts: one more item of each layout's name, so that rustc never
+/// shortens a layout's path in its messages. rustc prints a type by its bare
+/// name only when that name is unique and was not reached through a glob
+/// import in the user's crate; since `use tessera::prelude::*` brings the
+/// layouts in by glob, the names a user writes would print as
+/// `tessera::module::Replicated` and the others as `PartialSum`, in one
+/// message. With the names never unique, every diagnostic names every
+/// layout the same way: `tessera::module::Replicated`.
+pub mod layout_names {
+    #![allow(dead_code)]
+    pub enum Replicated {}
+    pub enum SplitHidden {}
+    pub enum SplitSeq {}
+    pub enum PartialSum {}
+    pub enum Dispatched {}
+}
 pub use param::{Param, Shard};
 pub use role::{Column, Plain, Role, RoleKind, Row, Vocab};
 pub use stage::{layers_of, PipelineLayout, StagePart};
@@ -48,6 +67,25 @@ pub trait Module<R: Role = Plain>: Send + Sync {
     /// Whether the layer applies a declared recompute to each of its own
     /// layers (a [`Stack`](crate::nn::Stack)) rather than as a whole.
     const RECOMPUTES_PER_LAYER: bool = false;
+
+    /// Under sequence parallelism, the form in which the layer takes a
+    /// `Replicated` input (ignored for other input layouts).
+    ///
+    /// The default, [`Seq::Whole`], is always correct: the caller gathers the
+    /// sequence first and the layer computes exactly what it computes without
+    /// sequence parallelism. A layer that treats each token on its own (a
+    /// norm, a linear map) declares [`Seq::Split`] and then works on this
+    /// rank's slice of the tokens; every gradient it delivers for a parameter
+    /// replicated over the tensor-parallel group is then partial, and
+    /// [`Cx::grad`] sums it over the group. A layer that takes the slice and
+    /// gathers it itself (a column-parallel linear) declares `Split` too.
+    /// Models made with `#[derive(Module)]` derive both constants from their
+    /// forward body.
+    const SEQ_IN: Seq = Seq::Whole;
+
+    /// Under sequence parallelism, the form of a `Replicated` output (ignored
+    /// for other output layouts); [`Seq::Whole`] by default.
+    const SEQ_OUT: Seq = Seq::Whole;
 
     /// Computes the output and the state the backward needs.
     fn forward(&self, cx: &mut Cx, x: Act<Self::In>) -> Result<(Act<Self::Out>, Self::Saved)>;
@@ -153,6 +191,18 @@ pub fn join_path(prefix: &str, name: &str) -> String {
 #[doc(hidden)]
 pub fn assert_recomputable<M: Recomputable>() {}
 
+/// Structs with `#[derive(Module)]`, which `#[forward]` needs.
+#[doc(hidden)]
+#[diagnostic::on_unimplemented(
+    message = "`#[forward]` is on an impl of `{Self}`, which has no `#[derive(Module)]`",
+    label = "this struct needs `#[derive(Module)]`",
+    note = "write `#[derive(Module)]` on the struct: the derive reads its layers and attributes, `#[forward]` its forward body"
+)]
+pub trait Derived {}
+
+#[doc(hidden)]
+pub fn assert_derived<M: Derived + ?Sized>() {}
+
 /// Layers that selective recompute changes: they hold an attention core
 /// (directly, or through the layers they contain) that
 /// `#[recompute(selective)]` drops and recomputes.
@@ -236,9 +286,9 @@ pub fn distinct_params<M: Module>(model: &M) -> Result<Vec<NamedParam>> {
 pub fn materialize<M: Module>(model: &M, cx: &Cx) -> Result<()> {
     let (rank, degree) = (cx.tp().rank(), cx.tp().size());
     let mut problems = Vec::new();
-    if degree > 1 {
-        model.check_tp("", degree, &mut problems);
-    }
+    // Every degree is checked, one included: a model declaring a static
+    // degree (`#[model(tp = N)]`) must run on a group of exactly that size.
+    model.check_tp("", degree, &mut problems);
     // Every part of the pipeline through which each parameter is reached
     // (a tied weight may be reached from the first and the last stage).
     let mut parts: Vec<(Param, Vec<StagePart>)> = Vec::new();
@@ -273,7 +323,7 @@ pub fn materialize<M: Module>(model: &M, cx: &Cx) -> Result<()> {
     visit_params(model, |e| {
         let shard = match e.split_dim {
             Some(dim) if degree > 1 => Shard::Split { dim, rank, degree },
-            _ => Shard::Replicated,
+            _ => Shard::Full,
         };
         if held(e.param) {
             e.param.materialise(e.name, shard, cx.master_dtype(), cx.seed(), cx.device())

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Shard {
     /// Every rank holds the whole parameter.
-    Replicated,
+    Full,
     /// Rank `rank` of `degree` holds the `rank`-th equal slice of dimension `dim`.
     Split { dim: usize, rank: usize, degree: usize },
 }
@@ -49,7 +49,7 @@ impl Param {
         Param(Arc::new(Inner {
             global: shape.into(),
             init,
-            state: Mutex::new(State { name: None, shard: Shard::Replicated, value: None, grad: None, pending: 0, remote: false }),
+            state: Mutex::new(State { name: None, shard: Shard::Full, value: None, grad: None, pending: 0, remote: false }),
         }))
     }
 
@@ -199,7 +199,7 @@ impl Param {
 
 fn local_shape(global: &Shape, shard: Shard) -> Shape {
     match shard {
-        Shard::Replicated => global.clone(),
+        Shard::Full => global.clone(),
         Shard::Split { dim, degree, .. } => {
             let mut d = global.dims().to_vec();
             d[dim] /= degree;

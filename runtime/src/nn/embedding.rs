@@ -119,12 +119,6 @@ impl Module<Plain> for Embedding {
     type Saved = EmbeddingSaved;
 
     fn forward(&self, cx: &mut Cx, ids: Act<Replicated>) -> Result<(Act<Replicated>, EmbeddingSaved)> {
-        if cx.sequence_split() {
-            return Err(Error::invalid(
-                "Embedding",
-                "under sequence parallelism the embedding must be vocab-parallel (`#[shard(vocab)]`): its all-reduce is what splits the sequence",
-            ));
-        }
         let (y, s) = self.fwd(cx, ids.into_tensor(), false)?;
         Ok((Act::new(y), s))
     }

@@ -2,7 +2,7 @@
 
 use super::param_value;
 use crate::error::{Error, Result};
-use crate::module::{Act, Column, Cx, Module, PartialSum, Plain, Replicated, Row, SplitHidden, Visitor, Vocab};
+use crate::module::{Act, Column, Cx, Module, PartialSum, Plain, Replicated, Row, Seq, SplitHidden, Visitor, Vocab};
 use crate::module::Param;
 use crate::ops;
 use crate::tensor::{Init, Tensor};
@@ -171,21 +171,15 @@ impl Linear {
     }
 }
 
-/// The whole sequence (dim 1) from every rank's slice.
-fn gather_sequence(cx: &Cx, x: &Tensor) -> Result<Tensor> {
-    if x.rank() < 3 {
-        return Err(Error::shape(
-            "Linear",
-            format!("sequence parallelism splits dimension 1 of [batch, seq, hidden] activations, got {}; turn it off for other shapes", x.shape()),
-        ));
-    }
-    cx.tp().all_gather(x, 1)
-}
-
+/// Each token on its own: under sequence parallelism it maps this rank's
+/// slice of the tokens, and the weight's gradient (a sum over tokens) is
+/// completed over the group by [`Cx::grad`].
 impl Module<Plain> for Linear {
     type In = Replicated;
     type Out = Replicated;
     type Saved = LinearSaved;
+    const SEQ_IN: Seq = Seq::Split;
+    const SEQ_OUT: Seq = Seq::Split;
 
     fn forward(&self, cx: &mut Cx, x: Act<Replicated>) -> Result<(Act<Replicated>, LinearSaved)> {
         let (y, s) = self.fwd(cx, x.into_tensor(), true)?;
@@ -205,13 +199,14 @@ impl Module<Column> for Linear {
     type In = Replicated;
     type Out = SplitHidden;
     type Saved = LinearSaved;
+    const SEQ_IN: Seq = Seq::Split;
 
     /// Under sequence parallelism the input is this rank's slice of the
     /// sequence: it is all-gathered first, and the input gradient (partial
     /// over the group) is reduce-scattered back to the slices.
     fn forward(&self, cx: &mut Cx, x: Act<Replicated>) -> Result<(Act<SplitHidden>, LinearSaved)> {
         let x = x.into_tensor();
-        let x = if cx.sequence_split() { gather_sequence(cx, &x)? } else { x };
+        let x = if cx.sequence_split() { crate::module::seq::gather(cx, &x)? } else { x };
         let (y, s) = self.fwd(cx, x, true)?;
         Ok((Act::new(y), s))
     }
@@ -256,6 +251,7 @@ impl Module<Vocab> for Linear {
     type In = Replicated;
     type Out = SplitHidden;
     type Saved = LinearSaved;
+    const SEQ_IN: Seq = Seq::Split;
 
     fn forward(&self, cx: &mut Cx, x: Act<Replicated>) -> Result<(Act<SplitHidden>, LinearSaved)> {
         <Self as Module<Column>>::forward(self, cx, x)

@@ -2,7 +2,7 @@
 
 use super::param_value;
 use crate::error::{Error, Result};
-use crate::module::{Act, Cx, Module, Param, Plain, Replicated, Visitor};
+use crate::module::{Act, Cx, Module, Param, Plain, Replicated, Seq, Visitor};
 use crate::ops::{self, NormSaved};
 use crate::tensor::{Init, Tensor};
 
@@ -82,10 +82,13 @@ impl LayerNorm {
     }
 }
 
+/// Per token: under sequence parallelism it normalises this rank's tokens.
 impl Module<Plain> for LayerNorm {
     type In = Replicated;
     type Out = Replicated;
     type Saved = NormState;
+    const SEQ_IN: Seq = Seq::Split;
+    const SEQ_OUT: Seq = Seq::Split;
 
     fn forward(&self, cx: &mut Cx, x: Act<Replicated>) -> Result<(Act<Replicated>, NormState)> {
         let x = x.into_tensor();
@@ -98,9 +101,9 @@ impl Module<Plain> for LayerNorm {
     fn backward(&self, cx: &mut Cx, saved: NormState, dy: Act<Replicated>) -> Result<Act<Replicated>> {
         let g = param_value(cx, &self.weight)?;
         let (dx, dg, db) = ops::layer_norm_backward(&saved.x, &g, self.bias.is_some(), &saved.stats, dy.tensor())?;
-        cx.grad_per_token(&self.weight, dg)?;
+        cx.grad(&self.weight, dg)?;
         if let (Some(b), Some(db)) = (&self.bias, db) {
-            cx.grad_per_token(b, db)?;
+            cx.grad(b, db)?;
         }
         Ok(Act::new(dx))
     }
@@ -150,10 +153,13 @@ impl RmsNorm {
     }
 }
 
+/// Per token: under sequence parallelism it normalises this rank's tokens.
 impl Module<Plain> for RmsNorm {
     type In = Replicated;
     type Out = Replicated;
     type Saved = NormState;
+    const SEQ_IN: Seq = Seq::Split;
+    const SEQ_OUT: Seq = Seq::Split;
 
     fn forward(&self, cx: &mut Cx, x: Act<Replicated>) -> Result<(Act<Replicated>, NormState)> {
         let x = x.into_tensor();
@@ -165,7 +171,7 @@ impl Module<Plain> for RmsNorm {
     fn backward(&self, cx: &mut Cx, saved: NormState, dy: Act<Replicated>) -> Result<Act<Replicated>> {
         let g = param_value(cx, &self.weight)?;
         let (dx, dg) = ops::rms_norm_backward(&saved.x, &g, &saved.stats, dy.tensor())?;
-        cx.grad_per_token(&self.weight, dg)?;
+        cx.grad(&self.weight, dg)?;
         Ok(Act::new(dx))
     }
 

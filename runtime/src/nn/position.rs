@@ -1,7 +1,7 @@
 //! Learned absolute position embedding, added to the activations (GPT-2's `wpe`).
 
 use crate::error::{Error, Result};
-use crate::module::{Act, Cx, Module, Param, Plain, Replicated, Visitor};
+use crate::module::{Act, Cx, Module, Param, Plain, Replicated, Seq, Visitor};
 use crate::ops;
 use crate::tensor::{Init, Tensor};
 
@@ -99,10 +99,13 @@ impl PositionEmbedding {
     }
 }
 
+/// Per token: under sequence parallelism it adds the rows of this rank's positions.
 impl Module<Plain> for PositionEmbedding {
     type In = Replicated;
     type Out = Replicated;
     type Saved = PositionEmbeddingSaved;
+    const SEQ_IN: Seq = Seq::Split;
+    const SEQ_OUT: Seq = Seq::Split;
 
     fn forward(&self, cx: &mut Cx, x: Act<Replicated>) -> Result<(Act<Replicated>, PositionEmbeddingSaved)> {
         const OP: &str = "PositionEmbedding";
@@ -140,7 +143,7 @@ impl Module<Plain> for PositionEmbedding {
         }
         let positions = self.positions(&saved, cx)?;
         let g = ops::embedding_backward(&positions, dy.tensor(), self.max_positions, 0, self.max_positions)?;
-        cx.grad_per_token(&self.weight, g)?;
+        cx.grad(&self.weight, g)?;
         Ok(dy)
     }
 

@@ -1,7 +1,7 @@
 //! A sequence of layers of one type (the blocks of a transformer).
 
 use crate::error::{Error, Result};
-use crate::module::{call, call_backward, call_recompute, call_recompute_backward, Act, Cx, Kept, Module, Pipelined, Plain, Visitor};
+use crate::module::{call, call_backward, call_recompute, call_recompute_backward, seq_convert, seq_convert_backward, Act, Cx, Kept, Module, Pipelined, Plain, Seq, Visitor};
 use std::ops::Range;
 
 /// `N` layers of one module type applied in order; the output of each is
@@ -12,6 +12,11 @@ use std::ops::Range;
 /// A recompute declared on a stack field (`#[recompute]`) applies to each
 /// layer separately: the stack keeps each layer's input and reruns that
 /// layer alone during its backward, rather than rerunning the whole stack.
+///
+/// Under sequence parallelism the stack takes and returns values in the form
+/// its layer takes ([`Module::SEQ_IN`]); should a layer return another form,
+/// the stack converts each output back, so any range of its layers (a
+/// pipeline stage's share) starts and ends in the same form.
 ///
 /// ```
 /// use tessera::module::{materialize, Act, Cx, Module};
@@ -103,6 +108,8 @@ where
     type Saved = Saves<M>;
 
     const RECOMPUTES_PER_LAYER: bool = true;
+    const SEQ_IN: Seq = <M as Module<Plain>>::SEQ_IN;
+    const SEQ_OUT: Seq = <M as Module<Plain>>::SEQ_IN;
 
     fn forward(&self, cx: &mut Cx, x: Act<Self::In>) -> Result<(Act<Self::Out>, Self::Saved)> {
         self.forward_layers(cx, 0..self.layers.len(), x)
@@ -156,7 +163,7 @@ where
                 }
             };
             saves.push(kept);
-            h = y;
+            h = seq_convert(cx, y, <M as Module<Plain>>::SEQ_OUT, <M as Module<Plain>>::SEQ_IN)?;
         }
         Ok((h, saves))
     }
@@ -172,6 +179,7 @@ where
         let mut g = dy;
         for (i, kept) in layers.zip(saved).rev() {
             let (layer, name) = (&self.layers[i], i.to_string());
+            g = seq_convert_backward(cx, g, <M as Module<Plain>>::SEQ_OUT, <M as Module<Plain>>::SEQ_IN)?;
             g = match kept {
                 Kept::Saved(s) => call_backward::<Plain, M>(layer, cx, &name, s, g)?,
                 input @ Kept::Input(_) => call_recompute_backward::<Plain, M>(layer, cx, &name, input, g)?,

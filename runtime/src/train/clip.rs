@@ -30,7 +30,7 @@ pub fn global_grad_norm<M: Module>(model: &M, cx: &Cx) -> Result<f64> {
         let sq = ops::sum_squares(&g)?.to_scalar()?;
         match p.shard() {
             Shard::Split { .. } => split += sq,
-            Shard::Replicated => replicated += sq,
+            Shard::Full => replicated += sq,
         }
     }
     let dev = cx.device();

@@ -3,7 +3,6 @@ use tessera::prelude::*;
 
 #[derive(Module)]
 pub struct Lm {
-    #[shard(vocab)]
     tok: Embedding,
     #[tied(tok)]
     norm: LayerNorm,
@@ -12,7 +11,7 @@ pub struct Lm {
 #[forward]
 impl Lm {
     fn forward(&self, ids: Act<Replicated>) -> Act<Replicated> {
-        self.norm(all_reduce(self.tok(ids)))
+        self.norm(self.tok(ids))
     }
 }
 

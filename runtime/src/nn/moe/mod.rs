@@ -504,7 +504,7 @@ impl Module<Plain> for Moe {
             let Some(se) = saved else {
                 // No row reached this expert: its gradient is zero.
                 for p in [&ex.gate, &ex.up, &ex.down] {
-                    cx.grad_per_token(p, Tensor::zeros(p.local_shape(), cx.compute_dtype(), x.device())?)?;
+                    cx.grad(p, Tensor::zeros(p.local_shape(), cx.compute_dtype(), x.device())?)?;
                 }
                 continue;
             };
@@ -517,9 +517,9 @@ impl Module<Plain> for Moe {
             // Delivered in the same order as an idle expert's zeros (gate, up,
             // down): under sequence parallelism each delivery is a collective
             // over the tensor-parallel group, whose ranks route differently.
-            cx.grad_per_token(&ex.gate, weight_grad(&dgate, &se.xe)?)?;
-            cx.grad_per_token(&ex.up, weight_grad(&dup, &se.xe)?)?;
-            cx.grad_per_token(&ex.down, ddown)?;
+            cx.grad(&ex.gate, weight_grad(&dgate, &se.xe)?)?;
+            cx.grad(&ex.up, weight_grad(&dup, &se.xe)?)?;
+            cx.grad(&ex.down, ddown)?;
             dxe_blocks.push(ops::add(&ops::matmul(&dgate, &wg)?, &ops::matmul(&dup, &wu)?)?);
         }
         let dreceived_x = unpermute(&dxe_blocks, &order, d, &x)?;
@@ -540,7 +540,7 @@ impl Module<Plain> for Moe {
             dlogits = ops::add(&dlogits, &ops::softmax_backward(&probs, &g)?)?;
         }
         let wr = param_value(cx, &self.router)?;
-        cx.grad_per_token(&self.router, weight_grad(&dlogits, &x)?)?;
+        cx.grad(&self.router, weight_grad(&dlogits, &x)?)?;
         let dx = ops::add(&dx, &ops::matmul(&dlogits, &wr)?)?;
         Ok(Act::new(dx.reshape(shape)?))
     }

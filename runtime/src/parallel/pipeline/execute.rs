@@ -116,11 +116,23 @@ pub fn run_stage<M: Staged>(
         .filter_map(|(i, a)| matches!(a, Action::Backward { .. }).then_some((a.chunk(), i)))
         .collect();
     let announcing = cx.set_announce_grads(false);
+    // Microbatch `mb` holds the rows after those of the microbatches before
+    // it (dropout draws its masks at global rows; see `Cx::batch_offset`).
+    let first_row = cx.batch_offset();
+    let row_starts: Vec<u64> = inputs
+        .iter()
+        .scan(first_row, |next, x| {
+            let start = *next;
+            *next += x.dims().first().copied().unwrap_or(1) as u64;
+            Some(start)
+        })
+        .collect();
 
     for (index, action) in actions.iter().enumerate() {
         let started = Instant::now();
         match *action {
             Action::Forward { microbatch: mb, chunk: c } => {
+                cx.set_batch_offset(row_starts[mb]);
                 let k = schedule.virtual_stage(stage, c);
                 let x = if k == 0 {
                     let (h, s) = model.forward_first(cx, Act::new(inputs[mb].clone()))?;
@@ -152,6 +164,7 @@ pub fn run_stage<M: Staged>(
                 inbox.insert((mb, c), Act::new(pp.recv(from)?));
             }
             Action::Backward { microbatch: mb, chunk: c } => {
+                cx.set_batch_offset(row_starts[mb]);
                 cx.set_announce_grads(announcing && last_backward.get(&c) == Some(&index));
                 let k = schedule.virtual_stage(stage, c);
                 let g = if k == last {
@@ -189,6 +202,7 @@ pub fn run_stage<M: Staged>(
         report.spans.push(ActionSpan { action: *action, start: started, end: ended });
     }
     cx.set_announce_grads(announcing);
+    cx.set_batch_offset(first_row);
     report.peak_activation_bytes = device.memory_stats().peak.saturating_sub(base);
     Ok(report)
 }

@@ -2,8 +2,8 @@ use tessera::nn::LayerNorm;
 use tessera::prelude::*;
 
 #[derive(Module)]
-pub struct Block<N> {
-    norm: N,
+pub struct Block<'a> {
+    norm: &'a LayerNorm,
     ln: LayerNorm,
 }
 
