@@ -572,7 +572,7 @@ pub fn program(seed: u64, index: usize) -> Program {
     let out = if vocab_head { "SplitHidden" } else { "Replicated" };
     let embed = if vocab_tok { "all_reduce(self.tok(ids))" } else { "self.tok(ids)" };
     let (pos_field, pos_ctor, pos_call) = if pos {
-        (format!("    #[stage(first)] pos: PositionEmbedding,\n"), format!("            pos: PositionEmbedding::new(8, {D})?,\n"), "        let h = self.pos(h);\n")
+        ("    #[stage(first)] pos: PositionEmbedding,\n".to_string(), format!("            pos: PositionEmbedding::new(8, {D})?,\n"), "        let h = self.pos(h);\n")
     } else {
         (String::new(), String::new(), "")
     };

@@ -164,7 +164,7 @@ pub fn all_gather<L: Gatherable>(cx: &mut Cx, x: Act<L>) -> Result<Act<Replicate
 pub fn all_gather_backward(cx: &mut Cx, g: Act<Replicated>) -> Result<Act<SplitSeq>> {
     let (rank, tp) = (cx.tp().rank(), cx.tp().size());
     let t = g.tensor();
-    if t.rank() < 2 || t.dims()[1] % tp != 0 {
+    if t.rank() < 2 || !t.dims()[1].is_multiple_of(tp) {
         return Err(crate::error::Error::shape(
             "all_gather_backward",
             format!("a gradient of shape {} cannot be split over dimension 1 into {tp} slices", t.shape()),

@@ -61,7 +61,7 @@ pub(crate) fn slice(cx: &Cx, x: &Tensor) -> Result<Tensor> {
     check_rank(x)?;
     let (rank, tp) = (cx.tp().rank(), cx.tp().size());
     let seq = x.dims()[1];
-    if seq % tp != 0 {
+    if !seq.is_multiple_of(tp) {
         return Err(Error::shape(
             "sequence parallelism",
             format!("a sequence of {seq} tokens cannot be split over a tensor-parallel group of {tp}; use a sequence length the degree divides"),

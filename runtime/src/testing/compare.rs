@@ -121,7 +121,7 @@ impl Gathered {
             None => tolerance,
         };
         report.errors.push((format!("{run}: loss"), loss_err));
-        if !(loss_err <= tolerance_loss) {
+        if !within(loss_err, tolerance_loss) {
             problems.push(format!("`{run}`: the loss is {} but one rank computes {ref_loss} (relative error {loss_err:.3e})", self.loss));
         }
         // A tensor's error is relative to its norm, ‖got − want‖ / ‖want‖;
@@ -140,7 +140,7 @@ impl Gathered {
             let diff: Vec<f64> = got.iter().zip(want).map(|(a, b)| a - b).collect();
             let scale = norm(want).max(1e-6 * overall).max(f64::MIN_POSITIVE);
             let err = norm(&diff) / scale;
-            if !(err <= worst) {
+            if err.is_nan() || err > worst {
                 (worst, worst_name) = (err, slot.name.clone());
             }
             // What rounding alone does to this tensor in one rank's run.
@@ -148,8 +148,8 @@ impl Gathered {
                 let e = exact.grads.0.iter().find(|s| s.name == slot.name)?.grad.as_ref()?;
                 Some(k * norm(&want.iter().zip(e).map(|(a, b)| a - b).collect::<Vec<_>>()) / scale)
             });
-            if !(err <= tolerance.max(own.unwrap_or(0.0))) {
-                let i = (0..diff.len()).fold(0, |m, i| if !(diff[i].abs() <= diff[m].abs()) { i } else { m });
+            if !within(err, tolerance.max(own.unwrap_or(0.0))) {
+                let i = (0..diff.len()).fold(0, |m, i| if diff[i].is_nan() || diff[i].abs() > diff[m].abs() { i } else { m });
                 problems.push(format!(
                     "`{run}`: the gradient of `{}` differs from one rank's by {err:.3e} of its norm (most at element {i}: {} instead of {})",
                     slot.name, got[i], want[i]
@@ -168,4 +168,9 @@ impl Gathered {
             Err(problems.join("\n"))
         }
     }
+}
+
+/// `err ≤ tolerance`, false for NaN (a NaN anywhere is a failure).
+fn within(err: f64, tolerance: f64) -> bool {
+    err <= tolerance
 }

@@ -27,12 +27,15 @@ pub struct Rank {
     pub degrees: Degrees,
 }
 
+/// The loss of a microbatch's local output: its part of the loss and the
+/// output's gradient.
+pub(super) type LossGrad<'a> = &'a dyn Fn(usize, &Tensor) -> Result<(f64, Tensor)>;
+
 /// How a step runs a model: straight through, or through the pipeline executor.
 pub(super) trait Exec<M: Module>: Sync {
     /// Runs forward and backward over `microbatches` on this rank; returns
-    /// the sum of this rank's partial losses. `grad(mb, y)` gives the partial
-    /// loss of microbatch `mb`'s local output and the output's gradient.
-    fn step(&self, model: &M, cx: &mut Cx, microbatches: &[Tensor], stage: usize, grad: &dyn Fn(usize, &Tensor) -> Result<(f64, Tensor)>) -> Result<f64>;
+    /// the sum of this rank's partial losses.
+    fn step(&self, model: &M, cx: &mut Cx, microbatches: &[Tensor], stage: usize, grad: LossGrad<'_>) -> Result<f64>;
 }
 
 /// Every run without a pipeline.
@@ -41,7 +44,7 @@ pub(super) struct Plain;
 /// Runs with a pipeline go through `run_stage`.
 pub(super) struct Pipelined;
 
-fn straight<M: Module>(model: &M, cx: &mut Cx, microbatches: &[Tensor], grad: &dyn Fn(usize, &Tensor) -> Result<(f64, Tensor)>) -> Result<f64> {
+fn straight<M: Module>(model: &M, cx: &mut Cx, microbatches: &[Tensor], grad: LossGrad<'_>) -> Result<f64> {
     let mut loss = 0.0;
     let first = cx.batch_offset();
     let mut row = first;
@@ -58,13 +61,13 @@ fn straight<M: Module>(model: &M, cx: &mut Cx, microbatches: &[Tensor], grad: &d
 }
 
 impl<M: Module> Exec<M> for Plain {
-    fn step(&self, model: &M, cx: &mut Cx, microbatches: &[Tensor], _stage: usize, grad: &dyn Fn(usize, &Tensor) -> Result<(f64, Tensor)>) -> Result<f64> {
+    fn step(&self, model: &M, cx: &mut Cx, microbatches: &[Tensor], _stage: usize, grad: LossGrad<'_>) -> Result<f64> {
         straight(model, cx, microbatches, grad)
     }
 }
 
 impl<M: Staged> Exec<M> for Pipelined {
-    fn step(&self, model: &M, cx: &mut Cx, microbatches: &[Tensor], stage: usize, grad: &dyn Fn(usize, &Tensor) -> Result<(f64, Tensor)>) -> Result<f64> {
+    fn step(&self, model: &M, cx: &mut Cx, microbatches: &[Tensor], stage: usize, grad: LossGrad<'_>) -> Result<f64> {
         let stages = cx.groups().pp.size();
         if stages == 1 && microbatches.len() == 1 {
             return straight(model, cx, microbatches, grad);
@@ -105,7 +108,7 @@ fn out_part<M: Module>(sequence_split: bool) -> Result<OutPart> {
 /// Part `k` of `n` of `t` along `dim`.
 fn part(t: &Tensor, dim: usize, k: usize, n: usize) -> Result<Tensor> {
     let size = t.dims()[dim];
-    if size % n != 0 {
+    if !size.is_multiple_of(n) {
         return Err(Error::shape("check_parallel", format!("dimension {dim} of {} does not split into {n} equal parts; choose sizes the degrees divide", t.shape())));
     }
     t.narrow(dim, k * (size / n), size / n)?.contiguous()
@@ -138,7 +141,7 @@ fn run_mesh<M: Module, F: Fn(&Rank) -> Result<M> + Sync, E: Exec<M>>(make: &F, i
     let comm = InProcess::with_timeout(world, Duration::from_secs(60))?;
     let batch = input.dims().first().copied().unwrap_or(0);
     let (dp, mbs) = (run.degrees.get(Axis::Dp), run.microbatches.max(1));
-    if batch == 0 || batch % (dp * mbs) != 0 {
+    if batch == 0 || !batch.is_multiple_of(dp * mbs) {
         return Err(Error::shape("check_parallel", format!("a batch of {batch} rows does not split into {dp} replicas of {mbs} microbatches; use a batch that {} divides", dp * mbs)));
     }
     let host = input.to_f64_vec()?;
