@@ -47,10 +47,11 @@
 //! Anything else is a compile error that lists what is allowed. For layers
 //! the DSL cannot express, implement [`Module`](crate::module::Module) by
 //! hand with an explicit backward, as every layer of [`nn`](crate::nn) does.
-//! The `#[forward]` impl may sit in any module that can name the struct (it
-//! reaches the struct's definition through a macro the derive imports under
-//! the struct's name); on a struct without `#[derive(Module)]` it is an error
-//! that says so.
+//! The `#[forward]` impl may sit in any module that can name the struct and
+//! the layer types of its fields (it reaches the struct's definition through
+//! a macro the derive imports under the struct's name, and reads the field
+//! types where it expands); on a struct without `#[derive(Module)]` it is an
+//! error that says so.
 //!
 //! ## Layouts
 //!

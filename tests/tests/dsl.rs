@@ -430,3 +430,78 @@ fn train_step<M: Module<In = Replicated, Out = SplitHidden>>(m: &M, cx: &mut Cx,
     m.backward(cx, saved, Act::new(dlogits)).unwrap();
     (loss.to_scalar().unwrap(), held, logits.dtype())
 }
+
+/// A model whose tensor-parallel degree and hidden size are fixed in its type.
+#[derive(Module)]
+#[model(tp = 2, dims(hidden = 8, inner = 16))]
+pub struct StaticMlp {
+    #[shard(column)]
+    up: Linear,
+    #[shard(row)]
+    down: Linear,
+}
+
+#[forward]
+impl StaticMlp {
+    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+        x + all_reduce(self.down(gelu(self.up(x))))
+    }
+}
+
+fn static_mlp() -> StaticMlp {
+    StaticMlp { up: Linear::new(StaticMlp::HIDDEN, StaticMlp::INNER, true).unwrap(), down: Linear::new(StaticMlp::INNER, StaticMlp::HIDDEN, true).unwrap() }
+}
+
+/// Builds `make()` on every rank of a tensor-parallel group of `tp`; the first error.
+fn build_on<M: Module>(tp: usize, make: impl Fn() -> M + Sync) -> Option<String> {
+    use tessera::dist::inproc::InProcess;
+    let world = InProcess::new(tp).unwrap();
+    let errors: Vec<Option<String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..tp)
+            .map(|rank| {
+                let (world, make) = (&world, &make);
+                s.spawn(move || {
+                    let dev = Device::cpu();
+                    let mut groups = module::Groups::single();
+                    groups.tp = Arc::new(world.communicator(rank, &dev).unwrap());
+                    module::build(make(), &Cx::new(dev).with_groups(groups)).err().map(|e| e.to_string())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    errors.into_iter().flatten().next()
+}
+
+#[test]
+fn a_static_degree_is_checked_against_the_real_group_at_build() {
+    assert_eq!(build_on(2, static_mlp), None);
+    for tp in [1, 4] {
+        let err = build_on(tp, static_mlp).expect("the wrong degree is refused");
+        assert!(err.contains(&format!("declares `#[model(tp = 2)]` but is built for a tensor-parallel group of {tp}")), "{err}");
+    }
+}
+
+/// An embedding and a head tied though their shapes differ (the head's
+/// vocabulary is 12, the table's 16): only known when the model is built.
+#[derive(Module)]
+pub struct MistiedLm {
+    tok: Embedding,
+    #[tied(tok)]
+    head: Linear,
+}
+
+#[forward]
+impl MistiedLm {
+    fn forward(&self, ids: Act<Replicated>) -> Act<Replicated> {
+        self.head(self.tok(ids))
+    }
+}
+
+#[test]
+fn tied_weights_of_different_shapes_are_refused_naming_both_fields() {
+    let model = MistiedLm { tok: Embedding::new(16, 8).unwrap(), head: Linear::new(8, 12, false).unwrap() };
+    let err = module::build(model, &f64_cx()).err().expect("a mistied model is refused").to_string();
+    assert!(err.contains("`MistiedLm.head` is `#[tied(tok)]` to `MistiedLm.tok`"), "{err}");
+    assert!(err.contains("[16, 8]") && err.contains("[12, 8]"), "{err}");
+}

@@ -413,6 +413,10 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             let scale = scaler.as_ref().map_or(1.0, |s| s.scale());
             let vocab = self.facts.vocab;
             let ignore = batches.ignore_index();
+            // Dropout draws a fresh mask each step, at the rows this replica
+            // holds in the step's global batch (replica after replica).
+            cx.set_step(done);
+            cx.set_batch_offset(((d * ep + e) * micro * cfg.batch.micro_batch) as u64);
             let report = crate::parallel::pipeline::run_stage(&model, &mut cx, &schedule, stage, &inputs, |mb, logits: &Act<SplitHidden>| {
                 let (l, saved) = vocab_parallel_cross_entropy(&*tp_group, logits, &targets[mb], vocab, ignore)?;
                 let dl = vocab_parallel_cross_entropy_backward(logits, &targets[mb], vocab, ignore, &saved, scale / micro as f64)?;
