@@ -92,6 +92,10 @@ impl<'a> Gen<'a> {
     /// and the bounds the generated code needs of the fields, each placed at
     /// the attribute (or field type) that asks for it: if one fails, rustc
     /// reports it there, and the bodies (which assume it) add no follow-on errors.
+    ///
+    /// The `Tie` bound of `#[tied]` is not here but on the call that ties
+    /// the weights (a body): a layer without a weight is then one error at
+    /// the attribute, not one wherever the model is used.
     fn where_clause(&self) -> TokenStream {
         let p = p();
         let mut b: Vec<TokenStream> = self.prog.generics.where_clause.iter().flat_map(|w| w.predicates.iter()).map(|pr| quote!(#pr)).collect();
@@ -118,15 +122,6 @@ impl<'a> Gen<'a> {
             }
             if let Some(st) = f.attrs.stage.filter(|s| s.value == Stage::Split) {
                 b.push(at(st.span, quote!(#ty: #p::Pipelined)));
-            }
-        }
-        for f in &self.m.fields {
-            let Some(partner) = &f.attrs.tied else { continue };
-            let ty = &f.ty;
-            b.push(at(partner.span(), quote!(#ty: #p::Tie)));
-            if let Some(pf) = self.m.field(partner) {
-                let pty = &pf.ty;
-                b.push(at(partner.span(), quote!(#pty: #p::Tie)));
             }
         }
         if b.is_empty() {
@@ -646,14 +641,13 @@ impl<'a> Gen<'a> {
             }
         });
         let model = ident.to_string();
+        // The `Tie` bounds are checked on this call, placed at `#[tied(..)]`.
         let ties = self.m.fields.iter().filter_map(|f| {
             let partner = f.attrs.tied.as_ref()?;
             let fname = &f.ident;
             let (field, with) = (fname.to_string(), partner.to_string());
-            Some(quote! {
-                let __w = #p::Tie::weight(&self.#partner).clone();
-                #p::Tie::tie_weight(&mut self.#fname, &__w).map_err(|e| #p::dsl::tie_error(#model, #field, #with, e))?;
-            })
+            let tie = at(partner.span(), quote!(#p::dsl::tie(&mut self.#fname, &self.#partner, #model, #field, #with)));
+            Some(quote!(#tie?;))
         });
         let checks = used.iter().map(|f| {
             let fname = &f.ident;

@@ -204,8 +204,11 @@ pub fn accumulate<L: Layout>(slot: &mut Option<Act<L>>, g: Act<L>) -> Result<()>
     Ok(())
 }
 
-/// The error of a `#[tied(..)]` field whose weight does not fit its
-/// partner's, naming both fields.
-pub fn tie_error(model: &str, field: &str, partner: &str, e: crate::error::Error) -> crate::error::Error {
-    crate::error::Error::invalid("tie", format!("`{model}.{field}` is `#[tied({partner})]` to `{model}.{partner}`, but: {e}"))
+/// Makes `layer` (field `field` of `model`) share the weight of `with`
+/// (field `partner`); an error naming both fields when the shapes differ.
+pub fn tie<A: super::Tie, B: super::Tie>(layer: &mut A, with: &B, model: &str, field: &str, partner: &str) -> Result<()> {
+    let w = with.weight().clone();
+    layer
+        .tie_weight(&w)
+        .map_err(|e| crate::error::Error::invalid("tie", format!("`{model}.{field}` is `#[tied({partner})]` to `{model}.{partner}`, but: {e}")))
 }
