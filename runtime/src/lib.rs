@@ -34,9 +34,9 @@ pub mod __private {
     pub use crate::error::{Error, Result};
     pub use crate::module::dsl;
     pub use crate::module::{
-        assert_derived, assert_recomputable, assert_selective, call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, join_path, seq_convert,
-        seq_convert_backward, Act, Column, Cx, Derived, Kept, Layout, Module, PartialSum, Pipelined, Plain, Recomputable, Recompute, Replicated, Row, SelectiveRecomputable, Seq, SplitHidden,
-        SplitSeq, StagePart, Staged, Tie, Visitor, Vocab,
+        assert_derived, assert_recomputable, assert_selective, call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, fed, join_path, seq_convert,
+        seq_convert_backward, sharded, Act, Column, Cx, Derived, Erased, Kept, LayerRef, Layout, Module, PartialSum, Pipelined, Plain, Recomputable, Recompute, Replicated, Row,
+        SelectiveRecomputable, Seq, ShardedOp, ShardedOut, SplitHidden, SplitSeq, StagePart, Staged, Tie, Visitor, Vocab,
     };
     pub use crate::tensor::DType;
     pub use tessera_macros::forward_impl;

@@ -53,6 +53,35 @@ fn dtype(pr: Precision) -> TokenStream {
     quote!(#p::DType::#d)
 }
 
+/// The layouts a column- or row-parallel field takes and returns, which its
+/// role fixes; `None` for other fields.
+fn role_layouts(f: &Field) -> Option<(TokenStream, TokenStream)> {
+    let p = p();
+    match f.attrs.shard.map(|s| s.value) {
+        Some(crate::attr::Shard::Column) => Some((quote!(#p::Replicated), quote!(#p::SplitHidden))),
+        Some(crate::attr::Shard::Row) => Some((quote!(#p::SplitHidden), quote!(#p::PartialSum))),
+        _ => None,
+    }
+}
+
+/// `sharded::<Role, Ty, In, Out>(layer, op)`: the one function through
+/// which the generated code reaches a column- or row-parallel field (see the
+/// runtime's `module::sharded`). Every token of every such call is placed at
+/// the field's `#[shard]` attribute, so a layer without the role gives the
+/// same error at the same place from each call, which rustc shows once.
+fn sharded_call(f: &Field, layer: TokenStream, op: TokenStream) -> TokenStream {
+    let p = p();
+    let (ty, r) = (&f.ty, role(f));
+    let (i, o) = role_layouts(f).expect("a column- or row-parallel field");
+    let span = f.attrs.shard.expect("sharded").span;
+    at(span, quote!(#p::sharded::<#r, #ty, #i, #o>(#layer, #op)))
+}
+
+/// The field a call node calls.
+fn f_of<'a>(g: &Gen<'a>, n: &Node) -> &'a Field {
+    g.field(n).expect("a call node calls a field")
+}
+
 /// `ts` with every token located at `span` (resolved as the macro's own).
 fn at(span: Span, ts: TokenStream) -> TokenStream {
     crate::respan::respan(ts, Span::call_site().located_at(span))
@@ -76,8 +105,14 @@ impl<'a> Gen<'a> {
                     quote!(#t)
                 }
                 Op::Call(f) => {
-                    let m = as_module(m.field(f).expect("checked"));
-                    quote!(#m::Out)
+                    let f = m.field(f).expect("checked");
+                    match role_layouts(f) {
+                        Some((_, out)) => out,
+                        None => {
+                            let m = as_module(f);
+                            quote!(#m::Out)
+                        }
+                    }
                 }
                 Op::Func(Func::AllReduce | Func::AllGather) => quote!(#p::Replicated),
                 Op::Func(Func::ReduceScatter) => quote!(#p::SplitSeq),
@@ -108,16 +143,14 @@ impl<'a> Gen<'a> {
             if self.mentions_params(ty) {
                 continue;
             }
-            if let Some(sh) = f.attrs.shard {
+            if let Some(sh) = f.attrs.shard.filter(|_| role_layouts(f).is_none()) {
                 let r = role(f);
                 // The role fixes the layouts (for vocab, the input): stating
                 // them lets the bodies use concrete layouts even when the
                 // bound fails, so a wrong role is reported once, here.
-                let layouts = match sh.value {
-                    crate::attr::Shard::Column => quote!(In = #p::Replicated, Out = #p::SplitHidden),
-                    crate::attr::Shard::Row => quote!(In = #p::SplitHidden, Out = #p::PartialSum),
-                    crate::attr::Shard::Vocab => quote!(In = #p::Replicated),
-                };
+                // (Column- and row-parallel fields go through `sharded`.)
+                let layouts = quote!(In = #p::Replicated);
+                let _ = sh.value;
                 b.push(at(sh.span, quote!(#ty: #p::Module<#r, #layouts>)));
             }
             if let Some(st) = f.attrs.stage.filter(|s| s.value == Stage::Split) {
@@ -181,8 +214,15 @@ impl<'a> Gen<'a> {
                 let e = match &n.op {
                     Op::Input => quote!(<Self as #p::Module>::SEQ_IN),
                     Op::Call(_) => {
-                        let m = as_module(self.field(n).expect("checked"));
-                        quote!(#m::SEQ_OUT)
+                        let f = self.field(n).expect("checked");
+                        match role_layouts(f) {
+                            // Its output is not `Replicated`: no form to track.
+                            Some(_) => quote!(#p::Seq::Whole),
+                            None => {
+                                let m = as_module(f);
+                                quote!(#m::SEQ_OUT)
+                            }
+                        }
                     }
                     Op::Add | Op::Mul | Op::Func(Func::Swiglu) => {
                         let (a, b) = (q(n.args[0]), q(n.args[1]));
@@ -211,8 +251,15 @@ impl<'a> Gen<'a> {
             .iter()
             .filter(|n| matches!(n.op, Op::Call(_)) && n.args.contains(&0))
             .map(|n| {
-                let m = as_module(self.field(n).expect("checked"));
-                quote!(#m::SEQ_IN)
+                let f = self.field(n).expect("checked");
+                match role_layouts(f) {
+                    // A column-parallel layer takes the slice and gathers it.
+                    Some(_) => quote!(#p::Seq::Split),
+                    None => {
+                        let m = as_module(f);
+                        quote!(#m::SEQ_IN)
+                    }
+                }
             })
             .collect();
         quote!(#p::Seq::for_all(&[#(#takes),*]))
@@ -224,6 +271,9 @@ impl<'a> Gen<'a> {
         match &n.op {
             Op::Call(_) => {
                 let f = self.field(n).expect("checked");
+                if role_layouts(f).is_some() {
+                    return Some(quote!(#p::Erased));
+                }
                 let m = as_module(f);
                 Some(if f.attrs.recompute.is_some() { quote!(#p::Kept<#m::Saved, #m::In>) } else { quote!(#m::Saved) })
             }
@@ -306,6 +356,30 @@ impl<'a> Gen<'a> {
         let o: Vec<syn::Ident> = (0..2).map(|j| syn::Ident::new(&format!("__o{j}"), span)).collect();
         match &n.op {
             Op::Input => unreachable!("the input is bound by the signature"),
+            Op::Call(fname) if role_layouts(f_of(self, n)).is_some() => {
+                let f = f_of(self, n);
+                let (in_l, out_l) = role_layouts(f).expect("sharded");
+                let name = fname.to_string();
+                let (a, qa, la) = (&args[0], &qa[0], &lts[0]);
+                let mode = match f.attrs.recompute.map(|r| r.value) {
+                    Some(Recompute::Full) => quote!(::core::option::Option::Some(#p::Recompute::Full)),
+                    Some(Recompute::Selective) => quote!(::core::option::Option::Some(#p::Recompute::Selective)),
+                    None => quote!(::core::option::Option::None),
+                };
+                let sharded = sharded_call(
+                    f,
+                    quote!(#p::LayerRef::Shared(&self.#fname)),
+                    quote!(#p::ShardedOp::Forward { cx: __cx, name: #name, x: __c.into_tensor(), from: #qa, recompute: #mode }),
+                );
+                let call = quote!(#sharded.map(|__o| __o.into_forward::<#out_l>()));
+                let bind = self.forward_in_region(f, &quote!((#out, #sv)), call);
+                // The layout check stays on the user's expression.
+                let fed = quote_spanned!(span=> #ps::fed::<#in_l, #la>(#a.clone()));
+                quote! {
+                    let __c = #fed;
+                    #bind
+                }
+            }
             Op::Call(fname) => {
                 let f = self.field(n).expect("checked");
                 let (ty, r, m) = (&f.ty, role(f), as_module(f));
@@ -378,6 +452,23 @@ impl<'a> Gen<'a> {
         };
         let body = match &n.op {
             Op::Input => return TokenStream::new(),
+            Op::Call(fname) if role_layouts(f_of(self, n)).is_some() => {
+                let f = f_of(self, n);
+                let (in_l, _) = role_layouts(f).expect("sharded");
+                let name = fname.to_string();
+                let sharded = sharded_call(
+                    f,
+                    quote!(#p::LayerRef::Shared(&self.#fname)),
+                    quote!(#p::ShardedOp::Backward { cx: __cx, name: #name, saved: #sv, dy: __gy.into_tensor(), from: #(#qa)* }),
+                );
+                let call = quote!(#sharded.map(|__o| __o.into_backward::<#in_l>()));
+                let bind = self.backward_in_region(f, call);
+                let a = &ga[0];
+                quote! {
+                    #bind
+                    #p::dsl::accumulate(&mut #a, #p::dsl::relabel(__dx))?;
+                }
+            }
             Op::Call(fname) => {
                 let f = self.field(n).expect("checked");
                 let (ty, r, m) = (&f.ty, role(f), as_module(f));
@@ -629,8 +720,16 @@ impl<'a> Gen<'a> {
             let fname = &f.ident;
             let name = fname.to_string();
             let r = role(f);
-            let m = as_module(f);
-            let visit = quote!(__v.child::<#r>(#name, |__v| #m::visit_params(&self.#fname, __v)));
+            let visit = match role_layouts(f) {
+                Some(_) => {
+                    let sharded = sharded_call(f, quote!(#p::LayerRef::Shared(&self.#fname)), quote!(#p::ShardedOp::Visit(__v)));
+                    quote!(__v.child::<#r>(#name, |__v| #sharded.map(|_| ())))
+                }
+                None => {
+                    let m = as_module(f);
+                    quote!(__v.child::<#r>(#name, |__v| #m::visit_params(&self.#fname, __v)))
+                }
+            };
             match split {
                 // A pipelined model tells the visitor which stage each field is on.
                 Some(split) => match self.stage_part(f, split) {
@@ -652,14 +751,34 @@ impl<'a> Gen<'a> {
         let checks = used.iter().map(|f| {
             let fname = &f.ident;
             let name = fname.to_string();
-            let m = as_module(f);
-            quote!(#m::check_tp(&self.#fname, &#p::join_path(__path, #name), __degree, __problems);)
+            match role_layouts(f) {
+                Some(_) => {
+                    let sharded = sharded_call(
+                        f,
+                        quote!(#p::LayerRef::Shared(&self.#fname)),
+                        quote!(#p::ShardedOp::CheckTp { path: &#p::join_path(__path, #name), degree: __degree, problems: __problems }),
+                    );
+                    quote!(let _ = #sharded;)
+                }
+                None => {
+                    let m = as_module(f);
+                    quote!(#m::check_tp(&self.#fname, &#p::join_path(__path, #name), __degree, __problems);)
+                }
+            }
         });
         let static_checks = self.static_checks();
         let child_ties = used.iter().map(|f| {
             let fname = &f.ident;
-            let m = as_module(f);
-            quote!(#m::tie_params(&mut self.#fname)?;)
+            match role_layouts(f) {
+                Some(_) => {
+                    let sharded = sharded_call(f, quote!(#p::LayerRef::Unique(&mut self.#fname)), quote!(#p::ShardedOp::TieParams));
+                    quote!(#sharded?;)
+                }
+                None => {
+                    let m = as_module(f);
+                    quote!(#m::tie_params(&mut self.#fname)?;)
+                }
+            }
         });
         let states = self.seq_states();
         let q_out = q(self.prog.output);

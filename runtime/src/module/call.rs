@@ -21,6 +21,13 @@ fn reads_token_slice<R: Role, M: Module<R>>() -> bool {
     <M::In as Layout>::IS_REPLICATED && M::SEQ_IN == Seq::Split
 }
 
+/// `x` as the input of a layer taking `To`: only a `To` value fits (the
+/// layout check of a call whose layer is reached through [`sharded`](super::sharded)).
+#[doc(hidden)]
+pub fn fed<To: Layout, L: Feeds<To>>(x: Act<L>) -> Act<To> {
+    Act::new(x.into_tensor())
+}
+
 /// Runs `m.forward` as the sub-module `name`, with hooks around it.
 pub fn call<R: Role, M: Module<R>, L: Feeds<M::In>>(m: &M, cx: &mut Cx, name: &str, x: Act<L>) -> Result<(Act<M::Out>, M::Saved)> {
     cx.enter(name);

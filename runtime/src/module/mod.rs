@@ -12,13 +12,16 @@ mod layout;
 mod param;
 mod role;
 pub(crate) mod seq;
+mod sharded;
 mod stage;
 mod visit;
 
-pub use call::{call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, Feeds, Kept, KeptCall, Recompute};
+pub use call::{call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, fed, Feeds, Kept, KeptCall, Recompute};
 pub use cx::{Cx, Groups, Hooks, RecomputeOverride};
 pub use layout::{Act, Dispatched, Layout, PartialSum, Pointwise, Replicated, SameLayout, Seq, SplitHidden, SplitSeq};
 pub use seq::{seq_convert, seq_convert_backward};
+#[doc(hidden)]
+pub use sharded::{sharded, Erased, LayerRef, ShardedOp, ShardedOut};
 
 /// Not layouts: one more item of each layout's name, so that rustc never
 /// shortens a layout's path in its messages. rustc prints a type by its bare
