@@ -80,6 +80,22 @@ impl Args {
     }
 }
 
+/// The model kinds this program trains.
+const KINDS: [&str; 2] = ["gpt2", "llama"];
+
+/// `model.kind`: a string naming a kind this program trains (GPT-2 when absent).
+fn model_kind(cfg: &TrainConfig) -> Result<&str> {
+    let Some(kind) = cfg.model.get("kind") else { return Ok("gpt2") };
+    match kind.as_str() {
+        Some(k) if KINDS.contains(&k) => Ok(k),
+        Some(k) => {
+            let hint = tessera::train::closest(k, &KINDS).map(|c| format!("did you mean \"{c}\"? ")).unwrap_or_default();
+            bail!("config `model.kind`: unknown model kind {k:?}; {hint}this program trains \"gpt2\" or \"llama\"")
+        }
+        None => bail!("config `model.kind`: {kind} is not a model kind; write a string, \"gpt2\" or \"llama\""),
+    }
+}
+
 /// The model section of the config as a Hugging Face `config.json` for
 /// `kind`, with the vocabulary of the data and room for the sequence length.
 fn model_json(cfg: &TrainConfig, kind: &str, vocab: usize) -> Result<serde_json::Value> {
@@ -125,10 +141,9 @@ fn main() -> Result<()> {
     };
     let overrides = args.overrides();
     let cfg = TrainConfig::parse(&text, &overrides.iter().map(String::as_str).collect::<Vec<_>>())?;
-    match cfg.model.get("kind").and_then(|v| v.as_str()).unwrap_or("gpt2") {
+    match model_kind(&cfg)? {
         "gpt2" => run::<Gpt2>(&args, &cfg, "gpt2"),
-        "llama" => run::<Llama>(&args, &cfg, "llama"),
-        other => bail!("model.kind = {other:?}: this program trains `gpt2` or `llama`"),
+        _ => run::<Llama>(&args, &cfg, "llama"),
     }
 }
 
@@ -137,6 +152,8 @@ where
     M: HfModel + Staged<In = Replicated, Out = SplitHidden>,
     M::Config: Sync,
 {
+    // A misspelt `[model]` key would leave the model at its default.
+    tessera_models::hf::check_fields::<M::Config>(cfg.model.keys().map(String::as_str)).with_context(|| format!("the `[model]` table of a {kind} run"))?;
     let out = PathBuf::from(&cfg.run.out);
     // Data: the bundled task, generated into the run directory once.
     let task = arith::Task::new(cfg.data.seed);
@@ -183,12 +200,15 @@ where
         }
     }
     let m = &cfg.mesh;
+    let ranks = if m.rank_device()? == tessera::train::RankDevice::Cuda { "GPUs" } else { "CPU ranks" };
     println!(
-        "training {kind} ({params} parameters, {layers} layers, hidden {width}) on {} CPU ranks: dp{} × tp{} × pp{} ({} schedule, {} microbatches of {} × {} tokens per replica and step)",
+        "training {kind} ({params} parameters, {layers} layers, hidden {width}) on {} {ranks}: dp{} × ep{} × pp{} × tp{}{} ({} schedule, {} microbatches of {} × {} tokens per replica and step)",
         m.world_size(),
         m.dp,
-        m.tp,
+        m.ep,
         m.pp,
+        m.tp,
+        if m.sp && m.tp > 1 { " with sequence parallelism" } else { "" },
         m.schedule,
         cfg.batch.grad_accum,
         cfg.batch.micro_batch,

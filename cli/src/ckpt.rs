@@ -65,7 +65,7 @@ fn resolve(dir: &Path) -> anyhow::Result<PathBuf> {
     if dir.join(ckpt::MANIFEST).exists() {
         return Ok(dir.to_path_buf());
     }
-    let root = Checkpointer::new(dir, usize::MAX).with_context(|| format!("`{}` is neither a checkpoint nor a checkpoint root", dir.display()))?;
+    let root = Checkpointer::open(dir, usize::MAX).with_context(|| format!("`{}` is neither a checkpoint nor a checkpoint root", dir.display()))?;
     if let Some(latest) = root.latest()?.filter(|d| d.is_dir()) {
         return Ok(latest);
     }

@@ -58,6 +58,9 @@ enum Bundled {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(Bundled::Arith) = args.bundled {
+        if args.train_size == 0 {
+            bail!("--train-size 0 would write no training problems; give at least 1 (the default is {})", arith::DEFAULT_TRAIN_SIZE);
+        }
         let task = arith::Task::new(args.seed).with_train_size(args.train_size);
         if args.text {
             for path in task.write_text(&args.out)? {

@@ -197,3 +197,21 @@ fn inspect_fails_on_a_damaged_or_foreign_checkpoint() {
     assert!(text(&out.stderr).contains("format 1 was written by an older Tessera"), "{}", text(&out.stderr));
     let _ = std::fs::remove_dir_all(&base);
 }
+
+#[test]
+fn inspect_of_a_missing_directory_fails_without_creating_it() {
+    let base = scratch("missing");
+    let missing = base.join("runs").join("nowhere");
+    for cmd in ["inspect", "reshard"] {
+        let out_dir = base.join("out");
+        let mut args = vec!["ckpt", cmd, missing.to_str().unwrap()];
+        if cmd == "reshard" {
+            args.extend(["--tp", "1", "--dp", "1", "--pp", "1", "--out", out_dir.to_str().unwrap()]);
+        }
+        let out = tessera(&args);
+        assert!(!out.status.success(), "`ckpt {cmd}` of a missing directory fails");
+        assert!(text(&out.stderr).contains("no such checkpoint directory"), "{}", text(&out.stderr));
+        assert!(!missing.exists() && !base.join("runs").exists(), "`ckpt {cmd}` created the directory it was asked to read");
+    }
+    let _ = std::fs::remove_dir_all(&base);
+}

@@ -89,6 +89,7 @@ fn bad_input_gets_an_error_that_names_it() {
     fails(&["--input", s(&text), "--train-bpe", "10", "--out", s(&out)], &["at least 257"]);
     fails(&["--input", s(&text), "--tokenizer", s(&text), "--out", s(&out)], &["text.txt", "not a tokenizer.json"]);
     fails(&["--bundled", "arith", "--chars", "--out", s(&out)], &["cannot be used with"]);
+    fails(&["--bundled", "arith", "--train-size", "0", "--out", s(&out)], &["--train-size 0", "at least 1"]);
     let binary = dir.join("binary.bin");
     std::fs::write(&binary, [0x66, 0xff, 0xfe]).unwrap();
     fails(&["--input", s(&binary), "--chars", "--out", s(&out)], &["binary.bin", "not UTF-8"]);

@@ -178,6 +178,12 @@ fn a_loss_spike_rolls_back_and_skips_the_bad_data() {
     let anomaly = metrics.iter().find(|m| m.events.iter().any(|e| matches!(e, Event::Anomaly { .. }))).expect("the spike is flagged");
     assert_eq!(anomaly.step, 30, "grad_accum 2: draws 58 and 59 are step 30");
     assert!(anomaly.skipped);
+    // The event names the step of the line it is on.
+    let detail = anomaly.events.iter().find_map(|e| match e {
+        Event::Anomaly { detail } => Some(detail.clone()),
+        _ => None,
+    });
+    assert!(detail.as_deref().is_some_and(|d| d.starts_with("step 30:")), "{detail:?}");
     let rollback = anomaly.events.iter().find_map(|e| match e {
         Event::Rollback { to_step, skipped_batches } => Some((*to_step, *skipped_batches)),
         _ => None,
@@ -326,5 +332,21 @@ fn a_panicking_rank_ends_the_run_with_an_error() {
     .unwrap();
     let e = trainer.run().unwrap_err().to_string();
     assert!(e.contains("panicked"), "{e}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn unfinished_checkpoints_of_dead_jobs_are_removed_and_reported() {
+    let out = scratch("leftovers");
+    let root = out.join("checkpoints");
+    // A pid above the kernel's limit (4194304) names a job that cannot run.
+    let leftover = root.join("step-7.tmp-4999999");
+    std::fs::create_dir_all(&leftover).unwrap();
+    std::fs::write(leftover.join("pp0-tp0.safetensors"), vec![0u8; 64]).unwrap();
+    train(config(&out, "[batch]\nmicro_batch = 2\n", &["run.steps=2"]), 0..0);
+    assert!(!leftover.exists(), "the leftover is removed");
+    let metrics = read_metrics(out.join("metrics.jsonl")).unwrap();
+    let dir = leftover.display().to_string();
+    assert!(metrics[0].events.contains(&Event::Cleaned { dir }), "{:?}", metrics[0].events);
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -38,7 +38,7 @@ pub struct Gpt2Config {
 }
 
 /// The fields [`Gpt2Config`] reads (and the behaviour switches it checks).
-const KNOWN: &[&str] = &[
+pub(crate) const KNOWN: &[&str] = &[
     "vocab_size",
     "n_positions",
     "n_embd",

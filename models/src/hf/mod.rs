@@ -65,12 +65,39 @@ impl HfParam {
 
 /// A Hugging Face `config.json`, read and written field by field.
 pub trait HfConfig: Clone + Sized {
+    /// The fields that shape the model (what a training configuration's
+    /// `[model]` table may set; a `config.json` may hold others too).
+    const FIELDS: &'static [&'static str];
     /// Reads a config from its JSON object and validates it; an error names the bad field.
     fn from_json(value: &serde_json::Value) -> Result<Self>;
     /// The config as a JSON object (fields the model does not use included, as read).
     fn to_json(&self) -> serde_json::Value;
     /// Checks every field the model depends on.
     fn validate(&self) -> Result<()>;
+}
+
+/// Checks that every key of a training configuration's `[model]` table
+/// (`kind` aside) is a field of `C`: a misspelt one (`n_layers`) would
+/// otherwise leave the model at its default in silence. The error names the
+/// key, the closest field, and every field there is.
+///
+/// ```
+/// use tessera_models::gpt2::Gpt2Config;
+/// use tessera_models::hf::check_fields;
+///
+/// assert!(check_fields::<Gpt2Config>(["kind", "n_layer", "n_embd"]).is_ok());
+/// let e = check_fields::<Gpt2Config>(["n_layers"]).unwrap_err().to_string();
+/// assert!(e.contains("did you mean `n_layer`?"));
+/// ```
+pub fn check_fields<'a, C: HfConfig>(keys: impl IntoIterator<Item = &'a str>) -> Result<()> {
+    for key in keys.into_iter().filter(|k| *k != "kind") {
+        if !C::FIELDS.contains(&key) {
+            let hint = tessera::train::closest(key, C::FIELDS).map(|c| format!("did you mean `{c}`? ")).unwrap_or_default();
+            let all: Vec<String> = C::FIELDS.iter().map(|f| format!("`{f}`")).collect();
+            return Err(Error::config(key, format!("this model has no such setting; {hint}its settings are `kind`, {}", all.join(", "))));
+        }
+    }
+    Ok(())
 }
 
 /// A model with a Hugging Face checkpoint format.

@@ -42,7 +42,7 @@ pub struct LlamaConfig {
     pub extra: Map<String, Value>,
 }
 
-const KNOWN: &[&str] = &[
+pub(crate) const KNOWN: &[&str] = &[
     "vocab_size",
     "hidden_size",
     "intermediate_size",

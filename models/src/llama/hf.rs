@@ -6,6 +6,7 @@ use crate::hf::{Conversion, HfConfig, HfModel, HfParam, QkvHeads, QkvStorage};
 use tessera::module::Cx;
 
 impl HfConfig for LlamaConfig {
+    const FIELDS: &'static [&'static str] = super::config::KNOWN;
     fn from_json(value: &serde_json::Value) -> Result<Self> {
         LlamaConfig::from_json(value)
     }

@@ -48,7 +48,7 @@ pub struct MixtralConfig {
     pub extra: Map<String, Value>,
 }
 
-const KNOWN: &[&str] = &[
+pub(crate) const KNOWN: &[&str] = &[
     "vocab_size",
     "hidden_size",
     "intermediate_size",

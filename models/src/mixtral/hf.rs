@@ -7,6 +7,7 @@ use crate::llama::hf::{attention_param, base_name, skipped};
 use tessera::module::Cx;
 
 impl HfConfig for MixtralConfig {
+    const FIELDS: &'static [&'static str] = super::config::KNOWN;
     fn from_json(value: &serde_json::Value) -> Result<Self> {
         MixtralConfig::from_json(value)
     }

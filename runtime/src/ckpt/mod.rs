@@ -78,6 +78,7 @@ mod check;
 mod collect;
 mod collective;
 mod io;
+mod leftovers;
 mod manifest;
 mod optimizer;
 mod place;
@@ -218,6 +219,16 @@ impl Checkpointer {
         }
         fs::create_dir_all(&root).map_err(|e| io_err(&root, "cannot create the checkpoint root", e))?;
         Ok(Checkpointer { root: Root { path: root, keep, timeout: Duration::from_secs(600) }, pending: Arc::default() })
+    }
+
+    /// The checkpoints under an existing `root`, to read (nothing is created:
+    /// a missing root is an error naming it).
+    pub fn open(root: impl Into<PathBuf>, keep: usize) -> Result<Self> {
+        let root = root.into();
+        if !root.is_dir() {
+            return Err(Error::Checkpoint { path: root.display().to_string(), detail: "no such checkpoint directory; check the path (a run keeps its checkpoints in `<run.out>/checkpoints`)".into() });
+        }
+        Self::new(root, keep)
     }
 
     /// How long rank 0 waits for the other ranks to write their parts of a
@@ -416,5 +427,5 @@ impl std::fmt::Debug for Checkpointer {
 /// Loads the newest intact checkpoint under `root` (see
 /// [`Checkpointer::load_latest_valid`]).
 pub fn load_latest_valid<M: Module>(root: impl Into<PathBuf>, model: &M, opt: Option<&mut dyn OptimizerState>, cx: &Cx) -> Result<Option<Restored>> {
-    Checkpointer::new(root, usize::MAX)?.load_latest_valid(model, opt, cx)
+    Checkpointer::open(root, usize::MAX)?.load_latest_valid(model, opt, cx)
 }

@@ -32,6 +32,12 @@ pub enum Event {
         /// Its directory.
         dir: String,
     },
+    /// An unfinished checkpoint directory of a job that is gone was removed
+    /// when this run started.
+    Cleaned {
+        /// The directory removed.
+        dir: String,
+    },
     /// A held-out evaluation ran.
     Eval {
         /// Exact-match accuracy in [0, 1].

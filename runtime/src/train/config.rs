@@ -371,6 +371,26 @@ fn set_dotted(doc: &mut toml::Table, key: &str, value: &str) -> Result<()> {
     Ok(())
 }
 
+/// A reader's message about an unknown key, with the closest known key
+/// ("unknown field `dpp`, expected one of `dp`, `tp`, ..." gains "; did you
+/// mean `dp`?").
+fn with_suggestion(message: &str) -> String {
+    let quoted = |s: &str| -> Vec<String> { s.split('`').skip(1).step_by(2).map(str::to_string).collect() };
+    message
+        .lines()
+        .map(|line| {
+            let hint = line.split_once("unknown field ").and_then(|(_, rest)| {
+                let (field, known) = rest.split_once(", expected")?;
+                let field = quoted(field).into_iter().next()?;
+                let known = quoted(known);
+                Some(super::suggest::hint(&field, &known.iter().map(String::as_str).collect::<Vec<_>>()))
+            });
+            format!("{line}{}", hint.unwrap_or_default())
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 impl TrainConfig {
     /// Reads a TOML document, applies `key=value` overrides, and validates.
     pub fn parse(text: &str, overrides: &[&str]) -> Result<TrainConfig> {
@@ -381,7 +401,7 @@ impl TrainConfig {
         }
         // Read through the text form so an error shows the offending line.
         let text = toml::to_string(&doc).map_err(|e| Error::config("<file>", e.to_string()))?;
-        let cfg: TrainConfig = toml::from_str(&text).map_err(|e: toml::de::Error| Error::config("<file>", e.to_string().trim_end().to_string()))?;
+        let cfg: TrainConfig = toml::from_str(&text).map_err(|e: toml::de::Error| Error::config("<file>", with_suggestion(e.to_string().trim_end())))?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -412,6 +432,12 @@ impl TrainConfig {
         positive("batch.grad_accum", self.batch.grad_accum)?;
         if self.run.steps == 0 {
             return Err(Error::config("run.steps", "must be at least 1"));
+        }
+        if self.run.out.trim().is_empty() {
+            return Err(Error::config("run.out", "the run directory is empty; give a path such as \"runs/my-run\""));
+        }
+        if self.run.stop_after == Some(0) {
+            return Err(Error::config("run.stop_after", "0 would stop before the first step; leave it out to run all `run.steps`, or give the step to stop after (a later job resumes from there)"));
         }
         let kind = self.mesh.schedule_kind()?;
         self.mesh.rank_device()?;
@@ -480,7 +506,11 @@ mod tests {
     #[test]
     fn misspelt_keys_and_bad_combinations_are_named() {
         let e = TrainConfig::parse("[mesh]\ndpp = 2\n", &[]).unwrap_err().to_string();
-        assert!(e.contains("dpp"), "{e}");
+        assert!(e.contains("dpp") && e.contains("did you mean `dp`?"), "{e}");
+        let e = TrainConfig::parse("[batch]\nseqlen = 2\n", &[]).unwrap_err().to_string();
+        assert!(e.contains("did you mean `seq_len`?"), "{e}");
+        let e = TrainConfig::parse("[optimizer]\nlr = 2\n", &[]).unwrap_err().to_string();
+        assert!(e.contains("optimizer") && e.contains("did you mean `optim`?"), "{e}");
         let e = TrainConfig::parse("[zero]\nstage = 1\n[mesh]\ntp = 2\n", &[]).unwrap_err().to_string();
         assert!(e.contains("zero.stage"), "{e}");
         let e = TrainConfig::parse("[mesh]\npp = 4\n[batch]\ngrad_accum = 2\n", &[]).unwrap_err().to_string();
@@ -490,6 +520,10 @@ mod tests {
         let e = TrainConfig::parse("[mesh]\ndevice = \"tpu\"\n", &[]).unwrap_err().to_string();
         assert!(e.contains("mesh.device") && e.contains("`cuda`"), "{e}");
         assert_eq!(TrainConfig::parse("[mesh]\ndevice = \"cuda\"\ndp = 2\n", &[]).unwrap().mesh.rank_device().unwrap(), RankDevice::Cuda);
+        let e = TrainConfig::parse("", &["run.out=\"\""]).unwrap_err().to_string();
+        assert!(e.contains("run.out") && e.contains("empty"), "{e}");
+        let e = TrainConfig::parse("", &["run.stop_after=0"]).unwrap_err().to_string();
+        assert!(e.contains("run.stop_after") && e.contains("first step"), "{e}");
     }
 
     #[test]

@@ -8,6 +8,7 @@ mod monitor;
 mod ranks;
 mod scaler;
 mod schedule;
+mod suggest;
 mod trainer;
 
 pub use clip::{clip_grad_norm, clip_to_norm, global_grad_norm};
@@ -15,4 +16,5 @@ pub use config::{BatchConfig, CheckpointConfig, DataConfig, MeshConfig, OptimCon
 pub use monitor::{Anomaly, StabilityMonitor};
 pub use scaler::LossScaler;
 pub use schedule::WarmupCosine;
+pub use suggest::closest;
 pub use trainer::{Batches, ModelFacts, Replica, RunSummary, Trainer};

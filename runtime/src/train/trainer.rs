@@ -128,6 +128,9 @@ struct RankStep {
 struct Collector {
     world: usize,
     pending: BTreeMap<u64, Vec<RankStep>>,
+    /// What happened before the first step (start-up clean-up), reported
+    /// on the first metrics line.
+    carried: Vec<Event>,
     log: MetricsLog,
     bar: indicatif::ProgressBar,
     losses: Vec<(u64, f64)>,
@@ -151,7 +154,8 @@ impl Collector {
         let first = &ranks[0];
         let step_time = max(|r| r.step_time);
         let tokens_per_s = self.tokens_per_step as f64 / step_time.max(1e-9);
-        let events: Vec<Event> = ranks.iter().flat_map(|r| r.events.iter().cloned()).collect();
+        let mut events: Vec<Event> = std::mem::take(&mut self.carried);
+        events.extend(ranks.iter().flat_map(|r| r.events.iter().cloned()));
         let m = StepMetrics {
             step,
             loss: first.loss,
@@ -244,6 +248,10 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             .collect::<Result<Vec<_>>>()?;
         let trace = Trace::new(tracks);
         let ckpt = Checkpointer::new(self.checkpoint_dir(), cfg.checkpoint.keep)?;
+        let cleaned = ckpt.clean_leftovers()?;
+        for dir in &cleaned {
+            eprintln!("removed {}: an unfinished checkpoint of a job that is no longer running", dir.display());
+        }
         let resuming = cfg.checkpoint.resume && ckpt.latest_valid()?.is_some();
         let metrics_path = out.join("metrics.jsonl");
         let log = if resuming { MetricsLog::append(&metrics_path)? } else { MetricsLog::create(&metrics_path)? };
@@ -264,6 +272,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let collector = Mutex::new(Collector {
             world: world_size,
             pending: BTreeMap::new(),
+            carried: cleaned.iter().map(|d| Event::Cleaned { dir: d.display().to_string() }).collect(),
             log,
             bar,
             losses: Vec::new(),
@@ -466,7 +475,8 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             if let Some(norm) = grad_norm.filter(|n| n.is_finite() && cfg.optim.clip > 0.0) {
                 clip_to_norm(&model, norm, cfg.optim.clip)?;
             }
-            let anomaly = if finite { monitor.observe(done, loss, grad_norm.unwrap_or(0.0)) } else { None };
+            // Judged under the number of the metrics line it lands on.
+            let anomaly = if finite { monitor.observe(done + 1, loss, grad_norm.unwrap_or(0.0)) } else { None };
 
             let opt_started = Instant::now();
             let mut skipped = true;
