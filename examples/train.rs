@@ -21,7 +21,7 @@ use tessera::ckpt::Checkpointer;
 use tessera::data::{arith, AnswerTargets, Dataset, Sampler};
 use tessera::module::{self, Act, Cx, Module, Replicated, SplitHidden, Staged};
 use tessera::observe::{transformer_flops_per_token, Event};
-use tessera::train::{Batches, ModelFacts, TrainConfig, Trainer};
+use tessera::train::{Batches, ModelFacts, RunLock, TrainConfig, Trainer};
 use tessera::{Device, Tensor};
 use tessera_models::gpt2::Gpt2;
 use tessera_models::hf::{HfConfig, HfModel};
@@ -155,6 +155,9 @@ where
     // A misspelt `[model]` key would leave the model at its default.
     tessera_models::hf::check_fields::<M::Config>(cfg.model.keys().map(String::as_str)).with_context(|| format!("the `[model]` table of a {kind} run"))?;
     let out = PathBuf::from(&cfg.run.out);
+    std::fs::create_dir_all(&out).with_context(|| format!("creating the run directory {}", out.display()))?;
+    // One job per run directory, from before the data is written.
+    let lock = RunLock::acquire(&out)?;
     // Data: the bundled task, generated into the run directory once.
     let task = arith::Task::new(cfg.data.seed);
     let data_dir = match cfg.data.source.as_str() {
@@ -193,12 +196,7 @@ where
             })
         },
     )?;
-    if args.fresh {
-        let dir = trainer.checkpoint_dir();
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
-        }
-    }
+    let trainer = trainer.fresh(args.fresh).with_run_lock(lock);
     let m = &cfg.mesh;
     let ranks = if m.rank_device()? == tessera::train::RankDevice::Cuda { "GPUs" } else { "CPU ranks" };
     println!(

@@ -350,3 +350,35 @@ fn unfinished_checkpoints_of_dead_jobs_are_removed_and_reported() {
     assert!(metrics[0].events.contains(&Event::Cleaned { dir }), "{:?}", metrics[0].events);
     let _ = std::fs::remove_dir_all(&out);
 }
+
+#[test]
+fn a_second_job_on_the_same_run_directory_fails_at_once_naming_the_first() {
+    let out = scratch("two-jobs");
+    let first_cfg = config(&out, "[batch]\nmicro_batch = 2\n", &["run.steps=400"]);
+    let second_cfg = config(&out, "[batch]\nmicro_batch = 2\n", &["run.steps=2"]);
+    let lock = out.join(tessera::train::LOCK_FILE);
+    std::thread::scope(|s| {
+        let first = s.spawn(move || train(first_cfg, 0..0));
+        // Wait until the first job holds the directory.
+        let t0 = std::time::Instant::now();
+        while std::fs::read_to_string(&lock).map_or(true, |h| h.trim().is_empty()) {
+            assert!(t0.elapsed().as_secs() < 60, "the first job never took the lock");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let facts = ModelFacts { vocab: VOCAB, flops_per_token: 1e5 };
+        let started = std::time::Instant::now();
+        let second = Trainer::new(second_cfg, facts, |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false), |replica| {
+            Ok(Box::new(Counting { replica, micro_batch: 2, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>)
+        })
+        .unwrap()
+        .run();
+        let e = second.expect_err("the second job is refused").to_string();
+        assert!(e.contains("in use by pid") && e.contains(&std::process::id().to_string()), "{e}");
+        assert!(started.elapsed().as_secs() < 5, "refused at once, not after waiting");
+        let summary = first.join().unwrap();
+        assert_eq!(summary.losses.len(), 400, "the first job is not disturbed");
+    });
+    let metrics = read_metrics(out.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.iter().map(|m| m.step).collect::<Vec<_>>(), (1..=400).collect::<Vec<_>>(), "one job's lines, whole");
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -31,6 +31,7 @@ use crate::dist::mesh::{Axis, Mesh};
 use crate::dist::Communicator;
 use crate::error::{Error, Result};
 use crate::module::{self, Act, Cx, Module, Replicated, SplitHidden, Staged};
+use super::RunLock;
 use crate::nn::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward};
 use crate::observe::{Event, LinePlot, MetricsLog, PeakRate, Series, StepMetrics, Trace, PALETTE};
 use crate::ops;
@@ -200,6 +201,9 @@ pub struct Trainer<'a, M> {
     facts: ModelFacts,
     build: BuildModel<'a, M>,
     batches: OpenBatches<'a>,
+    fresh: bool,
+    /// The run directory's lock, when the caller took it already.
+    lock: Mutex<Option<RunLock>>,
 }
 
 impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
@@ -211,7 +215,23 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         batches: impl Fn(Replica) -> Result<Box<dyn Batches>> + Sync + 'a,
     ) -> Result<Self> {
         config.validate()?;
-        Ok(Trainer { config, facts, build: Box::new(build), batches: Box::new(batches) })
+        Ok(Trainer { config, facts, build: Box::new(build), batches: Box::new(batches), fresh: false, lock: Mutex::new(None) })
+    }
+
+    /// Runs under `lock`, the run directory's lock the caller took before
+    /// preparing what the run reads from the directory (data, say);
+    /// otherwise [`run`](Self::run) takes it itself.
+    pub fn with_run_lock(self, lock: RunLock) -> Self {
+        *self.lock.lock().unwrap_or_else(|e| e.into_inner()) = Some(lock);
+        self
+    }
+
+    /// Starts over: the run deletes the checkpoints of earlier jobs in its
+    /// directory before it begins (once it holds the directory's lock, so
+    /// it never deletes those of a job still running).
+    pub fn fresh(mut self, on: bool) -> Self {
+        self.fresh = on;
+        self
     }
 
     /// The configuration.
@@ -234,6 +254,21 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let cfg = &self.config;
         let out = PathBuf::from(&cfg.run.out);
         std::fs::create_dir_all(&out).map_err(|e| Error::io(&out, e))?;
+        // One job per run directory, for the whole run.
+        let held = self.lock.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let lock = match held {
+            Some(lock) => lock,
+            None => RunLock::acquire(&out)?,
+        };
+        if let Some(holder) = lock.stale_holder() {
+            eprintln!("the last job in {} ({holder}) ended without finishing; its lock went with it", out.display());
+        }
+        if self.fresh {
+            let dir = self.checkpoint_dir();
+            if dir.exists() {
+                std::fs::remove_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+            }
+        }
         let config_path = out.join("config.toml");
         std::fs::write(&config_path, cfg.to_toml()?).map_err(|e| Error::io(&config_path, e))?;
 
