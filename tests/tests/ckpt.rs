@@ -276,3 +276,23 @@ fn another_format_version_is_refused_by_name() {
     assert!(matches!(restored.skipped[0].reason, Error::CheckpointFormat { .. }));
     let _ = std::fs::remove_dir_all(&root);
 }
+
+#[test]
+fn pruning_sets_a_broken_checkpoint_aside_instead_of_deleting_it() {
+    let root = scratch("prune-broken");
+    run(&root, 2, 2);
+    // Step 1 loses a rank file: pruning it would destroy the only evidence.
+    std::fs::remove_file(root.join("step-1").join("pp0-tp0.safetensors")).unwrap();
+    let cx = Cx::new(Device::cpu());
+    let (model, opt) = fresh(&cx);
+    let ckpt = Checkpointer::new(&root, 2).unwrap();
+    ckpt.save(3, &model, Some(&opt), &cx, serde_json::json!(null)).unwrap();
+    let steps: Vec<u64> = ckpt.steps().unwrap().into_iter().map(|(s, _)| s).collect();
+    assert_eq!(steps, [2, 3]);
+    let aside = ckpt.set_aside_dirs().unwrap();
+    assert_eq!(aside.len(), 1, "step 1 is kept aside");
+    assert!(aside[0].file_name().unwrap().to_string_lossy().starts_with("damaged-step-1-"));
+    let reason = std::fs::read_to_string(aside[0].join(tessera::ckpt::REASON_FILE)).unwrap();
+    assert!(reason.contains("pp0-tp0.safetensors") && reason.contains("missing"), "{reason}");
+    let _ = std::fs::remove_dir_all(&root);
+}

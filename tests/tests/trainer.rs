@@ -382,3 +382,70 @@ fn a_second_job_on_the_same_run_directory_fails_at_once_naming_the_first() {
     assert_eq!(metrics.iter().map(|m| m.step).collect::<Vec<_>>(), (1..=400).collect::<Vec<_>>(), "one job's lines, whole");
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// Flips the last byte of every rank file of the checkpoint in `dir`.
+fn damage(dir: &Path) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            let mut bytes = std::fs::read(&path).unwrap();
+            let last = bytes.len() - 1;
+            bytes[last] ^= 0x01;
+            std::fs::write(&path, bytes).unwrap();
+        }
+    }
+}
+
+fn try_train(cfg: TrainConfig, fresh: bool) -> tessera::Result<RunSummary> {
+    let micro_batch = cfg.batch.micro_batch;
+    let facts = ModelFacts { vocab: VOCAB, flops_per_token: 1e5 };
+    Trainer::new(cfg, facts, |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false), move |replica| {
+        Ok(Box::new(Counting { replica, micro_batch, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>)
+    })?
+    .fresh(fresh)
+    .run()
+}
+
+#[test]
+fn damaged_checkpoints_are_never_deleted_nor_skipped_in_silence() {
+    let out = scratch("damaged");
+    let text = "[batch]\nmicro_batch = 2\n[checkpoint]\nevery = 2\nkeep = 2\n";
+    train(config(&out, text, &["run.steps=4"]), 0..0);
+    let root = out.join("checkpoints");
+    let (step2, step4) = (root.join("step-2"), root.join("step-4"));
+    assert!(step2.is_dir() && step4.is_dir());
+
+    // The newest is damaged: the run resumes from step 2, sets step 4 aside
+    // (reported on stderr and on its first metrics line), and its own saves
+    // never delete it.
+    damage(&step4);
+    let summary = train(config(&out, text, &["run.steps=8"]), 0..0);
+    assert_eq!(summary.resumed_from, 2);
+    let aside: Vec<PathBuf> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("damaged-step-4-")).collect();
+    assert_eq!(aside.len(), 1, "step 4 is set aside once");
+    assert!(std::fs::read_to_string(aside[0].join(tessera::ckpt::REASON_FILE)).unwrap().contains("safetensors"));
+    let metrics = read_metrics(out.join("metrics.jsonl")).unwrap();
+    let line = &metrics[4];
+    assert_eq!(line.step, 3, "the first line of the resumed run follows the first run's 4");
+    assert!(line.events.iter().any(|e| matches!(e, Event::SetAside { dir, .. } if dir.ends_with("step-4"))), "{:?}", line.events);
+
+    // Every checkpoint damaged: the run refuses to start over (naming each)
+    // and deletes or truncates nothing.
+    for (_, dir) in tessera::ckpt::Checkpointer::open(&root, 10).unwrap().steps().unwrap() {
+        damage(&dir);
+    }
+    let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let e = try_train(config(&out, text, &["run.steps=10"]), false).expect_err("refused").to_string();
+    assert!(e.contains("none can be loaded") && e.contains("step-8") && e.contains("step-6") && e.contains("--fresh"), "{e}");
+    assert_eq!(std::fs::read_to_string(out.join("metrics.jsonl")).unwrap(), lines, "metrics are not truncated");
+    assert!(root.join("step-8").is_dir() && root.join("step-6").is_dir(), "nothing is deleted");
+
+    // A run that would not resume would prune them: refused too.
+    let e = try_train(config(&out, text, &["run.steps=10", "checkpoint.resume=false"]), false).expect_err("refused").to_string();
+    assert!(e.contains("would not resume from and would delete"), "{e}");
+
+    // Told to start over, it does.
+    let summary = try_train(config(&out, text, &["run.steps=2"]), true).unwrap();
+    assert_eq!((summary.resumed_from, summary.losses.len()), (0, 2));
+    let _ = std::fs::remove_dir_all(&out);
+}

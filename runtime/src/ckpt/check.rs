@@ -63,3 +63,19 @@ pub fn verify(dir: &Path) -> Result<Manifest> {
     }
     Ok(manifest)
 }
+
+/// The checks of [`verify`] that read no tensor bytes: the manifest, the
+/// layout, and every file it lists present. What pruning asks of a
+/// checkpoint before deleting it (a full verification would read every
+/// old checkpoint at every save).
+pub(crate) fn looks_whole(dir: &Path) -> Result<()> {
+    let manifest = super::read_manifest(dir)?;
+    check_layout(&manifest, &dir.join(super::MANIFEST))?;
+    for file in manifest.files() {
+        let path = dir.join(file);
+        if !path.is_file() {
+            return Err(Error::Checkpoint { path: path.display().to_string(), detail: "the manifest lists this file, but it is missing".into() });
+        }
+    }
+    Ok(())
+}

@@ -77,6 +77,7 @@
 mod check;
 mod collect;
 mod collective;
+mod damaged;
 mod io;
 mod leftovers;
 mod manifest;
@@ -98,6 +99,7 @@ pub use region::Region;
 pub use reshard::reshard;
 pub use save::SaveHandle;
 
+pub use damaged::REASON_FILE;
 use crate::error::{Error, Result};
 use crate::module::{Cx, Module};
 use io::io_err;

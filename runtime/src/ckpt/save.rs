@@ -219,12 +219,20 @@ impl Root {
         Ok(dir)
     }
 
-    /// Deletes the oldest checkpoints beyond `keep`, never the one just written.
+    /// Deletes the oldest checkpoints beyond `keep`, never the one just
+    /// written; one that does not look whole (its manifest, layout or files;
+    /// see `check::looks_whole`) is set aside instead, never deleted.
     fn prune(&self, written: u64) -> Result<()> {
         let others: Vec<(u64, PathBuf)> = self.steps()?.into_iter().filter(|(s, _)| *s != written).collect();
         let excess = (others.len() + 1).saturating_sub(self.keep);
         for (_, dir) in others.into_iter().take(excess) {
-            fs::remove_dir_all(&dir).map_err(|e| io_err(&dir, "cannot delete an old checkpoint", e))?;
+            match super::check::looks_whole(&dir) {
+                Ok(()) => fs::remove_dir_all(&dir).map_err(|e| io_err(&dir, "cannot delete an old checkpoint", e))?,
+                Err(reason) => {
+                    let to = super::damaged::set_aside_in(&self.path, &dir, &reason.to_string())?;
+                    eprintln!("kept the damaged checkpoint {} as {} instead of deleting it: {reason}", dir.display(), to.display());
+                }
+            }
         }
         Ok(())
     }

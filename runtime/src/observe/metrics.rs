@@ -32,6 +32,23 @@ pub enum Event {
         /// Its directory.
         dir: String,
     },
+    /// A checkpoint could not be loaded (its reason given) and was set aside
+    /// under another name, never to be deleted by pruning.
+    SetAside {
+        /// The checkpoint's directory.
+        dir: String,
+        /// Where it is now.
+        to: String,
+        /// Why it could not be loaded.
+        reason: String,
+    },
+    /// A rollback passed over a checkpoint that could not be loaded.
+    Skipped {
+        /// The checkpoint's directory.
+        dir: String,
+        /// Why it could not be loaded.
+        reason: String,
+    },
     /// An unfinished checkpoint directory of a job that is gone was removed
     /// when this run started.
     Cleaned {

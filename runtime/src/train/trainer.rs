@@ -239,6 +239,51 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         &self.config
     }
 
+    /// What the run finds in its checkpoint directory before it starts, under
+    /// the directory's lock: nothing is destroyed or skipped in silence.
+    ///
+    /// * Checkpoints it will not resume from (`checkpoint.resume = false`)
+    ///   would be pruned away by its own saves: refused unless
+    ///   [`fresh`](Self::fresh).
+    /// * Checkpoints of which none can be loaded: refused unless `fresh`
+    ///   (starting over would look like a resume gone wrong), with every
+    ///   checkpoint's reason.
+    /// * Damaged checkpoints newer than the one it resumes from are set aside
+    ///   (renamed, never deleted; see [`Checkpointer::set_aside`]) and
+    ///   reported on stderr; the events are returned for the first metrics line.
+    fn inspect_checkpoints(&self, ckpt: &Checkpointer) -> Result<Vec<Event>> {
+        let cfg = &self.config;
+        if self.fresh {
+            return Ok(Vec::new());
+        }
+        let root = ckpt.root().display().to_string();
+        let steps = ckpt.steps()?;
+        let scan = ckpt.scan()?;
+        let damaged: Vec<&crate::ckpt::Skipped> = scan.skipped.iter().filter(|s| s.dir.is_dir()).collect();
+        if !cfg.checkpoint.resume && !steps.is_empty() {
+            let newest = steps.last().map(|(s, _)| *s).unwrap_or(0);
+            return Err(Error::invalid(
+                "trainer",
+                format!("`{root}` holds checkpoints of an earlier run (the newest of step {newest}) that this run would not resume from and would delete; resume from them (`checkpoint.resume = true`), start over with `--fresh`, or give this run another `run.out`"),
+            ));
+        }
+        if scan.valid.is_none() && !damaged.is_empty() {
+            let why: Vec<String> = damaged.iter().map(|s| format!("  {}: {}", s.dir.display(), s.reason)).collect();
+            return Err(Error::invalid(
+                "trainer",
+                format!("`{root}` holds {} checkpoint(s) but none can be loaded:\n{}\nrepair or remove them, or start over with `--fresh` (which deletes them)", damaged.len(), why.join("\n")),
+            ));
+        }
+        let mut events = Vec::new();
+        for s in damaged {
+            let reason = s.reason.to_string();
+            let to = ckpt.set_aside(&s.dir, &reason)?;
+            eprintln!("skipped the checkpoint {}: {reason}; set it aside as {}", s.dir.display(), to.display());
+            events.push(Event::SetAside { dir: s.dir.display().to_string(), to: to.display().to_string(), reason });
+        }
+        Ok(events)
+    }
+
     /// The checkpoint directory of this run.
     pub fn checkpoint_dir(&self) -> PathBuf {
         let dir = Path::new(&self.config.checkpoint.dir);
@@ -287,6 +332,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         for dir in &cleaned {
             eprintln!("removed {}: an unfinished checkpoint of a job that is no longer running", dir.display());
         }
+        let set_aside = self.inspect_checkpoints(&ckpt)?;
         let resuming = cfg.checkpoint.resume && ckpt.latest_valid()?.is_some();
         let metrics_path = out.join("metrics.jsonl");
         let log = if resuming { MetricsLog::append(&metrics_path)? } else { MetricsLog::create(&metrics_path)? };
@@ -307,7 +353,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let collector = Mutex::new(Collector {
             world: world_size,
             pending: BTreeMap::new(),
-            carried: cleaned.iter().map(|d| Event::Cleaned { dir: d.display().to_string() }).collect(),
+            carried: cleaned.iter().map(|d| Event::Cleaned { dir: d.display().to_string() }).chain(set_aside).collect(),
             log,
             bar,
             losses: Vec::new(),
@@ -540,7 +586,15 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
                     for g in [&tp_group, &dp_group, &ep_group, &pp_group] {
                         g.barrier()?;
                     }
-                    if let Some(to) = self.roll_back(ckpt, &model, state_mut(&mut opt, &mut zero_state), &cx, batches.as_mut(), &mut scaler, &mut rollbacks, done)? {
+                    if let Some((to, skipped)) = self.roll_back(ckpt, &model, state_mut(&mut opt, &mut zero_state), &cx, batches.as_mut(), &mut scaler, &mut rollbacks, done)? {
+                        if rank == 0 {
+                            for e in &skipped {
+                                if let Event::Skipped { dir, reason } = e {
+                                    eprintln!("rolling back past the checkpoint {dir}, which cannot be loaded: {reason}");
+                                }
+                            }
+                        }
+                        events.extend(skipped);
                         events.push(Event::Rollback { to_step: to, skipped_batches: (done + 1 - to) * micro as u64 });
                         let r = step_report(rank, loss, grad_norm, lr, &scaler, step_started, &report, exposed, &dev, true, events);
                         collector.lock().unwrap_or_else(|e| e.into_inner()).report(done + 1, r)?;
@@ -625,7 +679,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         scaler: &mut Option<LossScaler>,
         rollbacks: &mut usize,
         step: u64,
-    ) -> Result<Option<u64>> {
+    ) -> Result<Option<(u64, Vec<Event>)>> {
         if ckpt.latest_valid()?.is_none() {
             return Ok(None);
         }
@@ -640,7 +694,9 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let Some(r) = ckpt.load_latest_valid(model, opt, cx)? else { return Ok(None) };
         restore_extra(&r.manifest.extra, batches, scaler)?;
         batches.restore(&skip_to)?;
-        Ok(Some(r.manifest.step))
+        // Newer checkpoints it had to pass over are reported, not hidden.
+        let skipped = r.skipped.iter().map(|s| Event::Skipped { dir: s.dir.display().to_string(), reason: s.reason.to_string() }).collect();
+        Ok(Some((r.manifest.step, skipped)))
     }
 }
 
