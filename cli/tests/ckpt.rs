@@ -215,3 +215,37 @@ fn inspect_of_a_missing_directory_fails_without_creating_it() {
     }
     let _ = std::fs::remove_dir_all(&base);
 }
+
+#[test]
+fn an_edited_manifest_is_detected() {
+    let base = scratch("edited");
+    save_tp2_pp2(&base);
+    let dir = base.join("step-1");
+    let manifest = dir.join(ckpt::MANIFEST);
+    let original = std::fs::read(&manifest).unwrap();
+    let edits: [(&str, fn(&mut serde_json::Value)); 3] = [
+        ("step", |m| m["step"] = 7.into()),
+        ("data cursor", |m| m["extra"] = serde_json::json!({ "cursor": 123 })),
+        ("optimizer step count", |m| {
+            let record = m["tensors"].as_array_mut().unwrap().iter_mut().find(|r| r["steps"].is_u64()).expect("a moment with its step count");
+            let steps = record["steps"].as_u64().unwrap();
+            record["steps"] = (steps + 5).into();
+        }),
+    ];
+    for (what, edit) in edits {
+        let mut json: serde_json::Value = serde_json::from_slice(&original).unwrap();
+        edit(&mut json);
+        std::fs::write(&manifest, serde_json::to_vec_pretty(&json).unwrap()).unwrap();
+        let out = tessera(&["ckpt", "inspect", dir.to_str().unwrap()]);
+        assert!(!out.status.success(), "an edited {what} fails inspect");
+        assert!(text(&out.stderr).contains("the manifest was changed after it was written"), "{what}: {}", text(&out.stderr));
+    }
+    // A manifest of format 2 (before manifests had a checksum) still reads.
+    let mut json: serde_json::Value = serde_json::from_slice(&original).unwrap();
+    json["format"] = 2.into();
+    json.as_object_mut().unwrap().remove("checksum");
+    std::fs::write(&manifest, serde_json::to_vec_pretty(&json).unwrap()).unwrap();
+    let out = tessera(&["ckpt", "inspect", dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let _ = std::fs::remove_dir_all(&base);
+}

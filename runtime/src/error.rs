@@ -138,11 +138,11 @@ pub enum Error {
 /// What an unreadable manifest format version means and what to do.
 fn format_advice(found: Option<u32>, supported: u32) -> String {
     match found {
-        None => format!("the manifest names no format version (it is not a Tessera manifest); this build reads format {supported}"),
+        None => format!("the manifest names no format version (it is not a Tessera manifest); this build reads formats 2 to {supported}"),
         Some(f) if f < supported => {
-            format!("manifest format {f} was written by an older Tessera; this build reads format {supported} only: load it with the release that wrote it and save it again")
+            format!("manifest format {f} was written by an older Tessera; this build reads formats 2 to {supported} only: load it with the release that wrote it and save it again")
         }
-        Some(f) => format!("manifest format {f} was written by a newer Tessera; this build reads format {supported} only: upgrade Tessera to load it"),
+        Some(f) => format!("manifest format {f} was written by a newer Tessera; this build reads formats 2 to {supported} only: upgrade Tessera to load it"),
     }
 }
 

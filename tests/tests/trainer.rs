@@ -449,3 +449,17 @@ fn damaged_checkpoints_are_never_deleted_nor_skipped_in_silence() {
     assert_eq!((summary.resumed_from, summary.losses.len()), (0, 2));
     let _ = std::fs::remove_dir_all(&out);
 }
+
+#[test]
+fn a_resume_does_not_trust_an_edited_manifest() {
+    let out = scratch("edited");
+    let text = "[batch]\nmicro_batch = 2\n[checkpoint]\nevery = 2\nkeep = 2\n";
+    train(config(&out, text, &["run.steps=4"]), 0..0);
+    let manifest = out.join("checkpoints").join("step-4").join("manifest.json");
+    let mut json: serde_json::Value = serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
+    json["extra"]["cursor"] = serde_json::json!(0);
+    std::fs::write(&manifest, serde_json::to_vec_pretty(&json).unwrap()).unwrap();
+    let summary = train(config(&out, text, &["run.steps=6"]), 0..0);
+    assert_eq!(summary.resumed_from, 2, "step 4's edited cursor is not trusted; step 2 is");
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -8,12 +8,17 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
 
-/// The manifest format this build writes and reads.
+/// The manifest format this build writes (it also reads format 2).
 ///
 /// Format 1 stored each tensor-parallel rank's shards by their rank and
 /// could only be restored on the same mesh; format 2 addresses every stored
-/// piece by its place in the global tensor.
-pub const FORMAT_VERSION: u32 = 2;
+/// piece by its place in the global tensor; format 3 adds the manifest's
+/// own checksum, so that an edit to the step, the data cursor or the
+/// optimizer's step counts is detected like a damaged tensor.
+pub const FORMAT_VERSION: u32 = 3;
+
+/// The oldest format this build reads.
+const OLDEST_READ: u32 = 2;
 
 /// The mesh a checkpoint was written from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -194,6 +199,10 @@ pub struct Manifest {
     pub optimizer: Option<OptimizerInfo>,
     /// Free-form trainer state (data cursor, loss scaler, RNG state).
     pub extra: serde_json::Value,
+    /// The checksum of everything above (the manifest as compact JSON with
+    /// this field left out); `None` only in format 2 manifests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<String>,
 }
 
 impl Manifest {
@@ -207,10 +216,38 @@ impl Manifest {
         let shown = path.display().to_string();
         let malformed = |e: serde_json::Error| Error::Checkpoint { path: shown.clone(), detail: format!("malformed manifest: {e}") };
         let version: Version = serde_json::from_slice(bytes).map_err(malformed)?;
-        match version.format {
-            Some(FORMAT_VERSION) => serde_json::from_slice(bytes).map_err(malformed),
-            found => Err(Error::CheckpointFormat { path: shown, found, supported: FORMAT_VERSION }),
+        let manifest: Manifest = match version.format {
+            Some(f) if (OLDEST_READ..=FORMAT_VERSION).contains(&f) => serde_json::from_slice(bytes).map_err(malformed)?,
+            found => return Err(Error::CheckpointFormat { path: shown, found, supported: FORMAT_VERSION }),
+        };
+        if manifest.format >= 3 {
+            let expected = manifest.content_checksum()?;
+            match &manifest.checksum {
+                Some(recorded) if *recorded == expected => {}
+                Some(recorded) => {
+                    return Err(Error::Checkpoint {
+                        path: shown,
+                        detail: format!("the manifest was changed after it was written (its contents hash to {expected}, it records {recorded}): a different step, data cursor or optimizer state would resume another run; restore the file, or fall back to the previous checkpoint"),
+                    })
+                }
+                None => return Err(Error::Checkpoint { path: shown, detail: "the manifest's checksum is missing, so an edit to it cannot be ruled out; restore the file, or fall back to the previous checkpoint".into() }),
+            }
         }
+        Ok(manifest)
+    }
+
+    /// The manifest as written to `manifest.json`: pretty JSON carrying the
+    /// checksum of its contents.
+    pub fn to_json(&self) -> Result<Vec<u8>> {
+        let sealed = Manifest { checksum: Some(self.content_checksum()?), ..self.clone() };
+        serde_json::to_vec_pretty(&sealed).map_err(|e| Error::invalid("manifest", format!("cannot encode the manifest: {e}")))
+    }
+
+    /// The checksum of the manifest's contents (compact JSON, checksum left out).
+    fn content_checksum(&self) -> Result<String> {
+        let bare = Manifest { checksum: None, ..self.clone() };
+        let bytes = serde_json::to_vec(&bare).map_err(|e| Error::invalid("manifest", format!("cannot encode the manifest: {e}")))?;
+        Ok(super::io::checksum(&bytes))
     }
 
     /// The parameter reached by `name` (its own name or an alias).

@@ -132,11 +132,10 @@ fn write_all(src: &Path, tmp: &Path, manifest: &Manifest, mesh: MeshInfo) -> Res
         io::write_safetensors(&tmp.join(&file), &views)?;
         tensors.extend(pieces.into_iter().map(|(r, _, _)| r));
     }
-    let resharded = Manifest { mesh, zero_stage: None, tensors, ..manifest.clone() };
+    let resharded = Manifest { format: super::FORMAT_VERSION, mesh, zero_stage: None, tensors, checksum: None, ..manifest.clone() };
     let path = tmp.join(MANIFEST);
     check::check_layout(&resharded, &path)?;
-    let json = serde_json::to_vec_pretty(&resharded).map_err(|e| io_err(&path, "cannot encode the manifest", e))?;
-    io::write_synced(&path, &json)?;
+    io::write_synced(&path, &resharded.to_json()?)?;
     io::sync_dir(tmp)?;
     Ok(resharded)
 }

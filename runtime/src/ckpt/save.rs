@@ -194,14 +194,13 @@ impl Root {
             tensors.extend(part.tensors);
             parts.push(path);
         }
-        let manifest = Manifest { format: FORMAT_VERSION, step: c.step, mesh: c.mesh, zero_stage: c.zero_stage, params, tensors, optimizer: c.optimizer, extra: c.extra };
+        let manifest = Manifest { format: FORMAT_VERSION, step: c.step, mesh: c.mesh, zero_stage: c.zero_stage, params, tensors, optimizer: c.optimizer, extra: c.extra, checksum: None };
         let path = tmp.join(MANIFEST);
         check::check_layout(&manifest, &path)?;
         for p in parts {
             fs::remove_file(&p).map_err(|e| io_err(&p, "cannot remove", e))?;
         }
-        let json = serde_json::to_vec_pretty(&manifest).map_err(|e| io_err(&path, "cannot encode the manifest", e))?;
-        io::write_synced(&path, &json)?;
+        io::write_synced(&path, &manifest.to_json()?)?;
         io::sync_dir(tmp)?;
         let dir = self.step_dir(c.step);
         let old = self.path.join(format!("step-{}.old-{}", c.step, std::process::id()));
