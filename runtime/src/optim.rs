@@ -112,6 +112,8 @@ pub struct AdamWState<'a> {
 pub struct AdamW {
     config: AdamWConfig,
     slots: Vec<Slot>,
+    /// Each parameter's slot.
+    slot_of: std::collections::HashMap<crate::module::ParamId, usize>,
 }
 
 impl AdamW {
@@ -119,9 +121,10 @@ impl AdamW {
     pub fn new<M: Module>(model: &M, config: AdamWConfig) -> Result<Self> {
         config.validate()?;
         let mut slots: Vec<Slot> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
         module::visit_params(model, |e| {
             // Another pipeline stage holds (and updates) a remote parameter.
-            if e.param.is_remote() || slots.iter().any(|s| s.param.same(e.param)) {
+            if e.param.is_remote() || !seen.insert(e.param.id()) {
                 return Ok(());
             }
             let value = e.param.value().map_err(|_| {
@@ -133,7 +136,8 @@ impl AdamW {
             slots.push(Slot { name: e.name.to_string(), param: e.param.clone(), m, v, steps: 0 });
             Ok(())
         })?;
-        Ok(AdamW { config, slots })
+        let slot_of = slots.iter().enumerate().map(|(i, s)| (s.param.id(), i)).collect();
+        Ok(AdamW { config, slots, slot_of })
     }
 
     /// The hyper-parameters.
@@ -200,7 +204,7 @@ impl AdamW {
     /// checkpoint). The moments must have the shape and dtype of the ones
     /// they replace; `param` must be one this optimizer updates.
     pub fn load_state(&mut self, param: &Param, m: Tensor, v: Tensor, steps: u64) -> Result<()> {
-        let Some(s) = self.slots.iter_mut().find(|s| s.param.same(param)) else {
+        let Some(s) = self.slot_of.get(&param.id()).map(|&i| &mut self.slots[i]) else {
             return Err(Error::invalid("AdamW::load_state", format!("{param:?} is not updated by this optimizer; build the optimizer from the model the state belongs to")));
         };
         for (what, t) in [("first moment", &m), ("second moment", &v)] {

@@ -46,19 +46,24 @@ impl ModelParam {
 /// Every distinct parameter of `model` once, in visit order.
 pub(crate) fn model_params<M: Module>(model: &M) -> Result<Vec<ModelParam>> {
     let mut out: Vec<ModelParam> = Vec::new();
+    let mut index: std::collections::HashMap<crate::module::ParamId, usize> = std::collections::HashMap::new();
     module::visit_params(model, |e| {
-        match out.iter_mut().find(|p| p.param.same(e.param)) {
-            Some(p) => {
+        match index.get(&e.param.id()) {
+            Some(&i) => {
+                let p = &mut out[i];
                 p.names.push(e.name.to_string());
                 p.stages.push(e.stage);
             }
-            None => out.push(ModelParam {
-                param: e.param.clone(),
-                names: vec![e.name.to_string()],
-                stages: vec![e.stage],
-                split_dim: e.split_dim,
-                expert: e.expert,
-            }),
+            None => {
+                index.insert(e.param.id(), out.len());
+                out.push(ModelParam {
+                    param: e.param.clone(),
+                    names: vec![e.name.to_string()],
+                    stages: vec![e.stage],
+                    split_dim: e.split_dim,
+                    expert: e.expert,
+                });
+            }
         }
         Ok(())
     })?;
@@ -86,12 +91,16 @@ pub(crate) fn collect<M: Module>(model: &M, opt: Option<&dyn OptimizerState>, cx
     let c = Coords::of(cx);
     let zero = opt.and_then(|o| o.zero_stage()).is_some();
     let state = opt.map(|o| o.pieces()).transpose()?.unwrap_or_default();
+    let mut by_param: std::collections::HashMap<crate::module::ParamId, Vec<&StatePiece>> = std::collections::HashMap::new();
+    for p in &state {
+        by_param.entry(p.slot.param.id()).or_default().push(p);
+    }
     let mut part = Part::default();
     for mp in model_params(model)? {
         if mp.param.is_remote() {
             continue;
         }
-        let mine: Vec<&StatePiece> = state.iter().filter(|p| p.slot.param.same(&mp.param)).collect();
+        let mine: Vec<&StatePiece> = by_param.remove(&mp.param.id()).unwrap_or_default();
         let dtype = match mp.param.value() {
             Ok(v) => v.dtype(),
             Err(_) => mine.first().map_or(cx.master_dtype(), |p| p.tensor.dtype()),

@@ -168,9 +168,10 @@ fn read_values(store: &mut Store, params: &[ModelParam], cx: &Cx) -> Result<Vec<
 /// The value of every slot of `opt`, with its update count.
 fn read_state(store: &mut Store, params: &[ModelParam], opt: &dyn OptimizerState, cx: &Cx) -> Result<Vec<(Tensor, Option<u64>)>> {
     let slots = opt.slots();
+    let by_id: std::collections::HashMap<crate::module::ParamId, &ModelParam> = params.iter().map(|m| (m.param.id(), m)).collect();
     let mut state = Vec::with_capacity(slots.len());
     for s in &slots {
-        let Some(m) = params.iter().find(|m| m.param.same(&s.param)) else {
+        let Some(&m) = by_id.get(&s.param.id()) else {
             return Err(store.mismatch(format!("the optimizer updates `{}`, which is not a parameter of this model; build the optimizer from the model", s.name)));
         };
         let r = record_of(store, m).expect("checked by check_fits");

@@ -39,7 +39,7 @@ pub mod layout_names {
     pub enum PartialSum {}
     pub enum Dispatched {}
 }
-pub use param::{Param, Shard};
+pub use param::{Param, ParamId, Shard};
 pub use role::{Column, Plain, Role, RoleKind, Row, Vocab};
 pub use stage::{layers_of, PipelineLayout, StagePart};
 pub use visit::{ExpertSlot, ParamEntry, Visitor};
@@ -265,10 +265,14 @@ impl NamedParam {
 /// Every distinct parameter of `model` once, in visit order, with all its names.
 pub fn distinct_params<M: Module>(model: &M) -> Result<Vec<NamedParam>> {
     let mut out: Vec<NamedParam> = Vec::new();
+    let mut index: std::collections::HashMap<ParamId, usize> = std::collections::HashMap::new();
     visit_params(model, |e| {
-        match out.iter_mut().find(|n| n.param.same(e.param)) {
-            Some(n) => n.names.push(e.name.to_string()),
-            None => out.push(NamedParam { names: vec![e.name.to_string()], param: e.param.clone() }),
+        match index.get(&e.param.id()) {
+            Some(&i) => out[i].names.push(e.name.to_string()),
+            None => {
+                index.insert(e.param.id(), out.len());
+                out.push(NamedParam { names: vec![e.name.to_string()], param: e.param.clone() });
+            }
         }
         Ok(())
     })?;
@@ -294,7 +298,7 @@ pub fn materialize<M: Module>(model: &M, cx: &Cx) -> Result<()> {
     model.check_tp("", degree, &mut problems);
     // Every part of the pipeline through which each parameter is reached
     // (a tied weight may be reached from the first and the last stage).
-    let mut parts: Vec<(Param, Vec<StagePart>)> = Vec::new();
+    let mut parts: std::collections::HashMap<ParamId, Vec<StagePart>> = std::collections::HashMap::new();
     visit_params(model, |e| {
         if let Some(dim) = e.split_dim {
             let size = e.param.global_shape().dims().get(dim).copied().unwrap_or(0);
@@ -305,10 +309,7 @@ pub fn materialize<M: Module>(model: &M, cx: &Cx) -> Result<()> {
                 ));
             }
         }
-        match parts.iter_mut().find(|(p, _)| p.same(e.param)) {
-            Some((_, v)) => v.push(e.stage),
-            None => parts.push((e.param.clone(), vec![e.stage])),
-        }
+        parts.entry(e.param.id()).or_default().push(e.stage);
         Ok(())
     })?;
     if !problems.is_empty() {
@@ -321,7 +322,7 @@ pub fn materialize<M: Module>(model: &M, cx: &Cx) -> Result<()> {
     let layout = cx.pipeline_layout()?;
     let held = |p: &Param| match &layout {
         None => true,
-        Some(l) => parts.iter().find(|(q, _)| q.same(p)).is_none_or(|(_, v)| l.holders(v).contains(&stage)),
+        Some(l) => parts.get(&p.id()).is_none_or(|v| l.holders(v).contains(&stage)),
     };
     visit_params(model, |e| {
         let shard = match e.split_dim {

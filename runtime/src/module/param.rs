@@ -7,6 +7,10 @@ use crate::tensor::{DType, Init, Shape, Tensor};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+/// A parameter's identity (see [`Param::id`]), valid while the parameter lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ParamId(usize);
+
 /// How a parameter is laid out over the tensor-parallel group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Shard {
@@ -85,6 +89,13 @@ impl Param {
     /// Whether both handles name one parameter (tied weights do).
     pub fn same(&self, other: &Param) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// The parameter's identity, equal for every handle to it (tied weights
+    /// share one): a key for maps, so that walking a model of many thousand
+    /// parameters stays linear.
+    pub fn id(&self) -> ParamId {
+        ParamId(Arc::as_ptr(&self.0) as usize)
     }
 
     /// Whether only other pipeline stages hold the parameter: materialising

@@ -85,6 +85,8 @@ pub struct DataParallel {
     dp: Arc<dyn Communicator>,
     compression: Compression,
     params: Vec<Param>,
+    /// Each parameter's index in `params`.
+    index: std::collections::HashMap<crate::module::ParamId, usize>,
     /// The parameters of each bucket, as indices into `params`, in packing order.
     buckets: Vec<Vec<usize>>,
     bucket_of: Vec<usize>,
@@ -118,7 +120,8 @@ impl DataParallel {
             }
         }
         let state = State { ready: vec![false; params.len()], launched: vec![false; buckets.len()], ..State::default() };
-        Ok(DataParallel { dp, compression: Compression::None, params, buckets, bucket_of, state: Mutex::new(state) })
+        let index = params.iter().enumerate().map(|(i, p)| (p.id(), i)).collect();
+        Ok(DataParallel { dp, compression: Compression::None, params, index, buckets, bucket_of, state: Mutex::new(state) })
     }
 
     /// Sends gradients compressed as `compression`.
@@ -215,7 +218,7 @@ impl Hooks for DataParallel {
     fn grad_ready(&self, param: &Param) -> Result<()> {
         let mut s = self.state();
         Self::poll(&mut s);
-        let Some(i) = self.params.iter().position(|p| p.same(param)) else {
+        let Some(&i) = self.index.get(&param.id()) else {
             return Err(Error::invalid("DataParallel", format!("{param:?} is not a parameter of the model this engine was built for; build one engine per model")));
         };
         s.ready[i] = true;

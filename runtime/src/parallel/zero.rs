@@ -281,6 +281,8 @@ pub struct Zero {
     rank: usize,
     layout: FlatLayout,
     entries: Vec<Entry>,
+    /// Each parameter's index in `entries`.
+    entry_of: HashMap<crate::module::ParamId, usize>,
     units: Vec<Unit>,
     unit_of_path: HashMap<String, usize>,
     /// Stage 3: parameters owned by the model's root (no sub-module call
@@ -311,6 +313,7 @@ impl Zero {
             return Err(Error::invalid(OP, "the bucket size must be positive (e.g. 25 MiB)"));
         }
         let mut entries: Vec<Entry> = Vec::new();
+        let mut seen: HashMap<crate::module::ParamId, usize> = HashMap::new();
         let mut owners: Vec<(String, usize)> = Vec::new();
         let mut kind: Option<(DType, Device)> = None;
         let mut problem: Option<String> = None;
@@ -319,8 +322,8 @@ impl Zero {
             if e.param.is_remote() {
                 return Ok(());
             }
-            let index = match entries.iter().position(|x| x.param.same(e.param)) {
-                Some(i) => i,
+            let index = match seen.get(&e.param.id()) {
+                Some(&i) => i,
                 None => {
                     let value = e.param.value().map_err(|_| {
                         Error::invalid(OP, format!("parameter `{}` has no value; build (materialise) the model on this rank before sharding it", e.name))
@@ -335,6 +338,7 @@ impl Zero {
                     }
                     let offset = entries.last().map_or(0, |x| x.offset + x.len);
                     entries.push(Entry { name: e.name.to_string(), param: e.param.clone(), shape: value.shape().clone(), offset, len: value.elem_count() });
+                    seen.insert(e.param.id(), entries.len() - 1);
                     entries.len() - 1
                 }
             };
@@ -418,6 +422,7 @@ impl Zero {
             prefetch: None,
             stats: ZeroStats::default(),
         };
+        let entry_of = entries.iter().enumerate().map(|(i, e)| (e.param.id(), i)).collect();
         let zero = Zero {
             stage: config.stage,
             config,
@@ -425,6 +430,7 @@ impl Zero {
             rank,
             layout,
             entries,
+            entry_of,
             units,
             unit_of_path,
             persistent,
@@ -1015,7 +1021,7 @@ impl Hooks for Zero {
         if let Some(dp) = &self.all_reduce {
             return dp.grad_ready(param);
         }
-        let Some(i) = self.entries.iter().position(|e| e.param.same(param)) else {
+        let Some(&i) = self.entry_of.get(&param.id()) else {
             return Err(Error::invalid("Zero", format!("{param:?} is not a parameter of the model this engine was built for; build one engine per model")));
         };
         let mut s = self.state();

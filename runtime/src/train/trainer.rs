@@ -772,8 +772,9 @@ fn step_report(
 fn average_grads<M: Module>(model: &M, dp: &dyn Communicator, ep: &dyn Communicator, replicas: usize) -> Result<()> {
     // Each parameter once, with whether the visitor places it in an expert.
     let mut params: Vec<(crate::module::Param, bool)> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
     module::visit_params(model, |e| {
-        if !params.iter().any(|(p, _)| p.same(e.param)) {
+        if seen.insert(e.param.id()) {
             params.push((e.param.clone(), e.expert.is_some()));
         }
         Ok(())
