@@ -27,6 +27,18 @@ use tessera_models::gpt2::Gpt2;
 use tessera_models::hf::{HfConfig, HfModel};
 use tessera_models::llama::Llama;
 
+/// Prints a line to stdout; when the reader has gone (`train | head`), the
+/// program ends quietly and successfully (its checkpoints are atomic, and
+/// the next run takes over the directory).
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        if writeln!(std::io::stdout(), $($t)*).is_err() {
+            std::process::exit(0);
+        }
+    }};
+}
+
 /// The built-in configuration (also at examples/configs/arith.toml).
 const DEFAULT_CONFIG: &str = include_str!("configs/arith.toml");
 
@@ -199,7 +211,7 @@ where
     let trainer = trainer.fresh(args.fresh).with_run_lock(lock);
     let m = &cfg.mesh;
     let ranks = if m.rank_device()? == tessera::train::RankDevice::Cuda { "GPUs" } else { "CPU ranks" };
-    println!(
+    say!(
         "training {kind} ({params} parameters, {layers} layers, hidden {width}) on {} {ranks}: dp{} × ep{} × pp{} × tp{}{} ({} schedule, {} microbatches of {} × {} tokens per replica and step)",
         m.world_size(),
         m.dp,
@@ -213,28 +225,28 @@ where
         cfg.batch.seq_len
     );
     if cfg.data.source == "bundled" {
-        println!("task: three-digit addition, every number written least significant digit first (123 + 45 = 168 is \"321+540=8610\"); loss on the answers");
+        say!("task: three-digit addition, every number written least significant digit first (123 + 45 = 168 is \"321+540=8610\"); loss on the answers");
     }
     let summary = trainer.run()?;
     if summary.resumed_from >= cfg.run.steps {
-        println!("the run in {} already finished its {} steps (--fresh starts over); evaluating its final checkpoint", out.display(), cfg.run.steps);
+        say!("the run in {} already finished its {} steps (--fresh starts over); evaluating its final checkpoint", out.display(), cfg.run.steps);
     } else if summary.resumed_from > 0 {
-        println!("resumed from the checkpoint of step {}", summary.resumed_from);
+        say!("resumed from the checkpoint of step {}", summary.resumed_from);
     }
     if let (Some(first), Some(last)) = (summary.losses.first(), summary.losses.last()) {
-        println!("loss {:.3} (step {}) -> {:.3} (step {}) in {:.1}s, {:.0} tokens/s", first.1, first.0, last.1, last.0, summary.elapsed.as_secs_f64(), summary.tokens_per_s);
+        say!("loss {:.3} (step {}) -> {:.3} (step {}) in {:.1}s, {:.0} tokens/s", first.1, first.0, last.1, last.0, summary.elapsed.as_secs_f64(), summary.tokens_per_s);
     }
     let mut norm_spikes = 0;
     for (step, e) in &summary.events {
         match e {
             Event::Checkpoint { .. } => {}
             Event::Anomaly { detail } if detail.contains("gradient-norm spike") => norm_spikes += 1,
-            Event::Anomaly { detail } => println!("step {step}: anomaly: {detail}"),
-            other => println!("step {step}: {other:?}"),
+            Event::Anomaly { detail } => say!("step {step}: anomaly: {detail}"),
+            other => say!("step {step}: {other:?}"),
         }
     }
     if norm_spikes > 0 {
-        println!("{norm_spikes} gradient-norm spikes recorded (clipped; see metrics.jsonl)");
+        say!("{norm_spikes} gradient-norm spikes recorded (clipped; see metrics.jsonl)");
     }
     if cfg.data.source != "bundled" {
         return Ok(());
@@ -247,16 +259,16 @@ where
     let model = module::build(build(&cx)?, &cx)?;
     Checkpointer::new(trainer.checkpoint_dir(), cfg.checkpoint.keep)?.load(&summary.checkpoint, &model, None, &cx)?;
     let report = task.eval_batched(args.eval, 100, |prompts| generate(&model, &mut cx, prompts, arith::ANSWER_LEN))?;
-    println!("\nexact match on {} held-out problems: {:.1}% ({} right), evaluated in {:.1}s", report.total, 100.0 * report.accuracy, report.correct, started.elapsed().as_secs_f64());
+    say!("\nexact match on {} held-out problems: {:.1}% ({} right), evaluated in {:.1}s", report.total, 100.0 * report.accuracy, report.correct, started.elapsed().as_secs_f64());
     let digits: Vec<String> = report.digit_accuracy.iter().map(|a| format!("{:.0}%", 100.0 * a)).collect();
-    println!("per answer digit (least significant first): {}", digits.join(" "));
-    println!("samples (prompt -> answer, digits least significant first):");
+    say!("per answer digit (least significant first): {}", digits.join(" "));
+    say!("samples (prompt -> answer, digits least significant first):");
     for s in &report.samples {
-        println!("  {}{:<5} expected {:<5} {}", s.prompt, s.got, s.expected, if s.got == s.expected { "right" } else { "WRONG" });
+        say!("  {}{:<5} expected {:<5} {}", s.prompt, s.got, s.expected, if s.got == s.expected { "right" } else { "WRONG" });
     }
     let eval = serde_json::json!({ "held_out": report.total, "correct": report.correct, "exact_match": report.accuracy, "digit_accuracy": report.digit_accuracy });
     write(&out.join("eval.json"), &eval.to_string())?;
-    println!("\nrun directory {}: config.toml, metrics.jsonl, trace.json, loss.png, eval.json, checkpoints/", out.display());
+    say!("\nrun directory {}: config.toml, metrics.jsonl, trace.json, loss.png, eval.json, checkpoints/", out.display());
     Ok(())
 }
 

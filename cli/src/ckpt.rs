@@ -186,6 +186,6 @@ fn reshard(args: &ReshardArgs) -> anyhow::Result<()> {
     let dir = resolve(&args.dir)?;
     let mesh = MeshInfo { tp: args.tp, dp: args.dp, pp: args.pp, ep: args.ep, chunks: args.chunks };
     let m = ckpt::reshard(&dir, &args.out, mesh).with_context(|| format!("cannot reshard `{}` for {mesh}", dir.display()))?;
-    println!("wrote {}: step {}, mesh {}, {} files, {} bytes of tensors", args.out.display(), m.step, m.mesh, m.files().len(), m.tensor_bytes());
+    say!("wrote {}: step {}, mesh {}, {} files, {} bytes of tensors", args.out.display(), m.step, m.mesh, m.files().len(), m.tensor_bytes());
     Ok(())
 }

@@ -4,6 +4,17 @@
 //! - `tessera ckpt inspect` / `tessera ckpt reshard`: look into a checkpoint,
 //!   and rewrite it for another mesh.
 
+/// Prints a line to stdout; when the reader has gone (`tessera … | head`),
+/// the program ends quietly and successfully, as Unix tools do.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        if writeln!(std::io::stdout(), $($t)*).is_err() {
+            std::process::exit(0);
+        }
+    }};
+}
+
 mod ckpt;
 mod prepare;
 
@@ -26,8 +37,13 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+    let r = match Cli::parse().command {
         Command::Prepare(args) => prepare::run(args),
         Command::Ckpt(cmd) => ckpt::run(cmd),
+    };
+    // A reader that went away is not an error of this program.
+    match r {
+        Err(e) if e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)) => Ok(()),
+        r => r,
     }
 }

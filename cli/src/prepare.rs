@@ -64,7 +64,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let task = arith::Task::new(args.seed).with_train_size(args.train_size);
         if args.text {
             for path in task.write_text(&args.out)? {
-                println!("wrote {}", path.display());
+                say!("wrote {}", path.display());
             }
             return Ok(());
         }
@@ -85,7 +85,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 fn report(out: &std::path::Path, index: &Index) {
-    println!(
+    say!(
         "wrote {} tokens from {} document(s) in {} shard(s) of {} to {}; vocabulary {} ({})",
         index.total_tokens,
         index.documents,

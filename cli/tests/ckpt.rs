@@ -249,3 +249,21 @@ fn an_edited_manifest_is_detected() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let _ = std::fs::remove_dir_all(&base);
 }
+
+#[test]
+fn a_reader_that_goes_away_ends_the_command_quietly() {
+    let base = scratch("pipe");
+    save_tp2_pp2(&base);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["ckpt", "inspect", base.join("step-1").to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Close the read end before the report is written: `tessera … | head -0`.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = text(&out.stderr);
+    assert!(out.status.success() && !stderr.contains("panicked") && !stderr.contains("Broken pipe"), "{:?}: {stderr}", out.status);
+    let _ = std::fs::remove_dir_all(&base);
+}

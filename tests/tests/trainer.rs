@@ -463,3 +463,20 @@ fn a_resume_does_not_trust_an_edited_manifest() {
     assert_eq!(summary.resumed_from, 2, "step 4's edited cursor is not trusted; step 2 is");
     let _ = std::fs::remove_dir_all(&out);
 }
+
+#[test]
+fn a_run_that_cannot_fit_in_memory_is_refused_before_it_allocates() {
+    let out = scratch("too-big");
+    let cfg = config(&out, "[batch]\nmicro_batch = 2\n", &["run.steps=1"]);
+    let facts = ModelFacts { vocab: VOCAB, flops_per_token: 1e5 };
+    // About 100 billion parameters: shapes only until the ranks materialise them.
+    let err = Trainer::new(cfg, facts, |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 65_536, 2, 2, false), |replica| {
+        Ok(Box::new(Counting { replica, micro_batch: 2, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>)
+    })
+    .unwrap()
+    .run()
+    .expect_err("refused")
+    .to_string();
+    assert!(err.contains("needs at least") && err.contains("GiB") && err.contains("parameters"), "{err}");
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -4,6 +4,7 @@
 
 mod clip;
 mod config;
+mod memory_check;
 mod monitor;
 mod ranks;
 mod run_lock;

@@ -317,6 +317,12 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let config_path = out.join("config.toml");
         std::fs::write(&config_path, cfg.to_toml()?).map_err(|e| Error::io(&config_path, e))?;
 
+        // Before any rank allocates: a run that cannot fit is refused here,
+        // not aborted by the allocator.
+        if cfg.mesh.rank_device()? == super::RankDevice::Cpu {
+            let probe = (self.build)(&Cx::new(Device::cpu()), 0, 1)?;
+            super::memory_check::check(cfg, &probe, self.facts.vocab)?;
+        }
         let world_size = cfg.mesh.world_size();
         let mesh = Mesh::parse(&format!("pp{},dp{},ep{},tp{}", cfg.mesh.pp, cfg.mesh.dp, cfg.mesh.ep, cfg.mesh.tp), world_size, world_size)?;
         let ranks = Ranks::new(cfg.mesh.rank_device()?, &mesh)?;
