@@ -72,6 +72,23 @@ fn a_wrong_shape_is_named_with_both_shapes() {
 }
 
 #[test]
+fn a_config_larger_than_its_weights_fails_before_allocating() {
+    // A config claiming a model of some 10^13 parameters: its weights would
+    // not fit any machine, so the old order (materialise, then read) died
+    // in the allocator. The shapes are checked against the file first.
+    let dir = with_config("llama", |c| {
+        c["hidden_size"] = json!(1 << 20);
+        c["head_dim"] = json!(1 << 18);
+        c["intermediate_size"] = json!(1 << 22);
+        c["num_hidden_layers"] = json!(1 << 10);
+    });
+    let started = std::time::Instant::now();
+    let e = load::<Llama>(dir.path());
+    assert!(matches!(e, Error::TensorShape { .. }), "{e:?}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(10), "took {:?}", started.elapsed());
+}
+
+#[test]
 fn unexpected_tensors_are_listed() {
     let dir = with_tensors("llama", |t| {
         let extra = t["model.layers.1.mlp.up_proj.weight"].clone();

@@ -105,12 +105,22 @@ impl Weights {
         self.entries.contains_key(name)
     }
 
-    /// Tensor `name`, checked to have `shape`, converted to `dtype` on `device`.
-    pub fn read(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+    /// Checks that tensor `name` has `shape` and a dtype [`read`](Self::read) converts.
+    pub fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
         let e = self.entries.get(name).ok_or_else(|| file_err(&self.path, format!("has no tensor `{name}`")))?;
         if e.shape != shape {
             return Err(Error::TensorShape { path: self.path(), tensor: name.into(), expected: shape.to_vec(), got: e.shape.clone() });
         }
+        match e.dtype {
+            Dtype::F32 | Dtype::F16 | Dtype::BF16 => Ok(()),
+            other => Err(Error::TensorDtype { path: self.path(), tensor: name.into(), dtype: format!("{other:?}") }),
+        }
+    }
+
+    /// Tensor `name`, checked to have `shape`, converted to `dtype` on `device`.
+    pub fn read(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        self.check(name, shape)?;
+        let e = &self.entries[name];
         let bytes = &self.files[e.file][e.bytes.clone()];
         let stored = match e.dtype {
             Dtype::F32 => Tensor::from_vec(decode(bytes, f32::from_le_bytes), shape, device)?,

@@ -161,8 +161,15 @@ pub fn read_config<C: HfConfig>(dir: impl AsRef<Path>) -> Result<C> {
 pub fn load_pretrained<M: HfModel>(dir: impl AsRef<Path>, cx: &Cx) -> Result<Pretrained<M>> {
     let dir = dir.as_ref();
     let config: M::Config = read_config(dir)?;
-    let model = module::build(M::from_config(&config, cx)?, cx)?;
-    load_weights(&model, &config, dir)?;
+    let weights = files::Weights::open(dir)?;
+    // The checkpoint is checked against the model's declared shapes before
+    // anything is allocated: a damaged or mismatched config.json (a missing
+    // `hidden_size` defaults to thousands) must not cost gigabytes first.
+    let mut model = M::from_config(&config, cx)?;
+    model.tie_params()?;
+    let plan = plan(&model, &config, &weights)?;
+    module::materialize(&model, cx)?;
+    fill(plan, &weights)?;
     Ok(Pretrained { model, config })
 }
 
@@ -172,36 +179,67 @@ pub fn load_pretrained<M: HfModel>(dir: impl AsRef<Path>, cx: &Cx) -> Result<Pre
 /// expected shape and dtype and none is left over.
 pub fn load_weights<M: HfModel>(model: &M, config: &M::Config, dir: impl AsRef<Path>) -> Result<()> {
     let weights = files::Weights::open(dir.as_ref())?;
+    let plan = plan(model, config, &weights)?;
+    fill(plan, &weights)
+}
+
+/// Where each parameter's value comes from: its Hugging Face tensors (the
+/// keys found in the checkpoint, with their expected shapes).
+struct Source {
+    param: module::NamedParam,
+    conversion: Conversion,
+    tensors: Vec<(String, Vec<usize>)>,
+}
+
+/// Checks the checkpoint against `model`'s parameters (their global
+/// shapes; `model` need not be materialised): every tensor there with the
+/// expected shape and a readable dtype, none left over.
+fn plan<M: HfModel>(model: &M, config: &M::Config, weights: &files::Weights) -> Result<Vec<Source>> {
     let mut used: HashSet<String> = HashSet::new();
-    let mut values: Vec<(tessera::module::Param, Tensor)> = Vec::new();
+    let mut plan = Vec::new();
     for p in module::distinct_params(model)? {
         let hf = M::hf_param(config, p.name());
-        let current = p.param.value()?;
         let shapes = hf.conversion.hf_shapes(p.param.global_shape().dims());
-        let mut parts = Vec::with_capacity(hf.tensors.len());
-        for (tensor, shape) in hf.tensors.iter().zip(&shapes) {
+        let mut tensors = Vec::with_capacity(hf.tensors.len());
+        for (tensor, shape) in hf.tensors.iter().zip(shapes) {
             // A checkpoint of the bare base model has no prefix.
             let bare = tensor.strip_prefix(M::BASE_PREFIX).filter(|b| !weights.contains(tensor) && weights.contains(b));
             let key = bare.unwrap_or(tensor);
             if !weights.contains(key) {
                 return Err(Error::MissingTensor { path: weights.path(), tensor: tensor.clone(), param: p.name().to_string() });
             }
-            parts.push(weights.read(key, shape, current.dtype(), current.device())?);
+            weights.check(key, &shape)?;
             used.insert(key.to_string());
+            tensors.push((key.to_string(), shape));
         }
-        let global = hf.conversion.import(&parts)?;
-        let local = match p.param.shard() {
+        plan.push(Source { param: p, conversion: hf.conversion, tensors });
+    }
+    let unexpected: Vec<String> = weights.names().filter(|n| !used.contains(*n) && !model.skips(config, n)).map(String::from).collect();
+    if !unexpected.is_empty() {
+        return Err(Error::UnexpectedTensors { path: weights.path(), tensors: unexpected });
+    }
+    Ok(plan)
+}
+
+/// Reads every planned parameter's shard, then sets them all: nothing
+/// changes unless every read succeeds.
+fn fill(plan: Vec<Source>, weights: &files::Weights) -> Result<()> {
+    let mut values: Vec<(tessera::module::Param, Tensor)> = Vec::with_capacity(plan.len());
+    for source in plan {
+        let current = source.param.param.value()?;
+        let mut parts = Vec::with_capacity(source.tensors.len());
+        for (key, shape) in &source.tensors {
+            parts.push(weights.read(key, shape, current.dtype(), current.device())?);
+        }
+        let global = source.conversion.import(&parts)?;
+        let local = match source.param.param.shard() {
             Shard::Full => global,
             Shard::Split { dim, rank, degree } => {
                 let len = global.dims()[dim] / degree;
                 global.narrow(dim, rank * len, len)?.contiguous()?
             }
         };
-        values.push((p.param.clone(), local));
-    }
-    let unexpected: Vec<String> = weights.names().filter(|n| !used.contains(*n) && !model.skips(config, n)).map(String::from).collect();
-    if !unexpected.is_empty() {
-        return Err(Error::UnexpectedTensors { path: weights.path(), tensors: unexpected });
+        values.push((source.param.param.clone(), local));
     }
     for (p, v) in values {
         p.set_value(v)?;

@@ -46,9 +46,13 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! [`fuzz`] holds the bounded mutation fuzzer the project runs on its
+//! loaders of outside input.
 
 mod compare;
 mod fd;
+pub mod fuzz;
 mod run;
 
 pub use run::Rank;
