@@ -223,7 +223,8 @@ fn an_edited_manifest_is_detected() {
     let dir = base.join("step-1");
     let manifest = dir.join(ckpt::MANIFEST);
     let original = std::fs::read(&manifest).unwrap();
-    let edits: [(&str, fn(&mut serde_json::Value)); 3] = [
+    type Edit = fn(&mut serde_json::Value);
+    let edits: [(&str, Edit); 3] = [
         ("step", |m| m["step"] = 7.into()),
         ("data cursor", |m| m["extra"] = serde_json::json!({ "cursor": 123 })),
         ("optimizer step count", |m| {

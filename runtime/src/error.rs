@@ -86,6 +86,16 @@ pub enum Error {
     #[error("rank {rank} failed: {reason}; this rank's collectives cannot complete. The failed rank's own error or panic message is the root cause, errors on the other ranks are consequences of it")]
     PeerFailed { rank: usize, reason: String },
 
+    /// A multi-rank run failed: rank `rank`'s failure, which stopped the
+    /// others, is the root cause (what the trainer reports when that rank's
+    /// own error reached the others only as its reason).
+    #[error("rank {rank} failed: {reason}")]
+    RankFailed { rank: usize, reason: String },
+
+    /// A failure the run's `[faults]` section asked for struck rank `rank`.
+    #[error("rank {rank}: {detail} (injected by the `[faults]` section of the configuration)")]
+    FaultInjected { rank: usize, detail: String },
+
     /// A collective or receive waited longer than the communicator's timeout.
     #[error("{op} timed out after {waited:?}: {detail}; check that every rank of the group issues the same collectives in the same order (a rank that skips one leaves the others waiting), or raise the timeout if a rank is legitimately that slow")]
     Timeout { op: &'static str, waited: std::time::Duration, detail: String },

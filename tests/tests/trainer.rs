@@ -1,98 +1,16 @@
 //! The configured training loop: run directory contents, bit-exact resume,
 //! gradient accumulation, rollback on a loss spike with the offending data
-//! skipped, and fp16 loss scaling.
+//! skipped, and fp16 loss scaling. (The setup is in `common/training.rs`.)
 
 mod common;
 use common::models::{Gpt, MoeGpt};
+use common::training::*;
 use std::path::{Path, PathBuf};
 use tessera::ckpt::serde_json;
-use tessera::module::{self, Cx};
+use tessera::module::Cx;
 use tessera::observe::{read_metrics, Event};
 use tessera::prelude::*;
-use tessera::train::{Batches, ModelFacts, Replica, RunSummary, TrainConfig, Trainer};
-
-const VOCAB: usize = 16;
-const SEQ: usize = 8;
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tessera-trainer-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
-
-/// Sequence `n` of the synthetic task: counting from a start by a stride of
-/// 1 to 3 (mod the vocabulary).
-fn sequence(n: u64) -> (Vec<u32>, Vec<u32>) {
-    let h = n.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 7;
-    let (start, stride) = ((h % VOCAB as u64) as usize, 1 + (h / 31 % 3) as usize);
-    let tok = |i: usize| ((start + i * stride) % VOCAB) as u32;
-    ((0..SEQ).map(tok).collect(), (1..=SEQ).map(tok).collect())
-}
-
-/// Draw `k` of replica `r` holds sequences `(k · count + r) · b ..` of the global order.
-struct Counting {
-    replica: Replica,
-    micro_batch: usize,
-    drawn: u64,
-    /// Draws whose targets are scrambled (bad data).
-    poisoned: std::ops::Range<u64>,
-}
-
-impl Batches for Counting {
-    fn next_batch(&mut self, device: &Device) -> tessera::Result<(Tensor, Tensor)> {
-        let b = self.micro_batch as u64;
-        let first = (self.drawn * self.replica.count as u64 + self.replica.index as u64) * b;
-        let (mut xs, mut ys) = (Vec::new(), Vec::new());
-        for n in first..first + b {
-            let (x, y) = sequence(n);
-            xs.extend(x);
-            ys.extend(y);
-        }
-        if self.poisoned.contains(&self.drawn) {
-            ys.iter_mut().enumerate().for_each(|(i, y)| *y = (*y + 5 + i as u32 * 7) % VOCAB as u32);
-        }
-        self.drawn += 1;
-        Ok((Tensor::from_vec(xs, [self.micro_batch, SEQ], device)?, Tensor::from_vec(ys, [self.micro_batch, SEQ], device)?))
-    }
-
-    fn cursor(&self) -> serde_json::Value {
-        serde_json::json!(self.drawn)
-    }
-
-    fn restore(&mut self, cursor: &serde_json::Value) -> tessera::Result<()> {
-        self.drawn = cursor.as_u64().ok_or_else(|| tessera::Error::InvalidArgument { op: "Counting", detail: format!("bad cursor {cursor}") })?;
-        Ok(())
-    }
-}
-
-fn config(out: &Path, text: &str, overrides: &[&str]) -> TrainConfig {
-    let out = format!("run.out={:?}", out.display().to_string());
-    let mut all = vec![out.as_str(), "run.progress=false", "optim.lr=3e-3", "optim.warmup=2", "batch.seq_len=8"];
-    all.extend_from_slice(overrides);
-    TrainConfig::parse(text, &all).unwrap()
-}
-
-fn train(cfg: TrainConfig, poisoned: std::ops::Range<u64>) -> RunSummary {
-    let micro_batch = cfg.batch.micro_batch;
-    let facts = ModelFacts { vocab: VOCAB, flops_per_token: 1e5 };
-    let trainer = Trainer::new(
-        cfg,
-        facts,
-        |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false),
-        move |replica| Ok(Box::new(Counting { replica, micro_batch, drawn: 0, poisoned: poisoned.clone() }) as Box<dyn Batches>),
-    )
-    .unwrap();
-    trainer.run().unwrap()
-}
-
-/// The final parameters of a run, read back from its final checkpoint on
-/// one rank (resharded from the run's mesh).
-fn final_params(summary: &RunSummary) -> Vec<(String, Vec<f32>)> {
-    let cx = Cx::new(Device::cpu());
-    let model = module::build(Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false).unwrap(), &cx).unwrap();
-    tessera::ckpt::Checkpointer::new(summary.checkpoint.parent().unwrap(), 10).unwrap().load(&summary.checkpoint, &model, None, &cx).unwrap();
-    module::distinct_params(&model).unwrap().into_iter().map(|n| (n.names[0].clone(), n.param.value().unwrap().to_vec::<f32>().unwrap())).collect()
-}
+use tessera::train::{Batches, ModelFacts, Trainer};
 
 #[test]
 fn a_run_writes_metrics_trace_plot_and_checkpoint_and_learns() {
@@ -396,16 +314,6 @@ fn damage(dir: &Path) {
     }
 }
 
-fn try_train(cfg: TrainConfig, fresh: bool) -> tessera::Result<RunSummary> {
-    let micro_batch = cfg.batch.micro_batch;
-    let facts = ModelFacts { vocab: VOCAB, flops_per_token: 1e5 };
-    Trainer::new(cfg, facts, |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false), move |replica| {
-        Ok(Box::new(Counting { replica, micro_batch, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>)
-    })?
-    .fresh(fresh)
-    .run()
-}
-
 #[test]
 fn damaged_checkpoints_are_never_deleted_nor_skipped_in_silence() {
     let out = scratch("damaged");
@@ -424,10 +332,13 @@ fn damaged_checkpoints_are_never_deleted_nor_skipped_in_silence() {
     let aside: Vec<PathBuf> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("damaged-step-4-")).collect();
     assert_eq!(aside.len(), 1, "step 4 is set aside once");
     assert!(std::fs::read_to_string(aside[0].join(tessera::ckpt::REASON_FILE)).unwrap().contains("safetensors"));
+    // The first run's lines of steps 3 and 4, which the resumed run
+    // replays, are replaced by the replay's: one line per step.
     let metrics = read_metrics(out.join("metrics.jsonl")).unwrap();
-    let line = &metrics[4];
-    assert_eq!(line.step, 3, "the first line of the resumed run follows the first run's 4");
+    assert_eq!(metrics.iter().map(|m| m.step).collect::<Vec<_>>(), (1..=8).collect::<Vec<_>>());
+    let line = &metrics[2];
     assert!(line.events.iter().any(|e| matches!(e, Event::SetAside { dir, .. } if dir.ends_with("step-4"))), "{:?}", line.events);
+    assert!(line.events.contains(&Event::Resumed { from_step: 2, dropped_lines: 2 }), "{:?}", line.events);
 
     // Every checkpoint damaged: the run refuses to start over (naming each)
     // and deletes or truncates nothing.

@@ -199,6 +199,11 @@ pub struct Manifest {
     pub optimizer: Option<OptimizerInfo>,
     /// Free-form trainer state (data cursor, loss scaler, RNG state).
     pub extra: serde_json::Value,
+    /// Written only so that a stopped job can resume here
+    /// ([`Checkpointer::save_resume_point`](super::Checkpointer::save_resume_point)):
+    /// not a rollback target, and pruned by the next checkpoint.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub resume_point: bool,
     /// The checksum of everything above (the manifest as compact JSON with
     /// this field left out); `None` only in format 2 manifests.
     #[serde(default, skip_serializing_if = "Option::is_none")]

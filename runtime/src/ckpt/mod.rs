@@ -78,11 +78,12 @@ mod check;
 mod collect;
 mod collective;
 mod damaged;
+mod faults;
 mod io;
 mod leftovers;
 mod manifest;
 mod optimizer;
-mod place;
+pub(crate) mod place;
 mod region;
 mod reshard;
 mod restore;
@@ -127,6 +128,8 @@ pub(crate) struct Root {
     keep: usize,
     /// How long rank 0 waits for the other ranks' parts.
     timeout: Duration,
+    /// Writes set to fail on purpose.
+    faults: faults::WriteFaults,
 }
 
 impl Root {
@@ -220,7 +223,7 @@ impl Checkpointer {
             return Err(Error::invalid("Checkpointer::new", "keep = 0 would delete every checkpoint right after writing it; keep at least 1"));
         }
         fs::create_dir_all(&root).map_err(|e| io_err(&root, "cannot create the checkpoint root", e))?;
-        Ok(Checkpointer { root: Root { path: root, keep, timeout: Duration::from_secs(600) }, pending: Arc::default() })
+        Ok(Checkpointer { root: Root { path: root, keep, timeout: Duration::from_secs(600), faults: faults::WriteFaults::default() }, pending: Arc::default() })
     }
 
     /// The checkpoints under an existing `root`, to read (nothing is created:
@@ -238,6 +241,18 @@ impl Checkpointer {
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.root.timeout = timeout;
         self
+    }
+
+    /// Makes the first write at or after `from_step` by the rank at
+    /// `coords` fail as on a full disk (fault injection).
+    pub(crate) fn inject_write_error(&self, coords: place::Coords, from_step: u64) {
+        self.root.faults.arm_error(coords, from_step);
+    }
+
+    /// Kills the process during the first write at or after `from_step` by
+    /// the rank at `coords` (fault injection).
+    pub(crate) fn inject_kill_in_write(&self, coords: place::Coords, from_step: u64) {
+        self.root.faults.arm_kill(coords, from_step);
     }
 
     /// The root directory.
@@ -285,16 +300,24 @@ impl Checkpointer {
     /// pointer and deletes checkpoints beyond the newest `keep`. A
     /// checkpoint of the same step is replaced. Pass `opt` as `Some(&adamw)`
     /// or, under ZeRO, `Some(&engine)` (the engine then supplies the
-    /// parameters too). Every rank returns an error if any rank failed.
+    /// parameters too). Every rank returns an error if any rank failed,
+    /// the first failing rank's cause in it.
     pub fn save<M: Module>(&self, step: u64, model: &M, opt: Option<&dyn OptimizerState>, cx: &Cx, extra: serde_json::Value) -> Result<PathBuf> {
-        let job = self.begin(step, model, opt, cx, extra)?;
-        let done = job.run();
-        let failures = collective::count_failures(cx, done.is_err())?;
-        let dir = done?;
-        if failures > 0 {
-            return Err(Error::Checkpoint { path: dir.display().to_string(), detail: format!("{failures} rank(s) could not write their part; their own errors say why") });
-        }
-        Ok(dir)
+        let job = self.begin(step, model, opt, cx, extra, false)?;
+        job.run_collectively(cx)
+    }
+
+    /// As [`save`](Self::save), but the checkpoint is a *resume point*: one
+    /// a job that stops early writes so that the next job continues from
+    /// there. It is never a rollback target
+    /// ([`load_latest_valid_regular`](Self::load_latest_valid_regular)),
+    /// does not count against `keep`, and is pruned once a newer
+    /// checkpoint is written: so a run stopped and resumed anywhere rolls
+    /// back to the same checkpoints, and keeps the same ones, as a run that
+    /// never stopped.
+    pub fn save_resume_point<M: Module>(&self, step: u64, model: &M, opt: Option<&dyn OptimizerState>, cx: &Cx, extra: serde_json::Value) -> Result<PathBuf> {
+        let job = self.begin(step, model, opt, cx, extra, true)?;
+        job.run_collectively(cx)
     }
 
     /// As [`save`](Self::save), but returns as soon as this rank's tensors
@@ -308,7 +331,7 @@ impl Checkpointer {
     /// whether the checkpoint as a whole was made; the others' say whether
     /// their own part was written.
     pub fn save_in_background<M: Module>(&self, step: u64, model: &M, opt: Option<&dyn OptimizerState>, cx: &Cx, extra: serde_json::Value) -> Result<SaveHandle> {
-        let job = self.begin(step, model, opt, cx, extra)?;
+        let job = self.begin(step, model, opt, cx, extra, false)?;
         let (handle, shared) = SaveHandle::spawn(job)?;
         *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(shared);
         Ok(handle)
@@ -338,6 +361,11 @@ impl Checkpointer {
     /// Finds the newest intact checkpoint: the one `latest` names, else the
     /// newest directory; each damaged or incomplete one is skipped and reported.
     pub fn scan(&self) -> Result<Scan> {
+        self.scan_for(true)
+    }
+
+    /// [`scan`](Self::scan), passing over resume points unless `resume_points`.
+    fn scan_for(&self, resume_points: bool) -> Result<Scan> {
         let mut candidates: Vec<PathBuf> = Vec::new();
         let mut scan = Scan::default();
         match self.latest() {
@@ -357,6 +385,7 @@ impl Checkpointer {
                 continue;
             }
             match verify(&dir) {
+                Ok(m) if m.resume_point && !resume_points => {}
                 Ok(_) => {
                     scan.valid = Some(dir);
                     break;
@@ -376,12 +405,45 @@ impl Checkpointer {
     /// when there is none. Reports the newer checkpoints it skipped. Every
     /// rank of the mesh calls it.
     pub fn load_latest_valid<M: Module>(&self, model: &M, opt: Option<&mut dyn OptimizerState>, cx: &Cx) -> Result<Option<Restored>> {
+        self.load_newest(true, model, opt, cx)
+    }
+
+    /// As [`load_latest_valid`](Self::load_latest_valid), passing over
+    /// resume points: the checkpoint a rollback returns to.
+    pub fn load_latest_valid_regular<M: Module>(&self, model: &M, opt: Option<&mut dyn OptimizerState>, cx: &Cx) -> Result<Option<Restored>> {
+        self.load_newest(false, model, opt, cx)
+    }
+
+    /// Whether there is an intact checkpoint that is not a resume point.
+    pub fn has_regular(&self) -> Result<bool> {
+        Ok(self.scan_for(false)?.valid.is_some())
+    }
+
+    /// Deletes every resume point newer than `step` (set aside if damaged):
+    /// after a rollback to `step` they hold a future the run abandoned.
+    /// Rank 0 calls it. Returns their directories.
+    pub fn drop_resume_points_after(&self, step: u64) -> Result<Vec<PathBuf>> {
+        let mut dropped = Vec::new();
+        for (s, dir) in self.steps()? {
+            if s > step && read_manifest(&dir).is_ok_and(|m| m.resume_point) {
+                self.root.delete_or_set_aside(&dir)?;
+                dropped.push(dir);
+            }
+        }
+        if !dropped.is_empty() && self.root.step_dir(step).is_dir() {
+            // `latest` named the newest of them.
+            io::replace_file(&self.root.path.join(LATEST), format!("step-{step}\n").as_bytes())?;
+        }
+        Ok(dropped)
+    }
+
+    fn load_newest<M: Module>(&self, resume_points: bool, model: &M, opt: Option<&mut dyn OptimizerState>, cx: &Cx) -> Result<Option<Restored>> {
         // This rank's own save in flight must land first to be found (its
         // outcome stays for its handle to report).
         if let Some(job) = self.pending.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
             job.wait_done();
         }
-        let scan = self.scan()?;
+        let scan = self.scan_for(resume_points)?;
         let Some(dir) = scan.valid else { return Ok(None) };
         let manifest = self.load(&dir, model, opt, cx)?;
         Ok(Some(Restored { dir, manifest, skipped: scan.skipped }))
@@ -400,11 +462,8 @@ impl Checkpointer {
     /// under ZeRO loaded without its engine would lose the values to it).
     pub fn load<M: Module>(&self, dir: &Path, model: &M, opt: Option<&mut dyn OptimizerState>, cx: &Cx) -> Result<Manifest> {
         let prepared = read_manifest(dir).and_then(|m| restore::prepare(dir, &m, model, opt.as_deref(), cx).map(|p| (m, p)));
-        let failures = collective::count_failures(cx, prepared.is_err())?;
-        let (manifest, prepared) = prepared?;
-        if failures > 0 {
-            return Err(Error::Checkpoint { path: dir.display().to_string(), detail: format!("{failures} rank(s) could not read their share of it; their own errors say why, and nothing was changed") });
-        }
+        // Nothing changes on any rank unless every rank read its share.
+        let (manifest, prepared) = collective::agree(cx, &format!("loading `{}` (nothing was changed)", dir.display()), prepared)?;
         restore::install(prepared, opt)?;
         Ok(manifest)
     }

@@ -35,6 +35,11 @@ impl Coords {
         Coords { pp: g.pp.rank(), dp: g.dp.rank(), ep: g.ep.rank(), tp: g.tp.rank() }
     }
 
+    /// Whether this is the rank that commits a save (every coordinate 0).
+    pub fn is_root(&self) -> bool {
+        *self == Coords { pp: 0, dp: 0, ep: 0, tp: 0 }
+    }
+
     /// Every rank of `mesh`, in rank order (tp fastest).
     pub fn all(mesh: &MeshInfo) -> Vec<Coords> {
         let mut out = Vec::with_capacity(mesh.world());

@@ -8,10 +8,11 @@ use super::collect::{self, Part};
 use super::io::{self, checksum, io_err};
 use super::manifest::{Manifest, MeshInfo, OptimizerInfo, ParamRecord, TensorRecord, FORMAT_VERSION};
 use super::optimizer::OptimizerState;
+use super::faults::WriteFault;
 use super::place::Coords;
-use super::{check, collective, Checkpointer, Root, LATEST, MANIFEST};
+use super::{check, collective, read_manifest, Checkpointer, Root, LATEST, MANIFEST};
 use crate::error::{Error, Result};
-use crate::module::{Cx, Module};
+use crate::module::{Cx, Groups, Module};
 use serde::{Deserialize, Serialize};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -33,6 +34,7 @@ struct PartFile {
 /// What rank 0 needs to finish a checkpoint.
 struct Commit {
     step: u64,
+    resume_point: bool,
     mesh: MeshInfo,
     zero_stage: Option<u8>,
     optimizer: Option<OptimizerInfo>,
@@ -42,6 +44,10 @@ struct Commit {
 /// One rank's save after the copy: the bytes and where they go.
 pub(crate) struct Job {
     root: Root,
+    /// The rank's communicators: a background save that fails stops them,
+    /// and rank 0's wait for the others' parts watches them.
+    groups: Groups,
+    step: u64,
     tmp: PathBuf,
     coords: Coords,
     file: String,
@@ -52,28 +58,63 @@ pub(crate) struct Job {
 }
 
 impl Job {
-    /// Writes this rank's files; rank 0 then waits for every other rank's
-    /// part and commits. The checkpoint's directory.
+    /// Writes this rank's files on the training thread of every rank at
+    /// once: the ranks agree over their communicators that every part is
+    /// written, rank 0 commits, and they agree on that too. A failure on
+    /// any rank is every rank's error, with its cause, at once.
+    pub fn run_collectively(self, cx: &Cx) -> Result<PathBuf> {
+        let written = write_part(&self.tmp, self.coords, &self.file, self.part, self.root.faults.take(self.coords, self.step));
+        let outcome = collective::agree(cx, &format!("writing the checkpoint of step {}", self.step), written).and_then(|()| match self.commit {
+            Some(c) => self.root.commit(&self.tmp, c, &self.groups),
+            None => Ok(self.dir.clone()),
+        });
+        let outcome = collective::agree(cx, &format!("committing the checkpoint of step {}", self.step), outcome);
+        if outcome.is_err() && self.coords.is_root() {
+            // Best effort: a leftover temporary directory is never read anyway.
+            let _ = fs::remove_dir_all(&self.tmp);
+        }
+        outcome
+    }
+
+    /// Writes this rank's files off the training thread; rank 0 then waits
+    /// for every other rank's part and commits. A failure stops every
+    /// rank's communicators with its cause ([`Groups::abort`]): the ranks
+    /// must not train on as if the checkpoint existed, nor wait for a part
+    /// that will never come. The checkpoint's directory.
     pub fn run(self) -> Result<PathBuf> {
-        let written = write_part(&self.tmp, self.coords, &self.file, self.part);
-        match self.commit {
+        let written = write_part(&self.tmp, self.coords, &self.file, self.part, self.root.faults.take(self.coords, self.step));
+        let done = match self.commit {
             None => written.map(|()| self.dir),
             Some(c) => {
-                let done = written.and_then(|()| self.root.commit(&self.tmp, c));
+                let done = written.and_then(|()| self.root.commit(&self.tmp, c, &self.groups));
                 if done.is_err() {
-                    // Best effort: a leftover temporary directory is never read anyway.
                     let _ = fs::remove_dir_all(&self.tmp);
                 }
                 done
             }
+        };
+        if let Err(e) = &done {
+            // Another rank's failure already stopped the groups; the first
+            // cause stays the one every rank reports.
+            if !matches!(e, Error::PeerFailed { .. }) {
+                self.groups.abort(&format!("writing the checkpoint of step {}: {e}", self.step));
+            }
         }
+        done
     }
 }
 
 /// Writes a rank's part: its rank file (if it writes any piece), then its
 /// part file (the records, or the error that stopped it), the part file by
 /// rename so that it appearing means the rank is done.
-fn write_part(tmp: &Path, coords: Coords, file: &str, part: Part) -> Result<()> {
+fn write_part(tmp: &Path, coords: Coords, file: &str, part: Part, fault: Option<WriteFault>) -> Result<()> {
+    let who = format!("rank {} cannot write its part", coords.describe());
+    // An injected full disk: neither file can be written.
+    let fault = match fault {
+        Some(WriteFault::Error(e)) => return Err(io_err(&tmp.join(file), &who, e)),
+        Some(WriteFault::Kill) => true,
+        None => false,
+    };
     let written = (|| -> Result<Vec<TensorRecord>> {
         let mut records = Vec::with_capacity(part.pieces.len());
         let mut tensors = Vec::with_capacity(part.pieces.len());
@@ -82,24 +123,37 @@ fn write_part(tmp: &Path, coords: Coords, file: &str, part: Part) -> Result<()> 
             tensors.push((p.record.name.clone(), p.dtype, p.record.region.stored_shape(), p.bytes.as_slice()));
         }
         if !tensors.is_empty() {
-            io::write_safetensors(&tmp.join(file), &tensors)?;
+            io::write_safetensors(&tmp.join(file), &tensors).map_err(|e| match e {
+                Error::Checkpoint { path, detail } => Error::Checkpoint { path, detail: format!("{who}: {detail}") },
+                other => other,
+            })?;
         }
         Ok(records)
     })();
+    if fault {
+        crate::train::kill_this_process();
+    }
     let report = match &written {
         Ok(records) => PartFile { params: part.params, tensors: records.clone(), error: None },
         Err(e) => PartFile { error: Some(e.to_string()), ..PartFile::default() },
     };
     let path = tmp.join(coords.part_file());
     let json = serde_json::to_vec(&report).map_err(|e| io_err(&path, "cannot encode the records", e))?;
-    io::replace_file(&path, &json)?;
-    written.map(|_| ())
+    // The rank's own failure is the cause to report, not that it could
+    // not report it either.
+    let reported = io::replace_file(&path, &json);
+    written?;
+    reported
 }
 
-/// Reads the part file at `path`, waiting for it until `deadline`.
-fn await_part(path: &Path, deadline: Instant) -> Result<PartFile> {
+/// Reads the part file at `path`, waiting for it until `deadline`, or
+/// until the ranks' communicators stop (the rank that writes it failed).
+fn await_part(path: &Path, deadline: Instant, groups: &Groups) -> Result<PartFile> {
     let mut pause = Duration::from_millis(1);
     loop {
+        if let Some(e) = groups.failure() {
+            return Err(e);
+        }
         match fs::read(path) {
             Ok(bytes) => return serde_json::from_slice(&bytes).map_err(|e| io_err(path, "malformed part file", e)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && Instant::now() < deadline => {
@@ -118,11 +172,11 @@ impl Checkpointer {
     /// The collective start of a save: waits for this rank's previous
     /// background save, prepares the temporary directory, copies this
     /// rank's part, and agrees with every rank that all of that worked.
-    pub(crate) fn begin<M: Module>(&self, step: u64, model: &M, opt: Option<&dyn OptimizerState>, cx: &Cx, extra: serde_json::Value) -> Result<Job> {
+    pub(crate) fn begin<M: Module>(&self, step: u64, model: &M, opt: Option<&dyn OptimizerState>, cx: &Cx, extra: serde_json::Value, resume_point: bool) -> Result<Job> {
         let previous = self.wait();
         let g = cx.groups();
         let coords = Coords::of(cx);
-        let is_root = coords == Coords { pp: 0, dp: 0, ep: 0, tp: 0 };
+        let is_root = coords.is_root();
         let layout = cx.pipeline_layout();
         let chunks = match &layout {
             Ok(Some(l)) => Ok(l.chunks()),
@@ -147,15 +201,10 @@ impl Checkpointer {
             let file = coords.rank_file(&mesh, zero_stage.is_some());
             collect::collect(model, opt, cx, &mesh, &file, &tmp).map(|part| (mesh, file, part))
         });
-        let failures = collective::count_failures(cx, previous.is_err() || prepared.is_err() || part.is_err())?;
-        previous?;
-        prepared?;
-        let (mesh, file, part) = part?;
-        if failures > 0 {
-            return Err(Error::Checkpoint { path: self.step_dir(step).display().to_string(), detail: format!("{failures} rank(s) could not prepare their part; their own errors say why") });
-        }
-        let commit = is_root.then(|| Commit { step, mesh, zero_stage, optimizer: opt.map(|o| o.info()), extra });
-        Ok(Job { root: self.root.clone(), tmp, coords, file, part, dir: self.step_dir(step), commit })
+        let ready = previous.and(prepared).and(part);
+        let (mesh, file, part) = collective::agree(cx, &format!("preparing the checkpoint of step {step}"), ready)?;
+        let commit = is_root.then(|| Commit { step, resume_point, mesh, zero_stage, optimizer: opt.map(|o| o.info()), extra });
+        Ok(Job { root: self.root.clone(), groups: g.clone(), step, tmp, coords, file, part, dir: self.step_dir(step), commit })
     }
 }
 
@@ -169,7 +218,7 @@ impl Root {
 
     /// Rank 0, once every part file is there: the manifest, the rename, the
     /// `latest` pointer, and pruning.
-    fn commit(&self, tmp: &Path, c: Commit) -> Result<PathBuf> {
+    fn commit(&self, tmp: &Path, c: Commit, groups: &Groups) -> Result<PathBuf> {
         let deadline = Instant::now() + self.timeout;
         let mut params: Vec<ParamRecord> = Vec::new();
         let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
@@ -177,7 +226,7 @@ impl Root {
         let mut parts = Vec::new();
         for coords in Coords::all(&c.mesh) {
             let path = tmp.join(coords.part_file());
-            let part = await_part(&path, deadline)?;
+            let part = await_part(&path, deadline, groups)?;
             if let Some(e) = part.error {
                 return Err(Error::Checkpoint { path: tmp.display().to_string(), detail: format!("rank {} could not write its part: {e}", coords.describe()) });
             }
@@ -194,7 +243,7 @@ impl Root {
             tensors.extend(part.tensors);
             parts.push(path);
         }
-        let manifest = Manifest { format: FORMAT_VERSION, step: c.step, mesh: c.mesh, zero_stage: c.zero_stage, params, tensors, optimizer: c.optimizer, extra: c.extra, checksum: None };
+        let manifest = Manifest { format: FORMAT_VERSION, step: c.step, mesh: c.mesh, zero_stage: c.zero_stage, params, tensors, optimizer: c.optimizer, extra: c.extra, resume_point: c.resume_point, checksum: None };
         let path = tmp.join(MANIFEST);
         check::check_layout(&manifest, &path)?;
         for p in parts {
@@ -218,22 +267,44 @@ impl Root {
         Ok(dir)
     }
 
-    /// Deletes the oldest checkpoints beyond `keep`, never the one just
-    /// written; one that does not look whole (its manifest, layout or files;
-    /// see `check::looks_whole`) is set aside instead, never deleted.
+    /// Deletes the oldest checkpoints beyond `keep` (resume points do not
+    /// count) and every resume point older than the checkpoint just
+    /// written (it supersedes them), never that one; a checkpoint that does
+    /// not look whole (its manifest, layout or files; see
+    /// `check::looks_whole`) is set aside instead, never deleted.
     fn prune(&self, written: u64) -> Result<()> {
-        let others: Vec<(u64, PathBuf)> = self.steps()?.into_iter().filter(|(s, _)| *s != written).collect();
-        let excess = (others.len() + 1).saturating_sub(self.keep);
-        for (_, dir) in others.into_iter().take(excess) {
-            match super::check::looks_whole(&dir) {
-                Ok(()) => fs::remove_dir_all(&dir).map_err(|e| io_err(&dir, "cannot delete an old checkpoint", e))?,
-                Err(reason) => {
-                    let to = super::damaged::set_aside_in(&self.path, &dir, &reason.to_string())?;
-                    eprintln!("kept the damaged checkpoint {} as {} instead of deleting it: {reason}", dir.display(), to.display());
+        let mut regular = Vec::new();
+        let mut doomed = Vec::new();
+        for (step, dir) in self.steps()?.into_iter().filter(|(s, _)| *s != written) {
+            match read_manifest(&dir) {
+                Ok(m) if m.resume_point => {
+                    if step < written {
+                        doomed.push(dir);
+                    }
                 }
+                _ => regular.push(dir),
             }
         }
+        let written_counts = !read_manifest(&self.step_dir(written)).is_ok_and(|m| m.resume_point);
+        let excess = (regular.len() + usize::from(written_counts)).saturating_sub(self.keep);
+        doomed.extend(regular.into_iter().take(excess));
+        for dir in doomed {
+            self.delete_or_set_aside(&dir)?;
+        }
         Ok(())
+    }
+
+    /// Deletes the checkpoint in `dir`, unless it does not look whole: that
+    /// one is set aside (renamed, with its reason) and reported.
+    pub(crate) fn delete_or_set_aside(&self, dir: &Path) -> Result<()> {
+        match super::check::looks_whole(dir) {
+            Ok(()) => fs::remove_dir_all(dir).map_err(|e| io_err(dir, "cannot delete an old checkpoint", e)),
+            Err(reason) => {
+                let to = super::damaged::set_aside_in(&self.path, dir, &reason.to_string())?;
+                eprintln!("kept the damaged checkpoint {} as {} instead of deleting it: {reason}", dir.display(), to.display());
+                Ok(())
+            }
+        }
     }
 }
 

@@ -19,6 +19,10 @@ impl Batches for Sampler {
     fn restore(&mut self, cursor: &serde_json::Value) -> Result<()> {
         Sampler::restore(self, Cursor::from_json(cursor)?)
     }
+
+    fn exclude_since(&mut self, since: &serde_json::Value) -> Result<()> {
+        Sampler::exclude_since(self, &Cursor::from_json(since)?)
+    }
 }
 
 /// The bundled addition task's batches with loss on the answers only.
@@ -58,6 +62,10 @@ impl Batches for AnswerTargets {
 
     fn restore(&mut self, cursor: &serde_json::Value) -> Result<()> {
         Batches::restore(&mut self.0, cursor)
+    }
+
+    fn exclude_since(&mut self, since: &serde_json::Value) -> Result<()> {
+        Batches::exclude_since(&mut self.0, since)
     }
 
     fn ignore_index(&self) -> Option<u32> {

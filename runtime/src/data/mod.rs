@@ -44,6 +44,6 @@ mod tokenizer;
 
 pub use batches::AnswerTargets;
 pub use prepare::{input_files, prepare, TokenizerSource};
-pub use sampler::{Cursor, Sampler, Window, WindowRange};
+pub use sampler::{Cursor, OrderSpan, Sampler, Window, WindowRange};
 pub use shards::{Dataset, Index, ShardEntry, ShardWriter, TokenDType};
 pub use tokenizer::{CharTokenizer, Tokenizer, END_OF_TEXT};

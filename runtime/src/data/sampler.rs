@@ -22,8 +22,9 @@
 //!
 //! Data that made training unstable can be passed over: [`Sampler::skip_batches`]
 //! steps past the next batches, and [`Sampler::exclude`] /
-//! [`Sampler::exclude_last_batch`] remove windows for the rest of the run.
-//! Both are recorded in the cursor.
+//! [`Sampler::exclude_last_batch`] / [`Sampler::exclude_since`] remove
+//! windows for the rest of the run (in every later epoch too). All are
+//! recorded in the cursor.
 
 use super::Dataset;
 use crate::error::{Error, Result};
@@ -62,6 +63,18 @@ impl WindowRange {
     }
 }
 
+/// Positions `start..end` of epoch `epoch`'s window order: the windows a
+/// stretch of training drew (see [`Sampler::exclude_since`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OrderSpan {
+    /// The epoch whose order is meant.
+    pub epoch: u64,
+    /// The first position.
+    pub start: u64,
+    /// One past the last position.
+    pub end: u64,
+}
+
 /// Where a [`Sampler`] stands: everything needed to continue exactly.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Cursor {
@@ -78,6 +91,12 @@ pub struct Cursor {
     pub skipped_batches: u64,
     /// Windows never served again.
     pub excluded: Vec<WindowRange>,
+    /// Global batches served so far, over every epoch.
+    #[serde(default)]
+    pub served: u64,
+    /// The windows drawn in these stretches are never served again either.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub excluded_spans: Vec<OrderSpan>,
 }
 
 impl Cursor {
@@ -106,6 +125,8 @@ pub struct Sampler {
     order_epoch: Option<u64>,
     cursor: Cursor,
     last: Vec<Window>,
+    /// The global window numbers `cursor.excluded_spans` cover.
+    span_windows: std::collections::HashSet<u64>,
 }
 
 impl Sampler {
@@ -137,7 +158,7 @@ impl Sampler {
                 seq + 1
             )));
         }
-        let cursor = Cursor { seed, windows: total, epoch: 0, position: 0, skipped_batches: 0, excluded: Vec::new() };
+        let cursor = Cursor { seed, windows: total, epoch: 0, position: 0, skipped_batches: 0, excluded: Vec::new(), served: 0, excluded_spans: Vec::new() };
         Ok(Self {
             data: data.clone(),
             seq,
@@ -149,6 +170,7 @@ impl Sampler {
             order_epoch: None,
             cursor,
             last: Vec::new(),
+            span_windows: Default::default(),
         })
     }
 
@@ -170,6 +192,7 @@ impl Sampler {
             }
         };
         self.last = windows;
+        self.cursor.served += 1;
         Ok((inputs, targets))
     }
 
@@ -209,6 +232,45 @@ impl Sampler {
         Ok(())
     }
 
+    /// Never serves again the windows drawn since `since` (a cursor of this
+    /// sampler from earlier in the run), and keeps its place: the rollback
+    /// after a loss spike, which returns the model to the checkpoint that
+    /// saved `since` and passes over the data trained on since, in this
+    /// epoch and every later one. Counts the batches passed over as skipped.
+    pub fn exclude_since(&mut self, since: &Cursor) -> Result<()> {
+        self.check(since)?;
+        let (from, to) = ((since.epoch, since.position), (self.cursor.epoch, self.cursor.position));
+        if from > to {
+            return Err(Error::Data(format!(
+                "cannot exclude the data since epoch {} position {}: the sampler stands before it, at epoch {} position {}",
+                from.0, from.1, to.0, to.1
+            )));
+        }
+        let windows = self.cursor.windows;
+        let mut spans = Vec::new();
+        for epoch in from.0..=to.0 {
+            let start = if epoch == from.0 { from.1 } else { 0 };
+            let end = if epoch == to.0 { to.1 } else { windows };
+            if start < end {
+                spans.push(OrderSpan { epoch, start, end });
+            }
+        }
+        let mut all = self.cursor.excluded_spans.clone();
+        all.extend(spans.into_iter().filter(|s| !self.cursor.excluded_spans.contains(s)));
+        let covered = self.windows_of(&all);
+        let left = self.available_with(&self.cursor.excluded, &covered);
+        if left < self.global_batch as u64 {
+            return Err(Error::Data(format!(
+                "passing over the data drawn since epoch {} position {} for good would leave {left} windows, fewer than one global batch of {}; add data, or checkpoint more often so that a rollback passes over less",
+                from.0, from.1, self.global_batch
+            )));
+        }
+        self.cursor.skipped_batches += self.cursor.served.saturating_sub(since.served);
+        self.cursor.excluded_spans = all;
+        self.span_windows = covered;
+        Ok(())
+    }
+
     /// Excludes every window of the last global batch (all ranks' rows): the
     /// data behind a loss spike, once the spike is seen.
     pub fn exclude_last_batch(&mut self) -> Result<()> {
@@ -232,6 +294,7 @@ impl Sampler {
     /// run that saved it saw next.
     pub fn restore(&mut self, cursor: Cursor) -> Result<()> {
         self.check(&cursor)?;
+        self.span_windows = self.windows_of(&cursor.excluded_spans);
         self.cursor = cursor;
         self.last.clear();
         Ok(())
@@ -244,7 +307,10 @@ impl Sampler {
         self.check(&cursor)?;
         let mut excluded = cursor.excluded.clone();
         excluded.extend(self.cursor.excluded.iter().filter(|r| !cursor.excluded.contains(r)));
-        self.cursor = Cursor { excluded, skipped_batches: self.cursor.skipped_batches.max(cursor.skipped_batches), ..cursor };
+        let mut spans = cursor.excluded_spans.clone();
+        spans.extend(self.cursor.excluded_spans.iter().filter(|s| !cursor.excluded_spans.contains(s)));
+        self.span_windows = self.windows_of(&spans);
+        self.cursor = Cursor { excluded, excluded_spans: spans, skipped_batches: self.cursor.skipped_batches.max(cursor.skipped_batches), ..cursor };
         self.last.clear();
         Ok(())
     }
@@ -277,6 +343,9 @@ impl Sampler {
         if let Some(r) = cursor.excluded.iter().find(|r| r.shard >= self.data.shard_count()) {
             return Err(Error::Data(format!("the cursor excludes shard {}, but the dataset has {} shards; resume with the same dataset", r.shard, self.data.shard_count())));
         }
+        if let Some(s) = cursor.excluded_spans.iter().find(|s| s.start > s.end || s.end > cursor.windows) {
+            return Err(Error::Data(format!("the cursor excludes positions {}..{} of epoch {}, outside its {} windows; it is damaged", s.start, s.end, s.epoch, cursor.windows)));
+        }
         Ok(())
     }
 
@@ -289,9 +358,10 @@ impl Sampler {
             let mut picked = Vec::with_capacity(self.global_batch);
             let mut position = self.cursor.position;
             while picked.len() < self.global_batch && position < total {
-                let w = self.window(self.order[position as usize]);
+                let global = self.order[position as usize];
+                let w = self.window(global);
                 position += 1;
-                if !self.cursor.excluded.iter().any(|r| r.contains(w)) {
+                if !self.span_windows.contains(&global) && !self.cursor.excluded.iter().any(|r| r.contains(w)) {
                     picked.push(w);
                 }
             }
@@ -313,15 +383,23 @@ impl Sampler {
         if self.order_epoch == Some(self.cursor.epoch) {
             return;
         }
-        let key = RngKey::new(self.cursor.seed, self.cursor.epoch);
-        self.order = (0..self.cursor.windows).collect();
-        for i in (1..self.order.len()).rev() {
-            let bits = (key.bits_at(2 * i as u64) as u64) << 32 | key.bits_at(2 * i as u64 + 1) as u64;
-            // A 64-bit draw scaled to 0..=i (Lemire's multiply-shift).
-            let j = ((bits as u128 * (i as u128 + 1)) >> 64) as usize;
-            self.order.swap(i, j);
-        }
+        self.order = order_of(self.cursor.seed, self.cursor.epoch, self.cursor.windows);
         self.order_epoch = Some(self.cursor.epoch);
+    }
+
+    /// The global window numbers at the positions `spans` cover.
+    fn windows_of(&self, spans: &[OrderSpan]) -> std::collections::HashSet<u64> {
+        let mut out = std::collections::HashSet::new();
+        let mut epochs: Vec<u64> = spans.iter().map(|s| s.epoch).collect();
+        epochs.sort_unstable();
+        epochs.dedup();
+        for epoch in epochs {
+            let order = if self.order_epoch == Some(epoch) { std::borrow::Cow::Borrowed(&self.order) } else { std::borrow::Cow::Owned(order_of(self.cursor.seed, epoch, self.cursor.windows)) };
+            for s in spans.iter().filter(|s| s.epoch == epoch) {
+                out.extend(order[s.start as usize..s.end.min(self.cursor.windows) as usize].iter().copied());
+            }
+        }
+        out
     }
 
     fn window(&self, global: u64) -> Window {
@@ -329,9 +407,18 @@ impl Sampler {
         Window { shard, index: global - self.first_window[shard] }
     }
 
-    /// How many windows are not in `excluded`.
+    /// How many windows are not in `excluded` nor among the span windows.
     fn available(&self, excluded: &[WindowRange]) -> u64 {
-        let mut left = self.cursor.windows;
+        self.available_with(excluded, &self.span_windows)
+    }
+
+    /// How many windows are not in `excluded` nor in `spans`.
+    fn available_with(&self, excluded: &[WindowRange], spans: &std::collections::HashSet<u64>) -> u64 {
+        let in_ranges = |g: u64| {
+            let w = self.window(g);
+            excluded.iter().any(|r| r.contains(w))
+        };
+        let mut left = self.cursor.windows - spans.iter().filter(|&&g| !in_ranges(g)).count() as u64;
         for shard in 0..self.data.shard_count() {
             let count = self.first_window[shard + 1] - self.first_window[shard];
             let mut ranges: Vec<(u64, u64)> = excluded.iter().filter(|r| r.shard == shard).map(|r| (r.start.min(count), r.end.min(count))).collect();
@@ -359,4 +446,18 @@ impl Sampler {
         }
         Ok((inputs, targets))
     }
+}
+
+/// The window order of `epoch`: a Fisher–Yates shuffle of `0..windows`
+/// driven by Philox keyed by `(seed, epoch)`.
+fn order_of(seed: u64, epoch: u64, windows: u64) -> Vec<u64> {
+    let key = RngKey::new(seed, epoch);
+    let mut order: Vec<u64> = (0..windows).collect();
+    for i in (1..order.len()).rev() {
+        let bits = (key.bits_at(2 * i as u64) as u64) << 32 | key.bits_at(2 * i as u64 + 1) as u64;
+        // A 64-bit draw scaled to 0..=i (Lemire's multiply-shift).
+        let j = ((bits as u128 * (i as u128 + 1)) >> 64) as usize;
+        order.swap(i, j);
+    }
+    order
 }

@@ -164,6 +164,16 @@ pub trait Communicator: fmt::Debug + Send + Sync {
     fn abort(&self, reason: &str) {
         let _ = reason;
     }
+
+    /// The failure that stopped this communicator, if one has ([`abort`](Self::abort)
+    /// on any rank, a peer that gave up waiting), without waiting: what a
+    /// rank blocked on something other than a collective (a file another
+    /// rank writes, say) polls so that it stops as soon as its peers do.
+    ///
+    /// The default reports none: a backend with no failure propagation.
+    fn failure(&self) -> Option<Error> {
+        None
+    }
 }
 
 fn unsupported(op: &'static str, peer: usize, comm: &(impl Communicator + ?Sized)) -> Error {

@@ -432,6 +432,9 @@ impl Communicator for InProcessComm {
     fn abort(&self, reason: &str) {
         self.core.world.fail(self.world_rank(), format!("aborted: {reason}"));
     }
+    fn failure(&self) -> Option<Error> {
+        self.core.world.failure().map(|f| f.error())
+    }
 }
 
 /// What a communicator's calls run on, shared with its background thread.

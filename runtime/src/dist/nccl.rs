@@ -472,6 +472,13 @@ impl Communicator for NcclCommunicator {
         }
         self.shared.mail.wake_all();
     }
+
+    fn failure(&self) -> Option<Error> {
+        match &*lock(&self.member().state) {
+            State::Live(_) => None,
+            State::Stopped { rank, reason } => Some(Error::PeerFailed { rank: *rank, reason: reason.clone() }),
+        }
+    }
 }
 
 impl fmt::Debug for NcclCommunicator {

@@ -43,6 +43,24 @@ pub struct Groups {
 }
 
 impl Groups {
+    /// The four communicators.
+    pub fn all(&self) -> [&Arc<dyn Communicator>; 4] {
+        [&self.tp, &self.dp, &self.pp, &self.ep]
+    }
+
+    /// Stops every group of this rank (see [`Communicator::abort`]).
+    pub fn abort(&self, reason: &str) {
+        for c in self.all() {
+            c.abort(reason);
+        }
+    }
+
+    /// The failure that stopped any of this rank's groups, if one has (see
+    /// [`Communicator::failure`]).
+    pub fn failure(&self) -> Option<crate::Error> {
+        self.all().into_iter().find_map(|c| c.failure())
+    }
+
     /// Every axis of size one.
     pub fn single() -> Self {
         let one: Arc<dyn Communicator> = Arc::new(SingleRank);

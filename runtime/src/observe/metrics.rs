@@ -55,6 +55,14 @@ pub enum Event {
         /// The directory removed.
         dir: String,
     },
+    /// The run resumed from a checkpoint; the lines of the steps after it,
+    /// which it replays, were dropped from the log.
+    Resumed {
+        /// The checkpoint's step.
+        from_step: u64,
+        /// Lines dropped (steps a killed job took after that checkpoint).
+        dropped_lines: u64,
+    },
     /// A held-out evaluation ran.
     Eval {
         /// Exact-match accuracy in [0, 1].
@@ -73,10 +81,14 @@ pub enum Event {
 pub struct StepMetrics {
     /// Optimizer steps taken, counting this one.
     pub step: u64,
-    /// Mean loss over the step's tokens (all replicas).
+    /// Mean loss over the step's tokens (all replicas). JSON has no NaN: a
+    /// non-finite loss is written `null` and read back as NaN.
+    #[serde(deserialize_with = "null_as_nan")]
     pub loss: f64,
     /// Global gradient norm before clipping (each logical parameter counted
-    /// once); not measured under ZeRO stages 2 and 3, whose gradients are sharded.
+    /// once); not measured under ZeRO stages 2 and 3, whose gradients are
+    /// sharded. `null` in the file also when it was not finite (the step's
+    /// anomaly event gives the value).
     pub grad_norm: Option<f64>,
     /// Learning rate of this step.
     pub lr: f64,
@@ -107,6 +119,11 @@ pub struct StepMetrics {
     pub events: Vec<Event>,
 }
 
+/// Reads a number, or `null` (what serde_json writes for NaN and infinities) as NaN.
+fn null_as_nan<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
 /// Appends [`StepMetrics`] to a `metrics.jsonl` file, one line per step,
 /// flushed at once so a crashed run keeps every step it finished.
 #[derive(Debug)]
@@ -128,6 +145,42 @@ impl MetricsLog {
         let path = path.into();
         let file = File::options().create(true).append(true).open(&path).map_err(|e| Error::io(&path, e))?;
         Ok(MetricsLog { path, out: BufWriter::new(file) })
+    }
+
+    /// Opens the log of a run that resumes from the checkpoint of `step`:
+    /// the lines after the last one of `step` describe steps taken after
+    /// that checkpoint by a job that was stopped before its next one, and
+    /// are replayed, so they are dropped (the file is cut after that line).
+    /// Returns the log and the number of lines dropped. A log with no line
+    /// of `step` (written by something else, or edited) is kept whole.
+    pub fn resume_at(path: impl Into<PathBuf>, step: u64) -> Result<(Self, u64)> {
+        let path = path.into();
+        let text = match std::fs::read(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(Error::io(&path, e)),
+        };
+        // Byte offset after each line, and the line's step (if it reads).
+        let mut cut = None;
+        let mut offset = 0usize;
+        for line in text.split_inclusive(|&b| b == b'\n') {
+            offset += line.len();
+            let step_of = serde_json::from_slice::<serde_json::Value>(line).ok().and_then(|v| v.get("step").and_then(|s| s.as_u64()));
+            if step_of == Some(step) && line.ends_with(b"\n") {
+                cut = Some(offset);
+            }
+        }
+        // Without a line of `step`, only a last line cut short by a kill goes.
+        let cut = cut.or_else(|| (!text.is_empty() && !text.ends_with(b"\n")).then(|| text.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1)));
+        let dropped = match cut {
+            Some(at) if at < text.len() => {
+                let file = File::options().write(true).open(&path).map_err(|e| Error::io(&path, e))?;
+                file.set_len(at as u64).and_then(|()| file.sync_all()).map_err(|e| Error::io(&path, e))?;
+                text[at..].split_inclusive(|&b| b == b'\n').filter(|l| !l.iter().all(u8::is_ascii_whitespace)).count() as u64
+            }
+            _ => 0,
+        };
+        Ok((Self::append(path)?, dropped))
     }
 
     /// The file written.
@@ -155,4 +208,38 @@ pub fn read_metrics(path: impl AsRef<Path>) -> Result<Vec<StepMetrics>> {
         out.push(serde_json::from_str(&line).map_err(|e| Error::io(path, format!("line {}: {e}", i + 1)))?);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(step: u64) -> String {
+        serde_json::to_string(&StepMetrics { step, loss: step as f64, ..StepMetrics::default() }).unwrap() + "\n"
+    }
+
+    #[test]
+    fn a_resumed_log_drops_the_lines_it_replays() {
+        let dir = std::env::temp_dir().join(format!("tessera-metrics-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("metrics.jsonl");
+        let steps = |p: &Path| read_metrics(p).unwrap().iter().map(|m| m.step).collect::<Vec<_>>();
+        // Steps 1-5 (3 twice: a rollback replayed it), and half a line.
+        let text = [1, 2, 3, 4, 3, 4, 5].map(line).concat() + "{\"step\": 6, \"lo";
+        std::fs::write(&path, &text).unwrap();
+        let (mut log, dropped) = MetricsLog::resume_at(&path, 4).unwrap();
+        assert_eq!(dropped, 2, "step 5 and the cut line");
+        log.write(&StepMetrics { step: 5, ..StepMetrics::default() }).unwrap();
+        assert_eq!(steps(&path), vec![1, 2, 3, 4, 3, 4, 5], "cut after the last line of step 4");
+        // No line of the step: kept whole, only a cut line goes.
+        std::fs::write(&path, [1, 2].map(line).concat() + "{\"st").unwrap();
+        let (_, dropped) = MetricsLog::resume_at(&path, 9).unwrap();
+        assert_eq!((dropped, steps(&path)), (1, vec![1, 2]));
+        let (_, dropped) = MetricsLog::resume_at(&path, 9).unwrap();
+        assert_eq!((dropped, steps(&path)), (0, vec![1, 2]));
+        std::fs::remove_file(&path).unwrap();
+        let (_, dropped) = MetricsLog::resume_at(&path, 3).unwrap();
+        assert_eq!(dropped, 0, "a missing log is started");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

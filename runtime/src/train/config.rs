@@ -24,6 +24,7 @@ use crate::module::RecomputeOverride;
 use crate::optim::AdamWConfig;
 use crate::parallel::pipeline::ScheduleKind;
 use crate::parallel::zero::Stage;
+use super::FaultConfig;
 use crate::DType;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -54,6 +55,9 @@ pub struct TrainConfig {
     pub data: DataConfig,
     /// Spike and NaN detection, rollback.
     pub stability: StabilityConfig,
+    /// Failures to inject on purpose (none by default; see [`FaultConfig`]).
+    #[serde(skip_serializing_if = "FaultConfig::is_empty")]
+    pub faults: FaultConfig,
 }
 
 /// `[run]`.
@@ -106,11 +110,14 @@ pub struct MeshConfig {
     /// communicator) or `cuda` (rank `r` on GPU `r`, a thread per GPU,
     /// NCCL between them).
     pub device: String,
+    /// Seconds a rank waits for another (at a collective, or for its part
+    /// of a checkpoint) before declaring it hung and stopping the run.
+    pub timeout_s: f64,
 }
 
 impl Default for MeshConfig {
     fn default() -> Self {
-        MeshConfig { dp: 1, tp: 1, pp: 1, ep: 1, sp: false, schedule: "1f1b".into(), chunks: 2, bucket_bytes: 1 << 20, device: "cpu".into() }
+        MeshConfig { dp: 1, tp: 1, pp: 1, ep: 1, sp: false, schedule: "1f1b".into(), chunks: 2, bucket_bytes: 1 << 20, device: "cpu".into(), timeout_s: 600.0 }
     }
 }
 
@@ -132,6 +139,11 @@ impl MeshConfig {
     /// The mesh as [`Mesh::parse`](crate::dist::mesh::Mesh::parse) reads it.
     pub fn spec(&self) -> String {
         format!("dp{},ep{},pp{},tp{}", self.dp, self.ep, self.pp, self.tp)
+    }
+
+    /// [`timeout_s`](Self::timeout_s) as a duration.
+    pub fn timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.timeout_s)
     }
 
     /// Where the ranks run.
@@ -480,7 +492,10 @@ impl TrainConfig {
         if !(s.spike_factor > 1.0 && s.spike_factor.is_finite() && (0.0..1.0).contains(&s.decay)) {
             return Err(Error::config("stability", "need spike_factor > 1 and 0 <= decay < 1"));
         }
-        Ok(())
+        if !(self.mesh.timeout_s.is_finite() && self.mesh.timeout_s > 0.0 && self.mesh.timeout_s <= 86_400.0) {
+            return Err(Error::config("mesh.timeout_s", "seconds a rank waits for another before declaring it hung: more than 0, at most 86400 (the default is 600)"));
+        }
+        self.faults.validate(self.mesh.world_size())
     }
 }
 

@@ -4,6 +4,7 @@
 
 mod clip;
 mod config;
+mod faults;
 mod memory_check;
 mod monitor;
 mod ranks;
@@ -15,7 +16,9 @@ mod trainer;
 
 pub use clip::{clip_grad_norm, clip_to_norm, global_grad_norm};
 pub use config::{BatchConfig, CheckpointConfig, DataConfig, MeshConfig, OptimConfig, PrecisionConfig, RankDevice, RecomputeConfig, RunConfig, StabilityConfig, TrainConfig, ZeroSection};
-pub use monitor::{Anomaly, StabilityMonitor};
+pub use faults::{AtStep, FaultConfig, KillFault, KillPoint, RankAtStep, SlowRank};
+pub(crate) use faults::kill_this_process;
+pub use monitor::{Anomaly, MonitorState, StabilityMonitor};
 pub use run_lock::{RunLock, LOCK_FILE};
 pub use scaler::LossScaler;
 pub use schedule::WarmupCosine;

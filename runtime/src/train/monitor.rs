@@ -11,6 +11,18 @@ pub enum Anomaly {
     GradNormSpike { step: u64, grad_norm: f64, average: f64 },
 }
 
+/// What a [`StabilityMonitor`] has learnt: checkpointed with the run, so a
+/// resumed run judges its next step exactly as the unstopped run would.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MonitorState {
+    /// Healthy steps seen.
+    pub healthy: u64,
+    /// The moving average of the loss.
+    pub loss_avg: f64,
+    /// The moving average of the gradient norm.
+    pub norm_avg: f64,
+}
+
 /// Flags non-finite values and spikes against exponential moving averages
 /// of the loss and the gradient norm.
 ///
@@ -36,6 +48,22 @@ impl StabilityMonitor {
             return Err(crate::Error::invalid("StabilityMonitor", format!("need a spike factor > 1 and 0 <= decay < 1; got {factor} and {decay}")));
         }
         Ok(StabilityMonitor { factor, decay, warmup, healthy: 0, loss_avg: 0.0, norm_avg: 0.0 })
+    }
+
+    /// What it has learnt (for a checkpoint).
+    pub fn state(&self) -> MonitorState {
+        MonitorState { healthy: self.healthy, loss_avg: self.loss_avg, norm_avg: self.norm_avg }
+    }
+
+    /// Continues from a [`state`](Self::state) saved as JSON; the rule
+    /// (factor, decay, warm-up) stays this monitor's own.
+    pub fn restore(&mut self, saved: &serde_json::Value) -> crate::Result<()> {
+        let s: MonitorState = serde_json::from_value(saved.clone()).map_err(|e| crate::Error::Checkpoint { path: "manifest.json".into(), detail: format!("the stability monitor's state is unreadable ({e}); it is written by the trainer") })?;
+        if !(s.loss_avg.is_finite() && s.norm_avg.is_finite()) {
+            return Err(crate::Error::Checkpoint { path: "manifest.json".into(), detail: format!("the stability monitor's averages must be finite, got {} and {}", s.loss_avg, s.norm_avg) });
+        }
+        (self.healthy, self.loss_avg, self.norm_avg) = (s.healthy, s.loss_avg, s.norm_avg);
+        Ok(())
     }
 
     /// Judges one step; a healthy step updates the averages.

@@ -27,9 +27,10 @@ pub(crate) enum Ranks {
 
 impl Ranks {
     /// The ranks of `mesh` on `device`.
-    pub(crate) fn new(device: RankDevice, mesh: &Mesh) -> Result<Self> {
+    /// A CPU rank waits `timeout` for a peer before declaring it hung.
+    pub(crate) fn new(device: RankDevice, mesh: &Mesh, timeout: std::time::Duration) -> Result<Self> {
         match device {
-            RankDevice::Cpu => Ok(Ranks::Cpu(InProcess::new(mesh.world())?)),
+            RankDevice::Cpu => Ok(Ranks::Cpu(InProcess::with_timeout(mesh.world(), timeout)?)),
             RankDevice::Cuda => {
                 let devices = (0..mesh.world())
                     .map(|r| {

@@ -64,6 +64,19 @@ pub trait Batches: Send {
     fn cursor(&self) -> Value;
     /// Goes back (or forward) to a cursor.
     fn restore(&mut self, cursor: &Value) -> Result<()>;
+    /// Passes over everything drawn since `since` (a cursor this stream
+    /// returned earlier) for good: the stream keeps its place, and never
+    /// serves that data again, in this epoch or a later one; the exclusion
+    /// is part of its cursor. The trainer calls it when it rolls back to the
+    /// checkpoint that saved `since`.
+    ///
+    /// The default only keeps the place: a stream that cannot exclude data
+    /// serves it again when it comes round (the [`Sampler`](crate::data::Sampler)
+    /// excludes it).
+    fn exclude_since(&mut self, since: &Value) -> Result<()> {
+        let _ = since;
+        Ok(())
+    }
     /// A target id that contributes no loss (positions not to learn), if the
     /// stream uses one.
     fn ignore_index(&self) -> Option<u32> {
@@ -325,7 +338,10 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         }
         let world_size = cfg.mesh.world_size();
         let mesh = Mesh::parse(&format!("pp{},dp{},ep{},tp{}", cfg.mesh.pp, cfg.mesh.dp, cfg.mesh.ep, cfg.mesh.tp), world_size, world_size)?;
-        let ranks = Ranks::new(cfg.mesh.rank_device()?, &mesh)?;
+        let ranks = Ranks::new(cfg.mesh.rank_device()?, &mesh, cfg.mesh.timeout())?;
+        if cfg.faults.any() {
+            eprintln!("fault injection is on: {}", cfg.faults.describe());
+        }
         let tracks = (0..world_size)
             .map(|r| {
                 let c = mesh.coords(r)?;
@@ -333,15 +349,41 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             })
             .collect::<Result<Vec<_>>>()?;
         let trace = Trace::new(tracks);
-        let ckpt = Checkpointer::new(self.checkpoint_dir(), cfg.checkpoint.keep)?;
+        let ckpt = Checkpointer::new(self.checkpoint_dir(), cfg.checkpoint.keep)?.with_timeout(cfg.mesh.timeout());
+        let coords_of = |rank: usize| -> Result<crate::ckpt::place::Coords> {
+            let c = mesh.coords(rank)?;
+            Ok(crate::ckpt::place::Coords { pp: c[Axis::Pp], dp: c[Axis::Dp], ep: c[Axis::Ep], tp: c[Axis::Tp] })
+        };
+        if let Some(f) = &cfg.faults.io_error {
+            ckpt.inject_write_error(coords_of(f.rank)?, f.step);
+        }
+        if let Some(f) = cfg.faults.kill.as_ref().filter(|k| k.at == super::KillPoint::Save) {
+            ckpt.inject_kill_in_write(coords_of(f.rank)?, f.step);
+        }
         let cleaned = ckpt.clean_leftovers()?;
         for dir in &cleaned {
             eprintln!("removed {}: an unfinished checkpoint of a job that is no longer running", dir.display());
         }
         let set_aside = self.inspect_checkpoints(&ckpt)?;
-        let resuming = cfg.checkpoint.resume && ckpt.latest_valid()?.is_some();
+        let resume_step = match ckpt.latest_valid()?.filter(|_| cfg.checkpoint.resume) {
+            Some(dir) => Some(ckpt.manifest(&dir)?.step),
+            None => None,
+        };
         let metrics_path = out.join("metrics.jsonl");
-        let log = if resuming { MetricsLog::append(&metrics_path)? } else { MetricsLog::create(&metrics_path)? };
+        let mut carried: Vec<Event> = cleaned.iter().map(|d| Event::Cleaned { dir: d.display().to_string() }).chain(set_aside).collect();
+        let log = match resume_step {
+            Some(step) => {
+                // The lines of steps a stopped job took after its last
+                // checkpoint are replayed now: they go.
+                let (log, dropped) = MetricsLog::resume_at(&metrics_path, step)?;
+                if dropped > 0 {
+                    eprintln!("resuming from step {step}: dropped {dropped} line(s) of later steps from {}, which this job replays", metrics_path.display());
+                }
+                carried.push(Event::Resumed { from_step: step, dropped_lines: dropped });
+                log
+            }
+            None => MetricsLog::create(&metrics_path)?,
+        };
         let bar = if cfg.run.progress { indicatif::ProgressBar::new(cfg.run.steps) } else { indicatif::ProgressBar::hidden() };
         bar.set_style(
             indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] step {pos}/{len} {msg}")
@@ -359,7 +401,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let collector = Mutex::new(Collector {
             world: world_size,
             pending: BTreeMap::new(),
-            carried: cleaned.iter().map(|d| Event::Cleaned { dir: d.display().to_string() }).chain(set_aside).collect(),
+            carried,
             log,
             bar,
             losses: Vec::new(),
@@ -380,8 +422,12 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
                         // groups: NCCL peers would otherwise wait for it forever.
                         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_rank(ranks, mesh, rank, trace, ckpt, collector)))
                             .unwrap_or_else(|_| Err(Error::invalid("trainer", format!("rank {rank} panicked; see its message above"))));
+                        // A rank killed on purpose tells no one, as a dead
+                        // process could not: its peers must find out.
                         if let Err(e) = &r {
-                            ranks.abort(rank, &e.to_string());
+                            if !matches!(e, Error::FaultInjected { .. }) {
+                                ranks.abort(rank, &e.to_string());
+                            }
                         }
                         r
                     })
@@ -390,14 +436,17 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("trainer", "a rank's thread could not be joined")))).collect()
         });
         let elapsed = started.elapsed();
-        // The root cause is the first error that is not a consequence of another rank's failure.
+        // The root cause is the first error that is not a consequence of
+        // another rank's failure; failing that, the reason the first failed
+        // rank gave when it stopped the others.
         let mut outcome = None;
         let mut first_err = None;
         for r in results {
             match r {
                 Ok(v) => outcome = Some(v),
-                Err(e @ Error::PeerFailed { .. }) => {
-                    first_err.get_or_insert(e);
+                Err(Error::PeerFailed { rank, reason }) => {
+                    let reason = reason.strip_prefix("aborted: ").map(str::to_string).unwrap_or(reason);
+                    first_err.get_or_insert(Error::RankFailed { rank, reason });
                 }
                 Err(e) => return Err(e),
             }
@@ -480,22 +529,29 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let mut batches = (self.batches)(Replica { index: d * ep + e, count: dp * ep })?;
 
         let mut done = 0u64;
+        let mut rollbacks = 0;
         if cfg.checkpoint.resume {
             if let Some(r) = ckpt.load_latest_valid(&model, state_mut(&mut opt, &mut zero_state), &cx)? {
                 done = r.manifest.step;
-                restore_extra(&r.manifest.extra, batches.as_mut(), &mut scaler)?;
+                let extra = &r.manifest.extra;
+                if let Some(cursor) = extra.get("data") {
+                    batches.restore(cursor)?;
+                }
+                restore_state(extra, &mut scaler, &mut monitor)?;
+                rollbacks = extra.get("rollbacks").and_then(Value::as_u64).unwrap_or(0) as usize;
             }
         }
         let resumed_from = done;
-        let mut rollbacks = 0;
         let mut last_saved: Option<(u64, PathBuf)> = None;
         let mut pending_save: Option<crate::ckpt::SaveHandle> = None;
         let micro = cfg.batch.grad_accum;
         let last_stage = stage == pp - 1;
 
         let stop = cfg.run.steps.min(cfg.run.stop_after.unwrap_or(u64::MAX));
+        let mut nan_fault = cfg.faults.nan.clone();
         while done < stop {
             let step_started = Instant::now();
+            self.strike(rank, done + 1, &cx)?;
             let tracing = done < cfg.run.trace_steps;
             let lr = lr_schedule.lr(done + 1);
             let mut events = Vec::new();
@@ -513,10 +569,13 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             // holds in the step's global batch (replica after replica).
             cx.set_step(done);
             cx.set_batch_offset(((d * ep + e) * micro * cfg.batch.micro_batch) as u64);
+            // `faults.nan`: the step's loss, and so every gradient, is NaN,
+            // once (a replay of the step after a rollback is healthy).
+            let poison = if nan_fault.take_if(|f| f.step == done + 1).is_some() { f64::NAN } else { 1.0 };
             let report = crate::parallel::pipeline::run_stage(&model, &mut cx, &schedule, stage, &inputs, |mb, logits: &Act<SplitHidden>| {
                 let (l, saved) = vocab_parallel_cross_entropy(&*tp_group, logits, &targets[mb], vocab, ignore)?;
-                let dl = vocab_parallel_cross_entropy_backward(logits, &targets[mb], vocab, ignore, &saved, scale / micro as f64)?;
-                Ok((l.to_scalar()?, dl))
+                let dl = vocab_parallel_cross_entropy_backward(logits, &targets[mb], vocab, ignore, &saved, poison * scale / micro as f64)?;
+                Ok((poison * l.to_scalar()?, dl))
             })?;
             if tracing {
                 for s in &report.spans {
@@ -592,12 +651,17 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
                     for g in [&tp_group, &dp_group, &ep_group, &pp_group] {
                         g.barrier()?;
                     }
-                    if let Some((to, skipped)) = self.roll_back(ckpt, &model, state_mut(&mut opt, &mut zero_state), &cx, batches.as_mut(), &mut scaler, &mut rollbacks, done)? {
+                    let state = RunState { batches: batches.as_mut(), scaler: &mut scaler, monitor: &mut monitor, rollbacks: &mut rollbacks };
+                    if let Some((to, skipped)) = self.roll_back(ckpt, &model, state_mut(&mut opt, &mut zero_state), &cx, state, done)? {
                         if rank == 0 {
                             for e in &skipped {
                                 if let Event::Skipped { dir, reason } = e {
                                     eprintln!("rolling back past the checkpoint {dir}, which cannot be loaded: {reason}");
                                 }
+                            }
+                            // Resume points of the abandoned future must not be resumed from.
+                            for dir in ckpt.drop_resume_points_after(to)? {
+                                eprintln!("dropped the resume point {}: the run rolled back to step {to}", dir.display());
                             }
                         }
                         events.extend(skipped);
@@ -632,14 +696,30 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
                 trace.record(rank, "optimizer", "compute", opt_started, Instant::now());
             }
             done += 1;
-            let save_now = done == stop || (cfg.checkpoint.every > 0 && done.is_multiple_of(cfg.checkpoint.every));
-            if save_now && !skipped {
-                let extra = json!({ "data": batches.cursor(), "scaler": scaler });
+            let scheduled = cfg.checkpoint.every > 0 && done.is_multiple_of(cfg.checkpoint.every);
+            let save_now = !skipped && (scheduled || done == stop);
+            if save_now {
+                events.push(Event::Checkpoint { dir: ckpt.step_dir(done).display().to_string() });
+            }
+            if tracing {
+                trace.record(rank, format!("step {done}"), "step", step_started, Instant::now());
+            }
+            // The step's line is written before its checkpoint: a job killed
+            // during the save leaves the line, which the next job, resuming
+            // from the checkpoint before, drops and writes again.
+            let r = step_report(rank, loss, grad_norm, lr, &scaler, step_started, &report, exposed, &dev, skipped, events);
+            collector.lock().unwrap_or_else(|e| e.into_inner()).report(done, r)?;
+            if save_now {
+                let extra = run_state(batches.as_ref(), &scaler, &monitor, rollbacks);
                 if let Some(h) = pending_save.take() {
                     h.wait()?;
                 }
                 let state = state_of(&opt, &zero);
-                let dir = if cfg.checkpoint.background && done < stop {
+                let dir = if !scheduled && done < cfg.run.steps {
+                    // A job stopping early: the next job resumes here, but
+                    // rollbacks go where they would in an unstopped run.
+                    trace.span(rank, "checkpoint", "io", || ckpt.save_resume_point(done, &model, state, &cx, extra))?
+                } else if cfg.checkpoint.background && done < stop {
                     // Snapshot now, write while training goes on; the next
                     // save (or a rollback's load) waits for it.
                     pending_save = Some(trace.span(rank, "checkpoint snapshot", "io", || ckpt.save_in_background(done, &model, state, &cx, extra))?);
@@ -647,14 +727,8 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
                 } else {
                     trace.span(rank, "checkpoint", "io", || ckpt.save(done, &model, state, &cx, extra))?
                 };
-                events.push(Event::Checkpoint { dir: dir.display().to_string() });
                 last_saved = Some((done, dir));
             }
-            if tracing {
-                trace.record(rank, format!("step {done}"), "step", step_started, Instant::now());
-            }
-            let r = step_report(rank, loss, grad_norm, lr, &scaler, step_started, &report, exposed, &dev, skipped, events);
-            collector.lock().unwrap_or_else(|e| e.into_inner()).report(done, r)?;
         }
         if let Some(h) = pending_save.take() {
             h.wait()?;
@@ -664,46 +738,100 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let last = match last_saved {
             Some((step, dir)) if step == done => dir,
             _ => {
-                let extra = json!({ "data": batches.cursor(), "scaler": scaler });
-                ckpt.save(done, &model, state_of(&opt, &zero), &cx, extra)?
+                let extra = run_state(batches.as_ref(), &scaler, &monitor, rollbacks);
+                if done < cfg.run.steps {
+                    ckpt.save_resume_point(done, &model, state_of(&opt, &zero), &cx, extra)?
+                } else {
+                    ckpt.save(done, &model, state_of(&opt, &zero), &cx, extra)?
+                }
             }
         };
         Ok((resumed_from, last))
     }
 
-    /// Restores the newest valid checkpoint and moves the data past what was
-    /// drawn since. Returns the restored step, or `None` when there is no
-    /// checkpoint to go back to (the step is then only skipped).
-    #[allow(clippy::too_many_arguments)]
-    fn roll_back(
-        &self,
-        ckpt: &Checkpointer,
-        model: &M,
-        opt: Option<&mut dyn OptimizerState>,
-        cx: &Cx,
-        batches: &mut dyn Batches,
-        scaler: &mut Option<LossScaler>,
-        rollbacks: &mut usize,
-        step: u64,
-    ) -> Result<Option<(u64, Vec<Event>)>> {
-        if ckpt.latest_valid()?.is_none() {
+    /// The faults of `[faults]` that strike `rank` as `step` begins: a slow
+    /// rank sleeps; a killed one ends (or ends the process); a hung one
+    /// waits until its peers give up on it.
+    fn strike(&self, rank: usize, step: u64, cx: &Cx) -> Result<()> {
+        let f = &self.config.faults;
+        if let Some(s) = f.slow.as_ref().filter(|s| s.rank == rank) {
+            std::thread::sleep(Duration::from_millis(s.ms));
+        }
+        if let Some(k) = f.kill.as_ref().filter(|k| k.rank == rank && k.step == step && k.at == super::KillPoint::Step) {
+            if k.process {
+                super::kill_this_process();
+            }
+            return Err(Error::FaultInjected { rank, detail: format!("killed as step {step} began") });
+        }
+        if f.hang.as_ref().is_some_and(|h| h.rank == rank && h.step == step) {
+            loop {
+                if cx.groups().failure().is_some() {
+                    return Err(Error::FaultInjected { rank, detail: format!("hung as step {step} began, until the other ranks gave up on it") });
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        Ok(())
+    }
+
+    /// Restores the newest valid checkpoint that is not a resume point
+    /// (model, optimizer, loss scaler, stability monitor) and has the data
+    /// stream exclude everything drawn since it: the stream keeps its place,
+    /// and the data behind the anomaly is never served again. Returns the
+    /// restored step, or `None` when there is no checkpoint to go back to
+    /// (the step is then only skipped).
+    fn roll_back(&self, ckpt: &Checkpointer, model: &M, opt: Option<&mut dyn OptimizerState>, cx: &Cx, state: RunState<'_>, step: u64) -> Result<Option<(u64, Vec<Event>)>> {
+        if !ckpt.has_regular()? {
             return Ok(None);
         }
-        *rollbacks += 1;
-        if *rollbacks > MAX_ROLLBACKS {
+        *state.rollbacks += 1;
+        if *state.rollbacks > MAX_ROLLBACKS {
             return Err(Error::invalid(
                 "trainer",
                 format!("step {step}: still unstable after {MAX_ROLLBACKS} rollbacks to healthy checkpoints with fresh data; lower optim.lr, raise optim.warmup or tighten optim.clip"),
             ));
         }
-        let skip_to = batches.cursor();
-        let Some(r) = ckpt.load_latest_valid(model, opt, cx)? else { return Ok(None) };
-        restore_extra(&r.manifest.extra, batches, scaler)?;
-        batches.restore(&skip_to)?;
+        let Some(r) = ckpt.load_latest_valid_regular(model, opt, cx)? else { return Ok(None) };
+        let extra = &r.manifest.extra;
+        restore_state(extra, state.scaler, state.monitor)?;
+        match extra.get("data") {
+            Some(since) => state.batches.exclude_since(since)?,
+            None => return Err(Error::invalid("trainer", format!("the checkpoint `{}` holds no data cursor, so the data since it cannot be excluded", r.dir.display()))),
+        }
         // Newer checkpoints it had to pass over are reported, not hidden.
         let skipped = r.skipped.iter().map(|s| Event::Skipped { dir: s.dir.display().to_string(), reason: s.reason.to_string() }).collect();
         Ok(Some((r.manifest.step, skipped)))
     }
+}
+
+/// The state of a rank's run besides the model and optimizer: all of it is
+/// in every checkpoint (see [`run_state`]).
+struct RunState<'a> {
+    batches: &'a mut dyn Batches,
+    scaler: &'a mut Option<LossScaler>,
+    monitor: &'a mut StabilityMonitor,
+    rollbacks: &'a mut usize,
+}
+
+/// A checkpoint's `extra`: the data cursor (with its exclusions), the loss
+/// scaler, the stability monitor's averages and warm-up, and the rollbacks
+/// taken. Every random draw of a run is a pure function of the seed and
+/// the step (dropout) or the epoch (the data order), so no generator state
+/// needs saving.
+fn run_state(batches: &dyn Batches, scaler: &Option<LossScaler>, monitor: &StabilityMonitor, rollbacks: usize) -> Value {
+    json!({ "data": batches.cursor(), "scaler": scaler, "monitor": monitor.state(), "rollbacks": rollbacks })
+}
+
+/// Restores the loss scaler and the monitor from a checkpoint's `extra`
+/// (a checkpoint written before the monitor was saved leaves it as is).
+fn restore_state(extra: &Value, scaler: &mut Option<LossScaler>, monitor: &mut StabilityMonitor) -> Result<()> {
+    if let (Some(s), Some(saved)) = (scaler.as_mut(), extra.get("scaler").filter(|v| !v.is_null())) {
+        *s = serde_json::from_value(saved.clone()).map_err(|e| Error::config("precision", format!("the checkpoint's loss-scaler state is unreadable: {e}")))?;
+    }
+    if let Some(saved) = extra.get("monitor").filter(|v| !v.is_null()) {
+        monitor.restore(saved)?;
+    }
+    Ok(())
 }
 
 fn state_of<'s>(opt: &'s Option<AdamW>, zero: &'s Option<Arc<Zero>>) -> Option<&'s dyn OptimizerState> {
@@ -720,16 +848,6 @@ fn state_mut<'s>(opt: &'s mut Option<AdamW>, zero: &'s mut Option<Arc<Zero>>) ->
         (None, Some(z)) => Some(z),
         (None, None) => None,
     }
-}
-
-fn restore_extra(extra: &Value, batches: &mut dyn Batches, scaler: &mut Option<LossScaler>) -> Result<()> {
-    if let Some(cursor) = extra.get("data") {
-        batches.restore(cursor)?;
-    }
-    if let (Some(s), Some(saved)) = (scaler.as_mut(), extra.get("scaler").filter(|v| !v.is_null())) {
-        *s = serde_json::from_value(saved.clone()).map_err(|e| Error::config("precision", format!("the checkpoint's loss-scaler state is unreadable: {e}")))?;
-    }
-    Ok(())
 }
 
 fn describe(a: &Anomaly) -> String {
