@@ -287,6 +287,72 @@ fn skipped_and_excluded_data_is_passed_over_and_remembered() {
     assert!(matches!(a.exclude(WindowRange { shard: 2, start: 0, end: 9 }), Err(Error::Data(_))), "would leave fewer than a batch");
 }
 
+/// What a rollback does to the data, checked against a plain model of it
+/// over many random runs: everything drawn between a checkpoint's cursor
+/// and the spike is never served again, in any later epoch, and every
+/// other window still comes once per epoch; the exclusions survive a
+/// restore from JSON, and the skipped batches are counted.
+#[test]
+fn data_passed_over_by_a_rollback_is_never_served_again() {
+    let data = positional("since");
+    let all: HashSet<u32> = (0..3).flat_map(|s| (0..11).map(move |k| s * 100 + k * SEQ as u32)).collect();
+    let mut rng = 0x1234_5678_u64;
+    let mut next = |n: u64| {
+        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (rng >> 33) % n
+    };
+    for trial in 0..40 {
+        let mut s = Sampler::new(&data, 3, SEQ, 0, 1, trial).unwrap();
+        let mut excluded: HashSet<u32> = HashSet::new();
+        // A few rollbacks, each over 1 to 4 batches, at random points
+        // (some across an epoch boundary).
+        for _ in 0..1 + next(3) {
+            starts(&mut s, next(7) as usize);
+            let checkpoint = serde_json_round_trip(&s.cursor());
+            let drawn: Vec<u32> = starts(&mut s, 1 + next(4) as usize).into_iter().flatten().collect();
+            let (before, position) = (s.cursor().skipped_batches, s.cursor().position);
+            match s.exclude_since(&checkpoint) {
+                Ok(()) => {
+                    excluded.extend(&drawn);
+                    assert_eq!(s.cursor().skipped_batches, before + (drawn.len() / 3) as u64, "trial {trial}");
+                    assert_eq!(s.cursor().position, position, "the sampler keeps its place");
+                }
+                // Too little data would be left: nothing changes.
+                Err(e) => assert!(e.to_string().contains("fewer than one global batch"), "{e}"),
+            }
+        }
+        // Through JSON, as a resumed run gets it.
+        let mut resumed = Sampler::new(&data, 3, SEQ, 0, 1, trial).unwrap();
+        resumed.restore(serde_json_round_trip(&s.cursor())).unwrap();
+        let left = all.len() - excluded.len();
+        // Finish the epoch, then three whole epochs: each serves every window left once (but
+        // an epoch's last incomplete batch, which is dropped).
+        let rest_of_epoch = s.cursor().epoch;
+        let mut by_epoch: std::collections::BTreeMap<u64, Vec<u32>> = Default::default();
+        for _ in 0..4 * left / 3 + 2 {
+            let epoch = resumed.cursor().epoch;
+            let batch = starts(&mut resumed, 1).remove(0);
+            let epoch = if resumed.cursor().epoch != epoch { resumed.cursor().epoch } else { epoch };
+            by_epoch.entry(epoch).or_default().extend(batch);
+        }
+        for (epoch, served) in by_epoch.iter().filter(|(e, _)| **e > rest_of_epoch) {
+            assert!(served.iter().all(|w| !excluded.contains(w)), "trial {trial} epoch {epoch}: an excluded window came back");
+            let unique: HashSet<u32> = served.iter().copied().collect();
+            assert_eq!(unique.len(), served.len(), "trial {trial} epoch {epoch}: a window twice");
+            if served.len() == left / 3 * 3 {
+                assert_eq!(unique.len(), left - left % 3, "trial {trial} epoch {epoch}");
+            }
+        }
+    }
+    // A cursor from another run, or from later than where the sampler stands, is refused.
+    let mut s = Sampler::new(&data, 3, SEQ, 0, 1, 1).unwrap();
+    let other = Sampler::new(&data, 3, SEQ, 0, 1, 2).unwrap().cursor();
+    assert!(matches!(s.exclude_since(&other), Err(Error::Data(_))));
+    let mut ahead = Sampler::new(&data, 3, SEQ, 0, 1, 1).unwrap();
+    starts(&mut ahead, 2);
+    assert!(matches!(s.exclude_since(&ahead.cursor()), Err(Error::Data(_))));
+}
+
 #[test]
 fn the_arithmetic_split_is_disjoint_and_seeded() {
     let task = Task::new(11).with_train_size(20_000);

@@ -6,24 +6,8 @@
 mod common;
 use common::training::*;
 use std::path::Path;
-use tessera::observe::{read_metrics, Event, StepMetrics};
+use tessera::observe::{read_metrics, Event};
 use tessera::train::TrainConfig;
-
-/// A metrics line's step, the bits of its loss, gradient norm and learning
-/// rate, whether it was skipped, and its anomaly events.
-type Line = (u64, u64, Option<u64>, u64, bool, Vec<Event>);
-
-/// What must match between runs: each metrics line's numbers and the
-/// anomalies and rollbacks on it (not times, nor checkpoint and resume
-/// bookkeeping).
-fn trajectory(out: &Path) -> Vec<Line> {
-    let keep = |e: &Event| matches!(e, Event::Anomaly { .. } | Event::Rollback { .. } | Event::Overflow { .. });
-    read_metrics(out.join("metrics.jsonl"))
-        .unwrap()
-        .iter()
-        .map(|m: &StepMetrics| (m.step, m.loss.to_bits(), m.grad_norm.map(f64::to_bits), m.lr.to_bits(), m.skipped, m.events.iter().filter(|e| keep(e)).cloned().collect()))
-        .collect()
-}
 
 /// Trains `cfg` in one job, and again in one job per step (each resuming
 /// the last, `stop_after` one step further); both must agree exactly.
@@ -62,7 +46,7 @@ fn a_run_with_rollbacks_resumed_at_every_step_equals_the_uninterrupted_run() {
     // job that forgot the monitor's averages would be back in warm-up and
     // miss it; one that rolled back to the checkpoint its predecessor wrote
     // on stopping (step 22) would take another path.
-    let text = "[batch]\nmicro_batch = 8\n[checkpoint]\nevery = 4\nkeep = 2\n[stability]\nspike_factor = 1.5\ndecay = 0.8\nwarmup = 5\n";
+    let text = "[batch]\nmicro_batch = 8\n[checkpoint]\nevery = 4\nkeep = 2\n[stability]\nspike_factor = 1.5\nwindow = 10\nwarmup = 5\n";
     let events = stop_and_resume_everywhere("rollbacks", text, 26, &["optim.lr=1e-2"], 44..46);
     assert!(events.contains(&Event::Rollback { to_step: 20, skipped_batches: 6 }), "the spike is caught and rolled back: {events:?}");
 }

@@ -90,7 +90,7 @@ fn gradient_accumulation_equals_one_big_batch() {
 fn a_loss_spike_rolls_back_and_skips_the_bad_data() {
     let out = scratch("spike");
     // Draws 58 and 59 (step 30) are scrambled: that step's loss jumps far above the average.
-    let cfg = config(&out, "[batch]\nmicro_batch = 8\n[checkpoint]\nevery = 4\n[stability]\nspike_factor = 1.8\ndecay = 0.8\nwarmup = 5\n", &["run.steps=36", "optim.lr=1e-2"]);
+    let cfg = config(&out, "[batch]\nmicro_batch = 8\n[checkpoint]\nevery = 4\n[stability]\nspike_factor = 1.8\nwindow = 10\nwarmup = 5\n", &["run.steps=36", "optim.lr=1e-2"]);
     let summary = train(cfg, 58..60);
     let metrics = read_metrics(out.join("metrics.jsonl")).unwrap();
     let anomaly = metrics.iter().find(|m| m.events.iter().any(|e| matches!(e, Event::Anomaly { .. }))).expect("the spike is flagged");

@@ -161,7 +161,7 @@ fn await_part(path: &Path, deadline: Instant, groups: &Groups) -> Result<PartFil
                 pause = (pause * 2).min(Duration::from_millis(50));
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(io_err(path, "the rank that writes it did not finish in time", "it stopped or is stalled; its own error says why (raise `Checkpointer::with_timeout` for slow disks)"))
+                return Err(io_err(path, "the rank that writes it did not finish in time", "it is stalled (a rank that fails stops the others with its cause); on a slow disk raise the timeout (`mesh.timeout_s`, `Checkpointer::with_timeout`)"))
             }
             Err(e) => return Err(io_err(path, "cannot read", e)),
         }

@@ -27,7 +27,8 @@ pub enum Event {
         /// The loss scale after backing off.
         scale: f64,
     },
-    /// A checkpoint was written.
+    /// The step's state is being saved as a checkpoint (the line is written
+    /// before the save; a save that fails ends the run with its error).
     Checkpoint {
         /// Its directory.
         dir: String,

@@ -343,24 +343,25 @@ impl Default for DataConfig {
     }
 }
 
-/// `[stability]`.
+/// `[stability]`: what counts as an anomaly, and what is done about it
+/// (see [`StabilityMonitor`](super::StabilityMonitor) for the rule).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct StabilityConfig {
-    /// A loss or gradient norm above `spike_factor` × its moving average is a spike.
+    /// A loss or gradient norm above `spike_factor` × its recent median is a spike.
     pub spike_factor: f64,
-    /// The moving averages' weight on the past.
-    pub decay: f64,
+    /// How many recent healthy steps the median is taken over.
+    pub window: usize,
     /// Healthy steps before spikes are judged.
     pub warmup: u64,
-    /// On an anomaly, roll back to the last checkpoint and skip the data seen
-    /// since (otherwise only the step is skipped).
+    /// On an anomaly, roll back to the last checkpoint and pass over the
+    /// data seen since, for good (otherwise only the step is skipped).
     pub rollback: bool,
 }
 
 impl Default for StabilityConfig {
     fn default() -> Self {
-        StabilityConfig { spike_factor: 3.0, decay: 0.95, warmup: 20, rollback: true }
+        StabilityConfig { spike_factor: 3.0, window: 20, warmup: 20, rollback: true }
     }
 }
 
@@ -489,8 +490,8 @@ impl TrainConfig {
             return Err(Error::config("checkpoint.keep", "keep at least 1 checkpoint"));
         }
         let s = &self.stability;
-        if !(s.spike_factor > 1.0 && s.spike_factor.is_finite() && (0.0..1.0).contains(&s.decay)) {
-            return Err(Error::config("stability", "need spike_factor > 1 and 0 <= decay < 1"));
+        if !(s.spike_factor > 1.0 && s.spike_factor.is_finite() && s.window > 0) {
+            return Err(Error::config("stability", "need spike_factor > 1 and a window of at least 1 step"));
         }
         if !(self.mesh.timeout_s.is_finite() && self.mesh.timeout_s > 0.0 && self.mesh.timeout_s <= 86_400.0) {
             return Err(Error::config("mesh.timeout_s", "seconds a rank waits for another before declaring it hung: more than 0, at most 86400 (the default is 600)"));

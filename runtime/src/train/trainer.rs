@@ -13,16 +13,21 @@
 //! 3. the [`StabilityMonitor`] judges the loss and the norm: a norm spike
 //!    alone is recorded (clipping bounds the update); on a NaN or a loss
 //!    spike the update is dropped and, with `stability.rollback`, every rank
-//!    reloads the newest valid checkpoint and moves its data cursor past
-//!    everything drawn since that checkpoint, so the offending data is not
-//!    seen again; the event is recorded;
+//!    reloads the newest valid checkpoint that is not a resume point and
+//!    passes over everything drawn since it for good
+//!    ([`Batches::exclude_since`]), so the offending data is never seen
+//!    again; the event is recorded;
 //! 4. AdamW steps at the warmup-cosine learning rate.
 //!
 //! Every step appends a line to `metrics.jsonl` (written by whichever rank
-//! reports last, with times as the maximum over ranks); the first
-//! `run.trace_steps` steps are recorded in `trace.json` (one track per
-//! rank); checkpoints are written every `checkpoint.every` steps and at the
-//! end; `loss.png` plots the loss curve.
+//! reports last, with times as the maximum over ranks), before its
+//! checkpoint; the first `run.trace_steps` steps are recorded in
+//! `trace.json` (one track per rank); checkpoints are written every
+//! `checkpoint.every` steps and at the end (a job that stops early writes a
+//! resume point); `loss.png` plots the loss curve. Every checkpoint holds
+//! the whole state of the run (see `run_state`), so a resumed run continues
+//! bit for bit. A failure on any rank stops every rank, and the run returns
+//! the first root cause; `[faults]` injects failures on purpose.
 
 use super::{clip_to_norm, global_grad_norm, Anomaly, LossScaler, StabilityMonitor, TrainConfig, WarmupCosine};
 use crate::ckpt::{Checkpointer, OptimizerState};
@@ -520,7 +525,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let mut zero_state = zero.clone();
         let schedule = cfg.mesh.schedule_kind()?.build(pp, cfg.batch.grad_accum)?;
         let lr_schedule = WarmupCosine::new(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup.min(cfg.run.steps), cfg.run.steps)?;
-        let mut monitor = StabilityMonitor::new(cfg.stability.spike_factor, cfg.stability.decay, cfg.stability.warmup)?;
+        let mut monitor = StabilityMonitor::new(cfg.stability.spike_factor, cfg.stability.window, cfg.stability.warmup)?;
         let mut scaler = if cfg.precision.scales_loss()? {
             Some(LossScaler::new().with_initial_scale(cfg.precision.initial_scale)?.with_hysteresis(cfg.precision.hysteresis)?)
         } else {

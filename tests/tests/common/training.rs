@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use tessera::ckpt::serde_json;
 use tessera::module::{self, Cx};
 use tessera::prelude::*;
+use tessera::observe::{read_metrics, Event, StepMetrics};
 use tessera::train::{Batches, ModelFacts, Replica, RunSummary, TrainConfig, Trainer};
 
 pub const VOCAB: usize = 16;
@@ -100,5 +101,21 @@ pub fn try_train(cfg: TrainConfig, fresh: bool) -> tessera::Result<RunSummary> {
     })?
     .fresh(fresh)
     .run()
+}
+
+/// A metrics line's step, the bits of its loss, gradient norm and learning
+/// rate, whether it was skipped, and its anomaly events.
+pub type Line = (u64, u64, Option<u64>, u64, bool, Vec<Event>);
+
+/// What must match between runs: each metrics line's numbers and the
+/// anomalies and rollbacks on it (not times, nor checkpoint and resume
+/// bookkeeping).
+pub fn trajectory(out: &Path) -> Vec<Line> {
+    let keep = |e: &Event| matches!(e, Event::Anomaly { .. } | Event::Rollback { .. } | Event::Overflow { .. });
+    read_metrics(out.join("metrics.jsonl"))
+        .unwrap()
+        .iter()
+        .map(|m: &StepMetrics| (m.step, m.loss.to_bits(), m.grad_norm.map(f64::to_bits), m.lr.to_bits(), m.skipped, m.events.iter().filter(|e| keep(e)).cloned().collect()))
+        .collect()
 }
 
