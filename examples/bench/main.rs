@@ -21,7 +21,8 @@ use anyhow::{ensure, Result};
 use clap::{Parser, Subcommand};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
-use tessera_kernels::cpu::matmul::{matmul, Gemm};
+use tessera_kernels::cpu::matmul::matmul;
+use tessera_kernels::desc::Gemm;
 
 #[derive(Parser)]
 #[command(about = "Benchmarks of Tessera's CPU kernels")]

@@ -17,6 +17,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod desc;
 mod real;
 pub mod rng;
 

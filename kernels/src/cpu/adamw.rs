@@ -15,6 +15,7 @@
 //! the moments. Parameters and moments are kept in the compute type (`f32`
 //! master weights in training).
 
+use crate::desc::AdamWStep;
 use crate::Real;
 use rayon::prelude::*;
 
@@ -22,25 +23,6 @@ use rayon::prelude::*;
 const PAR_MIN_ELEMS: usize = 32 * 1024;
 /// Elements per parallel chunk.
 const CHUNK: usize = 16 * 1024;
-
-/// Hyper-parameters of one AdamW update.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamWStep {
-    /// Learning rate.
-    pub lr: f64,
-    /// Decay rate of the first moment (typically 0.9).
-    pub beta1: f64,
-    /// Decay rate of the second moment (typically 0.95–0.999).
-    pub beta2: f64,
-    /// Added to `√v̂` in the denominator.
-    pub eps: f64,
-    /// Decoupled weight-decay coefficient (multiplied by `lr`).
-    pub weight_decay: f64,
-    /// 1 for the first update: bias correction uses it.
-    pub step: u64,
-    /// Multiply grads by this first (un-scaling, clipping); 1.0 = none.
-    pub grad_scale: f64,
-}
 
 /// One fused pass: m = b1 m + (1-b1) g; v = b2 v + (1-b2) g²; p -= lr * (m̂ / (sqrt(v̂) + eps) + wd * p).
 ///

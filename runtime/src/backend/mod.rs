@@ -11,6 +11,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub(crate) mod kernel;
 pub mod memory;
 
 pub use cpu::{CpuDevice, CpuStorage};

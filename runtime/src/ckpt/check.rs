@@ -4,7 +4,8 @@
 //! decoded into tensors).
 
 use super::io::RankFile;
-use super::manifest::{Index, Manifest, TensorKind};
+use super::manifest::{Index, Manifest};
+use crate::optim::{TensorKind};
 use super::region::Region;
 use crate::error::{Error, Result};
 use std::path::Path;

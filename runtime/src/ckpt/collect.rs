@@ -3,8 +3,9 @@
 //! who writes what).
 
 use super::io::{self, io_err};
-use super::manifest::{MeshInfo, ParamRecord, TensorKind, TensorRecord};
-use super::optimizer::{OptimizerState, StatePiece};
+use super::manifest::{MeshInfo, ParamRecord, TensorRecord};
+use crate::optim::{TensorKind};
+use crate::optim::{OptimizerState, StatePiece};
 use super::place::{self, Coords};
 use super::region::Region;
 use crate::error::{Error, Result};

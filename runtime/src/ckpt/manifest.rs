@@ -2,6 +2,7 @@
 //! its global tensor, in which file, and its checksum.
 
 use super::region::Region;
+use crate::optim::{OptimizerInfo, TensorKind};
 use crate::error::{Error, Result};
 use crate::module::{ExpertSlot, StagePart};
 use serde::{Deserialize, Serialize};
@@ -54,50 +55,6 @@ impl std::fmt::Display for MeshInfo {
             write!(f, " ({} chunks per stage)", self.chunks)?;
         }
         Ok(())
-    }
-}
-
-/// What a stored tensor is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TensorKind {
-    /// A parameter's values.
-    Param,
-    /// AdamW's first moment of a parameter.
-    AdamM,
-    /// AdamW's second moment of a parameter.
-    AdamV,
-}
-
-impl TensorKind {
-    /// Every kind, in the order pieces are listed.
-    pub const ALL: [TensorKind; 3] = [TensorKind::Param, TensorKind::AdamM, TensorKind::AdamV];
-
-    /// The index in [`ALL`](Self::ALL).
-    fn position(self) -> usize {
-        match self {
-            TensorKind::Param => 0,
-            TensorKind::AdamM => 1,
-            TensorKind::AdamV => 2,
-        }
-    }
-
-    /// `param`, `adam_m`, `adam_v`.
-    pub fn name(self) -> &'static str {
-        match self {
-            TensorKind::Param => "param",
-            TensorKind::AdamM => "adam_m",
-            TensorKind::AdamV => "adam_v",
-        }
-    }
-
-    /// The key of parameter `param`'s tensor of this kind in a rank file:
-    /// the name itself, or suffixed `.adam_m` / `.adam_v`.
-    pub fn key(self, param: &str) -> String {
-        match self {
-            TensorKind::Param => param.to_string(),
-            other => format!("{param}.{}", other.name()),
-        }
     }
 }
 
@@ -160,21 +117,6 @@ impl TensorRecord {
     pub fn byte_len(&self) -> usize {
         self.region.elem_count() * super::io::dtype_named(&self.dtype).map_or(0, |d| d.size_in_bytes())
     }
-}
-
-/// The optimizer whose state a checkpoint holds.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct OptimizerInfo {
-    /// `adamw`.
-    pub kind: String,
-    /// First-moment decay.
-    pub beta1: f64,
-    /// Second-moment decay.
-    pub beta2: f64,
-    /// Denominator epsilon.
-    pub eps: f64,
-    /// Decoupled weight decay.
-    pub weight_decay: f64,
 }
 
 /// `manifest.json`: everything needed to check and restore a checkpoint on
@@ -306,7 +248,7 @@ impl<'a> Index<'a> {
         }
         let mut pieces: HashMap<&str, [Vec<&TensorRecord>; 3]> = HashMap::new();
         for r in &m.tensors {
-            pieces.entry(r.param.as_str()).or_default()[r.kind.position()].push(r);
+            pieces.entry(r.param.as_str()).or_default()[r.kind as usize].push(r);
         }
         Index { params, pieces }
     }
@@ -318,6 +260,6 @@ impl<'a> Index<'a> {
 
     /// The stored pieces of parameter `param`'s tensor of `kind`.
     pub fn pieces(&self, param: &str, kind: TensorKind) -> &[&'a TensorRecord] {
-        self.pieces.get(param).map_or(&[], |p| p[kind.position()].as_slice())
+        self.pieces.get(param).map_or(&[], |p| p[kind as usize].as_slice())
     }
 }

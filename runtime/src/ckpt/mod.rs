@@ -82,7 +82,6 @@ mod faults;
 mod io;
 mod leftovers;
 mod manifest;
-mod optimizer;
 pub(crate) mod place;
 mod region;
 mod reshard;
@@ -94,8 +93,8 @@ mod save;
 pub use serde_json;
 
 pub use check::verify;
-pub use manifest::{Manifest, MeshInfo, OptimizerInfo, ParamRecord, TensorKind, TensorRecord, FORMAT_VERSION};
-pub use optimizer::{OptimizerState, StatePiece, StateSlot};
+pub use crate::optim::{OptimizerInfo, OptimizerState, StatePiece, StateSlot, TensorKind};
+pub use manifest::{Manifest, MeshInfo, ParamRecord, TensorRecord, FORMAT_VERSION};
 pub use region::Region;
 pub use reshard::reshard;
 pub use save::SaveHandle;

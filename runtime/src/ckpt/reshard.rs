@@ -5,7 +5,8 @@
 
 use super::check::{self, verify};
 use super::io::{self, checksum, io_err};
-use super::manifest::{Manifest, MeshInfo, ParamRecord, TensorKind, TensorRecord};
+use super::manifest::{Manifest, MeshInfo, ParamRecord, TensorRecord};
+use crate::optim::{TensorKind};
 use super::place::{self, Coords};
 use super::region::Region;
 use super::restore::Store;

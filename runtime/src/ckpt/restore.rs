@@ -4,8 +4,9 @@
 
 use super::collect::{model_params, ModelParam};
 use super::io::{self, RankFile};
-use super::manifest::{Index, Manifest, ParamRecord, TensorKind, TensorRecord};
-use super::optimizer::OptimizerState;
+use super::manifest::{Index, Manifest, ParamRecord, TensorRecord};
+use crate::optim::{TensorKind};
+use crate::optim::OptimizerState;
 use super::region::{overlap, Region, Sources};
 use crate::error::{Error, Result};
 use crate::module::{Cx, Module, Param};

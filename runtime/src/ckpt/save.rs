@@ -6,13 +6,15 @@
 
 use super::collect::{self, Part};
 use super::io::{self, checksum, io_err};
-use super::manifest::{Manifest, MeshInfo, OptimizerInfo, ParamRecord, TensorRecord, FORMAT_VERSION};
-use super::optimizer::OptimizerState;
+use super::manifest::{Manifest, MeshInfo, ParamRecord, TensorRecord, FORMAT_VERSION};
+use crate::optim::{OptimizerInfo};
+use crate::optim::OptimizerState;
 use super::faults::WriteFault;
 use super::place::Coords;
 use super::{check, collective, read_manifest, Checkpointer, Root, LATEST, MANIFEST};
 use crate::error::{Error, Result};
-use crate::module::{Cx, Groups, Module};
+use crate::dist::Groups;
+use crate::module::{Cx, Module};
 use serde::{Deserialize, Serialize};
 use std::fs;
 use std::path::{Path, PathBuf};

@@ -1,10 +1,44 @@
-//! The sampler as the trainer's source of microbatches, and the bundled
-//! task's answer-only targets.
+//! The source of training microbatches a trainer draws from, the sampler as
+//! one, and the bundled task's answer-only targets.
 
 use super::{arith, Cursor, Sampler};
 use crate::error::Result;
-use crate::train::Batches;
 use crate::{Device, Tensor};
+use serde_json::Value;
+
+/// A stream of training microbatches for one data replica.
+///
+/// Implementations must be deterministic: the batches after
+/// [`restore`](Self::restore)`(c)` are the ones that followed when
+/// [`cursor`](Self::cursor) returned `c`, and the cursor is the same on
+/// every replica after the same number of draws (it addresses the global
+/// data order), so any replica's cursor restores all of them.
+pub trait Batches: Send {
+    /// The next `(inputs, targets)`, each `[micro_batch, seq_len]` of `u32` token ids.
+    fn next_batch(&mut self, device: &Device) -> Result<(Tensor, Tensor)>;
+    /// Where the stream stands.
+    fn cursor(&self) -> Value;
+    /// Goes back (or forward) to a cursor.
+    fn restore(&mut self, cursor: &Value) -> Result<()>;
+    /// Passes over everything drawn since `since` (a cursor this stream
+    /// returned earlier) for good: the stream keeps its place, and never
+    /// serves that data again, in this epoch or a later one; the exclusion
+    /// is part of its cursor. The trainer calls it when it rolls back to the
+    /// checkpoint that saved `since`.
+    ///
+    /// The default only keeps the place: a stream that cannot exclude data
+    /// serves it again when it comes round (the [`Sampler`](Sampler)
+    /// excludes it).
+    fn exclude_since(&mut self, since: &Value) -> Result<()> {
+        let _ = since;
+        Ok(())
+    }
+    /// A target id that contributes no loss (positions not to learn), if the
+    /// stream uses one.
+    fn ignore_index(&self) -> Option<u32> {
+        None
+    }
+}
 
 impl Batches for Sampler {
     fn next_batch(&mut self, device: &Device) -> Result<(Tensor, Tensor)> {

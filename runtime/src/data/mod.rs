@@ -42,7 +42,7 @@ mod sampler;
 pub mod shards;
 mod tokenizer;
 
-pub use batches::AnswerTargets;
+pub use batches::{AnswerTargets, Batches};
 pub use prepare::{input_files, prepare, TokenizerSource};
 pub use sampler::{Cursor, OrderSpan, Sampler, Window, WindowRange};
 pub use shards::{Dataset, Index, ShardEntry, ShardWriter, TokenDType};

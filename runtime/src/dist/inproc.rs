@@ -706,7 +706,7 @@ impl Core {
 /// The communicators of world rank `rank` for every axis of `mesh` (its
 /// tensor-, data-, pipeline- and expert-parallel groups), each group tagged
 /// with its axis so that axes with the same members stay independent.
-pub fn mesh_groups(world: &InProcess, mesh: &crate::dist::mesh::Mesh, rank: usize, device: &Device) -> Result<crate::module::Groups> {
+pub fn mesh_groups(world: &InProcess, mesh: &crate::dist::mesh::Mesh, rank: usize, device: &Device) -> Result<crate::dist::Groups> {
     use crate::dist::mesh::Axis;
     if world.world_size() != mesh.world() {
         return Err(Error::invalid(
@@ -718,5 +718,5 @@ pub fn mesh_groups(world: &InProcess, mesh: &crate::dist::mesh::Mesh, rank: usiz
         let members = mesh.group(axis, rank)?;
         Ok(Arc::new(world.tagged_group(axis.name(), &members)?.communicator(rank, device)?))
     };
-    Ok(crate::module::Groups { tp: comm(Axis::Tp)?, dp: comm(Axis::Dp)?, pp: comm(Axis::Pp)?, ep: comm(Axis::Ep)? })
+    Ok(crate::dist::Groups { tp: comm(Axis::Tp)?, dp: comm(Axis::Dp)?, pp: comm(Axis::Pp)?, ep: comm(Axis::Ep)? })
 }

@@ -2,9 +2,11 @@
 //! over its groups.
 
 mod comm;
+mod groups;
 pub mod inproc;
 pub mod mesh;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 
 pub use comm::{Communicator, Completer, Pending, SingleRank};
+pub use groups::Groups;

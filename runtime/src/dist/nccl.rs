@@ -86,7 +86,7 @@ use super::comm::{Communicator, Pending};
 use super::mesh::{Axis, Mesh};
 use crate::backend::{CudaDevice, CudaStorage, Device, Storage};
 use crate::error::{Error, Result};
-use crate::module::Groups;
+use crate::dist::Groups;
 use crate::tensor::{DType, Shape, Tensor};
 use cudarc::driver::CudaEvent;
 use cudarc::nccl::{result, sys};

@@ -17,7 +17,10 @@ mod stage;
 mod visit;
 
 pub use call::{call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, fed, Feeds, Kept, KeptCall, Recompute};
-pub use cx::{Cx, Groups, Hooks, RecomputeOverride};
+pub use cx::{Cx, Hooks, RecomputeOverride};
+/// The communicators a [`Cx`] holds; they belong to [`dist`](crate::dist)
+/// and are named here too, beside the context that carries them.
+pub use crate::dist::Groups;
 pub use layout::{Act, Dispatched, Layout, PartialSum, Pointwise, Replicated, SameLayout, Seq, SplitHidden, SplitSeq};
 pub use seq::{seq_convert, seq_convert_backward};
 #[doc(hidden)]

@@ -1,7 +1,8 @@
 //! Activation functions: GELU (tanh form), SiLU and SwiGLU.
 
-use super::{check_same_shape, cuda_launch, float_kernel, run, run1};
-use crate::backend::cpu::Out;
+use super::{cuda_launch, float_kernel, run, run1};
+use crate::tensor::check_same_shape;
+use crate::backend::kernel::Out;
 use crate::backend::cuda::args::{Arg, Grid};
 use crate::error::Result;
 use crate::tensor::Tensor;

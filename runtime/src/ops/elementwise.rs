@@ -1,8 +1,9 @@
 //! Elementwise arithmetic and bias addition.
 
-use super::{check_device, check_same_shape, cuda_launch, float_kernel, run1};
+use super::{cuda_launch, float_kernel, run1};
+use crate::tensor::{check_device, check_same_shape};
 use crate::backend::cuda::args::{Arg, Grid};
-use crate::backend::cpu::Out;
+use crate::backend::kernel::Out;
 use crate::backend::Storage;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};

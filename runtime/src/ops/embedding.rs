@@ -1,7 +1,7 @@
 //! Embedding lookup, plain and vocab-parallel.
 
 use super::{float_kernel, run1, with_u32};
-use crate::backend::cpu::Out;
+use crate::backend::kernel::Out;
 use crate::backend::cuda::args::{Arg, Grid};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};

@@ -1,7 +1,7 @@
 //! Cross-entropy fused with log-softmax.
 
 use super::{float_kernel, rows, run, run1, with_u32};
-use crate::backend::cpu::Out;
+use crate::backend::kernel::Out;
 use crate::backend::cuda::args::{Arg, Grid};
 use crate::backend::cuda::CudaCall;
 use crate::error::{Error, Result};

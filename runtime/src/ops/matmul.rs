@@ -1,11 +1,13 @@
 //! Matrix products, batched, with transposed operands taken as views.
 
-use super::{check_device, float_kernel, run1};
+use super::{float_kernel, run1};
+use crate::tensor::check_device;
 use crate::backend::cuda::args::{Arg, Grid};
-use crate::backend::cpu::Out;
+use crate::backend::kernel::Out;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
-use tessera_kernels::cpu::matmul::{matmul as gemm, matmul_bias as gemm_bias, Gemm};
+use tessera_kernels::cpu::matmul::{matmul as gemm, matmul_bias as gemm_bias};
+use tessera_kernels::desc::Gemm;
 
 float_kernel!(writes_all MatMul { g: Gemm } |s, i, o| gemm(&s.g, i[0], i[1], o[0]); cuda |s, c| c.gemm(&s.g));
 float_kernel!(writes_all MatMulBias { g: Gemm } |s, i, o| gemm_bias(&s.g, i[0], i[1], i[2], o[0]); cuda |s, c| {

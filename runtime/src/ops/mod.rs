@@ -38,11 +38,12 @@ pub use rope::*;
 pub use softmax::*;
 pub use topk::*;
 
-use crate::backend::cpu::{self, FloatKernel, Out};
+use crate::backend::cpu;
+use crate::backend::kernel::{FloatKernel, Out};
 use crate::backend::cuda::{self, CudaStorage};
 use crate::backend::{CpuStorage, Device, Storage};
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Shape, Tensor};
+use crate::tensor::{check_device, check_float, DType, Shape, Tensor};
 
 /// Declares a kernel struct and its [`FloatKernel`] impl; the body sees the
 /// struct as `$s`, the input slices as `$i` and the output slices as `$o`.
@@ -64,7 +65,7 @@ macro_rules! float_kernel {
     };
     (@impl $all:expr, $name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* } |$s:ident, $i:ident, $o:ident| $body:expr $(; cuda |$cs:ident, $c:ident| $cuda:expr)?) => {
         struct $name $(<$lt>)? { $($f: $t),* }
-        impl $(<$lt>)? $crate::backend::cpu::FloatKernel for $name $(<$lt>)? {
+        impl $(<$lt>)? $crate::backend::kernel::FloatKernel for $name $(<$lt>)? {
             const WRITES_ALL: bool = $all;
             #[allow(unused_variables)]
             fn run<T: tessera_kernels::Real>(&self, $i: &[&[T]], $o: &mut [&mut [T]]) {
@@ -153,30 +154,6 @@ fn index_hint(what: &'static str) -> &'static str {
         "ids" => " for token ids; convert them with `to_dtype(DType::U32)`",
         "targets" => " for targets; convert them with `to_dtype(DType::U32)`",
         _ => "; convert with `to_dtype(DType::U32)`",
-    }
-}
-
-pub(crate) fn check_float(op: &'static str, t: &Tensor) -> Result<()> {
-    if t.dtype().is_float() {
-        Ok(())
-    } else {
-        Err(Error::DType { op, expected: "a float dtype (f32, f64, bf16, f16)".into(), got: t.dtype(), hint: "" })
-    }
-}
-
-pub(crate) fn check_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
-    if a.device().same(b.device()) {
-        Ok(())
-    } else {
-        Err(Error::DeviceMismatch { op, lhs: a.device().to_string(), rhs: b.device().to_string() })
-    }
-}
-
-pub(crate) fn check_same_shape(op: &'static str, what: &str, a: &Tensor, b: &Tensor) -> Result<()> {
-    if a.shape() == b.shape() {
-        Ok(())
-    } else {
-        Err(Error::shape(op, format!("{what}: {} vs {}; both must have the same shape", a.shape(), b.shape())))
     }
 }
 

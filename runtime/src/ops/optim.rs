@@ -1,12 +1,12 @@
 //! The fused AdamW update, one tensor at a time or many in one launch.
 
-use super::{check_device, check_same_shape};
+use crate::tensor::{check_device, check_same_shape};
 use crate::backend::cuda::adamw::{adamw_f32, AdamWSlot};
 use crate::backend::{CpuStorage, Device, Storage};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Element, Tensor};
 use std::collections::HashMap;
-pub use tessera_kernels::cpu::adamw::AdamWStep;
+pub use tessera_kernels::desc::AdamWStep;
 use tessera_kernels::cpu::adamw::adamw_update as fused;
 use tessera_kernels::Real;
 

@@ -1,7 +1,7 @@
 //! Reductions to a scalar: sum, squared norm, largest magnitude.
 
 use super::{cuda_launch, float_kernel, run1, scale};
-use crate::backend::cpu::Out;
+use crate::backend::kernel::Out;
 use crate::backend::cuda::args::{Arg, Grid};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};

@@ -1,7 +1,8 @@
 //! Rotary position embedding ("rotate half" convention, as HF Llama).
 
-use super::{check_same_shape, float_kernel, run1};
-use crate::backend::cpu::Out;
+use super::{float_kernel, run1};
+use crate::tensor::check_same_shape;
+use crate::backend::kernel::Out;
 use crate::backend::cuda::args::{Arg, Grid};
 use crate::backend::cuda::CudaCall;
 use crate::error::{Error, Result};

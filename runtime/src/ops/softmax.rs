@@ -1,8 +1,9 @@
 //! Softmax and log-softmax over the last dimension.
 
 use super::cuda_launch::{rows_binary, rows_unary};
-use super::{check_same_shape, float_kernel, run1};
-use crate::backend::cpu::Out;
+use super::{float_kernel, run1};
+use crate::tensor::check_same_shape;
+use crate::backend::kernel::Out;
 use crate::error::Result;
 use crate::tensor::Tensor;
 use tessera_kernels::cpu::softmax as k;

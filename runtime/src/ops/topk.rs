@@ -1,7 +1,8 @@
 //! The k largest entries of each row (MoE routing, sampling).
 
-use super::{check_device, check_float, float_kernel, run1, with_u32};
-use crate::backend::cpu::Out;
+use super::{float_kernel, run1, with_u32};
+use crate::tensor::{check_device, check_float};
+use crate::backend::kernel::Out;
 use crate::backend::{CpuStorage, CudaStorage, Device, Storage};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};

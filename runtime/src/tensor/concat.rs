@@ -14,7 +14,7 @@ impl Tensor {
             if p.dtype() != first.dtype() {
                 return Err(Error::DType { op: OP, expected: first.dtype().to_string(), got: p.dtype(), hint: "; convert the parts to one dtype first" });
             }
-            crate::ops::check_device(OP, first, p)?;
+            super::check_device(OP, first, p)?;
         }
         let total: usize = parts.iter().map(|p| p.elem_count()).sum();
         let contiguous: Vec<Tensor> = parts.iter().map(|p| p.contiguous()).collect::<Result<_>>()?;

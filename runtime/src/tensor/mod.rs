@@ -1,5 +1,6 @@
 //! Tensors: a shared storage on a device, a dtype, and a layout that views it.
 
+mod check;
 mod concat;
 mod create;
 mod dtype;
@@ -7,6 +8,7 @@ mod layout;
 mod shape;
 mod view;
 
+pub use check::{check_device, check_float, check_same_shape};
 pub use dtype::{DType, Element};
 pub(crate) use dtype::with_elem;
 pub use layout::Layout;

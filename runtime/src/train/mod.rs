@@ -23,4 +23,5 @@ pub use run_lock::{RunLock, LOCK_FILE};
 pub use scaler::LossScaler;
 pub use schedule::WarmupCosine;
 pub use suggest::closest;
-pub use trainer::{Batches, ModelFacts, Replica, RunSummary, Trainer};
+pub use crate::data::Batches;
+pub use trainer::{ModelFacts, Replica, RunSummary, Trainer};

@@ -6,7 +6,7 @@ use super::RankDevice;
 use crate::dist::inproc::{mesh_groups, InProcess};
 use crate::dist::mesh::Mesh;
 use crate::error::{Error, Result};
-use crate::module::Groups;
+use crate::dist::Groups;
 use crate::Device;
 use std::sync::Mutex;
 

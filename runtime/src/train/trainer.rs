@@ -32,6 +32,7 @@
 use super::{clip_to_norm, global_grad_norm, Anomaly, LossScaler, StabilityMonitor, TrainConfig, WarmupCosine};
 use crate::ckpt::{Checkpointer, OptimizerState};
 use super::ranks::Ranks;
+use crate::data::Batches;
 use crate::dist::mesh::{Axis, Mesh};
 use crate::dist::Communicator;
 use crate::error::{Error, Result};
@@ -54,40 +55,6 @@ use std::time::{Duration, Instant};
 /// Rollbacks allowed in one run before it gives up: a run that keeps
 /// diverging from healthy checkpoints on fresh data needs a human.
 const MAX_ROLLBACKS: usize = 5;
-
-/// A stream of training microbatches for one data replica.
-///
-/// Implementations must be deterministic: the batches after
-/// [`restore`](Self::restore)`(c)` are the ones that followed when
-/// [`cursor`](Self::cursor) returned `c`, and the cursor is the same on
-/// every replica after the same number of draws (it addresses the global
-/// data order), so any replica's cursor restores all of them.
-pub trait Batches: Send {
-    /// The next `(inputs, targets)`, each `[micro_batch, seq_len]` of `u32` token ids.
-    fn next_batch(&mut self, device: &Device) -> Result<(Tensor, Tensor)>;
-    /// Where the stream stands.
-    fn cursor(&self) -> Value;
-    /// Goes back (or forward) to a cursor.
-    fn restore(&mut self, cursor: &Value) -> Result<()>;
-    /// Passes over everything drawn since `since` (a cursor this stream
-    /// returned earlier) for good: the stream keeps its place, and never
-    /// serves that data again, in this epoch or a later one; the exclusion
-    /// is part of its cursor. The trainer calls it when it rolls back to the
-    /// checkpoint that saved `since`.
-    ///
-    /// The default only keeps the place: a stream that cannot exclude data
-    /// serves it again when it comes round (the [`Sampler`](crate::data::Sampler)
-    /// excludes it).
-    fn exclude_since(&mut self, since: &Value) -> Result<()> {
-        let _ = since;
-        Ok(())
-    }
-    /// A target id that contributes no loss (positions not to learn), if the
-    /// stream uses one.
-    fn ignore_index(&self) -> Option<u32> {
-        None
-    }
-}
 
 /// Which data replica a [`Batches`] stream serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -6,6 +6,7 @@
 //! as fast on small products and is the portable path. Small products never
 //! touch the thread pool; batches of them run one product per task.
 
+use crate::desc::Gemm;
 use crate::Real;
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -14,110 +15,6 @@ use std::any::TypeId;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
-
-/// Shape and operand layout of a (batched) matrix product
-/// `C[b] (+)= op(A[b]) · op(B[b])` for `b` in `0..batch`.
-///
-/// `op(A[b])` is `m×k` and `op(B[b])` is `k×n`; `C` is always `batch×m×n`
-/// contiguous. The transposes only change how the operands are read, so the
-/// backward products `dA = dC·Bᵀ` and `dB = Aᵀ·dC` need no copies.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Gemm {
-    /// Number of independent products.
-    pub batch: usize,
-    /// Rows of `op(A)` and of `C`.
-    pub m: usize,
-    /// Inner (contracted) dimension.
-    pub k: usize,
-    /// Columns of `op(B)` and of `C`.
-    pub n: usize,
-    /// `A[b]` is stored `k×m` row-major (so `op(A) = Aᵀ`) instead of `m×k`.
-    pub trans_a: bool,
-    /// `B[b]` is stored `n×k` row-major (so `op(B) = Bᵀ`) instead of `k×n`.
-    pub trans_b: bool,
-    /// Elements between `A[b]` and `A[b+1]`; 0 broadcasts one `A` to every batch.
-    pub batch_stride_a: usize,
-    /// Elements between `B[b]` and `B[b+1]`; 0 broadcasts one `B` to every batch.
-    pub batch_stride_b: usize,
-    /// `C += product` instead of `C = product`.
-    pub accumulate: bool,
-}
-
-impl Gemm {
-    /// Plain `C = A·B`: contiguous batches (strides `m*k` and `k*n`), no
-    /// transposes, no accumulation.
-    pub fn new(batch: usize, m: usize, k: usize, n: usize) -> Self {
-        Gemm {
-            batch,
-            m,
-            k,
-            n,
-            trans_a: false,
-            trans_b: false,
-            batch_stride_a: m * k,
-            batch_stride_b: k * n,
-            accumulate: false,
-        }
-    }
-
-    /// Floating-point operations of the whole product: `2·batch·m·n·k`.
-    pub fn flops(&self) -> f64 {
-        2.0 * self.batch as f64 * self.m as f64 * self.n as f64 * self.k as f64
-    }
-
-    /// Sets whether `A[b]` is stored transposed (`k×m`).
-    pub fn trans_a(mut self, t: bool) -> Self {
-        self.trans_a = t;
-        self
-    }
-
-    /// Sets whether `B[b]` is stored transposed (`n×k`).
-    pub fn trans_b(mut self, t: bool) -> Self {
-        self.trans_b = t;
-        self
-    }
-
-    /// Sets the element distance between consecutive `A[b]` (0 broadcasts).
-    pub fn batch_stride_a(mut self, s: usize) -> Self {
-        self.batch_stride_a = s;
-        self
-    }
-
-    /// Sets the element distance between consecutive `B[b]` (0 broadcasts).
-    pub fn batch_stride_b(mut self, s: usize) -> Self {
-        self.batch_stride_b = s;
-        self
-    }
-
-    /// Sets whether the product is added to `C` instead of overwriting it.
-    pub fn accumulate(mut self, acc: bool) -> Self {
-        self.accumulate = acc;
-        self
-    }
-
-    /// Minimum length of the `A` buffer this product reads.
-    pub fn len_a(&self) -> usize {
-        operand_len(self.batch, self.batch_stride_a, self.m * self.k)
-    }
-
-    /// Minimum length of the `B` buffer this product reads.
-    pub fn len_b(&self) -> usize {
-        operand_len(self.batch, self.batch_stride_b, self.k * self.n)
-    }
-
-    /// Length of the `C` buffer: `batch·m·n`.
-    pub fn len_c(&self) -> usize {
-        self.batch * self.m * self.n
-    }
-}
-
-fn operand_len(batch: usize, stride: usize, one: usize) -> usize {
-    if batch == 0 || one == 0 {
-        0
-    } else {
-        (batch - 1) * stride + one
-    }
-}
 
 /// From this many multiply-adds on, one product is split over the rayon
 /// pool (about 40 µs of single-core work): below it, waking the pool costs

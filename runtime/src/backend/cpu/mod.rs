@@ -12,7 +12,7 @@ mod storage;
 pub use buffer::Buffer;
 use buffer::HostMemory;
 pub(crate) use convert::convert;
-pub(crate) use exec::{run_float, FloatKernel, Out};
+pub(crate) use exec::run_float;
 pub use storage::CpuStorage;
 
 use super::memory::MemoryStats;

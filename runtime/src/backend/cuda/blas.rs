@@ -16,7 +16,7 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::cublas::CudaBlas;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use tessera_kernels::cpu::matmul::Gemm;
+use tessera_kernels::desc::Gemm;
 
 /// Creates the cuBLAS handle of a device, or says why it cannot.
 pub(crate) fn create_handle(device: &CudaDevice) -> std::result::Result<CudaBlas, String> {

@@ -9,11 +9,11 @@ use super::args::{Arg, Grid};
 use super::device::CudaDevice;
 use super::launch::{AttnArg, Value};
 use super::storage::CudaStorage;
-use crate::backend::cpu::Out;
+use crate::backend::kernel::Out;
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use std::ops::Range;
-use tessera_kernels::cpu::matmul::Gemm;
+use tessera_kernels::desc::Gemm;
 
 /// An op's operands and outputs on one device, while its CUDA
 /// implementation runs.

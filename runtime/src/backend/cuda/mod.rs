@@ -69,7 +69,7 @@ pub use testing::report_skip;
 // Without the CUDA backend nothing launches the step, so nothing reads these.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct AdamWSlot {
-    pub step: tessera_kernels::cpu::adamw::AdamWStep,
+    pub step: tessera_kernels::desc::AdamWStep,
     pub param: u64,
     pub grad: u64,
     pub m: u64,

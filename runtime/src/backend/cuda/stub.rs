@@ -5,7 +5,7 @@
 //! and asking for a CUDA device is the one place that reports the missing
 //! backend.
 
-use crate::backend::cpu::Out;
+use crate::backend::kernel::Out;
 use crate::backend::memory::MemoryStats;
 use crate::backend::BackendDevice;
 use crate::tensor::DType;
@@ -58,7 +58,7 @@ impl CudaCall {
         match *self {}
     }
 
-    pub(crate) fn gemm(&mut self, _: &tessera_kernels::cpu::matmul::Gemm) -> Result<()> {
+    pub(crate) fn gemm(&mut self, _: &tessera_kernels::desc::Gemm) -> Result<()> {
         match *self {}
     }
 }

@@ -13,6 +13,9 @@ use crate::module::{self, Module, Param};
 use crate::ops::{self, AdamWStep};
 use crate::tensor::{DType, Tensor};
 
+mod state;
+pub use state::{adamw_info, OptimizerInfo, OptimizerState, StatePiece, StateSlot, TensorKind};
+
 /// The hyper-parameters of AdamW other than the learning rate, which each
 /// [`AdamW::step`] takes so a schedule can set it.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -59,7 +59,9 @@
 //!
 //! [`visit_params`]: crate::module::visit_params
 
-use super::data::DataParallel;
+mod checkpoint;
+
+use crate::parallel::data::DataParallel;
 use crate::dist::{Communicator, Pending};
 use crate::error::{Error, Result};
 use crate::module::{self, Hooks, Module, Param};
