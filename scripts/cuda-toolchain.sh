@@ -4,7 +4,7 @@
 # no GPU and no CUDA toolkit. Prints the environment to use them:
 #
 #   eval "$(scripts/cuda-toolchain.sh)"
-#   cargo test -p tessera --features cuda --test cuda_kernels
+#   cargo test -p tessera-core --features cuda --test cuda_kernels
 #
 # The venv goes to $TESSERA_CUDA_TOOLCHAIN (default: .cuda-toolchain in the
 # repository root); a second run reuses it. The wheel version follows the CUDA

@@ -1,0 +1,39 @@
+//! The communicators of one rank, one per mesh axis.
+
+use crate::{Communicator, SingleRank};
+use std::sync::Arc;
+
+/// One communicator per mesh axis.
+#[derive(Clone, Debug)]
+pub struct Groups {
+    pub tp: Arc<dyn Communicator>,
+    pub dp: Arc<dyn Communicator>,
+    pub pp: Arc<dyn Communicator>,
+    pub ep: Arc<dyn Communicator>,
+}
+
+impl Groups {
+    /// The four communicators.
+    pub fn all(&self) -> [&Arc<dyn Communicator>; 4] {
+        [&self.tp, &self.dp, &self.pp, &self.ep]
+    }
+
+    /// Stops every group of this rank (see [`Communicator::abort`]).
+    pub fn abort(&self, reason: &str) {
+        for c in self.all() {
+            c.abort(reason);
+        }
+    }
+
+    /// The failure that stopped any of this rank's groups, if one has (see
+    /// [`Communicator::failure`]).
+    pub fn failure(&self) -> Option<tessera_core::Error> {
+        self.all().into_iter().find_map(|c| c.failure())
+    }
+
+    /// Every axis of size one.
+    pub fn single() -> Self {
+        let one: Arc<dyn Communicator> = Arc::new(SingleRank);
+        Groups { tp: one.clone(), dp: one.clone(), pp: one.clone(), ep: one }
+    }
+}

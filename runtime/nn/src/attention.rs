@@ -1,0 +1,263 @@
+//! Causal grouped-query self-attention on packed query/key/value projections.
+
+use tessera_core::{Error, Result};
+use crate::module::{Act, Cx, Module, Plain, SplitHidden, Visitor};
+use tessera_core::ops::{self, AttnOpts, QkvHeads, Rope};
+use tessera_core::tensor::Tensor;
+use std::fmt;
+
+/// Causal self-attention with grouped-query heads and optional rotary
+/// position embedding; no parameters.
+///
+/// It sits between a column-parallel `qkv` projection and a row-parallel
+/// output projection, so its input and output are `SplitHidden`: each
+/// tensor-parallel rank holds `q_heads / tp` query heads and `kv_heads / tp`
+/// key/value heads (both must divide). The input is
+/// `[batch, seq, (hq + 2·hkv)·head_dim]`, packed per key/value group: for
+/// each group, its `q_heads / kv_heads` query heads, then its key head, then
+/// its value head (each head's `head_dim` values contiguous). Packing by
+/// group makes a column-parallel split of the projection hand every rank
+/// whole groups, so one layout serves any tensor-parallel degree that
+/// divides `kv_heads`, and a sharded run computes exactly what one rank does.
+/// The output is `[batch, seq, hq·head_dim]`, query heads in order; query
+/// head `h` reads key/value head `h / (q_heads / kv_heads)`. With RoPE,
+/// positions are `0..seq`.
+///
+/// Under selective recompute ([`Cx::selective_recompute`]) the forward keeps
+/// only its packed input and the backward recomputes the attention core;
+/// otherwise it keeps what the backward reads (see [`AttentionSaved`]).
+///
+/// ```
+/// use tessera::module::{Act, Cx, Module};
+/// use tessera::nn::CausalAttention;
+/// use tessera::{DType, Device, Tensor};
+///
+/// let dev = Device::cpu();
+/// let cx = &mut Cx::new(dev.clone());
+/// let attn = CausalAttention::new(4, 2, 8)?.with_rope(10_000.0, 128)?;
+/// // 4 query heads + 2 key heads + 2 value heads, of 8 values each
+/// let qkv = Tensor::zeros([2, 5, 64], DType::F32, &dev)?;
+/// let (y, saved) = attn.forward(cx, Act::new(qkv))?;
+/// assert_eq!(y.tensor().dims(), &[2, 5, 32]);
+/// let dqkv = attn.backward(cx, saved, y)?;
+/// assert_eq!(dqkv.tensor().dims(), &[2, 5, 64]);
+/// # Ok::<(), tessera::Error>(())
+/// ```
+pub struct CausalAttention {
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    rope: Option<RopeSpec>,
+}
+
+struct RopeSpec {
+    theta: f64,
+    max_position: usize,
+    table: Rope,
+}
+
+impl fmt::Debug for CausalAttention {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut s = f.debug_struct("CausalAttention");
+        s.field("q_heads", &self.q_heads).field("kv_heads", &self.kv_heads).field("head_dim", &self.head_dim);
+        if let Some(r) = &self.rope {
+            s.field("rope_theta", &r.theta).field("max_position", &r.max_position);
+        }
+        s.finish()
+    }
+}
+
+/// What a [`CausalAttention`] keeps for its backward.
+///
+/// * Without selective recompute: the packed input (after RoPE, when the
+///   layer has it; otherwise shared with the caller's copy), the output
+///   (shared with the layer's output tensor) and the per-query log-sum-exp,
+///   `[batch, q_heads, seq]` in f32 (f64 for f64 inputs).
+/// * With selective recompute: only the packed input, shared with the
+///   caller's copy of it; the backward recomputes RoPE, the output and the
+///   log-sum-exp.
+pub struct AttentionSaved(Kept);
+
+enum Kept {
+    Core(Box<Core>),
+    Input(Tensor),
+}
+
+struct Core {
+    /// The packed input the kernel read (rotated when the layer has RoPE).
+    qkv: Tensor,
+    out: Tensor,
+    lse: Tensor,
+}
+
+impl AttentionSaved {
+    /// Bytes of activation memory held (counting a kept input in full).
+    pub fn bytes(&self) -> usize {
+        use super::bytes_of;
+        match &self.0 {
+            Kept::Core(c) => [&c.qkv, &c.out, &c.lse].into_iter().map(bytes_of).sum(),
+            Kept::Input(x) => bytes_of(x),
+        }
+    }
+
+    /// Whether only the input was kept (selective recompute).
+    pub fn is_input_only(&self) -> bool {
+        matches!(self.0, Kept::Input(_))
+    }
+}
+
+impl fmt::Debug for AttentionSaved {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = if self.is_input_only() { "input" } else { "core" };
+        write!(f, "AttentionSaved({kind}, {} bytes)", self.bytes())
+    }
+}
+
+/// This rank's head counts.
+#[derive(Clone, Copy)]
+struct Heads {
+    q: usize,
+    kv: usize,
+    d: usize,
+}
+
+impl Heads {
+    fn total(self) -> usize {
+        self.q + 2 * self.kv
+    }
+
+    fn packed(self) -> QkvHeads {
+        QkvHeads { q_heads: self.q, kv_heads: self.kv, head_dim: self.d }
+    }
+}
+
+impl CausalAttention {
+    /// Attention with `q_heads` query heads grouped over `kv_heads` key/value
+    /// heads of `head_dim` values each.
+    pub fn new(q_heads: usize, kv_heads: usize, head_dim: usize) -> Result<CausalAttention> {
+        const OP: &str = "CausalAttention::new";
+        if q_heads == 0 || kv_heads == 0 || head_dim == 0 {
+            return Err(Error::invalid(OP, format!("q_heads ({q_heads}), kv_heads ({kv_heads}) and head_dim ({head_dim}) must all be positive")));
+        }
+        if !q_heads.is_multiple_of(kv_heads) {
+            return Err(Error::invalid(
+                OP,
+                format!("{q_heads} query heads cannot be grouped over {kv_heads} key/value heads; q_heads must be a multiple of kv_heads"),
+            ));
+        }
+        Ok(CausalAttention { q_heads, kv_heads, head_dim, rope: None })
+    }
+
+    /// Applies rotary position embedding (base `theta`, usually 10000) to
+    /// queries and keys, for sequences of up to `max_position` tokens.
+    pub fn with_rope(mut self, theta: f64, max_position: usize) -> Result<CausalAttention> {
+        if max_position == 0 {
+            return Err(Error::invalid("CausalAttention::with_rope", "max_position must be positive (the longest sequence the model sees)"));
+        }
+        let table = Rope::new(self.head_dim, max_position, theta)?;
+        self.rope = Some(RopeSpec { theta, max_position, table });
+        Ok(self)
+    }
+
+    /// Query heads (global).
+    pub fn q_heads(&self) -> usize {
+        self.q_heads
+    }
+
+    /// Key/value heads (global).
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+
+    /// Values per head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// This rank's heads on a tensor-parallel group of `tp` ranks.
+    fn local(&self, tp: usize) -> Result<Heads> {
+        if !self.q_heads.is_multiple_of(tp) || !self.kv_heads.is_multiple_of(tp) {
+            return Err(Error::invalid(
+                "CausalAttention",
+                format!(
+                    "{} query heads and {} key/value heads cannot be split over a tensor-parallel group of {tp}; choose a degree that divides both",
+                    self.q_heads, self.kv_heads
+                ),
+            ));
+        }
+        Ok(Heads { q: self.q_heads / tp, kv: self.kv_heads / tp, d: self.head_dim })
+    }
+
+    fn positions(seq: usize) -> Vec<u32> {
+        (0..seq as u32).collect()
+    }
+
+    /// Applies RoPE (if any) and runs attention on the packed input in place.
+    fn core(&self, h: Heads, x: &Tensor) -> Result<Core> {
+        let dims = x.dims();
+        if dims.len() != 3 || dims[2] != h.total() * h.d {
+            return Err(Error::shape(
+                "CausalAttention",
+                format!(
+                    "input of shape {} for {} query and {} key/value heads of {} on this rank; pass [batch, seq, {}] packed per key/value group as [q.. | k | v]",
+                    x.shape(),
+                    h.q,
+                    h.kv,
+                    h.d,
+                    h.total() * h.d
+                ),
+            ));
+        }
+        let qkv = match &self.rope {
+            Some(r) => ops::rope_packed(x, &r.table, &Self::positions(dims[1]), h.packed())?,
+            None => x.clone(),
+        };
+        let (out, lse) = ops::attention_packed(&qkv, h.packed(), AttnOpts::causal())?;
+        Ok(Core { qkv, out, lse })
+    }
+}
+
+impl Module<Plain> for CausalAttention {
+    type In = SplitHidden;
+    type Out = SplitHidden;
+    type Saved = AttentionSaved;
+
+    fn check_tp(&self, path: &str, degree: usize, problems: &mut Vec<String>) {
+        if let Err(e) = self.local(degree) {
+            problems.push(format!("`{path}`: {e}"));
+        }
+    }
+
+    fn forward(&self, cx: &mut Cx, x: Act<SplitHidden>) -> Result<(Act<SplitHidden>, AttentionSaved)> {
+        let h = self.local(cx.tp().size())?;
+        let x = x.into_tensor();
+        let c = self.core(h, &x)?;
+        let y = c.out.clone();
+        let kept = if cx.selective_recompute() { Kept::Input(x) } else { Kept::Core(Box::new(c)) };
+        Ok((Act::new(y), AttentionSaved(kept)))
+    }
+
+    fn backward(&self, cx: &mut Cx, saved: AttentionSaved, dy: Act<SplitHidden>) -> Result<Act<SplitHidden>> {
+        let h = self.local(cx.tp().size())?;
+        let c = match saved.0 {
+            Kept::Core(c) => *c,
+            Kept::Input(x) => self.core(h, &x)?,
+        };
+        let dy = dy.into_tensor();
+        if dy.shape() != c.out.shape() {
+            return Err(Error::shape("CausalAttention::backward", format!("upstream gradient {} for an output of {}", dy.shape(), c.out.shape())));
+        }
+        let dqkv = ops::attention_packed_backward(&c.qkv, &c.out, &c.lse, &dy, h.packed(), AttnOpts::causal())?;
+        let t = c.qkv.dims()[1];
+        drop(c);
+        let dx = match &self.rope {
+            Some(r) => ops::rope_packed_backward(&dqkv, &r.table, &Self::positions(t), h.packed())?,
+            None => dqkv,
+        };
+        Ok(Act::new(dx))
+    }
+
+    fn visit_params(&self, _v: &mut Visitor<'_>) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,155 @@
+//! Token embedding, plain and vocab-parallel.
+
+use tessera_core::{Error, Result};
+use crate::module::{Act, Cx, Module, Param, PartialSum, Plain, Replicated, Visitor, Vocab};
+use tessera_core::ops;
+use tessera_core::tensor::{Init, Tensor};
+
+/// A table of `vocab` rows of `dim` values, looked up by `u32` token ids.
+///
+/// The table has the global shape `[vocab, dim]` and starts Normal(0, 0.02).
+/// The input is an `Act<Replicated>` holding a `u32` tensor of ids of any
+/// shape; the output has shape `[..ids, dim]`.
+///
+/// Roles:
+///
+/// * `Plain`: `Replicated → Replicated`.
+/// * `Vocab`: `Replicated → PartialSum`; the table is split along the
+///   vocabulary (dimension 0). Rank `r` of `n` holds rows
+///   `[r·vocab/n, (r+1)·vocab/n)` and looks up zeros for ids outside them, so
+///   the sum over the group is the full lookup.
+///
+/// Token ids have no gradient: the backward returns the ids themselves in
+/// the input-gradient position, which callers ignore (generated code drops it).
+///
+/// ```
+/// use tessera::module::{materialize, Act, Cx, Module};
+/// use tessera::nn::Embedding;
+/// use tessera::{Device, Tensor};
+///
+/// let dev = Device::cpu();
+/// let cx = &mut Cx::new(dev.clone());
+/// let tok = Embedding::new(10, 4)?;
+/// materialize(&tok, cx)?;
+/// let ids = Tensor::from_vec(vec![1u32, 7, 3], [1, 3], &dev)?;
+/// let (h, _saved) = <Embedding as Module>::forward(&tok, cx, Act::new(ids))?;
+/// assert_eq!(h.tensor().dims(), &[1, 3, 4]);
+/// # Ok::<(), tessera::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Embedding {
+    vocab: usize,
+    dim: usize,
+    weight: Param,
+}
+
+/// What an [`Embedding`] keeps for its backward: the token ids (4 bytes per token).
+#[derive(Debug)]
+pub struct EmbeddingSaved {
+    ids: Tensor,
+}
+
+impl EmbeddingSaved {
+    /// Bytes of activation memory held.
+    pub fn bytes(&self) -> usize {
+        super::bytes_of(&self.ids)
+    }
+}
+
+impl Embedding {
+    /// A table of `vocab` rows of `dim` values.
+    pub fn new(vocab: usize, dim: usize) -> Result<Embedding> {
+        if vocab == 0 || dim == 0 {
+            return Err(Error::invalid("Embedding::new", format!("vocab ({vocab}) and dim ({dim}) must both be positive")));
+        }
+        if vocab > u32::MAX as usize {
+            return Err(Error::invalid("Embedding::new", format!("a vocabulary of {vocab} does not fit u32 token ids; use at most {}", u32::MAX)));
+        }
+        Ok(Embedding { vocab, dim, weight: Param::new([vocab, dim], Init::Normal { mean: 0.0, std: 0.02 }) })
+    }
+
+    /// Number of rows (global).
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// Width of a row.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// The table, `[vocab, dim]`.
+    pub fn weight(&self) -> &Param {
+        &self.weight
+    }
+
+    /// Shares `p` as the table (see [`Linear::tie_weight`](super::Linear::tie_weight)).
+    pub fn tie_weight(&mut self, p: &Param) -> Result<()> {
+        let want = self.weight.global_shape();
+        if p.global_shape() != want {
+            return Err(Error::shape(
+                "Embedding::tie_weight",
+                format!("the parameter has global shape {} but the table is {want} ([vocab, dim]); tie only parameters of equal shape", p.global_shape()),
+            ));
+        }
+        self.weight = p.clone();
+        Ok(())
+    }
+
+    /// Looks up this rank's rows, which start at vocabulary row `start`.
+    fn fwd(&self, cx: &Cx, ids: Tensor, sharded: bool) -> Result<(Tensor, EmbeddingSaved)> {
+        let table = cx.param(&self.weight)?;
+        let start = if sharded { cx.tp().rank() * table.dims()[0] } else { 0 };
+        let y = ops::embedding_shard(&table, &ids, start, self.vocab)?;
+        Ok((y, EmbeddingSaved { ids }))
+    }
+
+    fn bwd(&self, cx: &Cx, saved: EmbeddingSaved, dy: &Tensor, sharded: bool) -> Result<Tensor> {
+        let rows = self.weight.local_shape().dims()[0];
+        let start = if sharded { cx.tp().rank() * rows } else { 0 };
+        let g = ops::embedding_backward(&saved.ids, dy, rows, start, self.vocab)?;
+        cx.grad(&self.weight, g)?;
+        Ok(saved.ids)
+    }
+}
+
+impl Module<Plain> for Embedding {
+    type In = Replicated;
+    type Out = Replicated;
+    type Saved = EmbeddingSaved;
+
+    fn forward(&self, cx: &mut Cx, ids: Act<Replicated>) -> Result<(Act<Replicated>, EmbeddingSaved)> {
+        let (y, s) = self.fwd(cx, ids.into_tensor(), false)?;
+        Ok((Act::new(y), s))
+    }
+
+    /// Delivers the table's gradient; returns the ids (token ids have no gradient).
+    fn backward(&self, cx: &mut Cx, saved: EmbeddingSaved, dy: Act<Replicated>) -> Result<Act<Replicated>> {
+        Ok(Act::new(self.bwd(cx, saved, dy.tensor(), false)?))
+    }
+
+    fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
+        v.param("weight", &self.weight, Some(0))
+    }
+}
+
+impl Module<Vocab> for Embedding {
+    type In = Replicated;
+    type Out = PartialSum;
+    type Saved = EmbeddingSaved;
+
+    fn forward(&self, cx: &mut Cx, ids: Act<Replicated>) -> Result<(Act<PartialSum>, EmbeddingSaved)> {
+        let (y, s) = self.fwd(cx, ids.into_tensor(), true)?;
+        Ok((Act::new(y), s))
+    }
+
+    /// Delivers this rank's rows of the table gradient; returns the ids
+    /// (token ids have no gradient).
+    fn backward(&self, cx: &mut Cx, saved: EmbeddingSaved, dy: Act<PartialSum>) -> Result<Act<Replicated>> {
+        Ok(Act::new(self.bwd(cx, saved, dy.tensor(), true)?))
+    }
+
+    fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
+        v.param("weight", &self.weight, Some(0))
+    }
+}

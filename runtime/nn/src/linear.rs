@@ -1,0 +1,267 @@
+//! The affine layer `y = x·Wᵀ + b` in its four tensor-parallel forms.
+
+use super::param_value;
+use tessera_core::{Error, Result};
+use crate::module::{Act, Column, Cx, Module, PartialSum, Plain, Replicated, Row, Seq, SplitHidden, Visitor, Vocab};
+use crate::module::Param;
+use tessera_core::ops;
+use tessera_core::tensor::{Init, Tensor};
+
+/// A fully connected layer `y = x·Wᵀ + b` over the last dimension.
+///
+/// The weight has the global shape `[out_features, in_features]` (the layout
+/// checkpoints of common model hubs use) and starts Normal(0, 0.02); the
+/// optional bias `[out_features]` starts at zero. Inputs may have any rank of
+/// at least two; the last dimension holds this rank's input features and is
+/// replaced by its output features.
+///
+/// Roles (set by the parent's `#[shard(..)]`):
+///
+/// * `Plain`: `Replicated → Replicated`, nothing split.
+/// * `Column`: `Replicated → SplitHidden`; the weight and bias are split along
+///   the output features (dimension 0). The input gradient is a partial sum
+///   over the group and is all-reduced in the backward (Megatron's `f`).
+/// * `Row`: `SplitHidden → PartialSum`; the weight is split along the input
+///   features (dimension 1), the bias is replicated and added on rank 0 only,
+///   so the group sum contains it once. No communication in either pass; every
+///   rank delivers the same bias gradient.
+/// * `Vocab`: the vocab-parallel output head, `Replicated → SplitHidden` with
+///   the logits split over the vocabulary; sharded and differentiated like
+///   `Column`.
+///
+/// ```
+/// use tessera::module::{materialize, Act, Cx, Module};
+/// use tessera::nn::Linear;
+/// use tessera::{Device, Tensor};
+///
+/// let dev = Device::cpu();
+/// let cx = &mut Cx::new(dev.clone());
+/// let proj = Linear::new(4, 3, true)?;
+/// materialize(&proj, cx)?;
+/// let x = Tensor::zeros([2, 5, 4], tessera::DType::F32, &dev)?;
+/// let (y, saved) = <Linear as Module>::forward(&proj, cx, Act::new(x))?;
+/// assert_eq!(y.tensor().dims(), &[2, 5, 3]);
+/// let dx = <Linear as Module>::backward(&proj, cx, saved, y)?;
+/// assert_eq!(dx.tensor().dims(), &[2, 5, 4]);
+/// # Ok::<(), tessera::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Linear {
+    in_features: usize,
+    out_features: usize,
+    weight: Param,
+    bias: Option<Param>,
+}
+
+/// What a [`Linear`] keeps for its backward: its input only (the same bytes
+/// as the input activation, shared with it when the caller keeps it too).
+/// The weight is re-read in the backward rather than kept.
+#[derive(Debug)]
+pub struct LinearSaved {
+    x: Tensor,
+}
+
+impl LinearSaved {
+    /// Bytes of activation memory held.
+    pub fn bytes(&self) -> usize {
+        super::bytes_of(&self.x)
+    }
+}
+
+impl Linear {
+    /// A layer from `in_features` to `out_features`, with a bias when `bias` is true.
+    pub fn new(in_features: usize, out_features: usize, bias: bool) -> Result<Linear> {
+        if in_features == 0 || out_features == 0 {
+            return Err(Error::invalid(
+                "Linear::new",
+                format!("in_features ({in_features}) and out_features ({out_features}) must both be positive"),
+            ));
+        }
+        Ok(Linear {
+            in_features,
+            out_features,
+            weight: Param::new([out_features, in_features], Init::Normal { mean: 0.0, std: 0.02 }),
+            bias: bias.then(|| Param::new([out_features], Init::Normal { mean: 0.0, std: 0.0 })),
+        })
+    }
+
+    /// Number of input features (global).
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// Number of output features (global).
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    /// The weight, `[out_features, in_features]`.
+    pub fn weight(&self) -> &Param {
+        &self.weight
+    }
+
+    /// The bias, `[out_features]`, if the layer has one.
+    pub fn bias(&self) -> Option<&Param> {
+        self.bias.as_ref()
+    }
+
+    /// Shares `p` as this layer's weight (weight tying, e.g. an output head
+    /// tied to the token embedding, whose table is `[vocab, dim]` like a
+    /// `Linear::new(dim, vocab, ..)` weight).
+    pub fn tie_weight(&mut self, p: &Param) -> Result<()> {
+        let want = self.weight.global_shape();
+        if p.global_shape() != want {
+            return Err(Error::shape(
+                "Linear::tie_weight",
+                format!(
+                    "the parameter has global shape {} but this layer's weight is {want} ([out_features, in_features]); tie only parameters of equal shape",
+                    p.global_shape()
+                ),
+            ));
+        }
+        self.weight = p.clone();
+        Ok(())
+    }
+
+    /// `x·Wᵀ (+ b when `with_bias`)`, keeping the input.
+    fn fwd(&self, cx: &Cx, x: Tensor, with_bias: bool) -> Result<(Tensor, LinearSaved)> {
+        let w = cx.param(&self.weight)?;
+        let in_local = w.dims()[1];
+        if x.rank() < 2 || x.dims().last() != Some(&in_local) {
+            return Err(Error::shape(
+                "Linear",
+                format!(
+                    "input of shape {} for a layer taking {in_local} input features on this rank ({} in total); pass a tensor of rank 2 or more whose last dimension is {in_local}",
+                    x.shape(),
+                    self.in_features
+                ),
+            ));
+        }
+        let x = if x.dtype() == w.dtype() { x } else { x.to_dtype(w.dtype())? };
+        // Every rank reads the bias so every rank's backward delivers its gradient.
+        let bias = self.bias.as_ref().map(|b| cx.param(b)).transpose()?;
+        let y = match bias.filter(|_| with_bias) {
+            Some(b) => ops::matmul_bias(&x, &w.t()?, &b)?,
+            None => ops::matmul(&x, &w.t()?)?,
+        };
+        Ok((y, LinearSaved { x }))
+    }
+
+    /// Delivers `dW` (and `db`) and returns this rank's `dX` (before any reduction).
+    fn bwd(&self, cx: &Cx, saved: LinearSaved, dy: &Tensor) -> Result<Tensor> {
+        let x = saved.x;
+        let w = param_value(cx, &self.weight)?;
+        let (n_in, n_out) = (w.dims()[1], w.dims()[0]);
+        let rows = x.elem_count() / n_in;
+        let dx = ops::matmul(dy, &w)?;
+        let dw = ops::matmul(&dy.reshape([rows, n_out])?.t()?, &x.reshape([rows, n_in])?)?;
+        cx.grad(&self.weight, dw)?;
+        if let Some(b) = &self.bias {
+            cx.grad(b, ops::bias_grad(dy)?)?;
+        }
+        Ok(dx)
+    }
+
+    fn visit_split(&self, v: &mut Visitor<'_>, weight_dim: usize, bias_dim: Option<usize>) -> Result<()> {
+        v.param("weight", &self.weight, Some(weight_dim))?;
+        if let Some(b) = &self.bias {
+            v.param("bias", b, bias_dim)?;
+        }
+        Ok(())
+    }
+}
+
+/// Each token on its own: under sequence parallelism it maps this rank's
+/// slice of the tokens, and the weight's gradient (a sum over tokens) is
+/// completed over the group by [`Cx::grad`].
+impl Module<Plain> for Linear {
+    type In = Replicated;
+    type Out = Replicated;
+    type Saved = LinearSaved;
+    const SEQ_IN: Seq = Seq::Split;
+    const SEQ_OUT: Seq = Seq::Split;
+
+    fn forward(&self, cx: &mut Cx, x: Act<Replicated>) -> Result<(Act<Replicated>, LinearSaved)> {
+        let (y, s) = self.fwd(cx, x.into_tensor(), true)?;
+        Ok((Act::new(y), s))
+    }
+
+    fn backward(&self, cx: &mut Cx, saved: LinearSaved, dy: Act<Replicated>) -> Result<Act<Replicated>> {
+        Ok(Act::new(self.bwd(cx, saved, dy.tensor())?))
+    }
+
+    fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
+        self.visit_split(v, 0, Some(0))
+    }
+}
+
+impl Module<Column> for Linear {
+    type In = Replicated;
+    type Out = SplitHidden;
+    type Saved = LinearSaved;
+    const SEQ_IN: Seq = Seq::Split;
+
+    /// Under sequence parallelism the input is this rank's slice of the
+    /// sequence: it is all-gathered first, and the input gradient (partial
+    /// over the group) is reduce-scattered back to the slices.
+    fn forward(&self, cx: &mut Cx, x: Act<Replicated>) -> Result<(Act<SplitHidden>, LinearSaved)> {
+        let x = x.into_tensor();
+        let x = if cx.sequence_split() { crate::module::seq::gather(cx, &x)? } else { x };
+        let (y, s) = self.fwd(cx, x, true)?;
+        Ok((Act::new(y), s))
+    }
+
+    fn backward(&self, cx: &mut Cx, saved: LinearSaved, dy: Act<SplitHidden>) -> Result<Act<Replicated>> {
+        let dx = self.bwd(cx, saved, dy.tensor())?;
+        if cx.sequence_split() {
+            Ok(Act::new(cx.tp().reduce_scatter_sum(&dx, 1)?))
+        } else {
+            Ok(Act::new(cx.tp().all_reduce_sum(&dx)?))
+        }
+    }
+
+    fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
+        self.visit_split(v, 0, Some(0))
+    }
+}
+
+impl Module<Row> for Linear {
+    type In = SplitHidden;
+    type Out = PartialSum;
+    type Saved = LinearSaved;
+
+    fn forward(&self, cx: &mut Cx, x: Act<SplitHidden>) -> Result<(Act<PartialSum>, LinearSaved)> {
+        let first = cx.tp().rank() == 0;
+        let (y, s) = self.fwd(cx, x.into_tensor(), first)?;
+        Ok((Act::new(y), s))
+    }
+
+    fn backward(&self, cx: &mut Cx, saved: LinearSaved, dy: Act<PartialSum>) -> Result<Act<SplitHidden>> {
+        Ok(Act::new(self.bwd(cx, saved, dy.tensor())?))
+    }
+
+    fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
+        self.visit_split(v, 1, None)
+    }
+}
+
+/// The vocab-parallel output head is a column-parallel product whose
+/// columns are vocabulary entries: the same layouts and the same work.
+impl Module<Vocab> for Linear {
+    type In = Replicated;
+    type Out = SplitHidden;
+    type Saved = LinearSaved;
+    const SEQ_IN: Seq = Seq::Split;
+
+    fn forward(&self, cx: &mut Cx, x: Act<Replicated>) -> Result<(Act<SplitHidden>, LinearSaved)> {
+        <Self as Module<Column>>::forward(self, cx, x)
+    }
+
+    fn backward(&self, cx: &mut Cx, saved: LinearSaved, dy: Act<SplitHidden>) -> Result<Act<Replicated>> {
+        <Self as Module<Column>>::backward(self, cx, saved, dy)
+    }
+
+    fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
+        <Self as Module<Column>>::visit_params(self, v)
+    }
+}

@@ -1,0 +1,341 @@
+//! The per-rank context every forward and backward runs in.
+
+use super::{Param, Shard};
+use tessera_dist::{Communicator, Groups};
+use tessera_core::Result;
+use tessera_core::tensor::{DType, Tensor};
+use tessera_core::{Device, RngKey};
+use std::sync::Arc;
+
+/// Observers of a model's execution: ZeRO-3 gathers parameters before a
+/// sub-module runs and frees them after; tracing records spans; data
+/// parallelism starts a gradient's all-reduce as soon as it is final.
+pub trait Hooks: Send + Sync {
+    /// Before the sub-module at `path` runs its forward.
+    fn before_forward(&self, _path: &str) -> Result<()> {
+        Ok(())
+    }
+    /// After the sub-module at `path` ran its forward.
+    fn after_forward(&self, _path: &str) -> Result<()> {
+        Ok(())
+    }
+    /// Before the sub-module at `path` runs its backward.
+    fn before_backward(&self, _path: &str) -> Result<()> {
+        Ok(())
+    }
+    /// After the sub-module at `path` ran its backward.
+    fn after_backward(&self, _path: &str) -> Result<()> {
+        Ok(())
+    }
+    /// `param`'s gradient is final for this backward: every use delivered its part.
+    fn grad_ready(&self, _param: &Param) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Whether sub-modules marked `#[recompute]` recompute, overriding the attributes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum RecomputeOverride {
+    /// Follow each field's attribute.
+    #[default]
+    AsDeclared,
+    /// Keep every activation (no recompute anywhere).
+    Off,
+    /// Full recompute for every field that declares any recompute.
+    Full,
+}
+
+/// The context of one rank: device, communicators, randomness, precision and hooks.
+pub struct Cx {
+    device: Device,
+    groups: Groups,
+    seed: u64,
+    step: u64,
+    training: bool,
+    compute_dtype: DType,
+    recompute: RecomputeOverride,
+    selective: bool,
+    recomputing: bool,
+    layer_recompute: Option<super::Recompute>,
+    master_dtype: DType,
+    sequence_parallel: bool,
+    token_slice: bool,
+    batch_offset: u64,
+    pipeline_chunks: Option<usize>,
+    announce_grads: bool,
+    path: Vec<String>,
+    hooks: Vec<Arc<dyn Hooks>>,
+}
+
+impl Cx {
+    /// A single-rank context on `device`: f32 compute, training mode, seed 0.
+    pub fn new(device: Device) -> Self {
+        Cx {
+            device,
+            groups: Groups::single(),
+            seed: 0,
+            step: 0,
+            training: true,
+            compute_dtype: DType::F32,
+            recompute: RecomputeOverride::AsDeclared,
+            selective: false,
+            recomputing: false,
+            layer_recompute: None,
+            master_dtype: DType::F32,
+            sequence_parallel: false,
+            token_slice: false,
+            batch_offset: 0,
+            pipeline_chunks: None,
+            announce_grads: true,
+            path: Vec::new(),
+            hooks: Vec::new(),
+        }
+    }
+
+    /// Uses `groups` for the mesh axes.
+    pub fn with_groups(mut self, groups: Groups) -> Self {
+        self.groups = groups;
+        self
+    }
+
+    /// Seeds dropout and every other randomness of the run.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Adds an observer.
+    pub fn with_hooks(mut self, hooks: Arc<dyn Hooks>) -> Self {
+        self.hooks.push(hooks);
+        self
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn groups(&self) -> &Groups {
+        &self.groups
+    }
+
+    /// The tensor-parallel group.
+    pub fn tp(&self) -> &dyn Communicator {
+        &*self.groups.tp
+    }
+
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Whether dropout is active and gradients are recorded.
+    pub fn training(&self) -> bool {
+        self.training
+    }
+
+    pub fn set_training(&mut self, on: bool) {
+        self.training = on;
+    }
+
+    /// Advances the counter that, with the seed, keys this step's dropout masks.
+    pub fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// The dtype activations are computed in (the precision policy).
+    pub fn compute_dtype(&self) -> DType {
+        self.compute_dtype
+    }
+
+    pub fn set_compute_dtype(&mut self, dtype: DType) {
+        self.compute_dtype = dtype;
+    }
+
+    pub fn recompute_override(&self) -> RecomputeOverride {
+        self.recompute
+    }
+
+    /// Turns recompute on or off for every layer that declares it (the planner's knob).
+    pub fn set_recompute_override(&mut self, r: RecomputeOverride) {
+        self.recompute = r;
+    }
+
+    /// Whether the layers running now should drop what is large and cheap to
+    /// recompute (set inside a `#[recompute(selective)]` field).
+    pub fn selective_recompute(&self) -> bool {
+        self.selective
+    }
+
+    /// Sets the selective-recompute flag; returns the previous value.
+    pub fn set_selective_recompute(&mut self, on: bool) -> bool {
+        std::mem::replace(&mut self.selective, on)
+    }
+
+    /// Whether the forward running now is a recomputation inside a backward
+    /// (its parameter uses are not counted again).
+    pub fn recomputing(&self) -> bool {
+        self.recomputing
+    }
+
+    /// Sets the recomputing flag; returns the previous value.
+    pub fn set_recomputing(&mut self, on: bool) -> bool {
+        std::mem::replace(&mut self.recomputing, on)
+    }
+
+    /// The recompute a parent declared for the layers of a [`Stack`](crate::Stack)
+    /// it is about to call; the stack takes it (leaving `None`) and applies it per layer.
+    pub fn take_layer_recompute(&mut self) -> Option<super::Recompute> {
+        self.layer_recompute.take()
+    }
+
+    pub(crate) fn set_layer_recompute(&mut self, r: Option<super::Recompute>) {
+        self.layer_recompute = r;
+    }
+
+    /// The dtype master weights are materialised in (f32; f64 for gradient checks).
+    pub fn master_dtype(&self) -> DType {
+        self.master_dtype
+    }
+
+    /// Sets master-weight and compute dtype together (f64 runs whole models in double precision).
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        self.master_dtype = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+        self.compute_dtype = dtype;
+        self
+    }
+
+    /// Turns sequence parallelism on or off (the model is unchanged).
+    ///
+    /// With it on (and a tensor-parallel group of more than one rank), the
+    /// `Replicated` activations that per-token layers read are split along
+    /// the sequence (dim 1) over the group. Which values are split is fixed at
+    /// compile time by what each layer declares ([`Module::SEQ_IN`](super::Module::SEQ_IN),
+    /// [`Seq`](super::Seq)); the generated code gathers or slices where a
+    /// value's form differs from what its consumer takes, `all_reduce`
+    /// becomes a reduce-scatter, and column-parallel layers all-gather their
+    /// input (reduce-scattering its gradient). Parameters replicated over the
+    /// group and read on a slice of the tokens have their gradients summed
+    /// over the group ([`grad`](Self::grad)). A model computes the same loss
+    /// and gradients with it on or off.
+    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = on;
+        self
+    }
+
+    /// Whether the layer running now reads this rank's slice of the tokens
+    /// (set around each sub-module call from its [`Module::SEQ_IN`](super::Module::SEQ_IN));
+    /// returns the previous value.
+    pub fn set_token_slice(&mut self, on: bool) -> bool {
+        std::mem::replace(&mut self.token_slice, on)
+    }
+
+    /// The index, in the step's global batch, of the first row (sequence) of
+    /// the batch this rank computes now: data-parallel replicas and pipeline
+    /// microbatches each hold a block of rows, and dropout draws its mask at
+    /// global positions from it, so any parallel run drops exactly the
+    /// elements a single rank would. 0 by default.
+    pub fn batch_offset(&self) -> u64 {
+        self.batch_offset
+    }
+
+    /// Sets [`batch_offset`](Self::batch_offset); returns the previous value.
+    pub fn set_batch_offset(&mut self, rows: u64) -> u64 {
+        std::mem::replace(&mut self.batch_offset, rows)
+    }
+
+    /// Declares that this rank runs one stage of a pipeline over the
+    /// `groups().pp` group, with `chunks` model chunks per stage (1 unless
+    /// the schedule interleaves; see [`PipelineLayout`](super::PipelineLayout)).
+    ///
+    /// Materialising a model in this context then gives this rank only its
+    /// stage's parameters (see [`materialize`](super::materialize)), the
+    /// pipeline executor checks that its schedule has this many chunks, and
+    /// a checkpoint knows which stage owns each parameter. Without it every
+    /// rank holds the whole model.
+    pub fn with_pipeline_chunks(mut self, chunks: usize) -> Self {
+        self.pipeline_chunks = Some(chunks);
+        self
+    }
+
+    /// The pipeline layout declared with [`with_pipeline_chunks`](Self::with_pipeline_chunks)
+    /// (over the pp group's size), if any; an error for zero chunks.
+    pub fn pipeline_layout(&self) -> Result<Option<super::PipelineLayout>> {
+        self.pipeline_chunks.map(|c| super::PipelineLayout::new(self.groups.pp.size(), c)).transpose()
+    }
+
+    /// Whether residual activations are split along the sequence right now
+    /// (sequence parallelism on, over a tensor-parallel group of several ranks).
+    pub fn sequence_split(&self) -> bool {
+        self.sequence_parallel && self.groups.tp.size() > 1
+    }
+
+    /// The dotted path of the sub-module running now.
+    pub fn path(&self) -> String {
+        self.path.join(".")
+    }
+
+    /// The key of a dropout site: seed and step pick the draw, the module path
+    /// picks the stream, so a recomputed forward draws the very same mask.
+    pub fn dropout_key(&self) -> RngKey {
+        let path = self.path();
+        let stream = path.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3));
+        RngKey::new(self.seed ^ self.step.wrapping_mul(0x9E37_79B9_7F4A_7C15), stream)
+    }
+
+    /// Enters the sub-module `name` (for hooks and dropout streams).
+    pub fn enter(&mut self, name: &str) {
+        self.path.push(name.to_string());
+    }
+
+    /// Leaves the sub-module entered last.
+    pub fn exit(&mut self) {
+        self.path.pop();
+    }
+
+    pub(crate) fn each_hook(&self, f: impl Fn(&dyn Hooks, &str) -> Result<()>) -> Result<()> {
+        if self.hooks.is_empty() {
+            return Ok(());
+        }
+        let path = self.path();
+        self.hooks.iter().try_for_each(|h| f(&**h, &path))
+    }
+
+    /// A parameter's value for a forward, in the compute dtype; records the
+    /// use so the gradient is known final once every use has delivered.
+    pub fn param(&self, p: &Param) -> Result<Tensor> {
+        let v = p.value()?;
+        if self.training && !self.recomputing {
+            p.note_use();
+        }
+        if v.dtype() == self.compute_dtype || !v.dtype().is_float() {
+            Ok(v)
+        } else {
+            v.to_dtype(self.compute_dtype)
+        }
+    }
+
+    /// Whether gradients that become final are announced to the hooks. A
+    /// step that accumulates gradients over several microbatches turns this
+    /// off for all but the last, so data parallelism synchronises once per
+    /// step, on the accumulated gradient. Returns the previous setting.
+    pub fn set_announce_grads(&mut self, on: bool) -> bool {
+        std::mem::replace(&mut self.announce_grads, on)
+    }
+
+    /// Delivers one use's gradient of `p`; announces it to the hooks once final.
+    ///
+    /// Every gradient delivered here must be complete for the values the
+    /// layer read. One case is completed here rather than in each layer: a
+    /// layer that reads a slice of the tokens under sequence parallelism
+    /// (see [`set_token_slice`](Self::set_token_slice)) computes, for a
+    /// parameter replicated over the tensor-parallel group, only its tokens'
+    /// part, so that part is summed over the group first.
+    pub fn grad(&self, p: &Param, g: Tensor) -> Result<()> {
+        let g = if self.token_slice && self.sequence_split() && p.shard() == Shard::Full { self.tp().all_reduce_sum(&g)? } else { g };
+        if p.add_grad(g)? && self.announce_grads {
+            for h in &self.hooks {
+                h.grad_ready(p)?;
+            }
+        }
+        Ok(())
+    }
+}

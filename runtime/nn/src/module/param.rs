@@ -1,0 +1,234 @@
+//! Parameters: a logical (global) tensor description, this rank's shard of
+//! it once materialised, and its accumulated gradient.
+
+use tessera_core::{Error, Result};
+use tessera_core::ops;
+use tessera_core::tensor::{DType, Init, Shape, Tensor};
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// A parameter's identity (see [`Param::id`]), valid while the parameter lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ParamId(usize);
+
+/// How a parameter is laid out over the tensor-parallel group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shard {
+    /// Every rank holds the whole parameter.
+    Full,
+    /// Rank `rank` of `degree` holds the `rank`-th equal slice of dimension `dim`.
+    Split { dim: usize, rank: usize, degree: usize },
+}
+
+/// A trainable parameter.
+///
+/// A layer creates its parameters with their *global* shape and initial
+/// distribution only; nothing is allocated until the model is materialised
+/// for a rank, when the parameter gets its shard (decided by the role of the
+/// layer in its parent) and draws exactly the values the unsharded parameter
+/// holds there. Cloning shares the parameter (that is how weights are tied).
+#[derive(Clone)]
+pub struct Param(Arc<Inner>);
+
+struct Inner {
+    global: Shape,
+    init: Init,
+    state: Mutex<State>,
+}
+
+struct State {
+    name: Option<String>,
+    shard: Shard,
+    value: Option<Tensor>,
+    grad: Option<Tensor>,
+    /// Forward uses whose gradient has not arrived yet.
+    pending: usize,
+    /// Held by other pipeline stages only: never materialised on this rank.
+    remote: bool,
+}
+
+impl Param {
+    /// A parameter of global shape `shape`, to be drawn from `init`.
+    pub fn new(shape: impl Into<Shape>, init: Init) -> Param {
+        Param(Arc::new(Inner {
+            global: shape.into(),
+            init,
+            state: Mutex::new(State { name: None, shard: Shard::Full, value: None, grad: None, pending: 0, remote: false }),
+        }))
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.0.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The logical shape, before sharding.
+    pub fn global_shape(&self) -> &Shape {
+        &self.0.global
+    }
+
+    /// The initial distribution.
+    pub fn init(&self) -> Init {
+        self.0.init
+    }
+
+    /// The dotted name given at materialisation (the first, for a tied parameter).
+    pub fn name(&self) -> Option<String> {
+        self.state().name.clone()
+    }
+
+    /// This rank's shard layout.
+    pub fn shard(&self) -> Shard {
+        self.state().shard
+    }
+
+    /// The shape of this rank's shard.
+    pub fn local_shape(&self) -> Shape {
+        local_shape(&self.0.global, self.shard())
+    }
+
+    /// Whether both handles name one parameter (tied weights do).
+    pub fn same(&self, other: &Param) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// The parameter's identity, equal for every handle to it (tied weights
+    /// share one): a key for maps, so that walking a model of many thousand
+    /// parameters stays linear.
+    pub fn id(&self) -> ParamId {
+        ParamId(Arc::as_ptr(&self.0) as usize)
+    }
+
+    /// Whether only other pipeline stages hold the parameter: materialising
+    /// for a stage (see [`Cx::with_pipeline_chunks`](super::Cx::with_pipeline_chunks))
+    /// gives this rank no value for it, and nothing here reads or updates it.
+    pub fn is_remote(&self) -> bool {
+        self.state().remote
+    }
+
+    /// This rank's values; an error before the model is materialised.
+    pub fn value(&self) -> Result<Tensor> {
+        let s = self.state();
+        s.value.clone().ok_or_else(|| {
+            let name = s.name.as_deref().unwrap_or("?");
+            if s.remote {
+                Error::invalid("param", format!("parameter `{name}` belongs to another pipeline stage; only the stages that run it hold its value"))
+            } else {
+                Error::invalid("param", format!("parameter `{name}` has no value yet; materialise the model for a rank first"))
+            }
+        })
+    }
+
+    /// Replaces this rank's values (loading a checkpoint, ZeRO-3 gathering).
+    pub fn set_value(&self, t: Tensor) -> Result<()> {
+        let expected = self.local_shape();
+        if *t.shape() != expected {
+            return Err(Error::shape("param", format!("a value of shape {} for a parameter whose shard is {expected}", t.shape())));
+        }
+        self.state().value = Some(t);
+        Ok(())
+    }
+
+    /// Drops this rank's values (ZeRO-3 frees parameters between uses).
+    pub fn free_value(&self) {
+        self.state().value = None;
+    }
+
+    /// The gradient accumulated since the last [`take_grad`](Self::take_grad).
+    pub fn grad(&self) -> Option<Tensor> {
+        self.state().grad.clone()
+    }
+
+    /// Replaces the accumulated gradient (data parallelism writes back the
+    /// average over replicas); the shape must be this rank's shard's.
+    pub fn set_grad(&self, g: Tensor) -> Result<()> {
+        let expected = self.local_shape();
+        if *g.shape() != expected {
+            return Err(Error::shape("param", format!("a gradient of shape {} for a parameter whose shard is {expected}", g.shape())));
+        }
+        self.state().grad = Some(g);
+        Ok(())
+    }
+
+    /// Takes the accumulated gradient, leaving none, and forgets forward
+    /// uses still waiting for theirs (a forward whose backward never ran must
+    /// not hold back the next step's gradient-ready announcement).
+    pub fn take_grad(&self) -> Option<Tensor> {
+        let mut s = self.state();
+        s.pending = 0;
+        s.grad.take()
+    }
+
+    pub(crate) fn materialise(&self, name: &str, shard: Shard, dtype: DType, key_seed: u64, device: &tessera_core::Device) -> Result<()> {
+        let mut s = self.state();
+        if s.value.is_some() {
+            // A tied parameter is reached through each of its users; the first materialises it.
+            return Ok(());
+        }
+        let local = local_shape(&self.0.global, shard);
+        let mut starts = vec![0; self.0.global.rank()];
+        if let Shard::Split { dim, rank, .. } = shard {
+            starts[dim] = rank * local.dims()[dim];
+        }
+        let key = tessera_core::RngKey::new(key_seed, stream_of(name));
+        let t = Tensor::rand_slice(self.0.init, key, &self.0.global, &starts, local, dtype, device)?;
+        s.name = Some(name.to_string());
+        s.shard = shard;
+        s.value = Some(t);
+        s.remote = false;
+        Ok(())
+    }
+
+    /// Names the parameter and its shard without a value: other pipeline
+    /// stages hold it. A later [`materialise`](Self::materialise) (a tied
+    /// weight another part of this stage uses) overrides this.
+    pub(crate) fn mark_remote(&self, name: &str, shard: Shard) {
+        let mut s = self.state();
+        if s.value.is_none() {
+            s.name = Some(name.to_string());
+            s.shard = shard;
+            s.remote = true;
+        }
+    }
+
+    /// Records a forward use whose gradient the backward will deliver.
+    pub(crate) fn note_use(&self) {
+        self.state().pending += 1;
+    }
+
+    /// Adds `g` to the gradient; returns whether the gradient is now final
+    /// (every forward use has delivered its part).
+    pub(crate) fn add_grad(&self, g: Tensor) -> Result<bool> {
+        let mut s = self.state();
+        match &s.grad {
+            Some(acc) => ops::accumulate(acc, &g)?,
+            None => s.grad = Some(if g.dtype() == DType::F32 || g.dtype() == DType::F64 { g.contiguous()? } else { g.to_dtype(DType::F32)? }),
+        }
+        s.pending = s.pending.saturating_sub(1);
+        Ok(s.pending == 0)
+    }
+}
+
+fn local_shape(global: &Shape, shard: Shard) -> Shape {
+    match shard {
+        Shard::Full => global.clone(),
+        Shard::Split { dim, degree, .. } => {
+            let mut d = global.dims().to_vec();
+            d[dim] /= degree;
+            Shape::new(d)
+        }
+    }
+}
+
+/// The RNG stream of a parameter: a hash of its dotted name, so its initial
+/// values do not depend on how many parameters came before it or on the mesh.
+fn stream_of(name: &str) -> u64 {
+    // FNV-1a, 64 bit: stable across platforms and releases.
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+impl fmt::Debug for Param {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.state();
+        write!(f, "Param({}, global {}, {:?})", s.name.as_deref().unwrap_or("?"), self.0.global, s.shard)
+    }
+}

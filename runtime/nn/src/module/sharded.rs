@@ -1,0 +1,138 @@
+//! Everything a derived model does with a column- or row-parallel field,
+//! behind one generic function.
+//!
+//! The generated code reaches such a field only through [`sharded`], whose
+//! bound `L: Module<R, In = .., Out = ..>` says what the role requires. A
+//! layer without that role (`#[shard(column)]` on a norm) then fails that one
+//! bound: every use reports the same error at the same place (the attribute),
+//! which rustc shows once, and nothing else of the model depends on the
+//! bound. The layouts the role implies are known without it, and the field's
+//! saved state is kept as [`Erased`], so the model's `Module` impl holds
+//! whatever the field is, and a parent using the model adds no error of its
+//! own.
+
+use super::{call, call_backward, call_recompute, call_recompute_backward, seq_convert, seq_convert_backward, Act, Cx, Kept, Layout, Module, Recompute, Role, Seq, Visitor};
+use tessera_core::{Error, Result};
+use tessera_core::tensor::Tensor;
+use std::any::Any;
+
+/// A sub-module's saved state with its type erased (a sharded field's, see the
+/// [module docs](self)); the backward restores the type.
+pub struct Erased(Box<dyn Any + Send>);
+
+impl std::fmt::Debug for Erased {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Erased")
+    }
+}
+
+/// The field, shared or unique (tying needs it mutable).
+pub enum LayerRef<'a, L> {
+    Shared(&'a L),
+    Unique(&'a mut L),
+}
+
+impl<L> LayerRef<'_, L> {
+    fn get(&self) -> &L {
+        match self {
+            LayerRef::Shared(l) => l,
+            LayerRef::Unique(l) => l,
+        }
+    }
+}
+
+/// What to do with a sharded field.
+pub enum ShardedOp<'a, 'v> {
+    /// Its forward on `x` (in sequence form `from`) as sub-module `name`,
+    /// recomputing as `recompute` says.
+    Forward { cx: &'a mut Cx, name: &'a str, x: Tensor, from: Seq, recompute: Option<Recompute> },
+    /// Its backward: `saved` is what the forward returned; the input
+    /// gradient comes back in form `from`.
+    Backward { cx: &'a mut Cx, name: &'a str, saved: Erased, dy: Tensor, from: Seq },
+    /// Its parameters, to a visitor already inside the field's path.
+    Visit(&'a mut Visitor<'v>),
+    /// Its tensor-parallel constraints at `path`.
+    CheckTp { path: &'a str, degree: usize, problems: &'a mut Vec<String> },
+    /// Ties the weights its own `#[tied]` fields share (needs [`LayerRef::Unique`]).
+    TieParams,
+}
+
+/// What [`sharded`] returns, by operation.
+pub enum ShardedOut {
+    /// The output and the saved state.
+    Forward(Tensor, Erased),
+    /// The input gradient.
+    Backward(Tensor),
+    /// Nothing (visiting, checking, tying).
+    Done,
+}
+
+impl ShardedOut {
+    /// The forward's output (as layout `O`) and saved state.
+    pub fn into_forward<O: Layout>(self) -> (Act<O>, Erased) {
+        match self {
+            ShardedOut::Forward(t, s) => (Act::new(t), s),
+            _ => unreachable!("a forward returns its output"),
+        }
+    }
+
+    /// The backward's input gradient, as layout `I`.
+    pub fn into_backward<I: Layout>(self) -> Act<I> {
+        match self {
+            ShardedOut::Backward(t) => Act::new(t),
+            _ => unreachable!("a backward returns its input gradient"),
+        }
+    }
+}
+
+/// Runs `op` on the field `layer` in role `R`, whose layouts the role fixes
+/// (`I -> O`). See the [module docs](self) for why everything goes through
+/// this one function.
+pub fn sharded<R: Role, L, I: Layout, O: Layout>(mut layer: LayerRef<'_, L>, op: ShardedOp<'_, '_>) -> Result<ShardedOut>
+where
+    L: Module<R, In = I, Out = O>,
+    L::Saved: 'static,
+{
+    Ok(match op {
+        ShardedOp::Forward { cx, name, x, from, recompute } => {
+            let x = seq_convert::<I>(cx, Act::new(x), from, L::SEQ_IN)?;
+            match recompute {
+                Some(mode) => {
+                    let (y, kept) = call_recompute::<R, L, I>(layer.get(), cx, name, x, mode)?;
+                    ShardedOut::Forward(y.into_tensor(), Erased(Box::new(kept)))
+                }
+                None => {
+                    let (y, saved) = call::<R, L, I>(layer.get(), cx, name, x)?;
+                    ShardedOut::Forward(y.into_tensor(), Erased(Box::new(saved)))
+                }
+            }
+        }
+        ShardedOp::Backward { cx, name, saved, dy, from } => {
+            let dy = Act::<O>::new(dy);
+            let saved = saved.0;
+            let dx = match saved.downcast::<Kept<L::Saved, I>>() {
+                Ok(kept) => call_recompute_backward::<R, L>(layer.get(), cx, name, *kept, dy)?,
+                Err(saved) => match saved.downcast::<L::Saved>() {
+                    Ok(saved) => call_backward::<R, L>(layer.get(), cx, name, *saved, dy)?,
+                    Err(_) => return Err(Error::invalid("backward", format!("`{name}` was given another layer's saved state; pass each backward what its forward returned"))),
+                },
+            };
+            ShardedOut::Backward(seq_convert_backward::<I>(cx, dx, from, L::SEQ_IN)?.into_tensor())
+        }
+        ShardedOp::Visit(v) => {
+            layer.get().visit_params(v)?;
+            ShardedOut::Done
+        }
+        ShardedOp::CheckTp { path, degree, problems } => {
+            layer.get().check_tp(path, degree, problems);
+            ShardedOut::Done
+        }
+        ShardedOp::TieParams => {
+            match &mut layer {
+                LayerRef::Unique(l) => l.tie_params()?,
+                LayerRef::Shared(_) => return Err(Error::invalid("tie_params", "tying weights needs the layer mutably")),
+            }
+            ShardedOut::Done
+        }
+    })
+}

@@ -1,0 +1,237 @@
+//! Data parallelism: gradients bucketed in the order they become final and
+//! all-reduced while the backward goes on.
+
+use tessera_dist::{Communicator, Pending};
+use tessera_core::{Error, Result};
+use tessera_nn::module::{self, Hooks, Module, Param};
+use tessera_core::ops;
+use tessera_core::tensor::{DType, Tensor};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// How gradient traffic is encoded on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Compression {
+    /// Gradients travel in their own dtype.
+    #[default]
+    None,
+    /// Gradients travel as bf16 (half the bytes of f32): each input and the
+    /// sum are rounded once (unit roundoff 2⁻⁸), so an averaged element is
+    /// off by at most 2⁻⁷ times the mean of its magnitudes over the replicas.
+    Bf16,
+}
+
+/// What one step's gradient synchronisation cost, measured.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SyncStats {
+    /// Buckets all-reduced.
+    pub buckets: usize,
+    /// Bytes sent into all-reduces (after compression).
+    pub bytes: usize,
+    /// Buckets launched before [`DataParallel::finish`], i.e. during the backward.
+    pub launched_during_backward: usize,
+    /// Time the all-reduces were in flight, summed over buckets (from launch
+    /// to the first moment they were seen complete).
+    pub comm: Duration,
+    /// Time `finish` spent blocked on unfinished all-reduces.
+    pub exposed: Duration,
+}
+
+impl SyncStats {
+    /// Communication time overlapped with computation.
+    pub fn hidden(&self) -> Duration {
+        self.comm.saturating_sub(self.exposed)
+    }
+}
+
+struct Inflight {
+    bucket: usize,
+    pending: Pending,
+    launched: Instant,
+    done_at: Option<Instant>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Whether each parameter's gradient was announced this step.
+    ready: Vec<bool>,
+    /// Whether each bucket was sent this step.
+    launched: Vec<bool>,
+    inflight: Vec<Inflight>,
+    stats: SyncStats,
+}
+
+/// Averages gradients over the data-parallel group during the backward.
+///
+/// Install it as a [`Hooks`] on each rank's `Cx`. The buckets are fixed when
+/// the engine is built: the model's parameters in reverse order (about the
+/// order their gradients become final), cut every `bucket_bytes`. Every rank
+/// therefore packs the same parameters in the same order, whatever order its
+/// own backward announced them in (a layer that skips work on one rank, such
+/// as an expert no token chose, must not misalign the sums). A bucket is
+/// flattened and all-reduced asynchronously as soon as all its gradients are
+/// final, while the backward continues; [`finish`](Self::finish) sends the
+/// rest, waits for all, and writes every gradient back as the average over
+/// the replicas.
+///
+/// On GPUs with NCCL (`dist::nccl`), a bucket's all-reduce is queued
+/// on the device's communication stream and runs beside the kernels of the
+/// rest of the backward on the compute stream; `finish` orders the compute
+/// stream after each one without blocking the host. There the figures of
+/// [`SyncStats`] are host-side: `comm` ends when the host first sees the
+/// device done with the bucket, and `exposed` is near zero, since the
+/// device, not the host, does the waiting.
+pub struct DataParallel {
+    dp: Arc<dyn Communicator>,
+    compression: Compression,
+    params: Vec<Param>,
+    /// Each parameter's index in `params`.
+    index: std::collections::HashMap<tessera_nn::module::ParamId, usize>,
+    /// The parameters of each bucket, as indices into `params`, in packing order.
+    buckets: Vec<Vec<usize>>,
+    bucket_of: Vec<usize>,
+    state: Mutex<State>,
+}
+
+impl DataParallel {
+    /// Buckets of about `bucket_bytes` (25 MiB is a common choice) of
+    /// `model`'s parameters, over the group `dp`.
+    pub fn new<M: Module>(model: &M, dp: Arc<dyn Communicator>, bucket_bytes: usize) -> Result<Self> {
+        if bucket_bytes == 0 {
+            return Err(Error::invalid("DataParallel::new", "the bucket size must be positive (e.g. 25 MiB)"));
+        }
+        // Parameters of other pipeline stages have no gradient here to average.
+        let params: Vec<Param> = module::distinct_params(model)?.into_iter().map(|n| n.param).filter(|p| !p.is_remote()).collect();
+        let mut buckets: Vec<Vec<usize>> = Vec::new();
+        let mut bytes = bucket_bytes;
+        for i in (0..params.len()).rev() {
+            if bytes >= bucket_bytes {
+                buckets.push(Vec::new());
+                bytes = 0;
+            }
+            buckets.last_mut().expect("pushed").push(i);
+            let width = params[i].value().map(|v| v.dtype().size_in_bytes()).unwrap_or(4);
+            bytes += params[i].local_shape().elem_count() * width;
+        }
+        let mut bucket_of = vec![0; params.len()];
+        for (b, members) in buckets.iter().enumerate() {
+            for &i in members {
+                bucket_of[i] = b;
+            }
+        }
+        let state = State { ready: vec![false; params.len()], launched: vec![false; buckets.len()], ..State::default() };
+        let index = params.iter().enumerate().map(|(i, p)| (p.id(), i)).collect();
+        Ok(DataParallel { dp, compression: Compression::None, params, index, buckets, bucket_of, state: Mutex::new(state) })
+    }
+
+    /// Sends gradients compressed as `compression`.
+    pub fn with_compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Flattens bucket `b`'s gradients (zeros for a parameter without one)
+    /// and starts its all-reduce.
+    fn launch(&self, s: &mut State, b: usize) -> Result<()> {
+        s.launched[b] = true;
+        let grads: Vec<Tensor> = self.buckets[b]
+            .iter()
+            .map(|&i| {
+                let p = &self.params[i];
+                match p.grad() {
+                    Some(g) => Ok(g),
+                    None => {
+                        let v = p.value()?;
+                        Tensor::zeros(p.local_shape(), v.dtype(), v.device())
+                    }
+                }
+            })
+            .collect::<Result<_>>()?;
+        let flat = Tensor::concat_flat(&grads.iter().collect::<Vec<_>>())?;
+        let wire = match self.compression {
+            Compression::None => flat,
+            Compression::Bf16 => flat.to_dtype(DType::BF16)?,
+        };
+        s.stats.bytes += wire.elem_count() * wire.dtype().size_in_bytes();
+        s.stats.buckets += 1;
+        let pending = self.dp.all_reduce_sum_async(&wire)?;
+        s.inflight.push(Inflight { bucket: b, pending, launched: Instant::now(), done_at: None });
+        Ok(())
+    }
+
+    /// Notes the completion time of all-reduces that finished since the last look.
+    fn poll(s: &mut State) {
+        let now = Instant::now();
+        for b in s.inflight.iter_mut().filter(|b| b.done_at.is_none()) {
+            if b.pending.is_done() {
+                b.done_at = Some(now);
+            }
+        }
+    }
+
+    /// Sends the buckets not sent yet, waits for every all-reduce and writes
+    /// each gradient back as the average over the group. Returns the step's
+    /// measured communication figures and resets them for the next step.
+    pub fn finish(&self) -> Result<SyncStats> {
+        let mut s = self.state();
+        s.stats.launched_during_backward = s.stats.buckets;
+        for b in 0..self.buckets.len() {
+            if !s.launched[b] {
+                self.launch(&mut s, b)?;
+            }
+        }
+        Self::poll(&mut s);
+        let scale = 1.0 / self.dp.size() as f64;
+        for b in std::mem::take(&mut s.inflight) {
+            let started_wait = Instant::now();
+            let already = b.done_at;
+            let summed = b.pending.wait()?;
+            let done = already.unwrap_or_else(Instant::now);
+            if already.is_none() {
+                s.stats.exposed += started_wait.elapsed();
+            }
+            s.stats.comm += done.saturating_duration_since(b.launched);
+            let summed = if summed.dtype() == DType::F32 || summed.dtype() == DType::F64 { summed } else { summed.to_dtype(DType::F32)? };
+            let mean = ops::scale(&summed, scale)?;
+            let mut offset = 0;
+            for &i in &self.buckets[b.bucket] {
+                let p = &self.params[i];
+                let shape = p.local_shape();
+                let n = shape.elem_count();
+                let g = mean.narrow(0, offset, n)?.reshape(shape)?;
+                let dtype = p.grad().map(|g| g.dtype()).unwrap_or(p.value()?.dtype());
+                p.set_grad(if g.dtype() == dtype { g } else { g.to_dtype(dtype)? })?;
+                offset += n;
+            }
+        }
+        s.ready.iter_mut().for_each(|r| *r = false);
+        s.launched.iter_mut().for_each(|l| *l = false);
+        Ok(std::mem::take(&mut s.stats))
+    }
+}
+
+impl Hooks for DataParallel {
+    fn grad_ready(&self, param: &Param) -> Result<()> {
+        let mut s = self.state();
+        Self::poll(&mut s);
+        let Some(&i) = self.index.get(&param.id()) else {
+            return Err(Error::invalid("DataParallel", format!("{param:?} is not a parameter of the model this engine was built for; build one engine per model")));
+        };
+        s.ready[i] = true;
+        let b = self.bucket_of[i];
+        if !s.launched[b] && self.buckets[b].iter().all(|&j| s.ready[j]) {
+            self.launch(&mut s, b)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for DataParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DataParallel(dp = {}, {} buckets, {:?})", self.dp.size(), self.buckets.len(), self.compression)
+    }
+}

@@ -1,0 +1,147 @@
+//! Bytes, checksums and durable file operations for checkpoints.
+
+use tessera_core::{Error, Result};
+use tessera_core::tensor::{with_elem, DType, Tensor};
+use tessera_core::Device;
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::Path;
+
+/// FNV-1a, 64 bit, of `bytes`, as 16 hex digits.
+pub(crate) fn checksum(bytes: &[u8]) -> String {
+    let h = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3));
+    format!("{h:016x}")
+}
+
+/// The tensor's elements as little-endian bytes.
+pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    fn le<T: tessera_core::Element>(t: &Tensor) -> Result<Vec<u8>> {
+        // Host byte order is little-endian on every platform Tessera runs on;
+        // refuse to write anything else rather than produce unreadable files.
+        if cfg!(target_endian = "big") {
+            return Err(Error::invalid("checkpoint", "big-endian hosts cannot write checkpoints; save on a little-endian machine"));
+        }
+        Ok(bytemuck::cast_slice(&t.to_vec::<T>()?).to_vec())
+    }
+    with_elem!(t.dtype(), T => le::<T>(t))
+}
+
+/// A tensor of `dtype` and `shape` on `device` from little-endian bytes.
+pub(crate) fn tensor_from_bytes(bytes: &[u8], dtype: DType, shape: &[usize], device: &Device) -> Result<Tensor> {
+    fn build<T: tessera_core::Element>(bytes: &[u8], shape: &[usize], device: &Device) -> Result<Tensor> {
+        let data: Vec<T> = bytes.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned).collect();
+        Tensor::from_vec(data, shape.to_vec(), device)
+    }
+    with_elem!(dtype, T => build::<T>(bytes, shape, device))
+}
+
+/// The safetensors dtype of `d`.
+pub(crate) fn st_dtype(d: DType) -> safetensors::Dtype {
+    match d {
+        DType::F32 => safetensors::Dtype::F32,
+        DType::F64 => safetensors::Dtype::F64,
+        DType::BF16 => safetensors::Dtype::BF16,
+        DType::F16 => safetensors::Dtype::F16,
+        DType::I32 => safetensors::Dtype::I32,
+        DType::U32 => safetensors::Dtype::U32,
+    }
+}
+
+/// The dtype named `name` in a manifest.
+pub(crate) fn dtype_named(name: &str) -> Option<DType> {
+    [DType::F32, DType::F64, DType::BF16, DType::F16, DType::I32, DType::U32].into_iter().find(|d| d.name() == name)
+}
+
+/// An I/O error on `path`, with what was being done.
+pub(crate) fn io_err(path: &Path, doing: &str, e: impl std::fmt::Display) -> Error {
+    Error::Checkpoint { path: path.display().to_string(), detail: format!("{doing}: {e}") }
+}
+
+/// Writes `bytes` to `path` and flushes them to the disk.
+pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).map_err(|e| io_err(path, "cannot create the file (is the directory writable?)", e))?;
+    f.write_all(bytes).map_err(|e| io_err(path, "cannot write (is the disk full?)", e))?;
+    f.sync_all().map_err(|e| io_err(path, "cannot flush to disk", e))
+}
+
+/// Flushes a directory's entries (new names, renames) to the disk.
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
+    // Opening a directory for reading and syncing it is how POSIX makes its
+    // entries durable; other systems may refuse, and have no such need.
+    match File::open(dir) {
+        Ok(f) => {
+            let _ = f.sync_all();
+            Ok(())
+        }
+        Err(e) => Err(io_err(dir, "cannot open the directory", e)),
+    }
+}
+
+/// Replaces `path` with `bytes` atomically: a temporary sibling, synced, renamed over it.
+pub(crate) fn replace_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    write_synced(&tmp, bytes)?;
+    fs::rename(&tmp, path).map_err(|e| io_err(path, "cannot rename the temporary file into place", e))?;
+    if let Some(parent) = path.parent() {
+        sync_dir(parent)?;
+    }
+    Ok(())
+}
+
+/// Reads a whole file, naming it when it is missing.
+pub(crate) fn read(path: &Path) -> Result<Vec<u8>> {
+    fs::read(path).map_err(|e| io_err(path, "cannot read (missing or unreadable; the checkpoint is incomplete)", e))
+}
+
+/// Writes a safetensors file of `tensors` (key, dtype, shape, bytes), flushed to the disk.
+pub(crate) fn write_safetensors(path: &Path, tensors: &[(String, DType, Vec<usize>, &[u8])]) -> Result<()> {
+    let views = tensors
+        .iter()
+        .map(|(key, dtype, shape, bytes)| {
+            let view = safetensors::tensor::TensorView::new(st_dtype(*dtype), shape.clone(), bytes).map_err(|e| io_err(path, &format!("tensor `{key}`"), e))?;
+            Ok((key.as_str(), view))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let bytes = safetensors::tensor::serialize(views, None).map_err(|e| io_err(path, "cannot serialise the tensors", e))?;
+    write_synced(path, &bytes)
+}
+
+/// One rank file read into memory, its header parsed once.
+pub(crate) struct RankFile {
+    bytes: Vec<u8>,
+    header: usize,
+    meta: safetensors::tensor::Metadata,
+}
+
+impl RankFile {
+    /// Reads and parses `path`; the tensors' bytes are not looked at.
+    pub fn open(path: &Path) -> Result<RankFile> {
+        let bytes = read(path)?;
+        let (header, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| Error::CheckpointCorrupt {
+            file: path.display().to_string(),
+            tensor: "(header)".into(),
+            detail: format!("the file's header is unreadable: {e}"),
+        })?;
+        Ok(RankFile { bytes, header, meta })
+    }
+
+    /// The bytes of the tensor `r` describes, checked against its record
+    /// (key, dtype, shape, checksum) without decoding them.
+    pub fn tensor(&self, r: &super::TensorRecord, path: &Path) -> Result<&[u8]> {
+        let corrupt = |detail: String| Error::CheckpointCorrupt { file: path.display().to_string(), tensor: r.name.clone(), detail };
+        let info = self.meta.info(&r.name).ok_or_else(|| corrupt("not found in the file".into()))?;
+        let dtype = dtype_named(&r.dtype).ok_or_else(|| corrupt(format!("the manifest names an unknown dtype `{}`", r.dtype)))?;
+        let shape = r.region.stored_shape();
+        if info.shape != shape || info.dtype != st_dtype(dtype) {
+            return Err(corrupt(format!("stored as {:?} {:?}, the manifest says {} {:?}", info.dtype, info.shape, r.dtype, shape)));
+        }
+        let (a, b) = info.data_offsets;
+        let start = 8 + self.header;
+        let data = &self.bytes[start + a..start + b];
+        let sum = checksum(data);
+        if sum != r.checksum {
+            return Err(corrupt(format!("checksum {sum}, the manifest recorded {}", r.checksum)));
+        }
+        Ok(data)
+    }
+}

@@ -1,0 +1,550 @@
+//! The TOML configuration of a training run.
+//!
+//! Every section has defaults, so an empty file is a valid (small) run;
+//! unknown keys are errors (a misspelt setting must not be silently
+//! ignored). Settings can be overridden from the command line as dotted
+//! `key=value` pairs (`mesh.dp=4`, `optim.lr=1e-3`), applied to the TOML
+//! document before it is read, so an override is checked like the file.
+//!
+//! ```
+//! use tessera::train::TrainConfig;
+//!
+//! let cfg = TrainConfig::parse("[mesh]\ndp = 2\npp = 2\n[batch]\ngrad_accum = 4\n", &["optim.lr=1e-3"])?;
+//! assert_eq!((cfg.mesh.dp, cfg.mesh.pp, cfg.batch.grad_accum), (2, 2, 4));
+//! assert_eq!(cfg.optim.lr, 1e-3);
+//! assert!(TrainConfig::parse("[mesh]\ndp = 0\n", &[]).is_err());
+//! # Ok::<(), tessera::Error>(())
+//! ```
+//!
+//! The `[model]` table is free-form: the program that builds the model
+//! reads it (see the `train` example), so the runtime stays model-agnostic.
+
+use tessera_core::{Error, Result};
+use tessera_nn::module::RecomputeOverride;
+use tessera_optim::AdamWConfig;
+use tessera_parallel::pipeline::ScheduleKind;
+use tessera_parallel::zero::Stage;
+use super::FaultConfig;
+use tessera_core::DType;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// A whole training run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Run length, output directory, seed, logging.
+    pub run: RunConfig,
+    /// The model, read by the program that builds it.
+    pub model: toml::Table,
+    /// The device mesh.
+    pub mesh: MeshConfig,
+    /// Batch shape and gradient accumulation.
+    pub batch: BatchConfig,
+    /// AdamW, learning-rate schedule and clipping.
+    pub optim: OptimConfig,
+    /// Mixed precision and loss scaling.
+    pub precision: PrecisionConfig,
+    /// Activation recompute.
+    pub recompute: RecomputeConfig,
+    /// ZeRO sharding of optimizer state, gradients and parameters.
+    pub zero: ZeroSection,
+    /// Checkpoints.
+    pub checkpoint: CheckpointConfig,
+    /// Training data.
+    pub data: DataConfig,
+    /// Spike and NaN detection, rollback.
+    pub stability: StabilityConfig,
+    /// Failures to inject on purpose (none by default; see [`FaultConfig`]).
+    #[serde(skip_serializing_if = "FaultConfig::is_empty")]
+    pub faults: FaultConfig,
+}
+
+/// `[run]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RunConfig {
+    /// Optimizer steps (the learning-rate schedule spans them).
+    pub steps: u64,
+    /// Stop (with a checkpoint) after this many steps, for a run split over
+    /// several jobs; a later job with `checkpoint.resume` continues it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop_after: Option<u64>,
+    /// Run directory: config, metrics, trace, plot and checkpoints go there.
+    pub out: String,
+    /// Seed of parameter initialisation, dropout and data order.
+    pub seed: u64,
+    /// Show a progress bar.
+    pub progress: bool,
+    /// Record a Chrome/Perfetto trace of the first `trace_steps` steps (0: none).
+    pub trace_steps: u64,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig { steps: 100, stop_after: None, out: "runs/latest".into(), seed: 1, progress: true, trace_steps: 3 }
+    }
+}
+
+/// `[mesh]`: degrees of each parallelism; their product is the number of ranks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MeshConfig {
+    /// Data-parallel replicas.
+    pub dp: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Pipeline stages.
+    pub pp: usize,
+    /// Expert-parallel degree (MoE models).
+    pub ep: usize,
+    /// Sequence parallelism over the tensor-parallel group.
+    pub sp: bool,
+    /// Pipeline schedule: `gpipe`, `1f1b` or `interleaved` (with `chunks`).
+    pub schedule: String,
+    /// Model chunks per stage for the interleaved schedule.
+    pub chunks: usize,
+    /// Data-parallel gradient bucket size in bytes.
+    pub bucket_bytes: usize,
+    /// Where the ranks run: `cpu` (a thread per rank, the in-process
+    /// communicator) or `cuda` (rank `r` on GPU `r`, a thread per GPU,
+    /// NCCL between them).
+    pub device: String,
+    /// Seconds a rank waits for another (at a collective, or for its part
+    /// of a checkpoint) before declaring it hung and stopping the run.
+    pub timeout_s: f64,
+}
+
+impl Default for MeshConfig {
+    fn default() -> Self {
+        MeshConfig { dp: 1, tp: 1, pp: 1, ep: 1, sp: false, schedule: "1f1b".into(), chunks: 2, bucket_bytes: 1 << 20, device: "cpu".into(), timeout_s: 600.0 }
+    }
+}
+
+/// Where a run's ranks execute ([`MeshConfig::device`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RankDevice {
+    /// One CPU thread per rank.
+    Cpu,
+    /// Rank `r` on CUDA device `r`.
+    Cuda,
+}
+
+impl MeshConfig {
+    /// Ranks in all.
+    pub fn world_size(&self) -> usize {
+        self.dp * self.tp * self.pp * self.ep
+    }
+
+    /// The mesh as [`Mesh::parse`](tessera_dist::mesh::Mesh::parse) reads it.
+    pub fn spec(&self) -> String {
+        format!("dp{},ep{},pp{},tp{}", self.dp, self.ep, self.pp, self.tp)
+    }
+
+    /// [`timeout_s`](Self::timeout_s) as a duration.
+    pub fn timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.timeout_s)
+    }
+
+    /// Where the ranks run.
+    pub fn rank_device(&self) -> Result<RankDevice> {
+        match self.device.as_str() {
+            "cpu" => Ok(RankDevice::Cpu),
+            "cuda" => Ok(RankDevice::Cuda),
+            other => Err(Error::config("mesh.device", format!("unknown device `{other}`; use `cpu` (a thread per rank) or `cuda` (rank r on GPU r)"))),
+        }
+    }
+
+    /// The pipeline schedule family.
+    pub fn schedule_kind(&self) -> Result<ScheduleKind> {
+        match self.schedule.as_str() {
+            "gpipe" => Ok(ScheduleKind::GPipe),
+            "1f1b" => Ok(ScheduleKind::OneFOneB),
+            "interleaved" => Ok(ScheduleKind::Interleaved { chunks: self.chunks }),
+            other => Err(Error::config("mesh.schedule", format!("unknown schedule `{other}`; use `gpipe`, `1f1b` or `interleaved`"))),
+        }
+    }
+}
+
+/// `[batch]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BatchConfig {
+    /// Sequences per microbatch.
+    pub micro_batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Microbatches per replica and optimizer step (gradient accumulation;
+    /// also the pipeline's microbatches).
+    pub grad_accum: usize,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        BatchConfig { micro_batch: 8, seq_len: 64, grad_accum: 2 }
+    }
+}
+
+/// `[optim]`: AdamW with linear warmup and cosine decay, and clipping.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimConfig {
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Learning rate at the end of the cosine decay.
+    pub min_lr: f64,
+    /// Warmup steps (a run shorter than that warms up over all its steps).
+    pub warmup: u64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Denominator epsilon.
+    pub eps: f64,
+    /// Global gradient-norm clipping threshold (0: off).
+    pub clip: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        OptimConfig { lr: 1e-3, min_lr: 1e-4, warmup: 10, weight_decay: 0.1, beta1: 0.9, beta2: 0.95, eps: 1e-8, clip: 1.0 }
+    }
+}
+
+impl OptimConfig {
+    /// The AdamW hyper-parameters.
+    pub fn adamw(&self) -> AdamWConfig {
+        AdamWConfig { beta1: self.beta1, beta2: self.beta2, eps: self.eps, weight_decay: self.weight_decay }
+    }
+}
+
+/// `[precision]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrecisionConfig {
+    /// Compute dtype: `f32`, `bf16` or `fp16` (master weights stay f32).
+    pub compute: String,
+    /// Dynamic loss scaling (on by default for fp16; ignored otherwise).
+    pub loss_scaling: bool,
+    /// Initial loss scale.
+    pub initial_scale: f64,
+    /// Overflows in a row before the scale backs off.
+    pub hysteresis: u32,
+}
+
+impl Default for PrecisionConfig {
+    fn default() -> Self {
+        PrecisionConfig { compute: "f32".into(), loss_scaling: true, initial_scale: 65536.0, hysteresis: 1 }
+    }
+}
+
+impl PrecisionConfig {
+    /// The compute dtype.
+    pub fn dtype(&self) -> Result<DType> {
+        match self.compute.as_str() {
+            "f32" => Ok(DType::F32),
+            "bf16" => Ok(DType::BF16),
+            "fp16" | "f16" => Ok(DType::F16),
+            other => Err(Error::config("precision.compute", format!("unknown dtype `{other}`; use `f32`, `bf16` or `fp16`"))),
+        }
+    }
+
+    /// Whether the loss is scaled (fp16 with `loss_scaling`).
+    pub fn scales_loss(&self) -> Result<bool> {
+        Ok(self.dtype()? == DType::F16 && self.loss_scaling)
+    }
+}
+
+/// `[recompute]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RecomputeConfig {
+    /// `declared` (the model's attributes), `none` or `full`.
+    pub mode: String,
+}
+
+impl Default for RecomputeConfig {
+    fn default() -> Self {
+        RecomputeConfig { mode: "declared".into() }
+    }
+}
+
+impl RecomputeConfig {
+    /// The run-time override of the model's recompute attributes.
+    pub fn to_override(&self) -> Result<RecomputeOverride> {
+        match self.mode.as_str() {
+            "declared" => Ok(RecomputeOverride::AsDeclared),
+            "none" | "off" => Ok(RecomputeOverride::Off),
+            "full" => Ok(RecomputeOverride::Full),
+            other => Err(Error::config("recompute.mode", format!("unknown mode `{other}`; use `declared`, `none` or `full`"))),
+        }
+    }
+}
+
+/// `[zero]`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ZeroSection {
+    /// 0 (off), 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters).
+    pub stage: u8,
+}
+
+impl ZeroSection {
+    /// The ZeRO stage, if on.
+    pub fn to_stage(&self) -> Result<Option<Stage>> {
+        match self.stage {
+            0 => Ok(None),
+            1 => Ok(Some(Stage::One)),
+            2 => Ok(Some(Stage::Two)),
+            3 => Ok(Some(Stage::Three)),
+            s => Err(Error::config("zero.stage", format!("stage {s} does not exist; use 0 (off), 1, 2 or 3"))),
+        }
+    }
+}
+
+/// `[checkpoint]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Save every this many steps (0: only at the end).
+    pub every: u64,
+    /// Checkpoints kept.
+    pub keep: usize,
+    /// Directory, relative to the run directory unless absolute.
+    pub dir: String,
+    /// Resume from the newest valid checkpoint in `dir` if there is one.
+    pub resume: bool,
+    /// Write periodic checkpoints on a background thread from a snapshot
+    /// (the final one is always written before the run returns).
+    pub background: bool,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig { every: 50, keep: 2, dir: "checkpoints".into(), resume: true, background: true }
+    }
+}
+
+/// `[data]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataConfig {
+    /// `bundled` (the self-generated task) or a directory of prepared token shards.
+    pub source: String,
+    /// Seed of the data order (and of the bundled task's problems).
+    pub seed: u64,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig { source: "bundled".into(), seed: 7 }
+    }
+}
+
+/// `[stability]`: what counts as an anomaly, and what is done about it
+/// (see [`StabilityMonitor`](super::StabilityMonitor) for the rule).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StabilityConfig {
+    /// A loss or gradient norm above `spike_factor` × its recent median is a spike.
+    pub spike_factor: f64,
+    /// How many recent healthy steps the median is taken over.
+    pub window: usize,
+    /// Healthy steps before spikes are judged.
+    pub warmup: u64,
+    /// On an anomaly, roll back to the last checkpoint and pass over the
+    /// data seen since, for good (otherwise only the step is skipped).
+    pub rollback: bool,
+}
+
+impl Default for StabilityConfig {
+    fn default() -> Self {
+        StabilityConfig { spike_factor: 3.0, window: 20, warmup: 20, rollback: true }
+    }
+}
+
+/// Sets `key` (dotted path) to `value` in a TOML document. The value is read
+/// as TOML (`4`, `1e-3`, `true`, `"text"`); anything that does not parse as
+/// a TOML value is taken as a bare string (`mesh.schedule=gpipe`).
+fn set_dotted(doc: &mut toml::Table, key: &str, value: &str) -> Result<()> {
+    let parsed: toml::Value = match format!("v = {value}").parse::<toml::Table>() {
+        Ok(mut t) => t.remove("v").unwrap_or_else(|| toml::Value::String(value.into())),
+        Err(_) => toml::Value::String(value.into()),
+    };
+    let mut parts: Vec<&str> = key.split('.').collect();
+    let last = parts.pop().filter(|s| !s.is_empty()).ok_or_else(|| Error::config(key, "an override is `section.key=value`, e.g. `mesh.dp=2`"))?;
+    let mut table = doc;
+    for p in parts {
+        let entry = table.entry(p.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        table = entry.as_table_mut().ok_or_else(|| Error::config(key, format!("`{p}` is a value, not a section")))?;
+    }
+    table.insert(last.to_string(), parsed);
+    Ok(())
+}
+
+/// A reader's message about an unknown key, with the closest known key
+/// ("unknown field `dpp`, expected one of `dp`, `tp`, ..." gains "; did you
+/// mean `dp`?").
+fn with_suggestion(message: &str) -> String {
+    let quoted = |s: &str| -> Vec<String> { s.split('`').skip(1).step_by(2).map(str::to_string).collect() };
+    message
+        .lines()
+        .map(|line| {
+            let hint = line.split_once("unknown field ").and_then(|(_, rest)| {
+                let (field, known) = rest.split_once(", expected")?;
+                let field = quoted(field).into_iter().next()?;
+                let known = quoted(known);
+                Some(super::suggest::hint(&field, &known.iter().map(String::as_str).collect::<Vec<_>>()))
+            });
+            format!("{line}{}", hint.unwrap_or_default())
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+impl TrainConfig {
+    /// Reads a TOML document, applies `key=value` overrides, and validates.
+    pub fn parse(text: &str, overrides: &[&str]) -> Result<TrainConfig> {
+        let mut doc: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::config("<file>", format!("not valid TOML: {e}")))?;
+        for o in overrides {
+            let (k, v) = o.split_once('=').ok_or_else(|| Error::config(*o, "an override is `section.key=value`, e.g. `mesh.dp=2`"))?;
+            set_dotted(&mut doc, k.trim(), v.trim())?;
+        }
+        // Read through the text form so an error shows the offending line.
+        let text = toml::to_string(&doc).map_err(|e| Error::config("<file>", e.to_string()))?;
+        let cfg: TrainConfig = toml::from_str(&text).map_err(|e: toml::de::Error| Error::config("<file>", with_suggestion(e.to_string().trim_end())))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads a TOML file (see [`parse`](Self::parse)).
+    pub fn load(path: impl AsRef<Path>, overrides: &[&str]) -> Result<TrainConfig> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::parse(&text, overrides)
+    }
+
+    /// The configuration as TOML (what a run directory's `config.toml` holds).
+    pub fn to_toml(&self) -> Result<String> {
+        toml::to_string_pretty(self).map_err(|e| Error::config("<file>", e.to_string()))
+    }
+
+    /// Checks every setting and their combinations.
+    pub fn validate(&self) -> Result<()> {
+        let positive = |key: &str, v: usize| if v == 0 { Err(Error::config(key, "must be at least 1")) } else { Ok(()) };
+        positive("mesh.dp", self.mesh.dp)?;
+        positive("mesh.tp", self.mesh.tp)?;
+        positive("mesh.pp", self.mesh.pp)?;
+        positive("mesh.ep", self.mesh.ep)?;
+        positive("mesh.chunks", self.mesh.chunks)?;
+        positive("mesh.bucket_bytes", self.mesh.bucket_bytes)?;
+        positive("batch.micro_batch", self.batch.micro_batch)?;
+        positive("batch.seq_len", self.batch.seq_len)?;
+        positive("batch.grad_accum", self.batch.grad_accum)?;
+        if self.run.steps == 0 {
+            return Err(Error::config("run.steps", "must be at least 1"));
+        }
+        if self.run.out.trim().is_empty() {
+            return Err(Error::config("run.out", "the run directory is empty; give a path such as \"runs/my-run\""));
+        }
+        if self.run.stop_after == Some(0) {
+            return Err(Error::config("run.stop_after", "0 would stop before the first step; leave it out to run all `run.steps`, or give the step to stop after (a later job resumes from there)"));
+        }
+        let kind = self.mesh.schedule_kind()?;
+        self.mesh.rank_device()?;
+        if self.mesh.pp > 1 && self.batch.grad_accum < self.mesh.pp && !matches!(kind, ScheduleKind::GPipe) {
+            return Err(Error::config(
+                "batch.grad_accum",
+                format!("{} microbatches cannot fill {} pipeline stages with {}; use grad_accum >= mesh.pp", self.batch.grad_accum, self.mesh.pp, self.mesh.schedule),
+            ));
+        }
+        self.precision.dtype()?;
+        if !(self.precision.initial_scale.is_finite() && self.precision.initial_scale > 0.0) {
+            return Err(Error::config("precision.initial_scale", "must be a positive number (e.g. 65536)"));
+        }
+        if self.precision.hysteresis == 0 {
+            return Err(Error::config("precision.hysteresis", "counts overflows: at least 1"));
+        }
+        self.recompute.to_override()?;
+        let zero = self.zero.to_stage()?;
+        if zero.is_some() && (self.mesh.tp > 1 || self.mesh.pp > 1 || self.mesh.ep > 1) {
+            return Err(Error::config("zero.stage", "ZeRO is combined with data parallelism only; set mesh.tp, mesh.pp and mesh.ep to 1, or zero.stage to 0"));
+        }
+        if zero.is_some() && self.optim.clip > 0.0 {
+            return Err(Error::config("optim.clip", "global-norm clipping is not combined with ZeRO yet; set optim.clip = 0 or zero.stage = 0"));
+        }
+        if self.precision.scales_loss()? && zero.is_some() {
+            return Err(Error::config("precision.loss_scaling", "loss scaling is not combined with ZeRO yet; use bf16, or zero.stage = 0"));
+        }
+        let o = &self.optim;
+        if !(o.lr.is_finite() && o.lr > 0.0 && o.min_lr.is_finite() && o.min_lr >= 0.0 && o.min_lr <= o.lr) {
+            return Err(Error::config("optim.lr", format!("need 0 <= min_lr <= lr and lr > 0; got lr {} and min_lr {}", o.lr, o.min_lr)));
+        }
+        if !(o.clip.is_finite() && o.clip >= 0.0) {
+            return Err(Error::config("optim.clip", "a threshold >= 0 (0 turns clipping off)"));
+        }
+        o.adamw().validate().map_err(|e| Error::config("optim", e.to_string()))?;
+        if self.checkpoint.keep == 0 {
+            return Err(Error::config("checkpoint.keep", "keep at least 1 checkpoint"));
+        }
+        let s = &self.stability;
+        if !(s.spike_factor > 1.0 && s.spike_factor.is_finite() && s.window > 0) {
+            return Err(Error::config("stability", "need spike_factor > 1 and a window of at least 1 step"));
+        }
+        if !(self.mesh.timeout_s.is_finite() && self.mesh.timeout_s > 0.0 && self.mesh.timeout_s <= 86_400.0) {
+            return Err(Error::config("mesh.timeout_s", "seconds a rank waits for another before declaring it hung: more than 0, at most 86400 (the default is 600)"));
+        }
+        self.faults.validate(self.mesh.world_size())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_file_is_the_defaults() {
+        assert_eq!(TrainConfig::parse("", &[]).unwrap(), TrainConfig::default());
+    }
+
+    #[test]
+    fn overrides_are_typed_and_checked() {
+        let c = TrainConfig::parse("", &["mesh.schedule=gpipe", "precision.compute=bf16", "run.steps=17", "model.layers=3"]).unwrap();
+        assert_eq!((c.mesh.schedule.as_str(), c.precision.compute.as_str(), c.run.steps), ("gpipe", "bf16", 17));
+        assert_eq!(c.model.get("layers").and_then(|v| v.as_integer()), Some(3));
+        let e = TrainConfig::parse("", &["mesh.dp=two"]).unwrap_err().to_string();
+        assert!(e.contains("dp"), "{e}");
+        assert!(TrainConfig::parse("", &["mesh.dp"]).is_err());
+    }
+
+    #[test]
+    fn misspelt_keys_and_bad_combinations_are_named() {
+        let e = TrainConfig::parse("[mesh]\ndpp = 2\n", &[]).unwrap_err().to_string();
+        assert!(e.contains("dpp") && e.contains("did you mean `dp`?"), "{e}");
+        let e = TrainConfig::parse("[batch]\nseqlen = 2\n", &[]).unwrap_err().to_string();
+        assert!(e.contains("did you mean `seq_len`?"), "{e}");
+        let e = TrainConfig::parse("[optimizer]\nlr = 2\n", &[]).unwrap_err().to_string();
+        assert!(e.contains("optimizer") && e.contains("did you mean `optim`?"), "{e}");
+        let e = TrainConfig::parse("[zero]\nstage = 1\n[mesh]\ntp = 2\n", &[]).unwrap_err().to_string();
+        assert!(e.contains("zero.stage"), "{e}");
+        let e = TrainConfig::parse("[mesh]\npp = 4\n[batch]\ngrad_accum = 2\n", &[]).unwrap_err().to_string();
+        assert!(e.contains("grad_accum"), "{e}");
+        let e = TrainConfig::parse("[precision]\ncompute = \"fp8\"\n", &[]).unwrap_err().to_string();
+        assert!(e.contains("precision.compute"), "{e}");
+        let e = TrainConfig::parse("[mesh]\ndevice = \"tpu\"\n", &[]).unwrap_err().to_string();
+        assert!(e.contains("mesh.device") && e.contains("`cuda`"), "{e}");
+        assert_eq!(TrainConfig::parse("[mesh]\ndevice = \"cuda\"\ndp = 2\n", &[]).unwrap().mesh.rank_device().unwrap(), RankDevice::Cuda);
+        let e = TrainConfig::parse("", &["run.out=\"\""]).unwrap_err().to_string();
+        assert!(e.contains("run.out") && e.contains("empty"), "{e}");
+        let e = TrainConfig::parse("", &["run.stop_after=0"]).unwrap_err().to_string();
+        assert!(e.contains("run.stop_after") && e.contains("first step"), "{e}");
+    }
+
+    #[test]
+    fn the_written_config_reads_back_the_same() {
+        let c = TrainConfig::parse("[mesh]\ndp = 2\n[model]\nlayers = 4\n", &[]).unwrap();
+        assert_eq!(TrainConfig::parse(&c.to_toml().unwrap(), &[]).unwrap(), c);
+    }
+}

@@ -1,0 +1,94 @@
+//! Where a run's ranks execute and how they reach each other: a CPU thread
+//! per rank with the in-process communicator, or one GPU per rank (a
+//! thread each) with NCCL.
+
+use super::RankDevice;
+use tessera_dist::inproc::{mesh_groups, InProcess};
+use tessera_dist::mesh::Mesh;
+use tessera_core::{Error, Result};
+use tessera_dist::Groups;
+use tessera_core::Device;
+use std::sync::Mutex;
+
+/// The ranks of one run.
+pub(crate) enum Ranks {
+    /// CPU ranks: each builds its groups from the shared in-process world.
+    Cpu(InProcess),
+    /// GPU ranks: every rank's device and NCCL groups, created together up
+    /// front (NCCL's communicators of a group are made at once).
+    Cuda {
+        devices: Vec<Device>,
+        /// Taken by each rank's thread when it starts.
+        groups: Vec<Mutex<Option<Groups>>>,
+        /// The same communicators, to abort a failed rank's groups.
+        handles: Vec<Groups>,
+    },
+}
+
+impl Ranks {
+    /// The ranks of `mesh` on `device`.
+    /// A CPU rank waits `timeout` for a peer before declaring it hung.
+    pub(crate) fn new(device: RankDevice, mesh: &Mesh, timeout: std::time::Duration) -> Result<Self> {
+        match device {
+            RankDevice::Cpu => Ok(Ranks::Cpu(InProcess::with_timeout(mesh.world(), timeout)?)),
+            RankDevice::Cuda => {
+                let devices = (0..mesh.world())
+                    .map(|r| {
+                        Device::cuda(r).map_err(|e| Error::config("mesh.device", format!("rank {r} runs on GPU {r}: {e}; use as many GPUs as ranks (the product of dp, tp, pp and ep), or mesh.device = \"cpu\"")))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let handles = nccl_groups(mesh, &devices)?;
+                let groups = handles.iter().map(|g| Mutex::new(Some(g.clone()))).collect();
+                Ok(Ranks::Cuda { devices, groups, handles })
+            }
+        }
+    }
+
+    /// Rank `rank`'s device and communicators; each rank asks once.
+    pub(crate) fn take(&self, mesh: &Mesh, rank: usize) -> Result<(Device, Groups)> {
+        match self {
+            Ranks::Cpu(world) => {
+                let dev = Device::cpu();
+                let groups = mesh_groups(world, mesh, rank, &dev)?;
+                Ok((dev, groups))
+            }
+            Ranks::Cuda { devices, groups, .. } => {
+                let taken = groups[rank].lock().unwrap_or_else(|e| e.into_inner()).take();
+                let groups = taken.ok_or_else(|| Error::invalid("trainer", format!("rank {rank}'s communicators were already taken")))?;
+                Ok((devices[rank].clone(), groups))
+            }
+        }
+    }
+
+    /// The device the machine's peak rate is measured on.
+    pub(crate) fn first_device(&self) -> Device {
+        match self {
+            Ranks::Cpu(_) => Device::cpu(),
+            Ranks::Cuda { devices, .. } => devices[0].clone(),
+        }
+    }
+
+    /// Declares `rank` failed, so that every rank waiting on it stops.
+    pub(crate) fn abort(&self, rank: usize, reason: &str) {
+        match self {
+            Ranks::Cpu(world) => world.abort(rank, reason),
+            Ranks::Cuda { handles, .. } => {
+                let g = &handles[rank];
+                for comm in [&g.tp, &g.dp, &g.pp, &g.ep] {
+                    comm.abort(reason);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn nccl_groups(mesh: &Mesh, devices: &[Device]) -> Result<Vec<Groups>> {
+    tessera_dist::nccl::mesh_groups(mesh, devices)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nccl_groups(_: &Mesh, _: &[Device]) -> Result<Vec<Groups>> {
+    // Unreachable in practice: opening a CUDA device already failed.
+    Err(Error::NotCompiledWithCuda)
+}
