@@ -1,6 +1,7 @@
 //! Data parallelism: gradients bucketed in the order they become final and
 //! all-reduced while the backward goes on.
 
+use crate::buckets::Buckets;
 use tessera_dist::{Communicator, Pending};
 use tessera_core::{Error, Result};
 use tessera_nn::module::{self, Hooks, Module, Param};
@@ -87,9 +88,8 @@ pub struct DataParallel {
     params: Vec<Param>,
     /// Each parameter's index in `params`.
     index: std::collections::HashMap<tessera_nn::module::ParamId, usize>,
-    /// The parameters of each bucket, as indices into `params`, in packing order.
-    buckets: Vec<Vec<usize>>,
-    bucket_of: Vec<usize>,
+    /// The fixed gradient buckets (indices into `params`).
+    buckets: Buckets,
     state: Mutex<State>,
 }
 
@@ -102,26 +102,11 @@ impl DataParallel {
         }
         // Parameters of other pipeline stages have no gradient here to average.
         let params: Vec<Param> = module::distinct_params(model)?.into_iter().map(|n| n.param).filter(|p| !p.is_remote()).collect();
-        let mut buckets: Vec<Vec<usize>> = Vec::new();
-        let mut bytes = bucket_bytes;
-        for i in (0..params.len()).rev() {
-            if bytes >= bucket_bytes {
-                buckets.push(Vec::new());
-                bytes = 0;
-            }
-            buckets.last_mut().expect("pushed").push(i);
-            let width = params[i].value().map(|v| v.dtype().size_in_bytes()).unwrap_or(4);
-            bytes += params[i].local_shape().elem_count() * width;
-        }
-        let mut bucket_of = vec![0; params.len()];
-        for (b, members) in buckets.iter().enumerate() {
-            for &i in members {
-                bucket_of[i] = b;
-            }
-        }
+        let bytes: Vec<usize> = params.iter().map(|p| p.local_shape().elem_count() * p.value().map(|v| v.dtype().size_in_bytes()).unwrap_or(4)).collect();
+        let buckets = Buckets::new(&bytes, bucket_bytes);
         let state = State { ready: vec![false; params.len()], launched: vec![false; buckets.len()], ..State::default() };
         let index = params.iter().enumerate().map(|(i, p)| (p.id(), i)).collect();
-        Ok(DataParallel { dp, compression: Compression::None, params, index, buckets, bucket_of, state: Mutex::new(state) })
+        Ok(DataParallel { dp, compression: Compression::None, params, index, buckets, state: Mutex::new(state) })
     }
 
     /// Sends gradients compressed as `compression`.
@@ -138,7 +123,8 @@ impl DataParallel {
     /// and starts its all-reduce.
     fn launch(&self, s: &mut State, b: usize) -> Result<()> {
         s.launched[b] = true;
-        let grads: Vec<Tensor> = self.buckets[b]
+        let grads: Vec<Tensor> = self.buckets
+            .members(b)
             .iter()
             .map(|&i| {
                 let p = &self.params[i];
@@ -198,7 +184,7 @@ impl DataParallel {
             let summed = if summed.dtype() == DType::F32 || summed.dtype() == DType::F64 { summed } else { summed.to_dtype(DType::F32)? };
             let mean = ops::scale(&summed, scale)?;
             let mut offset = 0;
-            for &i in &self.buckets[b.bucket] {
+            for &i in self.buckets.members(b.bucket) {
                 let p = &self.params[i];
                 let shape = p.local_shape();
                 let n = shape.elem_count();
@@ -222,8 +208,8 @@ impl Hooks for DataParallel {
             return Err(Error::invalid("DataParallel", format!("{param:?} is not a parameter of the model this engine was built for; build one engine per model")));
         };
         s.ready[i] = true;
-        let b = self.bucket_of[i];
-        if !s.launched[b] && self.buckets[b].iter().all(|&j| s.ready[j]) {
+        let b = self.buckets.of(i);
+        if !s.launched[b] && self.buckets.members(b).iter().all(|&j| s.ready[j]) {
             self.launch(&mut s, b)?;
         }
         Ok(())

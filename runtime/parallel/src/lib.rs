@@ -7,6 +7,7 @@
 //! parallelism live in the layers themselves). Users reach it as
 //! `tessera::parallel`.
 
+mod buckets;
 pub mod data;
 pub mod zero;
 pub mod pipeline;
