@@ -40,11 +40,14 @@ pub fn philox4x32(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
 /// independent uses of one seed (one stream per parameter, per dropout site...).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RngKey {
+    /// The seed.
     pub seed: u64,
+    /// The stream, one per independent use of the seed.
     pub stream: u64,
 }
 
 impl RngKey {
+    /// The key of stream `stream` of `seed`.
     pub fn new(seed: u64, stream: u64) -> Self {
         Self { seed, stream }
     }

@@ -6,9 +6,13 @@ use std::sync::Arc;
 /// One communicator per mesh axis.
 #[derive(Clone, Debug)]
 pub struct Groups {
+    /// The tensor-parallel group.
     pub tp: Arc<dyn Communicator>,
+    /// The data-parallel group.
     pub dp: Arc<dyn Communicator>,
+    /// The pipeline-parallel group.
     pub pp: Arc<dyn Communicator>,
+    /// The expert-parallel group.
     pub ep: Arc<dyn Communicator>,
 }
 

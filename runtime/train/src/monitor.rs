@@ -24,11 +24,32 @@ use std::collections::VecDeque;
 #[derive(Clone, Debug, PartialEq)]
 pub enum Anomaly {
     /// The loss or the gradient norm is infinite or NaN.
-    NonFinite { step: u64, loss: f64, grad_norm: f64 },
+    NonFinite {
+        /// The step.
+        step: u64,
+        /// The step's loss.
+        loss: f64,
+        /// The step's gradient norm.
+        grad_norm: f64,
+    },
     /// The loss jumped above `factor` times its recent median.
-    LossSpike { step: u64, loss: f64, average: f64 },
+    LossSpike {
+        /// The step.
+        step: u64,
+        /// The step's loss.
+        loss: f64,
+        /// The median loss of the recent healthy steps.
+        average: f64,
+    },
     /// The gradient norm jumped above `factor` times its recent median.
-    GradNormSpike { step: u64, grad_norm: f64, average: f64 },
+    GradNormSpike {
+        /// The step.
+        step: u64,
+        /// The step's gradient norm.
+        grad_norm: f64,
+        /// The median gradient norm of the recent healthy steps.
+        average: f64,
+    },
 }
 
 /// What a [`StabilityMonitor`] has learnt: checkpointed with the run, so a

@@ -12,6 +12,7 @@
 pub mod cpu;
 pub mod cuda;
 pub(crate) mod kernel;
+/// Memory accounting: the bytes each device holds and its peak.
 pub mod memory;
 
 pub use cpu::{CpuDevice, CpuStorage};
@@ -45,7 +46,9 @@ pub trait BackendDevice: Clone + fmt::Debug + Send + Sync {
 /// Where a tensor lives.
 #[derive(Clone, Debug)]
 pub enum Device {
+    /// A CPU accounting domain.
     Cpu(CpuDevice),
+    /// A CUDA GPU.
     Cuda(CudaDevice),
 }
 
@@ -105,7 +108,9 @@ impl fmt::Display for Device {
 
 /// A tensor's elements on its device.
 pub enum Storage {
+    /// Elements in host memory.
     Cpu(CpuStorage),
+    /// Elements in a CUDA GPU's memory.
     Cuda(CudaStorage),
 }
 

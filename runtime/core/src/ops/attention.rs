@@ -90,6 +90,7 @@ fn backward_cuda(c: &mut CudaCall, d: &AttnDims, layout: AttnLayout) -> Result<(
 /// How queries attend: causally or not, and the factor on `q·k`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnOpts {
+    /// Whether each query attends only to keys up to its own position.
     pub causal: bool,
     /// `None` means `1/sqrt(head_dim)`.
     pub scale: Option<f64>,
@@ -163,8 +164,11 @@ pub fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, lse:
 /// whole groups, which is why attention layers pack it this way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QkvHeads {
+    /// Query heads.
     pub q_heads: usize,
+    /// Key/value heads, each shared by `q_heads / kv_heads` query heads.
     pub kv_heads: usize,
+    /// Values per head.
     pub head_dim: usize,
 }
 

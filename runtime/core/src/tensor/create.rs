@@ -9,9 +9,19 @@ use tessera_kernels::rng::{fill_normal, fill_uniform, RngKey};
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Init {
     /// Normal with the given mean and standard deviation.
-    Normal { mean: f64, std: f64 },
+    Normal {
+        /// The mean.
+        mean: f64,
+        /// The standard deviation.
+        std: f64,
+    },
     /// Uniform in `[lo, hi)`.
-    Uniform { lo: f64, hi: f64 },
+    Uniform {
+        /// The lower bound (included).
+        lo: f64,
+        /// The upper bound (excluded).
+        hi: f64,
+    },
 }
 
 impl Tensor {

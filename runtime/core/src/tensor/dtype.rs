@@ -8,11 +8,17 @@ use std::fmt;
 /// `I32` and `U32` hold token ids, targets and indices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// 32-bit IEEE float.
     F32,
+    /// 64-bit IEEE float.
     F64,
+    /// 16-bit brain float (8-bit exponent, as `f32`).
     BF16,
+    /// 16-bit IEEE float.
     F16,
+    /// 32-bit signed integer.
     I32,
+    /// 32-bit unsigned integer.
     U32,
 }
 

@@ -26,14 +26,17 @@ impl Layout {
         Layout { shape, strides, offset }
     }
 
+    /// The dimensions.
     pub fn shape(&self) -> &Shape {
         &self.shape
     }
 
+    /// The stride of each dimension, in elements.
     pub fn strides(&self) -> &[usize] {
         &self.strides
     }
 
+    /// The position of the first element in the storage.
     pub fn offset(&self) -> usize {
         self.offset
     }

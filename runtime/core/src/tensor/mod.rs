@@ -35,6 +35,7 @@ pub struct Tensor {
 }
 
 impl Tensor {
+    /// A contiguous tensor of `shape` over `storage`, which lives on `device`.
     pub fn from_storage(storage: Storage, shape: Shape, device: Device) -> Tensor {
         let dtype = match &storage {
             Storage::Cpu(s) => s.dtype(),
@@ -43,6 +44,7 @@ impl Tensor {
         Tensor { storage: Arc::new(RwLock::new(storage)), layout: Layout::contiguous(shape), dtype, device }
     }
 
+    /// A contiguous tensor of `shape` over `storage`, which lives on `dev`.
     pub fn from_cpu(storage: CpuStorage, shape: impl Into<Shape>, dev: &CpuDevice) -> Tensor {
         Self::from_storage(Storage::Cpu(storage), shape.into(), Device::Cpu(dev.clone()))
     }
@@ -103,6 +105,7 @@ impl Tensor {
         Arc::as_ptr(&self.storage) as *const () as usize
     }
 
+    /// The storage, locked for reading.
     pub fn read(&self) -> RwLockReadGuard<'_, Storage> {
         // A poisoned lock only means another thread panicked while holding
         // it; the elements themselves are still plain data.

@@ -110,10 +110,12 @@ impl Cx {
         self
     }
 
+    /// The device this rank computes on.
     pub fn device(&self) -> &Device {
         &self.device
     }
 
+    /// The communicators, one per mesh axis.
     pub fn groups(&self) -> &Groups {
         &self.groups
     }
@@ -123,6 +125,7 @@ impl Cx {
         &*self.groups.tp
     }
 
+    /// The seed of dropout and every other randomness of the run.
     pub fn seed(&self) -> u64 {
         self.seed
     }
@@ -132,6 +135,7 @@ impl Cx {
         self.training
     }
 
+    /// Turns training mode (see [`training`](Self::training)) on or off.
     pub fn set_training(&mut self, on: bool) {
         self.training = on;
     }
@@ -146,10 +150,12 @@ impl Cx {
         self.compute_dtype
     }
 
+    /// Sets the dtype activations are computed in.
     pub fn set_compute_dtype(&mut self, dtype: DType) {
         self.compute_dtype = dtype;
     }
 
+    /// Whether layers recompute as declared, never, or fully.
     pub fn recompute_override(&self) -> RecomputeOverride {
         self.recompute
     }

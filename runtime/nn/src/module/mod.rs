@@ -36,10 +36,15 @@ pub use sharded::{sharded, Erased, LayerRef, ShardedOp, ShardedOut};
 /// layout the same way: `tessera::module::Replicated`.
 pub mod layout_names {
     #![allow(dead_code)]
+    /// Not a layout: a second item named `Replicated`.
     pub enum Replicated {}
+    /// Not a layout: a second item named `SplitHidden`.
     pub enum SplitHidden {}
+    /// Not a layout: a second item named `SplitSeq`.
     pub enum SplitSeq {}
+    /// Not a layout: a second item named `PartialSum`.
     pub enum PartialSum {}
+    /// Not a layout: a second item named `Dispatched`.
     pub enum Dispatched {}
 }
 pub use param::{Param, ParamId, Shard};
@@ -250,6 +255,7 @@ pub fn zero_grad<M: Module>(model: &M) -> Result<()> {
 pub struct NamedParam {
     /// The names in visit order; the first is the parameter's own.
     pub names: Vec<String>,
+    /// The parameter.
     pub param: Param,
 }
 

@@ -17,7 +17,14 @@ pub enum Shard {
     /// Every rank holds the whole parameter.
     Full,
     /// Rank `rank` of `degree` holds the `rank`-th equal slice of dimension `dim`.
-    Split { dim: usize, rank: usize, degree: usize },
+    Split {
+        /// The dimension that is split.
+        dim: usize,
+        /// Which slice this rank holds.
+        rank: usize,
+        /// How many slices there are (the group's size).
+        degree: usize,
+    },
 }
 
 /// A trainable parameter.

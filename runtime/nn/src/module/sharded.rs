@@ -28,7 +28,9 @@ impl std::fmt::Debug for Erased {
 
 /// The field, shared or unique (tying needs it mutable).
 pub enum LayerRef<'a, L> {
+    /// A shared borrow of the field.
     Shared(&'a L),
+    /// A mutable borrow of the field (needed to tie its weights).
     Unique(&'a mut L),
 }
 
@@ -45,14 +47,43 @@ impl<L> LayerRef<'_, L> {
 pub enum ShardedOp<'a, 'v> {
     /// Its forward on `x` (in sequence form `from`) as sub-module `name`,
     /// recomputing as `recompute` says.
-    Forward { cx: &'a mut Cx, name: &'a str, x: Tensor, from: Seq, recompute: Option<Recompute> },
+    Forward {
+        /// This rank's context.
+        cx: &'a mut Cx,
+        /// The field's name, by which its parent calls it.
+        name: &'a str,
+        /// The input.
+        x: Tensor,
+        /// The sequence form `x` is in.
+        from: Seq,
+        /// How to recompute the field, or `None` to keep its activations.
+        recompute: Option<Recompute>,
+    },
     /// Its backward: `saved` is what the forward returned; the input
     /// gradient comes back in form `from`.
-    Backward { cx: &'a mut Cx, name: &'a str, saved: Erased, dy: Tensor, from: Seq },
+    Backward {
+        /// This rank's context.
+        cx: &'a mut Cx,
+        /// The field's name, by which its parent calls it.
+        name: &'a str,
+        /// What the forward returned as its saved state.
+        saved: Erased,
+        /// The gradient of the output.
+        dy: Tensor,
+        /// The sequence form the input gradient is returned in.
+        from: Seq,
+    },
     /// Its parameters, to a visitor already inside the field's path.
     Visit(&'a mut Visitor<'v>),
     /// Its tensor-parallel constraints at `path`.
-    CheckTp { path: &'a str, degree: usize, problems: &'a mut Vec<String> },
+    CheckTp {
+        /// The field's dotted path.
+        path: &'a str,
+        /// Ranks in the tensor-parallel group.
+        degree: usize,
+        /// Where each problem found is added.
+        problems: &'a mut Vec<String>,
+    },
     /// Ties the weights its own `#[tied]` fields share (needs [`LayerRef::Unique`]).
     TieParams,
 }

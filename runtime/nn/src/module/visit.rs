@@ -29,6 +29,7 @@ impl ExpertSlot {
 pub struct ParamEntry<'a> {
     /// Stable dotted path, e.g. `blocks.3.qkv.weight`.
     pub name: &'a str,
+    /// The parameter.
     pub param: &'a Param,
     /// The role of the layer that owns the parameter.
     pub role: RoleKind,

@@ -61,17 +61,55 @@ use std::fmt;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Action {
     /// Runs chunk `chunk`'s forward on `microbatch`, keeping what its backward needs.
-    Forward { microbatch: usize, chunk: usize },
+    Forward {
+        /// The microbatch it works on.
+        microbatch: usize,
+        /// The chunk (of this stage) it works on.
+        chunk: usize,
+    },
     /// Runs chunk `chunk`'s backward on `microbatch`, freeing what its forward kept.
-    Backward { microbatch: usize, chunk: usize },
+    Backward {
+        /// The microbatch it works on.
+        microbatch: usize,
+        /// The chunk (of this stage) it works on.
+        chunk: usize,
+    },
     /// Sends the output of chunk `chunk` on `microbatch` to stage `to`.
-    SendActivation { to: usize, microbatch: usize, chunk: usize },
+    SendActivation {
+        /// The receiving stage.
+        to: usize,
+        /// The microbatch it works on.
+        microbatch: usize,
+        /// The chunk (of this stage) it works on.
+        chunk: usize,
+    },
     /// Receives the input of chunk `chunk` on `microbatch` from stage `from`.
-    RecvActivation { from: usize, microbatch: usize, chunk: usize },
+    RecvActivation {
+        /// The sending stage.
+        from: usize,
+        /// The microbatch it works on.
+        microbatch: usize,
+        /// The chunk (of this stage) it works on.
+        chunk: usize,
+    },
     /// Sends the gradient of chunk `chunk`'s input on `microbatch` to stage `to`.
-    SendGrad { to: usize, microbatch: usize, chunk: usize },
+    SendGrad {
+        /// The receiving stage.
+        to: usize,
+        /// The microbatch it works on.
+        microbatch: usize,
+        /// The chunk (of this stage) it works on.
+        chunk: usize,
+    },
     /// Receives the gradient of chunk `chunk`'s output on `microbatch` from stage `from`.
-    RecvGrad { from: usize, microbatch: usize, chunk: usize },
+    RecvGrad {
+        /// The sending stage.
+        from: usize,
+        /// The microbatch it works on.
+        microbatch: usize,
+        /// The chunk (of this stage) it works on.
+        chunk: usize,
+    },
 }
 
 impl Action {

@@ -13,7 +13,10 @@ pub enum ScheduleKind {
     /// One forward, one backward in the steady state: see [`one_f_one_b`].
     OneFOneB,
     /// 1F1B over `chunks` model chunks per stage: see [`interleaved_one_f_one_b`].
-    Interleaved { chunks: usize },
+    Interleaved {
+        /// Model chunks per stage.
+        chunks: usize,
+    },
 }
 
 impl ScheduleKind {

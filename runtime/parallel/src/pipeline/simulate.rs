@@ -47,9 +47,13 @@ impl Costs {
 /// send's span is empty.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Event {
+    /// The stage that ran the action.
     pub stage: usize,
+    /// The action.
     pub action: Action,
+    /// When it started.
     pub start: f64,
+    /// When it ended.
     pub end: f64,
 }
 

@@ -5,11 +5,17 @@ use std::any::Any;
 
 /// The elements of one CPU tensor, typed by dtype.
 pub enum CpuStorage {
+    /// `f32` elements.
     F32(Buffer<f32>),
+    /// `f64` elements.
     F64(Buffer<f64>),
+    /// `bf16` elements.
     BF16(Buffer<bf16>),
+    /// `f16` elements.
     F16(Buffer<f16>),
+    /// `i32` elements.
     I32(Buffer<i32>),
+    /// `u32` elements.
     U32(Buffer<u32>),
 }
 

@@ -17,7 +17,9 @@ use std::sync::{Arc, OnceLock};
 /// A GPU's compute capability (`9.0` for H100 / H200).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ComputeCapability {
+    /// The major version (`9` of `9.0`).
     pub major: u32,
+    /// The minor version (`0` of `9.0`).
     pub minor: u32,
 }
 
@@ -228,6 +230,7 @@ impl CudaDevice {
         self.inner.allocator.release(block, class);
     }
 
+    /// The [`Error::Cuda`] of `op` failing on this device with driver error `e`.
     pub fn error(&self, op: &'static str, e: DriverError) -> Error {
         Error::Cuda { ordinal: self.ordinal(), op, detail: describe(&e) }
     }

@@ -109,6 +109,7 @@ impl CudaDevice {
         match *self {}
     }
 
+    /// The error of an operation the CUDA backend does not have yet.
     pub fn unsupported<T>(&self, _: &'static str) -> Result<T> {
         match *self {}
     }
