@@ -1,22 +1,6 @@
 //! Watching loss and gradient norm for the events that call for a rollback.
 //!
-//! # The rule
-//!
-//! A step is an anomaly when its loss or gradient norm is NaN or infinite,
-//! or, once `warmup` healthy steps have been seen, when its loss (or its
-//! gradient norm) is above `factor` × the **median of the last `window`
-//! healthy steps' values**.
-//!
-//! The baseline is a recent median, not a long moving average, for two
-//! reasons learnt the hard way. While the loss falls, a moving average that
-//! remembers a few dozen steps trails far above the current loss (with a
-//! 0.95 average, a run that went from 2.8 to 0.14 in 60 steps still
-//! averaged 0.67), so a jump to 5× the current loss passed as normal. And a
-//! moderate spike that is let through (below the factor) moved the average
-//! up, hiding the next one. The median of the last 20 healthy values
-//! follows a falling loss within ten steps and ignores isolated outliers;
-//! after a long flat stretch it is that stretch's level, so a 600× jump is
-//! 600× the baseline.
+//! The rule is [`StabilityMonitor`]'s.
 
 use std::collections::VecDeque;
 
@@ -63,7 +47,25 @@ pub struct MonitorState {
 }
 
 /// Flags non-finite values and spikes against the median of the recent
-/// healthy steps (see the [module documentation](self) for the rule).
+/// healthy steps.
+///
+/// # The rule
+///
+/// A step is an anomaly when its loss or gradient norm is NaN or infinite,
+/// or, once `warmup` healthy steps have been seen, when its loss (or its
+/// gradient norm) is above `factor` × the **median of the last `window`
+/// healthy steps' values**.
+///
+/// The baseline is a recent median, not a long moving average, for two
+/// reasons learnt the hard way. While the loss falls, a moving average that
+/// remembers a few dozen steps trails far above the current loss (with a
+/// 0.95 average, a run that went from 2.8 to 0.14 in 60 steps still
+/// averaged 0.67), so a jump to 5× the current loss passed as normal. And a
+/// moderate spike that is let through (below the factor) moved the average
+/// up, hiding the next one. The median of the last 20 healthy values
+/// follows a falling loss within ten steps and ignores isolated outliers;
+/// after a long flat stretch it is that stretch's level, so a 600× jump is
+/// 600× the baseline.
 ///
 /// Only healthy steps are learnt, and spikes are judged only after
 /// `warmup` healthy steps (early training moves fast). The trainer decides

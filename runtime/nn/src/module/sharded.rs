@@ -1,23 +1,13 @@
 //! Everything a derived model does with a column- or row-parallel field,
-//! behind one generic function.
-//!
-//! The generated code reaches such a field only through [`sharded`], whose
-//! bound `L: Module<R, In = .., Out = ..>` says what the role requires. A
-//! layer without that role (`#[shard(column)]` on a norm) then fails that one
-//! bound: every use reports the same error at the same place (the attribute),
-//! which rustc shows once, and nothing else of the model depends on the
-//! bound. The layouts the role implies are known without it, and the field's
-//! saved state is kept as [`Erased`], so the model's `Module` impl holds
-//! whatever the field is, and a parent using the model adds no error of its
-//! own.
+//! behind one generic function, [`sharded`] (whose doc says why).
 
 use super::{call, call_backward, call_recompute, call_recompute_backward, seq_convert, seq_convert_backward, Act, Cx, Kept, Layout, Module, Recompute, Role, Seq, Visitor};
 use tessera_core::{Error, Result};
 use tessera_core::tensor::Tensor;
 use std::any::Any;
 
-/// A sub-module's saved state with its type erased (a sharded field's, see the
-/// [module docs](self)); the backward restores the type.
+/// A sub-module's saved state with its type erased (a sharded field's, see
+/// [`sharded`]); the backward restores the type.
 pub struct Erased(Box<dyn Any + Send>);
 
 impl std::fmt::Debug for Erased {
@@ -117,8 +107,17 @@ impl ShardedOut {
 }
 
 /// Runs `op` on the field `layer` in role `R`, whose layouts the role fixes
-/// (`I -> O`). See the [module docs](self) for why everything goes through
-/// this one function.
+/// (`I -> O`).
+///
+/// The generated code reaches such a field only through this function,
+/// whose bound `L: Module<R, In = .., Out = ..>` says what the role requires.
+/// A layer without that role (`#[shard(column)]` on a norm) then fails that
+/// one bound: every use reports the same error at the same place (the
+/// attribute), which rustc shows once, and nothing else of the model depends
+/// on the bound. The layouts the role implies are known without it, and the
+/// field's saved state is kept as [`Erased`], so the model's `Module` impl
+/// holds whatever the field is, and a parent using the model adds no error
+/// of its own.
 pub fn sharded<R: Role, L, I: Layout, O: Layout>(mut layer: LayerRef<'_, L>, op: ShardedOp<'_, '_>) -> Result<ShardedOut>
 where
     L: Module<R, In = I, Out = O>,

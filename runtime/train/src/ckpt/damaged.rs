@@ -34,8 +34,9 @@ pub(crate) fn set_aside_in(root: &Path, dir: &Path, reason: &str) -> Result<Path
 }
 
 impl Checkpointer {
-    /// Renames the damaged checkpoint `dir` out of the way (see the
-    /// [module docs](self)) and records `reason` in it; returns where it went.
+    /// Renames the damaged checkpoint `dir` out of the way, to
+    /// `damaged-step-<N>-<unix seconds>` (a name no scan or prune looks at),
+    /// and records `reason` in its `REASON.txt`; returns where it went.
     pub fn set_aside(&self, dir: &Path, reason: &str) -> Result<PathBuf> {
         set_aside_in(self.root(), dir, reason)
     }
