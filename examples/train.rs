@@ -234,7 +234,15 @@ where
         say!("resumed from the checkpoint of step {}", summary.resumed_from);
     }
     if let (Some(first), Some(last)) = (summary.losses.first(), summary.losses.last()) {
-        say!("loss {:.3} (step {}) -> {:.3} (step {}) in {:.1}s, {:.0} tokens/s", first.1, first.0, last.1, last.0, summary.elapsed.as_secs_f64(), summary.tokens_per_s);
+        say!(
+            "loss {:.3} (step {}) -> {:.3} (step {}) in {:.1}s, {:.0} tokens/s",
+            first.1,
+            first.0,
+            last.1,
+            last.0,
+            summary.elapsed.as_secs_f64(),
+            summary.tokens_per_s
+        );
     }
     let mut norm_spikes = 0;
     for (step, e) in &summary.events {
@@ -259,14 +267,21 @@ where
     let model = module::build(build(&cx)?, &cx)?;
     Checkpointer::new(trainer.checkpoint_dir(), cfg.checkpoint.keep)?.load(&summary.checkpoint, &model, None, &cx)?;
     let report = task.eval_batched(args.eval, 100, |prompts| generate(&model, &mut cx, prompts, arith::ANSWER_LEN))?;
-    say!("\nexact match on {} held-out problems: {:.1}% ({} right), evaluated in {:.1}s", report.total, 100.0 * report.accuracy, report.correct, started.elapsed().as_secs_f64());
+    say!(
+        "\nexact match on {} held-out problems: {:.1}% ({} right), evaluated in {:.1}s",
+        report.total,
+        100.0 * report.accuracy,
+        report.correct,
+        started.elapsed().as_secs_f64()
+    );
     let digits: Vec<String> = report.digit_accuracy.iter().map(|a| format!("{:.0}%", 100.0 * a)).collect();
     say!("per answer digit (least significant first): {}", digits.join(" "));
     say!("samples (prompt -> answer, digits least significant first):");
     for s in &report.samples {
         say!("  {}{:<5} expected {:<5} {}", s.prompt, s.got, s.expected, if s.got == s.expected { "right" } else { "WRONG" });
     }
-    let eval = serde_json::json!({ "held_out": report.total, "correct": report.correct, "exact_match": report.accuracy, "digit_accuracy": report.digit_accuracy });
+    let eval =
+        serde_json::json!({ "held_out": report.total, "correct": report.correct, "exact_match": report.accuracy, "digit_accuracy": report.digit_accuracy });
     write(&out.join("eval.json"), &eval.to_string())?;
     say!("\nrun directory {}: config.toml, metrics.jsonl, trace.json, loss.png, eval.json, checkpoints/", out.display());
     Ok(())

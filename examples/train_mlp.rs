@@ -85,11 +85,7 @@ fn main() -> Result<()> {
     let dev = Device::cpu();
     let (x, y) = spirals(args.points, &dev)?;
     let key = |stream| RngKey::new(args.seed, stream);
-    let layers = [
-        Linear::new(2, args.hidden, key(0), &dev)?,
-        Linear::new(args.hidden, args.hidden, key(1), &dev)?,
-        Linear::new(args.hidden, 3, key(2), &dev)?,
-    ];
+    let layers = [Linear::new(2, args.hidden, key(0), &dev)?, Linear::new(args.hidden, args.hidden, key(1), &dev)?, Linear::new(args.hidden, 3, key(2), &dev)?];
     println!("training a 2-{h}-{h}-3 MLP on {} points of three spirals", y.elem_count(), h = args.hidden);
     let start = Instant::now();
     let (mut first, mut last) = (None, 0.0);

@@ -79,8 +79,13 @@ fn inspect(args: &InspectArgs) -> anyhow::Result<()> {
     let dir = resolve(&args.dir)?;
     let manifest = ckpt::read_manifest(&dir)?;
     let verified = ckpt::verify(&dir).map(|_| ());
-    let files: Vec<(String, Option<u64>)> = manifest.files().into_iter().map(|f| (f.to_string(), std::fs::metadata(dir.join(f)).ok().map(|m| m.len()))).collect();
-    let shown = if args.json { serde_json::to_string_pretty(&report(&dir, &manifest, &files, &verified))? + "\n" } else { text_report(&dir, &manifest, &files, &verified) };
+    let files: Vec<(String, Option<u64>)> =
+        manifest.files().into_iter().map(|f| (f.to_string(), std::fs::metadata(dir.join(f)).ok().map(|m| m.len()))).collect();
+    let shown = if args.json {
+        serde_json::to_string_pretty(&report(&dir, &manifest, &files, &verified))? + "\n"
+    } else {
+        text_report(&dir, &manifest, &files, &verified)
+    };
     // A write error (such as a closed pipe) is an error, not a panic.
     std::io::stdout().lock().write_all(shown.as_bytes()).context("cannot write the report")?;
     verified.with_context(|| format!("checkpoint `{}` failed verification", dir.display()))

@@ -155,7 +155,21 @@ fn inspect_reports_and_reshard_rewrites_for_another_mesh() {
     assert_eq!(load(&tp4, "tp4", 1), saved, "the tp4 copy restores every parameter and moment as saved");
 
     let pp2 = base.join("pp2v2");
-    let out = tessera(&["ckpt", "reshard", tp4.to_str().unwrap(), "--out", pp2.join("step-1").to_str().unwrap(), "--tp", "1", "--dp", "1", "--pp", "2", "--chunks", "2"]);
+    let out = tessera(&[
+        "ckpt",
+        "reshard",
+        tp4.to_str().unwrap(),
+        "--out",
+        pp2.join("step-1").to_str().unwrap(),
+        "--tp",
+        "1",
+        "--dp",
+        "1",
+        "--pp",
+        "2",
+        "--chunks",
+        "2",
+    ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let m = ckpt::verify(&pp2.join("step-1")).unwrap();
     // Two chunks per stage over 4 layers: layer 2 is on stage 0.

@@ -12,9 +12,7 @@
 
 use anyhow::{ensure, Result};
 use std::hint::black_box;
-use tessera_kernels::cpu::attention::{
-    attention_backward, attention_backward_packed, attention_forward, attention_forward_packed, AttnDims,
-};
+use tessera_kernels::cpu::attention::{attention_backward, attention_backward_packed, attention_forward, attention_forward_packed, AttnDims};
 
 /// Arguments of `bench attention`.
 #[derive(clap::Args)]
@@ -48,10 +46,7 @@ pub struct Args {
 
 /// Measures the forward, then the backward, and prints the JSON lines.
 pub fn run(args: &Args) -> Result<()> {
-    ensure!(
-        args.reps > 0 && args.batch * args.heads * args.seq * args.head_dim > 0,
-        "--reps, --batch, --heads, --seq and --head-dim must be positive"
-    );
+    ensure!(args.reps > 0 && args.batch * args.heads * args.seq * args.head_dim > 0, "--reps, --batch, --heads, --seq and --head-dim must be positive");
     let causal = !args.bidirectional;
     let d = AttnDims {
         batch: args.batch,
@@ -70,10 +65,7 @@ pub fn run(args: &Args) -> Result<()> {
     for (case, t, products) in [("fwd", t_fwd, 2.0), ("bwd", t_bwd, 4.0)] {
         let case = format!("{case}{suffix}");
         let gflops = product * products * visible / t / 1e9;
-        eprintln!(
-            "attention {case}: {:>8.3} ms  {gflops:>6.1} GFLOP/s",
-            t * 1e3
-        );
+        eprintln!("attention {case}: {:>8.3} ms  {gflops:>6.1} GFLOP/s", t * 1e3);
         println!(
             "{}",
             serde_json::json!({
@@ -100,9 +92,7 @@ fn time_heads(args: &Args, d: &AttnDims) -> (f64, f64) {
     let mut lse = vec![0f32; d.lse_len()];
     let (mut dq, mut dk, mut dv) = (vec![0f32; d.q_len()], vec![0f32; d.kv_len()], vec![0f32; d.kv_len()]);
     let t_fwd = super::time_per_call(args.min_time, args.reps, || attention_forward(d, black_box(&q), &k, &v, &mut out, &mut lse));
-    let t_bwd = super::time_per_call(args.min_time, args.reps, || {
-        attention_backward(d, black_box(&q), &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv)
-    });
+    let t_bwd = super::time_per_call(args.min_time, args.reps, || attention_backward(d, black_box(&q), &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv));
     (t_fwd, t_bwd)
 }
 

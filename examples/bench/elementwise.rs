@@ -58,9 +58,7 @@ pub fn run(args: &Args) -> Result<()> {
         case("silu_fwd", &mut || activation::silu_forward(black_box(&x), &mut a));
         case("silu_bwd", &mut || activation::silu_backward(black_box(&x), &dy, &mut a));
         case("swiglu_fwd", &mut || activation::swiglu_forward(black_box(&x), &u, &mut a));
-        case("swiglu_bwd", &mut || {
-            activation::swiglu_backward(black_box(&x), &u, &dy, &mut a, &mut b)
-        });
+        case("swiglu_bwd", &mut || activation::swiglu_backward(black_box(&x), &u, &dy, &mut a, &mut b));
         if rayon::current_num_threads() == 1 {
             break;
         }

@@ -158,8 +158,7 @@ impl Clock {
         if !self.cpu {
             return START.with(|s| s.elapsed());
         }
-        let stat = std::fs::read_to_string("/proc/thread-self/schedstat")
-            .expect("--cpu-time needs Linux /proc/thread-self/schedstat");
+        let stat = std::fs::read_to_string("/proc/thread-self/schedstat").expect("--cpu-time needs Linux /proc/thread-self/schedstat");
         let ns = stat.split_whitespace().next().and_then(|f| f.parse().ok()).unwrap_or(0);
         Duration::from_nanos(ns)
     }
@@ -389,7 +388,15 @@ fn bench_collectives(args: &CollectivesArgs) -> Result<()> {
                 let busbw = algbw * factor;
                 eprintln!(
                     "{:<14} {:>5} {:>6} {:>11.1} {:>11.2} {:>11.2} {:>11.2} {:>8.2} {:>11.2}",
-                    op.to_string(), n, human(bytes), t * 1e6, algbw, busbw, mcp, busbw / mcp, fresh
+                    op.to_string(),
+                    n,
+                    human(bytes),
+                    t * 1e6,
+                    algbw,
+                    busbw,
+                    mcp,
+                    busbw / mcp,
+                    fresh
                 );
                 let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
                 lines.push(serde_json::json!({

@@ -34,17 +34,7 @@ impl Gemm {
     /// Plain `C = A·B`: contiguous batches (strides `m*k` and `k*n`), no
     /// transposes, no accumulation.
     pub fn new(batch: usize, m: usize, k: usize, n: usize) -> Self {
-        Gemm {
-            batch,
-            m,
-            k,
-            n,
-            trans_a: false,
-            trans_b: false,
-            batch_stride_a: m * k,
-            batch_stride_b: k * n,
-            accumulate: false,
-        }
+        Gemm { batch, m, k, n, trans_a: false, trans_b: false, batch_stride_a: m * k, batch_stride_b: k * n, accumulate: false }
     }
 
     /// Floating-point operations of the whole product: `2·batch·m·n·k`.

@@ -7,9 +7,7 @@ use std::iter::Sum;
 /// Kernels are written once, generically; production runs use `f32`, while
 /// gradient checks instantiate the same code with `f64` so that central finite
 /// differences are accurate enough to compare against.
-pub trait Real:
-    Float + FromPrimitive + NumAssign + Sum + Default + Debug + Send + Sync + 'static
-{
+pub trait Real: Float + FromPrimitive + NumAssign + Sum + Default + Debug + Send + Sync + 'static {
     /// Converts an `f64` constant into this type.
     fn lit(x: f64) -> Self;
     /// Converts to `f64` (exact for both implementations).

@@ -25,12 +25,7 @@ pub fn philox4x32(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
     for _ in 0..10 {
         let p0 = (M0 as u64) * (c[0] as u64);
         let p1 = (M1 as u64) * (c[2] as u64);
-        c = [
-            ((p1 >> 32) as u32) ^ c[1] ^ k[0],
-            p1 as u32,
-            ((p0 >> 32) as u32) ^ c[3] ^ k[1],
-            p0 as u32,
-        ];
+        c = [((p1 >> 32) as u32) ^ c[1] ^ k[0], p1 as u32, ((p0 >> 32) as u32) ^ c[3] ^ k[1], p0 as u32];
         k = [k[0].wrapping_add(W0), k[1].wrapping_add(W1)];
     }
     c
@@ -54,10 +49,7 @@ impl RngKey {
 
     #[inline]
     fn block(self, block: u64) -> [u32; 4] {
-        philox4x32(
-            [block as u32, (block >> 32) as u32, self.stream as u32, (self.stream >> 32) as u32],
-            [self.seed as u32, (self.seed >> 32) as u32],
-        )
+        philox4x32([block as u32, (block >> 32) as u32, self.stream as u32, (self.stream >> 32) as u32], [self.seed as u32, (self.seed >> 32) as u32])
     }
 
     /// The raw 32 random bits of element `index`.

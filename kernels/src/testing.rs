@@ -38,9 +38,6 @@ pub fn assert_close(actual: &[f64], expected: &[f64], atol: f64, rtol: f64, what
     assert_eq!(actual.len(), expected.len(), "{what}: length differs");
     for (i, (a, e)) in actual.iter().zip(expected).enumerate() {
         let tol = atol + rtol * e.abs();
-        assert!(
-            (a - e).abs() <= tol && a.is_finite() == e.is_finite(),
-            "{what}: element {i}: got {a}, expected {e} (tolerance {tol})"
-        );
+        assert!((a - e).abs() <= tol && a.is_finite() == e.is_finite(), "{what}: element {i}: got {a}, expected {e} (tolerance {tol})");
     }
 }

@@ -33,22 +33,12 @@ impl Model {
         for lt in item.generics.lifetimes() {
             cx.error_spanned_by(lt, "a model owns its layers: lifetime parameters are not supported by `#[derive(Module)]`; make the model generic over layer types instead (`Lm<B: Block>`)");
         }
-        let fields = named
-            .named
-            .iter()
-            .map(|f| Field { ident: f.ident.clone().expect("named"), ty: f.ty.clone(), attrs: FieldAttrs::parse(cx, &f.attrs) })
-            .collect();
-        Some(Model {
-            ident: item.ident.clone(),
-            vis: item.vis.clone(),
-            attrs: ModelAttrs::parse(cx, &item.attrs),
-            fields,
-            generics: item.generics.clone(),
-        })
+        let fields =
+            named.named.iter().map(|f| Field { ident: f.ident.clone().expect("named"), ty: f.ty.clone(), attrs: FieldAttrs::parse(cx, &f.attrs) }).collect();
+        Some(Model { ident: item.ident.clone(), vis: item.vis.clone(), attrs: ModelAttrs::parse(cx, &item.attrs), fields, generics: item.generics.clone() })
     }
 
     pub fn field(&self, name: &syn::Ident) -> Option<&Field> {
         self.fields.iter().find(|f| f.ident == *name)
     }
-
 }

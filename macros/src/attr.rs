@@ -178,7 +178,12 @@ impl FieldAttrs {
                         let r = match word(&meta).as_deref() {
                             Some(SELECTIVE) => Recompute::Selective,
                             Some(FULL) => Recompute::Full,
-                            _ => return Err(meta.error(format!("unknown recompute mode `{}`: write `#[recompute]` (full) or `#[recompute(selective)]`", path_str(&meta.path)))),
+                            _ => {
+                                return Err(meta.error(format!(
+                                    "unknown recompute mode `{}`: write `#[recompute]` (full) or `#[recompute(selective)]`",
+                                    path_str(&meta.path)
+                                )))
+                            }
                         };
                         recompute.set(cx, meta.path.span_of(), r, |_, _| Some("conflicting `recompute` attributes: choose full or selective".into()));
                         Ok(())
@@ -199,13 +204,11 @@ impl FieldAttrs {
                         cx.syn_error(e);
                     }
                 }
-                TIED => {
-                    match attr.parse_args::<syn::Ident>() {
-                        Ok(id) if tied.is_some() => cx.error_spanned_by(&id, "duplicate `tied` attribute"),
-                        Ok(id) => tied = Some(id),
-                        Err(_) => cx.error_spanned_by(attr, "`#[tied(..)]` names the field whose weight this layer shares, e.g. `#[tied(tok)]`"),
-                    }
-                }
+                TIED => match attr.parse_args::<syn::Ident>() {
+                    Ok(id) if tied.is_some() => cx.error_spanned_by(&id, "duplicate `tied` attribute"),
+                    Ok(id) => tied = Some(id),
+                    Err(_) => cx.error_spanned_by(attr, "`#[tied(..)]` names the field whose weight this layer shares, e.g. `#[tied(tok)]`"),
+                },
                 _ => {}
             }
         }
@@ -276,7 +279,10 @@ impl ModelAttrs {
                         loss_scaling.set(cx, span, on, |_, _| None);
                     }
                     Some(TP) => {
-                        let v: syn::LitInt = meta.value()?.parse().map_err(|e: syn::Error| syn::Error::new(e.span(), "`tp` takes the tensor-parallel degree as an integer, e.g. `tp = 4`"))?;
+                        let v: syn::LitInt = meta
+                            .value()?
+                            .parse()
+                            .map_err(|e: syn::Error| syn::Error::new(e.span(), "`tp` takes the tensor-parallel degree as an integer, e.g. `tp = 4`"))?;
                         let n: u64 = v.base10_parse()?;
                         if n == 0 {
                             return Err(syn::Error::new(v.span(), "the tensor-parallel degree must be at least 1"));
@@ -298,7 +304,11 @@ impl ModelAttrs {
                             Ok(())
                         })?;
                     }
-                    _ => return Err(meta.error(format!("unknown `model` key `{}`: expected `precision`, `loss_scaling`, `tp` or `dims(..)`", path_str(&meta.path)))),
+                    _ => {
+                        return Err(
+                            meta.error(format!("unknown `model` key `{}`: expected `precision`, `loss_scaling`, `tp` or `dims(..)`", path_str(&meta.path)))
+                        )
+                    }
                 }
                 Ok(())
             });

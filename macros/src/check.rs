@@ -21,7 +21,10 @@ fn check_static_dims(cx: &Ctxt, m: &Model) {
             let padded = n.value.div_ceil(tp.value) * tp.value;
             cx.error_at(
                 n.span,
-                format!("`{name} = {}` does not divide by the tensor-parallel degree `tp = {}`; pad it to {padded} or choose a degree that divides it", n.value, tp.value),
+                format!(
+                    "`{name} = {}` does not divide by the tensor-parallel degree `tp = {}`; pad it to {padded} or choose a degree that divides it",
+                    n.value, tp.value
+                ),
             );
         }
     }

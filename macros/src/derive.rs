@@ -139,4 +139,3 @@ fn static_dims(m: &Model) -> TokenStream {
         }
     }
 }
-

@@ -36,9 +36,7 @@ impl<'a> Fields<'a> {
     pub fn opt<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>> {
         match self.map.get(name) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => serde_json::from_value(v.clone())
-                .map(Some)
-                .map_err(|e| Error::config(name, format!("cannot read {}: {e}", kind(v)))),
+            Some(v) => serde_json::from_value(v.clone()).map(Some).map_err(|e| Error::config(name, format!("cannot read {}: {e}", kind(v)))),
         }
     }
 
@@ -100,10 +98,7 @@ pub(crate) fn check_model_type(rest: &Map<String, Value>, expected: &str) -> Res
     match rest.get("model_type") {
         None | Some(Value::Null) => Ok(()),
         Some(Value::String(s)) if s == expected => Ok(()),
-        Some(other) => Err(Error::config(
-            "model_type",
-            format!("this is a config of model type {other}, not `{expected}`; load it with the matching model"),
-        )),
+        Some(other) => Err(Error::config("model_type", format!("this is a config of model type {other}, not `{expected}`; load it with the matching model"))),
     }
 }
 

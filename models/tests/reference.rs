@@ -197,8 +197,12 @@ fn mixtral_on_two_expert_parallel_ranks() {
     matches_reference_on_mesh::<Mixtral, _>("mixtral", "ep2", 2, |m, cx| {
         let r = cx.groups().ep.rank();
         assert_eq!(m.local_experts(), 2 * r..2 * r + 2);
-        let experts: Vec<String> =
-            tessera::module::distinct_params(m).unwrap().iter().map(|p| p.name().to_string()).filter(|n| n.starts_with("layers.0.block_sparse_moe.experts.")).collect();
+        let experts: Vec<String> = tessera::module::distinct_params(m)
+            .unwrap()
+            .iter()
+            .map(|p| p.name().to_string())
+            .filter(|n| n.starts_with("layers.0.block_sparse_moe.experts."))
+            .collect();
         assert_eq!(experts.len(), 6, "{experts:?}");
         assert!(experts.iter().all(|n| n.contains(&format!("experts.{}.", 2 * r)) || n.contains(&format!("experts.{}.", 2 * r + 1))), "{experts:?}");
     });

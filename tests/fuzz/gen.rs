@@ -110,7 +110,8 @@ pub struct Block {
 
 impl Block {
     fn source(&self) -> String {
-        let fields: Vec<String> = self.fields.iter().map(|f| format!("    {}{}: {},", f.attrs.iter().map(|a| format!("{a} ")).collect::<String>(), f.name, f.ty)).collect();
+        let fields: Vec<String> =
+            self.fields.iter().map(|f| format!("    {}{}: {},", f.attrs.iter().map(|a| format!("{a} ")).collect::<String>(), f.name, f.ty)).collect();
         let ctor: Vec<String> = self.fields.iter().map(|f| format!("            {}: {},", f.name, f.ctor)).collect();
         let out = if self.out == Kind::P { "PartialSum" } else { "Replicated" };
         format!(
@@ -224,7 +225,12 @@ impl<'r> Gen<'r> {
         }
         // Tie to an earlier field of the same role and shape, sometimes.
         if let Some(group) = &f.tie_group {
-            let partners: Vec<String> = self.fields.iter().filter(|g| g.tie_group.as_ref() == Some(group) && !g.attrs.iter().any(|a| a.starts_with("#[tied"))).map(|g| g.name.clone()).collect();
+            let partners: Vec<String> = self
+                .fields
+                .iter()
+                .filter(|g| g.tie_group.as_ref() == Some(group) && !g.attrs.iter().any(|a| a.starts_with("#[tied")))
+                .map(|g| g.name.clone())
+                .collect();
             if !partners.is_empty() && self.rng.chance(0.3) {
                 let p = partners[self.rng.below(partners.len())].clone();
                 f.attrs.push(format!("#[tied({p})]"));
@@ -241,7 +247,16 @@ impl<'r> Gen<'r> {
         let bias = self.rng.chance(0.6);
         let attrs = shard.map(|s| vec![format!("#[shard({s})]")]).unwrap_or_default();
         let tie_group = Some(format!("{shard:?}{d_in}x{d_out}"));
-        self.field(Field { name, ty: "Linear".into(), ctor: format!("Linear::new({d_in}, {d_out}, {bias})?"), attrs, role, recomputable: true, selective: false, tie_group })
+        self.field(Field {
+            name,
+            ty: "Linear".into(),
+            ctor: format!("Linear::new({d_in}, {d_out}, {bias})?"),
+            attrs,
+            role,
+            recomputable: true,
+            selective: false,
+            tie_group,
+        })
     }
 
     /// Some field of `role` to reuse, sometimes (a layer applied twice).
@@ -262,7 +277,18 @@ impl<'r> Gen<'r> {
         let total: u32 = OPS.iter().map(|(w, _)| w).sum();
         loop {
             let mut pick = self.rng.below(total as usize) as u32;
-            let op = OPS.iter().find(|(w, _)| if pick < *w { true } else { pick -= w; false }).expect("in range").1;
+            let op = OPS
+                .iter()
+                .find(|(w, _)| {
+                    if pick < *w {
+                        true
+                    } else {
+                        pick -= w;
+                        false
+                    }
+                })
+                .expect("in range")
+                .1;
             let done = match op {
                 0 => self.r_to_r_layer(),
                 1 => self.pointwise(),
@@ -292,12 +318,30 @@ impl<'r> Gen<'r> {
                     self.feature("LayerNorm");
                     let n = self.new_name("ln");
                     let bias = self.rng.chance(0.5);
-                    self.field(Field { name: n, ty: "LayerNorm".into(), ctor: format!("LayerNorm::new({D}, 1e-5, {bias})?"), attrs: vec![], role: Role::RtoR, recomputable: true, selective: false, tie_group: None })
+                    self.field(Field {
+                        name: n,
+                        ty: "LayerNorm".into(),
+                        ctor: format!("LayerNorm::new({D}, 1e-5, {bias})?"),
+                        attrs: vec![],
+                        role: Role::RtoR,
+                        recomputable: true,
+                        selective: false,
+                        tie_group: None,
+                    })
                 }
                 1 => {
                     self.feature("RmsNorm");
                     let n = self.new_name("rms");
-                    self.field(Field { name: n, ty: "RmsNorm".into(), ctor: format!("RmsNorm::new({D}, 1e-6)?"), attrs: vec![], role: Role::RtoR, recomputable: true, selective: false, tie_group: None })
+                    self.field(Field {
+                        name: n,
+                        ty: "RmsNorm".into(),
+                        ctor: format!("RmsNorm::new({D}, 1e-6)?"),
+                        attrs: vec![],
+                        role: Role::RtoR,
+                        recomputable: true,
+                        selective: false,
+                        tie_group: None,
+                    })
                 }
                 _ => {
                     self.feature("unsharded Linear");
@@ -342,7 +386,16 @@ impl<'r> Gen<'r> {
             None => {
                 let n = self.new_name("attn");
                 let rope = if self.rng.chance(0.5) { ".with_rope(10_000.0, 16)?" } else { "" };
-                self.field(Field { name: n, ty: "CausalAttention".into(), ctor: format!("CausalAttention::new(4, 4, 2)?{rope}"), attrs: vec![], role: Role::Attention, recomputable: true, selective: true, tie_group: None })
+                self.field(Field {
+                    name: n,
+                    ty: "CausalAttention".into(),
+                    ctor: format!("CausalAttention::new(4, 4, 2)?{rope}"),
+                    attrs: vec![],
+                    role: Role::Attention,
+                    recomputable: true,
+                    selective: true,
+                    tie_group: None,
+                })
             }
         };
         self.feature("attention");
@@ -442,7 +495,17 @@ impl<'r> Gen<'r> {
         let stacked = self.rng.chance(0.4);
         let out = if !stacked && self.rng.chance(0.4) { Kind::P } else { Kind::R };
         let name = format!("{}S{}", self.prefix, self.subs.len());
-        let mut g = Gen { rng: self.rng, prefix: name.clone(), fields: vec![], vals: vec![], lets: vec![], subs: vec![], depth: self.depth + 1, features: vec![], half: false };
+        let mut g = Gen {
+            rng: self.rng,
+            prefix: name.clone(),
+            fields: vec![],
+            vals: vec![],
+            lets: vec![],
+            subs: vec![],
+            depth: self.depth + 1,
+            features: vec![],
+            half: false,
+        };
         let steps = 2 + g.rng.below(4);
         let sub = g.block(name.clone(), steps, out);
         let (features, half) = (std::mem::take(&mut g.features), g.half);
@@ -454,12 +517,30 @@ impl<'r> Gen<'r> {
         let field = if stacked {
             self.feature("stack of nested blocks");
             let n = self.new_name("stack");
-            self.field(Field { name: n, ty: format!("Stack<{name}>"), ctor: format!("Stack::from_fn(2, |_| {name}::new())?"), attrs: vec![], role: Role::RtoR, recomputable: true, selective: true, tie_group: None })
+            self.field(Field {
+                name: n,
+                ty: format!("Stack<{name}>"),
+                ctor: format!("Stack::from_fn(2, |_| {name}::new())?"),
+                attrs: vec![],
+                role: Role::RtoR,
+                recomputable: true,
+                selective: true,
+                tie_group: None,
+            })
         } else {
             self.feature("nested block");
             let n = self.new_name("sub");
             let role = if out == Kind::P { Role::RtoP } else { Role::RtoR };
-            self.field(Field { name: n, ty: name.clone(), ctor: format!("{name}::new()?"), attrs: vec![], role, recomputable: true, selective: true, tie_group: None })
+            self.field(Field {
+                name: n,
+                ty: name.clone(),
+                ctor: format!("{name}::new()?"),
+                attrs: vec![],
+                role,
+                recomputable: true,
+                selective: true,
+                tie_group: None,
+            })
         };
         self.bind(format!("self.{field}({a})"), out);
         true
@@ -498,7 +579,16 @@ impl<'r> Gen<'r> {
                         Some(f) => f,
                         None => {
                             let n = self.new_name("attn");
-                            self.field(Field { name: n, ty: "CausalAttention".into(), ctor: "CausalAttention::new(4, 4, 2)?".into(), attrs: vec![], role: Role::Attention, recomputable: true, selective: true, tie_group: None })
+                            self.field(Field {
+                                name: n,
+                                ty: "CausalAttention".into(),
+                                ctor: "CausalAttention::new(4, 4, 2)?".into(),
+                                attrs: vec![],
+                                role: Role::Attention,
+                                recomputable: true,
+                                selective: true,
+                                tie_group: None,
+                            })
                         }
                     };
                     self.feature("attention");
@@ -572,7 +662,11 @@ pub fn program(seed: u64, index: usize) -> Program {
     let out = if vocab_head { "SplitHidden" } else { "Replicated" };
     let embed = if vocab_tok { "all_reduce(self.tok(ids))" } else { "self.tok(ids)" };
     let (pos_field, pos_ctor, pos_call) = if pos {
-        ("    #[stage(first)] pos: PositionEmbedding,\n".to_string(), format!("            pos: PositionEmbedding::new(8, {D})?,\n"), "        let h = self.pos(h);\n")
+        (
+            "    #[stage(first)] pos: PositionEmbedding,\n".to_string(),
+            format!("            pos: PositionEmbedding::new(8, {D})?,\n"),
+            "        let h = self.pos(h);\n",
+        )
     } else {
         (String::new(), String::new(), "")
     };

@@ -47,9 +47,12 @@ fn noise(n: u64) -> u64 {
 fn run(cfg: TrainConfig, data: &Dataset) -> tessera::Result<RunSummary> {
     let (global, seed) = (cfg.batch.micro_batch * cfg.mesh.dp, cfg.data.seed);
     let facts = ModelFacts { vocab: VOCAB, flops_per_token: 1e5 };
-    Trainer::new(cfg, facts, |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false), move |replica| {
-        Ok(Box::new(Sampler::new(data, global, SEQ, replica.index, replica.count, seed)?) as Box<dyn Batches>)
-    })?
+    Trainer::new(
+        cfg,
+        facts,
+        |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false),
+        move |replica| Ok(Box::new(Sampler::new(data, global, SEQ, replica.index, replica.count, seed)?) as Box<dyn Batches>),
+    )?
     .run()
 }
 
@@ -162,10 +165,15 @@ fn the_default_rule_catches_a_600x_jump_after_a_long_flat_stretch() {
     // loss; draw 150 is noise.
     let cfg = config(&out, "[batch]\nmicro_batch = 2\ngrad_accum = 1\n[checkpoint]\nevery = 10\n", &["run.steps=160", "optim.lr=2e-2", "optim.warmup=5"]);
     let facts = ModelFacts { vocab: VOCAB, flops_per_token: 1e5 };
-    let summary = Trainer::new(cfg, facts, |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false), |_| Ok(Box::new(LateNoise { rows: 2, drawn: 0, bad: 150 }) as Box<dyn Batches>))
-        .unwrap()
-        .run()
-        .unwrap();
+    let summary = Trainer::new(
+        cfg,
+        facts,
+        |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false),
+        |_| Ok(Box::new(LateNoise { rows: 2, drawn: 0, bad: 150 }) as Box<dyn Batches>),
+    )
+    .unwrap()
+    .run()
+    .unwrap();
     let lines = read_metrics(out.join("metrics.jsonl")).unwrap();
     let flagged: Vec<_> = lines.iter().filter(|m| m.events.iter().any(|e| matches!(e, Event::Anomaly { .. }))).collect();
     assert_eq!(flagged.len(), 1, "only the jump is flagged: {:?}", flagged.iter().map(|m| m.step).collect::<Vec<_>>());

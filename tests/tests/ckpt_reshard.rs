@@ -238,7 +238,13 @@ struct Outcome {
 
 /// Trains `before` steps under `saved`, saves, trains `after` more; the
 /// straight run's outcome.
-fn straight<M: Staged<In = Replicated, Out = SplitHidden>>(root: &Path, saved: Setup, make: fn(usize, usize) -> tessera::Result<M>, before: usize, after: usize) -> Outcome {
+fn straight<M: Staged<In = Replicated, Out = SplitHidden>>(
+    root: &Path,
+    saved: Setup,
+    make: fn(usize, usize) -> tessera::Result<M>,
+    before: usize,
+    after: usize,
+) -> Outcome {
     let per_rank = run(saved, make, |r| {
         for s in 0..before {
             r.step(s);

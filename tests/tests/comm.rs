@@ -116,10 +116,8 @@ fn all_reduce_of_a_strided_view_and_of_integers() {
 fn all_gather_concatenates_in_rank_order() {
     for n in WORLDS {
         let world = InProcess::new(n).unwrap();
-        let cases: Vec<(DType, Vec<usize>, usize)> = DTYPES
-            .iter()
-            .flat_map(|&d| [(d, vec![1], 0), (d, vec![3, 17], 0), (d, vec![3, 17], 1), (d, vec![2, 3, 5], 1), (d, vec![129], 0)])
-            .collect();
+        let cases: Vec<(DType, Vec<usize>, usize)> =
+            DTYPES.iter().flat_map(|&d| [(d, vec![1], 0), (d, vec![3, 17], 0), (d, vec![3, 17], 1), (d, vec![2, 3, 5], 1), (d, vec![129], 0)]).collect();
         let outs = run(&world, |rank| {
             let dev = Device::cpu();
             let comm = world.communicator(rank, &dev).unwrap();
@@ -149,10 +147,8 @@ fn reduce_scatter_gives_each_rank_its_part_of_the_sum() {
     for n in WORLDS {
         let world = InProcess::new(n).unwrap();
         // (dtype, dims, dim): parts of 1, 3 and 17 rows, and splits of an inner dimension.
-        let cases: Vec<(DType, Vec<usize>, usize)> = DTYPES
-            .iter()
-            .flat_map(|&d| [(d, vec![n], 0), (d, vec![3 * n, 3], 0), (d, vec![17 * n], 0), (d, vec![3, 2 * n, 5], 1)])
-            .collect();
+        let cases: Vec<(DType, Vec<usize>, usize)> =
+            DTYPES.iter().flat_map(|&d| [(d, vec![n], 0), (d, vec![3 * n, 3], 0), (d, vec![17 * n], 0), (d, vec![3, 2 * n, 5], 1)]).collect();
         let outs = run(&world, |rank| {
             let dev = Device::cpu();
             let comm = world.communicator(rank, &dev).unwrap();

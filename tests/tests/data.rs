@@ -463,10 +463,15 @@ fn answer_targets_keep_only_the_answers() {
     let ignore = answers.ignore_index().unwrap();
     for ((row, want_row), input) in y.chunks(arith::SEQ).zip(want.chunks(arith::SEQ)).zip(x.chunks(arith::SEQ)) {
         // Per line: the four answer digits and the newline, nothing else.
-        let kept: Vec<u32> = row.iter().zip(want_row).filter(|(t, _)| **t != ignore).map(|(t, w)| {
-            assert_eq!(t, w, "kept targets are unchanged");
-            *t
-        }).collect();
+        let kept: Vec<u32> = row
+            .iter()
+            .zip(want_row)
+            .filter(|(t, _)| **t != ignore)
+            .map(|(t, w)| {
+                assert_eq!(t, w, "kept targets are unchanged");
+                *t
+            })
+            .collect();
         let text = tok.decode(&kept).unwrap();
         assert_eq!(text.len(), 4 * arith::ANSWER_LEN, "{text:?}");
         let lines: Vec<String> = tok.decode(input).unwrap().lines().map(String::from).collect();

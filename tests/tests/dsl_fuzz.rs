@@ -73,7 +73,12 @@ fn generated_programs_train_as_on_one_rank() {
         }
         checked += 1;
         if let Err(e) = (case.run)() {
-            failures.push(format!("program {} (seed {SEED:#x}{}):\n{e}\n--- source ---\n{}", case.index, if case.half { ", bf16 regions" } else { "" }, case.source));
+            failures.push(format!(
+                "program {} (seed {SEED:#x}{}):\n{e}\n--- source ---\n{}",
+                case.index,
+                if case.half { ", bf16 regions" } else { "" },
+                case.source
+            ));
         }
     }
     eprintln!("dsl fuzzer: {checked} programs from seed {SEED:#x}; features exercised (programs): {features:?}");

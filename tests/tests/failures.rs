@@ -47,7 +47,12 @@ fn a_full_disk_during_a_background_save_stops_the_run_without_waiting_for_the_ne
     // The step-2 save is written in the background while training goes
     // on; the next save (step 8) is far away.
     let (e, took) = fails(cfg(&out, 8, &["checkpoint.every=2", "checkpoint.background=true", "faults.io_error={rank=1,step=2}"]));
-    assert!(e.contains("No space left on device") && e.starts_with("rank 1 failed: writing the checkpoint of step 2: ") && e.contains("rank pp0 dp0 ep0 tp1 cannot write its part"), "{e}");
+    assert!(
+        e.contains("No space left on device")
+            && e.starts_with("rank 1 failed: writing the checkpoint of step 2: ")
+            && e.contains("rank pp0 dp0 ep0 tp1 cannot write its part"),
+        "{e}"
+    );
     assert!(took < Duration::from_secs(20), "took {took:?}");
     let steps = read_metrics(out.join("metrics.jsonl")).unwrap().len();
     assert!(steps < 8, "the run stopped early, after {steps} steps");

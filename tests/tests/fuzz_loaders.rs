@@ -6,7 +6,6 @@
 
 mod common;
 use common::models::Gpt;
-use tessera::testing::fuzz::{cases, fuzz};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tessera::ckpt::{self, serde_json, Checkpointer};
@@ -14,6 +13,7 @@ use tessera::data::{arith, Dataset, Tokenizer};
 use tessera::module::{self, Cx};
 use tessera::optim::{AdamW, AdamWConfig};
 use tessera::prelude::*;
+use tessera::testing::fuzz::{cases, fuzz};
 use tessera::train::TrainConfig;
 
 const LIMIT: Duration = Duration::from_secs(5);
@@ -37,9 +37,7 @@ fn the_training_configuration() {
     .iter()
     .map(|s| s.as_bytes().to_vec())
     .collect();
-    fuzz("config", &seeds, cases(3000), LIMIT, |bytes| {
-        TrainConfig::parse(&String::from_utf8_lossy(bytes), &[]).is_ok()
-    });
+    fuzz("config", &seeds, cases(3000), LIMIT, |bytes| TrainConfig::parse(&String::from_utf8_lossy(bytes), &[]).is_ok());
     // Overrides: `key=value` strings against the default file.
     let overrides: Vec<Vec<u8>> = ["mesh.dp=2", "optim.lr=1e-3", "run.out=\"runs/x\"", "mesh.schedule=gpipe", "model.n_layer=3", "precision.compute=bf16"]
         .iter()

@@ -18,10 +18,16 @@ fn elementwise() {
         let b = rand_t(s + 10, &[n], &dev);
         gradcheck("add", &[a.clone(), b.clone()], &[0, 1], |x| ops::add(&x[0], &x[1]), |_, dy| Ok(vec![dy.clone(), dy.clone()]));
         gradcheck("sub", &[a.clone(), b.clone()], &[0, 1], |x| ops::sub(&x[0], &x[1]), |_, dy| Ok(vec![dy.clone(), ops::scale(dy, -1.0)?]));
-        gradcheck("mul", &[a.clone(), b.clone()], &[0, 1], |x| ops::mul(&x[0], &x[1]), |x, dy| {
-            let (da, db) = ops::mul_backward(&x[0], &x[1], dy)?;
-            Ok(vec![da, db])
-        });
+        gradcheck(
+            "mul",
+            &[a.clone(), b.clone()],
+            &[0, 1],
+            |x| ops::mul(&x[0], &x[1]),
+            |x, dy| {
+                let (da, db) = ops::mul_backward(&x[0], &x[1], dy)?;
+                Ok(vec![da, db])
+            },
+        );
         gradcheck("scale", std::slice::from_ref(&a), &[0], |x| ops::scale(&x[0], -2.5), |_, dy| Ok(vec![ops::scale(dy, -2.5)?]));
     }
 }
@@ -44,10 +50,16 @@ fn activations() {
         gradcheck("gelu", std::slice::from_ref(&x), &[0], |x| ops::gelu(&x[0]), |x, dy| Ok(vec![ops::gelu_backward(&x[0], dy)?]));
         gradcheck("silu", std::slice::from_ref(&x), &[0], |x| ops::silu(&x[0]), |x, dy| Ok(vec![ops::silu_backward(&x[0], dy)?]));
         let up = rand_t(n as u64 + 7, &[n], &dev);
-        gradcheck("swiglu", &[x, up], &[0, 1], |x| ops::swiglu(&x[0], &x[1]), |x, dy| {
-            let (dg, du) = ops::swiglu_backward(&x[0], &x[1], dy)?;
-            Ok(vec![dg, du])
-        });
+        gradcheck(
+            "swiglu",
+            &[x, up],
+            &[0, 1],
+            |x| ops::swiglu(&x[0], &x[1]),
+            |x, dy| {
+                let (dg, du) = ops::swiglu_backward(&x[0], &x[1], dy)?;
+                Ok(vec![dg, du])
+            },
+        );
     }
 }
 
@@ -67,29 +79,53 @@ fn matmuls() {
     for (m, k, n) in [(1, 1, 1), (3, 17, 1), (17, 3, 5), (2, 129, 3)] {
         let a = rand_t(1, &[m, k], &dev);
         let b = rand_t(2, &[k, n], &dev);
-        gradcheck("matmul", &[a, b], &[0, 1], |x| ops::matmul(&x[0], &x[1]), |x, dy| {
-            let (da, db) = ops::matmul_backward(&x[0], &x[1], dy)?;
-            Ok(vec![da, db])
-        });
+        gradcheck(
+            "matmul",
+            &[a, b],
+            &[0, 1],
+            |x| ops::matmul(&x[0], &x[1]),
+            |x, dy| {
+                let (da, db) = ops::matmul_backward(&x[0], &x[1], dy)?;
+                Ok(vec![da, db])
+            },
+        );
     }
     // batched, with a shared right operand, and with transposed views
     let a = rand_t(3, &[2, 3, 5, 4], &dev);
     let b = rand_t(4, &[2, 3, 4, 3], &dev);
-    gradcheck("matmul batched", &[a.clone(), b], &[0, 1], |x| ops::matmul(&x[0], &x[1]), |x, dy| {
-        let (da, db) = ops::matmul_backward(&x[0], &x[1], dy)?;
-        Ok(vec![da, db])
-    });
+    gradcheck(
+        "matmul batched",
+        &[a.clone(), b],
+        &[0, 1],
+        |x| ops::matmul(&x[0], &x[1]),
+        |x, dy| {
+            let (da, db) = ops::matmul_backward(&x[0], &x[1], dy)?;
+            Ok(vec![da, db])
+        },
+    );
     let w = rand_t(5, &[4, 7], &dev);
-    gradcheck("matmul shared weight", &[a.clone(), w], &[0, 1], |x| ops::matmul(&x[0], &x[1]), |x, dy| {
-        let (da, db) = ops::matmul_backward(&x[0], &x[1], dy)?;
-        Ok(vec![da, db])
-    });
+    gradcheck(
+        "matmul shared weight",
+        &[a.clone(), w],
+        &[0, 1],
+        |x| ops::matmul(&x[0], &x[1]),
+        |x, dy| {
+            let (da, db) = ops::matmul_backward(&x[0], &x[1], dy)?;
+            Ok(vec![da, db])
+        },
+    );
     // y = x · wᵀ with w stored [out, in], as linear layers hold it
     let w = rand_t(6, &[7, 4], &dev);
-    gradcheck("matmul transposed weight", &[a, w], &[0, 1], |x| ops::matmul(&x[0], &x[1].t()?), |x, dy| {
-        let (da, dwt) = ops::matmul_backward(&x[0], &x[1].t()?, dy)?;
-        Ok(vec![da, dwt.t()?.contiguous()?])
-    });
+    gradcheck(
+        "matmul transposed weight",
+        &[a, w],
+        &[0, 1],
+        |x| ops::matmul(&x[0], &x[1].t()?),
+        |x, dy| {
+            let (da, dwt) = ops::matmul_backward(&x[0], &x[1].t()?, dy)?;
+            Ok(vec![da, dwt.t()?.contiguous()?])
+        },
+    );
 }
 
 #[test]
@@ -99,22 +135,40 @@ fn norms() {
         let x = rand_t(8, &shape, &dev);
         let g = rand_t(9, &shape[1..], &dev);
         let b = rand_t(10, &shape[1..], &dev);
-        gradcheck("layer_norm", &[x.clone(), g.clone(), b], &[0, 1, 2], |x| Ok(ops::layer_norm(&x[0], &x[1], Some(&x[2]), 1e-5)?.0), |x, dy| {
-            let (_, saved) = ops::layer_norm(&x[0], &x[1], Some(&x[2]), 1e-5)?;
-            let (dx, dg, db) = ops::layer_norm_backward(&x[0], &x[1], true, &saved, dy)?;
-            Ok(vec![dx, dg, db.unwrap()])
-        });
-        gradcheck("layer_norm no bias", &[x.clone(), g.clone()], &[0, 1], |x| Ok(ops::layer_norm(&x[0], &x[1], None, 1e-5)?.0), |x, dy| {
-            let (_, saved) = ops::layer_norm(&x[0], &x[1], None, 1e-5)?;
-            let (dx, dg, db) = ops::layer_norm_backward(&x[0], &x[1], false, &saved, dy)?;
-            assert!(db.is_none());
-            Ok(vec![dx, dg])
-        });
-        gradcheck("rms_norm", &[x, g], &[0, 1], |x| Ok(ops::rms_norm(&x[0], &x[1], 1e-6)?.0), |x, dy| {
-            let (_, saved) = ops::rms_norm(&x[0], &x[1], 1e-6)?;
-            let (dx, dg) = ops::rms_norm_backward(&x[0], &x[1], &saved, dy)?;
-            Ok(vec![dx, dg])
-        });
+        gradcheck(
+            "layer_norm",
+            &[x.clone(), g.clone(), b],
+            &[0, 1, 2],
+            |x| Ok(ops::layer_norm(&x[0], &x[1], Some(&x[2]), 1e-5)?.0),
+            |x, dy| {
+                let (_, saved) = ops::layer_norm(&x[0], &x[1], Some(&x[2]), 1e-5)?;
+                let (dx, dg, db) = ops::layer_norm_backward(&x[0], &x[1], true, &saved, dy)?;
+                Ok(vec![dx, dg, db.unwrap()])
+            },
+        );
+        gradcheck(
+            "layer_norm no bias",
+            &[x.clone(), g.clone()],
+            &[0, 1],
+            |x| Ok(ops::layer_norm(&x[0], &x[1], None, 1e-5)?.0),
+            |x, dy| {
+                let (_, saved) = ops::layer_norm(&x[0], &x[1], None, 1e-5)?;
+                let (dx, dg, db) = ops::layer_norm_backward(&x[0], &x[1], false, &saved, dy)?;
+                assert!(db.is_none());
+                Ok(vec![dx, dg])
+            },
+        );
+        gradcheck(
+            "rms_norm",
+            &[x, g],
+            &[0, 1],
+            |x| Ok(ops::rms_norm(&x[0], &x[1], 1e-6)?.0),
+            |x, dy| {
+                let (_, saved) = ops::rms_norm(&x[0], &x[1], 1e-6)?;
+                let (dx, dg) = ops::rms_norm_backward(&x[0], &x[1], &saved, dy)?;
+                Ok(vec![dx, dg])
+            },
+        );
     }
 }
 
@@ -148,22 +202,24 @@ fn rotary() {
 fn attention() {
     let dev = cpu();
     // (batch, q_heads, kv_heads, seq_q, seq_kv, head_dim, causal)
-    for (b, hq, hkv, tq, tkv, d, causal) in [
-        (1, 1, 1, 1, 1, 1, true),
-        (1, 2, 1, 3, 3, 3, true),
-        (2, 4, 2, 17, 17, 3, true),
-        (1, 2, 2, 5, 9, 4, true),
-        (1, 3, 1, 7, 4, 2, false),
-    ] {
+    for (b, hq, hkv, tq, tkv, d, causal) in
+        [(1, 1, 1, 1, 1, 1, true), (1, 2, 1, 3, 3, 3, true), (2, 4, 2, 17, 17, 3, true), (1, 2, 2, 5, 9, 4, true), (1, 3, 1, 7, 4, 2, false)]
+    {
         let opts = AttnOpts { causal, scale: None };
         let q = rand_t(14, &[b, hq, tq, d], &dev);
         let k = rand_t(15, &[b, hkv, tkv, d], &dev);
         let v = rand_t(16, &[b, hkv, tkv, d], &dev);
-        gradcheck("attention", &[q, k, v], &[0, 1, 2], |x| Ok(ops::attention(&x[0], &x[1], &x[2], opts)?.0), |x, dy| {
-            let (out, lse) = ops::attention(&x[0], &x[1], &x[2], opts)?;
-            let (dq, dk, dv) = ops::attention_backward(&x[0], &x[1], &x[2], &out, &lse, dy, opts)?;
-            Ok(vec![dq, dk, dv])
-        });
+        gradcheck(
+            "attention",
+            &[q, k, v],
+            &[0, 1, 2],
+            |x| Ok(ops::attention(&x[0], &x[1], &x[2], opts)?.0),
+            |x, dy| {
+                let (out, lse) = ops::attention(&x[0], &x[1], &x[2], opts)?;
+                let (dq, dk, dv) = ops::attention_backward(&x[0], &x[1], &x[2], &out, &lse, dy, opts)?;
+                Ok(vec![dq, dk, dv])
+            },
+        );
     }
 }
 
@@ -175,11 +231,17 @@ fn long_attention_rows() {
     let q = rand_t(17, &[1, 1, 129, 2], &dev);
     let k = rand_t(18, &[1, 1, 129, 2], &dev);
     let v = rand_t(19, &[1, 1, 129, 2], &dev);
-    gradcheck("attention 129", &[q, k, v], &[0, 1, 2], |x| Ok(ops::attention(&x[0], &x[1], &x[2], opts)?.0), |x, dy| {
-        let (out, lse) = ops::attention(&x[0], &x[1], &x[2], opts)?;
-        let (dq, dk, dv) = ops::attention_backward(&x[0], &x[1], &x[2], &out, &lse, dy, opts)?;
-        Ok(vec![dq, dk, dv])
-    });
+    gradcheck(
+        "attention 129",
+        &[q, k, v],
+        &[0, 1, 2],
+        |x| Ok(ops::attention(&x[0], &x[1], &x[2], opts)?.0),
+        |x, dy| {
+            let (out, lse) = ops::attention(&x[0], &x[1], &x[2], opts)?;
+            let (dq, dk, dv) = ops::attention_backward(&x[0], &x[1], &x[2], &out, &lse, dy, opts)?;
+            Ok(vec![dq, dk, dv])
+        },
+    );
 }
 
 #[test]
@@ -189,19 +251,31 @@ fn cross_entropy() {
         let logits = ops::scale(&rand_t(20, &[n, vocab], &dev), 3.0).unwrap();
         let targets: Vec<u32> = (0..n).map(|i| ((i * 5 + 1) % vocab) as u32).collect();
         let targets = u32_t(targets, &[n], &dev);
-        gradcheck("cross_entropy", &[logits], &[0], |x| Ok(ops::cross_entropy(&x[0], &targets, None)?.0), |x, dy| {
-            let (_, saved) = ops::cross_entropy(&x[0], &targets, None)?;
-            Ok(vec![ops::cross_entropy_backward(&x[0], &targets, None, &saved, dy.to_scalar()?)?])
-        });
+        gradcheck(
+            "cross_entropy",
+            &[logits],
+            &[0],
+            |x| Ok(ops::cross_entropy(&x[0], &targets, None)?.0),
+            |x, dy| {
+                let (_, saved) = ops::cross_entropy(&x[0], &targets, None)?;
+                Ok(vec![ops::cross_entropy_backward(&x[0], &targets, None, &saved, dy.to_scalar()?)?])
+            },
+        );
     }
     // ignored rows contribute neither loss nor gradient
     let logits = rand_t(21, &[2, 3, 5], &dev);
     let targets = u32_t(vec![1, 9999, 4, 0, 9999, 2], &[2, 3], &dev);
-    gradcheck("cross_entropy ignore", &[logits], &[0], |x| Ok(ops::cross_entropy(&x[0], &targets, Some(9999))?.0), |x, dy| {
-        let (_, saved) = ops::cross_entropy(&x[0], &targets, Some(9999))?;
-        assert_eq!(saved.count, 4);
-        Ok(vec![ops::cross_entropy_backward(&x[0], &targets, Some(9999), &saved, dy.to_scalar()?)?])
-    });
+    gradcheck(
+        "cross_entropy ignore",
+        &[logits],
+        &[0],
+        |x| Ok(ops::cross_entropy(&x[0], &targets, Some(9999))?.0),
+        |x, dy| {
+            let (_, saved) = ops::cross_entropy(&x[0], &targets, Some(9999))?;
+            assert_eq!(saved.count, 4);
+            Ok(vec![ops::cross_entropy_backward(&x[0], &targets, Some(9999), &saved, dy.to_scalar()?)?])
+        },
+    );
 }
 
 #[test]
@@ -219,10 +293,16 @@ fn topk() {
     let dev = cpu();
     for (r, c, k) in [(1, 1, 1), (3, 17, 2), (17, 3, 3), (2, 129, 4)] {
         let x = rand_t(23, &[r, c], &dev);
-        gradcheck("topk", &[x], &[0], |x| Ok(ops::topk(&x[0], k)?.0), |x, dy| {
-            let (_, idx) = ops::topk(&x[0], k)?;
-            Ok(vec![ops::topk_backward(&idx, dy, c)?])
-        });
+        gradcheck(
+            "topk",
+            &[x],
+            &[0],
+            |x| Ok(ops::topk(&x[0], k)?.0),
+            |x, dy| {
+                let (_, idx) = ops::topk(&x[0], k)?;
+                Ok(vec![ops::topk_backward(&idx, dy, c)?])
+            },
+        );
     }
 }
 

@@ -11,15 +11,15 @@ mod common;
 use common::models::{Gpt, MoeGpt, RecomputeGpt, RecomputeMoeGpt};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use tessera::dist::Communicator;
-use tessera::optim::AdamWConfig;
-use tessera::parallel::zero::{Stage, Zero, ZeroConfig};
 use tessera::dist::inproc::{mesh_groups, InProcess};
 use tessera::dist::mesh::{Axis, Mesh};
+use tessera::dist::Communicator;
 use tessera::module::{self, Cx, Param, RecomputeOverride, Replicated, Shard, SplitHidden, Staged};
 use tessera::nn::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward};
 use tessera::ops;
+use tessera::optim::AdamWConfig;
 use tessera::parallel::pipeline::{run_stage, sync_tied_grads, ScheduleKind};
+use tessera::parallel::zero::{Stage, Zero, ZeroConfig};
 use tessera::prelude::*;
 use tessera::train::clip_grad_norm;
 
@@ -64,7 +64,6 @@ fn data(step: usize, seq: usize) -> (Vec<u32>, Vec<u32>) {
 /// What a run ends with: the mean loss of every step, and every parameter's full value.
 type Outcome = (Vec<f64>, BTreeMap<String, Vec<f32>>);
 
-
 /// Builds the model for a rank whose expert-parallel coordinate and degree are given.
 trait Make<M>: Fn(usize, usize) -> tessera::Result<M> + Sync {}
 impl<M, F: Fn(usize, usize) -> tessera::Result<M> + Sync> Make<M> for F {}
@@ -93,13 +92,7 @@ fn train<M: Staged<In = Replicated, Out = SplitHidden>>(cfg: Config, make: impl 
     (losses, params)
 }
 
-fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(
-    cfg: Config,
-    world: &InProcess,
-    mesh: &Mesh,
-    rank: usize,
-    make: &impl Make<M>,
-) -> Outcome {
+fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(cfg: Config, world: &InProcess, mesh: &Mesh, rank: usize, make: &impl Make<M>) -> Outcome {
     let dev = Device::cpu();
     let coords = mesh.coords(rank).unwrap();
     let (dp, ep, pp) = (mesh.size(Axis::Dp), mesh.size(Axis::Ep), mesh.size(Axis::Pp));

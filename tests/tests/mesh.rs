@@ -107,10 +107,7 @@ fn nodes_are_runs_of_ranks() {
 #[test]
 fn a_wrong_product_names_every_factor() {
     let err = Mesh::parse("dp2,pp2,tp4", 8, 8).unwrap_err().to_string();
-    assert!(
-        err.contains("pp(2) * dp(2) * ep(1) * tp(4) = 16, but the world has 8 ranks; choose degrees whose product is 8"),
-        "{err}"
-    );
+    assert!(err.contains("pp(2) * dp(2) * ep(1) * tp(4) = 16, but the world has 8 ranks; choose degrees whose product is 8"), "{err}");
     let err = Mesh::parse("tp3", 4, 4).unwrap_err().to_string();
     assert!(err.contains("pp(1) * dp(1) * ep(1) * tp(3) = 3, but the world has 4 ranks"), "{err}");
 }

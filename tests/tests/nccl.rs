@@ -106,7 +106,12 @@ fn reference(inputs: &[Tensor], call: &(dyn Fn(&dyn Communicator, &Tensor) -> Re
 }
 
 /// What the group `comms` gives each rank for `call` on `inputs` (copied to the ranks' devices).
-fn on_devices<C: Communicator>(devices: &[Device], comms: &[C], inputs: &[Tensor], call: &(dyn Fn(&dyn Communicator, &Tensor) -> Result<Tensor> + Sync)) -> Vec<Got> {
+fn on_devices<C: Communicator>(
+    devices: &[Device],
+    comms: &[C],
+    inputs: &[Tensor],
+    call: &(dyn Fn(&dyn Communicator, &Tensor) -> Result<Tensor> + Sync),
+) -> Vec<Got> {
     per_rank(devices.len(), |r| {
         let x = to_device(&inputs[r], &devices[r]);
         let out = call(&comms[r], &x).unwrap();
@@ -340,7 +345,8 @@ fn check_data_parallel(devices: Vec<Device>, comms: Vec<NcclCommunicator>) {
     let n = devices.len();
     let world = InProcess::new(n).unwrap();
     let cpus: Vec<Device> = (0..n).map(|_| Device::cpu()).collect();
-    let cpu_comms: Vec<Arc<dyn Communicator>> = cpus.iter().enumerate().map(|(r, d)| Arc::new(world.communicator(r, d).unwrap()) as Arc<dyn Communicator>).collect();
+    let cpu_comms: Vec<Arc<dyn Communicator>> =
+        cpus.iter().enumerate().map(|(r, d)| Arc::new(world.communicator(r, d).unwrap()) as Arc<dyn Communicator>).collect();
     let want = dp_step(&cpus, &cpu_comms);
     let gpu_comms: Vec<Arc<dyn Communicator>> = comms.into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect();
     let got = dp_step(&devices, &gpu_comms);
@@ -359,7 +365,8 @@ fn check_data_parallel(devices: Vec<Device>, comms: Vec<NcclCommunicator>) {
 fn the_data_parallel_step_runs_on_cpu_ranks() {
     let world = InProcess::new(2).unwrap();
     let cpus = [Device::cpu(), Device::cpu()];
-    let comms: Vec<Arc<dyn Communicator>> = cpus.iter().enumerate().map(|(r, d)| Arc::new(world.communicator(r, d).unwrap()) as Arc<dyn Communicator>).collect();
+    let comms: Vec<Arc<dyn Communicator>> =
+        cpus.iter().enumerate().map(|(r, d)| Arc::new(world.communicator(r, d).unwrap()) as Arc<dyn Communicator>).collect();
     let got = dp_step(&cpus, &comms);
     assert!(got[0].1.buckets >= 3, "{:?}", got[0].1);
     assert_eq!(got[0].0, got[1].0, "the replicas' averaged gradients agree");
@@ -404,10 +411,14 @@ fn send_and_recv_between_two_gpus_are_buffered_and_ordered() {
         assert_eq!(b, (DType::F32, vec![7], host(&input(peer, 901, &[7], DType::F32))), "rank {r}: second message");
     }
     // A receiver waiting for a message that never comes is released by an abort.
-    let e = per_rank(2, |r| if r == 0 { comms[0].recv(1).unwrap_err().to_string() } else {
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        comms[1].abort("gave up");
-        String::new()
+    let e = per_rank(2, |r| {
+        if r == 0 {
+            comms[0].recv(1).unwrap_err().to_string()
+        } else {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            comms[1].abort("gave up");
+            String::new()
+        }
     });
     assert!(e[0].contains("gave up"), "{}", e[0]);
 }

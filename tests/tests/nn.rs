@@ -7,9 +7,7 @@ mod common;
 use common::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use tessera::module::{
-    call, call_backward, call_recompute, call_recompute_backward, materialize, Column, Hooks, Plain, Recompute, Role, Row, Visitor, Vocab,
-};
+use tessera::module::{call, call_backward, call_recompute, call_recompute_backward, materialize, Column, Hooks, Plain, Recompute, Role, Row, Visitor, Vocab};
 use tessera::nn::{CausalAttention, Dropout, Embedding, LayerNorm, Linear, LinearSaved, Moe, NormState, RmsNorm, Stack};
 use tessera::prelude::*;
 

@@ -51,10 +51,7 @@ fn step_bits(dev: &Device) -> Vec<u32> {
     let (dh, dw) = ops::matmul_backward(&h, &w, &z).unwrap();
     let (dx, dg) = ops::rms_norm_backward(&x, &g, &saved, &dh).unwrap();
     let total = ops::sum_squares(&dx).unwrap();
-    [o, dq, dk, dv, dw, dx, dg, total.to_dtype(DType::F32).unwrap()]
-        .iter()
-        .flat_map(|t| t.to_vec::<f32>().unwrap().into_iter().map(f32::to_bits))
-        .collect()
+    [o, dq, dk, dv, dw, dx, dg, total.to_dtype(DType::F32).unwrap()].iter().flat_map(|t| t.to_vec::<f32>().unwrap().into_iter().map(f32::to_bits)).collect()
 }
 
 #[test]

@@ -70,7 +70,9 @@ impl GatheredMlp {
 
 #[test]
 fn all_gather_of_reduce_scatter_trains_as_on_one_rank() {
-    let make = |_: &Rank| -> Result<GatheredMlp> { Ok(GatheredMlp { ln: LayerNorm::new(8, 1e-5, true)?, up: Linear::new(8, 16, true)?, down: Linear::new(16, 8, true)? }) };
+    let make = |_: &Rank| -> Result<GatheredMlp> {
+        Ok(GatheredMlp { ln: LayerNorm::new(8, 1e-5, true)?, up: Linear::new(8, 16, true)?, down: Linear::new(16, 8, true)? })
+    };
     check_parallel(make, &input(2, &[2, 4, 8]), &Check::new(TP_RUNS).with_finite_differences(3)).unwrap();
 }
 
@@ -283,7 +285,9 @@ fn a_layer_taking_the_whole_sequence_is_gathered_for() {
 fn bad_run_specs_are_refused_with_the_fix() {
     let make = |_: &Rank| -> Result<Block> { Ok(Block { ln: LayerNorm::new(8, 1e-5, true)?, up: Linear::new(8, 16, true)?, down: Linear::new(16, 8, true)? }) };
     let x = input(7, &[2, 4, 8]);
-    for (spec, says) in [("tp2+spp", "unknown option"), ("xp2", "unknown axis"), ("pp2", "check_parallel_staged"), ("tp2+mb=2", "without a pipeline"), ("ep2", "expert")] {
+    for (spec, says) in
+        [("tp2+spp", "unknown option"), ("xp2", "unknown axis"), ("pp2", "check_parallel_staged"), ("tp2+mb=2", "without a pipeline"), ("ep2", "expert")]
+    {
         let err = check_parallel(make, &x, &Check::new([spec])).unwrap_err().to_string();
         assert!(err.contains(says), "{spec}: {err}");
     }

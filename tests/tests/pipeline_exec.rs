@@ -84,12 +84,7 @@ fn pipelined(kind: ScheduleKind, stages: usize, layers: usize, m: usize, t: usiz
 fn every_schedule_computes_the_single_rank_gradients() {
     let (layers, m, t) = (4, 4, 3);
     let (reference, ref_losses) = single_rank(layers, m, t);
-    let cases = [
-        (ScheduleKind::GPipe, 2),
-        (ScheduleKind::OneFOneB, 2),
-        (ScheduleKind::OneFOneB, 4),
-        (ScheduleKind::Interleaved { chunks: 2 }, 2),
-    ];
+    let cases = [(ScheduleKind::GPipe, 2), (ScheduleKind::OneFOneB, 2), (ScheduleKind::OneFOneB, 4), (ScheduleKind::Interleaved { chunks: 2 }, 2)];
     for (kind, stages) in cases {
         let ranks = pipelined(kind, stages, layers, m, t, DType::F64);
         let mut covered = vec![false; reference.len()];

@@ -2,9 +2,9 @@
 
 mod common;
 use common::*;
-use tessera::{bf16, f16};
 use tessera::prelude::*;
 use tessera::Error;
+use tessera::{bf16, f16};
 
 #[test]
 fn host_round_trip_and_views() {

@@ -15,7 +15,10 @@ use tessera::train::{Batches, ModelFacts, Trainer};
 #[test]
 fn a_run_writes_metrics_trace_plot_and_checkpoint_and_learns() {
     let out = scratch("run");
-    let summary = train(config(&out, "[mesh]\ndp = 2\ntp = 2\npp = 2\n[batch]\nmicro_batch = 4\ngrad_accum = 2\n", &["run.steps=30", "run.trace_steps=2", "optim.lr=1e-2"]), 0..0);
+    let summary = train(
+        config(&out, "[mesh]\ndp = 2\ntp = 2\npp = 2\n[batch]\nmicro_batch = 4\ngrad_accum = 2\n", &["run.steps=30", "run.trace_steps=2", "optim.lr=1e-2"]),
+        0..0,
+    );
     let metrics = read_metrics(out.join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.len(), 30);
     assert_eq!(metrics.iter().map(|m| m.step).collect::<Vec<_>>(), (1..=30).collect::<Vec<_>>());
@@ -90,7 +93,11 @@ fn gradient_accumulation_equals_one_big_batch() {
 fn a_loss_spike_rolls_back_and_skips_the_bad_data() {
     let out = scratch("spike");
     // Draws 58 and 59 (step 30) are scrambled: that step's loss jumps far above the average.
-    let cfg = config(&out, "[batch]\nmicro_batch = 8\n[checkpoint]\nevery = 4\n[stability]\nspike_factor = 1.8\nwindow = 10\nwarmup = 5\n", &["run.steps=36", "optim.lr=1e-2"]);
+    let cfg = config(
+        &out,
+        "[batch]\nmicro_batch = 8\n[checkpoint]\nevery = 4\n[stability]\nspike_factor = 1.8\nwindow = 10\nwarmup = 5\n",
+        &["run.steps=36", "optim.lr=1e-2"],
+    );
     let summary = train(cfg, 58..60);
     let metrics = read_metrics(out.join("metrics.jsonl")).unwrap();
     let anomaly = metrics.iter().find(|m| m.events.iter().any(|e| matches!(e, Event::Anomaly { .. }))).expect("the spike is flagged");
@@ -179,9 +186,12 @@ fn a_run_on_a_gpu_follows_the_cpu_run() {
         let out = scratch("no-gpu");
         let cfg = config(&out, text, &["run.steps=2", "mesh.device=\"cuda\""]);
         let facts = ModelFacts { vocab: VOCAB, flops_per_token: 1e5 };
-        let trainer = Trainer::new(cfg, facts, |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false), |replica| {
-            Ok(Box::new(Counting { replica, micro_batch: 4, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>)
-        })
+        let trainer = Trainer::new(
+            cfg,
+            facts,
+            |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false),
+            |replica| Ok(Box::new(Counting { replica, micro_batch: 4, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>),
+        )
         .unwrap();
         let e = trainer.run().unwrap_err().to_string();
         assert!(e.contains("mesh.device") && e.contains("GPU 0"), "{e}");
@@ -244,9 +254,12 @@ fn a_panicking_rank_ends_the_run_with_an_error() {
     let out = scratch("panic");
     let cfg = config(&out, "[mesh]\ndp = 2\n[batch]\nmicro_batch = 2\n", &["run.steps=6", "run.trace_steps=0"]);
     let facts = ModelFacts { vocab: VOCAB, flops_per_token: 1e5 };
-    let trainer = Trainer::new(cfg, facts, |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false), |replica| {
-        Ok(Box::new(Broken(Counting { replica, micro_batch: 2, drawn: 0, poisoned: 0..0 })) as Box<dyn Batches>)
-    })
+    let trainer = Trainer::new(
+        cfg,
+        facts,
+        |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false),
+        |replica| Ok(Box::new(Broken(Counting { replica, micro_batch: 2, drawn: 0, poisoned: 0..0 })) as Box<dyn Batches>),
+    )
     .unwrap();
     let e = trainer.run().unwrap_err().to_string();
     assert!(e.contains("panicked"), "{e}");
@@ -285,9 +298,12 @@ fn a_second_job_on_the_same_run_directory_fails_at_once_naming_the_first() {
         }
         let facts = ModelFacts { vocab: VOCAB, flops_per_token: 1e5 };
         let started = std::time::Instant::now();
-        let second = Trainer::new(second_cfg, facts, |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false), |replica| {
-            Ok(Box::new(Counting { replica, micro_batch: 2, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>)
-        })
+        let second = Trainer::new(
+            second_cfg,
+            facts,
+            |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false),
+            |replica| Ok(Box::new(Counting { replica, micro_batch: 2, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>),
+        )
         .unwrap()
         .run();
         let e = second.expect_err("the second job is refused").to_string();
@@ -329,7 +345,11 @@ fn damaged_checkpoints_are_never_deleted_nor_skipped_in_silence() {
     damage(&step4);
     let summary = train(config(&out, text, &["run.steps=8"]), 0..0);
     assert_eq!(summary.resumed_from, 2);
-    let aside: Vec<PathBuf> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("damaged-step-4-")).collect();
+    let aside: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("damaged-step-4-"))
+        .collect();
     assert_eq!(aside.len(), 1, "step 4 is set aside once");
     assert!(std::fs::read_to_string(aside[0].join(tessera::ckpt::REASON_FILE)).unwrap().contains("safetensors"));
     // The first run's lines of steps 3 and 4, which the resumed run
@@ -381,9 +401,12 @@ fn a_run_that_cannot_fit_in_memory_is_refused_before_it_allocates() {
     let cfg = config(&out, "[batch]\nmicro_batch = 2\n", &["run.steps=1"]);
     let facts = ModelFacts { vocab: VOCAB, flops_per_token: 1e5 };
     // About 100 billion parameters: shapes only until the ranks materialise them.
-    let err = Trainer::new(cfg, facts, |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 65_536, 2, 2, false), |replica| {
-        Ok(Box::new(Counting { replica, micro_batch: 2, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>)
-    })
+    let err = Trainer::new(
+        cfg,
+        facts,
+        |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 65_536, 2, 2, false),
+        |replica| Ok(Box::new(Counting { replica, micro_batch: 2, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>),
+    )
     .unwrap()
     .run()
     .expect_err("refused")

@@ -98,7 +98,15 @@ struct RankOut {
 }
 
 /// ZeRO at `stage` over `dp` in-process ranks, each on its rows of the batch.
-fn zero_run<M: Module>(stage: Stage, dp: usize, dtype: DType, bucket_bytes: usize, build: &(dyn Fn() -> M + Sync), input: &Input, batch: usize) -> Vec<RankOut> {
+fn zero_run<M: Module>(
+    stage: Stage,
+    dp: usize,
+    dtype: DType,
+    bucket_bytes: usize,
+    build: &(dyn Fn() -> M + Sync),
+    input: &Input,
+    batch: usize,
+) -> Vec<RankOut> {
     let world = InProcess::new(dp).unwrap();
     let per = batch / dp;
     std::thread::scope(|s| {
@@ -121,7 +129,11 @@ fn zero_run<M: Module>(stage: Stage, dp: usize, dtype: DType, bucket_bytes: usiz
                         dev.reset_peak();
                         let x = {
                             let x = input(rows.clone(), &dev);
-                            if x.dtype().is_float() { x.to_dtype(dtype).unwrap() } else { x }
+                            if x.dtype().is_float() {
+                                x.to_dtype(dtype).unwrap()
+                            } else {
+                                x
+                            }
                         };
                         let (y, saved) = model.forward(&mut cx, Act::new(x)).unwrap();
                         let (loss, dy) = mse(y.tensor(), rows.clone(), batch);
@@ -239,7 +251,10 @@ fn per_rank_memory_matches_the_analytic_model_states() {
                 let (with_grads, after_step) = analytic(stage, o.psi as f64, n as f64);
                 for (what, got, want) in [("with gradients", o.mem.with_grads, with_grads), ("after the step", o.mem.after_step, after_step)] {
                     let err = (got as f64 - want).abs() / want;
-                    println!("stage {stage:?}, N = {n}, rank {rank}, {what}: measured {got} B, analytic {want:.0} B ({:+.2} %)", 100.0 * (got as f64 - want) / want);
+                    println!(
+                        "stage {stage:?}, N = {n}, rank {rank}, {what}: measured {got} B, analytic {want:.0} B ({:+.2} %)",
+                        100.0 * (got as f64 - want) / want
+                    );
                     assert!(err <= 0.05, "stage {stage:?}, N = {n}, rank {rank}, {what}: measured {got} bytes, analytic {want:.0}");
                 }
             }
@@ -287,4 +302,3 @@ fn zero_reports_missing_gradients_and_empty_models() {
     let err = Zero::new(&unbuilt, cx.groups().dp.clone(), ZeroConfig::new(Stage::Three)).unwrap_err().to_string();
     assert!(err.contains("materialise"), "{err}");
 }
-

@@ -5,8 +5,8 @@
 //! of reading saved intermediates: the recomputation is a few flops per
 //! element, cheaper than the memory traffic of storing them.
 
-use super::exp::exp;
 use super::elementwise::{map1, map2, PAR_CHUNK};
+use super::exp::exp;
 use super::wide::widest;
 use crate::Real;
 use rayon::prelude::*;
@@ -132,15 +132,7 @@ mod tests {
         let mut y = [0.0; 7];
         gelu_forward(&x, &mut y);
         // Tanh-form GELU evaluated independently at high precision.
-        let expected = [
-            0.0,
-            0.8411919906082768,
-            -0.1588080093917233,
-            1.954597694087775,
-            -0.003637392081773019,
-            10.0,
-            0.0,
-        ];
+        let expected = [0.0, 0.8411919906082768, -0.1588080093917233, 1.954597694087775, -0.003637392081773019, 10.0, 0.0];
         assert_close(&y, &expected, 1e-16, 1e-14, "gelu reference");
         let mut y32 = [0f32; 2];
         gelu_forward(&[1.0f32, -1.0], &mut y32);

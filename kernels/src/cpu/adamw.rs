@@ -45,8 +45,7 @@ pub fn adamw_update<T: Real>(s: &AdamWStep, param: &mut [T], grad: &[T], m: &mut
     let inv_bc2 = T::lit(1.0 / (1.0 - s.beta2.powf(t)));
     let (b1, b2) = (T::lit(s.beta1), T::lit(s.beta2));
     let (omb1, omb2) = (T::lit(1.0 - s.beta1), T::lit(1.0 - s.beta2));
-    let (lr, eps, wd, gs) =
-        (T::lit(s.lr), T::lit(s.eps), T::lit(s.weight_decay), T::lit(s.grad_scale));
+    let (lr, eps, wd, gs) = (T::lit(s.lr), T::lit(s.eps), T::lit(s.weight_decay), T::lit(s.grad_scale));
 
     let chunk = |pc: &mut [T], gc: &[T], mc: &mut [T], vc: &mut [T]| {
         for (((p, &g), mm), vv) in pc.iter_mut().zip(gc).zip(mc.iter_mut()).zip(vc.iter_mut()) {
@@ -87,15 +86,7 @@ mod tests {
     }
 
     fn hp(step: u64) -> AdamWStep {
-        AdamWStep {
-            lr: 3e-3,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            step,
-            grad_scale: 0.5,
-        }
+        AdamWStep { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step, grad_scale: 0.5 }
     }
 
     #[test]
@@ -129,15 +120,7 @@ mod tests {
     #[test]
     fn first_step_moves_each_weight_by_lr() {
         // With m = v = 0 and t = 1: m̂ = g, v̂ = g², so Δp = −lr · g / (|g| + ε) ≈ −lr · sign(g).
-        let s = AdamWStep {
-            lr: 1e-2,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            step: 1,
-            grad_scale: 1.0,
-        };
+        let s = AdamWStep { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, step: 1, grad_scale: 1.0 };
         let g: Vec<f64> = rand_vec(2, 17).iter().map(|x| x * 3.0).collect();
         let p0 = rand_vec(3, 17);
         let mut p = p0.clone();
@@ -145,26 +128,14 @@ mod tests {
         adamw_update(&s, &mut p, &g, &mut m, &mut v);
         for i in 0..17 {
             let want = -s.lr * g[i] / (g[i].abs() + s.eps);
-            assert!(
-                (p[i] - p0[i] - want).abs() < 1e-15,
-                "element {i}: Δp {} vs {want}",
-                p[i] - p0[i]
-            );
+            assert!((p[i] - p0[i] - want).abs() < 1e-15, "element {i}: Δp {} vs {want}", p[i] - p0[i]);
             assert!(((p[i] - p0[i]).abs() - s.lr).abs() < 1e-8);
         }
     }
 
     #[test]
     fn zero_gradient_only_decays() {
-        let s = AdamWStep {
-            lr: 0.1,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.01,
-            step: 3,
-            grad_scale: 1.0,
-        };
+        let s = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, step: 3, grad_scale: 1.0 };
         let mut p = vec![2.0f32, -4.0, 0.0];
         let (mut m, mut v) = (vec![0f32; 3], vec![0f32; 3]);
         adamw_update(&s, &mut p, &[0.0; 3], &mut m, &mut v);

@@ -91,12 +91,12 @@ mod tests {
         let one_plus = |m: u32| f32::from_bits(0x3F80_0000 | m);
         let cases: [(f32, u16); 8] = [
             (1.0, 0x3C00),
-            (one_plus(0x0FFF), 0x3C00), // below half an ulp: down
-            (one_plus(0x1000), 0x3C00), // tie, even mantissa stays
-            (one_plus(0x3000), 0x3C02), // tie, odd mantissa rounds up to even
-            (one_plus(0x1001), 0x3C01), // above half: up
-            (65504.0, 0x7BFF),          // largest finite f16
-            (65520.0, 0x7C00),          // tie at the top rounds to infinity
+            (one_plus(0x0FFF), 0x3C00),            // below half an ulp: down
+            (one_plus(0x1000), 0x3C00),            // tie, even mantissa stays
+            (one_plus(0x3000), 0x3C02),            // tie, odd mantissa rounds up to even
+            (one_plus(0x1001), 0x3C01),            // above half: up
+            (65504.0, 0x7BFF),                     // largest finite f16
+            (65520.0, 0x7C00),                     // tie at the top rounds to infinity
             (f32::from_bits(0x3380_0000), 0x0001), // 2^-24: smallest subnormal
         ];
         let src: Vec<f32> = cases.iter().map(|&(v, _)| v).collect();
@@ -134,8 +134,7 @@ mod tests {
         f32_to_f16(&wide, &mut back);
         assert!(hf.iter().zip(&back).all(|(a, b)| a.to_bits() == b.to_bits()));
 
-        let x: Vec<f32> =
-            rand_vec(1, 3 * PAR_CHUNK + 5).iter().map(|&v| v as f32 * 100.0).collect();
+        let x: Vec<f32> = rand_vec(1, 3 * PAR_CHUNK + 5).iter().map(|&v| v as f32 * 100.0).collect();
         let mut d = vec![0f64; x.len()];
         f32_to_f64(&x, &mut d);
         let mut back = vec![0f32; x.len()];

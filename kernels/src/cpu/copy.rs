@@ -7,13 +7,7 @@ use rayon::prelude::*;
 /// `shape` and `strides` (in elements) describe the view and `offset` its first
 /// element; `dst.len()` must equal the number of elements of `shape`. Works for
 /// any element type: it moves data, it computes nothing.
-pub fn copy_strided<T: Copy + Send + Sync>(
-    src: &[T],
-    shape: &[usize],
-    strides: &[usize],
-    offset: usize,
-    dst: &mut [T],
-) {
+pub fn copy_strided<T: Copy + Send + Sync>(src: &[T], shape: &[usize], strides: &[usize], offset: usize, dst: &mut [T]) {
     assert_eq!(shape.len(), strides.len(), "copy_strided: one stride per dimension");
     let count: usize = shape.iter().product();
     assert_eq!(dst.len(), count, "copy_strided: destination length");

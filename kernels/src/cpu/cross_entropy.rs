@@ -54,14 +54,7 @@ fn rows_per_task(vocab: usize) -> usize {
 /// equals `ignore_index` get `losses[r] = 0` and `lse[r] = 0` (their logits are
 /// not read). Other targets must be `< vocab` (asserted). Returns the number of
 /// rows not ignored, the usual divisor of a mean loss.
-pub fn cross_entropy_forward<T: Real>(
-    logits: &[T],
-    vocab: usize,
-    targets: &[u32],
-    ignore_index: Option<u32>,
-    losses: &mut [T],
-    lse: &mut [T],
-) -> usize {
+pub fn cross_entropy_forward<T: Real>(logits: &[T], vocab: usize, targets: &[u32], ignore_index: Option<u32>, losses: &mut [T], lse: &mut [T]) -> usize {
     assert!(vocab > 0, "vocab must be positive");
     let n = targets.len();
     assert_eq!(logits.len(), n * vocab, "logits length");
@@ -89,13 +82,7 @@ pub fn cross_entropy_forward<T: Real>(
     if logits.len() < PAR_MIN_ELEMS {
         logits.chunks(vocab).zip(targets).zip(losses.iter_mut()).zip(lse.iter_mut()).for_each(one);
     } else {
-        logits
-            .par_chunks(vocab)
-            .zip(targets.par_iter())
-            .zip(losses.par_iter_mut())
-            .zip(lse.par_iter_mut())
-            .with_min_len(rows_per_task(vocab))
-            .for_each(one);
+        logits.par_chunks(vocab).zip(targets.par_iter()).zip(losses.par_iter_mut()).zip(lse.par_iter_mut()).with_min_len(rows_per_task(vocab)).for_each(one);
     }
     counted
 }
@@ -106,15 +93,7 @@ pub fn cross_entropy_forward<T: Real>(
 ///
 /// `logits`, `dlogits`: `n × vocab` (`dlogits` overwritten); `lse`, `targets`,
 /// `dloss`: `n`. Ignored rows (target == `ignore_index`) get zero gradient.
-pub fn cross_entropy_backward<T: Real>(
-    logits: &[T],
-    lse: &[T],
-    vocab: usize,
-    targets: &[u32],
-    ignore_index: Option<u32>,
-    dloss: &[T],
-    dlogits: &mut [T],
-) {
+pub fn cross_entropy_backward<T: Real>(logits: &[T], lse: &[T], vocab: usize, targets: &[u32], ignore_index: Option<u32>, dloss: &[T], dlogits: &mut [T]) {
     for &t in targets {
         assert!(ignore_index == Some(t) || (t as usize) < vocab, "target {t} outside the vocabulary of {vocab}");
     }
@@ -208,9 +187,7 @@ pub fn vocab_shard_backward<T: Real>(
         }
     };
     if logits.len() < PAR_MIN_ELEMS {
-        for ((((xr, dr), &t), &l), &dl) in
-            logits.chunks(vocab_local).zip(dlogits.chunks_mut(vocab_local)).zip(targets).zip(lse).zip(dloss)
-        {
+        for ((((xr, dr), &t), &l), &dl) in logits.chunks(vocab_local).zip(dlogits.chunks_mut(vocab_local)).zip(targets).zip(lse).zip(dloss) {
             one(xr, dr, t, l, dl);
         }
     } else {
@@ -248,17 +225,9 @@ mod tests {
             for r in 0..n {
                 let row = &logits[r * vocab..(r + 1) * vocab];
                 let naive = row.iter().map(|x| x.exp()).sum::<f64>().ln();
-                assert!(
-                    (lse[r] - naive).abs() < 1e-12 * naive.abs().max(1.0),
-                    "lse {} vs {naive}",
-                    lse[r]
-                );
+                assert!((lse[r] - naive).abs() < 1e-12 * naive.abs().max(1.0), "lse {} vs {naive}", lse[r]);
                 let want = naive - row[targets[r] as usize];
-                assert!(
-                    (loss[r] - want).abs() < 1e-12 * want.abs().max(1.0),
-                    "loss {} vs {want}",
-                    loss[r]
-                );
+                assert!((loss[r] - want).abs() < 1e-12 * want.abs().max(1.0), "loss {} vs {want}", loss[r]);
             }
         }
         // Uniform logits: loss = ln(vocab).
@@ -295,23 +264,15 @@ mod tests {
     fn backward_matches_finite_differences_with_ignored_rows() {
         const IGN: u32 = u32::MAX;
         for (k, &(n, vocab)) in [(1usize, 1usize), (3, 17), (6, 5), (2, 129)].iter().enumerate() {
-            let logits: Vec<f64> =
-                rand_vec(30 + k as u64, n * vocab).iter().map(|v| 4.0 * v).collect();
-            let targets: Vec<u32> = (0..n as u32)
-                .map(|r| if r % 3 == 1 { IGN } else { (r * 5 + 2) % vocab as u32 })
-                .collect();
+            let logits: Vec<f64> = rand_vec(30 + k as u64, n * vocab).iter().map(|v| 4.0 * v).collect();
+            let targets: Vec<u32> = (0..n as u32).map(|r| if r % 3 == 1 { IGN } else { (r * 5 + 2) % vocab as u32 }).collect();
             let dloss = rand_vec(40 + k as u64, n);
             let (mut loss, mut lse) = (vec![0.0; n], vec![0.0; n]);
-            let count =
-                cross_entropy_forward(&logits, vocab, &targets, Some(IGN), &mut loss, &mut lse);
+            let count = cross_entropy_forward(&logits, vocab, &targets, Some(IGN), &mut loss, &mut lse);
             assert_eq!(count, targets.iter().filter(|&&t| t != IGN).count());
             let mut d = vec![f64::NAN; n * vocab];
             cross_entropy_backward(&logits, &lse, vocab, &targets, Some(IGN), &dloss, &mut d);
-            let num = numeric_grad(
-                |x| dot(&losses_of(x, vocab, &targets, Some(IGN)), &dloss),
-                &logits,
-                1e-6,
-            );
+            let num = numeric_grad(|x| dot(&losses_of(x, vocab, &targets, Some(IGN)), &dloss), &logits, 1e-6);
             assert_close(&d, &num, 1e-8, 1e-7, &format!("cross-entropy n={n} vocab={vocab}"));
             for r in 0..n {
                 if targets[r] == IGN {

@@ -21,10 +21,7 @@ const UNIFORM_STEPS: f64 = (1u32 << 24) as f64;
 /// with `RngKey`'s mapping (a test checks it does).
 #[inline]
 fn block_bits(key: RngKey, block: u64) -> [u32; 4] {
-    philox4x32(
-        [block as u32, (block >> 32) as u32, key.stream as u32, (key.stream >> 32) as u32],
-        [key.seed as u32, (key.seed >> 32) as u32],
-    )
+    philox4x32([block as u32, (block >> 32) as u32, key.stream as u32, (key.stream >> 32) as u32], [key.seed as u32, (key.seed >> 32) as u32])
 }
 
 /// Philox blocks drawn into a small buffer before their mask is applied,
@@ -88,9 +85,10 @@ fn dropout<T: Real>(key: RngKey, start: u64, p: f64, x: &[T], out: &mut [T]) {
     if x.len() <= PAR_CHUNK {
         apply_mask(key, start, threshold, scale, x, out);
     } else {
-        out.par_chunks_mut(PAR_CHUNK).zip(x.par_chunks(PAR_CHUNK)).enumerate().for_each(
-            |(c, (o, x))| apply_mask(key, start + (c * PAR_CHUNK) as u64, threshold, scale, x, o),
-        );
+        out.par_chunks_mut(PAR_CHUNK)
+            .zip(x.par_chunks(PAR_CHUNK))
+            .enumerate()
+            .for_each(|(c, (o, x))| apply_mask(key, start + (c * PAR_CHUNK) as u64, threshold, scale, x, o));
     }
 }
 
@@ -180,9 +178,7 @@ mod tests {
         dropout_backward(key, 0, p, &dy, &mut dx);
         assert!(y.iter().zip(&dx).all(|(a, b)| (*a == 0.0) == (*b == 0.0)));
         // Unaligned offsets and lengths, small and parallel-sized.
-        for (start, len) in
-            [(1usize, 3usize), (5, 2), (6, 1), (3, 17), (501, 129), (4097, PAR_CHUNK + 7)]
-        {
+        for (start, len) in [(1usize, 3usize), (5, 2), (6, 1), (3, 17), (501, 129), (4097, PAR_CHUNK + 7)] {
             let mut part = vec![0f32; len];
             dropout_forward(key, start as u64, p, &x[start..start + len], &mut part);
             assert_eq!(&part[..], &y[start..start + len], "slice at {start}");

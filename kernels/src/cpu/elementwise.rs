@@ -59,10 +59,7 @@ where
     if out.len() <= PAR_CHUNK {
         run(a, b, out);
     } else {
-        out.par_chunks_mut(PAR_CHUNK)
-            .zip(a.par_chunks(PAR_CHUNK))
-            .zip(b.par_chunks(PAR_CHUNK))
-            .for_each(|((o, a), b)| run(a, b, o));
+        out.par_chunks_mut(PAR_CHUNK).zip(a.par_chunks(PAR_CHUNK)).zip(b.par_chunks(PAR_CHUNK)).for_each(|((o, a), b)| run(a, b, o));
     }
 }
 
@@ -187,10 +184,7 @@ pub fn bias_grad<T: Real>(dy: &[T], dbias: &mut [T]) {
         if dy.len() <= PAR_CHUNK {
             block_sum(dbias, 0, rows, 0);
         } else {
-            dbias
-                .par_chunks_mut(BIAS_COL_BLOCK)
-                .enumerate()
-                .for_each(|(c, acc)| block_sum(acc, 0, rows, c * BIAS_COL_BLOCK));
+            dbias.par_chunks_mut(BIAS_COL_BLOCK).enumerate().for_each(|(c, acc)| block_sum(acc, 0, rows, c * BIAS_COL_BLOCK));
         }
         return;
     }
@@ -205,9 +199,7 @@ pub fn bias_grad<T: Real>(dy: &[T], dbias: &mut [T]) {
         }
     } else {
         partials.par_chunks_mut(cols).enumerate().for_each(|(b, p)| {
-            p.par_chunks_mut(BIAS_COL_BLOCK).enumerate().for_each(|(c, acc)| {
-                block_sum(acc, b * BIAS_ROW_BLOCK, height(b), c * BIAS_COL_BLOCK)
-            });
+            p.par_chunks_mut(BIAS_COL_BLOCK).enumerate().for_each(|(c, acc)| block_sum(acc, b * BIAS_ROW_BLOCK, height(b), c * BIAS_COL_BLOCK));
         });
     }
     let combine = |c0: usize, out: &mut [T]| {
@@ -222,10 +214,7 @@ pub fn bias_grad<T: Real>(dy: &[T], dbias: &mut [T]) {
     if sequential {
         combine(0, dbias);
     } else {
-        dbias
-            .par_chunks_mut(BIAS_COL_BLOCK)
-            .enumerate()
-            .for_each(|(c, out)| combine(c * BIAS_COL_BLOCK, out));
+        dbias.par_chunks_mut(BIAS_COL_BLOCK).enumerate().for_each(|(c, out)| combine(c * BIAS_COL_BLOCK, out));
     }
 }
 

@@ -30,14 +30,7 @@ fn local_row(id: u32, vocab_start: u32, rows: usize) -> Option<usize> {
 /// when `ids[i]` is outside this rank's slice `[vocab_start, vocab_start + rows)`.
 ///
 /// `table`: `rows × dim`; `ids`: `n`; `out`: `n × dim` (overwritten).
-pub fn embedding_forward<T: Real>(
-    table: &[T],
-    rows: usize,
-    dim: usize,
-    vocab_start: u32,
-    ids: &[u32],
-    out: &mut [T],
-) {
+pub fn embedding_forward<T: Real>(table: &[T], rows: usize, dim: usize, vocab_start: u32, ids: &[u32], out: &mut [T]) {
     assert!(dim > 0, "embedding dim must be positive");
     assert_eq!(table.len(), rows * dim, "table length");
     assert_eq!(out.len(), ids.len() * dim, "out length");
@@ -48,10 +41,7 @@ pub fn embedding_forward<T: Real>(
     if out.len() < PAR_MIN_ELEMS {
         out.chunks_mut(dim).zip(ids).for_each(one);
     } else {
-        out.par_chunks_mut(dim)
-            .zip(ids.par_iter())
-            .with_min_len((TASK_ELEMS / dim).max(1))
-            .for_each(one);
+        out.par_chunks_mut(dim).zip(ids.par_iter()).with_min_len((TASK_ELEMS / dim).max(1)).for_each(one);
     }
 }
 
@@ -62,14 +52,7 @@ pub fn embedding_forward<T: Real>(
 ///
 /// `ids`: `n`; `dout`: `n × dim`; `dtable`: `rows × dim`. Ids outside
 /// `[vocab_start, vocab_start + rows)` are skipped (another rank owns them).
-pub fn embedding_backward<T: Real>(
-    ids: &[u32],
-    dout: &[T],
-    rows: usize,
-    dim: usize,
-    vocab_start: u32,
-    dtable: &mut [T],
-) {
+pub fn embedding_backward<T: Real>(ids: &[u32], dout: &[T], rows: usize, dim: usize, vocab_start: u32, dtable: &mut [T]) {
     assert!(dim > 0, "embedding dim must be positive");
     assert_eq!(dout.len(), ids.len() * dim, "dout length");
     assert_eq!(dtable.len(), rows * dim, "dtable length");
@@ -135,26 +118,15 @@ mod tests {
     #[test]
     fn backward_matches_finite_differences() {
         // Repeated ids, ids below and above the local slice, odd sizes.
-        for (k, &(rows, dim, start)) in
-            [(5usize, 3usize, 4u32), (1, 1, 0), (17, 17, 100), (3, 129, 7)].iter().enumerate()
-        {
-            let ids: Vec<u32> = [0u32, 4, 5, 4, 8, 9, 3, 6, 4, 200, 100, 116, 100, 7, 9]
-                .iter()
-                .map(|&v| v + start.saturating_sub(4))
-                .collect();
+        for (k, &(rows, dim, start)) in [(5usize, 3usize, 4u32), (1, 1, 0), (17, 17, 100), (3, 129, 7)].iter().enumerate() {
+            let ids: Vec<u32> = [0u32, 4, 5, 4, 8, 9, 3, 6, 4, 200, 100, 116, 100, 7, 9].iter().map(|&v| v + start.saturating_sub(4)).collect();
             let seed = 20 * k as u64;
             let table = rand_vec(seed, rows * dim);
             let w = rand_vec(seed + 1, ids.len() * dim);
             let mut dt = vec![0.0; rows * dim];
             embedding_backward(&ids, &w, rows, dim, start, &mut dt);
             let num = numeric_grad(|t| dot(&fwd(t, rows, dim, start, &ids), &w), &table, 1e-6);
-            assert_close(
-                &dt,
-                &num,
-                1e-8,
-                1e-8,
-                &format!("embedding rows={rows} dim={dim} start={start}"),
-            );
+            assert_close(&dt, &num, 1e-8, 1e-8, &format!("embedding rows={rows} dim={dim} start={start}"));
         }
     }
 
@@ -166,10 +138,7 @@ mod tests {
         let mut dt = vec![1.0; rows * dim];
         embedding_backward(&ids, &dout, rows, dim, 2, &mut dt);
         // Local row 0 (id 2) gets tokens 0, 1, 3; row 1 (id 3) token 4; row 2 nothing; row 3 (id 5) token 2.
-        assert_eq!(
-            &dt[0..3],
-            &[1.0 + 0.0 + 3.0 + 9.0, 1.0 + 1.0 + 4.0 + 10.0, 1.0 + 2.0 + 5.0 + 11.0]
-        );
+        assert_eq!(&dt[0..3], &[1.0 + 0.0 + 3.0 + 9.0, 1.0 + 1.0 + 4.0 + 10.0, 1.0 + 2.0 + 5.0 + 11.0]);
         assert_eq!(&dt[3..6], &[13.0, 14.0, 15.0]);
         assert_eq!(&dt[6..9], &[1.0; 3]);
         assert_eq!(&dt[9..12], &[7.0, 8.0, 9.0]);
@@ -216,8 +185,7 @@ mod tests {
     fn backward_is_thread_count_independent() {
         // Many repeats of few ids, large enough to run in parallel.
         let (rows, dim, n) = (300, 64, 4096);
-        let ids: Vec<u32> =
-            (0..n as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % 320).collect();
+        let ids: Vec<u32> = (0..n as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % 320).collect();
         let dout: Vec<f32> = rand_vec(11, n * dim).iter().map(|&v| v as f32).collect();
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();

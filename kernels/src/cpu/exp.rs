@@ -42,15 +42,7 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     let t = x * LOG2E + ROUND;
     let n = t - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;
-    let p = ((((((1.987_569_2e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
-        * r
-        + 0.166_666_65)
-        * r
-        + 0.5)
-        * r)
-        * r
-        + r
-        + 1.0;
+    let p = ((((((1.987_569_2e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 0.166_666_65) * r + 0.5) * r) * r + r + 1.0;
     // `t` is `ROUND + n` exactly (|n| < 2^22), so its bits are ROUND's plus
     // `n`: integer arithmetic on them yields 2^n's exponent field with no
     // float-to-int conversion, whose saturating semantics the compiler

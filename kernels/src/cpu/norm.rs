@@ -68,16 +68,7 @@ fn rows_of(len: usize, row: usize) -> usize {
 /// `x`, `y`: `rows × row`; `gamma`, `beta`: `row`; `mean`, `rstd`: `rows`
 /// (overwritten, saved for [`layernorm_backward`]). `beta = None` means no bias.
 #[allow(clippy::too_many_arguments)]
-pub fn layernorm_forward<T: Real>(
-    x: &[T],
-    gamma: &[T],
-    beta: Option<&[T]>,
-    eps: f64,
-    row: usize,
-    y: &mut [T],
-    mean: &mut [T],
-    rstd: &mut [T],
-) {
+pub fn layernorm_forward<T: Real>(x: &[T], gamma: &[T], beta: Option<&[T]>, eps: f64, row: usize, y: &mut [T], mean: &mut [T], rstd: &mut [T]) {
     let rows = rows_of(x.len(), row);
     assert_eq!(gamma.len(), row, "gamma length");
     if let Some(b) = beta {
@@ -110,9 +101,7 @@ pub fn layernorm_forward<T: Real>(
     };
 
     if x.len() < PAR_MIN_ELEMS {
-        for (((xr, yr), mu), rs) in
-            x.chunks(row).zip(y.chunks_mut(row)).zip(mean.iter_mut()).zip(rstd.iter_mut())
-        {
+        for (((xr, yr), mu), rs) in x.chunks(row).zip(y.chunks_mut(row)).zip(mean.iter_mut()).zip(rstd.iter_mut()) {
             one_row(xr, yr, mu, rs);
         }
     } else {
@@ -141,17 +130,9 @@ fn chunked_partials<T: Real>(
 ) -> Vec<Vec<T>> {
     let rows = x.len() / row;
     let cr = rows_per_partial(rows, row);
-    let run = |((((xc, dyc), dxc), ac), bc): ((((&[T], &[T]), &mut [T]), &[T]), &[T])| {
-        chunk(xc, dyc, dxc, ac, bc)
-    };
+    let run = |((((xc, dyc), dxc), ac), bc): ((((&[T], &[T]), &mut [T]), &[T]), &[T])| chunk(xc, dyc, dxc, ac, bc);
     if x.len() < PAR_MIN_ELEMS {
-        x.chunks(cr * row)
-            .zip(dy.chunks(cr * row))
-            .zip(dx.chunks_mut(cr * row))
-            .zip(stat_a.chunks(cr))
-            .zip(stat_b.chunks(cr))
-            .map(run)
-            .collect()
+        x.chunks(cr * row).zip(dy.chunks(cr * row)).zip(dx.chunks_mut(cr * row)).zip(stat_a.chunks(cr)).zip(stat_b.chunks(cr)).map(run).collect()
     } else {
         x.par_chunks(cr * row)
             .zip(dy.par_chunks(cr * row))
@@ -200,9 +181,7 @@ pub fn layernorm_backward<T: Real>(
         // Partial dgamma in [0, row), partial dbeta in [row, 2 row).
         let mut part = vec![T::zero(); if with_beta { 2 * row } else { row }];
         let (pg, pb) = part.split_at_mut(row);
-        for ((((xr, dyr), dxr), &mu), &rs) in
-            xc.chunks(row).zip(dyc.chunks(row)).zip(dxc.chunks_mut(row)).zip(mc).zip(rc)
-        {
+        for ((((xr, dyr), dxr), &mu), &rs) in xc.chunks(row).zip(dyc.chunks(row)).zip(dxc.chunks_mut(row)).zip(mc).zip(rc) {
             // dx doubles as scratch for g = dy · gamma.
             for ((g, &d), &ga) in dxr.iter_mut().zip(dyr).zip(gamma) {
                 *g = d * ga;
@@ -246,14 +225,7 @@ pub fn layernorm_backward<T: Real>(
 ///
 /// `x`, `y`: `rows × row`; `gamma`: `row`; `rstd`: `rows` (overwritten, saved
 /// for [`rmsnorm_backward`]).
-pub fn rmsnorm_forward<T: Real>(
-    x: &[T],
-    gamma: &[T],
-    eps: f64,
-    row: usize,
-    y: &mut [T],
-    rstd: &mut [T],
-) {
+pub fn rmsnorm_forward<T: Real>(x: &[T], gamma: &[T], eps: f64, row: usize, y: &mut [T], rstd: &mut [T]) {
     let rows = rows_of(x.len(), row);
     assert_eq!(gamma.len(), row, "gamma length");
     assert_eq!(y.len(), x.len(), "y length");
@@ -273,11 +245,7 @@ pub fn rmsnorm_forward<T: Real>(
     if x.len() < PAR_MIN_ELEMS {
         x.chunks(row).zip(y.chunks_mut(row)).zip(rstd.iter_mut()).for_each(one_row);
     } else {
-        x.par_chunks(row)
-            .zip(y.par_chunks_mut(row))
-            .zip(rstd.par_iter_mut())
-            .with_min_len(rows_per_task(row))
-            .for_each(one_row);
+        x.par_chunks(row).zip(y.par_chunks_mut(row)).zip(rstd.par_iter_mut()).with_min_len(rows_per_task(row)).for_each(one_row);
     }
 }
 
@@ -287,15 +255,7 @@ pub fn rmsnorm_forward<T: Real>(
 /// and `dgamma = Σ_rows dy · x̂`. `x`, `dy`, `dx`: `rows × row`; `gamma`,
 /// `dgamma`: `row`; `rstd`: `rows` as saved by the forward. Both gradients are
 /// overwritten; the row sum is deterministic and independent of the thread count.
-pub fn rmsnorm_backward<T: Real>(
-    x: &[T],
-    gamma: &[T],
-    rstd: &[T],
-    dy: &[T],
-    row: usize,
-    dx: &mut [T],
-    dgamma: &mut [T],
-) {
+pub fn rmsnorm_backward<T: Real>(x: &[T], gamma: &[T], rstd: &[T], dy: &[T], row: usize, dx: &mut [T], dgamma: &mut [T]) {
     let rows = rows_of(x.len(), row);
     assert_eq!(gamma.len(), row, "gamma length");
     assert_eq!(rstd.len(), rows, "rstd length");
@@ -306,9 +266,7 @@ pub fn rmsnorm_backward<T: Real>(
 
     let chunk = |xc: &[T], dyc: &[T], dxc: &mut [T], rc: &[T], _: &[T]| {
         let mut pg = vec![T::zero(); row];
-        for (((xr, dyr), dxr), &rs) in
-            xc.chunks(row).zip(dyc.chunks(row)).zip(dxc.chunks_mut(row)).zip(rc)
-        {
+        for (((xr, dyr), dxr), &rs) in xc.chunks(row).zip(dyc.chunks(row)).zip(dxc.chunks_mut(row)).zip(rc) {
             for ((g, &d), &ga) in dxr.iter_mut().zip(dyr).zip(gamma) {
                 *g = d * ga;
             }
@@ -364,17 +322,7 @@ mod tests {
         let (mut y, mut mean, mut rstd) = (vec![0.0; n], vec![0.0; rows], vec![0.0; rows]);
         layernorm_forward(&x, &g, beta, EPS, row, &mut y, &mut mean, &mut rstd);
         let (mut dx, mut dg, mut db) = (vec![7.0; n], vec![7.0; row], vec![7.0; row]);
-        layernorm_backward(
-            &x,
-            &g,
-            &mean,
-            &rstd,
-            &w,
-            row,
-            &mut dx,
-            &mut dg,
-            with_beta.then_some(&mut db[..]),
-        );
+        layernorm_backward(&x, &g, &mean, &rstd, &w, row, &mut dx, &mut dg, with_beta.then_some(&mut db[..]));
 
         let ctx = format!("layernorm rows={rows} row={row} beta={with_beta}");
         let ndx = numeric_grad(|x| dot(&ln_fwd(x, &g, beta, row), &w), &x, FD);
@@ -485,12 +433,7 @@ mod tests {
         let (rows, row) = (1000, 257);
         let n = rows * row;
         let to32 = |v: Vec<f64>| v.into_iter().map(|a| a as f32).collect::<Vec<f32>>();
-        let (x, g, b, dy) = (
-            to32(rand_vec(5, n)),
-            to32(rand_vec(6, row)),
-            to32(rand_vec(7, row)),
-            to32(rand_vec(8, n)),
-        );
+        let (x, g, b, dy) = (to32(rand_vec(5, n)), to32(rand_vec(6, row)), to32(rand_vec(7, row)), to32(rand_vec(8, n)));
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         pool.install(|| {
             let (mut y, mut m, mut r) = (vec![0f32; n], vec![0f32; rows], vec![0f32; rows]);

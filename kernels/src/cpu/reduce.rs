@@ -81,13 +81,11 @@ pub fn sum_rows<T: Real>(x: &[T], row: usize, out: &mut [T]) {
         }
     } else {
         let rows_per_task = (PAR_MIN / row).max(1);
-        out.par_chunks_mut(rows_per_task).zip(x.par_chunks(rows_per_task * row)).for_each(
-            |(o, x)| {
-                for (o, r) in o.iter_mut().zip(x.chunks_exact(row)) {
-                    *o = T::lit(sum_seq(r, |v| v));
-                }
-            },
-        );
+        out.par_chunks_mut(rows_per_task).zip(x.par_chunks(rows_per_task * row)).for_each(|(o, x)| {
+            for (o, r) in o.iter_mut().zip(x.chunks_exact(row)) {
+                *o = T::lit(sum_seq(r, |v| v));
+            }
+        });
     }
 }
 
@@ -197,9 +195,7 @@ mod tests {
 
     #[test]
     fn sum_rows_sums_each_row_like_sum() {
-        for (rows, row) in
-            [(1, 1), (3, 17), (17, 3), (129, 5), (5, 129), (40, 2000), (2, PAR_MIN + 3)]
-        {
+        for (rows, row) in [(1, 1), (3, 17), (17, 3), (129, 5), (5, 129), (40, 2000), (2, PAR_MIN + 3)] {
             let x = rand_vec(3, rows * row);
             let mut out = vec![f64::NAN; rows];
             sum_rows(&x, row, &mut out);

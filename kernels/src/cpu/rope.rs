@@ -34,14 +34,10 @@ impl<T: Real> RopeTable<T> {
     /// `head_dim` (even, asserted) with base `theta` (10000 in most models);
     /// angles are evaluated in `f64` and rounded once to `T`.
     pub fn new(max_position: usize, head_dim: usize, theta: f64) -> Self {
-        assert!(
-            head_dim > 0 && head_dim.is_multiple_of(2),
-            "rope head_dim must be even and positive, got {head_dim}"
-        );
+        assert!(head_dim > 0 && head_dim.is_multiple_of(2), "rope head_dim must be even and positive, got {head_dim}");
         assert!(theta > 0.0, "rope theta must be positive");
         let half = head_dim / 2;
-        let inv_freq: Vec<f64> =
-            (0..half).map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64)).collect();
+        let inv_freq: Vec<f64> = (0..half).map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64)).collect();
         let mut cos = Vec::with_capacity(max_position * half);
         let mut sin = Vec::with_capacity(max_position * half);
         for p in 0..max_position {
@@ -83,15 +79,7 @@ impl Rows {
 
 /// Rotates the head vectors of `src` into `dst` (copying those `rows` leaves
 /// alone); `sign` = +1 rotates by the position's angle, −1 by its negation.
-fn rotate<T: Real>(
-    table: &RopeTable<T>,
-    src: &[T],
-    seq: usize,
-    positions: &[u32],
-    rows: Rows,
-    dst: &mut [T],
-    sign: T,
-) {
+fn rotate<T: Real>(table: &RopeTable<T>, src: &[T], seq: usize, positions: &[u32], rows: Rows, dst: &mut [T], sign: T) {
     let d = table.head_dim;
     let half = d / 2;
     assert!(src.len().is_multiple_of(seq.max(1) * rows.per_position * d), "rope input length");
@@ -111,9 +99,7 @@ fn rotate<T: Real>(
         let sn = &table.sin[p * half..(p + 1) * half];
         let (x1, x2) = s.split_at(half);
         let (y1, y2) = o.split_at_mut(half);
-        for ((((a, b), (&u, &v)), &ci), &si) in
-            y1.iter_mut().zip(y2.iter_mut()).zip(x1.iter().zip(x2)).zip(c).zip(sn)
-        {
+        for ((((a, b), (&u, &v)), &ci), &si) in y1.iter_mut().zip(y2.iter_mut()).zip(x1.iter().zip(x2)).zip(c).zip(sn) {
             let si = sign * si;
             *a = u * ci - v * si;
             *b = v * ci + u * si;
@@ -122,11 +108,7 @@ fn rotate<T: Real>(
     if src.len() < PAR_MIN_ELEMS {
         src.chunks(d).zip(dst.chunks_mut(d)).enumerate().for_each(one);
     } else {
-        src.par_chunks(d)
-            .zip(dst.par_chunks_mut(d))
-            .enumerate()
-            .with_min_len((TASK_ELEMS / d).max(1))
-            .for_each(one);
+        src.par_chunks(d).zip(dst.par_chunks_mut(d)).enumerate().with_min_len((TASK_ELEMS / d).max(1)).for_each(one);
     }
 }
 
@@ -136,28 +118,14 @@ fn rotate<T: Real>(
 ///
 /// `x`, `y`: `batch_heads × seq × head_dim` (`y` overwritten); `positions`:
 /// `seq`, each below `table.max_position()` (asserted).
-pub fn rope_forward<T: Real>(
-    table: &RopeTable<T>,
-    x: &[T],
-    batch_heads: usize,
-    seq: usize,
-    positions: &[u32],
-    y: &mut [T],
-) {
+pub fn rope_forward<T: Real>(table: &RopeTable<T>, x: &[T], batch_heads: usize, seq: usize, positions: &[u32], y: &mut [T]) {
     assert_eq!(x.len(), batch_heads * seq * table.head_dim, "rope input length");
     rotate(table, x, seq, positions, Rows::ALL, y, T::one());
 }
 
 /// Backward of [`rope_forward`]: the inverse rotation (angle negated) of `dy`
 /// into `dx` (overwritten). Same layouts as the forward.
-pub fn rope_backward<T: Real>(
-    table: &RopeTable<T>,
-    dy: &[T],
-    batch_heads: usize,
-    seq: usize,
-    positions: &[u32],
-    dx: &mut [T],
-) {
+pub fn rope_backward<T: Real>(table: &RopeTable<T>, dy: &[T], batch_heads: usize, seq: usize, positions: &[u32], dx: &mut [T]) {
     assert_eq!(dy.len(), batch_heads * seq * table.head_dim, "rope input length");
     rotate(table, dy, seq, positions, Rows::ALL, dx, -T::one());
 }
@@ -228,9 +196,7 @@ mod tests {
 
     #[test]
     fn backward_matches_finite_differences() {
-        for (k, &(bh, seq, d)) in
-            [(1usize, 1usize, 2usize), (3, 17, 4), (2, 3, 18), (1, 5, 130)].iter().enumerate()
-        {
+        for (k, &(bh, seq, d)) in [(1usize, 1usize, 2usize), (3, 17, 4), (2, 3, 18), (1, 5, 130)].iter().enumerate() {
             let t = RopeTable::<f64>::new(40, d, 500.0);
             let pos: Vec<u32> = (0..seq as u32).map(|s| (s * 11 + 3) % 40).collect();
             let x = rand_vec(10 + k as u64, bh * seq * d);

@@ -5,8 +5,8 @@
 //! row is processed by one task; rows are grouped into tasks of roughly
 //! `PAR_CHUNK` elements, so results never depend on the thread count.
 
-use super::exp::exp;
 use super::elementwise::PAR_CHUNK;
+use super::exp::exp;
 use crate::Real;
 use rayon::prelude::*;
 
@@ -86,17 +86,9 @@ fn for_rows<T: Real>(x: &[T], out: &mut [T], row: usize, f: impl Fn(&[T], &mut [
 }
 
 /// Applies `f(y_row, dy_row, dx_row)` to every row, in parallel tasks of whole rows.
-fn for_rows2<T: Real>(
-    y: &[T],
-    dy: &[T],
-    dx: &mut [T],
-    row: usize,
-    f: impl Fn(&[T], &[T], &mut [T]) + Sync,
-) {
+fn for_rows2<T: Real>(y: &[T], dy: &[T], dx: &mut [T], row: usize, f: impl Fn(&[T], &[T], &mut [T]) + Sync) {
     let run = |y: &[T], dy: &[T], dx: &mut [T]| {
-        for ((y, dy), dx) in
-            y.chunks_exact(row).zip(dy.chunks_exact(row)).zip(dx.chunks_exact_mut(row))
-        {
+        for ((y, dy), dx) in y.chunks_exact(row).zip(dy.chunks_exact(row)).zip(dx.chunks_exact_mut(row)) {
             f(y, dy, dx);
         }
     };
@@ -104,10 +96,7 @@ fn for_rows2<T: Real>(
         run(y, dy, dx);
     } else {
         let span = row * (PAR_CHUNK / row).max(1);
-        dx.par_chunks_mut(span)
-            .zip(y.par_chunks(span))
-            .zip(dy.par_chunks(span))
-            .for_each(|((dx, y), dy)| run(y, dy, dx));
+        dx.par_chunks_mut(span).zip(y.par_chunks(span)).zip(dy.par_chunks(span)).for_each(|((dx, y), dy)| run(y, dy, dx));
     }
 }
 
@@ -199,17 +188,7 @@ mod tests {
         softmax_forward(&x, 3, &mut y);
         let e = 1.0 / (1.0 + (-1.0f64).exp() + (-2.0f64).exp());
         let f = 1.0 / (1.0 + (-1.0f64).exp());
-        let expected = [
-            e * (-2.0f64).exp(),
-            e * (-1.0f64).exp(),
-            e,
-            f,
-            f * (-1.0f64).exp(),
-            0.0,
-            0.5,
-            0.5,
-            0.0,
-        ];
+        let expected = [e * (-2.0f64).exp(), e * (-1.0f64).exp(), e, f, f * (-1.0f64).exp(), 0.0, 0.5, 0.5, 0.0];
         assert_close(&y, &expected, 1e-15, 1e-14, "softmax values");
         let mut l = [0.0; 9];
         log_softmax_forward(&x, 3, &mut l);

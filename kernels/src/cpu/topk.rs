@@ -73,9 +73,7 @@ pub fn topk<T: Real>(x: &[T], row: usize, k: usize, values: &mut [T], indices: &
         return;
     }
     let run = |x: &[T], values: &mut [T], indices: &mut [u32]| {
-        for ((x, v), i) in
-            x.chunks_exact(row).zip(values.chunks_exact_mut(k)).zip(indices.chunks_exact_mut(k))
-        {
+        for ((x, v), i) in x.chunks_exact(row).zip(values.chunks_exact_mut(k)).zip(indices.chunks_exact_mut(k)) {
             select_row(x, v, i);
         }
     };
@@ -109,9 +107,7 @@ pub fn topk_backward<T: Real>(indices: &[u32], dvalues: &[T], row: usize, k: usi
     }
     let run = |dx: &mut [T], indices: &[u32], dvalues: &[T]| {
         dx.fill(T::zero());
-        for ((dx, idx), dv) in
-            dx.chunks_exact_mut(row).zip(indices.chunks_exact(k)).zip(dvalues.chunks_exact(k))
-        {
+        for ((dx, idx), dv) in dx.chunks_exact_mut(row).zip(indices.chunks_exact(k)).zip(dvalues.chunks_exact(k)) {
             for (&i, &g) in idx.iter().zip(dv) {
                 dx[i as usize] += g;
             }
@@ -139,10 +135,7 @@ mod tests {
         order.sort_by(|&a, &b| {
             let key = |v: f64| if v.is_nan() { f64::NEG_INFINITY } else { v };
             let rank = |v: f64| if v.is_nan() { 0 } else { 1 };
-            rank(x[b])
-                .cmp(&rank(x[a]))
-                .then(key(x[b]).partial_cmp(&key(x[a])).unwrap())
-                .then(a.cmp(&b))
+            rank(x[b]).cmp(&rank(x[a])).then(key(x[b]).partial_cmp(&key(x[a])).unwrap()).then(a.cmp(&b))
         });
         order.truncate(k);
         (order.iter().map(|&i| x[i]).collect(), order.iter().map(|&i| i as u32).collect())
@@ -181,11 +174,8 @@ mod tests {
     fn ties_and_nans_follow_the_documented_order() {
         // Few distinct values force many ties; NaNs sprinkled in, including at
         // the front of rows where they seed the buffer.
-        for (rows, row, k) in
-            [(1, 1, 1), (3, 17, 4), (17, 3, 3), (5, 129, 8), (2, 1000, 1), (4, 9, 0)]
-        {
-            let mut x: Vec<f64> =
-                rand_vec(row as u64, rows * row).iter().map(|v| (v * 3.0).round()).collect();
+        for (rows, row, k) in [(1, 1, 1), (3, 17, 4), (17, 3, 3), (5, 129, 8), (2, 1000, 1), (4, 9, 0)] {
+            let mut x: Vec<f64> = rand_vec(row as u64, rows * row).iter().map(|v| (v * 3.0).round()).collect();
             for (j, v) in x.iter_mut().enumerate() {
                 if j % 7 == 0 {
                     *v = f64::NAN;
@@ -258,8 +248,7 @@ mod tests {
         for r in 0..rows {
             let picked = &i32_[r * k..(r + 1) * k];
             for j in 0..row {
-                let expected =
-                    picked.iter().position(|&p| p as usize == j).map_or(0.0, |s| dv[r * k + s]);
+                let expected = picked.iter().position(|&p| p as usize == j).map_or(0.0, |s| dv[r * k + s]);
                 assert_eq!(dx[r * row + j], expected);
             }
         }

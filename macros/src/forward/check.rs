@@ -66,7 +66,10 @@ fn check_every_field_used(cx: &Ctxt, m: &Model, p: &Program) {
         let called = p.nodes.iter().any(|n| matches!(&n.op, Op::Call(c) if *c == f.ident));
         let tied_to = m.fields.iter().any(|g| g.attrs.tied.as_ref() == Some(&f.ident));
         if !called && !tied_to {
-            cx.error_spanned_by(&f.ident, format!("`{}` is not used by the forward; every field of a model is a layer its forward calls: call it or remove it", f.ident));
+            cx.error_spanned_by(
+                &f.ident,
+                format!("`{}` is not used by the forward; every field of a model is a layer its forward calls: call it or remove it", f.ident),
+            );
         }
     }
 }

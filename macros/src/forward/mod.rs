@@ -25,7 +25,8 @@ pub fn attribute(item: syn::ItemImpl) -> TokenStream {
             .to_compile_error();
     };
     if let Some((_, tr, _)) = &item.trait_ {
-        return syn::Error::new_spanned(tr, "`#[forward]` goes on an inherent impl (`impl Model { .. }`); it writes the `Module` impl itself").to_compile_error();
+        return syn::Error::new_spanned(tr, "`#[forward]` goes on an inherent impl (`impl Model { .. }`); it writes the `Module` impl itself")
+            .to_compile_error();
     }
     path.segments.last_mut().expect("non-empty").arguments = syn::PathArguments::None;
     let self_ty = &item.self_ty;

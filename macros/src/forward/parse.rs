@@ -203,7 +203,15 @@ pub fn parse(cx: &Ctxt, item: &syn::ItemImpl) -> Option<Program> {
         }
     };
     lower.nodes[output].uses += 1;
-    Some(Program { input: input.ident.clone(), in_layout, out_layout, nodes: lower.nodes, output, generics: item.generics.clone(), self_ty: (*item.self_ty).clone() })
+    Some(Program {
+        input: input.ident.clone(),
+        in_layout,
+        out_layout,
+        nodes: lower.nodes,
+        output,
+        generics: item.generics.clone(),
+        self_ty: (*item.self_ty).clone(),
+    })
 }
 
 struct Lower<'a> {

@@ -38,17 +38,8 @@ pub struct Gpt2Config {
 }
 
 /// The fields [`Gpt2Config`] reads (and the behaviour switches it checks).
-pub(crate) const KNOWN: &[&str] = &[
-    "vocab_size",
-    "n_positions",
-    "n_embd",
-    "n_layer",
-    "n_head",
-    "n_inner",
-    "activation_function",
-    "layer_norm_epsilon",
-    "tie_word_embeddings",
-];
+pub(crate) const KNOWN: &[&str] =
+    &["vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function", "layer_norm_epsilon", "tie_word_embeddings"];
 
 /// Activations that are GELU's tanh approximation under another name.
 const TANH_GELU: &[&str] = &["gelu_new", "gelu_pytorch_tanh", "gelu_fast"];
@@ -92,11 +83,16 @@ impl Gpt2Config {
     /// Checks every field this model depends on; the error names the first
     /// bad field and what it would need to be.
     pub fn validate(&self) -> Result<()> {
-        for (field, v) in [("vocab_size", self.vocab_size), ("n_positions", self.n_positions), ("n_embd", self.n_embd), ("n_layer", self.n_layer), ("n_head", self.n_head)] {
+        for (field, v) in
+            [("vocab_size", self.vocab_size), ("n_positions", self.n_positions), ("n_embd", self.n_embd), ("n_layer", self.n_layer), ("n_head", self.n_head)]
+        {
             positive(field, v)?;
         }
         if !self.n_embd.is_multiple_of(self.n_head) {
-            return Err(Error::config("n_head", format!("{} heads do not divide n_embd = {}; choose a head count that divides the width", self.n_head, self.n_embd)));
+            return Err(Error::config(
+                "n_head",
+                format!("{} heads do not divide n_embd = {}; choose a head count that divides the width", self.n_head, self.n_embd),
+            ));
         }
         if let Some(inner) = self.n_inner {
             positive("n_inner", inner)?;

@@ -50,12 +50,8 @@ impl Weights {
             w.add_file(&single, None)?;
             return Ok(w);
         }
-        let json: serde_json::Value =
-            serde_json::from_slice(&read(&index)?).map_err(|e| file_err(&index, format!("not a JSON index: {e}")))?;
-        let map = json
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| file_err(&index, "has no `weight_map` object (tensor name → file)"))?;
+        let json: serde_json::Value = serde_json::from_slice(&read(&index)?).map_err(|e| file_err(&index, format!("not a JSON index: {e}")))?;
+        let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| file_err(&index, "has no `weight_map` object (tensor name → file)"))?;
         let mut by_file: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for (tensor, file) in map {
             let file = file.as_str().ok_or_else(|| file_err(&index, format!("`weight_map` entry `{tensor}` is not a file name")))?;

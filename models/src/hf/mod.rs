@@ -138,8 +138,8 @@ pub struct Pretrained<M: HfModel> {
 /// Reads and validates `<dir>/config.json`.
 pub fn read_config<C: HfConfig>(dir: impl AsRef<Path>) -> Result<C> {
     let path = dir.as_ref().join(CONFIG);
-    let value: serde_json::Value = serde_json::from_slice(&files::read(&path)?)
-        .map_err(|e| Error::File { path: path.display().to_string(), detail: format!("not valid JSON: {e}") })?;
+    let value: serde_json::Value =
+        serde_json::from_slice(&files::read(&path)?).map_err(|e| Error::File { path: path.display().to_string(), detail: format!("not valid JSON: {e}") })?;
     C::from_json(&value)
 }
 

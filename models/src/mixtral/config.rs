@@ -95,7 +95,17 @@ impl MixtralConfig {
     /// blocks, sequences of up to `max_pos` tokens, an untied head, Hugging
     /// Face's defaults otherwise.
     #[allow(clippy::too_many_arguments)]
-    pub fn tiny(vocab: usize, d: usize, heads: usize, kv_heads: usize, hidden: usize, experts: usize, top_k: usize, layers: usize, max_pos: usize) -> MixtralConfig {
+    pub fn tiny(
+        vocab: usize,
+        d: usize,
+        heads: usize,
+        kv_heads: usize,
+        hidden: usize,
+        experts: usize,
+        top_k: usize,
+        layers: usize,
+        max_pos: usize,
+    ) -> MixtralConfig {
         MixtralConfig {
             vocab_size: vocab,
             hidden_size: d,

@@ -94,8 +94,7 @@ pub fn read_tensors(path: &Path) -> Tensors {
 }
 
 pub fn write_tensors(path: &Path, tensors: &Tensors) {
-    let views: Vec<(&str, TensorView<'_>)> =
-        tensors.iter().map(|(n, (d, s, b))| (n.as_str(), TensorView::new(*d, s.clone(), b).unwrap())).collect();
+    let views: Vec<(&str, TensorView<'_>)> = tensors.iter().map(|(n, (d, s, b))| (n.as_str(), TensorView::new(*d, s.clone(), b).unwrap())).collect();
     std::fs::write(path, safetensors::tensor::serialize(views, None).unwrap()).unwrap();
 }
 

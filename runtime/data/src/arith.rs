@@ -33,8 +33,8 @@
 //! [`Task::eval`] measures generalisation, not memory.
 
 use super::{Index, ShardWriter, Tokenizer};
-use tessera_core::{Error, Result};
 use std::path::{Path, PathBuf};
+use tessera_core::{Error, Result};
 
 /// The characters of the task, in id order.
 pub const ALPHABET: &str = "\n+0123456789=";
@@ -134,10 +134,8 @@ impl Task {
     /// The task for `seed`, with [`DEFAULT_TRAIN_SIZE`] training problems.
     pub fn new(seed: u64) -> Self {
         let tokenizer = Tokenizer::chars(ALPHABET).expect("the task's alphabet has distinct characters");
-        let mut held_out: Vec<(u64, Problem)> = (0..OPERANDS * OPERANDS)
-            .filter(|&i| held_out_draw(seed, i))
-            .map(|i| (draw(seed, EVAL_ORDER_STREAM, i), Problem::from_index(i)))
-            .collect();
+        let mut held_out: Vec<(u64, Problem)> =
+            (0..OPERANDS * OPERANDS).filter(|&i| held_out_draw(seed, i)).map(|i| (draw(seed, EVAL_ORDER_STREAM, i), Problem::from_index(i))).collect();
         held_out.sort_unstable();
         Self { seed, train_size: DEFAULT_TRAIN_SIZE, tokenizer, held_out: held_out.into_iter().map(|(_, p)| p).collect() }
     }
@@ -233,7 +231,11 @@ impl Task {
             let prompts = chunk.iter().map(|p| self.tokenizer.encode(&p.prompt())).collect::<Result<Vec<_>>>()?;
             let completions = generate(&prompts)?;
             if completions.len() != chunk.len() {
-                return Err(Error::Data(format!("the generator returned {} completions for {} prompts; return one per prompt", completions.len(), chunk.len())));
+                return Err(Error::Data(format!(
+                    "the generator returned {} completions for {} prompts; return one per prompt",
+                    completions.len(),
+                    chunk.len()
+                )));
             }
             for (p, ids) in chunk.iter().zip(completions) {
                 let got: String = ids.iter().map(|&id| self.tokenizer.decode(&[id]).unwrap_or_else(|_| "?".into())).collect();
@@ -242,7 +244,11 @@ impl Task {
                 for (k, (e, g)) in sample.expected.chars().zip(sample.got.chars()).enumerate() {
                     digits_right[k] += usize::from(e == g);
                 }
-                if sample.got == sample.expected { right.push(sample) } else { wrong.push(sample) }
+                if sample.got == sample.expected {
+                    right.push(sample)
+                } else {
+                    wrong.push(sample)
+                }
             }
         }
         let correct = right.len();

@@ -2,9 +2,9 @@
 //! one, and the bundled task's answer-only targets.
 
 use super::{arith, Cursor, Sampler};
+use serde_json::Value;
 use tessera_core::Result;
 use tessera_core::{Device, Tensor};
-use serde_json::Value;
 
 /// A stream of training microbatches for one data replica.
 ///

@@ -1,8 +1,8 @@
 //! Text files to a token-shard dataset: what `tessera prepare` runs.
 
 use super::{CharTokenizer, Index, ShardWriter, Tokenizer};
-use tessera_core::{Error, Result};
 use std::path::{Path, PathBuf};
+use tessera_core::{Error, Result};
 
 /// Where the dataset's tokenizer comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]

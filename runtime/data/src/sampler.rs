@@ -27,9 +27,9 @@
 //! recorded in the cursor.
 
 use super::Dataset;
-use tessera_core::{Error, Result};
-use tessera_core::{Device, RngKey, Tensor};
 use serde::{Deserialize, Serialize};
+use tessera_core::{Device, RngKey, Tensor};
+use tessera_core::{Error, Result};
 
 /// One window: `shard` and its window number there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -341,10 +341,17 @@ impl Sampler {
             return Err(Error::Data(format!("the cursor's position {} is past the epoch's {} windows; it is damaged", cursor.position, cursor.windows)));
         }
         if let Some(r) = cursor.excluded.iter().find(|r| r.shard >= self.data.shard_count()) {
-            return Err(Error::Data(format!("the cursor excludes shard {}, but the dataset has {} shards; resume with the same dataset", r.shard, self.data.shard_count())));
+            return Err(Error::Data(format!(
+                "the cursor excludes shard {}, but the dataset has {} shards; resume with the same dataset",
+                r.shard,
+                self.data.shard_count()
+            )));
         }
         if let Some(s) = cursor.excluded_spans.iter().find(|s| s.start > s.end || s.end > cursor.windows) {
-            return Err(Error::Data(format!("the cursor excludes positions {}..{} of epoch {}, outside its {} windows; it is damaged", s.start, s.end, s.epoch, cursor.windows)));
+            return Err(Error::Data(format!(
+                "the cursor excludes positions {}..{} of epoch {}, outside its {} windows; it is damaged",
+                s.start, s.end, s.epoch, cursor.windows
+            )));
         }
         Ok(())
     }
@@ -394,7 +401,11 @@ impl Sampler {
         epochs.sort_unstable();
         epochs.dedup();
         for epoch in epochs {
-            let order = if self.order_epoch == Some(epoch) { std::borrow::Cow::Borrowed(&self.order) } else { std::borrow::Cow::Owned(order_of(self.cursor.seed, epoch, self.cursor.windows)) };
+            let order = if self.order_epoch == Some(epoch) {
+                std::borrow::Cow::Borrowed(&self.order)
+            } else {
+                std::borrow::Cow::Owned(order_of(self.cursor.seed, epoch, self.cursor.windows))
+            };
             for s in spans.iter().filter(|s| s.epoch == epoch) {
                 out.extend(order[s.start as usize..s.end.min(self.cursor.windows) as usize].iter().copied());
             }

@@ -16,13 +16,13 @@
 //! truncated or foreign file is reported by name before any training starts.
 
 use super::Tokenizer;
-use tessera_core::{Error, Result};
 use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use tessera_core::{Error, Result};
 
 /// The first eight bytes of every shard.
 pub const MAGIC: [u8; 8] = *b"TSRTOKEN";
@@ -279,7 +279,12 @@ impl Dataset {
         let dir = dir.as_ref().to_path_buf();
         let index_path = dir.join(INDEX_FILE);
         let text = std::fs::read_to_string(&index_path).map_err(|e| {
-            Error::data_file(&index_path, format!("cannot be read ({e}); point at a directory written by `tessera prepare` (a directory without an index was never finished: {REPREPARE})"))
+            Error::data_file(
+                &index_path,
+                format!(
+                    "cannot be read ({e}); point at a directory written by `tessera prepare` (a directory without an index was never finished: {REPREPARE})"
+                ),
+            )
         })?;
         let index: Index = serde_json::from_str(&text).map_err(|e| Error::data_file(&index_path, format!("is not a shard index ({e}); {REPREPARE}")))?;
         if index.format != INDEX_FORMAT || index.version != FORMAT_VERSION {
@@ -344,7 +349,12 @@ impl Dataset {
     pub fn read(&self, shard: usize, start: u64, out: &mut [u32]) -> Result<()> {
         let s = self.shards.get(shard).ok_or_else(|| Error::Data(format!("shard {shard} does not exist; the dataset has {}", self.shards.len())))?;
         let end = start.checked_add(out.len() as u64).filter(|&e| e <= s.tokens).ok_or_else(|| {
-            Error::Data(format!("tokens {start}..{} are past the end of shard `{}`, which holds {}", start as u128 + out.len() as u128, s.path.display(), s.tokens))
+            Error::Data(format!(
+                "tokens {start}..{} are past the end of shard `{}`, which holds {}",
+                start as u128 + out.len() as u128,
+                s.path.display(),
+                s.tokens
+            ))
         })?;
         let width = self.index.dtype.width();
         let bytes = &s.map[HEADER_BYTES + start as usize * width..HEADER_BYTES + end as usize * width];
@@ -355,7 +365,11 @@ impl Dataset {
         if let Some((i, &t)) = out.iter().enumerate().find(|(_, &t)| t as usize >= self.index.vocab_size) {
             return Err(Error::data_file(
                 &s.path,
-                format!("token {t} at position {} is outside the vocabulary of {} ids: the file is corrupt; {REPREPARE}", start + i as u64, self.index.vocab_size),
+                format!(
+                    "token {t} at position {} is outside the vocabulary of {} ids: the file is corrupt; {REPREPARE}",
+                    start + i as u64,
+                    self.index.vocab_size
+                ),
             ));
         }
         Ok(())
@@ -408,7 +422,10 @@ impl Shard {
         let expected = count.checked_mul(width as u64).and_then(|b| b.checked_add(HEADER_BYTES as u64));
         if expected != Some(len) {
             let detail = if expected.is_some_and(|e| len < e) { "is truncated" } else { "has trailing bytes" };
-            return Err(bad(format!("{detail}: {len} bytes, but a header of {HEADER_BYTES} and {count} tokens of {width} bytes make {}", expected.map_or("too many".to_string(), |e| e.to_string()))));
+            return Err(bad(format!(
+                "{detail}: {len} bytes, but a header of {HEADER_BYTES} and {count} tokens of {width} bytes make {}",
+                expected.map_or("too many".to_string(), |e| e.to_string())
+            )));
         }
         Ok(Self { path, map, tokens: count })
     }

@@ -13,10 +13,10 @@
 //! small Tessera format (`{"tessera": "char-tokenizer", "alphabet": ...}`);
 //! [`Tokenizer::load`] recognises either.
 
-use tessera_core::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
+use tessera_core::{Error, Result};
 
 /// The special token a trained BPE reserves to separate documents.
 pub const END_OF_TEXT: &str = "<|endoftext|>";
@@ -73,9 +73,8 @@ impl Tokenizer {
         let byte_level = ByteLevel::default().add_prefix_space(false);
         let mut bpe = tokenizers::Tokenizer::new(BPE::default());
         bpe.with_pre_tokenizer(Some(byte_level)).with_decoder(Some(byte_level));
-        bpe.train_from_files(&mut trainer, names).map_err(|e| {
-            Error::Data(format!("training a BPE tokenizer failed: {e}; every input must be a readable UTF-8 text file"))
-        })?;
+        bpe.train_from_files(&mut trainer, names)
+            .map_err(|e| Error::Data(format!("training a BPE tokenizer failed: {e}; every input must be a readable UTF-8 text file")))?;
         Ok(Tokenizer::Bpe(Box::new(bpe)))
     }
 
@@ -120,10 +119,9 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             Tokenizer::Chars(c) => c.encode(text),
-            Tokenizer::Bpe(b) => b
-                .encode(text, false)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| Error::Data(format!("the BPE tokenizer cannot encode a text: {e}"))),
+            Tokenizer::Bpe(b) => {
+                b.encode(text, false).map(|e| e.get_ids().to_vec()).map_err(|e| Error::Data(format!("the BPE tokenizer cannot encode a text: {e}")))
+            }
         }
     }
 
@@ -131,7 +129,9 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         let vocab = self.vocab_size();
         if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
-            return Err(Error::Data(format!("token id {id} at position {i} is outside the tokenizer's vocabulary of {vocab} ids; decode only ids this tokenizer produced")));
+            return Err(Error::Data(format!(
+                "token id {id} at position {i} is outside the tokenizer's vocabulary of {vocab} ids; decode only ids this tokenizer produced"
+            )));
         }
         match self {
             Tokenizer::Chars(c) => c.decode(ids),
@@ -244,9 +244,10 @@ impl CharTokenizer {
         ids.iter()
             .enumerate()
             .map(|(i, &id)| {
-                self.chars.get(id as usize).copied().ok_or_else(|| {
-                    Error::Data(format!("token id {id} at position {i} is outside the alphabet of {} characters", self.chars.len()))
-                })
+                self.chars
+                    .get(id as usize)
+                    .copied()
+                    .ok_or_else(|| Error::Data(format!("token id {id} at position {i} is outside the alphabet of {} characters", self.chars.len())))
             })
             .collect()
     }

@@ -2,11 +2,11 @@
 //! operation running in the background, and the trivial communicator of a
 //! group of one rank.
 
-use tessera_core::{Error, Result};
-use tessera_core::tensor::Tensor;
 use std::cell::OnceCell;
 use std::fmt;
 use std::sync::mpsc;
+use tessera_core::tensor::Tensor;
+use tessera_core::{Error, Result};
 
 /// Collective and point-to-point communication within one group of ranks
 /// (one mesh axis).

@@ -72,9 +72,6 @@ mod data;
 mod state;
 
 use super::comm::{Communicator, Pending};
-use tessera_core::{Error, Result};
-use tessera_core::tensor::Tensor;
-use tessera_core::Device;
 use data::{concat, cpu_device, reduce, wrap};
 use state::{GroupState, Kind, Payload, Post, World};
 use std::fmt;
@@ -84,6 +81,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
+use tessera_core::tensor::Tensor;
+use tessera_core::Device;
+use tessera_core::{Error, Result};
 
 /// The shared state of a world of ranks that are threads of this process.
 ///
@@ -163,10 +163,7 @@ impl InProcess {
             return Err(Error::invalid("InProcess::group", "a group needs at least one rank"));
         }
         if let Some(&r) = ranks.iter().find(|&&r| r >= self.world.size) {
-            return Err(Error::invalid(
-                "InProcess::group",
-                format!("rank {r} in {ranks:?} is not a rank of this world of {} ranks", self.world.size),
-            ));
+            return Err(Error::invalid("InProcess::group", format!("rank {r} in {ranks:?} is not a rank of this world of {} ranks", self.world.size)));
         }
         let mut sorted = ranks.to_vec();
         sorted.sort_unstable();
@@ -205,21 +202,17 @@ impl Group {
     /// receives with [`Communicator::recv`] are allocated on `device`. An
     /// error when `rank` is not a member or already has a communicator here.
     pub fn communicator(&self, rank: usize, device: &Device) -> Result<InProcessComm> {
-        let me = self.state.ranks.iter().position(|&r| r == rank).ok_or_else(|| {
-            Error::invalid("Group::communicator", format!("rank {rank} is not a member of group {:?}", self.state.ranks))
-        })?;
+        let me = self
+            .state
+            .ranks
+            .iter()
+            .position(|&r| r == rank)
+            .ok_or_else(|| Error::invalid("Group::communicator", format!("rank {rank} is not a member of group {:?}", self.state.ranks)))?;
         if let Device::Cuda(d) = device {
             return d.unsupported("the in-process communicator (CUDA ranks will communicate through NCCL)");
         }
         self.state.attach(me, device)?;
-        let core = Core {
-            world: self.world.clone(),
-            group: self.state.clone(),
-            me,
-            device: device.clone(),
-            step: AtomicU64::new(0),
-            exec: Mutex::new(()),
-        };
+        let core = Core { world: self.world.clone(), group: self.state.clone(), me, device: device.clone(), step: AtomicU64::new(0), exec: Mutex::new(()) };
         Ok(InProcessComm { core: Arc::new(core), outstanding: Arc::new(AtomicUsize::new(0)), worker: Mutex::new(None) })
     }
 }
@@ -277,11 +270,7 @@ impl InProcessComm {
     }
 
     /// Queues `f` on the background thread, starting it if needed.
-    fn submit<T: Send + 'static>(
-        &self,
-        op: &'static str,
-        f: impl FnOnce(&Core) -> Result<T> + Send + 'static,
-    ) -> Result<Pending<T>> {
+    fn submit<T: Send + 'static>(&self, op: &'static str, f: impl FnOnce(&Core) -> Result<T> + Send + 'static) -> Result<Pending<T>> {
         let (done, pending) = Pending::channel(op, self.world_rank());
         let core = self.core.clone();
         let outstanding = self.outstanding.clone();
@@ -309,10 +298,7 @@ impl InProcessComm {
         self.outstanding.fetch_add(1, Ordering::AcqRel);
         if worker.as_ref().expect("started above").jobs.send(job).is_err() {
             self.outstanding.fetch_sub(1, Ordering::AcqRel);
-            return Err(Error::PeerFailed {
-                rank: self.world_rank(),
-                reason: format!("its communication thread has stopped, so {op} cannot start"),
-            });
+            return Err(Error::PeerFailed { rank: self.world_rank(), reason: format!("its communication thread has stopped, so {op} cannot start") });
         }
         Ok(pending)
     }
@@ -329,11 +315,7 @@ impl InProcessComm {
                     // leave the peers waiting: report it and keep serving, so
                     // the queued calls fail fast instead of never finishing.
                     if let Err(p) = catch_unwind(AssertUnwindSafe(job)) {
-                        let msg = p
-                            .downcast_ref::<&str>()
-                            .map(|s| s.to_string())
-                            .or_else(|| p.downcast_ref::<String>().cloned())
-                            .unwrap_or_default();
+                        let msg = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
                         core.world.fail(rank, format!("its communication thread panicked: {msg}"));
                     }
                 }
@@ -365,10 +347,9 @@ impl Drop for InProcessComm {
             drop(w.jobs);
             let _ = w.thread.join();
         }
-        self.core.group.depart(
-            self.core.me,
-            format!("its communicator for group {:?} was dropped while the other ranks still needed it", self.core.group.ranks),
-        );
+        self.core
+            .group
+            .depart(self.core.me, format!("its communicator for group {:?} was dropped while the other ranks still needed it", self.core.group.ranks));
     }
 }
 
@@ -518,10 +499,7 @@ impl Core {
         let ranks = &self.group.ranks;
         let first = &posts[0];
         if let Some((i, p)) = posts.iter().enumerate().find(|(_, p)| p.kind != first.kind) {
-            return Err(Error::CollectiveMismatch {
-                op,
-                detail: format!("rank {} called {first} while rank {} called {p}", ranks[0], ranks[i]),
-            });
+            return Err(Error::CollectiveMismatch { op, detail: format!("rank {} called {first} while rank {} called {p}", ranks[0], ranks[i]) });
         }
         if let Some(e) = own_error {
             return Err(e);
@@ -532,10 +510,7 @@ impl Core {
         }
         if t.is_some() {
             if let Some((i, p)) = posts.iter().enumerate().find(|(_, p)| p.meta != first.meta) {
-                return Err(Error::CollectiveMismatch {
-                    op,
-                    detail: format!("rank {} called {first} but rank {} called {p}", ranks[0], ranks[i]),
-                });
+                return Err(Error::CollectiveMismatch { op, detail: format!("rank {} called {first} but rank {} called {p}", ranks[0], ranks[i]) });
             }
         }
         Ok(posts)
@@ -567,8 +542,7 @@ impl Core {
         let dims = t.dims();
         let outer: usize = dims[..dim].iter().product();
         let block: usize = dims[dim..].iter().product();
-        let pieces: Vec<(&Tensor, Range<usize>)> =
-            (0..outer).flat_map(|o| posts.iter().map(move |p| (p.one(), o * block..(o + 1) * block))).collect();
+        let pieces: Vec<(&Tensor, Range<usize>)> = (0..outer).flat_map(|o| posts.iter().map(move |p| (p.one(), o * block..(o + 1) * block))).collect();
         let mut out_dims = dims.to_vec();
         out_dims[dim] *= self.size();
         let out = wrap(concat(dev, t.dtype(), &pieces), out_dims, dev);

@@ -33,10 +33,10 @@
 //! # Ok::<(), tessera::Error>(())
 //! ```
 
-use tessera_core::{Error, Result};
 use std::fmt;
 use std::ops::{Index, IndexMut};
 use std::str::FromStr;
+use tessera_core::{Error, Result};
 
 /// A named axis of the mesh: one kind of parallelism.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -90,9 +90,10 @@ impl FromStr for Axis {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Axis> {
-        Axis::ALL.into_iter().find(|a| a.name().eq_ignore_ascii_case(s)).ok_or_else(|| {
-            Error::invalid("Axis::from_str", format!("unknown axis `{s}`; the axes are {}", axis_list()))
-        })
+        Axis::ALL
+            .into_iter()
+            .find(|a| a.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| Error::invalid("Axis::from_str", format!("unknown axis `{s}`; the axes are {}", axis_list())))
     }
 }
 
@@ -151,13 +152,12 @@ impl Degrees {
         for item in spec.split(|c: char| c == ',' || c.is_whitespace()).filter(|s| !s.is_empty()) {
             let split = item.find(|c: char| !c.is_ascii_alphabetic()).unwrap_or(item.len());
             let (name, rest) = item.split_at(split);
-            let axis: Axis = name.parse().map_err(|_| {
-                Error::invalid(OP, format!("unknown axis `{name}` in `{item}` of `{spec}`; the axes are {}", axis_list()))
-            })?;
+            let axis: Axis =
+                name.parse().map_err(|_| Error::invalid(OP, format!("unknown axis `{name}` in `{item}` of `{spec}`; the axes are {}", axis_list())))?;
             let number = rest.strip_prefix(['=', ':']).unwrap_or(rest);
-            let degree: usize = number.parse().map_err(|_| {
-                Error::invalid(OP, format!("`{item}` in `{spec}` has no valid degree; write the axis and its degree, as in `{axis}4`"))
-            })?;
+            let degree: usize = number
+                .parse()
+                .map_err(|_| Error::invalid(OP, format!("`{item}` in `{spec}` has no valid degree; write the axis and its degree, as in `{axis}4`")))?;
             if std::mem::replace(&mut seen[axis.index()], true) {
                 return Err(Error::invalid(OP, format!("`{axis}` is given twice in `{spec}`; give each axis once")));
             }
@@ -284,14 +284,12 @@ impl Mesh {
         }
         match degrees.product() {
             Some(n) if n == world => Ok(Mesh { degrees, world, ranks_per_node }),
-            Some(n) => Err(Error::invalid(
-                OP,
-                format!("{} = {n}, but the world has {world} ranks; choose degrees whose product is {world}", degrees.factors()),
-            )),
-            None => Err(Error::invalid(
-                OP,
-                format!("{} overflows, but the world has {world} ranks; choose degrees whose product is {world}", degrees.factors()),
-            )),
+            Some(n) => {
+                Err(Error::invalid(OP, format!("{} = {n}, but the world has {world} ranks; choose degrees whose product is {world}", degrees.factors())))
+            }
+            None => {
+                Err(Error::invalid(OP, format!("{} overflows, but the world has {world} ranks; choose degrees whose product is {world}", degrees.factors())))
+            }
         }
     }
 
@@ -364,10 +362,7 @@ impl Mesh {
         for axis in Axis::ALL {
             let (c, n) = (coords[axis], self.size(axis));
             if c >= n {
-                return Err(Error::invalid(
-                    "Mesh::rank_of",
-                    format!("coordinate {axis} {c} of {coords} is outside the axis, whose degree is {n}; use 0..{n}"),
-                ));
+                return Err(Error::invalid("Mesh::rank_of", format!("coordinate {axis} {c} of {coords} is outside the axis, whose degree is {n}; use 0..{n}")));
             }
             rank = rank * n + c;
         }
@@ -399,10 +394,7 @@ impl Mesh {
         let (stride, size) = (self.stride(axis), self.size(axis));
         // A group's first rank has coordinate 0 on `axis`: within each block of
         // `stride · size` ranks, the first `stride` ranks.
-        (0..self.world)
-            .filter(|r| (r / stride) % size == 0)
-            .map(|first| (0..size).map(|i| first + i * stride).collect())
-            .collect()
+        (0..self.world).filter(|r| (r / stride) % size == 0).map(|first| (0..size).map(|i| first + i * stride).collect()).collect()
     }
 
     /// The node `rank` runs on.

@@ -84,16 +84,16 @@ mod raw;
 
 use super::comm::{Communicator, Pending};
 use super::mesh::{Axis, Mesh};
-use tessera_core::backend::{CudaDevice, CudaStorage, Device, Storage};
-use tessera_core::{Error, Result};
 use crate::Groups;
-use tessera_core::tensor::{DType, Shape, Tensor};
 use cudarc::driver::CudaEvent;
 use cudarc::nccl::{result, sys};
 use raw::{describe, nccl_type, RawComm};
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, MutexGuard};
+use tessera_core::backend::{CudaDevice, CudaStorage, Device, Storage};
+use tessera_core::tensor::{DType, Shape, Tensor};
+use tessera_core::{Error, Result};
 
 /// One rank's communicator in a group of CUDA devices, through NCCL.
 ///
@@ -125,7 +125,10 @@ struct Member {
 enum State {
     Live(RawComm),
     /// Stopped by `abort` on world rank `rank`.
-    Stopped { rank: usize, reason: String },
+    Stopped {
+        rank: usize,
+        reason: String,
+    },
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -151,10 +154,16 @@ fn cuda_devices(op: &'static str, devices: &[Device]) -> Result<Vec<CudaDevice>>
     let mut out: Vec<CudaDevice> = Vec::with_capacity(devices.len());
     for (i, d) in devices.iter().enumerate() {
         let Device::Cuda(c) = d else {
-            return Err(Error::invalid(op, format!("device {i} is {d}: NCCL connects CUDA devices; use the in-process communicator (`dist::inproc`) for CPU ranks")));
+            return Err(Error::invalid(
+                op,
+                format!("device {i} is {d}: NCCL connects CUDA devices; use the in-process communicator (`dist::inproc`) for CPU ranks"),
+            ));
         };
         if let Some(j) = out.iter().position(|o| o.ordinal() == c.ordinal()) {
-            return Err(Error::invalid(op, format!("devices {j} and {i} are both cuda:{}: NCCL runs one rank per GPU; give every rank its own device", c.ordinal())));
+            return Err(Error::invalid(
+                op,
+                format!("devices {j} and {i} are both cuda:{}: NCCL runs one rank per GPU; give every rank its own device", c.ordinal()),
+            ));
         }
         out.push(c.clone());
     }
@@ -181,8 +190,11 @@ impl NcclCommunicator {
         let cuda = cuda_devices(op, devices)?;
         raw::library()?;
         let ordinals: Vec<usize> = cuda.iter().map(CudaDevice::ordinal).collect();
-        let handles = RawComm::init_all(&ordinals)
-            .map_err(|detail| Error::Nccl { ordinal: ordinals[0], op: "creating the communicators of a group (ncclCommInitAll)", detail })?;
+        let handles = RawComm::init_all(&ordinals).map_err(|detail| Error::Nccl {
+            ordinal: ordinals[0],
+            op: "creating the communicators of a group (ncclCommInitAll)",
+            detail,
+        })?;
         let members = cuda.into_iter().zip(handles).map(|(device, h)| Member { device, state: Mutex::new(State::Live(h)) }).collect();
         let shared = Arc::new(Shared { members, mail: p2p::Mailboxes::new(world_ranks.len()), world_ranks });
         Ok((0..devices.len()).map(|rank| NcclCommunicator { shared: shared.clone(), rank }).collect())
@@ -231,7 +243,11 @@ impl NcclCommunicator {
 
     /// Queues one NCCL call on the communication stream, ordered after the
     /// compute queued so far, and returns an event recorded after it.
-    fn queue(&self, op: &'static str, call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<result::NcclStatus, result::NcclError>) -> Result<Arc<CudaEvent>> {
+    fn queue(
+        &self,
+        op: &'static str,
+        call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<result::NcclStatus, result::NcclError>,
+    ) -> Result<Arc<CudaEvent>> {
         let member = self.member();
         let state = lock(&member.state);
         let comm = match &*state {
@@ -255,7 +271,11 @@ impl NcclCommunicator {
 
     /// Queues one NCCL call like [`queue`](Self::queue), and orders the
     /// compute queued next after it.
-    fn launch(&self, op: &'static str, call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<result::NcclStatus, result::NcclError>) -> Result<()> {
+    fn launch(
+        &self,
+        op: &'static str,
+        call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<result::NcclStatus, result::NcclError>,
+    ) -> Result<()> {
         let event = self.queue(op, call)?;
         Inflight { device: self.cuda().clone(), event, keep: Vec::new() }.release()
     }
@@ -264,12 +284,23 @@ impl NcclCommunicator {
     /// buffers `keep`: done once the device has run it; waiting for it orders
     /// the compute queued from then on after it (the host does not block),
     /// then returns what `finish` makes of the output.
-    fn pending<T: Send + 'static>(&self, op: &'static str, event: Arc<CudaEvent>, keep: Vec<Tensor>, finish: impl FnOnce() -> Result<T> + Send + 'static) -> Pending<T> {
+    fn pending<T: Send + 'static>(
+        &self,
+        op: &'static str,
+        event: Arc<CudaEvent>,
+        keep: Vec<Tensor>,
+        finish: impl FnOnce() -> Result<T> + Send + 'static,
+    ) -> Pending<T> {
         let inflight = Inflight { device: self.cuda().clone(), event: event.clone(), keep };
-        Pending::queued(op, self.rank, move || event.is_complete(), move || {
-            inflight.release()?;
-            finish()
-        })
+        Pending::queued(
+            op,
+            self.rank,
+            move || event.is_complete(),
+            move || {
+                inflight.release()?;
+                finish()
+            },
+        )
     }
 
     fn check_dim(op: &'static str, t: &Tensor, dim: usize) -> Result<()> {
@@ -404,7 +435,11 @@ impl Communicator for NcclCommunicator {
         if !t.dims()[dim].is_multiple_of(size) {
             return Err(Error::shape(
                 op,
-                format!("dim {dim} of shape {} has {} elements, not a multiple of the group size {size}; pad it or scatter along another dim", t.shape(), t.dims()[dim]),
+                format!(
+                    "dim {dim} of shape {} has {} elements, not a multiple of the group size {size}; pad it or scatter along another dim",
+                    t.shape(),
+                    t.dims()[dim]
+                ),
             ));
         }
         let x = self.input(op, t)?;
@@ -434,9 +469,9 @@ impl Communicator for NcclCommunicator {
         let out = if self.rank == root { x.clone() } else { self.output(&x, x.shape().clone())? };
         let (src, dst, n, ty) = (address(op, &x)?, address(op, &out)?, x.elem_count(), nccl_type(x.dtype()));
         let root = root as i32; // checked above: below the group size, an i32
-        // SAFETY: `src` and `dst` hold `n` elements of `ty` on this rank's
-        // device, alive until the call has run (see all_reduce_sum_async); on
-        // the root they are the same buffer, which NCCL allows.
+                                // SAFETY: `src` and `dst` hold `n` elements of `ty` on this rank's
+                                // device, alive until the call has run (see all_reduce_sum_async); on
+                                // the root they are the same buffer, which NCCL allows.
         let event = self.queue(op, |comm, stream| unsafe { result::broadcast(src, dst, n, ty, root, comm, stream) })?;
         Ok(self.pending(op, event, vec![x], move || Ok(out)))
     }
@@ -520,11 +555,16 @@ pub fn mesh_groups(mesh: &Mesh, devices: &[Device]) -> Result<Vec<Groups>> {
     }
     let slot = |axis: Axis| Axis::ALL.iter().position(|&a| a == axis).expect("every axis is in Axis::ALL");
     let take = |comms: &mut Vec<Vec<Option<Arc<dyn Communicator>>>>, axis: Axis, rank: usize| -> Result<Arc<dyn Communicator>> {
-        comms[slot(axis)][rank]
-            .take()
-            .ok_or_else(|| Error::invalid("nccl::mesh_groups", format!("rank {rank} belongs to no {axis} group of the mesh {mesh}")))
+        comms[slot(axis)][rank].take().ok_or_else(|| Error::invalid("nccl::mesh_groups", format!("rank {rank} belongs to no {axis} group of the mesh {mesh}")))
     };
     (0..mesh.world())
-        .map(|r| Ok(Groups { tp: take(&mut comms, Axis::Tp, r)?, dp: take(&mut comms, Axis::Dp, r)?, pp: take(&mut comms, Axis::Pp, r)?, ep: take(&mut comms, Axis::Ep, r)? }))
+        .map(|r| {
+            Ok(Groups {
+                tp: take(&mut comms, Axis::Tp, r)?,
+                dp: take(&mut comms, Axis::Dp, r)?,
+                pp: take(&mut comms, Axis::Pp, r)?,
+                ep: take(&mut comms, Axis::Ep, r)?,
+            })
+        })
         .collect()
 }

@@ -1,10 +1,10 @@
 //! Causal grouped-query self-attention on packed query/key/value projections.
 
-use tessera_core::{Error, Result};
 use crate::module::{Act, Cx, Module, Plain, SplitHidden, Visitor};
+use std::fmt;
 use tessera_core::ops::{self, AttnOpts, QkvHeads, Rope};
 use tessera_core::tensor::Tensor;
-use std::fmt;
+use tessera_core::{Error, Result};
 
 /// Causal self-attention with grouped-query heads and optional rotary
 /// position embedding; no parameters.

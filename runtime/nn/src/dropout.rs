@@ -1,10 +1,10 @@
 //! Dropout whose mask is drawn from the context's key and redrawn in the backward.
 
-use tessera_core::{Error, Result};
 use crate::module::{Act, Cx, Module, Plain, Replicated, Seq, Visitor};
 use tessera_core::ops;
 use tessera_core::tensor::Tensor;
 use tessera_core::RngKey;
+use tessera_core::{Error, Result};
 
 /// Zeroes each element with probability `p` during training and scales the
 /// rest by `1/(1-p)`; the identity in evaluation (`!cx.training()`) or when

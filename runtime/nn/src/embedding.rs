@@ -1,9 +1,9 @@
 //! Token embedding, plain and vocab-parallel.
 
-use tessera_core::{Error, Result};
 use crate::module::{Act, Cx, Module, Param, PartialSum, Plain, Replicated, Visitor, Vocab};
 use tessera_core::ops;
 use tessera_core::tensor::{Init, Tensor};
+use tessera_core::{Error, Result};
 
 /// A table of `vocab` rows of `dim` values, looked up by `u32` token ids.
 ///

@@ -47,9 +47,9 @@ pub use norm::{LayerNorm, NormState, RmsNorm};
 pub use position::{PositionEmbedding, PositionEmbeddingSaved};
 pub use stack::Stack;
 
-use tessera_core::Result;
 use crate::module::{Cx, Param};
 use tessera_core::tensor::Tensor;
+use tessera_core::Result;
 
 /// A parameter's value in the compute dtype, for a backward: unlike
 /// [`Cx::param`] it records no use (the forward already did).

@@ -1,11 +1,11 @@
 //! The affine layer `y = x·Wᵀ + b` in its four tensor-parallel forms.
 
 use super::param_value;
-use tessera_core::{Error, Result};
-use crate::module::{Act, Column, Cx, Module, PartialSum, Plain, Replicated, Row, Seq, SplitHidden, Visitor, Vocab};
 use crate::module::Param;
+use crate::module::{Act, Column, Cx, Module, PartialSum, Plain, Replicated, Row, Seq, SplitHidden, Visitor, Vocab};
 use tessera_core::ops;
 use tessera_core::tensor::{Init, Tensor};
+use tessera_core::{Error, Result};
 
 /// A fully connected layer `y = x·Wᵀ + b` over the last dimension.
 ///
@@ -72,10 +72,7 @@ impl Linear {
     /// A layer from `in_features` to `out_features`, with a bias when `bias` is true.
     pub fn new(in_features: usize, out_features: usize, bias: bool) -> Result<Linear> {
         if in_features == 0 || out_features == 0 {
-            return Err(Error::invalid(
-                "Linear::new",
-                format!("in_features ({in_features}) and out_features ({out_features}) must both be positive"),
-            ));
+            return Err(Error::invalid("Linear::new", format!("in_features ({in_features}) and out_features ({out_features}) must both be positive")));
         }
         Ok(Linear {
             in_features,

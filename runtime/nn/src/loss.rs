@@ -1,10 +1,10 @@
 //! Cross-entropy over vocabulary-parallel logits.
 
-use tessera_core::{Error, Result};
-use tessera_dist::Communicator;
 use crate::module::{Act, SplitHidden};
 use tessera_core::ops;
 use tessera_core::tensor::{DType, Tensor};
+use tessera_core::{Error, Result};
+use tessera_dist::Communicator;
 
 /// What [`vocab_parallel_cross_entropy`] keeps for its backward.
 #[derive(Clone, Debug)]

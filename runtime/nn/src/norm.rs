@@ -1,10 +1,10 @@
 //! LayerNorm and RMSNorm over the last dimension.
 
 use super::param_value;
-use tessera_core::{Error, Result};
 use crate::module::{Act, Cx, Module, Param, Plain, Replicated, Seq, Visitor};
 use tessera_core::ops::{self, NormSaved};
 use tessera_core::tensor::{Init, Tensor};
+use tessera_core::{Error, Result};
 
 /// What a normalisation keeps for its backward: its input and one or two
 /// per-row statistics (input bytes plus 4 or 8 bytes per row in f32).

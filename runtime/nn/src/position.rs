@@ -1,9 +1,9 @@
 //! Learned absolute position embedding, added to the activations (GPT-2's `wpe`).
 
-use tessera_core::{Error, Result};
 use crate::module::{Act, Cx, Module, Param, Plain, Replicated, Seq, Visitor};
 use tessera_core::ops;
 use tessera_core::tensor::{Init, Tensor};
+use tessera_core::{Error, Result};
 
 /// A table of `max_positions` learned rows of `dim` values; the forward adds
 /// row `p` to the activation of the token at position `p`.
@@ -65,10 +65,7 @@ impl PositionEmbedding {
     /// A table for sequences of up to `max_positions` tokens of width `dim`.
     pub fn new(max_positions: usize, dim: usize) -> Result<PositionEmbedding> {
         if max_positions == 0 || dim == 0 {
-            return Err(Error::invalid(
-                "PositionEmbedding::new",
-                format!("max_positions ({max_positions}) and dim ({dim}) must both be positive"),
-            ));
+            return Err(Error::invalid("PositionEmbedding::new", format!("max_positions ({max_positions}) and dim ({dim}) must both be positive")));
         }
         if max_positions > u32::MAX as usize {
             return Err(Error::invalid("PositionEmbedding::new", format!("{max_positions} positions do not fit u32 indices; use at most {}", u32::MAX)));
@@ -139,7 +136,10 @@ impl Module<Plain> for PositionEmbedding {
     fn backward(&self, cx: &mut Cx, saved: PositionEmbeddingSaved, dy: Act<Replicated>) -> Result<Act<Replicated>> {
         let (b, t) = (saved.batch, saved.seq);
         if dy.tensor().dims() != [b, t, self.dim] {
-            return Err(Error::shape("PositionEmbedding::backward", format!("upstream gradient {} for an output of [{b}, {t}, {}]", dy.tensor().shape(), self.dim)));
+            return Err(Error::shape(
+                "PositionEmbedding::backward",
+                format!("upstream gradient {} for an output of [{b}, {t}, {}]", dy.tensor().shape(), self.dim),
+            ));
         }
         let positions = self.positions(&saved, cx)?;
         let g = ops::embedding_backward(&positions, dy.tensor(), self.max_positions, 0, self.max_positions)?;

@@ -2,9 +2,9 @@
 //! embedding lookup (a row gather) and its backward (a row scatter-add), so
 //! they run wherever those ops run. The index lists are host data.
 
-use tessera_core::{Error, Result};
 use tessera_core::ops;
 use tessera_core::tensor::Tensor;
+use tessera_core::{Error, Result};
 
 fn index_tensor(idx: &[u32], like: &Tensor) -> Result<Tensor> {
     Tensor::from_vec(idx.to_vec(), [idx.len()], like.device())

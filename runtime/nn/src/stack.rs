@@ -1,8 +1,10 @@
 //! A sequence of layers of one type (the blocks of a transformer).
 
-use tessera_core::{Error, Result};
-use crate::module::{call, call_backward, call_recompute, call_recompute_backward, seq_convert, seq_convert_backward, Act, Cx, Kept, Module, Pipelined, Plain, Seq, Visitor};
+use crate::module::{
+    call, call_backward, call_recompute, call_recompute_backward, seq_convert, seq_convert_backward, Act, Cx, Kept, Module, Pipelined, Plain, Seq, Visitor,
+};
 use std::ops::Range;
+use tessera_core::{Error, Result};
 
 /// `N` layers of one module type applied in order; the output of each is
 /// the input of the next, so the layer's input and output layouts must be

@@ -1,9 +1,9 @@
 //! Counting a transformer's training FLOPs, and the peak they are compared to.
 
-use tessera_core::Result;
-use tessera_core::ops;
-use tessera_core::{DType, Device, Init, RngKey, Tensor};
 use std::time::Instant;
+use tessera_core::ops;
+use tessera_core::Result;
+use tessera_core::{DType, Device, Init, RngKey, Tensor};
 
 /// Training FLOPs per token of a decoder-only transformer: `6·N` for the
 /// matmuls of forward and backward over `params` weights (2 per multiply-add,

@@ -1,10 +1,10 @@
 //! `metrics.jsonl`: one JSON object per training step.
 
-use tessera_core::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
+use tessera_core::{Error, Result};
 
 /// Something that happened during a step besides the update itself.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -4,11 +4,11 @@
 //! an 8×8 bitmap font, one polyline per series, a legend) so that a run can
 //! draw its own curve without a font stack or a plotting runtime.
 
-use tessera_core::{Error, Result};
 use font8x8::UnicodeFonts;
 use std::fs::File;
 use std::io::BufWriter;
 use std::path::Path;
+use tessera_core::{Error, Result};
 
 /// An RGB colour.
 pub type Rgb = [u8; 3];

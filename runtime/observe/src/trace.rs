@@ -5,11 +5,11 @@
 //! (ui.perfetto.dev) and `chrome://tracing` open, with one named track per
 //! rank.
 
-use tessera_core::{Error, Result};
 use serde_json::{json, Value};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
+use tessera_core::{Error, Result};
 
 /// One recorded span.
 #[derive(Clone, Debug, PartialEq)]

@@ -14,10 +14,10 @@
 //! a rank's shard of the flattened parameters, so both give bit-identical
 //! results element by element.
 
-use tessera_core::{Error, Result};
-use tessera_nn::module::{self, Module, Param};
 use tessera_core::ops::{self, AdamWStep};
 use tessera_core::tensor::{DType, Tensor};
+use tessera_core::{Error, Result};
+use tessera_nn::module::{self, Module, Param};
 
 mod state;
 pub use state::{adamw_info, OptimizerInfo, OptimizerState, SharedOptimizerState, StatePiece, StateSlot, TensorKind};
@@ -185,7 +185,10 @@ impl AdamW {
         for (i, s) in self.slots.iter().enumerate() {
             let Some(g) = s.param.grad() else { continue };
             let p = s.param.value().map_err(|_| {
-                Error::invalid("AdamW::step", format!("parameter `{}` has no value (freed by a sharding engine?); a sharded model is updated by its ZeRO engine, not by `AdamW`", s.name))
+                Error::invalid(
+                    "AdamW::step",
+                    format!("parameter `{}` has no value (freed by a sharding engine?); a sharded model is updated by its ZeRO engine, not by `AdamW`", s.name),
+                )
             })?;
             used.push((i, p, g));
         }
@@ -214,13 +217,23 @@ impl AdamW {
     /// they replace; `param` must be one this optimizer updates.
     pub fn load_state(&mut self, param: &Param, m: Tensor, v: Tensor, steps: u64) -> Result<()> {
         let Some(s) = self.slot_of.get(&param.id()).map(|&i| &mut self.slots[i]) else {
-            return Err(Error::invalid("AdamW::load_state", format!("{param:?} is not updated by this optimizer; build the optimizer from the model the state belongs to")));
+            return Err(Error::invalid(
+                "AdamW::load_state",
+                format!("{param:?} is not updated by this optimizer; build the optimizer from the model the state belongs to"),
+            ));
         };
         for (what, t) in [("first moment", &m), ("second moment", &v)] {
             if t.shape() != s.m.shape() || t.dtype() != s.m.dtype() {
                 return Err(Error::shape(
                     "AdamW::load_state",
-                    format!("the {what} of `{}` is {} {}, the optimizer holds {} {}; restore state saved from the same model and mesh", s.name, t.dtype(), t.shape(), s.m.dtype(), s.m.shape()),
+                    format!(
+                        "the {what} of `{}` is {} {}, the optimizer holds {} {}; restore state saved from the same model and mesh",
+                        s.name,
+                        t.dtype(),
+                        t.shape(),
+                        s.m.dtype(),
+                        s.m.shape()
+                    ),
                 ));
             }
         }

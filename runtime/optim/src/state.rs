@@ -3,13 +3,13 @@
 //! engine (which then holds the parameters' master copy too, and implements
 //! [`OptimizerState`] beside its own type).
 
-use tessera_core::{Error, Result};
-use tessera_nn::module::Param;
 use super::{AdamW, AdamWConfig};
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
 use std::sync::Arc;
 use tessera_core::tensor::Tensor;
-use std::ops::Range;
+use tessera_core::{Error, Result};
+use tessera_nn::module::Param;
 
 /// What a stored tensor is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -176,7 +176,9 @@ impl OptimizerState for AdamW {
     fn slots(&self) -> Vec<StateSlot> {
         self.moments()
             .iter()
-            .flat_map(|s| [TensorKind::AdamM, TensorKind::AdamV].map(|kind| StateSlot { name: s.name.to_string(), param: s.param.clone(), kind, elements: None }))
+            .flat_map(|s| {
+                [TensorKind::AdamM, TensorKind::AdamV].map(|kind| StateSlot { name: s.name.to_string(), param: s.param.clone(), kind, elements: None })
+            })
             .collect()
     }
 
@@ -194,4 +196,3 @@ impl OptimizerState for AdamW {
         Ok(())
     }
 }
-

@@ -2,13 +2,13 @@
 //! all-reduced while the backward goes on.
 
 use crate::buckets::Buckets;
-use tessera_dist::{Communicator, Pending};
-use tessera_core::{Error, Result};
-use tessera_nn::module::{self, Hooks, Module, Param};
-use tessera_core::ops;
-use tessera_core::tensor::{DType, Tensor};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+use tessera_core::ops;
+use tessera_core::tensor::{DType, Tensor};
+use tessera_core::{Error, Result};
+use tessera_dist::{Communicator, Pending};
+use tessera_nn::module::{self, Hooks, Module, Param};
 
 /// How gradient traffic is encoded on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -123,7 +123,8 @@ impl DataParallel {
     /// and starts its all-reduce.
     fn launch(&self, s: &mut State, b: usize) -> Result<()> {
         s.launched[b] = true;
-        let grads: Vec<Tensor> = self.buckets
+        let grads: Vec<Tensor> = self
+            .buckets
             .members(b)
             .iter()
             .map(|&i| {
@@ -205,7 +206,10 @@ impl Hooks for DataParallel {
         let mut s = self.state();
         Self::poll(&mut s);
         let Some(&i) = self.index.get(&param.id()) else {
-            return Err(Error::invalid("DataParallel", format!("{param:?} is not a parameter of the model this engine was built for; build one engine per model")));
+            return Err(Error::invalid(
+                "DataParallel",
+                format!("{param:?} is not a parameter of the model this engine was built for; build one engine per model"),
+            ));
         };
         s.ready[i] = true;
         let b = self.buckets.of(i);

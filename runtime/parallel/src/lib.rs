@@ -9,5 +9,5 @@
 
 mod buckets;
 pub mod data;
-pub mod zero;
 pub mod pipeline;
+pub mod zero;

@@ -3,10 +3,10 @@
 
 use super::run::RankResult;
 use super::{ParallelRun, Report};
-use tessera_dist::mesh::Axis;
-use tessera_core::Result;
-use tessera_nn::module::{self, Module, Shard};
 use std::collections::BTreeMap;
+use tessera_core::Result;
+use tessera_dist::mesh::Axis;
+use tessera_nn::module::{self, Module, Shard};
 
 /// One parameter's gradient as one rank holds it.
 #[derive(Clone, Debug)]
@@ -110,7 +110,14 @@ impl Gathered {
     /// Compares with the reference; records the errors in `report`, returns the failures.
     /// `rounding`, when given, is the reference computed in f64 and how many
     /// times the reference's own distance from it each comparison also accepts.
-    pub fn compare(self, run: &ParallelRun, reference: &RankResult, rounding: Option<(&RankResult, f64)>, tolerance: f64, report: &mut Report) -> std::result::Result<(), String> {
+    pub fn compare(
+        self,
+        run: &ParallelRun,
+        reference: &RankResult,
+        rounding: Option<(&RankResult, f64)>,
+        tolerance: f64,
+        report: &mut Report,
+    ) -> std::result::Result<(), String> {
         let mut problems = self.problems;
         let ref_loss = reference.loss;
         // Relative to the sum of the loss's terms' magnitudes, which bounds its rounding.

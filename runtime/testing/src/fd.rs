@@ -2,11 +2,11 @@
 
 use super::run::{weights, Rank};
 use super::{Check, Report};
-use tessera_dist::mesh::{Coords, Degrees};
-use tessera_core::Result;
-use tessera_nn::module::{self, Act, Cx, Module};
 use tessera_core::tensor::{DType, Tensor};
 use tessera_core::Device;
+use tessera_core::Result;
+use tessera_dist::mesh::{Coords, Degrees};
+use tessera_nn::module::{self, Act, Cx, Module};
 
 /// The check's loss of `model` on `x` (f64, single rank), and the output gradient.
 fn loss<M: Module>(model: &M, cx: &mut Cx, x: &Tensor, seed: u64) -> Result<(f64, Tensor, M::Saved)> {

@@ -146,7 +146,11 @@ pub fn fuzz(name: &str, seeds: &[Vec<u8>], cases: usize, limit: Duration, mut lo
         accepted += matches!(outcome, Ok(true)) as usize;
         if outcome.is_err() || took > limit {
             let what = if outcome.is_err() { "panicked".to_string() } else { format!("took {took:?}") };
-            failure = Some(format!("{name}: mutation {case} of seed {seed} {what}; input ({} bytes): {:?}", input.len(), String::from_utf8_lossy(&input[..input.len().min(600)])));
+            failure = Some(format!(
+                "{name}: mutation {case} of seed {seed} {what}; input ({} bytes): {:?}",
+                input.len(),
+                String::from_utf8_lossy(&input[..input.len().min(600)])
+            ));
             break;
         }
     }
@@ -154,5 +158,8 @@ pub fn fuzz(name: &str, seeds: &[Vec<u8>], cases: usize, limit: Duration, mut lo
         panic!("{f}");
     }
     eprintln!("{name}: {cases} mutations, {accepted} accepted");
-    assert!(cases < 100 || (accepted > 0 && accepted < cases), "{name}: {accepted} of {cases} mutations accepted; the mutations do not reach the loader's checks");
+    assert!(
+        cases < 100 || (accepted > 0 && accepted < cases),
+        "{name}: {accepted} of {cases} mutations accepted; the mutations do not reach the loader's checks"
+    );
 }

@@ -62,12 +62,12 @@ mod run;
 
 pub use run::Rank;
 
-use tessera_dist::mesh::{Axis, Degrees};
-use tessera_core::{Error, Result};
-use tessera_nn::module::{Module, Staged};
-use tessera_core::tensor::{DType, Tensor};
 use std::fmt;
 use std::str::FromStr;
+use tessera_core::tensor::{DType, Tensor};
+use tessera_core::{Error, Result};
+use tessera_dist::mesh::{Axis, Degrees};
+use tessera_nn::module::{Module, Staged};
 
 /// One parallel configuration to check: the mesh degrees and the options
 /// that change how ranks compute.
@@ -108,7 +108,13 @@ impl FromStr for ParallelRun {
         let mut run = ParallelRun { degrees, sequence_parallel: false, bucket_bytes: 1 << 20, microbatches: degrees.get(Axis::Pp) };
         for opt in parts {
             let (key, value) = opt.split_once('=').unwrap_or((opt, ""));
-            let number = || value.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| Error::invalid(OP, format!("`{opt}` in `{spec}` needs a positive number, as in `{key}=2`")));
+            let number = || {
+                value
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| Error::invalid(OP, format!("`{opt}` in `{spec}` needs a positive number, as in `{key}=2`")))
+            };
             match key {
                 "sp" => run.sequence_parallel = true,
                 "bucket" => run.bucket_bytes = number()?,
@@ -191,7 +197,10 @@ impl Check {
             spec.parse::<ParallelRun>()?;
         }
         if !matches!(self.dtype, DType::F32 | DType::F64) {
-            return Err(Error::invalid("check_parallel", format!("runs compute in f32 or f64, not {}; set a model's half-precision regions with `#[precision(..)]`", self.dtype)));
+            return Err(Error::invalid(
+                "check_parallel",
+                format!("runs compute in f32 or f64, not {}; set a model's half-precision regions with `#[precision(..)]`", self.dtype),
+            ));
         }
         Ok(())
     }

@@ -4,16 +4,16 @@
 use super::compare::{self, RankGrads};
 
 use super::{fd, Check, ParallelRun, Report};
+use std::sync::Arc;
+use std::time::Duration;
+use tessera_core::tensor::{DType, Tensor};
+use tessera_core::{Device, RngKey};
+use tessera_core::{Error, Result};
 use tessera_dist::inproc::{mesh_groups, InProcess};
 use tessera_dist::mesh::{Axis, Coords, Degrees, Mesh};
-use tessera_core::{Error, Result};
 use tessera_nn::module::{self, Act, Cx, Layout, Module, Seq, Staged};
 use tessera_parallel::data::DataParallel;
 use tessera_parallel::pipeline::{one_f_one_b, run_stage, sync_tied_grads};
-use tessera_core::tensor::{DType, Tensor};
-use tessera_core::{Device, RngKey};
-use std::sync::Arc;
-use std::time::Duration;
 
 /// The rank a model is built for: `make` may read it (to hold only this
 /// rank's experts, say); most models ignore it.
@@ -109,7 +109,10 @@ fn out_part<M: Module>(sequence_split: bool) -> Result<OutPart> {
 fn part(t: &Tensor, dim: usize, k: usize, n: usize) -> Result<Tensor> {
     let size = t.dims()[dim];
     if !size.is_multiple_of(n) {
-        return Err(Error::shape("check_parallel", format!("dimension {dim} of {} does not split into {n} equal parts; choose sizes the degrees divide", t.shape())));
+        return Err(Error::shape(
+            "check_parallel",
+            format!("dimension {dim} of {} does not split into {n} equal parts; choose sizes the degrees divide", t.shape()),
+        ));
     }
     t.narrow(dim, k * (size / n), size / n)?.contiguous()
 }
@@ -135,14 +138,23 @@ pub(super) struct RankResult {
 }
 
 /// One step of `run` over its ranks; the results in rank order.
-fn run_mesh<M: Module, F: Fn(&Rank) -> Result<M> + Sync, E: Exec<M>>(make: &F, input: &Tensor, check: &Check, run: &ParallelRun, exec: &E) -> Result<Vec<RankResult>> {
+fn run_mesh<M: Module, F: Fn(&Rank) -> Result<M> + Sync, E: Exec<M>>(
+    make: &F,
+    input: &Tensor,
+    check: &Check,
+    run: &ParallelRun,
+    exec: &E,
+) -> Result<Vec<RankResult>> {
     let world = run.world();
     let mesh = Mesh::new(run.degrees, world, world)?;
     let comm = InProcess::with_timeout(world, Duration::from_secs(60))?;
     let batch = input.dims().first().copied().unwrap_or(0);
     let (dp, mbs) = (run.degrees.get(Axis::Dp), run.microbatches.max(1));
     if batch == 0 || !batch.is_multiple_of(dp * mbs) {
-        return Err(Error::shape("check_parallel", format!("a batch of {batch} rows does not split into {dp} replicas of {mbs} microbatches; use a batch that {} divides", dp * mbs)));
+        return Err(Error::shape(
+            "check_parallel",
+            format!("a batch of {batch} rows does not split into {dp} replicas of {mbs} microbatches; use a batch that {} divides", dp * mbs),
+        ));
     }
     let host = input.to_f64_vec()?;
     let (dims, in_dtype) = (input.dims().to_vec(), input.dtype());
@@ -221,7 +233,11 @@ fn rank_step<M: Module, F: Fn(&Rank) -> Result<M> + Sync, E: Exec<M>>(
     let microbatches: Vec<Tensor> = (0..run.microbatches.max(1))
         .map(|mb| {
             let x = part(&replica, 0, mb, run.microbatches.max(1))?;
-            if takes_slice { part(&x, 1, coords[Axis::Tp], tp) } else { Ok(x) }
+            if takes_slice {
+                part(&x, 1, coords[Axis::Tp], tp)
+            } else {
+                Ok(x)
+            }
         })
         .collect::<Result<_>>()?;
     let out = out_part::<M>(sequence_split)?;
@@ -254,11 +270,7 @@ fn rank_step<M: Module, F: Fn(&Rank) -> Result<M> + Sync, E: Exec<M>>(
     }
     // Only one rank of the tensor-parallel group counts a loss every rank holds whole.
     let counted = !(out == OutPart::Whole && t != 0);
-    Ok(RankResult {
-        loss: if counted { loss } else { 0.0 },
-        loss_scale: if counted { loss_scale.get() } else { 0.0 },
-        grads: compare::rank_grads(&model)?,
-    })
+    Ok(RankResult { loss: if counted { loss } else { 0.0 }, loss_scale: if counted { loss_scale.get() } else { 0.0 }, grads: compare::rank_grads(&model)? })
 }
 
 /// The single-rank reference, with `microbatches` microbatches run one after

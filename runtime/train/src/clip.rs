@@ -1,9 +1,9 @@
 //! Global gradient-norm clipping that counts each logical parameter once.
 
-use tessera_core::{Error, Result};
-use tessera_nn::module::{self, Cx, Module, Shard};
 use tessera_core::ops;
 use tessera_core::tensor::{DType, Tensor};
+use tessera_core::{Error, Result};
+use tessera_nn::module::{self, Cx, Module, Shard};
 
 /// The L2 norm of the whole model's gradient, as one rank would compute it.
 ///

@@ -19,15 +19,15 @@
 //! The `[model]` table is free-form: the program that builds the model
 //! reads it (see the `train` example), so the runtime stays model-agnostic.
 
+use super::FaultConfig;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use tessera_core::DType;
 use tessera_core::{Error, Result};
 use tessera_nn::module::RecomputeOverride;
 use tessera_optim::AdamWConfig;
 use tessera_parallel::pipeline::ScheduleKind;
 use tessera_parallel::zero::Stage;
-use super::FaultConfig;
-use tessera_core::DType;
-use serde::{Deserialize, Serialize};
-use std::path::Path;
 
 /// A whole training run.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -450,14 +450,20 @@ impl TrainConfig {
             return Err(Error::config("run.out", "the run directory is empty; give a path such as \"runs/my-run\""));
         }
         if self.run.stop_after == Some(0) {
-            return Err(Error::config("run.stop_after", "0 would stop before the first step; leave it out to run all `run.steps`, or give the step to stop after (a later job resumes from there)"));
+            return Err(Error::config(
+                "run.stop_after",
+                "0 would stop before the first step; leave it out to run all `run.steps`, or give the step to stop after (a later job resumes from there)",
+            ));
         }
         let kind = self.mesh.schedule_kind()?;
         self.mesh.rank_device()?;
         if self.mesh.pp > 1 && self.batch.grad_accum < self.mesh.pp && !matches!(kind, ScheduleKind::GPipe) {
             return Err(Error::config(
                 "batch.grad_accum",
-                format!("{} microbatches cannot fill {} pipeline stages with {}; use grad_accum >= mesh.pp", self.batch.grad_accum, self.mesh.pp, self.mesh.schedule),
+                format!(
+                    "{} microbatches cannot fill {} pipeline stages with {}; use grad_accum >= mesh.pp",
+                    self.batch.grad_accum, self.mesh.pp, self.mesh.schedule
+                ),
             ));
         }
         self.precision.dtype()?;
@@ -494,7 +500,10 @@ impl TrainConfig {
             return Err(Error::config("stability", "need spike_factor > 1 and a window of at least 1 step"));
         }
         if !(self.mesh.timeout_s.is_finite() && self.mesh.timeout_s > 0.0 && self.mesh.timeout_s <= 86_400.0) {
-            return Err(Error::config("mesh.timeout_s", "seconds a rank waits for another before declaring it hung: more than 0, at most 86400 (the default is 600)"));
+            return Err(Error::config(
+                "mesh.timeout_s",
+                "seconds a rank waits for another before declaring it hung: more than 0, at most 86400 (the default is 600)",
+            ));
         }
         self.faults.validate(self.mesh.world_size())
     }

@@ -38,8 +38,8 @@
 //!   report of its failure included.
 //! * **slow**: the rank sleeps `ms` milliseconds before every step's work.
 
-use tessera_core::{Error, Result};
 use serde::{Deserialize, Serialize};
+use tessera_core::{Error, Result};
 
 /// `[faults]`: failures to inject into a run (none by default).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

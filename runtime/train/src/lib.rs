@@ -23,9 +23,12 @@ mod suggest;
 mod trainer;
 
 pub use clip::{clip_grad_norm, clip_to_norm, global_grad_norm};
-pub use config::{BatchConfig, CheckpointConfig, DataConfig, MeshConfig, OptimConfig, PrecisionConfig, RankDevice, RecomputeConfig, RunConfig, StabilityConfig, TrainConfig, ZeroSection};
-pub use faults::{AtStep, FaultConfig, KillFault, KillPoint, RankAtStep, SlowRank};
+pub use config::{
+    BatchConfig, CheckpointConfig, DataConfig, MeshConfig, OptimConfig, PrecisionConfig, RankDevice, RecomputeConfig, RunConfig, StabilityConfig, TrainConfig,
+    ZeroSection,
+};
 pub(crate) use faults::kill_this_process;
+pub use faults::{AtStep, FaultConfig, KillFault, KillPoint, RankAtStep, SlowRank};
 pub use monitor::{Anomaly, MonitorState, StabilityMonitor};
 pub use run_lock::{RunLock, LOCK_FILE};
 pub use scaler::LossScaler;

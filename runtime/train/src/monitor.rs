@@ -85,7 +85,10 @@ impl StabilityMonitor {
     /// healthy values (e.g. 3 and 20), judged after `warmup` healthy steps.
     pub fn new(factor: f64, window: usize, warmup: u64) -> tessera_core::Result<Self> {
         if !(factor > 1.0 && factor.is_finite() && window > 0) {
-            return Err(tessera_core::Error::invalid("StabilityMonitor", format!("need a spike factor > 1 and a window of at least 1 step; got {factor} and {window}")));
+            return Err(tessera_core::Error::invalid(
+                "StabilityMonitor",
+                format!("need a spike factor > 1 and a window of at least 1 step; got {factor} and {window}"),
+            ));
         }
         Ok(StabilityMonitor { factor, window, warmup, healthy: 0, recent: VecDeque::with_capacity(window) })
     }
@@ -100,7 +103,8 @@ impl StabilityMonitor {
     /// keeps the newest values).
     pub fn restore(&mut self, saved: &serde_json::Value) -> tessera_core::Result<()> {
         let bad = |detail: String| tessera_core::Error::Checkpoint { path: "manifest.json".into(), detail };
-        let s: MonitorState = serde_json::from_value(saved.clone()).map_err(|e| bad(format!("the stability monitor's state is unreadable ({e}); it is written by the trainer")))?;
+        let s: MonitorState = serde_json::from_value(saved.clone())
+            .map_err(|e| bad(format!("the stability monitor's state is unreadable ({e}); it is written by the trainer")))?;
         if s.recent.iter().any(|(l, n)| !(l.is_finite() && n.is_finite())) {
             return Err(bad("the stability monitor's recent values must be finite".into()));
         }

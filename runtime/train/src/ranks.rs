@@ -3,12 +3,12 @@
 //! thread each) with NCCL.
 
 use super::RankDevice;
+use std::sync::Mutex;
+use tessera_core::Device;
+use tessera_core::{Error, Result};
 use tessera_dist::inproc::{mesh_groups, InProcess};
 use tessera_dist::mesh::Mesh;
-use tessera_core::{Error, Result};
 use tessera_dist::Groups;
-use tessera_core::Device;
-use std::sync::Mutex;
 
 /// The ranks of one run.
 pub(crate) enum Ranks {
@@ -34,7 +34,14 @@ impl Ranks {
             RankDevice::Cuda => {
                 let devices = (0..mesh.world())
                     .map(|r| {
-                        Device::cuda(r).map_err(|e| Error::config("mesh.device", format!("rank {r} runs on GPU {r}: {e}; use as many GPUs as ranks (the product of dp, tp, pp and ep), or mesh.device = \"cpu\"")))
+                        Device::cuda(r).map_err(|e| {
+                            Error::config(
+                                "mesh.device",
+                                format!(
+                                    "rank {r} runs on GPU {r}: {e}; use as many GPUs as ranks (the product of dp, tp, pp and ep), or mesh.device = \"cpu\""
+                                ),
+                            )
+                        })
                     })
                     .collect::<Result<Vec<_>>>()?;
                 let handles = nccl_groups(mesh, &devices)?;

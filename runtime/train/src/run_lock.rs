@@ -8,10 +8,10 @@
 //! holder. The lock dies with its process, so a killed job leaves no stale
 //! lock: the next job takes it, and says whose lock it was.
 
-use tessera_core::{Error, Result};
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use tessera_core::{Error, Result};
 
 /// The lock file's name inside a run directory.
 pub const LOCK_FILE: &str = ".lock";
@@ -42,13 +42,20 @@ impl RunLock {
                 let who = if holder.is_empty() { "another job".to_string() } else { holder };
                 return Err(Error::invalid(
                     "run",
-                    format!("the run directory `{}` is in use by {who}; wait for that job to finish or stop it, or give this run another `run.out`", dir.display()),
+                    format!(
+                        "the run directory `{}` is in use by {who}; wait for that job to finish or stop it, or give this run another `run.out`",
+                        dir.display()
+                    ),
                 ));
             }
             Err(TryLockError::Error(e)) => return Err(Error::io(&path, e)),
         }
         let me = format!("pid {} on {} since {}", std::process::id(), host(), now());
-        file.set_len(0).and_then(|_| file.seek(SeekFrom::Start(0))).and_then(|_| writeln!(file, "{me}")).and_then(|_| file.flush()).map_err(|e| Error::io(&path, e))?;
+        file.set_len(0)
+            .and_then(|_| file.seek(SeekFrom::Start(0)))
+            .and_then(|_| writeln!(file, "{me}"))
+            .and_then(|_| file.flush())
+            .map_err(|e| Error::io(&path, e))?;
         Ok(RunLock { file, path, previous: (!holder.is_empty()).then_some(holder) })
     }
 
@@ -74,7 +81,10 @@ impl Drop for RunLock {
 
 /// This machine's name, for messages.
 fn host() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").or_else(|_| std::fs::read_to_string("/etc/hostname")).map(|s| s.trim().to_string()).unwrap_or_else(|_| "this host".into())
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "this host".into())
 }
 
 /// The time now, as `2026-12-01 16:55:02 UTC`.

@@ -1,9 +1,9 @@
 //! Dynamic loss scaling for fp16 training.
 
-use tessera_core::{Error, Result};
-use tessera_nn::module::{self, Cx, Module, Param};
 use tessera_core::ops;
 use tessera_core::tensor::Tensor;
+use tessera_core::{Error, Result};
+use tessera_nn::module::{self, Cx, Module, Param};
 
 /// Scales the loss so fp16 gradients do not underflow, and adapts the scale:
 /// an overflow (an infinite or NaN gradient on any rank) skips the step and

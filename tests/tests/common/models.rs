@@ -144,7 +144,6 @@ impl Gpt {
     }
 }
 
-
 /// [`Gpt`] with selective recompute declared on its blocks (the run-time
 /// override turns it into full recompute, or off); same parameter names.
 #[derive(Module)]

@@ -6,8 +6,8 @@ use super::models::Gpt;
 use std::path::{Path, PathBuf};
 use tessera::ckpt::serde_json;
 use tessera::module::{self, Cx};
-use tessera::prelude::*;
 use tessera::observe::{read_metrics, Event, StepMetrics};
+use tessera::prelude::*;
 use tessera::train::{Batches, ModelFacts, Replica, RunSummary, TrainConfig, Trainer};
 
 pub const VOCAB: usize = 16;
@@ -96,9 +96,12 @@ pub fn final_params(summary: &RunSummary) -> Vec<(String, Vec<f32>)> {
 pub fn try_train(cfg: TrainConfig, fresh: bool) -> tessera::Result<RunSummary> {
     let micro_batch = cfg.batch.micro_batch;
     let facts = ModelFacts { vocab: VOCAB, flops_per_token: 1e5 };
-    Trainer::new(cfg, facts, |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false), move |replica| {
-        Ok(Box::new(Counting { replica, micro_batch, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>)
-    })?
+    Trainer::new(
+        cfg,
+        facts,
+        |_cx: &Cx, _, _| Gpt::with_qkv_bias(VOCAB, 16, 2, 2, false),
+        move |replica| Ok(Box::new(Counting { replica, micro_batch, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>),
+    )?
     .fresh(fresh)
     .run()
 }
@@ -115,7 +118,8 @@ pub fn trajectory(out: &Path) -> Vec<Line> {
     read_metrics(out.join("metrics.jsonl"))
         .unwrap()
         .iter()
-        .map(|m: &StepMetrics| (m.step, m.loss.to_bits(), m.grad_norm.map(f64::to_bits), m.lr.to_bits(), m.skipped, m.events.iter().filter(|e| keep(e)).cloned().collect()))
+        .map(|m: &StepMetrics| {
+            (m.step, m.loss.to_bits(), m.grad_norm.map(f64::to_bits), m.lr.to_bits(), m.skipped, m.events.iter().filter(|e| keep(e)).cloned().collect())
+        })
         .collect()
 }
-

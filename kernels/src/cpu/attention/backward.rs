@@ -26,8 +26,8 @@
 //! which depends on the thread count, never shows in the results.
 
 use super::exp::{exp_minus, exp_minus_each};
-use super::tile::{dot, matmul_tile, transpose_scaled};
 use super::layout::{Layout, SharedOut};
+use super::tile::{dot, matmul_tile, transpose_scaled};
 use super::{AttnDims, BLOCK_KV, BLOCK_Q, PARALLEL_MIN_WORK};
 use crate::Real;
 use rayon::prelude::*;
@@ -147,18 +147,7 @@ struct Grads<T> {
 /// contributions of every query head that reads it. Queries that see no key
 /// contribute nothing and get `dq = 0`.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_backward<T: Real>(
-    d: &AttnDims,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    out: &[T],
-    lse: &[T],
-    dout: &[T],
-    dq: &mut [T],
-    dk: &mut [T],
-    dv: &mut [T],
-) {
+pub fn attention_backward<T: Real>(d: &AttnDims, q: &[T], k: &[T], v: &[T], out: &[T], lse: &[T], dout: &[T], dq: &mut [T], dk: &mut [T], dv: &mut [T]) {
     d.check();
     assert_eq!(q.len(), d.q_len(), "attention_backward: q length");
     assert_eq!(k.len(), d.kv_len(), "attention_backward: k length");
@@ -177,14 +166,7 @@ pub fn attention_backward<T: Real>(
 /// `out` and `dout` in place and writes `dq`, `dk` and `dv` into `dqkv`
 /// (laid out like `qkv`). Bit-identical to [`attention_backward`] on the same
 /// values.
-pub fn attention_backward_packed<T: Real>(
-    d: &AttnDims,
-    qkv: &[T],
-    out: &[T],
-    lse: &[T],
-    dout: &[T],
-    dqkv: &mut [T],
-) {
+pub fn attention_backward_packed<T: Real>(d: &AttnDims, qkv: &[T], out: &[T], lse: &[T], dout: &[T], dqkv: &mut [T]) {
     d.check();
     assert_eq!(d.seq_q, d.seq_kv, "attention_backward_packed: self-attention needs seq_q == seq_kv");
     assert_eq!(qkv.len(), d.packed_len(), "attention_backward_packed: qkv length");
@@ -196,17 +178,7 @@ pub fn attention_backward_packed<T: Real>(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn backward<T: Real>(
-    d: &AttnDims,
-    lay: Layout,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    out: &[T],
-    lse: &[T],
-    dout: &[T],
-    grads: Grads<T>,
-) {
+fn backward<T: Real>(d: &AttnDims, lay: Layout, q: &[T], k: &[T], v: &[T], out: &[T], lse: &[T], dout: &[T], grads: Grads<T>) {
     assert_eq!(lse.len(), d.lse_len(), "attention_backward: lse length");
     let hd = d.head_dim;
     let parallel = d.work() >= PARALLEL_MIN_WORK;
@@ -231,19 +203,15 @@ fn backward<T: Real>(
         return;
     }
 
-    let pass = |tasks: Vec<Task>| {
-        tasks
-            .into_par_iter()
-            .for_each_init(|| (Scratch::new(hd), Acc::new()), |(s, a), t| run_task(&inp, t, grads, s, a))
-    };
+    let pass = |tasks: Vec<Task>| tasks.into_par_iter().for_each_init(|| (Scratch::new(hd), Acc::new()), |(s, a), t| run_task(&inp, t, grads, s, a));
     // Pass 1: dk, dv, one task per (batch, kv head, kv block).
-    pass((0..d.batch * d.kv_heads)
-        .flat_map(|bg| (0..d.seq_kv).step_by(BLOCK_KV).map(move |j0| Task::Dkv { b: bg / d.kv_heads, g: bg % d.kv_heads, j0 }))
-        .collect());
+    pass(
+        (0..d.batch * d.kv_heads)
+            .flat_map(|bg| (0..d.seq_kv).step_by(BLOCK_KV).map(move |j0| Task::Dkv { b: bg / d.kv_heads, g: bg % d.kv_heads, j0 }))
+            .collect(),
+    );
     // Pass 2: dq, one task per (batch, query head, query block).
-    pass((0..d.batch * d.q_heads)
-        .flat_map(|bh| (0..d.seq_q).step_by(BLOCK_Q).map(move |i0| Task::Dq { b: bh / d.q_heads, h: bh % d.q_heads, i0 }))
-        .collect());
+    pass((0..d.batch * d.q_heads).flat_map(|bh| (0..d.seq_q).step_by(BLOCK_Q).map(move |i0| Task::Dq { b: bh / d.q_heads, h: bh % d.q_heads, i0 })).collect());
 }
 
 /// One task of either schedule.
@@ -293,13 +261,9 @@ const FUSED_TASKS_PER_THREAD: usize = 4;
 fn fused<T: Real>(inp: &Inputs<'_, T>, grads: Grads<T>, parallel: bool) {
     let d = inp.d;
     let hd = d.head_dim;
-    let run = |(s, a): &mut (Scratch<T>, Acc<T>), bg: usize| {
-        run_task(inp, Task::Group { b: bg / d.kv_heads, g: bg % d.kv_heads }, grads, s, a)
-    };
+    let run = |(s, a): &mut (Scratch<T>, Acc<T>), bg: usize| run_task(inp, Task::Group { b: bg / d.kv_heads, g: bg % d.kv_heads }, grads, s, a);
     if parallel {
-        (0..d.batch * d.kv_heads)
-            .into_par_iter()
-            .for_each_init(|| (Scratch::new(hd), Acc::new()), run);
+        (0..d.batch * d.kv_heads).into_par_iter().for_each_init(|| (Scratch::new(hd), Acc::new()), run);
     } else {
         let mut sa = (Scratch::new(hd), Acc::new());
         (0..d.batch * d.kv_heads).for_each(|bg| run(&mut sa, bg));
@@ -326,14 +290,7 @@ unsafe fn store<T: Real>(out: SharedOut<T>, src: &[T], hd: usize, at: impl Fn(us
 /// each tile transposed back from pass 1's `dSᵀ`, so the results are
 /// bit-identical whichever schedule runs.
 #[inline(always)]
-fn group_block<T: Real>(
-    inp: &Inputs<'_, T>,
-    b: usize,
-    g: usize,
-    grads: Grads<T>,
-    s: &mut Scratch<T>,
-    acc: &mut Acc<T>,
-) {
+fn group_block<T: Real>(inp: &Inputs<'_, T>, b: usize, g: usize, grads: Grads<T>, s: &mut Scratch<T>, acc: &mut Acc<T>) {
     let d = inp.d;
     let (hd, r) = (d.head_dim, d.group());
     let scale = T::lit(d.scale);
@@ -395,15 +352,7 @@ struct Block<'a, T> {
 /// that `Pᵀ` and `dSᵀ` come out in the row-major form the products
 /// `dV += Pᵀ·dO` and `dK += dSᵀ·Q` consume.
 #[inline(always)]
-fn dkv_block<T: Real>(
-    inp: &Inputs<'_, T>,
-    b: usize,
-    g: usize,
-    j0: usize,
-    grads: Grads<T>,
-    s: &mut Scratch<T>,
-    acc: &mut Acc<T>,
-) {
+fn dkv_block<T: Real>(inp: &Inputs<'_, T>, b: usize, g: usize, j0: usize, grads: Grads<T>, s: &mut Scratch<T>, acc: &mut Acc<T>) {
     let d = inp.d;
     let hd = d.head_dim;
     let bk = BLOCK_KV.min(d.seq_kv - j0);
@@ -467,11 +416,7 @@ fn dkv_tile<T: Real>(
     let needs_mask = d.causal && d.key_end(i0) < j0 + bk;
     for (j, row) in pt.chunks_exact_mut(bq).enumerate() {
         // Queries before `first` are masked from key j0 + j.
-        let first = if needs_mask {
-            d.first_query(j0 + j).saturating_sub(i0).min(bq)
-        } else {
-            0
-        };
+        let first = if needs_mask { d.first_query(j0 + j).saturating_sub(i0).min(bq) } else { 0 };
         row[..first].fill(T::zero());
         exp_minus_each(&mut row[first..], &lse[first..]);
     }
@@ -490,15 +435,7 @@ fn dkv_tile<T: Real>(
 /// Gradient of query rows `i0..i0 + BLOCK_Q` (or to the end) of query head
 /// `h` in batch `b`.
 #[inline(always)]
-fn dq_block<T: Real>(
-    inp: &Inputs<'_, T>,
-    b: usize,
-    h: usize,
-    i0: usize,
-    grads: Grads<T>,
-    s: &mut Scratch<T>,
-    acc: &mut Acc<T>,
-) {
+fn dq_block<T: Real>(inp: &Inputs<'_, T>, b: usize, h: usize, i0: usize, grads: Grads<T>, s: &mut Scratch<T>, acc: &mut Acc<T>) {
     let d = inp.d;
     let hd = d.head_dim;
     let bq = BLOCK_Q.min(d.seq_q - i0);
@@ -529,11 +466,7 @@ fn dq_block<T: Real>(
         matmul_tile(bq, bk, hd, &s.qs, hd, &s.t2, bk, p, bk, false);
         let needs_mask = d.causal && d.key_end(i0) < j0 + bk;
         for (r, row) in p.chunks_exact_mut(bk).enumerate() {
-            let visible = if needs_mask {
-                d.key_end(i0 + r).saturating_sub(j0).min(bk)
-            } else {
-                bk
-            };
+            let visible = if needs_mask { d.key_end(i0 + r).saturating_sub(j0).min(bk) } else { bk };
             exp_minus(&mut row[..visible], lse[r]);
             row[visible..].fill(T::zero());
         }
@@ -561,13 +494,7 @@ mod tests {
 
     /// Forward then backward in `T`; returns `(out, dq, dk, dv)`.
     #[allow(clippy::type_complexity)]
-    fn fwd_bwd<T: Real>(
-        d: &AttnDims,
-        q: &[T],
-        k: &[T],
-        v: &[T],
-        dout: &[T],
-    ) -> (Vec<T>, Vec<T>, Vec<T>, Vec<T>) {
+    fn fwd_bwd<T: Real>(d: &AttnDims, q: &[T], k: &[T], v: &[T], dout: &[T]) -> (Vec<T>, Vec<T>, Vec<T>, Vec<T>) {
         let mut out = vec![T::nan(); d.q_len()];
         let mut lse = vec![T::nan(); d.lse_len()];
         attention_forward(d, q, k, v, &mut out, &mut lse);
@@ -590,27 +517,9 @@ mod tests {
         };
         let eps = 1e-5;
         let tag = format!("{d:?}");
-        assert_close(
-            &dq,
-            &numeric_grad(|x| loss(x, &k, &v), &q, eps),
-            1e-7,
-            1e-6,
-            &format!("dq {tag}"),
-        );
-        assert_close(
-            &dk,
-            &numeric_grad(|x| loss(&q, x, &v), &k, eps),
-            1e-7,
-            1e-6,
-            &format!("dk {tag}"),
-        );
-        assert_close(
-            &dv,
-            &numeric_grad(|x| loss(&q, &k, x), &v, eps),
-            1e-7,
-            1e-6,
-            &format!("dv {tag}"),
-        );
+        assert_close(&dq, &numeric_grad(|x| loss(x, &k, &v), &q, eps), 1e-7, 1e-6, &format!("dq {tag}"));
+        assert_close(&dk, &numeric_grad(|x| loss(&q, x, &v), &k, eps), 1e-7, 1e-6, &format!("dk {tag}"));
+        assert_close(&dv, &numeric_grad(|x| loss(&q, &k, x), &v, eps), 1e-7, 1e-6, &format!("dv {tag}"));
     }
 
     #[test]
@@ -627,27 +536,14 @@ mod tests {
             (1, 1, 1, 70, 70, 1, true), // two query and kv blocks
         ];
         for (seed, &(b, qh, kvh, sq, skv, hd, causal)) in cases.iter().enumerate() {
-            check_finite_differences(
-                &dims(b, qh, kvh, sq, skv, hd, causal),
-                40 + 10 * seed as u64,
-            );
+            check_finite_differences(&dims(b, qh, kvh, sq, skv, hd, causal), 40 + 10 * seed as u64);
         }
     }
 
     /// The textbook backward, materialising each head's full probability matrix.
-    fn naive_backward(
-        d: &AttnDims,
-        q: &[f64],
-        k: &[f64],
-        v: &[f64],
-        dout: &[f64],
-    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    fn naive_backward(d: &AttnDims, q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
         let hd = d.head_dim;
-        let (mut dq, mut dk, mut dv) = (
-            vec![0.0; d.q_len()],
-            vec![0.0; d.kv_len()],
-            vec![0.0; d.kv_len()],
-        );
+        let (mut dq, mut dk, mut dv) = (vec![0.0; d.q_len()], vec![0.0; d.kv_len()], vec![0.0; d.kv_len()]);
         for b in 0..d.batch {
             for h in 0..d.q_heads {
                 let kv = (b * d.kv_heads + h / (d.q_heads / d.kv_heads)) * d.seq_kv;
@@ -656,15 +552,11 @@ mod tests {
                     let n = d.key_end(i);
                     let qi = &q[row * hd..(row + 1) * hd];
                     let doi = &dout[row * hd..(row + 1) * hd];
-                    let s: Vec<f64> = (0..n)
-                        .map(|j| d.scale * dot64(qi, &k[(kv + j) * hd..(kv + j + 1) * hd]))
-                        .collect();
+                    let s: Vec<f64> = (0..n).map(|j| d.scale * dot64(qi, &k[(kv + j) * hd..(kv + j + 1) * hd])).collect();
                     let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                     let z: f64 = s.iter().map(|x| (x - mx).exp()).sum();
                     let p: Vec<f64> = s.iter().map(|x| (x - mx).exp() / z).collect();
-                    let dp: Vec<f64> = (0..n)
-                        .map(|j| dot64(doi, &v[(kv + j) * hd..(kv + j + 1) * hd]))
-                        .collect();
+                    let dp: Vec<f64> = (0..n).map(|j| dot64(doi, &v[(kv + j) * hd..(kv + j + 1) * hd])).collect();
                     let pdp: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
                     for j in 0..n {
                         let ds = p[j] * (dp[j] - pdp) * d.scale;
@@ -682,11 +574,7 @@ mod tests {
 
     #[test]
     fn matches_naive_backward_on_a_larger_case_in_f64_and_f32() {
-        for d in [
-            dims(2, 4, 2, 150, 150, 16, true),
-            dims(1, 4, 1, 70, 200, 8, true),
-            dims(1, 2, 2, 100, 130, 5, false),
-        ] {
+        for d in [dims(2, 4, 2, 150, 150, 16, true), dims(1, 4, 1, 70, 200, 8, true), dims(1, 2, 2, 100, 130, 5, false)] {
             let (q, k, v) = qkv(&d, 7);
             let dout = rand_vec(8, d.q_len());
             let (wq, wk, wv) = naive_backward(&d, &q, &k, &v, &dout);
@@ -734,26 +622,15 @@ mod tests {
             let dout = to_f32(&rand_vec(4, d.q_len()));
             let (q, k, v) = (to_f32(&q), to_f32(&k), to_f32(&v));
             let run = |threads: usize| {
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .build()
-                    .unwrap();
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
                 pool.install(|| fwd_bwd(&d, &q, &k, &v, &dout))
             };
             let bits = |x: &[f32]| x.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
             let one = run(1);
             for threads in [2, 3, 1] {
                 let other = run(threads);
-                for (name, a, b) in [
-                    ("dq", &one.1, &other.1),
-                    ("dk", &one.2, &other.2),
-                    ("dv", &one.3, &other.3),
-                ] {
-                    assert_eq!(
-                        bits(a),
-                        bits(b),
-                        "{name} differs with {threads} threads, {d:?}"
-                    );
+                for (name, a, b) in [("dq", &one.1, &other.1), ("dk", &one.2, &other.2), ("dv", &one.3, &other.3)] {
+                    assert_eq!(bits(a), bits(b), "{name} differs with {threads} threads, {d:?}");
                 }
             }
         }

@@ -2,8 +2,8 @@
 //! and value blocks through an online softmax.
 
 use super::exp::exp_minus;
-use super::tile::{matmul_tile, max_of, sum_of, transpose_scaled};
 use super::layout::{Layout, SharedOut};
+use super::tile::{matmul_tile, max_of, sum_of, transpose_scaled};
 use super::{AttnDims, BLOCK_KV, BLOCK_Q, PARALLEL_MIN_WORK};
 use crate::Real;
 use rayon::prelude::*;
@@ -48,14 +48,7 @@ impl<T: Real> Scratch<T> {
 /// needs. A query that sees no key (causal with `seq_q > seq_kv`) gets a zero
 /// output and `lse = -inf`. Every query row is computed by one task in a fixed
 /// order, so results do not depend on the thread count.
-pub fn attention_forward<T: Real>(
-    d: &AttnDims,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    out: &mut [T],
-    lse: &mut [T],
-) {
+pub fn attention_forward<T: Real>(d: &AttnDims, q: &[T], k: &[T], v: &[T], out: &mut [T], lse: &mut [T]) {
     d.check();
     assert_eq!(q.len(), d.q_len(), "attention_forward: q length");
     assert_eq!(k.len(), d.kv_len(), "attention_forward: k length");
@@ -85,11 +78,8 @@ fn forward<T: Real>(d: &AttnDims, lay: &Layout, q: &[T], k: &[T], v: &[T], out: 
     }
     let hd = d.head_dim;
     let io = Io { d, lay, q, k, v, out: SharedOut::new(out) };
-    let tasks: Vec<_> = lse
-        .chunks_mut(d.seq_q)
-        .enumerate()
-        .flat_map(|(bh, l)| l.chunks_mut(BLOCK_Q).enumerate().map(move |(qb, l)| (bh, qb * BLOCK_Q, l)))
-        .collect();
+    let tasks: Vec<_> =
+        lse.chunks_mut(d.seq_q).enumerate().flat_map(|(bh, l)| l.chunks_mut(BLOCK_Q).enumerate().map(move |(qb, l)| (bh, qb * BLOCK_Q, l))).collect();
     let run = |s: &mut Scratch<T>, (bh, i0, l): (usize, usize, &mut [T])| {
         let (b, h) = (bh / d.q_heads, bh % d.q_heads);
         #[cfg(target_arch = "x86_64")]
@@ -103,9 +93,7 @@ fn forward<T: Real>(d: &AttnDims, lay: &Layout, q: &[T], k: &[T], v: &[T], out: 
         let mut s = Scratch::new(hd);
         tasks.into_iter().for_each(|t| run(&mut s, t));
     } else {
-        tasks
-            .into_par_iter()
-            .for_each_init(|| Scratch::new(hd), run);
+        tasks.into_par_iter().for_each_init(|| Scratch::new(hd), run);
     }
 }
 
@@ -238,23 +226,13 @@ mod tests {
                 let kv_base = (b * d.kv_heads + h / (d.q_heads / d.kv_heads)) * d.seq_kv * hd;
                 for i in 0..d.seq_q {
                     let row = (b * d.q_heads + h) * d.seq_q + i;
-                    let scores: Vec<f64> = (0..d.key_end(i))
-                        .map(|j| {
-                            d.scale
-                                * (0..hd)
-                                    .map(|e| q[row * hd + e] * k[kv_base + j * hd + e])
-                                    .sum::<f64>()
-                        })
-                        .collect();
+                    let scores: Vec<f64> =
+                        (0..d.key_end(i)).map(|j| d.scale * (0..hd).map(|e| q[row * hd + e] * k[kv_base + j * hd + e]).sum::<f64>()).collect();
                     let want = scores.iter().map(|s| s.exp()).sum::<f64>().ln();
                     if scores.is_empty() {
                         assert_eq!(lse[row], f64::NEG_INFINITY);
                     } else {
-                        assert!(
-                            (lse[row] - want).abs() < 1e-11,
-                            "lse {row}: {} vs {want}",
-                            lse[row]
-                        );
+                        assert!((lse[row] - want).abs() < 1e-11, "lse {row}: {} vs {want}", lse[row]);
                     }
                 }
             }
@@ -264,52 +242,23 @@ mod tests {
         let mut outf = vec![f32::NAN; d.q_len()];
         let mut lsef = vec![f32::NAN; d.lse_len()];
         attention_forward(d, &qf, &kf, &vf, &mut outf, &mut lsef);
-        assert_close(
-            &to_f64(&outf),
-            &want,
-            2e-5,
-            1e-4,
-            &format!("f32 forward {d:?}"),
-        );
-        let finite = |x: &[f64]| {
-            x.iter()
-                .map(|&e| if e.is_finite() { e } else { 0.0 })
-                .collect::<Vec<_>>()
-        };
-        assert_close(
-            &finite(&to_f64(&lsef)),
-            &finite(&lse),
-            1e-4,
-            1e-5,
-            "f32 lse",
-        );
+        assert_close(&to_f64(&outf), &want, 2e-5, 1e-4, &format!("f32 forward {d:?}"));
+        let finite = |x: &[f64]| x.iter().map(|&e| if e.is_finite() { e } else { 0.0 }).collect::<Vec<_>>();
+        assert_close(&finite(&to_f64(&lsef)), &finite(&lse), 1e-4, 1e-5, "f32 lse");
     }
 
     #[test]
     fn matches_reference_across_shapes_masks_and_groupings() {
         let mut seed = 10;
         for causal in [false, true] {
-            for &(batch, q_heads, kv_heads) in
-                &[(1, 1, 1), (3, 2, 1), (1, 4, 1), (2, 4, 2), (1, 3, 3)]
-            {
-                for &(seq_q, seq_kv) in &[
-                    (1, 1),
-                    (3, 3),
-                    (17, 17),
-                    (1, 17),
-                    (3, 17),
-                    (17, 129),
-                    (129, 129),
-                ] {
+            for &(batch, q_heads, kv_heads) in &[(1, 1, 1), (3, 2, 1), (1, 4, 1), (2, 4, 2), (1, 3, 3)] {
+                for &(seq_q, seq_kv) in &[(1, 1), (3, 3), (17, 17), (1, 17), (3, 17), (17, 129), (129, 129)] {
                     for &hd in &[1, 3, 16] {
                         // Keep the largest combinations to a few heads.
                         if seq_kv == 129 && batch * q_heads > 4 {
                             continue;
                         }
-                        check_against_reference(
-                            &dims(batch, q_heads, kv_heads, seq_q, seq_kv, hd, causal),
-                            seed,
-                        );
+                        check_against_reference(&dims(batch, q_heads, kv_heads, seq_q, seq_kv, hd, causal), seed);
                         seed += 3;
                     }
                 }
@@ -362,10 +311,7 @@ mod tests {
         let (q, k, v) = qkv(&d, 3);
         let (q, k, v) = (to_f32(&q), to_f32(&k), to_f32(&v));
         let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             pool.install(|| {
                 let mut out = vec![0f32; d.q_len()];
                 let mut lse = vec![0f32; d.lse_len()];
@@ -377,15 +323,7 @@ mod tests {
         for threads in [2, 3, 1] {
             let other = run(threads);
             assert!(
-                one.0
-                    .iter()
-                    .zip(&other.0)
-                    .all(|(a, b)| a.to_bits() == b.to_bits())
-                    && one
-                        .1
-                        .iter()
-                        .zip(&other.1)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                one.0.iter().zip(&other.0).all(|(a, b)| a.to_bits() == b.to_bits()) && one.1.iter().zip(&other.1).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "forward differs with {threads} threads"
             );
         }

@@ -101,9 +101,7 @@ impl AttnDims {
             return self.seq_kv;
         }
         // j <= i + seq_kv - seq_q  <=>  j < i + 1 + seq_kv - seq_q
-        (i + 1 + self.seq_kv)
-            .saturating_sub(self.seq_q)
-            .min(self.seq_kv)
+        (i + 1 + self.seq_kv).saturating_sub(self.seq_q).min(self.seq_kv)
     }
 
     /// First query that attends key `j` (`seq_q` if none does).
@@ -117,22 +115,13 @@ impl AttnDims {
     /// Multiply-adds of one `Q·Kᵀ` over all heads, ignoring the mask: the size
     /// measure that decides whether to go parallel.
     fn work(&self) -> usize {
-        self.batch
-            .saturating_mul(self.q_heads)
-            .saturating_mul(self.seq_q)
-            .saturating_mul(self.seq_kv)
-            .saturating_mul(self.head_dim)
+        self.batch.saturating_mul(self.q_heads).saturating_mul(self.seq_q).saturating_mul(self.seq_kv).saturating_mul(self.head_dim)
     }
 
     #[track_caller]
     fn check(&self) {
         assert!(self.kv_heads > 0, "attention: kv_heads must be positive");
-        assert!(
-            self.q_heads.is_multiple_of(self.kv_heads),
-            "attention: q_heads {} is not a multiple of kv_heads {}",
-            self.q_heads,
-            self.kv_heads
-        );
+        assert!(self.q_heads.is_multiple_of(self.kv_heads), "attention: q_heads {} is not a multiple of kv_heads {}", self.q_heads, self.kv_heads);
         assert!(self.head_dim > 0, "attention: head_dim must be positive");
         assert!(self.scale.is_finite(), "attention: scale must be finite");
     }
@@ -143,13 +132,7 @@ impl AttnDims {
 /// layouts and masking as [`AttnDims`] describes; a query that sees no key gets
 /// a zero output. For tests, and as the plain statement of what the fused
 /// kernels compute.
-pub fn attention_reference_forward<T: Real>(
-    d: &AttnDims,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    out: &mut [T],
-) {
+pub fn attention_reference_forward<T: Real>(d: &AttnDims, q: &[T], k: &[T], v: &[T], out: &mut [T]) {
     d.check();
     assert_eq!(q.len(), d.q_len(), "attention: q length");
     assert_eq!(k.len(), d.kv_len(), "attention: k length");
@@ -198,35 +181,14 @@ pub(super) mod test_inputs {
     use super::AttnDims;
     use crate::testing::rand_vec;
 
-    pub fn dims(
-        batch: usize,
-        q_heads: usize,
-        kv_heads: usize,
-        seq_q: usize,
-        seq_kv: usize,
-        head_dim: usize,
-        causal: bool,
-    ) -> AttnDims {
-        AttnDims {
-            batch,
-            q_heads,
-            kv_heads,
-            seq_q,
-            seq_kv,
-            head_dim,
-            causal,
-            scale: 1.0 / (head_dim as f64).sqrt(),
-        }
+    pub fn dims(batch: usize, q_heads: usize, kv_heads: usize, seq_q: usize, seq_kv: usize, head_dim: usize, causal: bool) -> AttnDims {
+        AttnDims { batch, q_heads, kv_heads, seq_q, seq_kv, head_dim, causal, scale: 1.0 / (head_dim as f64).sqrt() }
     }
 
     /// Random `(q, k, v)` in `[-2, 2)` so that softmax rows are far from uniform.
     pub fn qkv(d: &AttnDims, seed: u64) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
         let s = |x: Vec<f64>| x.into_iter().map(|e| 2.0 * e).collect::<Vec<_>>();
-        (
-            s(rand_vec(seed, d.q_len())),
-            s(rand_vec(seed + 1, d.kv_len())),
-            rand_vec(seed + 2, d.kv_len()),
-        )
+        (s(rand_vec(seed, d.q_len())), s(rand_vec(seed + 1, d.kv_len())), rand_vec(seed + 2, d.kv_len()))
     }
 
     pub fn to_f32(x: &[f64]) -> Vec<f32> {
@@ -246,24 +208,12 @@ mod tests {
     fn key_ranges_follow_the_kv_cache_convention() {
         let d = dims(1, 1, 1, 3, 5, 4, true);
         // Queries are the last three of five positions.
-        assert_eq!(
-            (0..3).map(|i| d.key_end(i)).collect::<Vec<_>>(),
-            vec![3, 4, 5]
-        );
-        assert_eq!(
-            (0..5).map(|j| d.first_query(j)).collect::<Vec<_>>(),
-            vec![0, 0, 0, 1, 2]
-        );
+        assert_eq!((0..3).map(|i| d.key_end(i)).collect::<Vec<_>>(), vec![3, 4, 5]);
+        assert_eq!((0..5).map(|j| d.first_query(j)).collect::<Vec<_>>(), vec![0, 0, 0, 1, 2]);
         // More queries than keys: the first ones see nothing.
         let d = dims(1, 1, 1, 5, 2, 4, true);
-        assert_eq!(
-            (0..5).map(|i| d.key_end(i)).collect::<Vec<_>>(),
-            vec![0, 0, 0, 1, 2]
-        );
-        assert_eq!(
-            (0..2).map(|j| d.first_query(j)).collect::<Vec<_>>(),
-            vec![3, 4]
-        );
+        assert_eq!((0..5).map(|i| d.key_end(i)).collect::<Vec<_>>(), vec![0, 0, 0, 1, 2]);
+        assert_eq!((0..2).map(|j| d.first_query(j)).collect::<Vec<_>>(), vec![3, 4]);
         let d = dims(1, 1, 1, 5, 2, 4, false);
         assert_eq!(d.key_end(0), 2);
         assert_eq!(d.first_query(1), 0);
@@ -274,13 +224,7 @@ mod tests {
     fn rejects_heads_that_do_not_group() {
         let d = dims(1, 3, 2, 4, 4, 4, false);
         let z = vec![0f32; 64];
-        super::attention_reference_forward(
-            &d,
-            &z[..d.q_len()],
-            &z[..d.kv_len()],
-            &z[..d.kv_len()],
-            &mut vec![0f32; d.q_len()],
-        );
+        super::attention_reference_forward(&d, &z[..d.q_len()], &z[..d.kv_len()], &z[..d.kv_len()], &mut vec![0f32; d.q_len()]);
     }
 
     /// The fused layout reads and writes the same values as separate

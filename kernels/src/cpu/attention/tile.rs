@@ -18,18 +18,7 @@ use crate::Real;
 /// column of `b`, which lets the backward pass recompute score tiles that are
 /// bit-identical to the forward's even when it forms them transposed.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn matmul_tile<T: Real>(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[T],
-    lda: usize,
-    b: &[T],
-    ldb: usize,
-    c: &mut [T],
-    ldc: usize,
-    accumulate: bool,
-) {
+pub(super) fn matmul_tile<T: Real>(m: usize, n: usize, k: usize, a: &[T], lda: usize, b: &[T], ldb: usize, c: &mut [T], ldc: usize, accumulate: bool) {
     if m == 0 || n == 0 {
         return;
     }
@@ -50,18 +39,7 @@ pub(super) fn matmul_tile<T: Real>(
 /// bytes): eight accumulator registers (4×8 f32 or 4×4 f64) leave room for
 /// the `b` row and the broadcast `a` values without spills.
 #[allow(clippy::too_many_arguments)]
-fn tiled_baseline<T: Real>(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[T],
-    lda: usize,
-    b: &[T],
-    ldb: usize,
-    c: &mut [T],
-    ldc: usize,
-    accumulate: bool,
-) {
+fn tiled_baseline<T: Real>(m: usize, n: usize, k: usize, a: &[T], lda: usize, b: &[T], ldb: usize, c: &mut [T], ldc: usize, accumulate: bool) {
     if std::mem::size_of::<T>() <= 4 {
         tiled::<T, 4, 8>(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
     } else {
@@ -77,18 +55,7 @@ fn tiled_baseline<T: Real>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
 #[allow(clippy::too_many_arguments)]
-fn tiled_avx<T: Real>(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[T],
-    lda: usize,
-    b: &[T],
-    ldb: usize,
-    c: &mut [T],
-    ldc: usize,
-    accumulate: bool,
-) {
+fn tiled_avx<T: Real>(m: usize, n: usize, k: usize, a: &[T], lda: usize, b: &[T], ldb: usize, c: &mut [T], ldc: usize, accumulate: bool) {
     if std::mem::size_of::<T>() <= 4 {
         tiled::<T, 4, 16>(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
     } else {
@@ -114,16 +81,7 @@ fn tiled<T: Real, const MR: usize, const NR: usize>(
     let n_full = n - n % NR;
     for i0 in (0..m_full).step_by(MR) {
         for j0 in (0..n_full).step_by(NR) {
-            micro::<T, MR, NR>(
-                k,
-                &a[i0 * lda..],
-                lda,
-                &b[j0..],
-                ldb,
-                &mut c[i0 * ldc + j0..],
-                ldc,
-                accumulate,
-            );
+            micro::<T, MR, NR>(k, &a[i0 * lda..], lda, &b[j0..], ldb, &mut c[i0 * ldc + j0..], ldc, accumulate);
         }
         if n_full < n {
             for i in i0..i0 + MR {
@@ -139,16 +97,7 @@ fn tiled<T: Real, const MR: usize, const NR: usize>(
 /// One `MR×NR` block of `c`, kept in registers across the whole `k` loop.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn micro<T: Real, const MR: usize, const NR: usize>(
-    k: usize,
-    a: &[T],
-    lda: usize,
-    b: &[T],
-    ldb: usize,
-    c: &mut [T],
-    ldc: usize,
-    accumulate: bool,
-) {
+fn micro<T: Real, const MR: usize, const NR: usize>(k: usize, a: &[T], lda: usize, b: &[T], ldb: usize, c: &mut [T], ldc: usize, accumulate: bool) {
     let mut acc = [[T::zero(); NR]; MR];
     if accumulate {
         for (r, row) in acc.iter_mut().enumerate() {
@@ -174,19 +123,7 @@ fn micro<T: Real, const MR: usize, const NR: usize>(
 /// register block. Same per-element summation order as [`micro`].
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn edge_row<T: Real>(
-    i: usize,
-    j_lo: usize,
-    n: usize,
-    k: usize,
-    a: &[T],
-    lda: usize,
-    b: &[T],
-    ldb: usize,
-    c: &mut [T],
-    ldc: usize,
-    accumulate: bool,
-) {
+fn edge_row<T: Real>(i: usize, j_lo: usize, n: usize, k: usize, a: &[T], lda: usize, b: &[T], ldb: usize, c: &mut [T], ldc: usize, accumulate: bool) {
     let c_row = &mut c[i * ldc + j_lo..i * ldc + n];
     if !accumulate {
         c_row.fill(T::zero());
@@ -209,14 +146,7 @@ pub(super) fn axpy<T: Real>(y: &mut [T], alpha: T, x: &[T]) {
 /// (`dst` has leading dimension `r`). Puts a block of keys (or queries) in
 /// the layout whose rows [`matmul_tile`] streams contiguously.
 #[inline(always)]
-pub(super) fn transpose_scaled<T: Real>(
-    src: &[T],
-    rows: usize,
-    cols: usize,
-    ld: usize,
-    scale: T,
-    dst: &mut [T],
-) {
+pub(super) fn transpose_scaled<T: Real>(src: &[T], rows: usize, cols: usize, ld: usize, scale: T, dst: &mut [T]) {
     if rows == 0 {
         return;
     }
@@ -246,9 +176,7 @@ pub(super) fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     for (&x, &y) in ra.iter().zip(rb) {
         tail += x * y;
     }
-    ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
-        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
-        + tail
+    ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + tail
 }
 
 /// `sum_i x[i]` with eight partial sums combined in a fixed order.
@@ -265,9 +193,7 @@ pub(super) fn sum_of<T: Real>(x: &[T]) -> T {
             lanes[l] += c[l];
         }
     }
-    ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
-        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
-        + tail
+    ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + tail
 }
 
 /// `max_i x[i]`, `-inf` for an empty slice (NaN entries are skipped).
@@ -292,15 +218,7 @@ mod tests {
     use super::*;
     use crate::testing::{assert_close, rand_vec};
 
-    fn naive(
-        m: usize,
-        n: usize,
-        k: usize,
-        a: &[f64],
-        lda: usize,
-        b: &[f64],
-        ldb: usize,
-    ) -> Vec<f64> {
+    fn naive(m: usize, n: usize, k: usize, a: &[f64], lda: usize, b: &[f64], ldb: usize) -> Vec<f64> {
         let mut c = vec![0.0; m * n];
         for i in 0..m {
             for j in 0..n {
@@ -312,14 +230,7 @@ mod tests {
 
     #[test]
     fn matmul_tile_matches_naive_on_odd_shapes_and_strides() {
-        for &(m, n, k) in &[
-            (1, 1, 1),
-            (3, 17, 5),
-            (4, 8, 16),
-            (17, 9, 3),
-            (13, 33, 7),
-            (8, 4, 0),
-        ] {
+        for &(m, n, k) in &[(1, 1, 1), (3, 17, 5), (4, 8, 16), (17, 9, 3), (13, 33, 7), (8, 4, 0)] {
             let (lda, ldb, ldc) = (k + 2, n + 3, n + 1);
             let a = rand_vec(1, m * lda);
             let b = rand_vec(2, k.max(1) * ldb);
@@ -340,22 +251,14 @@ mod tests {
                         assert_eq!(c[i * ldc + j], c0[i * ldc + j]);
                     }
                 }
-                assert_close(
-                    &got,
-                    &exp,
-                    1e-12,
-                    1e-12,
-                    &format!("matmul {m}x{n}x{k} acc={accumulate}"),
-                );
+                assert_close(&got, &exp, 1e-12, 1e-12, &format!("matmul {m}x{n}x{k} acc={accumulate}"));
             }
             // f32 goes through the wider register tile.
             let af: Vec<f32> = a.iter().map(|&x| x as f32).collect();
             let bf: Vec<f32> = b.iter().map(|&x| x as f32).collect();
             let mut cf = vec![0f32; m * ldc];
             matmul_tile(m, n, k, &af, lda, &bf, ldb, &mut cf, ldc, false);
-            let got: Vec<f64> = (0..m * n)
-                .map(|e| cf[(e / n) * ldc + e % n] as f64)
-                .collect();
+            let got: Vec<f64> = (0..m * n).map(|e| cf[(e / n) * ldc + e % n] as f64).collect();
             assert_close(&got, &want, 1e-5, 1e-5, "matmul f32");
         }
     }
@@ -370,10 +273,7 @@ mod tests {
         matmul_tile(m, n, k, &a, k, &b, n, &mut fast, n, false);
         tiled_baseline(m, n, k, &a, k, &b, n, &mut base, n, false);
         assert_eq!(fast, base);
-        let (af, bf): (Vec<f32>, Vec<f32>) = (
-            a.iter().map(|&x| x as f32).collect(),
-            b.iter().map(|&x| x as f32).collect(),
-        );
+        let (af, bf): (Vec<f32>, Vec<f32>) = (a.iter().map(|&x| x as f32).collect(), b.iter().map(|&x| x as f32).collect());
         let mut fast = vec![0f32; m * n];
         let mut base = vec![0f32; m * n];
         matmul_tile(m, n, k, &af, k, &bf, n, &mut fast, n, false);
@@ -392,10 +292,7 @@ mod tests {
         for n in [0, 1, 7, 8, 9, 33] {
             let a = rand_vec(7, n);
             assert!((sum_of(&a) - a.iter().sum::<f64>()).abs() < 1e-12);
-            assert_eq!(
-                max_of(&a),
-                a.iter().cloned().fold(f64::NEG_INFINITY, f64::max)
-            );
+            assert_eq!(max_of(&a), a.iter().cloned().fold(f64::NEG_INFINITY, f64::max));
         }
         let src = rand_vec(6, 3 * 5);
         let mut dst = vec![0.0; 15];

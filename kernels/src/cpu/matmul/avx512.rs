@@ -126,16 +126,7 @@ pub(super) enum Start<'a> {
 /// valid `m×k` and `k×n` operands through their strides; `c` must be valid for
 /// `m*n` writes and alias neither operand.
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn gemm_f32(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: View,
-    b: View,
-    c: *mut f32,
-    start: Start<'_>,
-    threads: usize,
-) {
+pub(super) unsafe fn gemm_f32(m: usize, n: usize, k: usize, a: View, b: View, c: *mut f32, start: Start<'_>, threads: usize) {
     debug_assert!(m > 0 && n > 0 && k > 0);
     if let Start::Bias(bias) = start {
         assert_eq!(bias.len(), n, "matmul: the bias must have n elements");
@@ -157,17 +148,7 @@ pub(super) unsafe fn gemm_f32(
 /// # Safety
 /// As for [`gemm_f32`], with `b` viewing the first of the `nb` columns.
 #[allow(clippy::too_many_arguments)]
-unsafe fn column_block(
-    m: usize,
-    n: usize,
-    ldc: usize,
-    k: usize,
-    a: View,
-    b: View,
-    c: *mut f32,
-    start: Start<'_>,
-    threads: usize,
-) {
+unsafe fn column_block(m: usize, n: usize, ldc: usize, k: usize, a: View, b: View, c: *mut f32, start: Start<'_>, threads: usize) {
     // Equal depth blocks, a function of `k` alone (never of the thread count).
     let kc_nom = k.div_ceil(k.div_ceil(KC_MAX));
     let strips = n.div_ceil(NR);
@@ -178,15 +159,9 @@ unsafe fn column_block(
     // all of it. Only when there are too few row tiles to share out (at
     // least two per task) do the columns split.
     let parts = if threads <= 1 { 1 } else { 2 * threads };
-    let (rows, cols) = if m.div_ceil(MR) >= 2 * parts || m.div_ceil(MR) >= strips {
-        (split(m, parts, MR), split(n, 1, NR))
-    } else {
-        (split(m, 1, MR), split(n, parts, NR))
-    };
-    let tasks: Vec<(Range<usize>, Range<usize>)> = rows
-        .iter()
-        .flat_map(|r| cols.iter().map(move |cl| (r.clone(), cl.clone())))
-        .collect();
+    let (rows, cols) =
+        if m.div_ceil(MR) >= 2 * parts || m.div_ceil(MR) >= strips { (split(m, parts, MR), split(n, 1, NR)) } else { (split(m, 1, MR), split(n, parts, NR)) };
+    let tasks: Vec<(Range<usize>, Range<usize>)> = rows.iter().flat_map(|r| cols.iter().map(move |cl| (r.clone(), cl.clone()))).collect();
     let out = OutPtr(c);
     let mut p0 = 0;
     while p0 < k {
@@ -273,18 +248,7 @@ unsafe fn pack_a(a: View, i0: usize, rows: usize, p0: usize, kc: usize, dst: &mu
 /// As for [`gemm_f32`]; no other task may touch this rectangle of `C`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
-unsafe fn block(
-    n: usize,
-    ldc: usize,
-    rows: Range<usize>,
-    cols: Range<usize>,
-    a: View,
-    p0: usize,
-    kc: usize,
-    packed_b: &[f32],
-    out: OutPtr,
-    store: Store<'_>,
-) {
+unsafe fn block(n: usize, ldc: usize, rows: Range<usize>, cols: Range<usize>, a: View, p0: usize, kc: usize, packed_b: &[f32], out: OutPtr, store: Store<'_>) {
     debug_assert!(a.cs == 1 || a.rs == 1, "A is read in place along one of its strides");
     let mut abuf = take_buf(&PACK_A, MR * kc);
     let mut ic = rows.start;
@@ -385,15 +349,7 @@ unsafe fn kernel(kc: usize, ap: Panel, bp: *const f32, c: *mut f32, ldc: usize, 
 /// As for [`kernel`].
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn kernel_strided<const STEP: usize, const ROW: usize>(
-    kc: usize,
-    ap: *const f32,
-    ld: usize,
-    bp: *const f32,
-    c: *mut f32,
-    ldc: usize,
-    store: Store<'_>,
-) {
+unsafe fn kernel_strided<const STEP: usize, const ROW: usize>(kc: usize, ap: *const f32, ld: usize, bp: *const f32, c: *mut f32, ldc: usize, store: Store<'_>) {
     let row = if ROW == 0 { ld } else { ROW };
     let stride = if STEP == 0 { ld } else { STEP };
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
@@ -485,15 +441,7 @@ mod tests {
         }
         // Edge tiles in m and n, several depth blocks (k > KC_MAX), several
         // row blocks (m > MC), splits along m and along n, two column blocks.
-        let shapes = [
-            (1, 1, 1),
-            (13, 1100, 40),
-            (200, 30, 70),
-            (20, 50, 300),
-            (97, 17, 65),
-            (3, 129, 129),
-            (5, 20, NC + 33),
-        ];
+        let shapes = [(1, 1, 1), (13, 1100, 40), (200, 30, 70), (20, 50, 300), (97, 17, 65), (3, 129, 129), (5, 20, NC + 33)];
         for &(m, k, n) in &shapes {
             for ta in [false, true] {
                 for tb in [false, true] {

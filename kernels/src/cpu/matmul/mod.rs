@@ -80,9 +80,7 @@ fn product<T: Real>(g: &Gemm, a: &[T], b: &[T], bias: Option<&[T]>, c: &mut [T])
         }
     } else if macs.saturating_mul(g.batch) >= PAR_MIN_MACS {
         // Many small products: one product per task, each sequential.
-        c.par_chunks_mut(m * n)
-            .enumerate()
-            .for_each(|(bi, c_b)| one(bi, c_b, Parallelism::None));
+        c.par_chunks_mut(m * n).enumerate().for_each(|(bi, c_b)| one(bi, c_b, Parallelism::None));
     } else {
         for (bi, c_b) in c.chunks_mut(m * n).enumerate() {
             one(bi, c_b, Parallelism::None);
@@ -96,11 +94,7 @@ fn single<T: Real>(g: &Gemm, a: &[T], b: &[T], bias: Option<&[T]>, c: &mut [T], 
     let (a_rs, a_cs) = if g.trans_a { (1, m) } else { (k, 1) };
     let (b_rs, b_cs) = if g.trans_b { (1, k) } else { (n, 1) };
     #[cfg(target_arch = "x86_64")]
-    if TypeId::of::<T>() == TypeId::of::<f32>()
-        && m * n * k >= BLOCKED_MIN_MACS
-        && m.min(n) >= BLOCKED_MIN_DIM
-        && avx512::available()
-    {
+    if TypeId::of::<T>() == TypeId::of::<f32>() && m * n * k >= BLOCKED_MIN_MACS && m.min(n) >= BLOCKED_MIN_DIM && avx512::available() {
         let threads = match par {
             Parallelism::None => 1,
             _ => rayon::current_num_threads(),
@@ -371,10 +365,7 @@ mod tests {
             let first = run(1);
             for threads in [1, 2, 3, 4] {
                 let c = run(threads);
-                assert!(
-                    first.iter().zip(&c).all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "{g:?}: {threads} threads differ from 1 thread"
-                );
+                assert!(first.iter().zip(&c).all(|(x, y)| x.to_bits() == y.to_bits()), "{g:?}: {threads} threads differ from 1 thread");
             }
         }
     }

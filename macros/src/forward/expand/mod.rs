@@ -279,11 +279,7 @@ impl<'a> Gen<'a> {
 
     /// The fields the forward calls, in declaration order, each visited once.
     fn used_fields(&self) -> Vec<&'a Field> {
-        self.m
-            .fields
-            .iter()
-            .filter(|f| self.prog.nodes.iter().any(|n| matches!(&n.op, Op::Call(c) if *c == f.ident)))
-            .collect()
+        self.m.fields.iter().filter(|f| self.prog.nodes.iter().any(|n| matches!(&n.op, Op::Call(c) if *c == f.ident))).collect()
     }
 }
 

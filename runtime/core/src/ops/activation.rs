@@ -1,10 +1,10 @@
 //! Activation functions: GELU (tanh form), SiLU and SwiGLU.
 
 use super::{cuda_launch, float_kernel, run, run1};
-use crate::tensor::check_same_shape;
-use crate::backend::kernel::Out;
 use crate::backend::cuda::args::{Arg, Grid};
+use crate::backend::kernel::Out;
 use crate::error::Result;
+use crate::tensor::check_same_shape;
 use crate::tensor::Tensor;
 use tessera_kernels::cpu::activation as k;
 

@@ -1,11 +1,11 @@
 //! Fused causal self-attention with grouped-query heads.
 
 use super::{float_kernel, run, run1};
-use crate::tensor::check_same_shape;
-use crate::backend::kernel::Out;
 use crate::backend::cuda::args::{Arg, Grid};
 use crate::backend::cuda::CudaCall;
+use crate::backend::kernel::Out;
 use crate::error::{Error, Result};
+use crate::tensor::check_same_shape;
 use crate::tensor::{Shape, Tensor};
 use tessera_kernels::cpu::attention::{
     attention_backward as back, attention_backward_packed as back_packed, attention_forward as fwd, attention_forward_packed as fwd_packed, AttnDims,
@@ -182,7 +182,10 @@ impl QkvHeads {
     pub(crate) fn check(&self, op: &'static str, x: &Tensor) -> Result<(usize, usize)> {
         let QkvHeads { q_heads, kv_heads, head_dim } = *self;
         if q_heads == 0 || kv_heads == 0 || head_dim == 0 || !q_heads.is_multiple_of(kv_heads) {
-            return Err(Error::invalid(op, format!("{q_heads} query heads, {kv_heads} key/value heads of {head_dim}: all must be positive and kv_heads must divide q_heads")));
+            return Err(Error::invalid(
+                op,
+                format!("{q_heads} query heads, {kv_heads} key/value heads of {head_dim}: all must be positive and kv_heads must divide q_heads"),
+            ));
         }
         match x.dims() {
             &[b, t, w] if w == self.width() => Ok((b, t)),

@@ -1,11 +1,11 @@
 //! Dropout whose mask is recomputed from a counter-based RNG, never stored.
 
 use super::{float_kernel, run1};
-use crate::tensor::check_same_shape;
-use crate::backend::kernel::Out;
 use crate::backend::cuda::args::{Arg, Grid};
 use crate::backend::cuda::CudaCall;
+use crate::backend::kernel::Out;
 use crate::error::{Error, Result};
+use crate::tensor::check_same_shape;
 use crate::tensor::Tensor;
 use tessera_kernels::cpu::dropout as k;
 use tessera_kernels::rng::RngKey;

@@ -1,11 +1,11 @@
 //! Elementwise arithmetic and bias addition.
 
 use super::{cuda_launch, float_kernel, run1};
-use crate::tensor::{check_device, check_same_shape};
 use crate::backend::cuda::args::{Arg, Grid};
 use crate::backend::kernel::Out;
 use crate::backend::Storage;
 use crate::error::{Error, Result};
+use crate::tensor::{check_device, check_same_shape};
 use crate::tensor::{DType, Tensor};
 use tessera_kernels::cpu::elementwise as k;
 use tessera_kernels::Real;
@@ -62,7 +62,10 @@ pub fn scale(x: &Tensor, by: f64) -> Result<Tensor> {
 pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
     let last = x.shape().last_dim("add_bias")?;
     if bias.dims() != [last] {
-        return Err(Error::shape("add_bias", format!("bias has shape {} but rows of x {} have length {last}; the bias must be [{last}]", bias.shape(), x.shape())));
+        return Err(Error::shape(
+            "add_bias",
+            format!("bias has shape {} but rows of x {} have length {last}; the bias must be [{last}]", bias.shape(), x.shape()),
+        ));
     }
     run1("add_bias", &AddBias {}, &[x, bias], x.shape().clone(), Out::Primary)
 }

@@ -1,8 +1,8 @@
 //! Embedding lookup, plain and vocab-parallel.
 
 use super::{float_kernel, run1, with_u32};
-use crate::backend::kernel::Out;
 use crate::backend::cuda::args::{Arg, Grid};
+use crate::backend::kernel::Out;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 use tessera_kernels::cpu::embedding as k;

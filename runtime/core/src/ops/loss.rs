@@ -1,9 +1,9 @@
 //! Cross-entropy fused with log-softmax.
 
 use super::{float_kernel, rows, run, run1, with_u32};
-use crate::backend::kernel::Out;
 use crate::backend::cuda::args::{Arg, Grid};
 use crate::backend::cuda::CudaCall;
+use crate::backend::kernel::Out;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Shape, Tensor};
 use tessera_kernels::cpu::cross_entropy as k;
@@ -33,7 +33,17 @@ fn ignore_arg(ignore: Option<u32>) -> Arg {
 fn rows_cuda(c: &mut CudaCall, targets: &[u32], vocab: usize, start: u32, ignore: Option<u32>, full: bool) -> Result<()> {
     let rows = targets.len();
     let t = Arg::Scratch(c.upload_u32(targets)?);
-    let args = [Arg::Input(0), t, Arg::Output(0), Arg::Output(1), Arg::U64(rows), Arg::U64(vocab), Arg::U64(start as usize), ignore_arg(ignore), Arg::U32(full as u32)];
+    let args = [
+        Arg::Input(0),
+        t,
+        Arg::Output(0),
+        Arg::Output(1),
+        Arg::U64(rows),
+        Arg::U64(vocab),
+        Arg::U64(start as usize),
+        ignore_arg(ignore),
+        Arg::U32(full as u32),
+    ];
     c.launch("loss", "cross_entropy_rows", Grid::Rows { rows, cols: vocab }, &args)
 }
 
@@ -120,7 +130,15 @@ float_kernel!(ShardBack<'a> { targets: &'a [u32], vocab: usize, start: u32, igno
     k::vocab_shard_backward(i[0], i[1], s.vocab, s.start, s.targets, s.ignore, i[2], o[0])
 }; cuda |s, c| backward_cuda(c, s.targets, s.vocab, s.start, s.ignore));
 
-fn check_shard(op: &'static str, logits: &Tensor, targets: &[u32], target_shape: &Shape, vocab_start: usize, vocab_size: usize, ignore: Option<u32>) -> Result<usize> {
+fn check_shard(
+    op: &'static str,
+    logits: &Tensor,
+    targets: &[u32],
+    target_shape: &Shape,
+    vocab_start: usize,
+    vocab_size: usize,
+    ignore: Option<u32>,
+) -> Result<usize> {
     let local = logits.shape().last_dim(op)?;
     if vocab_start + local > vocab_size {
         return Err(Error::shape(op, format!("a shard of {local} vocabulary entries starting at {vocab_start} does not fit a vocabulary of {vocab_size}")));
@@ -129,7 +147,13 @@ fn check_shard(op: &'static str, logits: &Tensor, targets: &[u32], target_shape:
         return Err(Error::shape(op, format!("logits {} need one target per row, targets have shape {}", logits.shape(), target_shape)));
     }
     if let Some(position) = targets.iter().position(|&t| Some(t) != ignore && t as usize >= vocab_size) {
-        return Err(Error::IndexOutOfRange { op, index: targets[position] as u64, position, bound: vocab_size as u64, hint: "; targets must be token ids below the vocabulary size (or the ignore index)" });
+        return Err(Error::IndexOutOfRange {
+            op,
+            index: targets[position] as u64,
+            position,
+            bound: vocab_size as u64,
+            hint: "; targets must be token ids below the vocabulary size (or the ignore index)",
+        });
     }
     Ok(local)
 }
@@ -154,7 +178,15 @@ pub fn vocab_shard_stats(logits: &Tensor, targets: &Tensor, vocab_start: usize, 
 
 /// Backward of a vocabulary shard given the full rows' log-sum-exp `lse` and
 /// the per-row upstream gradient `dloss` (`[rows]`, zero for ignored rows).
-pub fn vocab_shard_backward(logits: &Tensor, targets: &Tensor, vocab_start: usize, vocab_size: usize, ignore_index: Option<u32>, lse: &Tensor, dloss: &Tensor) -> Result<Tensor> {
+pub fn vocab_shard_backward(
+    logits: &Tensor,
+    targets: &Tensor,
+    vocab_start: usize,
+    vocab_size: usize,
+    ignore_index: Option<u32>,
+    lse: &Tensor,
+    dloss: &Tensor,
+) -> Result<Tensor> {
     const OP: &str = "vocab_shard_backward";
     with_u32(OP, "targets", targets, |t| {
         let vocab = check_shard(OP, logits, t, targets.shape(), vocab_start, vocab_size, ignore_index)?;

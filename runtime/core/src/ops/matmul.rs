@@ -1,10 +1,10 @@
 //! Matrix products, batched, with transposed operands taken as views.
 
 use super::{float_kernel, run1};
-use crate::tensor::check_device;
 use crate::backend::cuda::args::{Arg, Grid};
 use crate::backend::kernel::Out;
 use crate::error::{Error, Result};
+use crate::tensor::check_device;
 use crate::tensor::{Shape, Tensor};
 use tessera_kernels::cpu::matmul::{matmul as gemm, matmul_bias as gemm_bias};
 use tessera_kernels::desc::Gemm;
@@ -63,7 +63,10 @@ fn product(op: &'static str, a: &Tensor, b: &Tensor, bias: Option<&Tensor>) -> R
     let a_batch = &ad[..ad.len() - 2];
     let b_batch = &bd[..bd.len() - 2];
     if !b_batch.is_empty() && a_batch != b_batch {
-        return Err(Error::shape(op, format!("batch dimensions differ: {} · {}; make them equal, or pass a single [k, n] right operand", a.shape(), b.shape())));
+        return Err(Error::shape(
+            op,
+            format!("batch dimensions differ: {} · {}; make them equal, or pass a single [k, n] right operand", a.shape(), b.shape()),
+        ));
     }
     if let Some(bias) = bias {
         check_device(op, a, bias)?;
@@ -81,12 +84,7 @@ fn product(op: &'static str, a: &Tensor, b: &Tensor, bias: Option<&Tensor>) -> R
         // All rows of a contiguous left operand form one tall matrix: one big GEMM.
         Gemm { trans_b, ..Gemm::new(1, batch * m, k, n) }
     } else {
-        Gemm {
-            trans_a,
-            trans_b,
-            batch_stride_b: if broadcast_b { 0 } else { k * n },
-            ..Gemm::new(batch, m, k, n)
-        }
+        Gemm { trans_a, trans_b, batch_stride_b: if broadcast_b { 0 } else { k * n }, ..Gemm::new(batch, m, k, n) }
     };
     match bias {
         None => run1(op, &MatMul { g }, &[&a_op, &b_op], Shape::new(out_dims), Out::Primary),

@@ -39,8 +39,8 @@ pub use softmax::*;
 pub use topk::*;
 
 use crate::backend::cpu;
-use crate::backend::kernel::{FloatKernel, Out};
 use crate::backend::cuda::{self, CudaStorage};
+use crate::backend::kernel::{FloatKernel, Out};
 use crate::backend::{CpuStorage, Device, Storage};
 use crate::error::{Error, Result};
 use crate::tensor::{check_device, check_float, DType, Shape, Tensor};

@@ -1,11 +1,11 @@
 //! LayerNorm and RMSNorm over the last dimension.
 
 use super::{float_kernel, rows, run};
-use crate::tensor::check_same_shape;
 use crate::backend::cuda::args::{Arg, Grid};
 use crate::backend::cuda::CudaCall;
 use crate::backend::kernel::Out;
 use crate::error::{Error, Result};
+use crate::tensor::check_same_shape;
 use crate::tensor::{Shape, Tensor};
 use tessera_kernels::cpu::norm as k;
 

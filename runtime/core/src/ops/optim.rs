@@ -1,13 +1,13 @@
 //! The fused AdamW update, one tensor at a time or many in one launch.
 
-use crate::tensor::{check_device, check_same_shape};
 use crate::backend::cuda::adamw::{adamw_f32, AdamWSlot};
 use crate::backend::{CpuStorage, Device, Storage};
 use crate::error::{Error, Result};
+use crate::tensor::{check_device, check_same_shape};
 use crate::tensor::{DType, Element, Tensor};
 use std::collections::HashMap;
-pub use tessera_kernels::desc::AdamWStep;
 use tessera_kernels::cpu::adamw::adamw_update as fused;
+pub use tessera_kernels::desc::AdamWStep;
 use tessera_kernels::Real;
 
 const OP: &str = "adamw_update";
@@ -67,7 +67,9 @@ pub fn adamw_update_many(targets: &[AdamWTarget<'_>]) -> Result<()> {
             let t = &targets[i];
             let at = |s: &Storage, tensor: &Tensor| match s {
                 Storage::Cuda(s) => Ok(s.device_ptr_at(tensor.layout().offset())),
-                Storage::Cpu(_) => Err(Error::invalid(OP, "a host tensor among the device operands of one update; keep each parameter's gradient and moments on its device")),
+                Storage::Cpu(_) => {
+                    Err(Error::invalid(OP, "a host tensor among the device operands of one update; keep each parameter's gradient and moments on its device"))
+                }
             };
             if t.param.dtype() != DType::F32 {
                 return Err(Error::NotImplementedOnCuda { op: "adamw_update on f64 master weights" });
@@ -88,7 +90,12 @@ fn check(t: &AdamWTarget<'_>) -> Result<Tensor> {
         check_device(OP, param, x)?;
     }
     if !matches!(param.dtype(), DType::F32 | DType::F64) || m.dtype() != param.dtype() || v.dtype() != param.dtype() {
-        return Err(Error::DType { op: OP, expected: "f32 (or f64) master weights and moments of one dtype".into(), got: param.dtype(), hint: "; keep master weights and optimizer state in f32" });
+        return Err(Error::DType {
+            op: OP,
+            expected: "f32 (or f64) master weights and moments of one dtype".into(),
+            got: param.dtype(),
+            hint: "; keep master weights and optimizer state in f32",
+        });
     }
     let named = [("param", param), ("m", m), ("v", v)];
     for (i, (a, ta)) in named.iter().enumerate() {
@@ -121,7 +128,10 @@ fn check_no_overlap(targets: &[AdamWTarget<'_>], grads: &[Tensor]) -> Result<()>
             let entry = seen.entry(x.storage_key()).or_insert((j, writes));
             let (i, written) = *entry;
             if i != j && (written || writes) {
-                return Err(Error::invalid(OP, format!("updates {i} and {j} share a tensor that one of them writes; give every parameter its own tensors (update a tied parameter once)")));
+                return Err(Error::invalid(
+                    OP,
+                    format!("updates {i} and {j} share a tensor that one of them writes; give every parameter its own tensors (update a tied parameter once)"),
+                ));
             }
             entry.1 |= writes;
         }
@@ -139,7 +149,13 @@ fn update_on_cpu(t: &AdamWTarget<'_>, grad: &Tensor) {
     };
     fn go<T: Real + Element>(s: &AdamWStep, p: &mut CpuStorage, g: &CpuStorage, m: &mut CpuStorage, v: &mut CpuStorage, r: [std::ops::Range<usize>; 4]) {
         let [pr, gr, mr, vr] = r;
-        fused(s, &mut p.as_mut_slice::<T>().unwrap()[pr], &g.as_slice::<T>().unwrap()[gr], &mut m.as_mut_slice::<T>().unwrap()[mr], &mut v.as_mut_slice::<T>().unwrap()[vr]);
+        fused(
+            s,
+            &mut p.as_mut_slice::<T>().unwrap()[pr],
+            &g.as_slice::<T>().unwrap()[gr],
+            &mut m.as_mut_slice::<T>().unwrap()[mr],
+            &mut v.as_mut_slice::<T>().unwrap()[vr],
+        );
     }
     if t.param.dtype() == DType::F64 {
         go::<f64>(&t.step, p, g, m, v, ranges)

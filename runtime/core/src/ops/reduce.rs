@@ -1,8 +1,8 @@
 //! Reductions to a scalar: sum, squared norm, largest magnitude.
 
 use super::{cuda_launch, float_kernel, run1, scale};
-use crate::backend::kernel::Out;
 use crate::backend::cuda::args::{Arg, Grid};
+use crate::backend::kernel::Out;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 use tessera_kernels::cpu::reduce as k;

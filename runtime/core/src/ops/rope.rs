@@ -1,16 +1,18 @@
 //! Rotary position embedding ("rotate half" convention, as HF Llama).
 
+use super::QkvHeads;
 use super::{float_kernel, run1};
-use crate::tensor::check_same_shape;
-use crate::backend::kernel::Out;
 use crate::backend::cuda::args::{Arg, Grid};
 use crate::backend::cuda::CudaCall;
+use crate::backend::kernel::Out;
 use crate::error::{Error, Result};
+use crate::tensor::check_same_shape;
 use crate::tensor::Tensor;
 use std::any::Any;
 use std::sync::OnceLock;
-use super::QkvHeads;
-use tessera_kernels::cpu::rope::{rope_backward as back, rope_forward as fwd, rope_packed_backward as back_packed, rope_packed_forward as fwd_packed, PackedHeads, RopeTable};
+use tessera_kernels::cpu::rope::{
+    rope_backward as back, rope_forward as fwd, rope_packed_backward as back_packed, rope_packed_forward as fwd_packed, PackedHeads, RopeTable,
+};
 use tessera_kernels::Real;
 
 /// Precomputed rotation angles for heads of `head_dim` at positions below `max_position`.
@@ -62,7 +64,13 @@ impl Rope {
             return Err(Error::shape(op, format!("{} positions given for a sequence of {t}", positions.len())));
         }
         if let Some(p) = positions.iter().position(|&p| p as usize >= self.max_position) {
-            return Err(Error::IndexOutOfRange { op, index: positions[p] as u64, position: p, bound: self.max_position as u64, hint: "; build the Rope with a larger max_position" });
+            return Err(Error::IndexOutOfRange {
+                op,
+                index: positions[p] as u64,
+                position: p,
+                bound: self.max_position as u64,
+                hint: "; build the Rope with a larger max_position",
+            });
         }
         Ok(())
     }
@@ -92,11 +100,10 @@ pub fn rope(x: &Tensor, rope: &Rope, positions: &[u32]) -> Result<Tensor> {
 /// Backward of [`rope`]: the inverse rotation applied to the upstream gradient.
 pub fn rope_backward(dy: &Tensor, rope: &Rope, positions: &[u32]) -> Result<Tensor> {
     let (bh, seq) = rope.check("rope_backward", dy, positions)?;
-    run1("rope_backward", &RopeK { rope, positions, bh, seq, inverse: true }, &[dy], dy.shape().clone(), Out::Primary)
-        .and_then(|dx| {
-            check_same_shape("rope_backward", "gradient", &dx, dy)?;
-            Ok(dx)
-        })
+    run1("rope_backward", &RopeK { rope, positions, bh, seq, inverse: true }, &[dy], dy.shape().clone(), Out::Primary).and_then(|dx| {
+        check_same_shape("rope_backward", "gradient", &dx, dy)?;
+        Ok(dx)
+    })
 }
 
 float_kernel!(writes_all RopePackedK<'a> { rope: &'a Rope, positions: &'a [u32], heads: PackedHeads, seq: usize, inverse: bool } |s, i, o| {
@@ -116,7 +123,14 @@ float_kernel!(writes_all RopePackedK<'a> { rope: &'a Rope, positions: &'a [u32],
 /// `(per_position, period, rotated)` saying which rows rotate at which
 /// sequence index. The cos and sin of each sequence index's position are
 /// computed here exactly as the CPU's f32 table and uploaded.
-fn rope_cuda(c: &mut CudaCall, rope: &Rope, positions: &[u32], rows: usize, (per_position, period, rotated): (usize, usize, usize), inverse: bool) -> Result<()> {
+fn rope_cuda(
+    c: &mut CudaCall,
+    rope: &Rope,
+    positions: &[u32],
+    rows: usize,
+    (per_position, period, rotated): (usize, usize, usize),
+    inverse: bool,
+) -> Result<()> {
     let (half, seq) = (rope.head_dim / 2, positions.len());
     let inv_freq: Vec<f64> = (0..half).map(|i| rope.theta.powf(-2.0 * i as f64 / rope.head_dim as f64)).collect();
     let angles = || positions.iter().flat_map(|&p| inv_freq.iter().map(move |f| p as f64 * f));

@@ -2,9 +2,9 @@
 
 use super::cuda_launch::{rows_binary, rows_unary};
 use super::{float_kernel, run1};
-use crate::tensor::check_same_shape;
 use crate::backend::kernel::Out;
 use crate::error::Result;
+use crate::tensor::check_same_shape;
 use crate::tensor::Tensor;
 use tessera_kernels::cpu::softmax as k;
 

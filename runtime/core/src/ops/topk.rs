@@ -1,10 +1,10 @@
 //! The k largest entries of each row (MoE routing, sampling).
 
 use super::{float_kernel, run1, with_u32};
-use crate::tensor::{check_device, check_float};
 use crate::backend::kernel::Out;
 use crate::backend::{CpuStorage, CudaStorage, Device, Storage};
 use crate::error::{Error, Result};
+use crate::tensor::{check_device, check_float};
 use crate::tensor::{Shape, Tensor};
 use std::cell::RefCell;
 use std::ops::Range;

@@ -41,10 +41,7 @@ impl Tensor {
     pub fn from_vec<T: Element>(data: Vec<T>, shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
         let shape = shape.into();
         if data.len() != shape.elem_count() {
-            return Err(Error::shape(
-                "from_vec",
-                format!("{} elements given for shape {} which holds {}", data.len(), shape, shape.elem_count()),
-            ));
+            return Err(Error::shape("from_vec", format!("{} elements given for shape {} which holds {}", data.len(), shape, shape.elem_count())));
         }
         match device {
             Device::Cpu(dev) => Ok(Tensor::from_cpu(CpuStorage::from_buffer(dev.buffer(data)), shape, dev)),
@@ -85,15 +82,7 @@ impl Tensor {
     /// shape `local`: exactly the elements `rand(init, key, global, ..)` holds
     /// there. This is how each rank initialises its shard of a parameter
     /// without drawing (or communicating) the whole.
-    pub fn rand_slice(
-        init: Init,
-        key: RngKey,
-        global: &Shape,
-        starts: &[usize],
-        local: impl Into<Shape>,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Tensor> {
+    pub fn rand_slice(init: Init, key: RngKey, global: &Shape, starts: &[usize], local: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
         let local = local.into();
         check_block(global, starts, &local)?;
         if !dtype.is_float() {

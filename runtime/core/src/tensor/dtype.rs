@@ -87,12 +87,30 @@ impl Element for u32 {
 macro_rules! with_elem {
     ($dtype:expr, $t:ident => $body:expr) => {
         match $dtype {
-            $crate::tensor::DType::F32 => { type $t = f32; $body }
-            $crate::tensor::DType::F64 => { type $t = f64; $body }
-            $crate::tensor::DType::BF16 => { type $t = $crate::bf16; $body }
-            $crate::tensor::DType::F16 => { type $t = $crate::f16; $body }
-            $crate::tensor::DType::I32 => { type $t = i32; $body }
-            $crate::tensor::DType::U32 => { type $t = u32; $body }
+            $crate::tensor::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            $crate::tensor::DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            $crate::tensor::DType::BF16 => {
+                type $t = $crate::bf16;
+                $body
+            }
+            $crate::tensor::DType::F16 => {
+                type $t = $crate::f16;
+                $body
+            }
+            $crate::tensor::DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            $crate::tensor::DType::U32 => {
+                type $t = u32;
+                $body
+            }
         }
     };
 }

@@ -8,12 +8,12 @@ mod layout;
 mod shape;
 mod view;
 
-pub use check::{check_device, check_float, check_same_shape};
-pub use dtype::{DType, Element};
 pub use crate::with_elem;
+pub use check::{check_device, check_float, check_same_shape};
+pub use create::Init;
+pub use dtype::{DType, Element};
 pub use layout::Layout;
 pub use shape::Shape;
-pub use create::Init;
 
 use crate::backend::{CpuDevice, CpuStorage, Device, Storage};
 use crate::error::{Error, Result};

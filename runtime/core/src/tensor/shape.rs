@@ -28,16 +28,12 @@ impl Shape {
 
     /// The size of dimension `dim`.
     pub fn dim(&self, op: &'static str, dim: usize) -> Result<usize> {
-        self.0.get(dim).copied().ok_or_else(|| {
-            Error::shape(op, format!("dimension {dim} does not exist in a tensor of shape {self}"))
-        })
+        self.0.get(dim).copied().ok_or_else(|| Error::shape(op, format!("dimension {dim} does not exist in a tensor of shape {self}")))
     }
 
     /// The last dimension (the "row" of row-wise ops); an error for scalars.
     pub fn last_dim(&self, op: &'static str) -> Result<usize> {
-        self.0.last().copied().ok_or_else(|| {
-            Error::shape(op, "needs a tensor of at least one dimension, got a scalar".to_string())
-        })
+        self.0.last().copied().ok_or_else(|| Error::shape(op, "needs a tensor of at least one dimension, got a scalar".to_string()))
     }
 
     /// Row-major strides of a contiguous tensor of this shape.

@@ -4,11 +4,11 @@
 //! lock and writes only into new buffers of the calling rank's device, so the
 //! bytes a rank receives are counted where they land.
 
+use half::{bf16, f16};
+use std::ops::Range;
 use tessera_core::backend::cpu::Buffer;
 use tessera_core::backend::{CpuDevice, CpuStorage, Device, Storage};
 use tessera_core::tensor::{with_elem, DType, Element, Shape, Tensor};
-use half::{bf16, f16};
-use std::ops::Range;
 use tessera_kernels::cpu::{cast, elementwise};
 
 /// The CPU device a tensor lives on: communicators refuse CUDA devices when
@@ -108,12 +108,7 @@ fn add_serial<T: tessera_kernels::Real>(acc: &mut [T], x: &[T]) {
 
 /// Sums sources already in the compute type: the first is copied, the others
 /// added in place.
-fn sum_direct<T: tessera_kernels::Real + Element>(
-    dev: &CpuDevice,
-    inputs: &[(&CpuStorage, usize)],
-    segments: &[Range<usize>],
-    total: usize,
-) -> Buffer<T> {
+fn sum_direct<T: tessera_kernels::Real + Element>(dev: &CpuDevice, inputs: &[(&CpuStorage, usize)], segments: &[Range<usize>], total: usize) -> Buffer<T> {
     let slice = |i: usize, seg: &Range<usize>| {
         let (s, base) = inputs[i];
         &s.as_slice::<T>().expect("collective checked the dtypes agree")[base + seg.start..base + seg.end]
@@ -166,13 +161,7 @@ fn sum_widened(
 }
 
 /// Sums integer sources exactly (wrapping on overflow, like the hardware).
-fn sum_ints<T: Element + Default>(
-    dev: &CpuDevice,
-    inputs: &[(&CpuStorage, usize)],
-    segments: &[Range<usize>],
-    total: usize,
-    add: fn(T, T) -> T,
-) -> Buffer<T> {
+fn sum_ints<T: Element + Default>(dev: &CpuDevice, inputs: &[(&CpuStorage, usize)], segments: &[Range<usize>], total: usize, add: fn(T, T) -> T) -> Buffer<T> {
     let mut acc = dev.buffer_zeros::<T>(total);
     for (i, (s, base)) in inputs.iter().enumerate() {
         let src = s.as_slice::<T>().expect("collective checked the dtypes agree");

@@ -6,13 +6,13 @@
 //! the world's failure and its peers' departure each time it wakes, so a
 //! failed or missing rank turns into an error instead of a hang.
 
-use tessera_core::{Error, Result};
-use tessera_core::tensor::{DType, Tensor};
-use tessera_core::Device;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
+use tessera_core::tensor::{DType, Tensor};
+use tessera_core::Device;
+use tessera_core::{Error, Result};
 
 /// Why the world stopped: the first failure reported wins, since later ones
 /// are usually its consequences.
@@ -85,9 +85,15 @@ impl World {
 #[derive(Clone, Debug, PartialEq)]
 pub(super) enum Kind {
     AllReduce,
-    AllGather { dim: usize },
-    ReduceScatter { dim: usize },
-    Broadcast { root: usize },
+    AllGather {
+        dim: usize,
+    },
+    ReduceScatter {
+        dim: usize,
+    },
+    Broadcast {
+        root: usize,
+    },
     AllToAll,
     Barrier,
     /// A later step of the collective already matched at its first step.
@@ -202,10 +208,7 @@ impl GroupState {
         if g.attached[me].is_some() || g.departed[me].is_some() {
             return Err(Error::invalid(
                 "communicator",
-                format!(
-                    "rank {} already has a communicator for group {:?}; create one per rank and share it (it is `Sync`)",
-                    self.ranks[me], self.ranks
-                ),
+                format!("rank {} already has a communicator for group {:?}; create one per rank and share it (it is `Sync`)", self.ranks[me], self.ranks),
             ));
         }
         g.attached[me] = Some(device.clone());
@@ -257,10 +260,7 @@ impl GroupState {
             if waited >= world.timeout {
                 drop(g);
                 let missing: Vec<usize> = missing.iter().map(|&i| self.ranks[i]).collect();
-                let detail = format!(
-                    "rank {} of group {:?} waited for rank(s) {missing:?}, which never reached this collective",
-                    self.ranks[me], self.ranks
-                );
+                let detail = format!("rank {} of group {:?} waited for rank(s) {missing:?}, which never reached this collective", self.ranks[me], self.ranks);
                 world.fail(self.ranks[me], format!("it gave up waiting in {op} after {waited:?}: {detail}"));
                 return Err(Error::Timeout { op, waited, detail });
             }
@@ -304,10 +304,8 @@ impl GroupState {
             let waited = start.elapsed();
             if waited >= world.timeout {
                 drop(g);
-                let detail = format!(
-                    "rank {} of group {:?} waited for a message from rank {} that was never sent",
-                    self.ranks[to], self.ranks, self.ranks[from]
-                );
+                let detail =
+                    format!("rank {} of group {:?} waited for a message from rank {} that was never sent", self.ranks[to], self.ranks, self.ranks[from]);
                 world.fail(self.ranks[to], format!("it gave up waiting in recv after {waited:?}: {detail}"));
                 return Err(Error::Timeout { op: "recv", waited, detail });
             }

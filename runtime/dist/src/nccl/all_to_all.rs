@@ -10,9 +10,9 @@
 use super::raw::nccl_type;
 use super::{address, NcclCommunicator};
 use crate::Communicator;
-use tessera_core::{Error, Result};
-use tessera_core::tensor::{DType, Shape, Tensor};
 use cudarc::nccl::result;
+use tessera_core::tensor::{DType, Shape, Tensor};
+use tessera_core::{Error, Result};
 
 /// Most dimensions a part may have (the table has a fixed row per part).
 const MAX_DIMS: usize = 8;
@@ -30,7 +30,9 @@ fn describe(op: &'static str, peer: usize, part: &Tensor) -> Result<[u32; ROW]> 
     }
     row[1] = part.rank() as u32;
     for (slot, &d) in row[2..].iter_mut().zip(part.dims()) {
-        *slot = u32::try_from(d).map_err(|_| Error::invalid(op, format!("the part for rank {peer} has a dimension of {d} elements; at most {} travel through NCCL, split it", u32::MAX)))?;
+        *slot = u32::try_from(d).map_err(|_| {
+            Error::invalid(op, format!("the part for rank {peer} has a dimension of {d} elements; at most {} travel through NCCL, split it", u32::MAX))
+        })?;
     }
     Ok(row)
 }

@@ -17,14 +17,14 @@
 //! [`Communicator::send`]: crate::Communicator::send
 
 use super::{address, lock, Inflight, NcclCommunicator, State};
-use tessera_core::backend::{CudaDevice, CudaStorage, Storage};
 use crate::Communicator;
-use tessera_core::{Error, Result};
-use tessera_core::tensor::Tensor;
-use tessera_core::Device;
 use cudarc::driver::CudaEvent;
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
+use tessera_core::backend::{CudaDevice, CudaStorage, Storage};
+use tessera_core::tensor::Tensor;
+use tessera_core::Device;
+use tessera_core::{Error, Result};
 
 /// A message on its way: the sender's copy and the event after it.
 struct Message {
@@ -124,7 +124,14 @@ impl NcclCommunicator {
             // the sender's stream has waited for this copy (`Inflight`), and
             // `out` is ordered by this device's compute stream.
             unsafe {
-                cudarc::driver::result::memcpy_peer_async(stream.context().cu_ctx(), dst, message.from.compute_stream().context().cu_ctx(), src, bytes, stream.cu_stream())
+                cudarc::driver::result::memcpy_peer_async(
+                    stream.context().cu_ctx(),
+                    dst,
+                    message.from.compute_stream().context().cu_ctx(),
+                    src,
+                    bytes,
+                    stream.cu_stream(),
+                )
             }
             .map_err(|e| device.error("copying a message from a peer GPU", e))?;
         }

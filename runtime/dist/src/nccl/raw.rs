@@ -10,12 +10,12 @@
 //!
 //! [`Communicator`]: crate::Communicator
 
-use tessera_core::{Error, Result};
-use tessera_core::tensor::DType;
 use cudarc::nccl::{result, sys};
 use std::ffi::CStr;
 use std::panic::catch_unwind;
 use std::sync::OnceLock;
+use tessera_core::tensor::DType;
+use tessera_core::{Error, Result};
 
 /// Loads the NCCL library once per process; its version (`major·10000 +
 /// minor·100 + patch`), or why it cannot be used.

@@ -84,13 +84,7 @@ pub enum Recompute {
 
 /// Like [`call`], for a field declaring `declared` recompute (subject to the
 /// context's run-time override).
-pub fn call_recompute<R: Role, M: Module<R>, L: Feeds<M::In>>(
-    m: &M,
-    cx: &mut Cx,
-    name: &str,
-    x: Act<L>,
-    declared: Recompute,
-) -> Result<KeptCall<R, M>> {
+pub fn call_recompute<R: Role, M: Module<R>, L: Feeds<M::In>>(m: &M, cx: &mut Cx, name: &str, x: Act<L>, declared: Recompute) -> Result<KeptCall<R, M>> {
     let effective = match cx.recompute_override() {
         RecomputeOverride::AsDeclared => Some(declared),
         RecomputeOverride::Off => None,
@@ -163,7 +157,14 @@ pub fn call_layers<M: Pipelined>(
 }
 
 /// Backward of [`call_layers`].
-pub fn call_layers_backward<M: Pipelined>(m: &M, cx: &mut Cx, name: &str, layers: std::ops::Range<usize>, saved: M::Saved, dy: Act<M::Out>) -> Result<Act<M::In>> {
+pub fn call_layers_backward<M: Pipelined>(
+    m: &M,
+    cx: &mut Cx,
+    name: &str,
+    layers: std::ops::Range<usize>,
+    saved: M::Saved,
+    dy: Act<M::Out>,
+) -> Result<Act<M::In>> {
     cx.enter(name);
     let r = m.backward_layers(cx, layers, saved, dy);
     cx.exit();

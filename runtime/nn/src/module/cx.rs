@@ -1,11 +1,11 @@
 //! The per-rank context every forward and backward runs in.
 
 use super::{Param, Shard};
-use tessera_dist::{Communicator, Groups};
-use tessera_core::Result;
-use tessera_core::tensor::{DType, Tensor};
-use tessera_core::{Device, RngKey};
 use std::sync::Arc;
+use tessera_core::tensor::{DType, Tensor};
+use tessera_core::Result;
+use tessera_core::{Device, RngKey};
+use tessera_dist::{Communicator, Groups};
 
 /// Observers of a model's execution: ZeRO-3 gathers parameters before a
 /// sub-module runs and frees them after; tracing records spans; data

@@ -18,9 +18,9 @@
 //! | `all_gather` | `SplitSeq -> Replicated` | this rank's slice, no communication |
 
 use super::{Act, Cx, Layout, PartialSum, Pointwise, Replicated, SameLayout, SplitSeq};
-use tessera_core::Result;
 use tessera_core::ops;
 use tessera_core::tensor::{DType, Tensor};
+use tessera_core::Result;
 
 /// What an elementwise DSL function keeps: its input(s), layout-erased.
 #[derive(Debug)]
@@ -208,7 +208,5 @@ pub fn accumulate<L: Layout>(slot: &mut Option<Act<L>>, g: Act<L>) -> Result<()>
 /// (field `partner`); an error naming both fields when the shapes differ.
 pub fn tie<A: super::Tie, B: super::Tie>(layer: &mut A, with: &B, model: &str, field: &str, partner: &str) -> Result<()> {
     let w = with.weight().clone();
-    layer
-        .tie_weight(&w)
-        .map_err(|e| tessera_core::Error::invalid("tie", format!("`{model}.{field}` is `#[tied({partner})]` to `{model}.{partner}`, but: {e}")))
+    layer.tie_weight(&w).map_err(|e| tessera_core::Error::invalid("tie", format!("`{model}.{field}` is `#[tied({partner})]` to `{model}.{partner}`, but: {e}")))
 }

@@ -1,8 +1,8 @@
 //! Activation layouts as types: how a logical tensor lies on the tensor-parallel group.
 
-use tessera_core::tensor::Tensor;
 use std::fmt;
 use std::marker::PhantomData;
+use tessera_core::tensor::Tensor;
 
 mod sealed {
     pub trait Sealed {}

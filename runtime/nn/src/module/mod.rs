@@ -18,13 +18,13 @@ mod visit;
 
 pub use call::{call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, fed, Feeds, Kept, KeptCall, Recompute};
 pub use cx::{Cx, Hooks, RecomputeOverride};
-/// The communicators a [`Cx`] holds; they belong to [`dist`](tessera_dist)
-/// and are named here too, beside the context that carries them.
-pub use tessera_dist::Groups;
 pub use layout::{Act, Dispatched, Layout, PartialSum, Pointwise, Replicated, SameLayout, Seq, SplitHidden, SplitSeq};
 pub use seq::{seq_convert, seq_convert_backward};
 #[doc(hidden)]
 pub use sharded::{sharded, Erased, LayerRef, ShardedOp, ShardedOut};
+/// The communicators a [`Cx`] holds; they belong to [`dist`](tessera_dist)
+/// and are named here too, beside the context that carries them.
+pub use tessera_dist::Groups;
 
 /// Not layouts: one more item of each layout's name, so that rustc never
 /// shortens a layout's path in its messages. rustc prints a type by its bare
@@ -322,10 +322,7 @@ pub fn materialize<M: Module>(model: &M, cx: &Cx) -> Result<()> {
         Ok(())
     })?;
     if !problems.is_empty() {
-        return Err(Error::invalid(
-            "materialize",
-            format!("{}; choose a tensor-parallel degree that divides these sizes, or pad them", problems.join("; ")),
-        ));
+        return Err(Error::invalid("materialize", format!("{}; choose a tensor-parallel degree that divides these sizes, or pad them", problems.join("; "))));
     }
     let stage = cx.groups().pp.rank();
     let layout = cx.pipeline_layout()?;

@@ -1,11 +1,11 @@
 //! Parameters: a logical (global) tensor description, this rank's shard of
 //! it once materialised, and its accumulated gradient.
 
-use tessera_core::{Error, Result};
-use tessera_core::ops;
-use tessera_core::tensor::{DType, Init, Shape, Tensor};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
+use tessera_core::ops;
+use tessera_core::tensor::{DType, Init, Shape, Tensor};
+use tessera_core::{Error, Result};
 
 /// A parameter's identity (see [`Param::id`]), valid while the parameter lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -11,8 +11,8 @@
 //! | slice (whole → split): keep this rank's part of dim 1 | all-gather the slices' gradients |
 
 use super::{Act, Cx, Layout, Seq};
-use tessera_core::{Error, Result};
 use tessera_core::tensor::Tensor;
+use tessera_core::{Error, Result};
 
 /// `x` (of layout `L`, in form `from`) in form `to`. Only a `Replicated`
 /// value under sequence parallelism changes; anything else is returned as is.
@@ -44,7 +44,10 @@ fn check_rank(x: &Tensor) -> Result<()> {
     if x.rank() < 3 {
         return Err(Error::shape(
             "sequence parallelism",
-            format!("it splits dimension 1 of [batch, seq, hidden] activations, got {}; turn it off for models whose activations have no sequence dimension", x.shape()),
+            format!(
+                "it splits dimension 1 of [batch, seq, hidden] activations, got {}; turn it off for models whose activations have no sequence dimension",
+                x.shape()
+            ),
         ));
     }
     Ok(())

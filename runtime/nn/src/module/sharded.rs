@@ -1,10 +1,13 @@
 //! Everything a derived model does with a column- or row-parallel field,
 //! behind one generic function, [`sharded`] (whose doc says why).
 
-use super::{call, call_backward, call_recompute, call_recompute_backward, seq_convert, seq_convert_backward, Act, Cx, Kept, Layout, Module, Recompute, Role, Seq, Visitor};
-use tessera_core::{Error, Result};
-use tessera_core::tensor::Tensor;
+use super::{
+    call, call_backward, call_recompute, call_recompute_backward, seq_convert, seq_convert_backward, Act, Cx, Kept, Layout, Module, Recompute, Role, Seq,
+    Visitor,
+};
 use std::any::Any;
+use tessera_core::tensor::Tensor;
+use tessera_core::{Error, Result};
 
 /// A sub-module's saved state with its type erased (a sharded field's, see
 /// [`sharded`]); the backward restores the type.
@@ -144,7 +147,12 @@ where
                 Ok(kept) => call_recompute_backward::<R, L>(layer.get(), cx, name, *kept, dy)?,
                 Err(saved) => match saved.downcast::<L::Saved>() {
                     Ok(saved) => call_backward::<R, L>(layer.get(), cx, name, *saved, dy)?,
-                    Err(_) => return Err(Error::invalid("backward", format!("`{name}` was given another layer's saved state; pass each backward what its forward returned"))),
+                    Err(_) => {
+                        return Err(Error::invalid(
+                            "backward",
+                            format!("`{name}` was given another layer's saved state; pass each backward what its forward returned"),
+                        ))
+                    }
                 },
             };
             ShardedOut::Backward(seq_convert_backward::<I>(cx, dx, from, L::SEQ_IN)?.into_tensor())

@@ -10,9 +10,9 @@
 //! (each stage writes only its own) read the placement from here, so they
 //! always agree with what the pipeline executor runs.
 
-use tessera_core::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
+use tessera_core::{Error, Result};
 
 /// The part of a pipelined model a parameter is reached through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -71,7 +71,10 @@ impl PipelineLayout {
     /// `stages` stages of `chunks` chunks each (both at least 1).
     pub fn new(stages: usize, chunks: usize) -> Result<Self> {
         if stages == 0 || chunks == 0 {
-            return Err(Error::invalid("PipelineLayout::new", format!("{stages} stages of {chunks} chunks: both must be at least 1 (1 chunk unless the schedule interleaves)")));
+            return Err(Error::invalid(
+                "PipelineLayout::new",
+                format!("{stages} stages of {chunks} chunks: both must be at least 1 (1 chunk unless the schedule interleaves)"),
+            ));
         }
         Ok(PipelineLayout { stages, chunks })
     }

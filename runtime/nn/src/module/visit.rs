@@ -1,8 +1,8 @@
 //! Walking a model's parameters with stable dotted names.
 
 use super::{Param, Role, RoleKind, StagePart};
-use tessera_core::Result;
 use serde::{Deserialize, Serialize};
+use tessera_core::Result;
 
 /// Which expert of a mixture-of-experts layer a parameter belongs to.
 ///

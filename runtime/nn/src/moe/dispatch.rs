@@ -2,11 +2,11 @@
 //! dispatch of routed tokens to the ranks holding their experts, and the
 //! combine that brings the experts' outputs back.
 
-use tessera_dist::Communicator;
-use tessera_core::{Error, Result};
 use crate::module::{Act, Dispatched};
 use tessera_core::tensor::Tensor;
 use tessera_core::Device;
+use tessera_core::{Error, Result};
+use tessera_dist::Communicator;
 
 /// Who sends how many rows to whom in one forward. Both sides know it after
 /// one exchange of counts; the backward reuses it (its gradients travel the
@@ -32,10 +32,7 @@ impl Plan {
             return Ok(Plan { recv: send.clone(), send });
         }
         let local = send.first().map_or(0, Vec::len);
-        let parts = send
-            .iter()
-            .map(|c| Tensor::from_vec(c.iter().map(|&v| v as u32).collect::<Vec<u32>>(), [c.len()], device))
-            .collect::<Result<Vec<_>>>()?;
+        let parts = send.iter().map(|c| Tensor::from_vec(c.iter().map(|&v| v as u32).collect::<Vec<u32>>(), [c.len()], device)).collect::<Result<Vec<_>>>()?;
         let got = comm.all_to_all(parts)?;
         let recv = got
             .iter()

@@ -7,13 +7,13 @@ mod routing;
 pub use routing::MoeStats;
 
 use super::{param_value, rows};
-use tessera_core::{Error, Result};
 use crate::module::{Act, Cx, Module, Param, Plain, Replicated, Visitor};
-use tessera_core::ops;
-use tessera_core::tensor::{Init, Shape, Tensor};
 use dispatch::Plan;
 use std::ops::Range;
 use std::sync::Mutex;
+use tessera_core::ops;
+use tessera_core::tensor::{Init, Shape, Tensor};
+use tessera_core::{Error, Result};
 
 /// A sparse mixture-of-experts MLP, Mixtral style: a linear router scores
 /// every expert per token, each token goes to its `top_k` best experts, and
@@ -172,7 +172,12 @@ impl MoeSaved {
         use super::bytes_of;
         let experts: usize = self.per_expert.iter().flatten().map(|e| [&e.xe, &e.gate, &e.up, &e.h].into_iter().map(bytes_of).sum::<usize>()).sum();
         let opt: usize = [&self.probs, &self.w, &self.o].into_iter().flatten().map(bytes_of).sum();
-        bytes_of(&self.x) + bytes_of(&self.experts_idx) + bytes_of(&self.weights) + opt + 4 * (self.slots.len() + self.tokens.len() + self.order.len()) + experts
+        bytes_of(&self.x)
+            + bytes_of(&self.experts_idx)
+            + bytes_of(&self.weights)
+            + opt
+            + 4 * (self.slots.len() + self.tokens.len() + self.order.len())
+            + experts
     }
 
     /// What this forward routed and dropped, and its load-balancing loss.
@@ -217,7 +222,10 @@ impl Moe {
     /// load; 1.25 is a common choice.
     pub fn with_capacity_factor(mut self, factor: f64) -> Result<Moe> {
         if !(factor.is_finite() && factor > 0.0) {
-            return Err(Error::invalid("Moe::with_capacity_factor", format!("capacity factor {factor}: pass a positive finite number (1.0 is the balanced load; leave it unset for no limit)")));
+            return Err(Error::invalid(
+                "Moe::with_capacity_factor",
+                format!("capacity factor {factor}: pass a positive finite number (1.0 is the balanced load; leave it unset for no limit)"),
+            ));
         }
         self.capacity_factor = Some(factor);
         Ok(self)
@@ -228,7 +236,10 @@ impl Moe {
     /// Transformers use 0.01.
     pub fn with_aux_loss(mut self, coef: f64) -> Result<Moe> {
         if !(coef.is_finite() && coef >= 0.0) {
-            return Err(Error::invalid("Moe::with_aux_loss", format!("coefficient {coef}: pass a non-negative finite number (0 turns the loss's gradient off)")));
+            return Err(Error::invalid(
+                "Moe::with_aux_loss",
+                format!("coefficient {coef}: pass a non-negative finite number (0 turns the loss's gradient off)"),
+            ));
         }
         self.aux_coef = coef;
         Ok(self)
@@ -509,7 +520,8 @@ impl Module<Plain> for Moe {
                 continue;
             };
             let m = se.xe.dims()[0];
-            let do_ = dby_expert.as_ref().ok_or_else(|| Error::invalid(OP, "the saved state does not come from this layer's forward"))?.narrow(0, se.start, m)?;
+            let do_ =
+                dby_expert.as_ref().ok_or_else(|| Error::invalid(OP, "the saved state does not come from this layer's forward"))?.narrow(0, se.start, m)?;
             let (wg, wu, wd) = (param_value(cx, &ex.gate)?, param_value(cx, &ex.up)?, param_value(cx, &ex.down)?);
             let dh = ops::matmul(&do_, &wd)?;
             let ddown = weight_grad(&do_, &se.h)?;

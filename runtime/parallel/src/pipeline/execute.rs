@@ -1,13 +1,13 @@
 //! Running one stage of a pipeline schedule on a model cut by `#[stage]`.
 
 use super::{Action, Schedule};
-use tessera_dist::Communicator;
-use tessera_core::{Error, Result};
-pub use tessera_nn::module::layers_of;
-use tessera_nn::module::{self, Act, Cx, Staged};
-use tessera_core::tensor::Tensor;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
+use tessera_core::tensor::Tensor;
+use tessera_core::{Error, Result};
+use tessera_dist::Communicator;
+pub use tessera_nn::module::layers_of;
+use tessera_nn::module::{self, Act, Cx, Staged};
 
 /// What one stage did in one pipeline step.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -72,7 +72,12 @@ pub fn run_stage<M: Staged>(
     if pp.size() != schedule.stages() || pp.rank() != stage {
         return Err(Error::invalid(
             OP,
-            format!("stage {stage} of a {}-stage schedule runs on rank {} of a pipeline group of {}; give each stage the rank of its index", schedule.stages(), pp.rank(), pp.size()),
+            format!(
+                "stage {stage} of a {}-stage schedule runs on rank {} of a pipeline group of {}; give each stage the rank of its index",
+                schedule.stages(),
+                pp.rank(),
+                pp.size()
+            ),
         ));
     }
     if let Some(layout) = cx.pipeline_layout()? {
@@ -92,7 +97,9 @@ pub fn run_stage<M: Staged>(
         return Err(Error::invalid(OP, format!("{layers} layers cannot fill {virtual_stages} virtual stages; use fewer stages or chunks")));
     }
     let last = virtual_stages - 1;
-    let missing = |what: &str, mb: usize, c: usize| Error::invalid(OP, format!("stage {stage}: {what} of microbatch {mb}, chunk {c} is not there; the schedule is out of order"));
+    let missing = |what: &str, mb: usize, c: usize| {
+        Error::invalid(OP, format!("stage {stage}: {what} of microbatch {mb}, chunk {c} is not there; the schedule is out of order"))
+    };
 
     let device = cx.device().clone();
     let base = device.memory_stats().in_use;
@@ -110,11 +117,8 @@ pub fn run_stage<M: Staged>(
     // Gradients accumulate over the microbatches; a chunk's parameters are
     // announced final (for data parallelism) only in its last backward.
     let actions = schedule.actions(stage);
-    let last_backward: HashMap<usize, usize> = actions
-        .iter()
-        .enumerate()
-        .filter_map(|(i, a)| matches!(a, Action::Backward { .. }).then_some((a.chunk(), i)))
-        .collect();
+    let last_backward: HashMap<usize, usize> =
+        actions.iter().enumerate().filter_map(|(i, a)| matches!(a, Action::Backward { .. }).then_some((a.chunk(), i))).collect();
     let announcing = cx.set_announce_grads(false);
     // Microbatch `mb` holds the rows after those of the microbatches before
     // it (dropout draws its masks at global rows; see `Cx::batch_offset`).

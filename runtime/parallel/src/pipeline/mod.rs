@@ -47,8 +47,8 @@ pub use execute::{layers_of, run_stage, sync_tied_grads, ActionSpan, StageReport
 pub use schedule::{gpipe, interleaved_one_f_one_b, one_f_one_b, ScheduleKind};
 pub use simulate::{Costs, Event, Simulation, StageStats};
 
-use tessera_core::{Error, Result};
 use std::fmt;
+use tessera_core::{Error, Result};
 
 /// One step of a stage's work.
 ///

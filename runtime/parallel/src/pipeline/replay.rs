@@ -9,8 +9,8 @@
 //! messages were sent, not on the order the stages are replayed in.
 
 use super::{Action, Costs, Event, Schedule};
-use tessera_core::{Error, Result};
 use std::collections::HashMap;
+use tessera_core::{Error, Result};
 
 /// What a replay produces: every action with its times, and per stage the
 /// time it finished and the time it spent computing.
@@ -175,7 +175,13 @@ fn step(schedule: &Schedule, costs: &Costs, s: usize, st: &mut Stage, a: Action,
                 None => return fail(format!("virtual stage {k} is the {} one: it has no {what} to receive", if activation { "first" } else { "last" })),
                 Some((t, _)) if t == s => return fail(format!("its {what} is produced on this stage; take it locally, without a receive")),
                 Some((t, _)) if t != from => return fail(format!("its {what} comes from stage {t}, not stage {from}; receive it from stage {t}")),
-                Some(_) => if activation { k - 1 } else { k + 1 },
+                Some(_) => {
+                    if activation {
+                        k - 1
+                    } else {
+                        k + 1
+                    }
+                }
             };
             let flags = if activation { &mut st.has_input } else { &mut st.has_output_grad };
             if flags[unit] {
@@ -202,7 +208,10 @@ fn finished(schedule: &Schedule, stages: &[Stage], mailbox: &HashMap<Message, f6
                 let missing = if f { "backward" } else { "forward" };
                 return Err(Error::invalid(
                     "Schedule::check",
-                    format!("{}: stage {s} never runs the {missing} of microbatch {mb}, chunk {c}; every stage must forward and backward every (microbatch, chunk)", schedule.name),
+                    format!(
+                        "{}: stage {s} never runs the {missing} of microbatch {mb}, chunk {c}; every stage must forward and backward every (microbatch, chunk)",
+                        schedule.name
+                    ),
                 ));
             }
         }

@@ -138,12 +138,7 @@ pub fn interleaved_one_f_one_b(stages: usize, microbatches: usize, chunks: usize
 /// The 1F1B pattern over `units` (microbatch, chunk) units, the i-th forward
 /// being `forward(i)` and the i-th backward `backward(i)`: `warmup` forwards,
 /// then forward/backward pairs, then the remaining backwards.
-fn warm_steady_drain(
-    warmup: usize,
-    units: usize,
-    forward: impl Fn(usize) -> (usize, usize),
-    backward: impl Fn(usize) -> (usize, usize),
-) -> Vec<Action> {
+fn warm_steady_drain(warmup: usize, units: usize, forward: impl Fn(usize) -> (usize, usize), backward: impl Fn(usize) -> (usize, usize)) -> Vec<Action> {
     let warmup = warmup.min(units);
     let f = |i| {
         let (microbatch, chunk) = forward(i);

@@ -95,12 +95,8 @@ impl Schedule {
         costs.validate()?;
         let run = replay::replay(self, costs)?;
         let makespan = run.finish.iter().copied().fold(0.0, f64::max);
-        let stages = run
-            .busy
-            .iter()
-            .zip(self.peak_in_flight())
-            .map(|(&busy, peak_in_flight)| StageStats { busy, idle: makespan - busy, peak_in_flight })
-            .collect();
+        let stages =
+            run.busy.iter().zip(self.peak_in_flight()).map(|(&busy, peak_in_flight)| StageStats { busy, idle: makespan - busy, peak_in_flight }).collect();
         Ok(Simulation { name: self.name().to_string(), makespan, stages, events: run.events })
     }
 }

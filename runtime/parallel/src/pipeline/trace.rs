@@ -18,10 +18,8 @@ impl Simulation {
     /// # Ok::<(), tessera::Error>(())
     /// ```
     pub fn to_chrome_trace(&self) -> String {
-        let mut events: Vec<String> = vec![format!(
-            r#"{{"name":"process_name","ph":"M","pid":0,"tid":0,"args":{{"name":"pipeline: {}"}}}}"#,
-            escape(&self.name)
-        )];
+        let mut events: Vec<String> =
+            vec![format!(r#"{{"name":"process_name","ph":"M","pid":0,"tid":0,"args":{{"name":"pipeline: {}"}}}}"#, escape(&self.name))];
         for s in 0..self.stages.len() {
             events.push(format!(r#"{{"name":"thread_name","ph":"M","pid":0,"tid":{s},"args":{{"name":"stage {s}"}}}}"#));
             events.push(format!(r#"{{"name":"thread_sort_index","ph":"M","pid":0,"tid":{s},"args":{{"sort_index":{s}}}}}"#));

@@ -57,10 +57,8 @@ impl Zero {
     fn my_row(&self, s: &State, rows: &Rows) -> Result<Tensor> {
         let Params::Shard(shard) = &s.params else { unreachable!("stage 3 holds a shard") };
         let base = self.rank * self.flat.layout.shard_len;
-        let parts: Vec<Tensor> = rows.rows[self.rank]
-            .iter()
-            .map(|p| shard.narrow(0, self.flat.entries[p.entry].offset + p.start - base, p.len))
-            .collect::<Result<_>>()?;
+        let parts: Vec<Tensor> =
+            rows.rows[self.rank].iter().map(|p| shard.narrow(0, self.flat.entries[p.entry].offset + p.start - base, p.len)).collect::<Result<_>>()?;
         self.flat.padded_concat(parts, rows.width)
     }
 

@@ -113,11 +113,9 @@ impl Flat {
         }
         Tensor::concat_flat(&parts.iter().collect::<Vec<_>>())
     }
-
 }
 
 /// A contiguous tensor as one dimension (a view when it already is contiguous).
 pub(super) fn flat_view(t: &Tensor) -> Result<Tensor> {
     t.contiguous()?.reshape([t.elem_count()])
 }
-

@@ -375,7 +375,8 @@ impl Zero {
     /// what each element of [`shard_state`](Self::shard_state)'s tensors is.
     pub fn shard_pieces(&self) -> Vec<ShardPiece> {
         let range = self.flat.layout.shard_range(self.rank);
-        self.flat.pieces_in(range.clone())
+        self.flat
+            .pieces_in(range.clone())
             .into_iter()
             .map(|p| {
                 let e = &self.flat.entries[p.entry];
@@ -402,12 +403,23 @@ impl Zero {
         let want = Shape::new([self.flat.layout.shard_len]);
         for (what, t) in [("parameter", &state.params), ("first-moment", &state.m), ("second-moment", &state.v)] {
             if *t.shape() != want || t.dtype() != self.flat.dtype {
-                return Err(Error::shape(OP, format!("a {what} shard of {} {}, this rank's shard is {} {want}; restore state for the same model and data-parallel degree", t.dtype(), t.shape(), self.flat.dtype)));
+                return Err(Error::shape(
+                    OP,
+                    format!(
+                        "a {what} shard of {} {}, this rank's shard is {} {want}; restore state for the same model and data-parallel degree",
+                        t.dtype(),
+                        t.shape(),
+                        self.flat.dtype
+                    ),
+                ));
             }
         }
         let mut s = self.state();
         if !s.inflight.is_empty() || s.grad_shard.is_some() || s.synced {
-            return Err(Error::invalid(OP, "gradients of a step are still being reduced; restore state between steps (after `step`, before the next backward)"));
+            return Err(Error::invalid(
+                OP,
+                "gradients of a step are still being reduced; restore state between steps (after `step`, before the next backward)",
+            ));
         }
         s.m = state.m;
         s.v = state.v;
@@ -489,8 +501,6 @@ impl Zero {
         }
         Ok(())
     }
-
-
 }
 
 /// The parameters' values a new engine holds: at stage 3 this rank's shard
@@ -502,7 +512,8 @@ fn initial_params(flat: &Flat, stage: Stage, rank: usize, persistent: &[usize]) 
     if stage == Stage::Three {
         // Keep only this rank's pieces; drop the full values.
         let range = flat.layout.shard_range(rank);
-        let parts: Vec<Tensor> = flat.pieces_in(range.clone()).into_iter().map(|p| flat_view(&values[p.entry])?.narrow(0, p.start, p.len)).collect::<Result<_>>()?;
+        let parts: Vec<Tensor> =
+            flat.pieces_in(range.clone()).into_iter().map(|p| flat_view(&values[p.entry])?.narrow(0, p.start, p.len)).collect::<Result<_>>()?;
         let shard = flat.padded_concat(parts, range.len())?;
         drop(values);
         for (i, e) in flat.entries.iter().enumerate() {

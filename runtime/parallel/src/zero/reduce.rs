@@ -64,7 +64,13 @@ impl Zero {
         let mut at = 0;
         for (o, t) in pieces {
             if o != at {
-                return Err(Error::invalid("Zero::finish", format!("gradient pieces of shard {} do not tile it (gap at {at}, next piece at {o}); a parameter was reduced twice or not at all", self.rank)));
+                return Err(Error::invalid(
+                    "Zero::finish",
+                    format!(
+                        "gradient pieces of shard {} do not tile it (gap at {at}, next piece at {o}); a parameter was reduced twice or not at all",
+                        self.rank
+                    ),
+                ));
             }
             at += t.elem_count();
             parts.push(t);

@@ -5,10 +5,10 @@
 
 use super::io::RankFile;
 use super::manifest::{Index, Manifest};
-use tessera_optim::{TensorKind};
 use super::region::Region;
-use tessera_core::{Error, Result};
 use std::path::Path;
+use tessera_core::{Error, Result};
+use tessera_optim::TensorKind;
 
 /// Checks that the manifest describes every tensor it holds completely:
 /// each parameter's values (and, with an optimizer, both moments) are
@@ -29,7 +29,11 @@ pub(crate) fn check_layout(manifest: &Manifest, path: &Path) -> Result<()> {
             let covered = coverage(&p.global_shape, &regions).map_err(|e| bad(format!("the {} of `{}`: {e}", kind.name(), p.name)))?;
             let total: usize = p.global_shape.iter().product();
             if covered != total {
-                return Err(bad(format!("the pieces of the {} of `{}` hold {covered} of its {total} elements; the checkpoint is incomplete", kind.name(), p.name)));
+                return Err(bad(format!(
+                    "the pieces of the {} of `{}` hold {covered} of its {total} elements; the checkpoint is incomplete",
+                    kind.name(),
+                    p.name
+                )));
             }
         }
     }

@@ -4,14 +4,14 @@
 
 use super::io::{self, io_err};
 use super::manifest::{MeshInfo, ParamRecord, TensorRecord};
-use tessera_optim::{TensorKind};
-use tessera_optim::{OptimizerState, StatePiece};
 use super::place::{self, Coords};
 use super::region::Region;
+use std::path::Path;
+use tessera_core::tensor::{DType, Tensor};
 use tessera_core::{Error, Result};
 use tessera_nn::module::{self, Cx, ExpertSlot, Module, Param, StagePart};
-use tessera_core::tensor::{DType, Tensor};
-use std::path::Path;
+use tessera_optim::TensorKind;
+use tessera_optim::{OptimizerState, StatePiece};
 
 /// A distinct parameter of a model with everything that places it.
 pub(crate) struct ModelParam {
@@ -115,7 +115,13 @@ pub(crate) fn collect<M: Module>(model: &M, opt: Option<&dyn OptimizerState>, cx
             if tensor.elem_count() != region.elem_count() {
                 return Err(Error::Checkpoint {
                     path: tmp.join(file).display().to_string(),
-                    detail: format!("the {} of `{}` has {} elements where its place holds {}; the optimizer does not belong to this model", kind.name(), mp.name(), tensor.elem_count(), region.elem_count()),
+                    detail: format!(
+                        "the {} of `{}` has {} elements where its place holds {}; the optimizer does not belong to this model",
+                        kind.name(),
+                        mp.name(),
+                        tensor.elem_count(),
+                        region.elem_count()
+                    ),
                 });
             }
             let record = TensorRecord {

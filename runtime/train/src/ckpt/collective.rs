@@ -3,9 +3,9 @@
 //! ep, dp and pp covers every rank once, because the groups of the four
 //! axes tile the mesh.
 
+use tessera_core::tensor::Tensor;
 use tessera_core::{Error, Result};
 use tessera_nn::module::Cx;
-use tessera_core::tensor::Tensor;
 
 /// The most bytes of a failing rank's message carried to the others.
 const MESSAGE_BYTES: usize = 2048;
@@ -70,7 +70,10 @@ pub(crate) fn agree<T>(cx: &Cx, what: &str, outcome: Result<T>) -> Result<T> {
         0 => String::new(),
         n => format!(" (and {n} other rank(s))"),
     };
-    Err(Error::PeerFailed { rank: first, reason: format!("{what} failed on rank {first} ({}){others}: {}", describe(cx, first), String::from_utf8_lossy(&text)) })
+    Err(Error::PeerFailed {
+        rank: first,
+        reason: format!("{what} failed on rank {first} ({}){others}: {}", describe(cx, first), String::from_utf8_lossy(&text)),
+    })
 }
 
 /// Rank 0's `value`, on every rank of the mesh.
@@ -88,9 +91,9 @@ pub(crate) fn broadcast(cx: &Cx, value: u32) -> Result<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tessera_core::Device;
     use tessera_dist::inproc::{mesh_groups, InProcess};
     use tessera_dist::mesh::Mesh;
-    use tessera_core::Device;
 
     /// Runs `f(rank, cx)` on every rank of a `spec` mesh of threads.
     fn on_mesh<T: Send>(spec: &str, world: usize, f: impl Fn(usize, &Cx) -> T + Sync) -> Vec<T> {
@@ -115,7 +118,11 @@ mod tests {
     fn every_rank_learns_the_first_failure_and_its_message() {
         // Ranks 5 and 6 of pp2 × dp2 × tp2 fail; every other rank gets rank 5's message.
         let out = on_mesh("pp2,dp2,tp2", 8, |r, cx| {
-            let outcome = if r == 5 || r == 6 { Err(Error::io(std::path::Path::new("/ckpt/x"), std::io::Error::other(format!("disk of rank {r} is full ✗")))) } else { Ok(r) };
+            let outcome = if r == 5 || r == 6 {
+                Err(Error::io(std::path::Path::new("/ckpt/x"), std::io::Error::other(format!("disk of rank {r} is full ✗"))))
+            } else {
+                Ok(r)
+            };
             agree(cx, "writing", outcome).map_err(|e| e.to_string())
         });
         for (r, o) in out.iter().enumerate() {

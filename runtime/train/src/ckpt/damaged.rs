@@ -9,9 +9,9 @@
 
 use super::io::io_err;
 use super::Checkpointer;
-use tessera_core::Result;
 use std::fs;
 use std::path::{Path, PathBuf};
+use tessera_core::Result;
 
 /// The file a set-aside checkpoint carries, saying why.
 pub const REASON_FILE: &str = "REASON.txt";

@@ -46,7 +46,10 @@ impl WriteFaults {
         }
         if strikes(&armed.error) {
             armed.error = None;
-            return Some(WriteFault::Error(std::io::Error::new(std::io::ErrorKind::StorageFull, "No space left on device (os error 28, injected by faults.io_error)")));
+            return Some(WriteFault::Error(std::io::Error::new(
+                std::io::ErrorKind::StorageFull,
+                "No space left on device (os error 28, injected by faults.io_error)",
+            )));
         }
         None
     }

@@ -1,11 +1,11 @@
 //! Bytes, checksums and durable file operations for checkpoints.
 
-use tessera_core::{Error, Result};
-use tessera_core::tensor::{with_elem, DType, Tensor};
-use tessera_core::Device;
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::Path;
+use tessera_core::tensor::{with_elem, DType, Tensor};
+use tessera_core::Device;
+use tessera_core::{Error, Result};
 
 /// FNV-1a, 64 bit, of `bytes`, as 16 hex digits.
 pub(crate) fn checksum(bytes: &[u8]) -> String {

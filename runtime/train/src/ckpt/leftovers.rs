@@ -7,9 +7,9 @@
 
 use super::io::io_err;
 use super::Checkpointer;
-use tessera_core::Result;
 use std::fs;
 use std::path::PathBuf;
+use tessera_core::Result;
 
 /// The process id of a `step-<N>.tmp-<pid>` name.
 fn writer_of(name: &str) -> Option<u32> {

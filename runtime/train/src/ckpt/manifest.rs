@@ -2,12 +2,12 @@
 //! its global tensor, in which file, and its checksum.
 
 use super::region::Region;
-use tessera_optim::{OptimizerInfo, TensorKind};
-use tessera_core::{Error, Result};
-use tessera_nn::module::{ExpertSlot, StagePart};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
+use tessera_core::{Error, Result};
+use tessera_nn::module::{ExpertSlot, StagePart};
+use tessera_optim::{OptimizerInfo, TensorKind};
 
 /// The manifest format this build writes (it also reads format 2).
 ///

@@ -93,21 +93,21 @@ mod save;
 pub use serde_json;
 
 pub use check::verify;
-pub use tessera_optim::{OptimizerInfo, OptimizerState, StatePiece, StateSlot, TensorKind};
 pub use manifest::{Manifest, MeshInfo, ParamRecord, TensorRecord, FORMAT_VERSION};
 pub use region::Region;
 pub use reshard::reshard;
 pub use save::SaveHandle;
+pub use tessera_optim::{OptimizerInfo, OptimizerState, StatePiece, StateSlot, TensorKind};
 
 pub use damaged::REASON_FILE;
-use tessera_core::{Error, Result};
-use tessera_nn::module::{Cx, Module};
 use io::io_err;
 use save::Background;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tessera_core::{Error, Result};
+use tessera_nn::module::{Cx, Module};
 
 /// The name of the pointer file naming the newest complete checkpoint.
 pub const LATEST: &str = "latest";
@@ -230,7 +230,10 @@ impl Checkpointer {
     pub fn open(root: impl Into<PathBuf>, keep: usize) -> Result<Self> {
         let root = root.into();
         if !root.is_dir() {
-            return Err(Error::Checkpoint { path: root.display().to_string(), detail: "no such checkpoint directory; check the path (a run keeps its checkpoints in `<run.out>/checkpoints`)".into() });
+            return Err(Error::Checkpoint {
+                path: root.display().to_string(),
+                detail: "no such checkpoint directory; check the path (a run keeps its checkpoints in `<run.out>/checkpoints`)".into(),
+            });
         }
         Self::new(root, keep)
     }
@@ -281,7 +284,10 @@ impl Checkpointer {
             Ok(s) => {
                 let name = s.trim();
                 if step_of(name).is_none() {
-                    return Err(Error::Checkpoint { path: path.display().to_string(), detail: format!("names `{name}`, not a checkpoint directory `step-<N>`; delete the pointer to fall back to the newest directory") });
+                    return Err(Error::Checkpoint {
+                        path: path.display().to_string(),
+                        detail: format!("names `{name}`, not a checkpoint directory `step-<N>`; delete the pointer to fall back to the newest directory"),
+                    });
                 }
                 Ok(Some(self.root.path.join(name)))
             }
@@ -329,7 +335,14 @@ impl Checkpointer {
     /// last handle of this `Checkpointer`. Rank 0's [`SaveHandle`] says
     /// whether the checkpoint as a whole was made; the others' say whether
     /// their own part was written.
-    pub fn save_in_background<M: Module>(&self, step: u64, model: &M, opt: Option<&dyn OptimizerState>, cx: &Cx, extra: serde_json::Value) -> Result<SaveHandle> {
+    pub fn save_in_background<M: Module>(
+        &self,
+        step: u64,
+        model: &M,
+        opt: Option<&dyn OptimizerState>,
+        cx: &Cx,
+        extra: serde_json::Value,
+    ) -> Result<SaveHandle> {
         let job = self.begin(step, model, opt, cx, extra, false)?;
         let (handle, shared) = SaveHandle::spawn(job)?;
         *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(shared);

@@ -8,9 +8,9 @@
 //! tensor in row-major order, so intersecting two regions of any kind is
 //! intersecting two sorted lists of intervals: that is all resharding needs.
 
-use tessera_nn::module::Shard;
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
+use tessera_nn::module::Shard;
 
 /// The elements of a global tensor that a piece holds: the box
 /// `offsets .. offsets + shape`, or only elements `flat` of that box in

@@ -6,15 +6,15 @@
 use super::check::{self, verify};
 use super::io::{self, checksum, io_err};
 use super::manifest::{Manifest, MeshInfo, ParamRecord, TensorRecord};
-use tessera_optim::{TensorKind};
 use super::place::{self, Coords};
 use super::region::Region;
 use super::restore::Store;
 use super::MANIFEST;
-use tessera_core::{Error, Result};
-use tessera_nn::module::{Shard, StagePart};
 use std::fs;
 use std::path::Path;
+use tessera_core::{Error, Result};
+use tessera_nn::module::{Shard, StagePart};
+use tessera_optim::TensorKind;
 
 /// Why `mesh` cannot hold the parameters of `manifest`, every reason at once.
 fn problems(manifest: &Manifest, mesh: &MeshInfo) -> Vec<String> {

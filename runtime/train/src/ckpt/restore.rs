@@ -5,15 +5,15 @@
 use super::collect::{model_params, ModelParam};
 use super::io::{self, RankFile};
 use super::manifest::{Index, Manifest, ParamRecord, TensorRecord};
-use tessera_optim::{TensorKind};
-use tessera_optim::OptimizerState;
 use super::region::{overlap, Region, Sources};
-use tessera_core::{Error, Result};
-use tessera_nn::module::{Cx, Module, Param};
-use tessera_core::tensor::{DType, Tensor};
-use tessera_core::Device;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
+use tessera_core::tensor::{DType, Tensor};
+use tessera_core::Device;
+use tessera_core::{Error, Result};
+use tessera_nn::module::{Cx, Module, Param};
+use tessera_optim::OptimizerState;
+use tessera_optim::TensorKind;
 
 /// The stored pieces of one checkpoint, each rank file read once.
 pub(crate) struct Store<'a> {
@@ -61,13 +61,19 @@ impl<'a> Store<'a> {
         };
         let dtype = io::dtype_named(&first.dtype).ok_or_else(|| self.mismatch(format!("piece `{}` has an unknown dtype `{}`", first.name, first.dtype)))?;
         if let Some(other) = pieces.iter().find(|r| r.dtype != first.dtype) {
-            return Err(self.mismatch(format!("the pieces of `{}` are stored as {} and {}; rewrite the checkpoint in one dtype", first.name, first.dtype, other.dtype)));
+            return Err(
+                self.mismatch(format!("the pieces of `{}` are stored as {} and {}; rewrite the checkpoint in one dtype", first.name, first.dtype, other.dtype))
+            );
         }
         let mut steps: Vec<u64> = pieces.iter().filter_map(|r| r.steps).collect();
         steps.sort_unstable();
         steps.dedup();
         if steps.len() > 1 {
-            return Err(self.mismatch(format!("the pieces of the {} of `{}` record different update counts {steps:?}; the checkpoint mixes states", kind.name(), param.name)));
+            return Err(self.mismatch(format!(
+                "the pieces of the {} of `{}` record different update counts {steps:?}; the checkpoint mixes states",
+                kind.name(),
+                param.name
+            )));
         }
         for r in &pieces {
             if !self.files.contains_key(&r.file) {
@@ -75,7 +81,8 @@ impl<'a> Store<'a> {
             }
         }
         let bytes = pieces.iter().map(|r| self.files[&r.file].tensor(r, &self.dir.join(&r.file))).collect::<Result<Vec<_>>>()?;
-        let sources = Sources::new(global, pieces.iter().map(|r| &r.region).zip(bytes), dtype.size_in_bytes()).map_err(|e| self.mismatch(format!("the {} of `{}`: {e}", kind.name(), param.name)))?;
+        let sources = Sources::new(global, pieces.iter().map(|r| &r.region).zip(bytes), dtype.size_in_bytes())
+            .map_err(|e| self.mismatch(format!("the {} of `{}`: {e}", kind.name(), param.name)))?;
         let mut out = vec![0u8; want.elem_count() * dtype.size_in_bytes()];
         let covered = sources.copy_into(&target, &mut out);
         if covered != want.elem_count() {
@@ -129,13 +136,18 @@ fn check_fits(store: &Store, manifest: &Manifest, params: &[ModelParam]) -> Resu
     let model_names: HashSet<&str> = params.iter().flat_map(|m| m.names.iter().map(String::as_str)).collect();
     for p in manifest.params.iter().filter(|p| p.expert.is_none()) {
         if !std::iter::once(&p.name).chain(&p.aliases).any(|n| model_names.contains(n.as_str())) {
-            return Err(store.mismatch(format!("it holds parameter `{}` (global shape {:?}), which the model lacks; load it into the model it was saved from", p.name, p.global_shape)));
+            return Err(store.mismatch(format!(
+                "it holds parameter `{}` (global shape {:?}), which the model lacks; load it into the model it was saved from",
+                p.name, p.global_shape
+            )));
         }
     }
     for m in params {
         let model_shape = m.param.global_shape().dims().to_vec();
         let Some(r) = record_of(store, m) else {
-            return Err(store.mismatch(format!("the model's parameter `{}` (global shape {model_shape:?}) is not in it; load a checkpoint of this model", m.name())));
+            return Err(
+                store.mismatch(format!("the model's parameter `{}` (global shape {model_shape:?}) is not in it; load a checkpoint of this model", m.name()))
+            );
         };
         if r.global_shape != model_shape {
             return Err(store.mismatch(format!(
@@ -146,7 +158,10 @@ fn check_fits(store: &Store, manifest: &Manifest, params: &[ModelParam]) -> Resu
         }
         let (saved, here) = (r.expert.map(|e| e.count), m.expert.map(|e| e.count));
         if saved != here {
-            return Err(store.mismatch(format!("parameter `{}` belongs to a layer of {saved:?} experts in the checkpoint but {here:?} in the model; load it into the model it was saved from", m.name())));
+            return Err(store.mismatch(format!(
+                "parameter `{}` belongs to a layer of {saved:?} experts in the checkpoint but {here:?} in the model; load it into the model it was saved from",
+                m.name()
+            )));
         }
     }
     Ok(())
@@ -157,7 +172,10 @@ fn read_values(store: &mut Store, params: &[ModelParam], cx: &Cx) -> Result<Vec<
     let mut values = Vec::new();
     for m in params.iter().filter(|m| !m.param.is_remote()) {
         let current = m.param.value().map_err(|_| {
-            store.mismatch(format!("parameter `{}` has no value on this rank: a ZeRO engine holds it, so pass the engine as the optimizer to restore it", m.name()))
+            store.mismatch(format!(
+                "parameter `{}` has no value on this rank: a ZeRO engine holds it, so pass the engine as the optimizer to restore it",
+                m.name()
+            ))
         })?;
         let r = record_of(store, m).expect("checked by check_fits");
         let (t, _) = store.assemble(r, TensorKind::Param, &Region::of_shard(&r.global_shape, m.param.shard()), cx.device())?;
@@ -173,7 +191,9 @@ fn read_state(store: &mut Store, params: &[ModelParam], opt: &dyn OptimizerState
     let mut state = Vec::with_capacity(slots.len());
     for s in &slots {
         let Some(&m) = by_id.get(&s.param.id()) else {
-            return Err(store.mismatch(format!("the optimizer updates `{}`, which is not a parameter of this model; build the optimizer from the model", s.name)));
+            return Err(
+                store.mismatch(format!("the optimizer updates `{}`, which is not a parameter of this model; build the optimizer from the model", s.name))
+            );
         };
         let r = record_of(store, m).expect("checked by check_fits");
         let local = Region::of_shard(&r.global_shape, s.param.shard());

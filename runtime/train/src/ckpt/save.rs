@@ -5,21 +5,21 @@
 //! background thread ([`SaveHandle`]).
 
 use super::collect::{self, Part};
+use super::faults::WriteFault;
 use super::io::{self, checksum, io_err};
 use super::manifest::{Manifest, MeshInfo, ParamRecord, TensorRecord, FORMAT_VERSION};
-use tessera_optim::{OptimizerInfo};
-use tessera_optim::OptimizerState;
-use super::faults::WriteFault;
 use super::place::Coords;
 use super::{check, collective, read_manifest, Checkpointer, Root, LATEST, MANIFEST};
-use tessera_core::{Error, Result};
-use tessera_dist::Groups;
-use tessera_nn::module::{Cx, Module};
 use serde::{Deserialize, Serialize};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
+use tessera_core::{Error, Result};
+use tessera_dist::Groups;
+use tessera_nn::module::{Cx, Module};
+use tessera_optim::OptimizerInfo;
+use tessera_optim::OptimizerState;
 
 /// What a rank reports to the one that writes the manifest.
 #[derive(Default, Serialize, Deserialize)]
@@ -174,7 +174,15 @@ impl Checkpointer {
     /// The collective start of a save: waits for this rank's previous
     /// background save, prepares the temporary directory, copies this
     /// rank's part, and agrees with every rank that all of that worked.
-    pub(crate) fn begin<M: Module>(&self, step: u64, model: &M, opt: Option<&dyn OptimizerState>, cx: &Cx, extra: serde_json::Value, resume_point: bool) -> Result<Job> {
+    pub(crate) fn begin<M: Module>(
+        &self,
+        step: u64,
+        model: &M,
+        opt: Option<&dyn OptimizerState>,
+        cx: &Cx,
+        extra: serde_json::Value,
+        resume_point: bool,
+    ) -> Result<Job> {
         let previous = self.wait();
         let g = cx.groups();
         let coords = Coords::of(cx);
@@ -239,13 +247,30 @@ impl Root {
                         params.push(p);
                     }
                     Some(&i) if params[i] == p => {}
-                    Some(&i) => return Err(io_err(&path, &format!("ranks describe parameter `{}` differently ({:?} and {p:?})", p.name, params[i]), "every rank must build the same model")),
+                    Some(&i) => {
+                        return Err(io_err(
+                            &path,
+                            &format!("ranks describe parameter `{}` differently ({:?} and {p:?})", p.name, params[i]),
+                            "every rank must build the same model",
+                        ))
+                    }
                 }
             }
             tensors.extend(part.tensors);
             parts.push(path);
         }
-        let manifest = Manifest { format: FORMAT_VERSION, step: c.step, mesh: c.mesh, zero_stage: c.zero_stage, params, tensors, optimizer: c.optimizer, extra: c.extra, resume_point: c.resume_point, checksum: None };
+        let manifest = Manifest {
+            format: FORMAT_VERSION,
+            step: c.step,
+            mesh: c.mesh,
+            zero_stage: c.zero_stage,
+            params,
+            tensors,
+            optimizer: c.optimizer,
+            extra: c.extra,
+            resume_point: c.resume_point,
+            checksum: None,
+        };
         let path = tmp.join(MANIFEST);
         check::check_layout(&manifest, &path)?;
         for p in parts {
@@ -315,7 +340,9 @@ enum Outcome {
     Running,
     Done(Result<PathBuf>),
     /// Its outcome was already returned (its error, if any, kept as text).
-    Seen { error: Option<String> },
+    Seen {
+        error: Option<String>,
+    },
 }
 
 /// A background save shared between its thread, its handle and the

@@ -171,7 +171,11 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             let why: Vec<String> = damaged.iter().map(|s| format!("  {}: {}", s.dir.display(), s.reason)).collect();
             return Err(Error::invalid(
                 "trainer",
-                format!("`{root}` holds {} checkpoint(s) but none can be loaded:\n{}\nrepair or remove them, or start over with `--fresh` (which deletes them)", damaged.len(), why.join("\n")),
+                format!(
+                    "`{root}` holds {} checkpoint(s) but none can be loaded:\n{}\nrepair or remove them, or start over with `--fresh` (which deletes them)",
+                    damaged.len(),
+                    why.join("\n")
+                ),
             ));
         }
         let mut events = Vec::new();

@@ -48,7 +48,8 @@ impl RunState {
     /// (a checkpoint written before the monitor was saved leaves it as is).
     fn restore_scaler_and_monitor(&mut self, extra: &Value) -> Result<()> {
         if let (Some(s), Some(saved)) = (self.scaler.as_mut(), extra.get("scaler").filter(|v| !v.is_null())) {
-            *s = serde_json::from_value(saved.clone()).map_err(|e| Error::config("precision", format!("the checkpoint's loss-scaler state is unreadable: {e}")))?;
+            *s = serde_json::from_value(saved.clone())
+                .map_err(|e| Error::config("precision", format!("the checkpoint's loss-scaler state is unreadable: {e}")))?;
         }
         if let Some(saved) = extra.get("monitor").filter(|v| !v.is_null()) {
             self.monitor.restore(saved)?;
@@ -63,7 +64,14 @@ impl RunState {
     /// Returns the restored step with the newer checkpoints it had to pass
     /// over, or `None` when there is no checkpoint to go back to (the step
     /// is then only skipped).
-    pub(super) fn roll_back<M: Module>(&mut self, ckpt: &Checkpointer, model: &M, opt: &mut dyn OptimizerState, cx: &Cx, step: u64) -> Result<Option<(u64, Vec<Event>)>> {
+    pub(super) fn roll_back<M: Module>(
+        &mut self,
+        ckpt: &Checkpointer,
+        model: &M,
+        opt: &mut dyn OptimizerState,
+        cx: &Cx,
+        step: u64,
+    ) -> Result<Option<(u64, Vec<Event>)>> {
         if !ckpt.has_regular()? {
             return Ok(None);
         }
@@ -79,7 +87,12 @@ impl RunState {
         self.restore_scaler_and_monitor(extra)?;
         match extra.get("data") {
             Some(since) => self.batches.exclude_since(since)?,
-            None => return Err(Error::invalid("trainer", format!("the checkpoint `{}` holds no data cursor, so the data since it cannot be excluded", r.dir.display()))),
+            None => {
+                return Err(Error::invalid(
+                    "trainer",
+                    format!("the checkpoint `{}` holds no data cursor, so the data since it cannot be excluded", r.dir.display()),
+                ))
+            }
         }
         // Newer checkpoints it had to pass over are reported, not hidden.
         let skipped = r.skipped.iter().map(|s| Event::Skipped { dir: s.dir.display().to_string(), reason: s.reason.to_string() }).collect();
