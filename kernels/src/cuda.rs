@@ -9,6 +9,7 @@
 
 pub mod attention;
 pub mod attention_tc;
+pub mod signature;
 
 /// One compilation unit: its name, its full source, and the kernels whose
 /// speed matters most (the kernel gate fails if ptxas reports that any of
@@ -49,7 +50,24 @@ macro_rules! source {
 
 /// Every kernel source of the CUDA backend.
 pub const SOURCES: &[Source] = &[
-    source!("elementwise", ["add_f32", "add_bf16", "mul_f32", "gelu_f32", "gelu_bf16", "gelu_backward_f32", "gelu_backward_bf16", "silu_f32", "silu_backward_f32", "swiglu_f32", "swiglu_bf16", "swiglu_backward_f32", "swiglu_backward_bf16"]),
+    source!(
+        "elementwise",
+        [
+            "add_f32",
+            "add_bf16",
+            "mul_f32",
+            "gelu_f32",
+            "gelu_bf16",
+            "gelu_backward_f32",
+            "gelu_backward_bf16",
+            "silu_f32",
+            "silu_backward_f32",
+            "swiglu_f32",
+            "swiglu_bf16",
+            "swiglu_backward_f32",
+            "swiglu_backward_bf16"
+        ]
+    ),
     source!("reduce", ["row_sum_f32", "row_sum_bf16", "row_sum_squares_f32", "col_sum_f32", "max_abs_f32", "max_abs_bf16"]),
     source!("norm", ["layernorm_f32", "layernorm_bf16", "rmsnorm_f32", "rmsnorm_bf16", "norm_backward_f32", "norm_backward_bf16"]),
     source!("adamw", ["adamw_f32", "adamw_bf16"]),
@@ -64,7 +82,18 @@ pub const SOURCES: &[Source] = &[
         "attention_tc_bwd_dq_bf16", "attention_tc_bwd_dq_f16",
     ]),
     source!("convert", ["cast_f32_to_bf16", "cast_bf16_to_f32"]),
-    source!("loss", ["softmax_f32", "softmax_bf16", "log_softmax_f32", "cross_entropy_rows_f32", "cross_entropy_rows_bf16", "cross_entropy_backward_f32", "cross_entropy_backward_bf16"]),
+    source!(
+        "loss",
+        [
+            "softmax_f32",
+            "softmax_bf16",
+            "log_softmax_f32",
+            "cross_entropy_rows_f32",
+            "cross_entropy_rows_bf16",
+            "cross_entropy_backward_f32",
+            "cross_entropy_backward_bf16"
+        ]
+    ),
     source!("rope", ["rope_f32", "rope_bf16"]),
     source!("dropout", ["dropout_f32", "dropout_bf16"]),
     source!("embedding", ["embedding_f32", "embedding_bf16", "embedding_backward_f32", "embedding_backward_bf16"]),

@@ -11,6 +11,8 @@ use std::path::PathBuf;
 use std::process::Command;
 use tessera_core::backend::cuda::{nvrtc, report_skip, ComputeCapability};
 use tessera_core::Error;
+use tessera_kernels::cuda::attention::AttnParams;
+use tessera_kernels::cuda::signature::{self, Param};
 use tessera_kernels::cuda::SOURCES;
 
 const SM90: ComputeCapability = ComputeCapability { major: 9, minor: 0 };
@@ -97,9 +99,12 @@ fn every_kernel_compiles_for_sm90_without_spills() {
             continue;
         }
         let entries = parse_ptxas(&log);
+        check_signatures(s.name, &ptx, &entries, &mut failures);
         for hot in s.hot_kernels {
             match entries.iter().find(|(name, _)| name == hot) {
-                None => failures.push(format!("{}: hot kernel {hot} is not in the PTX (entries: {:?})", s.name, entries.iter().map(|e| &e.0).collect::<Vec<_>>())),
+                None => {
+                    failures.push(format!("{}: hot kernel {hot} is not in the PTX (entries: {:?})", s.name, entries.iter().map(|e| &e.0).collect::<Vec<_>>()))
+                }
                 Some((_, r)) if r.spill_stores > 0 || r.spill_loads > 0 => failures.push(format!(
                     "{}: hot kernel {hot} spills ({} bytes stored, {} loaded, {} registers)",
                     s.name, r.spill_stores, r.spill_loads, r.registers
@@ -112,6 +117,37 @@ fn every_kernel_compiles_for_sm90_without_spills() {
     }
     std::fs::remove_dir_all(&dir).ok();
     assert!(failures.is_empty(), "the CUDA kernel gate failed:\n{}", failures.join("\n"));
+}
+
+/// Every launch is checked against the parameters read from the PTX
+/// (`signature::entries`): the reader must see exactly the entry points
+/// ptxas compiles, and read the declarations the launches rely on as the
+/// `.cu` sources write them.
+fn check_signatures(source: &str, ptx: &str, compiled: &[(String, EntryReport)], failures: &mut Vec<String>) {
+    let declared = match signature::entries(ptx) {
+        Ok(d) => d,
+        Err(e) => return failures.push(format!("{source}: {e}")),
+    };
+    let mut read: Vec<&String> = declared.keys().collect();
+    let mut seen: Vec<&String> = compiled.iter().map(|(n, _)| n).collect();
+    read.sort();
+    seen.sort();
+    if read != seen {
+        failures.push(format!("{source}: the PTX reader found entries {read:?}, ptxas compiled {seen:?}"));
+    }
+    let attn = Param::Bytes(std::mem::size_of::<AttnParams>());
+    let expect: &[(&str, &[Param])] = match source {
+        "elementwise" => &[("add_f32", &[Param::B64; 4]), ("scale_bf16", &[Param::B64, Param::F32, Param::B64, Param::B64])],
+        "attention" => &[("attention_fwd_f32", &[Param::B64, Param::B64, Param::B64, Param::B64, Param::B64, attn])],
+        "adamw" => &[("adamw_f32", &[Param::B64])],
+        _ => &[],
+    };
+    for (name, params) in expect {
+        match declared.get(*name) {
+            Some(p) if p == params => {}
+            other => failures.push(format!("{source}: `{name}` read as {other:?}, expected {params:?}")),
+        }
+    }
 }
 
 #[test]

@@ -19,7 +19,11 @@ float_kernel!(writes_all SwiGluBack {} |s, i, o| {
 }; cuda |s, c| {
     let n = c.output_len(0);
     let args = [Arg::Input(0), Arg::Input(1), Arg::Input(2), Arg::Output(0), Arg::Output(1), Arg::U64(n)];
-    c.launch("elementwise", "swiglu_backward", Grid::Items(n), &args)
+    for a in [Arg::Input(0), Arg::Input(1), Arg::Input(2), Arg::Output(1)] {
+        c.at_least(a, n)?;
+    }
+    // SAFETY: the kernel reads and writes `n` elements of each operand (checked).
+    unsafe { c.launch("elementwise", "swiglu_backward", Grid::Items(n), &args) }
 });
 
 /// GELU, tanh approximation: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.

@@ -66,7 +66,17 @@ fn forward_cuda(c: &mut CudaCall, d: &AttnDims, layout: AttnLayout) -> Result<()
         AttnLayout::Heads => (Arg::Input(1), Arg::Input(2)),
         AttnLayout::Packed => (Arg::Input(0), Arg::Input(0)),
     };
-    c.launch(l.source, l.op, grid(&l), &[Arg::Input(0), k, v, Arg::Output(0), Arg::Output(1), Arg::Attn(p)])
+    let (q_len, kv_len) = match layout {
+        AttnLayout::Heads => (d.q_len(), d.kv_len()),
+        AttnLayout::Packed => (d.packed_len(), d.packed_len()),
+    };
+    for (a, n) in [(Arg::Input(0), q_len), (k, kv_len), (v, kv_len), (Arg::Output(0), d.q_len()), (Arg::Output(1), d.lse_len())] {
+        c.at_least(a, n)?;
+    }
+    // SAFETY: the places in `p` address the queries, keys, values and output of the dims `d`
+    // in this layout (`gpu::params`), whose lengths the operands have (checked), and `lse`
+    // has one f32 per query row (checked).
+    unsafe { c.launch(l.source, l.op, grid(&l), &[Arg::Input(0), k, v, Arg::Output(0), Arg::Output(1), Arg::Attn(p)]) }
 }
 
 /// The backward on a GPU: `delta` into an f32 scratch buffer, then `dk` and
@@ -82,9 +92,22 @@ fn backward_cuda(c: &mut CudaCall, d: &AttnDims, layout: AttnLayout) -> Result<(
     let delta = Arg::Scratch(c.scratch_f32(d.batch * d.q_heads * d.seq_q)?);
     let (q, k, v, out, lse, dout) = (Arg::Input(q), Arg::Input(k), Arg::Input(v), Arg::Input(out), Arg::Stats(lse), Arg::Input(dout));
     let p = Arg::Attn(p);
-    c.launch(l.delta.source, l.delta.op, grid(&l.delta), &[out, dout, delta, p])?;
-    c.launch(l.dkv.source, l.dkv.op, grid(&l.dkv), &[q, k, v, dout, lse, delta, Arg::Output(dk), Arg::Output(dv), p])?;
-    c.launch(l.dq.source, l.dq.op, grid(&l.dq), &[q, k, v, dout, lse, delta, Arg::Output(dq), p])
+    let (q_len, kv_len) = match layout {
+        AttnLayout::Heads => (d.q_len(), d.kv_len()),
+        AttnLayout::Packed => (d.packed_len(), d.packed_len()),
+    };
+    let lens = [(q, q_len), (k, kv_len), (v, kv_len), (out, d.q_len()), (dout, d.q_len()), (lse, d.lse_len()), (delta, d.lse_len())];
+    for (a, n) in lens.into_iter().chain([(Arg::Output(dq), q_len), (Arg::Output(dk), kv_len), (Arg::Output(dv), kv_len)]) {
+        c.at_least(a, n)?;
+    }
+    // SAFETY: the places in `p` address the tensors of the dims `d` in this layout
+    // (`gpu::params`), whose lengths every operand and gradient has (checked); `lse` and
+    // `delta` have one f32 per query row (checked).
+    unsafe {
+        c.launch(l.delta.source, l.delta.op, grid(&l.delta), &[out, dout, delta, p])?;
+        c.launch(l.dkv.source, l.dkv.op, grid(&l.dkv), &[q, k, v, dout, lse, delta, Arg::Output(dk), Arg::Output(dv), p])?;
+        c.launch(l.dq.source, l.dq.op, grid(&l.dq), &[q, k, v, dout, lse, delta, Arg::Output(dq), p])
+    }
 }
 
 /// How queries attend: causally or not, and the factor on `q·k`.

@@ -32,7 +32,9 @@ fn dropout_cuda(c: &mut CudaCall, key: RngKey, start: u64, p: f64) -> Result<()>
         Arg::U32(threshold),
         Arg::F32(scale),
     ];
-    c.launch("dropout", "dropout", Grid::Items(n), &args)
+    c.at_least(Arg::Input(0), n)?;
+    // SAFETY: the kernel reads and writes `n` elements: output 0's length, which input 0 has (checked).
+    unsafe { c.launch("dropout", "dropout", Grid::Items(n), &args) }
 }
 
 fn check_p(op: &'static str, p: f64) -> Result<()> {

@@ -15,16 +15,23 @@ float_kernel!(writes_all Sub {} |s, i, o| k::sub(i[0], i[1], o[0]); cuda |s, c| 
 float_kernel!(writes_all Mul {} |s, i, o| k::mul(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "mul"));
 float_kernel!(writes_all Scale { by: f64 } |s, i, o| k::scale(i[0], T::lit(s.by), o[0]); cuda |s, c| {
     let n = c.output_len(0);
-    c.launch("elementwise", "scale", Grid::Items(n), &[Arg::Input(0), Arg::F32(s.by as f32), Arg::Output(0), Arg::U64(n)])
+    c.at_least(Arg::Input(0), n)?;
+    // SAFETY: the kernel reads and writes `n` elements: output 0's length, which input 0 has (checked).
+    unsafe { c.launch("elementwise", "scale", Grid::Items(n), &[Arg::Input(0), Arg::F32(s.by as f32), Arg::Output(0), Arg::U64(n)]) }
 });
 float_kernel!(writes_all AddBias {} |s, i, o| k::add_bias(i[0], i[1], o[0]); cuda |s, c| {
     let (n, cols) = (c.output_len(0), c.input_len(1));
-    c.launch("elementwise", "add_bias", Grid::Items(n), &[Arg::Input(0), Arg::Input(1), Arg::Output(0), Arg::U64(n), Arg::U64(cols)])
+    c.at_least(Arg::Input(0), n)?;
+    // SAFETY: the kernel reads and writes `n` elements (output 0's length, which input 0 has,
+    // checked) and the bias at `i % cols`, below its length `cols`.
+    unsafe { c.launch("elementwise", "add_bias", Grid::Items(n), &[Arg::Input(0), Arg::Input(1), Arg::Output(0), Arg::U64(n), Arg::U64(cols)]) }
 });
 float_kernel!(BiasGrad {} |s, i, o| k::bias_grad(i[0], o[0]); cuda |s, c| {
     let cols = c.output_len(0);
     let rows = c.input_len(0).checked_div(cols).unwrap_or(0);
-    c.launch("reduce", "col_sum", Grid::Items(cols), &[Arg::Input(0), Arg::Output(0), Arg::U64(rows), Arg::U64(cols)])
+    // SAFETY: the kernel reads `rows * cols` elements, at most input 0's length, and writes
+    // `cols`, output 0's length.
+    unsafe { c.launch("reduce", "col_sum", Grid::Items(cols), &[Arg::Input(0), Arg::Output(0), Arg::U64(rows), Arg::U64(cols)]) }
 });
 
 fn binary<K: super::FloatKernel>(op: &'static str, kernel: &K, a: &Tensor, b: &Tensor) -> Result<Tensor> {

@@ -13,7 +13,11 @@ float_kernel!(EmbedFwd<'a> { ids: &'a [u32], rows: usize, dim: usize, start: u32
     let n = s.ids.len();
     let ids = Arg::Scratch(c.upload_u32(s.ids)?);
     let args = [Arg::Input(0), ids, Arg::Output(0), Arg::U64(n), Arg::U64(s.rows), Arg::U64(s.dim), Arg::U64(s.start as usize)];
-    c.launch("embedding", "embedding", Grid::Items(n * s.dim), &args)
+    c.at_least(Arg::Input(0), s.rows * s.dim)?;
+    c.at_least(Arg::Output(0), n * s.dim)?;
+    // SAFETY: the kernel writes `n * dim` elements and reads `n` ids (uploaded) and table rows
+    // below `rows` (ids outside `start..start + rows` give zeros); the lengths are checked.
+    unsafe { c.launch("embedding", "embedding", Grid::Items(n * s.dim), &args) }
 });
 float_kernel!(EmbedBack<'a> { ids: &'a [u32], rows: usize, dim: usize, start: u32 } |s, i, o| {
     k::embedding_backward(s.ids, i[0], s.rows, s.dim, s.start, o[0])
@@ -23,7 +27,12 @@ float_kernel!(EmbedBack<'a> { ids: &'a [u32], rows: usize, dim: usize, start: u3
     let (offsets, order) = positions_by_row(s.ids, s.rows, s.start)?;
     let (offsets, order) = (Arg::Scratch(c.upload_u32(&offsets)?), Arg::Scratch(c.upload_u32(&order)?));
     let args = [Arg::Input(0), offsets, order, Arg::Output(0), Arg::U64(s.rows), Arg::U64(s.dim)];
-    c.launch("embedding", "embedding_backward", Grid::Rows { rows: s.rows, cols: s.dim }, &args)
+    c.at_least(Arg::Input(0), s.ids.len() * s.dim)?;
+    c.at_least(Arg::Output(0), s.rows * s.dim)?;
+    // SAFETY: `offsets` has `rows + 1` entries and `order` lists positions below `ids.len()`
+    // (built above from the ids); the kernel reads those positions' rows of the upstream
+    // gradient and writes `rows * dim` elements (both lengths checked).
+    unsafe { c.launch("embedding", "embedding_backward", Grid::Rows { rows: s.rows, cols: s.dim }, &args) }
 });
 
 /// For a table of `rows` rows holding entries `start..`: `offsets` (`rows + 1`)

@@ -19,7 +19,9 @@ float_kernel!(Mean { count: usize } |s, i, o| {
     o[0][0] = tessera_kernels::cpu::reduce::sum(i[0]) / T::lit(s.count.max(1) as f64)
 }; cuda |s, c| {
     let n = c.input_len(0);
-    c.launch("loss", "mean", Grid::Rows { rows: 1, cols: n }, &[Arg::Input(0), Arg::Output(0), Arg::U64(n), Arg::U64(s.count)])
+    c.at_least(Arg::Output(0), 1)?;
+    // SAFETY: the kernel reads input 0's `n` elements and writes one (checked).
+    unsafe { c.launch("loss", "mean", Grid::Rows { rows: 1, cols: n }, &[Arg::Input(0), Arg::Output(0), Arg::U64(n), Arg::U64(s.count)]) }
 });
 
 /// The ignore index as the kernels take it: above `u32::MAX` means none.
@@ -44,7 +46,13 @@ fn rows_cuda(c: &mut CudaCall, targets: &[u32], vocab: usize, start: u32, ignore
         ignore_arg(ignore),
         Arg::U32(full as u32),
     ];
-    c.launch("loss", "cross_entropy_rows", Grid::Rows { rows, cols: vocab }, &args)
+    for (a, n) in [(Arg::Input(0), rows * vocab), (Arg::Output(0), rows), (Arg::Output(1), rows)] {
+        c.at_least(a, n)?;
+    }
+    // SAFETY: the kernel reads `rows` rows of `vocab` logits and `rows` targets (uploaded),
+    // and writes `rows` values of each output (checked); a target outside this shard's
+    // `start..start + vocab` is never used as an index.
+    unsafe { c.launch("loss", "cross_entropy_rows", Grid::Rows { rows, cols: vocab }, &args) }
 }
 
 /// The gradient of the logits on a GPU: inputs logits, the f32 `lse` and the
@@ -53,7 +61,13 @@ fn backward_cuda(c: &mut CudaCall, targets: &[u32], vocab: usize, start: u32, ig
     let rows = targets.len();
     let t = Arg::Scratch(c.upload_u32(targets)?);
     let args = [Arg::Input(0), Arg::Stats(1), Arg::Stats(2), t, Arg::Output(0), Arg::U64(rows), Arg::U64(vocab), Arg::U64(start as usize), ignore_arg(ignore)];
-    c.launch("loss", "cross_entropy_backward", Grid::Rows { rows, cols: vocab }, &args)
+    for (a, n) in [(Arg::Input(0), rows * vocab), (Arg::Stats(1), rows), (Arg::Stats(2), rows), (Arg::Output(0), rows * vocab)] {
+        c.at_least(a, n)?;
+    }
+    // SAFETY: the kernel reads `rows` rows of `vocab` logits, `rows` statistics of each kind
+    // and `rows` targets (uploaded), and writes `rows * vocab` gradients (all checked); a
+    // target outside this shard's `start..start + vocab` is never used as an index.
+    unsafe { c.launch("loss", "cross_entropy_backward", Grid::Rows { rows, cols: vocab }, &args) }
 }
 
 /// What [`cross_entropy`] keeps for its backward.

@@ -15,7 +15,9 @@ float_kernel!(writes_all MatMulBias { g: Gemm } |s, i, o| gemm_bias(&s.g, i[0], 
     // place: the same rounding as the CPU's fused pass.
     c.gemm(&s.g)?;
     let (n, cols) = (c.output_len(0), c.input_len(2));
-    c.launch("elementwise", "add_bias", Grid::Items(n), &[Arg::Output(0), Arg::Input(2), Arg::Output(0), Arg::U64(n), Arg::U64(cols)])
+    // SAFETY: the kernel updates output 0's `n` elements in place and reads the bias at
+    // `i % cols`, below its length `cols`.
+    unsafe { c.launch("elementwise", "add_bias", Grid::Items(n), &[Arg::Output(0), Arg::Input(2), Arg::Output(0), Arg::U64(n), Arg::U64(cols)]) }
 });
 
 /// A matrix operand: a contiguous tensor, and whether its last two dimensions

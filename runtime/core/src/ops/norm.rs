@@ -17,7 +17,12 @@ float_kernel!(LayerNormFwd { eps: f64, row: usize, has_beta: bool } |s, i, o| {
     let (rows, cols) = (c.output_len(1), s.row);
     let beta = if s.has_beta { Arg::Input(2) } else { Arg::Null };
     let args = [Arg::Input(0), Arg::Input(1), beta, Arg::Output(0), Arg::Output(1), Arg::Output(2), Arg::U64(rows), Arg::U64(cols), Arg::F32(s.eps as f32)];
-    c.launch("norm", "layernorm", Grid::Rows { rows, cols }, &args)
+    for (a, n) in [(Arg::Input(0), rows * cols), (Arg::Input(1), cols), (beta, cols), (Arg::Output(0), rows * cols), (Arg::Output(2), rows)] {
+        c.at_least(a, n)?;
+    }
+    // SAFETY: the kernel reads `rows * cols` inputs and `cols` parameters, and writes
+    // `rows * cols` outputs and `rows` statistics each (all checked; `rows` is output 1's length).
+    unsafe { c.launch("norm", "layernorm", Grid::Rows { rows, cols }, &args) }
 });
 float_kernel!(LayerNormBack { row: usize, has_beta: bool } |s, i, o| {
     let (dx, rest) = o.split_at_mut(1);
@@ -35,7 +40,12 @@ float_kernel!(RmsNormFwd { eps: f64, row: usize } |s, i, o| {
 }; cuda |s, c| {
     let (rows, cols) = (c.output_len(1), s.row);
     let args = [Arg::Input(0), Arg::Input(1), Arg::Output(0), Arg::Output(1), Arg::U64(rows), Arg::U64(cols), Arg::F32(s.eps as f32)];
-    c.launch("norm", "rmsnorm", Grid::Rows { rows, cols }, &args)
+    for (a, n) in [(Arg::Input(0), rows * cols), (Arg::Input(1), cols), (Arg::Output(0), rows * cols)] {
+        c.at_least(a, n)?;
+    }
+    // SAFETY: the kernel reads `rows * cols` inputs and `cols` parameters, and writes
+    // `rows * cols` outputs and `rows` statistics (all checked; `rows` is output 1's length).
+    unsafe { c.launch("norm", "rmsnorm", Grid::Rows { rows, cols }, &args) }
 });
 float_kernel!(RmsNormBack { row: usize } |s, i, o| {
     let (dx, dgamma) = o.split_at_mut(1);
@@ -51,8 +61,16 @@ float_kernel!(RmsNormBack { row: usize } |s, i, o| {
 fn norm_backward_cuda(c: &mut CudaCall, cols: usize, mean: Arg, rstd: Arg, dy: Arg, dbeta: Arg) -> Result<()> {
     let rows = c.input_len(0).checked_div(cols).unwrap_or(0);
     let (x, gamma, dims) = (Arg::Input(0), Arg::Input(1), [Arg::U64(rows), Arg::U64(cols)]);
-    c.launch("norm", "norm_backward", Grid::Rows { rows, cols }, &[x, gamma, mean, rstd, dy, Arg::Output(0), dims[0], dims[1]])?;
-    c.launch("norm", "norm_param_grad", Grid::Items(cols), &[x, mean, rstd, dy, Arg::Output(1), dbeta, dims[0], dims[1]])
+    for (a, n) in [(gamma, cols), (mean, rows), (rstd, rows), (dy, rows * cols), (Arg::Output(0), rows * cols), (Arg::Output(1), cols), (dbeta, cols)] {
+        c.at_least(a, n)?;
+    }
+    // SAFETY: the kernels read `rows * cols` of `x` (input 0's length rounded down to whole
+    // rows) and `dy`, `rows` statistics and `cols` parameters, and write `rows * cols` of `dx`
+    // and `cols` of each parameter gradient (all checked).
+    unsafe {
+        c.launch("norm", "norm_backward", Grid::Rows { rows, cols }, &[x, gamma, mean, rstd, dy, Arg::Output(0), dims[0], dims[1]])?;
+        c.launch("norm", "norm_param_grad", Grid::Items(cols), &[x, mean, rstd, dy, Arg::Output(1), dbeta, dims[0], dims[1]])
+    }
 }
 
 /// What a normalisation keeps for its backward: per-row statistics in the

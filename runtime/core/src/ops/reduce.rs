@@ -11,7 +11,9 @@ float_kernel!(Sum {} |s, i, o| o[0][0] = k::sum(i[0]); cuda |s, c| { let n = c.i
 float_kernel!(SumSquares {} |s, i, o| o[0][0] = k::sum_squares(i[0]); cuda |s, c| { let n = c.input_len(0); cuda_launch::row_reduce(c, "row_sum_squares", 1, n) });
 float_kernel!(writes_all MaxAbs {} |s, i, o| o[0][0] = k::max_abs(i[0]); cuda |s, c| {
     let n = c.input_len(0);
-    c.launch("reduce", "max_abs", Grid::Rows { rows: 1, cols: n }, &[Arg::Input(0), Arg::Output(0), Arg::U64(n)])
+    c.at_least(Arg::Output(0), 1)?;
+    // SAFETY: the kernel reads input 0's `n` elements and writes one (checked).
+    unsafe { c.launch("reduce", "max_abs", Grid::Rows { rows: 1, cols: n }, &[Arg::Input(0), Arg::Output(0), Arg::U64(n)]) }
 });
 float_kernel!(Broadcast {} |s, i, o| o[0].fill(i[0][0]); cuda |s, c| cuda_launch::unary(c, "elementwise", "broadcast"));
 

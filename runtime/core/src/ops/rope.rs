@@ -149,7 +149,12 @@ fn rope_cuda(
         Arg::U64(rotated),
         Arg::F32(sign),
     ];
-    c.launch("rope", "rope", Grid::Items(rows * half), &args)
+    c.at_least(Arg::Input(0), rows * rope.head_dim)?;
+    c.at_least(Arg::Output(0), rows * rope.head_dim)?;
+    // SAFETY: the kernel reads and writes `rows` rows of `head_dim` (checked) and, for the
+    // row at sequence index `(r / per_position) % seq`, that index's `2 * half` table entries
+    // (the table was built with `seq * half` cosines then as many sines).
+    unsafe { c.launch("rope", "rope", Grid::Items(rows * half), &args) }
 }
 
 /// [`rope`] on the query and key heads of a fused projection

@@ -3,9 +3,10 @@
 use super::args::Grid;
 use super::device::CudaDevice;
 use super::launch::config;
+pub(crate) use super::AdamWSlot;
 use crate::error::{Error, Result};
 use cudarc::driver::{DeviceRepr, PushKernelArg};
-pub(crate) use super::AdamWSlot;
+use tessera_kernels::cuda::signature::Param;
 
 /// The kernel's `AdamWHyper`, field for field.
 #[repr(C)]
@@ -62,7 +63,16 @@ fn entry(slot: &AdamWSlot) -> Entry {
 /// tensor. The caller holds the tensors (and their guards) until the
 /// launch is queued; the work runs in compute-stream order.
 pub(crate) fn adamw_f32(device: &CudaDevice, slots: &[AdamWSlot]) -> Result<()> {
-    let f = device.function("adamw", "adamw_f32")?;
+    let kernel = device.kernel("adamw", "adamw_f32")?;
+    // The kernel's one parameter is the table's device pointer.
+    if kernel.params[..] != [Param::B64] {
+        return Err(Error::Cuda {
+            ordinal: device.ordinal(),
+            op: "launching the AdamW step",
+            detail: format!("`adamw_f32` declares {:?}; expected one pointer", kernel.params),
+        });
+    }
+    let f = &kernel.function;
     let stream = device.compute_stream();
     for chunk in slots.chunks(MAX_TENSORS) {
         let longest = chunk.iter().map(|s| s.len).max().unwrap_or(0);
@@ -72,13 +82,17 @@ pub(crate) fn adamw_f32(device: &CudaDevice, slots: &[AdamWSlot]) -> Result<()> 
         cfg.grid_dim.1 = chunk.len() as u32; // at most MAX_TENSORS
         let table: Vec<Entry> = chunk.iter().map(entry).collect();
         let table = stream.clone_htod(&table).map_err(|e| device.error("copying the AdamW tensor table to the device", e))?;
-        let mut builder = stream.launch_builder(&f);
+        let mut builder = stream.launch_builder(f);
         builder.arg(&table);
         // SAFETY: the argument is the kernel's `const AdamWTensor*`; every
         // entry's pointers address `len` live f32 elements on this device,
         // held by the caller's guards; the table is freed in stream order
         // after the kernel has read it.
-        unsafe { builder.launch(cfg) }.map_err(|e| Error::Cuda { ordinal: device.ordinal(), op: "launching the AdamW step", detail: super::device::describe(&e) })?;
+        unsafe { builder.launch(cfg) }.map_err(|e| Error::Cuda {
+            ordinal: device.ordinal(),
+            op: "launching the AdamW step",
+            detail: super::device::describe(&e),
+        })?;
     }
     Ok(())
 }

@@ -106,6 +106,24 @@ impl CudaCall {
         self.inputs[i].1
     }
 
+    /// Refuses the launch unless the operand `arg` holds at least `n`
+    /// elements: what a launch's safety rests on, checked rather than assumed.
+    pub(crate) fn at_least(&self, arg: Arg, n: usize) -> Result<()> {
+        let (what, len) = match arg {
+            Arg::Input(i) | Arg::Stats(i) => ("an input", self.inputs[i].1),
+            Arg::Output(i) => ("an output", self.outputs[i].len()),
+            Arg::Scratch(i) => ("a scratch buffer", self.scratch[i].len()),
+            Arg::Null | Arg::U64(_) | Arg::F32(_) | Arg::U32(_) | Arg::Attn(_) => return Ok(()),
+        };
+        if len < n {
+            return Err(Error::invalid(
+                self.op,
+                format!("a CUDA launch needs {n} elements of {what}, which holds {len}; the operands' shapes do not fit the op"),
+            ));
+        }
+        Ok(())
+    }
+
     /// A zeroed f32 buffer of `n` elements for the rest of the call, named
     /// by the returned index in [`Arg::Scratch`].
     pub(crate) fn scratch_f32(&mut self, n: usize) -> Result<usize> {
@@ -137,9 +155,20 @@ impl CudaCall {
     /// Launches the kernel `{kernel}_{dtype}` of the source `source` over
     /// `grid`, `dtype` being the primary input's.
     ///
-    /// The arguments must match the kernel's parameters; each kernel's
-    /// caller in `ops/` is written against its `.cu` source.
-    pub(crate) fn launch(&mut self, source: &'static str, kernel: &str, grid: Grid, args: &[Arg]) -> Result<()> {
+    /// The pointers are this call's own operands, outputs and scratch
+    /// buffers, named by index, so they are live for the whole call; inputs
+    /// read as the primary dtype (or f32 statistics) are checked to be
+    /// stored in it; and the arguments are checked against the parameters
+    /// the kernel's PTX declares (see `CudaDevice::launch`).
+    ///
+    /// # Safety
+    ///
+    /// Every length and dimension among `args` must describe no more
+    /// elements than the kernel then reads from the inputs and scratch
+    /// buffers and writes to the outputs it is given (each kernel's
+    /// parameter list is in `kernels/cuda/`; the op's checks of its
+    /// operands' shapes, before the call, are what make that true).
+    pub(crate) unsafe fn launch(&mut self, source: &'static str, kernel: &str, grid: Grid, args: &[Arg]) -> Result<()> {
         let symbol = format!("{kernel}_{}", suffix(self.primary).expect("checked by run_op"));
         let values: Vec<Value> = args
             .iter()
@@ -155,7 +184,9 @@ impl CudaCall {
                 Arg::Attn(p) => Ok(Value::Attn(AttnArg(p))),
             })
             .collect::<Result<_>>()?;
-        self.device.launch(source, &symbol, grid, &values)
+        // SAFETY: the pointers are the call's live operands of the dtypes
+        // the kernel takes (above); the lengths are this function's contract.
+        unsafe { self.device.launch(source, &symbol, grid, &values) }
     }
 
     /// The pointer of input `i`, which the kernel reads as `dtype`.

@@ -2,8 +2,8 @@
 //! makes a strided view contiguous.
 
 use super::args::Grid;
-use super::device::CudaDevice;
 use super::call::suffix;
+use super::device::CudaDevice;
 use super::launch::Value;
 use super::storage::CudaStorage;
 use crate::error::{Error, Result};
@@ -21,7 +21,9 @@ impl CudaStorage {
         let out = CudaStorage::uninit(device, dtype, n)?;
         let values = [Value::U64(self.device_ptr_at(range.start)), Value::U64(out.device_ptr_at(0)), Value::U64(n as u64)];
         match (suffix(self.dtype()), suffix(dtype)) {
-            (Some(from), Some(to)) => device.launch("convert", &format!("cast_{from}_to_{to}"), Grid::Items(n), &values)?,
+            // SAFETY: the source holds the `n` elements of `range` in its dtype,
+            // the output was just made with `n` elements of `dtype`.
+            (Some(from), Some(to)) => unsafe { device.launch("convert", &format!("cast_{from}_to_{to}"), Grid::Items(n), &values)? },
             _ if self.dtype() == dtype => {
                 // A copy moves bits: the strided copy of a contiguous layout.
                 let layout = Layout::contiguous_at([n].into(), range.start);
@@ -55,7 +57,8 @@ impl CudaStorage {
         }
         let stream = device.compute_stream();
         let table = stream.clone_htod(&shape).map_err(|e| device.error("copying a view's shape to the device", e))?;
-        let (table_ptr, _recorded) = cudarc::driver::DevicePtr::device_ptr(&table, stream);
+        // Event tracking is off (see `CudaDevice::new`): the guard records nothing.
+        let (table_ptr, _untracked) = cudarc::driver::DevicePtr::device_ptr(&table, stream);
         let values = [
             Value::U64(self.device_ptr_at(0)),
             Value::U64(out.device_ptr_at(0)),
@@ -64,8 +67,12 @@ impl CudaStorage {
             Value::U32(rank as u32),
             Value::U64(layout.offset() as u64),
         ];
-        // The table is freed in stream order, after the kernel has read it.
-        device.launch("convert", &format!("strided_copy_{width}"), Grid::Items(n), &values)?;
+        // SAFETY: the output was just made with the view's `n` elements; the
+        // table holds the view's `rank` dimensions then strides; every
+        // element the view addresses lies in this storage (a layout is only
+        // made within its storage). The table is freed in stream order,
+        // after the kernel has read it.
+        unsafe { device.launch("convert", &format!("strided_copy_{width}"), Grid::Items(n), &values)? };
         Ok(out)
     }
     /// The elements `parts` (each a storage of `dtype` and a range of it)
@@ -80,7 +87,16 @@ impl CudaStorage {
         let mut at = 0;
         for (part, range) in parts {
             if part.dtype() != dtype || !part.device().same(device) || range.end > part.len() {
-                return Err(Error::invalid("concat_flat", format!("a part of {} {} elements on cuda:{} does not fit a join of {dtype} on cuda:{}", part.len(), part.dtype(), part.device().ordinal(), device.ordinal())));
+                return Err(Error::invalid(
+                    "concat_flat",
+                    format!(
+                        "a part of {} {} elements on cuda:{} does not fit a join of {dtype} on cuda:{}",
+                        part.len(),
+                        part.dtype(),
+                        part.device().ordinal(),
+                        device.ordinal()
+                    ),
+                ));
             }
             let bytes = range.len() * width;
             if bytes > 0 {

@@ -145,6 +145,21 @@ impl CudaDevice {
         let (major, minor) = context.compute_capability().map_err(failed("reading the compute capability"))?;
         let capability = ComputeCapability { major: major as u32, minor: minor as u32 };
         let name = context.name().map_err(failed("reading the device name"))?;
+        // One mechanism orders the two streams: Tessera's own events (see
+        // `comm_waits_for_compute` and `compute_waits_for_comm`), not
+        // cudarc's per-allocation tracking, which records a use when a
+        // pointer is taken rather than when the kernel that uses it runs.
+        // SAFETY: turned off before any stream or allocation exists, and the
+        // three duties it leaves to us are met: (1) no block is freed while
+        // another stream still uses it: a collective's buffers are held until
+        // the compute stream, on which blocks are reused, waits for it
+        // (`dist::nccl`'s in-flight handles); (2) no block is used on the
+        // communication stream before its allocation, queued on the compute
+        // stream, is done: every collective first makes the communication
+        // stream wait for the compute stream; (3) no block is written by both
+        // streams at once: compute reads or writes a collective's buffers
+        // only after waiting for it.
+        unsafe { context.disable_event_tracking() };
         let compute = context.new_stream().map_err(failed("creating the compute stream"))?;
         let comm = context.new_stream().map_err(failed("creating the communication stream"))?;
         let allocator = CachingAllocator::new(StreamBlocks { stream: compute.clone() });
@@ -213,9 +228,7 @@ impl CudaDevice {
     /// A block of at least `bytes` from the caching allocator, with its class size.
     pub(crate) fn allocate(&self, bytes: usize) -> Result<(CudaSlice<u8>, usize)> {
         self.inner.allocator.allocate(bytes).map_err(|e| match e {
-            SourceError::OutOfMemory => {
-                Error::CudaOutOfMemory { ordinal: self.ordinal(), requested: bytes, in_use: self.inner.allocator.stats().in_use }
-            }
+            SourceError::OutOfMemory => Error::CudaOutOfMemory { ordinal: self.ordinal(), requested: bytes, in_use: self.inner.allocator.stats().in_use },
             SourceError::Other(detail) => Error::Cuda { ordinal: self.ordinal(), op: "allocating device memory", detail },
         })
     }

@@ -46,20 +46,20 @@ pub mod nvrtc;
 mod storage;
 #[cfg(not(feature = "cuda"))]
 mod stub;
+pub mod testing;
 #[cfg(feature = "cuda")]
 mod topk;
-pub mod testing;
 
+#[cfg(feature = "cuda")]
+pub(crate) use call::{run_op, CudaCall};
 #[cfg(feature = "cuda")]
 pub use device::{ComputeCapability, CudaDevice};
 #[cfg(feature = "cuda")]
 pub use storage::CudaStorage;
-#[cfg(feature = "cuda")]
-pub(crate) use call::{run_op, CudaCall};
-#[cfg(not(feature = "cuda"))]
-pub use stub::{CudaDevice, CudaStorage};
 #[cfg(not(feature = "cuda"))]
 pub(crate) use stub::{adamw, run_op, CudaCall};
+#[cfg(not(feature = "cuda"))]
+pub use stub::{CudaDevice, CudaStorage};
 pub use testing::report_skip;
 
 /// One tensor of a multi-tensor AdamW step on a device: the device

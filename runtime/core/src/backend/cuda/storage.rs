@@ -52,10 +52,7 @@ impl CudaStorage {
     pub(crate) fn to_host_bytes(&self) -> Result<Vec<u8>> {
         let mut out = vec![0u8; self.bytes()];
         let block = self.block.as_ref().expect("a live storage holds its block");
-        self.device
-            .compute_stream()
-            .memcpy_dtoh(&block.slice(..self.bytes()), &mut out)
-            .map_err(|e| self.device.error("copying to the host", e))?;
+        self.device.compute_stream().memcpy_dtoh(&block.slice(..self.bytes()), &mut out).map_err(|e| self.device.error("copying to the host", e))?;
         Ok(out)
     }
 
@@ -82,10 +79,15 @@ impl CudaStorage {
     /// The device address of element `index`, for a kernel argument.
     ///
     /// Every kernel, copy and allocation of a device is queued on its compute
-    /// stream, whose order is what orders the kernel after earlier writes.
+    /// stream, whose order is what orders the kernel after earlier writes;
+    /// the communication stream is ordered against it by the device's own
+    /// events (see `CudaDevice::comm_waits_for_compute`).
     pub fn device_ptr_at(&self, index: usize) -> u64 {
         let block = self.block.as_ref().expect("a live storage holds its block");
-        let (ptr, _recorded) = block.device_ptr(self.device.compute_stream());
+        // cudarc's event tracking is off for Tessera's contexts (see
+        // `CudaDevice::new`): the guard records nothing, so dropping it
+        // before the pointer is used loses no ordering.
+        let (ptr, _untracked) = block.device_ptr(self.device.compute_stream());
         ptr + (index * self.dtype.size_in_bytes()) as u64
     }
 

@@ -8,8 +8,8 @@
 use crate::backend::kernel::Out;
 use crate::backend::memory::MemoryStats;
 use crate::backend::BackendDevice;
-use crate::tensor::DType;
 use crate::error::{Error, Result};
+use crate::tensor::DType;
 
 /// A CUDA device (none can exist in this build).
 #[derive(Clone, Debug)]
@@ -42,6 +42,10 @@ impl CudaCall {
         match *self {}
     }
 
+    pub(crate) fn at_least(&self, _: super::args::Arg, _: usize) -> Result<()> {
+        match *self {}
+    }
+
     pub(crate) fn scratch_f32(&mut self, _: usize) -> Result<usize> {
         match *self {}
     }
@@ -54,7 +58,10 @@ impl CudaCall {
         match *self {}
     }
 
-    pub(crate) fn launch(&mut self, _: &'static str, _: &str, _: super::args::Grid, _: &[super::args::Arg]) -> Result<()> {
+    /// # Safety
+    ///
+    /// As the CUDA build's (never reached here: this call cannot exist).
+    pub(crate) unsafe fn launch(&mut self, _: &'static str, _: &str, _: super::args::Grid, _: &[super::args::Arg]) -> Result<()> {
         match *self {}
     }
 
@@ -157,7 +164,14 @@ impl CudaStorage {
         match *self {}
     }
 
-    pub(crate) fn topk_backward(&self, _: std::ops::Range<usize>, _: (&CudaStorage, std::ops::Range<usize>), _: usize, _: usize, _: usize) -> Result<CudaStorage> {
+    pub(crate) fn topk_backward(
+        &self,
+        _: std::ops::Range<usize>,
+        _: (&CudaStorage, std::ops::Range<usize>),
+        _: usize,
+        _: usize,
+        _: usize,
+    ) -> Result<CudaStorage> {
         match *self {}
     }
 }

@@ -30,7 +30,10 @@ impl CudaStorage {
             Value::U64(row as u64),
             Value::U64(k as u64),
         ];
-        device.launch("topk", &format!("topk_{sfx}"), Grid::Rows { rows, cols: row }, &args)?;
+        // SAFETY: the input covers `rows * row` elements of `range` (the
+        // caller's range, `rows` whole rows), the outputs were just made with
+        // `rows * k` elements each, of the input's dtype and u32.
+        unsafe { device.launch("topk", &format!("topk_{sfx}"), Grid::Rows { rows, cols: row }, &args)? };
         Ok((values, indices))
     }
 
@@ -45,7 +48,10 @@ impl CudaStorage {
         let sfx = suffix(self.dtype()).ok_or(Error::NotImplementedOnCuda { op: OP })?;
         let (indices, indices_range) = indices;
         if indices.dtype() != DType::U32 || indices_range.len() != rows * k || range.len() != rows * k {
-            return Err(Error::invalid(OP, format!("{rows} rows of {k} value gradients and u32 indices expected, got {} and {} of {}", range.len(), indices_range.len(), indices.dtype())));
+            return Err(Error::invalid(
+                OP,
+                format!("{rows} rows of {k} value gradients and u32 indices expected, got {} and {} of {}", range.len(), indices_range.len(), indices.dtype()),
+            ));
         }
         let device = self.device();
         let dx = CudaStorage::zeros(device, self.dtype(), rows * row)?;
@@ -57,7 +63,10 @@ impl CudaStorage {
             Value::U64(row as u64),
             Value::U64(k as u64),
         ];
-        device.launch("topk", &format!("topk_backward_{sfx}"), Grid::Items(rows * k), &args)?;
+        // SAFETY: the index and gradient ranges hold `rows * k` elements
+        // (checked above), `dx` was just made with `rows * row`, and the
+        // kernel skips an index at or past `row` rather than write there.
+        unsafe { device.launch("topk", &format!("topk_backward_{sfx}"), Grid::Items(rows * k), &args)? };
         Ok(dx)
     }
 }
