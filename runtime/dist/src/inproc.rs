@@ -73,12 +73,13 @@ mod state;
 
 use super::comm::{Communicator, Pending};
 use data::{concat, cpu_device, reduce, wrap};
+use parking_lot::Mutex;
 use state::{GroupState, Kind, Payload, Post, World};
 use std::fmt;
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 use tessera_core::tensor::Tensor;
@@ -240,10 +241,6 @@ struct Worker {
     thread: JoinHandle<()>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl InProcessComm {
     /// This rank's index in the world (its group rank is [`Communicator::rank`]).
     pub fn world_rank(&self) -> usize {
@@ -263,7 +260,7 @@ impl InProcessComm {
     /// Runs `f` now on this thread, or behind the queued background calls.
     fn run<T: Send + 'static>(&self, op: &'static str, f: impl FnOnce(&Core) -> Result<T> + Send + 'static) -> Result<T> {
         if self.outstanding.load(Ordering::Acquire) == 0 {
-            let _turn = lock(&self.core.exec);
+            let _turn = self.core.exec.lock();
             return f(&self.core);
         }
         self.submit(op, f)?.wait()
@@ -285,13 +282,13 @@ impl InProcessComm {
             }
             let finished = Finished(outstanding);
             let result = {
-                let _turn = lock(&core.exec);
+                let _turn = core.exec.lock();
                 f(&core)
             };
             drop(finished);
             done.complete(result);
         });
-        let mut worker = lock(&self.worker);
+        let mut worker = self.worker.lock();
         if worker.is_none() {
             *worker = Some(self.start_worker()?);
         }
@@ -341,7 +338,7 @@ impl Drop for InProcessComm {
         if thread::panicking() {
             self.core.world.fail(rank, "its thread panicked (that panic's message is the root cause)".into());
         }
-        if let Some(w) = lock(&self.worker).take() {
+        if let Some(w) = self.worker.lock().take() {
             // Closing the queue lets the thread finish what was submitted
             // (each call bounded by the timeout) and exit.
             drop(w.jobs);

@@ -87,10 +87,11 @@ use super::mesh::{Axis, Mesh};
 use crate::Groups;
 use cudarc::driver::CudaEvent;
 use cudarc::nccl::{result, sys};
+use parking_lot::Mutex;
 use raw::{describe, nccl_type, RawComm};
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use tessera_core::backend::{CudaDevice, CudaStorage, Device, Storage};
 use tessera_core::tensor::{DType, Shape, Tensor};
 use tessera_core::{Error, Result};
@@ -131,15 +132,11 @@ enum State {
     },
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Drop for Member {
     fn drop(&mut self) {
         // The handle must outlive the collectives queued on it; a stopped
         // group's were aborted with it.
-        if let State::Live(_) = &*lock(&self.state) {
+        if let State::Live(_) = &*self.state.lock() {
             let _ = self.device.comm_stream().synchronize();
         }
     }
@@ -249,7 +246,7 @@ impl NcclCommunicator {
         call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<result::NcclStatus, result::NcclError>,
     ) -> Result<Arc<CudaEvent>> {
         let member = self.member();
-        let state = lock(&member.state);
+        let state = member.state.lock();
         let comm = match &*state {
             State::Live(c) => c.handle(),
             State::Stopped { rank, reason } => return Err(Error::PeerFailed { rank: *rank, reason: reason.clone() }),
@@ -499,7 +496,7 @@ impl Communicator for NcclCommunicator {
     fn abort(&self, reason: &str) {
         let me = self.world_rank();
         for member in &self.shared.members {
-            let mut state = lock(&member.state);
+            let mut state = member.state.lock();
             if let State::Live(_) = &*state {
                 // Replacing the state drops the handle, which aborts it.
                 *state = State::Stopped { rank: me, reason: format!("aborted: {reason}") };
@@ -509,7 +506,7 @@ impl Communicator for NcclCommunicator {
     }
 
     fn failure(&self) -> Option<Error> {
-        match &*lock(&self.member().state) {
+        match &*self.member().state.lock() {
             State::Live(_) => None,
             State::Stopped { rank, reason } => Some(Error::PeerFailed { rank: *rank, reason: reason.clone() }),
         }

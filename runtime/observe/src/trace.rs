@@ -5,9 +5,10 @@
 //! (ui.perfetto.dev) and `chrome://tracing` open, with one named track per
 //! rank.
 
+use parking_lot::Mutex;
 use serde_json::{json, Value};
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 use tessera_core::{Error, Result};
 
@@ -44,10 +45,10 @@ impl Trace {
         Trace(Arc::new(Mutex::new(Inner { origin: Instant::now(), tracks, spans: Vec::new() })))
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Inner> {
         // A rank that panicked while recording leaves complete spans behind:
         // the data stays usable.
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.0.lock()
     }
 
     /// Records a span of `rank` from `start` to `end`.

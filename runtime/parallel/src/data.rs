@@ -2,7 +2,8 @@
 //! all-reduced while the backward goes on.
 
 use crate::buckets::Buckets;
-use std::sync::{Arc, Mutex, MutexGuard};
+use parking_lot::{Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_core::ops;
 use tessera_core::tensor::{DType, Tensor};
@@ -116,7 +117,7 @@ impl DataParallel {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock()
     }
 
     /// Flattens bucket `b`'s gradients (zeros for a parameter without one)

@@ -3,7 +3,7 @@
 //! thread each) with NCCL.
 
 use super::RankDevice;
-use std::sync::Mutex;
+use parking_lot::Mutex;
 use tessera_core::Device;
 use tessera_core::{Error, Result};
 use tessera_dist::inproc::{mesh_groups, InProcess};
@@ -60,7 +60,7 @@ impl Ranks {
                 Ok((dev, groups))
             }
             Ranks::Cuda { devices, groups, .. } => {
-                let taken = groups[rank].lock().unwrap_or_else(|e| e.into_inner()).take();
+                let taken = groups[rank].lock().take();
                 let groups = taken.ok_or_else(|| Error::invalid("trainer", format!("rank {rank}'s communicators were already taken")))?;
                 Ok((devices[rank].clone(), groups))
             }

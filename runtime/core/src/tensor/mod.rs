@@ -17,8 +17,9 @@ pub use shape::Shape;
 
 use crate::backend::{CpuDevice, CpuStorage, Device, Storage};
 use crate::error::{Error, Result};
+use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::fmt;
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::Arc;
 
 /// An n-dimensional array of one dtype on one device.
 ///
@@ -107,13 +108,11 @@ impl Tensor {
 
     /// The storage, locked for reading.
     pub fn read(&self) -> RwLockReadGuard<'_, Storage> {
-        // A poisoned lock only means another thread panicked while holding
-        // it; the elements themselves are still plain data.
-        self.storage.read().unwrap_or_else(|e| e.into_inner())
+        self.storage.read()
     }
 
     pub(crate) fn write(&self) -> RwLockWriteGuard<'_, Storage> {
-        self.storage.write().unwrap_or_else(|e| e.into_inner())
+        self.storage.write()
     }
 
     /// A copy of this tensor on `device` (same dtype, shape and values,

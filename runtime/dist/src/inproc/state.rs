@@ -6,9 +6,10 @@
 //! the world's failure and its peers' departure each time it wakes, so a
 //! failed or missing rank turns into an error instead of a hang.
 
+use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use tessera_core::tensor::{DType, Tensor};
 use tessera_core::Device;
@@ -41,12 +42,6 @@ pub(super) struct World {
     groups: Mutex<HashMap<GroupKey, Arc<GroupState>>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The state stays consistent even if a holder panicked: every update is
-    // a single assignment or push made under the lock.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl World {
     pub fn new(size: usize, timeout: Duration) -> Self {
         World { size, timeout, failure: OnceLock::new(), groups: Mutex::default() }
@@ -63,12 +58,12 @@ impl World {
         if self.failure.set(Failure { rank, reason }).is_err() {
             return;
         }
-        let groups: Vec<_> = lock(&self.groups).values().cloned().collect();
+        let groups: Vec<_> = self.groups.lock().values().cloned().collect();
         for g in groups {
             // Taking the group's lock before notifying guarantees that no
             // waiter is between its failure check and its wait, so none
             // misses the wake-up.
-            let _g = lock(&g.inner);
+            let _g = g.inner.lock();
             g.cv.notify_all();
         }
     }
@@ -76,7 +71,7 @@ impl World {
     /// The group of `ranks` under `tag`, created on first request.
     pub fn group(&self, tag: &str, ranks: &[usize]) -> Arc<GroupState> {
         let key = (tag.to_string(), ranks.to_vec());
-        lock(&self.groups).entry(key).or_insert_with(|| Arc::new(GroupState::new(ranks.to_vec()))).clone()
+        self.groups.lock().entry(key).or_insert_with(|| Arc::new(GroupState::new(ranks.to_vec()))).clone()
     }
 }
 
@@ -204,7 +199,7 @@ impl GroupState {
 
     /// Registers member `me` with the device its received messages go to.
     pub fn attach(&self, me: usize, device: &Device) -> Result<()> {
-        let mut g = lock(&self.inner);
+        let mut g = self.inner.lock();
         if g.attached[me].is_some() || g.departed[me].is_some() {
             return Err(Error::invalid(
                 "communicator",
@@ -217,7 +212,7 @@ impl GroupState {
 
     /// Member `me` leaves: the peers' waits that still need it fail.
     pub fn depart(&self, me: usize, reason: String) {
-        let mut g = lock(&self.inner);
+        let mut g = self.inner.lock();
         g.attached[me] = None;
         g.departed[me] = Some(reason);
         self.cv.notify_all();
@@ -227,7 +222,7 @@ impl GroupState {
     /// member has posted; returns all posts in member order.
     pub fn exchange(&self, world: &World, op: &'static str, me: usize, step: u64, post: Post) -> Result<Vec<Arc<Post>>> {
         let n = self.size();
-        let mut g = lock(&self.inner);
+        let mut g = self.inner.lock();
         if let Some(f) = world.failure() {
             return Err(f.error());
         }
@@ -264,18 +259,18 @@ impl GroupState {
                 world.fail(self.ranks[me], format!("it gave up waiting in {op} after {waited:?}: {detail}"));
                 return Err(Error::Timeout { op, waited, detail });
             }
-            g = self.cv.wait_timeout(g, world.timeout - waited).unwrap_or_else(|e| e.into_inner()).0;
+            self.cv.wait_for(&mut g, world.timeout - waited);
         }
     }
 
     /// The device member `peer` receives on, if it has a communicator.
     pub fn device_of(&self, peer: usize) -> Option<Device> {
-        lock(&self.inner).attached[peer].clone()
+        self.inner.lock().attached[peer].clone()
     }
 
     /// Queues `msg` from member `from` to member `to`.
     pub fn post_message(&self, world: &World, from: usize, to: usize, msg: Tensor) -> Result<()> {
-        let mut g = lock(&self.inner);
+        let mut g = self.inner.lock();
         if let Some(f) = world.failure() {
             return Err(f.error());
         }
@@ -289,7 +284,7 @@ impl GroupState {
 
     /// Takes the next message from member `from` to member `to`, waiting for it.
     pub fn take_message(&self, world: &World, from: usize, to: usize) -> Result<Tensor> {
-        let mut g = lock(&self.inner);
+        let mut g = self.inner.lock();
         let start = Instant::now();
         loop {
             if let Some(msg) = g.mail.get_mut(&(from, to)).and_then(VecDeque::pop_front) {
@@ -309,7 +304,7 @@ impl GroupState {
                 world.fail(self.ranks[to], format!("it gave up waiting in recv after {waited:?}: {detail}"));
                 return Err(Error::Timeout { op: "recv", waited, detail });
             }
-            g = self.cv.wait_timeout(g, world.timeout - waited).unwrap_or_else(|e| e.into_inner()).0;
+            self.cv.wait_for(&mut g, world.timeout - waited);
         }
     }
 }

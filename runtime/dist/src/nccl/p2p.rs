@@ -16,11 +16,12 @@
 //!
 //! [`Communicator::send`]: crate::Communicator::send
 
-use super::{address, lock, Inflight, NcclCommunicator, State};
+use super::{address, Inflight, NcclCommunicator, State};
 use crate::Communicator;
 use cudarc::driver::CudaEvent;
+use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use tessera_core::backend::{CudaDevice, CudaStorage, Storage};
 use tessera_core::tensor::Tensor;
 use tessera_core::Device;
@@ -49,7 +50,7 @@ impl Mailboxes {
     /// queues' lock first means no receiver is between checking the group's
     /// state and starting to wait.
     pub(super) fn wake_all(&self) {
-        let _queues = lock(&self.queues);
+        let _queues = self.queues.lock();
         self.arrived.notify_all();
     }
 }
@@ -67,7 +68,7 @@ impl NcclCommunicator {
 
     /// The error of a stopped group, if this rank's member is stopped.
     fn stopped(&self) -> Option<Error> {
-        match &*lock(&self.member().state) {
+        match &*self.member().state.lock() {
             State::Live(_) => None,
             State::Stopped { rank, reason } => Some(Error::PeerFailed { rank: *rank, reason: reason.clone() }),
         }
@@ -90,7 +91,7 @@ impl NcclCommunicator {
         let data = Tensor::from_storage(Storage::Cuda(copy), x.shape().clone(), Device::Cuda(device.clone()));
         let copied = Arc::new(device.compute_stream().record_event(None).map_err(|e| device.error("recording the copy of a message", e))?);
         let mail = &self.shared.mail;
-        lock(&mail.queues)[self.rank() * mail.size + peer].push_back(Message { data, copied, from: device.clone() });
+        mail.queues.lock()[self.rank() * mail.size + peer].push_back(Message { data, copied, from: device.clone() });
         mail.arrived.notify_all();
         Ok(())
     }
@@ -100,7 +101,7 @@ impl NcclCommunicator {
         self.check_peer(op, peer)?;
         let mail = &self.shared.mail;
         let message = {
-            let mut queues = lock(&mail.queues);
+            let mut queues = mail.queues.lock();
             loop {
                 if let Some(m) = queues[peer * mail.size + self.rank()].pop_front() {
                     break m;
@@ -108,7 +109,7 @@ impl NcclCommunicator {
                 if let Some(e) = self.stopped() {
                     return Err(e);
                 }
-                queues = mail.arrived.wait(queues).unwrap_or_else(|e| e.into_inner());
+                mail.arrived.wait(&mut queues);
             }
         };
         let device = self.cuda();

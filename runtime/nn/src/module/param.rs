@@ -1,8 +1,9 @@
 //! Parameters: a logical (global) tensor description, this rank's shard of
 //! it once materialised, and its accumulated gradient.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use tessera_core::ops;
 use tessera_core::tensor::{DType, Init, Shape, Tensor};
 use tessera_core::{Error, Result};
@@ -65,7 +66,7 @@ impl Param {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.0.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.0.state.lock()
     }
 
     /// The logical shape, before sharding.

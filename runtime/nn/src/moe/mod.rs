@@ -9,8 +9,8 @@ pub use routing::MoeStats;
 use super::{param_value, rows};
 use crate::module::{Act, Cx, Module, Param, Plain, Replicated, Visitor};
 use dispatch::Plan;
+use parking_lot::Mutex;
 use std::ops::Range;
-use std::sync::Mutex;
 use tessera_core::ops;
 use tessera_core::tensor::{Init, Shape, Tensor};
 use tessera_core::{Error, Result};
@@ -329,7 +329,7 @@ impl Moe {
     /// The statistics of the latest forward on this rank (the same as that
     /// forward's [`MoeSaved::stats`]); `None` before the first.
     pub fn last_stats(&self) -> Option<MoeStats> {
-        self.last.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.last.lock().clone()
     }
 
     /// The slots each expert accepts from `tokens` tokens, `None` if unlimited.
@@ -475,7 +475,7 @@ impl Module<Plain> for Moe {
             aux_loss,
             aux_coef: self.aux_coef,
         };
-        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(stats.clone());
+        *self.last.lock() = Some(stats.clone());
         let probs = (self.aux_coef != 0.0).then_some(probs);
         let saved = MoeSaved { x: xf, shape: shape.clone(), experts_idx: idx, weights, probs, slots, tokens, w, o, plan, order, per_expert, stats };
         Ok((Act::new(y.reshape(shape)?), saved))

@@ -70,10 +70,11 @@ pub use layout::FlatLayout;
 use crate::buckets::Buckets;
 use crate::data::DataParallel;
 use layout::{flat_view, Entry, Flat};
+use parking_lot::{Mutex, MutexGuard};
 use state::{Params, State, Unit};
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use tessera_core::tensor::{DType, Shape, Tensor};
 use tessera_core::Device;
 use tessera_core::{ops, Error, Result};
@@ -324,7 +325,7 @@ impl Zero {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock()
     }
 
     /// The stage.

@@ -3,7 +3,8 @@
 //! [`FaultConfig`](crate::FaultConfig)).
 
 use super::place::Coords;
-use std::sync::{Arc, Mutex};
+use parking_lot::Mutex;
+use std::sync::Arc;
 
 /// What an injected fault does to a rank's write.
 #[derive(Debug)]
@@ -54,7 +55,7 @@ impl WriteFaults {
         None
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Armed> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Armed> {
+        self.0.lock()
     }
 }

@@ -101,10 +101,11 @@ pub use tessera_optim::{OptimizerInfo, OptimizerState, StatePiece, StateSlot, Te
 
 pub use damaged::REASON_FILE;
 use io::io_err;
+use parking_lot::Mutex;
 use save::Background;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tessera_core::{Error, Result};
 use tessera_nn::module::{Cx, Module};
@@ -345,14 +346,14 @@ impl Checkpointer {
     ) -> Result<SaveHandle> {
         let job = self.begin(step, model, opt, cx, extra, false)?;
         let (handle, shared) = SaveHandle::spawn(job)?;
-        *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(shared);
+        *self.pending.lock() = Some(shared);
         Ok(handle)
     }
 
     /// Waits for this rank's background save, if one is running; returns
     /// its error if nobody has seen it yet.
     pub fn wait(&self) -> Result<()> {
-        let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let pending = self.pending.lock().take();
         match pending {
             Some(job) => job.take_error(),
             None => Ok(()),
@@ -452,7 +453,7 @@ impl Checkpointer {
     fn load_newest<M: Module>(&self, resume_points: bool, model: &M, opt: Option<&mut dyn OptimizerState>, cx: &Cx) -> Result<Option<Restored>> {
         // This rank's own save in flight must land first to be found (its
         // outcome stays for its handle to report).
-        if let Some(job) = self.pending.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        if let Some(job) = self.pending.lock().as_ref() {
             job.wait_done();
         }
         let scan = self.scan_for(resume_points)?;

@@ -10,10 +10,11 @@ use super::io::{self, checksum, io_err};
 use super::manifest::{Manifest, MeshInfo, ParamRecord, TensorRecord, FORMAT_VERSION};
 use super::place::Coords;
 use super::{check, collective, read_manifest, Checkpointer, Root, LATEST, MANIFEST};
+use parking_lot::{Condvar, Mutex};
 use serde::{Deserialize, Serialize};
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_core::{Error, Result};
 use tessera_dist::Groups;
@@ -354,14 +355,14 @@ pub(crate) struct Background {
 }
 
 impl Background {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Outcome> {
-        self.outcome.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Outcome> {
+        self.outcome.lock()
     }
 
-    fn wait_finished(&self) -> std::sync::MutexGuard<'_, Outcome> {
+    fn wait_finished(&self) -> parking_lot::MutexGuard<'_, Outcome> {
         let mut o = self.lock();
         while matches!(*o, Outcome::Running) {
-            o = self.done.wait(o).unwrap_or_else(|e| e.into_inner());
+            self.done.wait(&mut o);
         }
         o
     }

@@ -37,11 +37,11 @@ mod state;
 use super::ranks::Ranks;
 use super::{RunLock, TrainConfig};
 use crate::ckpt::Checkpointer;
+use parking_lot::Mutex;
 use rank::{RankRun, Shared};
 use report::Collector;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use tessera_core::{Device, Error, Result};
 use tessera_data::Batches;
@@ -122,7 +122,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
     /// preparing what the run reads from the directory (data, say);
     /// otherwise [`run`](Self::run) takes it itself.
     pub fn with_run_lock(self, lock: RunLock) -> Self {
-        *self.lock.lock().unwrap_or_else(|e| e.into_inner()) = Some(lock);
+        *self.lock.lock() = Some(lock);
         self
     }
 
@@ -253,7 +253,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         });
         let elapsed = started.elapsed();
         let (resumed_from, checkpoint) = first_root_cause(results)?;
-        let collector = collector.into_inner().unwrap_or_else(|e| e.into_inner());
+        let collector = collector.into_inner();
         collector.bar.finish();
         // A run that had nothing left to do keeps the trace of the run that did.
         if cfg.run.trace_steps > 0 && !trace.spans().is_empty() {
@@ -285,7 +285,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
     fn open_run_dir(&self, out: &Path) -> Result<RunLock> {
         let cfg = &self.config;
         std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-        let held = self.lock.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let held = self.lock.lock().take();
         let lock = match held {
             Some(lock) => lock,
             None => RunLock::acquire(out)?,

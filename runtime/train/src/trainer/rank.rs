@@ -8,8 +8,9 @@ use super::{Replica, Trainer};
 use crate::ckpt::{Checkpointer, SaveHandle};
 use crate::ranks::Ranks;
 use crate::{clip_to_norm, global_grad_norm, Anomaly, AtStep, LossScaler, StabilityMonitor, WarmupCosine};
+use parking_lot::Mutex;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 use tessera_core::{Device, Result, Tensor};
 use tessera_dist::mesh::{Axis, Mesh};
@@ -347,7 +348,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
     /// writes the metrics line once every rank has.
     fn report(&self, step: u64, pass: &Pass, skipped: bool, events: Vec<Event>) -> Result<()> {
         let r = RankStep::new(self.rank, pass, &self.state.scaler, &self.dev, skipped, events);
-        self.shared.collector.lock().unwrap_or_else(|e| e.into_inner()).report(step, r)
+        self.shared.collector.lock().report(step, r)
     }
 
     /// Saves the state after step `done`: as a resume point when a job

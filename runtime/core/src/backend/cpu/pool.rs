@@ -12,10 +12,10 @@
 //! use from creation to drop either way, and [`HostPool::cached_bytes`]
 //! reports what the pool holds besides.
 
+use parking_lot::Mutex;
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 
 /// Buffers smaller than this come from the C allocator, which recycles them
 /// cheaply itself.
@@ -48,7 +48,7 @@ impl HostPool {
         if bytes < MIN_POOLED_BYTES {
             return None;
         }
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let mut free = self.free.lock();
         let boxed = free.get_mut(&(TypeId::of::<T>(), len))?.pop()?;
         self.cached.fetch_sub(bytes, Ordering::Relaxed);
         boxed.downcast::<Vec<T>>().ok().map(|v| *v)
@@ -62,7 +62,7 @@ impl HostPool {
             return;
         }
         self.cached.fetch_add(bytes, Ordering::Relaxed);
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let mut free = self.free.lock();
         free.entry((TypeId::of::<T>(), data.len())).or_default().push(Box::new(data));
     }
 
@@ -73,7 +73,7 @@ impl HostPool {
 
     /// Frees every held buffer.
     pub(crate) fn clear(&self) {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let mut free = self.free.lock();
         free.clear();
         self.cached.store(0, Ordering::Relaxed);
     }

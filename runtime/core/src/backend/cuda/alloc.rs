@@ -23,9 +23,9 @@
 //! so it is tested on every machine.
 
 use crate::backend::memory::{MemoryStats, MemoryTracker};
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 
 /// Requests below this are rounded up to a multiple of [`SMALL_GRANULE`].
 const SMALL_LIMIT: usize = 1 << 20;
@@ -100,13 +100,13 @@ impl<S: BlockSource> CachingAllocator<S> {
     /// Takes back a block handed out for class `class`, keeping it for reuse.
     pub(crate) fn release(&self, block: S::Block, class: usize) {
         self.tracker.on_free(class);
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let mut free = self.free.lock();
         free.entry(class).or_default().push(block);
         self.cached.fetch_add(class, Ordering::Relaxed);
     }
 
     fn take_cached(&self, class: usize) -> Option<S::Block> {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let mut free = self.free.lock();
         let block = free.get_mut(&class)?.pop()?;
         self.cached.fetch_sub(class, Ordering::Relaxed);
         Some(block)
@@ -115,7 +115,7 @@ impl<S: BlockSource> CachingAllocator<S> {
     /// Returns every cached block to the driver; the bytes released.
     pub(crate) fn empty_cache(&self) -> usize {
         let drained = {
-            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            let mut free = self.free.lock();
             std::mem::take(&mut *free)
         };
         let bytes: usize = drained.iter().map(|(class, blocks)| class * blocks.len()).sum();

@@ -11,8 +11,9 @@ use super::nvrtc;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
+use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use tessera_kernels::cuda::signature::{self, Param};
 
 /// A loaded module and the parameter list of each of its entry points.
@@ -41,7 +42,7 @@ impl CudaDevice {
     pub(crate) fn kernel(&self, source: &'static str, symbol: &str) -> Result<Kernel> {
         let cache = self.modules();
         let key = format!("{source}/{symbol}");
-        if let Some(k) = cache.kernels.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        if let Some(k) = cache.kernels.lock().get(&key) {
             return Ok(k.clone());
         }
         let module = self.module(source)?;
@@ -50,13 +51,13 @@ impl CudaDevice {
             module.module.load_function(symbol).map_err(|e| lookup(format!("`{symbol}` in the `{source}` kernels: {}", super::device::describe(&e))))?;
         let params = module.params.get(symbol).cloned().ok_or_else(|| lookup(format!("`{symbol}` is not an entry point of the `{source}` PTX")))?;
         let kernel = Kernel { function, params };
-        cache.kernels.lock().unwrap_or_else(|e| e.into_inner()).insert(key, kernel.clone());
+        cache.kernels.lock().insert(key, kernel.clone());
         Ok(kernel)
     }
 
     fn module(&self, source: &'static str) -> Result<Arc<Module>> {
         let cache = self.modules();
-        if let Some(m) = cache.modules.lock().unwrap_or_else(|e| e.into_inner()).get(source) {
+        if let Some(m) = cache.modules.lock().get(source) {
             return Ok(m.clone());
         }
         let unit = tessera_kernels::cuda::source(source)
@@ -70,7 +71,7 @@ impl CudaDevice {
         let module = self.compute_stream().context().load_module(Ptx::from_src(ptx.to_string())).map_err(|e| self.error("loading a kernel module", e))?;
         let module = Arc::new(Module { module, params });
         // Two threads may both load on a first miss; either module serves.
-        cache.modules.lock().unwrap_or_else(|e| e.into_inner()).insert(source, module.clone());
+        cache.modules.lock().insert(source, module.clone());
         Ok(module)
     }
 }

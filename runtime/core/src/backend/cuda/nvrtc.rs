@@ -15,10 +15,11 @@
 use super::device::ComputeCapability;
 use crate::error::{Error, Result};
 use cudarc::nvrtc::{CompileError, CompileOptions};
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 /// The options every kernel is compiled with (besides the architecture).
 /// Exact IEEE division and square root: the CPU backend is the reference the
@@ -57,7 +58,7 @@ fn compile_cached(name: &str, source: &str, capability: ComputeCapability, disk:
     static MEMORY: OnceLock<Mutex<HashMap<u64, Arc<str>>>> = OnceLock::new();
     let key = cache_key(source, capability, version()?);
     let memory = MEMORY.get_or_init(Mutex::default);
-    if let Some(ptx) = memory.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+    if let Some(ptx) = memory.lock().get(&key) {
         return Ok(ptx.clone());
     }
     let file = disk.map(|dir| dir.join(format!("{name}-{}-{key:016x}.ptx", capability.real_arch())));
@@ -72,7 +73,7 @@ fn compile_cached(name: &str, source: &str, capability: ComputeCapability, disk:
         }
     };
     // Two threads may both compile on a first miss; either result is the same PTX.
-    memory.lock().unwrap_or_else(|e| e.into_inner()).insert(key, ptx.clone());
+    memory.lock().insert(key, ptx.clone());
     Ok(ptx)
 }
 
