@@ -151,10 +151,9 @@ pub(crate) fn write(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     replace_file(path, &bytes)
 }
 
-/// Replaces `path` with `bytes`: written under a temporary name, then renamed
-/// over it, so a failed write never leaves a truncated file behind.
+/// Replaces `path` with `bytes` atomically and durably, so a failed write
+/// or a crash never leaves a truncated file behind (see
+/// [`write_atomic`](tessera::file::write_atomic)).
 pub(crate) fn replace_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-    fs::write(&tmp, bytes).map_err(|e| file_err(&tmp, format!("cannot write it: {e}")))?;
-    fs::rename(&tmp, path).map_err(|e| file_err(path, format!("cannot move the written file into place: {e}")))
+    tessera::file::write_atomic(path, bytes).map_err(|e| file_err(path, format!("cannot write it (check free space and permissions): {e}")))
 }

@@ -9,6 +9,7 @@
 
 pub mod backend;
 mod error;
+pub mod file;
 pub mod ops;
 pub mod tensor;
 

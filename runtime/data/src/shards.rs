@@ -19,9 +19,9 @@ use super::Tokenizer;
 use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use tessera_core::file::write_atomic;
 use tessera_core::{Error, Result};
 
 /// The first eight bytes of every shard.
@@ -219,7 +219,7 @@ impl ShardWriter {
         };
         let path = self.dir.join(INDEX_FILE);
         let json = serde_json::to_string_pretty(&index).map_err(|e| Error::Data(format!("serialising the shard index: {e}")))?;
-        std::fs::write(&path, json).map_err(|e| Error::data_file(&path, format!("cannot be written ({e})")))?;
+        write_atomic(&path, json.as_bytes()).map_err(|e| Error::data_file(&path, format!("cannot be written ({e})")))?;
         Ok(index)
     }
 
@@ -248,9 +248,7 @@ impl ShardWriter {
             TokenDType::U16 => self.pending.iter().for_each(|&t| bytes.extend_from_slice(&(t as u16).to_le_bytes())),
             TokenDType::U32 => self.pending.iter().for_each(|&t| bytes.extend_from_slice(&t.to_le_bytes())),
         }
-        File::create(&path)
-            .and_then(|mut f| f.write_all(&bytes).and_then(|()| f.sync_all()))
-            .map_err(|e| Error::data_file(&path, format!("cannot be written ({e}); check free space and permissions")))?;
+        write_atomic(&path, &bytes).map_err(|e| Error::data_file(&path, format!("cannot be written ({e}); check free space and permissions")))?;
         self.shards.push(ShardEntry { file, tokens: self.pending.len() as u64 });
         self.pending.clear();
         Ok(())

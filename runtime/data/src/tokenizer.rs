@@ -101,7 +101,8 @@ impl Tokenizer {
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let json = self.to_json()?;
-        std::fs::write(path, json).map_err(|e| Error::data_file(path, format!("cannot be written ({e}); check that its directory exists and is writable")))
+        tessera_core::file::write_atomic(path, json.as_bytes())
+            .map_err(|e| Error::data_file(path, format!("cannot be written ({e}); check that its directory exists and is writable")))
     }
 
     /// The tokenizer's JSON, as [`Tokenizer::save`] writes it.

@@ -90,6 +90,6 @@ impl Trace {
     pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let text = serde_json::to_string(&self.to_json()).map_err(|e| Error::io(path, e))?;
-        std::fs::write(path, text).map_err(|e| Error::io(path, e))
+        tessera_core::file::write_atomic(path, text.as_bytes()).map_err(|e| Error::io(path, e))
     }
 }

@@ -3,6 +3,7 @@
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::Path;
+use tessera_core::file::write_atomic;
 use tessera_core::tensor::{with_elem, DType, Tensor};
 use tessera_core::Device;
 use tessera_core::{Error, Result};
@@ -64,28 +65,9 @@ pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     f.sync_all().map_err(|e| io_err(path, "cannot flush to disk", e))
 }
 
-/// Flushes a directory's entries (new names, renames) to the disk.
-pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
-    // Opening a directory for reading and syncing it is how POSIX makes its
-    // entries durable; other systems may refuse, and have no such need.
-    match File::open(dir) {
-        Ok(f) => {
-            let _ = f.sync_all();
-            Ok(())
-        }
-        Err(e) => Err(io_err(dir, "cannot open the directory", e)),
-    }
-}
-
-/// Replaces `path` with `bytes` atomically: a temporary sibling, synced, renamed over it.
+/// Replaces `path` with `bytes` atomically and durably (see [`write_atomic`]).
 pub(crate) fn replace_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-    write_synced(&tmp, bytes)?;
-    fs::rename(&tmp, path).map_err(|e| io_err(path, "cannot rename the temporary file into place", e))?;
-    if let Some(parent) = path.parent() {
-        sync_dir(parent)?;
-    }
-    Ok(())
+    write_atomic(path, bytes).map_err(|e| io_err(path, "cannot replace the file (is the disk full?)", e))
 }
 
 /// Reads a whole file, naming it when it is missing.

@@ -12,6 +12,7 @@ use super::restore::Store;
 use super::MANIFEST;
 use std::fs;
 use std::path::Path;
+use tessera_core::file::sync_dir;
 use tessera_core::{Error, Result};
 use tessera_nn::module::{Shard, StagePart};
 use tessera_optim::TensorKind;
@@ -87,7 +88,7 @@ pub fn reshard(src: &Path, out: &Path, mesh: MeshInfo) -> Result<Manifest> {
     let done = written.and_then(|m| {
         fs::rename(&tmp, out).map_err(|e| io_err(out, "cannot rename the temporary directory into place", e))?;
         if let Some(parent) = out.parent() {
-            io::sync_dir(parent)?;
+            sync_dir(parent);
         }
         Ok(m)
     });
@@ -137,6 +138,6 @@ fn write_all(src: &Path, tmp: &Path, manifest: &Manifest, mesh: MeshInfo) -> Res
     let path = tmp.join(MANIFEST);
     check::check_layout(&resharded, &path)?;
     io::write_synced(&path, &resharded.to_json()?)?;
-    io::sync_dir(tmp)?;
+    sync_dir(tmp);
     Ok(resharded)
 }

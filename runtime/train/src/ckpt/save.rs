@@ -16,6 +16,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tessera_core::file::sync_dir;
 use tessera_core::{Error, Result};
 use tessera_dist::Groups;
 use tessera_nn::module::{Cx, Module};
@@ -278,7 +279,7 @@ impl Root {
             fs::remove_file(&p).map_err(|e| io_err(&p, "cannot remove", e))?;
         }
         io::write_synced(&path, &manifest.to_json()?)?;
-        io::sync_dir(tmp)?;
+        sync_dir(tmp);
         let dir = self.step_dir(c.step);
         let old = self.path.join(format!("step-{}.old-{}", c.step, std::process::id()));
         let replacing = dir.exists();
@@ -286,7 +287,7 @@ impl Root {
             fs::rename(&dir, &old).map_err(|e| io_err(&dir, "cannot move the previous checkpoint of this step aside", e))?;
         }
         fs::rename(tmp, &dir).map_err(|e| io_err(&dir, "cannot rename the temporary directory into place", e))?;
-        io::sync_dir(&self.path)?;
+        sync_dir(&self.path);
         io::replace_file(&self.path.join(LATEST), format!("step-{}\n", c.step).as_bytes())?;
         if replacing {
             fs::remove_dir_all(&old).map_err(|e| io_err(&old, "cannot remove the replaced checkpoint", e))?;

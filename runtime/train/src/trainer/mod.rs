@@ -300,7 +300,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             }
         }
         let config_path = out.join("config.toml");
-        std::fs::write(&config_path, cfg.to_toml()?).map_err(|e| Error::io(&config_path, e))?;
+        tessera_core::file::write_atomic(&config_path, cfg.to_toml()?.as_bytes()).map_err(|e| Error::io(&config_path, e))?;
         Ok(lock)
     }
 

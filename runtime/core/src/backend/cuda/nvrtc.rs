@@ -134,16 +134,11 @@ fn cache_key(source: &str, capability: ComputeCapability, nvrtc: (i32, i32)) -> 
     h
 }
 
-/// Writes `text` to `path` through a temporary file and a rename, so a
-/// concurrent reader sees the whole file or none. Failures are ignored: the
-/// cache only saves compiles.
+/// Writes `text` to `path` atomically, so a concurrent reader sees the whole
+/// file or none. Failures are ignored: the cache only saves compiles.
 fn write_atomically(path: &Path, text: &str) {
     let Some(dir) = path.parent() else { return };
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    let written = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&tmp, text)).and_then(|_| std::fs::rename(&tmp, path));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
+    let _ = std::fs::create_dir_all(dir).and_then(|_| crate::file::write_atomic(path, text.as_bytes()));
 }
 
 #[cfg(test)]
