@@ -3,6 +3,7 @@
 
 use parking_lot::{Mutex, MutexGuard};
 use std::fmt;
+use std::hash::Hasher;
 use std::sync::Arc;
 use tessera_core::ops;
 use tessera_core::tensor::{DType, Init, Shape, Tensor};
@@ -231,7 +232,9 @@ fn local_shape(global: &Shape, shard: Shard) -> Shape {
 /// values do not depend on how many parameters came before it or on the mesh.
 fn stream_of(name: &str) -> u64 {
     // FNV-1a, 64 bit: stable across platforms and releases.
-    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+    let mut h = fnv::FnvHasher::default();
+    h.write(name.as_bytes());
+    h.finish()
 }
 
 impl fmt::Debug for Param {

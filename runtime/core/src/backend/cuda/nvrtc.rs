@@ -118,12 +118,12 @@ pub fn disk_cache_dir() -> Option<PathBuf> {
 /// standard library's hasher may change between Rust releases, and the disk
 /// cache outlives a toolchain.)
 fn cache_key(source: &str, capability: ComputeCapability, nvrtc: (i32, i32)) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
+    // Each part ends in 0xff (a byte no UTF-8 text holds), so parts cannot run together.
     let mut feed = |bytes: &[u8]| {
-        for &b in bytes.iter().chain(&[0xff]) {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
+        h.write(bytes);
+        h.write(&[0xff]);
     };
     feed(source.as_bytes());
     for o in OPTIONS {
@@ -131,7 +131,7 @@ fn cache_key(source: &str, capability: ComputeCapability, nvrtc: (i32, i32)) -> 
     }
     feed(capability.virtual_arch().as_bytes());
     feed(format!("nvrtc {}.{}", nvrtc.0, nvrtc.1).as_bytes());
-    h
+    h.finish()
 }
 
 /// Writes `text` to `path` atomically, so a concurrent reader sees the whole
