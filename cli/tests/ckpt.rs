@@ -9,7 +9,7 @@ mod models;
 
 use models::Gpt;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 use tessera::ckpt::{self, Checkpointer};
 use tessera::dist::inproc::{mesh_groups, InProcess};
@@ -17,14 +17,12 @@ use tessera::dist::mesh::Mesh;
 use tessera::module::{self, Cx, Shard};
 use tessera::optim::{AdamW, AdamWConfig};
 use tessera::prelude::*;
+use tessera::testing::Scratch;
 
 const ADAMW: AdamWConfig = AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-6, weight_decay: 0.01 };
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tessera-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(name: &str) -> Scratch {
+    Scratch::new(&format!("cli-{name}"))
 }
 
 fn tessera(args: &[&str]) -> Output {

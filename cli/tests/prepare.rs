@@ -2,15 +2,13 @@
 //! through its text, BPE training and reuse of the tokenizer, and the errors
 //! on bad input.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 use tessera::data::{Dataset, END_OF_TEXT};
+use tessera::testing::Scratch;
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tessera-cli-prepare-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(name: &str) -> Scratch {
+    Scratch::new(&format!("cli-prepare-{name}"))
 }
 
 fn prepare(args: &[&str]) -> Output {

@@ -4,13 +4,14 @@
 
 mod common;
 use common::models::Gpt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use tessera::ckpt::{load_latest_valid, serde_json, Checkpointer};
 use tessera::dist::inproc::{mesh_groups, InProcess};
 use tessera::dist::mesh::Mesh;
 use tessera::module::{self, Cx, Module};
 use tessera::optim::{AdamW, AdamWConfig};
 use tessera::prelude::*;
+use tessera::testing::Scratch;
 use tessera::Error;
 
 const VOCAB: usize = 12;
@@ -20,11 +21,8 @@ const LR: f64 = 1e-2;
 const ADAMW: AdamWConfig = AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-6, weight_decay: 0.01 };
 
 /// A fresh, empty directory for one test.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tessera-ckpt-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(name: &str) -> Scratch {
+    Scratch::new(&format!("ckpt-{name}"))
 }
 
 fn gpt() -> Gpt {

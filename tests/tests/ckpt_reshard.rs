@@ -20,6 +20,7 @@ use tessera::optim::{AdamW, AdamWConfig};
 use tessera::parallel::pipeline::{run_stage, sync_tied_grads, Schedule, ScheduleKind};
 use tessera::parallel::zero::{Stage, Zero, ZeroConfig};
 use tessera::prelude::*;
+use tessera::testing::Scratch;
 
 const VOCAB: usize = 12;
 const SEQS: usize = 4;
@@ -32,11 +33,8 @@ type Bits = BTreeMap<String, Vec<u32>>;
 const ADAMW: AdamWConfig = AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-6, weight_decay: 0.01 };
 
 /// A fresh, empty directory for one test.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tessera-reshard-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(name: &str) -> Scratch {
+    Scratch::new(&format!("reshard-{name}"))
 }
 
 /// Four heads, so that tensor parallelism of 4 divides them.

@@ -3,17 +3,15 @@
 //! arithmetic task with its exact-match evaluator.
 
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use tessera::data::arith::{self, Problem, Task};
 use tessera::data::{CharTokenizer, Cursor, Dataset, Sampler, ShardWriter, TokenDType, Tokenizer, WindowRange};
+use tessera::testing::Scratch;
 use tessera::{Device, Error};
 
 /// A fresh, empty directory for one test.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tessera-data-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(name: &str) -> Scratch {
+    Scratch::new(&format!("data-{name}"))
 }
 
 const CORPUS: &str = "the quick brown fox jumps over the lazy dog.\n\

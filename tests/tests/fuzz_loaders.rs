@@ -14,15 +14,13 @@ use tessera::module::{self, Cx};
 use tessera::optim::{AdamW, AdamWConfig};
 use tessera::prelude::*;
 use tessera::testing::fuzz::{cases, fuzz};
+use tessera::testing::Scratch;
 use tessera::train::TrainConfig;
 
 const LIMIT: Duration = Duration::from_secs(5);
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tessera-fuzz-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+fn scratch(name: &str) -> Scratch {
+    Scratch::new(&format!("fuzz-{name}"))
 }
 
 #[test]

@@ -76,7 +76,7 @@ fn a_kill_during_the_final_save_loses_no_metrics_line() {
     train(config(&a, text, &["run.steps=8"]), 0..0);
     let status = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["a_kill_during_the_final_save_loses_no_metrics_line", "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD, &b)
+        .env(CHILD, b.as_os_str())
         .status()
         .unwrap();
     use std::os::unix::process::ExitStatusExt;

@@ -30,8 +30,7 @@ fn walk(layers: usize, root: &std::path::Path) -> Duration {
 
 #[test]
 fn a_model_of_many_layers_is_walked_in_linear_time() {
-    let root = std::env::temp_dir().join(format!("tessera-scale-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
+    let root = tessera::testing::Scratch::new("scale");
     let small = walk(1_000, &root.join("small"));
     let large = walk(10_000, &root.join("large"));
     // Ten times the parameters: about ten times the time; a quadratic walk
@@ -39,5 +38,4 @@ fn a_model_of_many_layers_is_walked_in_linear_time() {
     let ratio = large.as_secs_f64() / small.as_secs_f64().max(1e-3);
     eprintln!("{small:?} -> {large:?}: {ratio:.1}x");
     assert!(ratio < 35.0, "10× the layers took {ratio:.1}× the time ({small:?} -> {large:?})");
-    let _ = std::fs::remove_dir_all(&root);
 }

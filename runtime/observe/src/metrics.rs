@@ -221,9 +221,8 @@ mod tests {
 
     #[test]
     fn a_resumed_log_drops_the_lines_it_replays() {
-        let dir = std::env::temp_dir().join(format!("tessera-metrics-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("metrics.jsonl");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
         let steps = |p: &Path| read_metrics(p).unwrap().iter().map(|m| m.step).collect::<Vec<_>>();
         // Steps 1-5 (3 twice: a rollback replayed it), and half a line.
         let text = [1, 2, 3, 4, 3, 4, 5].map(line).concat() + "{\"step\": 6, \"lo";
@@ -241,6 +240,5 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         let (_, dropped) = MetricsLog::resume_at(&path, 3).unwrap();
         assert_eq!(dropped, 0, "a missing log is started");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -59,8 +59,10 @@ mod compare;
 mod fd;
 pub mod fuzz;
 mod run;
+mod scratch;
 
 pub use run::Rank;
+pub use scratch::Scratch;
 
 use std::fmt;
 use std::str::FromStr;

@@ -122,20 +122,19 @@ mod tests {
 
     #[test]
     fn a_second_holder_is_refused_and_the_lock_is_free_after_drop() {
-        let dir = std::env::temp_dir().join(format!("tessera-run-lock-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let first = RunLock::acquire(&dir).unwrap();
-        let e = RunLock::acquire(&dir).unwrap_err().to_string();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path();
+        let first = RunLock::acquire(dir).unwrap();
+        let e = RunLock::acquire(dir).unwrap_err().to_string();
         assert!(e.contains("in use by pid") && e.contains(&std::process::id().to_string()) && e.contains("run.out"), "{e}");
         drop(first);
-        let again = RunLock::acquire(&dir).unwrap();
+        let again = RunLock::acquire(dir).unwrap();
         assert_eq!(again.stale_holder(), None, "a job that ended cleanly leaves no holder behind");
         drop(again);
         // A killed job leaves its description but not its lock.
         std::fs::write(dir.join(LOCK_FILE), "pid 4999999 on elsewhere since 1970-01-01 00:00:00 UTC\n").unwrap();
-        let after_kill = RunLock::acquire(&dir).unwrap();
+        let after_kill = RunLock::acquire(dir).unwrap();
         assert_eq!(after_kill.stale_holder(), Some("pid 4999999 on elsewhere since 1970-01-01 00:00:00 UTC"));
         drop(after_kill);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -3,20 +3,19 @@
 //! configure, run and read back runs.
 
 use super::models::Gpt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use tessera::ckpt::serde_json;
 use tessera::module::{self, Cx};
 use tessera::observe::{read_metrics, Event, StepMetrics};
 use tessera::prelude::*;
+use tessera::testing::Scratch;
 use tessera::train::{Batches, ModelFacts, Replica, RunSummary, TrainConfig, Trainer};
 
 pub const VOCAB: usize = 16;
 pub const SEQ: usize = 8;
 
-pub fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tessera-trainer-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+pub fn scratch(name: &str) -> Scratch {
+    Scratch::new(&format!("trainer-{name}"))
 }
 
 /// Sequence `n` of the synthetic task: counting from a start by a stride of

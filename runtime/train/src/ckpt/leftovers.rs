@@ -66,8 +66,8 @@ mod tests {
 
     #[test]
     fn leftovers_of_gone_jobs_are_removed_and_the_rest_kept() {
-        let root = std::env::temp_dir().join(format!("tessera-leftovers-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&root);
+        let scratch = tempfile::tempdir().unwrap();
+        let root = scratch.path().join("checkpoints");
         let ckpt = Checkpointer::new(&root, 2).unwrap();
         // A pid above the kernel's limit (4194304) never runs.
         let gone = root.join("step-3.tmp-4999999");
@@ -79,6 +79,5 @@ mod tests {
         }
         assert_eq!(ckpt.clean_leftovers().unwrap(), vec![gone.clone()]);
         assert!(!gone.exists() && ours.exists() && complete.exists());
-        let _ = fs::remove_dir_all(&root);
     }
 }

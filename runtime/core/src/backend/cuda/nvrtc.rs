@@ -164,8 +164,8 @@ mod tests {
             crate::backend::cuda::report_skip("compiled_ptx_is_cached_in_memory_and_on_disk", "NVRTC not found (run scripts/cuda-toolchain.sh)");
             return;
         }
-        let dir = std::env::temp_dir().join(format!("tessera-kernel-cache-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("cache");
         let first = compile_cached("twice", KERNEL, SM90, Some(&dir)).unwrap();
         assert!(first.contains(".entry twice"), "{first}");
         let files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
