@@ -3,6 +3,7 @@
 //! lists) and writing one file.
 
 use crate::error::{Error, Result};
+use memmap2::Mmap;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeMap, HashMap};
@@ -23,11 +24,13 @@ struct Entry {
     bytes: std::ops::Range<usize>,
 }
 
-/// Every tensor of a checkpoint, its files read once.
+/// Every tensor of a checkpoint, its files memory-mapped: a tensor's bytes
+/// are read from the page cache when it is loaded, and the checkpoint is
+/// never copied into memory whole.
 pub(crate) struct Weights {
     /// The weights file or the index, for messages.
     path: PathBuf,
-    files: Vec<Vec<u8>>,
+    files: Vec<Mmap>,
     entries: BTreeMap<String, Entry>,
 }
 
@@ -38,6 +41,16 @@ fn file_err(path: &Path, detail: impl Into<String>) -> Error {
 /// Reads a whole file, naming it when it is missing.
 pub(crate) fn read(path: &Path) -> Result<Vec<u8>> {
     fs::read(path).map_err(|e| file_err(path, format!("cannot read it: {e}")))
+}
+
+/// Maps a weights file into memory, read-only, naming it when it is missing.
+fn map(path: &Path) -> Result<Mmap> {
+    let file = fs::File::open(path).map_err(|e| file_err(path, format!("cannot read it: {e}")))?;
+    // SAFETY: the file is opened read-only and only read through
+    // bounds-checked slices of the map. Another process truncating it while
+    // it is mapped would fault: the contract of any mapped file, as with the
+    // memory-mapped loaders the field uses for safetensors.
+    unsafe { Mmap::map(&file) }.map_err(|e| file_err(path, format!("cannot memory-map it: {e}")))
 }
 
 impl Weights {
@@ -64,9 +77,9 @@ impl Weights {
         Ok(w)
     }
 
-    /// Reads `path` and records its tensors (only `listed` ones, for a shard of an index).
+    /// Maps `path` and records its tensors (only `listed` ones, for a shard of an index).
     fn add_file(&mut self, path: &Path, listed: Option<&[String]>) -> Result<()> {
-        let bytes = read(path)?;
+        let bytes = map(path)?;
         // Deserialising checks the header against the file: offsets in range, shapes consistent.
         SafeTensors::deserialize(&bytes).map_err(|e| file_err(path, format!("not a safetensors file: {e}")))?;
         let (header, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| file_err(path, format!("not a safetensors file: {e}")))?;

@@ -1,5 +1,6 @@
 //! Bytes, checksums and durable file operations for checkpoints.
 
+use memmap2::Mmap;
 use std::fs::{self, File};
 use std::hash::Hasher;
 use std::io::Write;
@@ -91,17 +92,25 @@ pub(crate) fn write_safetensors(path: &Path, tensors: &[(String, DType, Vec<usiz
     write_synced(path, &bytes)
 }
 
-/// One rank file read into memory, its header parsed once.
+/// One rank file, memory-mapped, its header parsed once: a tensor's bytes
+/// are read (and checksummed) when it is restored, and the file is never
+/// copied into memory whole.
 pub(crate) struct RankFile {
-    bytes: Vec<u8>,
+    bytes: Mmap,
     header: usize,
     meta: safetensors::tensor::Metadata,
 }
 
 impl RankFile {
-    /// Reads and parses `path`; the tensors' bytes are not looked at.
+    /// Maps and parses `path`; the tensors' bytes are not looked at.
     pub fn open(path: &Path) -> Result<RankFile> {
-        let bytes = read(path)?;
+        let file = File::open(path).map_err(|e| io_err(path, "cannot read (missing or unreadable; the checkpoint is incomplete)", e))?;
+        // SAFETY: the file is opened read-only and only read through
+        // bounds-checked slices. Checkpoint files are never written in place
+        // (a save writes a new directory and renames it), so no writer of
+        // Tessera's changes a mapped file; another process truncating it
+        // would fault, the contract of any mapped file.
+        let bytes = unsafe { Mmap::map(&file) }.map_err(|e| io_err(path, "cannot memory-map the file", e))?;
         let (header, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| Error::CheckpointCorrupt {
             file: path.display().to_string(),
             tensor: "(header)".into(),
