@@ -34,9 +34,9 @@ mod rank;
 mod report;
 mod state;
 
-use super::ranks::Ranks;
-use super::{RunLock, TrainConfig};
 use crate::ckpt::Checkpointer;
+use crate::ranks::Ranks;
+use crate::{RunLock, TrainConfig};
 use parking_lot::Mutex;
 use rank::{RankRun, Shared};
 use report::Collector;
@@ -207,9 +207,9 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
 
         // Before any rank allocates: a run that cannot fit is refused here,
         // not aborted by the allocator.
-        if cfg.mesh.rank_device()? == super::RankDevice::Cpu {
+        if cfg.mesh.rank_device()? == crate::RankDevice::Cpu {
             let probe = (self.build)(&Cx::new(Device::cpu()), 0, 1)?;
-            super::memory_check::check(cfg, &probe, self.facts.vocab)?;
+            crate::memory_check::check(cfg, &probe, self.facts.vocab)?;
         }
         let world_size = cfg.mesh.world_size();
         let mesh = Mesh::parse(&format!("pp{},dp{},ep{},tp{}", cfg.mesh.pp, cfg.mesh.dp, cfg.mesh.ep, cfg.mesh.tp), world_size, world_size)?;
@@ -319,7 +319,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         if let Some(f) = &cfg.faults.io_error {
             ckpt.inject_write_error(coords_of(f.rank)?, f.step);
         }
-        if let Some(f) = cfg.faults.kill.as_ref().filter(|k| k.at == super::KillPoint::Save) {
+        if let Some(f) = cfg.faults.kill.as_ref().filter(|k| k.at == crate::KillPoint::Save) {
             ckpt.inject_kill_in_write(coords_of(f.rank)?, f.step);
         }
         let cleaned = ckpt.clean_leftovers()?;
@@ -391,9 +391,9 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         if let Some(s) = f.slow.as_ref().filter(|s| s.rank == rank) {
             std::thread::sleep(Duration::from_millis(s.ms));
         }
-        if let Some(k) = f.kill.as_ref().filter(|k| k.rank == rank && k.step == step && k.at == super::KillPoint::Step) {
+        if let Some(k) = f.kill.as_ref().filter(|k| k.rank == rank && k.step == step && k.at == crate::KillPoint::Step) {
             if k.process {
-                super::kill_this_process();
+                crate::kill_this_process();
             }
             return Err(Error::FaultInjected { rank, detail: format!("killed as step {step} began") });
         }

@@ -1,7 +1,7 @@
 //! What ranks report of each step, and the metrics line, progress bar and
 //! summary made of it.
 
-use super::super::LossScaler;
+use crate::LossScaler;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use tessera_core::{Device, Result};
