@@ -3,12 +3,12 @@
 //! lists) and writing one file.
 
 use crate::error::{Error, Result};
-use memmap2::Mmap;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
+use tessera::file::Mmap;
 use tessera::{bf16, f16, DType, Device, Tensor};
 
 /// The single weights file Hugging Face writes for small models.
@@ -46,11 +46,7 @@ pub(crate) fn read(path: &Path) -> Result<Vec<u8>> {
 /// Maps a weights file into memory, read-only, naming it when it is missing.
 fn map(path: &Path) -> Result<Mmap> {
     let file = fs::File::open(path).map_err(|e| file_err(path, format!("cannot read it: {e}")))?;
-    // SAFETY: the file is opened read-only and only read through
-    // bounds-checked slices of the map. Another process truncating it while
-    // it is mapped would fault: the contract of any mapped file, as with the
-    // memory-mapped loaders the field uses for safetensors.
-    unsafe { Mmap::map(&file) }.map_err(|e| file_err(path, format!("cannot memory-map it: {e}")))
+    tessera::file::map_read_only(&file).map_err(|e| file_err(path, format!("cannot memory-map it: {e}")))
 }
 
 impl Weights {

@@ -1,6 +1,8 @@
 //! Writing files so that a crash, a full disk or a concurrent reader never
-//! sees half of one.
+//! sees half of one, and mapping the files Tessera reads in place (token
+//! shards, checkpoint rank files, Hugging Face weights).
 
+pub use memmap2::Mmap;
 use std::fs::File;
 use std::io::{self, Write};
 use std::path::Path;
@@ -22,6 +24,21 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     tmp.persist(path).map_err(|e| e.error)?;
     sync_dir(dir);
     Ok(())
+}
+
+/// Maps `file` into memory, read-only: its bytes are read from the page
+/// cache as they are touched, and the ranks of one machine share them.
+///
+/// The map must only be read through bounds-checked slices. Tessera never
+/// writes a file it maps (shards are final once prepared; checkpoints and
+/// exports are written to a new name and renamed into place), but another
+/// process truncating the file while it is mapped makes a later read fault:
+/// the contract of every mapped file, here in one place.
+pub fn map_read_only(file: &File) -> io::Result<Mmap> {
+    // SAFETY: the map is created from a file opened for reading and handed
+    // out as an immutable `Mmap`; the remaining hazard (a file changed by
+    // someone else under the map) is the documented contract above.
+    unsafe { Mmap::map(file) }
 }
 
 /// Flushes a directory's entries (new names, renames) to the disk. Opening

@@ -16,12 +16,11 @@
 //! truncated or foreign file is reported by name before any training starts.
 
 use super::Tokenizer;
-use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use tessera_core::file::write_atomic;
+use tessera_core::file::{map_read_only, write_atomic, Mmap};
 use tessera_core::{Error, Result};
 
 /// The first eight bytes of every shard.
@@ -396,11 +395,7 @@ impl Shard {
         if len < HEADER_BYTES as u64 {
             return Err(bad(format!("is truncated: {len} bytes, shorter than the {HEADER_BYTES}-byte header")));
         }
-        // SAFETY: the file is opened read-only and shards are never written
-        // after `tessera prepare` finishes; the mapping is only read through
-        // bounds-checked slices. Another process truncating the file while it
-        // is mapped would fault, which is the documented contract of mapped data.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| bad(format!("cannot be memory-mapped ({e})")))?;
+        let map = map_read_only(&file).map_err(|e| bad(format!("cannot be memory-mapped ({e})")))?;
         if map[..8] != MAGIC {
             return Err(bad("is not a Tessera token shard (wrong magic bytes)".into()));
         }

@@ -1,11 +1,10 @@
 //! Bytes, checksums and durable file operations for checkpoints.
 
-use memmap2::Mmap;
 use std::fs::{self, File};
 use std::hash::Hasher;
 use std::io::Write;
 use std::path::Path;
-use tessera_core::file::write_atomic;
+use tessera_core::file::{map_read_only, write_atomic, Mmap};
 use tessera_core::tensor::{with_elem, DType, Tensor};
 use tessera_core::Device;
 use tessera_core::{Error, Result};
@@ -105,12 +104,7 @@ impl RankFile {
     /// Maps and parses `path`; the tensors' bytes are not looked at.
     pub fn open(path: &Path) -> Result<RankFile> {
         let file = File::open(path).map_err(|e| io_err(path, "cannot read (missing or unreadable; the checkpoint is incomplete)", e))?;
-        // SAFETY: the file is opened read-only and only read through
-        // bounds-checked slices. Checkpoint files are never written in place
-        // (a save writes a new directory and renames it), so no writer of
-        // Tessera's changes a mapped file; another process truncating it
-        // would fault, the contract of any mapped file.
-        let bytes = unsafe { Mmap::map(&file) }.map_err(|e| io_err(path, "cannot memory-map the file", e))?;
+        let bytes = map_read_only(&file).map_err(|e| io_err(path, "cannot memory-map the file", e))?;
         let (header, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| Error::CheckpointCorrupt {
             file: path.display().to_string(),
             tensor: "(header)".into(),

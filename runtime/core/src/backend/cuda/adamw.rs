@@ -2,11 +2,10 @@
 
 use super::args::Grid;
 use super::device::CudaDevice;
-use super::launch::config;
+use super::launch::{check_arguments, config, Value};
 pub(crate) use super::AdamWSlot;
 use crate::error::{Error, Result};
 use cudarc::driver::{DeviceRepr, PushKernelArg};
-use tessera_kernels::cuda::signature::Param;
 
 /// The kernel's `AdamWHyper`, field for field.
 #[repr(C)]
@@ -64,14 +63,13 @@ fn entry(slot: &AdamWSlot) -> Entry {
 /// launch is queued; the work runs in compute-stream order.
 pub(crate) fn adamw_f32(device: &CudaDevice, slots: &[AdamWSlot]) -> Result<()> {
     let kernel = device.kernel("adamw", "adamw_f32")?;
-    // The kernel's one parameter is the table's device pointer.
-    if kernel.params[..] != [Param::B64] {
-        return Err(Error::Cuda {
-            ordinal: device.ordinal(),
-            op: "launching the AdamW step",
-            detail: format!("`adamw_f32` declares {:?}; expected one pointer", kernel.params),
-        });
-    }
+    // The kernel's one parameter is the table's device pointer (its value
+    // is known only per chunk; the check is of the kind).
+    check_arguments(&kernel.params, &[Value::U64(0)]).map_err(|detail| Error::Cuda {
+        ordinal: device.ordinal(),
+        op: "launching the AdamW step",
+        detail: format!("`adamw_f32`: {detail}"),
+    })?;
     let f = &kernel.function;
     let stream = device.compute_stream();
     for chunk in slots.chunks(MAX_TENSORS) {
