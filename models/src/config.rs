@@ -1,49 +1,62 @@
-//! Reading and writing Hugging Face `config.json` files field by field, so
-//! that a field of the wrong type is reported by name, fields absent from the
-//! file take Hugging Face's defaults, and fields the model does not use are
-//! kept and written back unchanged.
+//! What the Hugging Face `config.json` readers and writers share. Each
+//! config's fields are read and written by a serde derive (on a private
+//! struct that mirrors the config, see `gpt2/config.rs`); this module adds
+//! what the derive does not do: null read as absent, the field of the wrong
+//! type named in the error, and fields the model does not use written back
+//! without overriding the config's own.
 
 use crate::error::{Error, Result};
+use crate::hf::HfConfig;
 use serde::de::DeserializeOwned;
-use serde::Serialize;
+use serde::Serializer;
 use serde_json::{Map, Value};
+use serde_path_to_error::Segment;
 
-/// The fields of one `config.json` object.
-pub(crate) struct Fields<'a> {
-    map: &'a Map<String, Value>,
+/// The deserialiser a config's derive reads from: the file's object, with
+/// the path to the value being read tracked so that an error can name it.
+pub(crate) type Tracked<'t> = serde_path_to_error::Deserializer<'t, 't, &'t Value>;
+
+/// Reads a config from its `config.json` object with `derived` (the
+/// derive's `deserialize`), whose fields are `known`. Fields absent or null
+/// take the derive's defaults; every other key is kept by the derive (in `extra`).
+pub(crate) fn read<T>(value: &Value, known: &[&str], derived: impl FnOnce(Tracked<'_>) -> serde_json::Result<T>) -> Result<T> {
+    let Value::Object(map) = value else {
+        return Err(Error::config("(top level)", format!("a config is a JSON object of fields, got {}", kind(value))));
+    };
+    // Hugging Face writes null for a field left at its default (`n_inner`,
+    // `head_dim`, ...); a derive would refuse null for a number. Nulls of
+    // fields the model does not use are kept, to be written back.
+    let given: Map<String, Value> = map.iter().filter(|(k, v)| !(v.is_null() && known.contains(&k.as_str()))).map(|(k, v)| (k.clone(), v.clone())).collect();
+    tracked(Value::Object(given), derived)
 }
 
-impl<'a> Fields<'a> {
-    /// The fields of `value`, which must be a JSON object.
-    pub fn of(value: &'a Value) -> Result<Fields<'a>> {
-        match value {
-            Value::Object(map) => Ok(Fields { map }),
-            other => Err(Error::config("(top level)", format!("a config is a JSON object of fields, got {}", kind(other)))),
+/// Reads the fields of `extra` that a config checks, a struct whose fields
+/// are all `Option`s (absent and null both read as `None`).
+pub(crate) fn read_extra<T: DeserializeOwned>(extra: &Map<String, Value>) -> Result<T> {
+    tracked(Value::Object(extra.clone()), |d| T::deserialize(d))
+}
+
+/// Runs `derived` on `value`; an error names the field it failed on and
+/// says what that field held.
+fn tracked<T>(value: Value, derived: impl FnOnce(Tracked<'_>) -> serde_json::Result<T>) -> Result<T> {
+    let mut track = serde_path_to_error::Track::new();
+    derived(serde_path_to_error::Deserializer::new(&value, &mut track)).map_err(|e| {
+        let path = track.path();
+        let field = if path.iter().len() == 0 { "(top level)".to_string() } else { path.to_string() };
+        match at(&value, &path) {
+            Some(v) => Error::config(field, format!("cannot read {}: {e}", kind(v))),
+            None => Error::config(field, e.to_string()),
         }
-    }
+    })
+}
 
-    /// The fields of `map`.
-    pub fn new(map: &'a Map<String, Value>) -> Fields<'a> {
-        Fields { map }
-    }
-
-    /// Field `name`, or `default` when it is absent or null.
-    pub fn get<T: DeserializeOwned>(&self, name: &str, default: T) -> Result<T> {
-        Ok(self.opt(name)?.unwrap_or(default))
-    }
-
-    /// Field `name`, `None` when it is absent or null.
-    pub fn opt<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>> {
-        match self.map.get(name) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => serde_json::from_value(v.clone()).map(Some).map_err(|e| Error::config(name, format!("cannot read {}: {e}", kind(v)))),
-        }
-    }
-
-    /// Every field not in `known`, to be written back as it was read.
-    pub fn rest(&self, known: &[&str]) -> Map<String, Value> {
-        self.map.iter().filter(|(k, _)| !known.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect()
-    }
+/// The value at `path` in `value`, for the error message.
+fn at<'v>(value: &'v Value, path: &serde_path_to_error::Path) -> Option<&'v Value> {
+    path.iter().try_fold(value, |v, segment| match segment {
+        Segment::Map { key } => v.get(key),
+        Segment::Seq { index } => v.get(index),
+        _ => None,
+    })
 }
 
 /// What a JSON value is, for messages.
@@ -58,30 +71,17 @@ fn kind(v: &Value) -> String {
     }
 }
 
-/// Builds a `config.json` object: the model's fields, then the kept ones.
-pub(crate) struct Writer {
-    map: Map<String, Value>,
+/// Writes the kept fields of a config of type `C` (its derive's
+/// `serialize_with` for `extra`), less any that `C` writes itself: a config
+/// built in code may repeat one in `extra`, and the field is what the model uses.
+pub(crate) fn write_extra<C: HfConfig, S: Serializer>(extra: &Map<String, Value>, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.collect_map(extra.iter().filter(|(k, _)| !C::FIELDS.contains(&k.as_str())))
 }
 
-impl Writer {
-    pub fn new() -> Writer {
-        Writer { map: Map::new() }
-    }
-
-    /// Sets field `name`.
-    pub fn set(mut self, name: &str, value: impl Serialize) -> Writer {
-        let v = serde_json::to_value(value).expect("config values are plain data");
-        self.map.insert(name.to_string(), v);
-        self
-    }
-
-    /// Adds the fields of `rest` that are not set already.
-    pub fn keep(mut self, rest: &Map<String, Value>) -> Value {
-        for (k, v) in rest {
-            self.map.entry(k.clone()).or_insert_with(|| v.clone());
-        }
-        Value::Object(self.map)
-    }
+/// Whether `config.json` gives field `name` (present and not null), for
+/// defaults that depend on other fields.
+pub(crate) fn given(value: &Value, name: &str) -> bool {
+    value.get(name).is_some_and(|v| !v.is_null())
 }
 
 /// The fields every Hugging Face config carries that name its class, for a
@@ -119,7 +119,8 @@ pub(crate) fn positive_real(field: &str, value: f64) -> Result<()> {
 }
 
 /// Implements serde's traits for a config through its `from_json` and
-/// `to_json`, so every deserialisation reports bad fields by name.
+/// `to_json`, so every deserialisation reads nulls as absent, fills the
+/// dependent defaults, validates and reports bad fields by name.
 macro_rules! serde_via_json {
     ($t:ty) => {
         impl serde::Serialize for $t {

@@ -22,6 +22,19 @@ pub enum Error {
         detail: String,
     },
 
+    /// A file or directory could not be read or written: the operating
+    /// system's error is the source (and ends the message).
+    #[error("`{path}`: {doing}: {source}")]
+    Io {
+        /// The file or directory.
+        path: String,
+        /// What was being done (`cannot read it`).
+        doing: &'static str,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+
     /// The checkpoint lacks a tensor the model needs.
     #[error("checkpoint `{path}` has no tensor `{tensor}` (parameter `{param}` is stored there); the checkpoint is incomplete or belongs to another model")]
     MissingTensor {

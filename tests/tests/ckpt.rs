@@ -165,7 +165,10 @@ fn a_corrupt_file_is_named_and_skipped() {
     // A missing rank file is named too.
     std::fs::remove_file(ckpt.step_dir(1).join("pp0-tp0.safetensors")).unwrap();
     let err = ckpt.load(&ckpt.step_dir(1), &fresh_model, None, &cx).unwrap_err();
-    assert!(matches!(&err, Error::Checkpoint { path, .. } if path.ends_with("pp0-tp0.safetensors")), "{err}");
+    assert!(
+        matches!(&err, Error::CheckpointIo { path, source, .. } if path.ends_with("pp0-tp0.safetensors") && source.kind() == std::io::ErrorKind::NotFound),
+        "{err}"
+    );
     assert_eq!(ckpt.latest_valid().unwrap(), None);
     let _ = std::fs::remove_dir_all(&root);
 }

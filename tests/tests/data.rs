@@ -150,7 +150,9 @@ fn a_damaged_shard_is_reported_by_name() {
     let data = Dataset::open(&dir).unwrap();
     assert!(matches!(data.tokens(1, 0, 2), Err(Error::DataFile { path, .. }) if path.ends_with("shard-00001.bin")));
     std::fs::remove_file(dir.join("index.json")).unwrap();
-    assert!(matches!(Dataset::open(&dir), Err(Error::DataFile { path, .. }) if path.ends_with("index.json")));
+    assert!(
+        matches!(Dataset::open(&dir), Err(Error::DataFileIo { path, source, .. }) if path.ends_with("index.json") && source.kind() == std::io::ErrorKind::NotFound)
+    );
 }
 
 /// A dataset whose token at global stream position `p` is `p` itself, so a

@@ -1,7 +1,8 @@
 //! GPT-2's Hugging Face configuration (`GPT2Config`).
 
-use crate::config::{check_model_type, identity, positive, positive_real, serde_via_json, Fields, Writer};
+use crate::config::{self, check_model_type, identity, positive, positive_real, serde_via_json};
 use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 /// The fields of a Hugging Face `GPT2Config` that shape the model.
@@ -37,9 +38,43 @@ pub struct Gpt2Config {
     pub extra: Map<String, Value>,
 }
 
-/// The fields [`Gpt2Config`] reads (and the behaviour switches it checks).
+/// The fields of [`Gpt2Config`] (`extra` aside): the keys a training
+/// configuration's `[model]` table may set, and those whose null in
+/// `config.json` means Hugging Face's default. A test checks that they are
+/// the keys [`ConfigJson`] writes.
 pub(crate) const KNOWN: &[&str] =
     &["vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function", "layer_norm_epsilon", "tie_word_embeddings"];
+
+/// How `config.json` spells a [`Gpt2Config`]: serde derives the reading and
+/// writing from it. `remote` makes the derive build and take apart a
+/// `Gpt2Config` (the compiler checks every field is here), while
+/// `Gpt2Config`'s own serde impls go through [`Gpt2Config::from_json`], which
+/// also validates. Fields absent from the file take [`Gpt2Config::default`];
+/// every other key lands in `extra`.
+#[derive(Deserialize, Serialize)]
+#[serde(remote = "Gpt2Config", default = "Gpt2Config::default")]
+struct ConfigJson {
+    vocab_size: usize,
+    n_positions: usize,
+    n_embd: usize,
+    n_layer: usize,
+    n_head: usize,
+    n_inner: Option<usize>,
+    activation_function: String,
+    layer_norm_epsilon: f64,
+    tie_word_embeddings: bool,
+    #[serde(flatten, serialize_with = "config::write_extra::<Gpt2Config, _>")]
+    extra: Map<String, Value>,
+}
+
+/// Switches of Hugging Face's GPT-2 that change the computation, kept in
+/// `extra` and checked (absent or null: Hugging Face's default).
+#[derive(Deserialize)]
+struct Switches {
+    scale_attn_weights: Option<bool>,
+    scale_attn_by_inverse_layer_idx: Option<bool>,
+    add_cross_attention: Option<bool>,
+}
 
 /// Activations that are GELU's tanh approximation under another name.
 const TANH_GELU: &[&str] = &["gelu_new", "gelu_pytorch_tanh", "gelu_fast"];
@@ -105,15 +140,14 @@ impl Gpt2Config {
         }
         positive_real("layer_norm_epsilon", self.layer_norm_epsilon)?;
         check_model_type(&self.extra, "gpt2")?;
-        // Switches of Hugging Face's GPT-2 that change the computation.
-        let f = Fields::new(&self.extra);
-        if !f.get("scale_attn_weights", true)? {
+        let switches: Switches = config::read_extra(&self.extra)?;
+        if !switches.scale_attn_weights.unwrap_or(true) {
             return Err(Error::config("scale_attn_weights", "false is not supported: attention scores are always scaled by 1/sqrt(head_dim)"));
         }
-        if f.get("scale_attn_by_inverse_layer_idx", false)? {
+        if switches.scale_attn_by_inverse_layer_idx.unwrap_or(false) {
             return Err(Error::config("scale_attn_by_inverse_layer_idx", "true is not supported: scores are not scaled by layer index"));
         }
-        if f.get("add_cross_attention", false)? {
+        if switches.add_cross_attention.unwrap_or(false) {
             return Err(Error::config("add_cross_attention", "true is not supported: this GPT-2 is a decoder-only language model"));
         }
         Ok(())
@@ -121,37 +155,14 @@ impl Gpt2Config {
 
     /// Reads a config from its JSON object and validates it.
     pub fn from_json(value: &Value) -> Result<Gpt2Config> {
-        let f = Fields::of(value)?;
-        let d = Gpt2Config::default();
-        let config = Gpt2Config {
-            vocab_size: f.get("vocab_size", d.vocab_size)?,
-            n_positions: f.get("n_positions", d.n_positions)?,
-            n_embd: f.get("n_embd", d.n_embd)?,
-            n_layer: f.get("n_layer", d.n_layer)?,
-            n_head: f.get("n_head", d.n_head)?,
-            n_inner: f.opt("n_inner")?,
-            activation_function: f.get("activation_function", d.activation_function)?,
-            layer_norm_epsilon: f.get("layer_norm_epsilon", d.layer_norm_epsilon)?,
-            tie_word_embeddings: f.get("tie_word_embeddings", d.tie_word_embeddings)?,
-            extra: f.rest(KNOWN),
-        };
+        let config = config::read(value, KNOWN, |d| ConfigJson::deserialize(d))?;
         config.validate()?;
         Ok(config)
     }
 
     /// The config as a `config.json` object.
     pub fn to_json(&self) -> Value {
-        Writer::new()
-            .set("vocab_size", self.vocab_size)
-            .set("n_positions", self.n_positions)
-            .set("n_embd", self.n_embd)
-            .set("n_layer", self.n_layer)
-            .set("n_head", self.n_head)
-            .set("n_inner", self.n_inner)
-            .set("activation_function", &self.activation_function)
-            .set("layer_norm_epsilon", self.layer_norm_epsilon)
-            .set("tie_word_embeddings", self.tie_word_embeddings)
-            .keep(&self.extra)
+        ConfigJson::serialize(self, serde_json::value::Serializer).expect("a config serialises to JSON")
     }
 }
 

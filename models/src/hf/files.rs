@@ -4,11 +4,11 @@
 
 use crate::error::{Error, Result};
 use safetensors::tensor::TensorView;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
-use tessera::file::Mmap;
+use tessera::file::{MappedSafetensors, Mmap};
 use tessera::{bf16, f16, DType, Device, Tensor};
 
 /// The single weights file Hugging Face writes for small models.
@@ -16,12 +16,11 @@ pub(crate) const WEIGHTS: &str = "model.safetensors";
 /// The index of a checkpoint sharded over several files.
 const INDEX: &str = "model.safetensors.index.json";
 
-/// Where one tensor's bytes are.
-struct Entry {
-    file: usize,
-    dtype: Dtype,
-    shape: Vec<usize>,
-    bytes: std::ops::Range<usize>,
+/// One weights file, memory-mapped, its header parsed once by the
+/// safetensors reader (which checks it against the file: offsets in range,
+/// shapes matching sizes).
+fn open_mapped(path: &Path) -> Result<MappedSafetensors> {
+    MappedSafetensors::parse(map(path)?).map_err(|e| file_err(path, format!("not a safetensors file: {e}")))
 }
 
 /// Every tensor of a checkpoint, its files memory-mapped: a tensor's bytes
@@ -30,8 +29,14 @@ struct Entry {
 pub(crate) struct Weights {
     /// The weights file or the index, for messages.
     path: PathBuf,
-    files: Vec<Mmap>,
-    entries: BTreeMap<String, Entry>,
+    files: Vec<MappedSafetensors>,
+    /// Each tensor's file (an index into `files`).
+    entries: BTreeMap<String, usize>,
+}
+
+/// An I/O error on `path`, struck while `doing`.
+pub(crate) fn io_err(path: &Path, doing: &'static str, source: std::io::Error) -> Error {
+    Error::Io { path: path.display().to_string(), doing, source }
 }
 
 fn file_err(path: &Path, detail: impl Into<String>) -> Error {
@@ -40,13 +45,13 @@ fn file_err(path: &Path, detail: impl Into<String>) -> Error {
 
 /// Reads a whole file, naming it when it is missing.
 pub(crate) fn read(path: &Path) -> Result<Vec<u8>> {
-    fs::read(path).map_err(|e| file_err(path, format!("cannot read it: {e}")))
+    fs::read(path).map_err(|e| io_err(path, "cannot read it", e))
 }
 
 /// Maps a weights file into memory, read-only, naming it when it is missing.
 fn map(path: &Path) -> Result<Mmap> {
-    let file = fs::File::open(path).map_err(|e| file_err(path, format!("cannot read it: {e}")))?;
-    tessera::file::map_read_only(&file).map_err(|e| file_err(path, format!("cannot memory-map it: {e}")))
+    let file = fs::File::open(path).map_err(|e| io_err(path, "cannot read it", e))?;
+    tessera::file::map_read_only(&file).map_err(|e| io_err(path, "cannot memory-map it", e))
 }
 
 impl Weights {
@@ -75,23 +80,18 @@ impl Weights {
 
     /// Maps `path` and records its tensors (only `listed` ones, for a shard of an index).
     fn add_file(&mut self, path: &Path, listed: Option<&[String]>) -> Result<()> {
-        let bytes = map(path)?;
-        // Deserialising checks the header against the file: offsets in range, shapes consistent.
-        SafeTensors::deserialize(&bytes).map_err(|e| file_err(path, format!("not a safetensors file: {e}")))?;
-        let (header, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| file_err(path, format!("not a safetensors file: {e}")))?;
-        let start = 8 + header;
+        let mapped = open_mapped(path)?;
         let file = self.files.len();
-        for (name, info) in metadata.tensors() {
-            if listed.is_some_and(|l| !l.contains(&name)) {
+        for name in mapped.reader().names() {
+            if listed.is_some_and(|l| !l.iter().any(|t| t == name)) {
                 continue;
             }
-            let (a, b) = info.data_offsets;
-            self.entries.insert(name, Entry { file, dtype: info.dtype, shape: info.shape.clone(), bytes: start + a..start + b });
+            self.entries.insert(name.to_string(), file);
         }
         if let Some(missing) = listed.and_then(|l| l.iter().find(|t| !self.entries.contains_key(*t))) {
             return Err(file_err(path, format!("the index places tensor `{missing}` in this file, which lacks it")));
         }
-        self.files.push(bytes);
+        self.files.push(mapped);
         Ok(())
     }
 
@@ -112,22 +112,28 @@ impl Weights {
 
     /// Checks that tensor `name` has `shape` and a dtype [`read`](Self::read) converts.
     pub fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
-        let e = self.entries.get(name).ok_or_else(|| file_err(&self.path, format!("has no tensor `{name}`")))?;
-        if e.shape != shape {
-            return Err(Error::TensorShape { path: self.path(), tensor: name.into(), expected: shape.to_vec(), got: e.shape.clone() });
+        self.checked(name, shape).map(drop)
+    }
+
+    /// Tensor `name` as its file holds it, checked as [`check`](Self::check) does.
+    fn checked(&self, name: &str, shape: &[usize]) -> Result<TensorView<'_>> {
+        let missing = || file_err(&self.path, format!("has no tensor `{name}`"));
+        let file = self.entries.get(name).and_then(|&f| self.files.get(f)).ok_or_else(missing)?;
+        let view = file.reader().tensor(name).map_err(|_| missing())?;
+        if view.shape() != shape {
+            return Err(Error::TensorShape { path: self.path(), tensor: name.into(), expected: shape.to_vec(), got: view.shape().to_vec() });
         }
-        match e.dtype {
-            Dtype::F32 | Dtype::F16 | Dtype::BF16 => Ok(()),
+        match view.dtype() {
+            Dtype::F32 | Dtype::F16 | Dtype::BF16 => Ok(view),
             other => Err(Error::TensorDtype { path: self.path(), tensor: name.into(), dtype: format!("{other:?}") }),
         }
     }
 
     /// Tensor `name`, checked to have `shape`, converted to `dtype` on `device`.
     pub fn read(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
-        self.check(name, shape)?;
-        let e = &self.entries[name];
-        let bytes = &self.files[e.file][e.bytes.clone()];
-        let stored = match e.dtype {
+        let view = self.checked(name, shape)?;
+        let bytes = view.data();
+        let stored = match view.dtype() {
             Dtype::F32 => Tensor::from_vec(decode(bytes, f32::from_le_bytes), shape, device)?,
             Dtype::F16 => Tensor::from_vec(decode(bytes, |b| f16::from_bits(u16::from_le_bytes(b))), shape, device)?,
             Dtype::BF16 => Tensor::from_vec(decode(bytes, |b| bf16::from_bits(u16::from_le_bytes(b))), shape, device)?,
@@ -164,5 +170,5 @@ pub(crate) fn write(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
 /// or a crash never leaves a truncated file behind (see
 /// [`write_atomic`](tessera::file::write_atomic)).
 pub(crate) fn replace_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    tessera::file::write_atomic(path, bytes).map_err(|e| file_err(path, format!("cannot write it (check free space and permissions): {e}")))
+    tessera::file::write_atomic(path, bytes).map_err(|e| io_err(path, "cannot write it (check free space and permissions)", e))
 }

@@ -268,7 +268,7 @@ pub fn save_pretrained<M: HfModel>(model: &M, config: &M::Config, dir: impl AsRe
         let value = p.param.value()?.to_dtype(DType::F32)?;
         tensors.extend(hf.tensors.into_iter().zip(hf.conversion.export(&value)?));
     }
-    std::fs::create_dir_all(dir).map_err(|e| Error::File { path: dir.display().to_string(), detail: format!("cannot create the directory: {e}") })?;
+    std::fs::create_dir_all(dir).map_err(|e| files::io_err(dir, "cannot create the directory", e))?;
     files::write(&dir.join(files::WEIGHTS), &tensors)?;
     let mut json = serde_json::to_string_pretty(&config.to_json()).expect("a JSON value serialises");
     json.push('\n');

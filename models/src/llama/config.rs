@@ -1,8 +1,9 @@
 //! Llama's Hugging Face configuration (`LlamaConfig`), and the attention and
 //! rotary-embedding fields Mixtral shares with it.
 
-use crate::config::{check_model_type, identity, positive, positive_real, serde_via_json, Fields, Writer};
+use crate::config::{self, check_model_type, identity, positive, positive_real, serde_via_json};
 use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 /// The fields of a Hugging Face `LlamaConfig` that shape the model.
@@ -42,6 +43,10 @@ pub struct LlamaConfig {
     pub extra: Map<String, Value>,
 }
 
+/// The fields of [`LlamaConfig`] (`extra` aside): the keys a training
+/// configuration's `[model]` table may set, and those whose null in
+/// `config.json` means Hugging Face's default. A test checks that they are
+/// the keys [`ConfigJson`] writes.
 pub(crate) const KNOWN: &[&str] = &[
     "vocab_size",
     "hidden_size",
@@ -56,6 +61,38 @@ pub(crate) const KNOWN: &[&str] = &[
     "rope_theta",
     "tie_word_embeddings",
 ];
+
+/// How `config.json` spells a [`LlamaConfig`]: serde derives the reading and
+/// writing from it (see `gpt2/config.rs` for why through `remote`). Fields
+/// absent from the file take [`LlamaConfig::default`], and
+/// [`LlamaConfig::from_json`] applies the defaults that depend on other
+/// fields; every other key lands in `extra`.
+#[derive(Deserialize, Serialize)]
+#[serde(remote = "LlamaConfig", default = "LlamaConfig::default")]
+struct ConfigJson {
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: usize,
+    head_dim: usize,
+    hidden_act: String,
+    max_position_embeddings: usize,
+    rms_norm_eps: f64,
+    rope_theta: f64,
+    tie_word_embeddings: bool,
+    #[serde(flatten, serialize_with = "config::write_extra::<LlamaConfig, _>")]
+    extra: Map<String, Value>,
+}
+
+/// Switches of Hugging Face's Llama that add biases, kept in `extra` and
+/// checked (absent or null: none).
+#[derive(Deserialize)]
+struct Biases {
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+}
 
 impl Default for LlamaConfig {
     /// Hugging Face's defaults: Llama 2 7B.
@@ -107,9 +144,9 @@ impl LlamaConfig {
         check_silu(&self.hidden_act)?;
         positive_real("rms_norm_eps", self.rms_norm_eps)?;
         check_model_type(&self.extra, "llama")?;
-        let f = Fields::new(&self.extra);
-        for field in ["attention_bias", "mlp_bias"] {
-            if f.get(field, false)? {
+        let biases: Biases = config::read_extra(&self.extra)?;
+        for (field, bias) in [("attention_bias", biases.attention_bias), ("mlp_bias", biases.mlp_bias)] {
+            if bias.unwrap_or(false) {
                 return Err(Error::config(field, "true is not supported: Llama's projections have no bias here"));
             }
         }
@@ -131,47 +168,54 @@ impl LlamaConfig {
 
     /// Reads a config from its JSON object and validates it.
     pub fn from_json(value: &Value) -> Result<LlamaConfig> {
-        let f = Fields::of(value)?;
-        let d = LlamaConfig::default();
-        let (heads, kv_heads, head_dim) = read_heads(&f, d.hidden_size, d.num_attention_heads, None)?;
-        let config = LlamaConfig {
-            vocab_size: f.get("vocab_size", d.vocab_size)?,
-            hidden_size: f.get("hidden_size", d.hidden_size)?,
-            intermediate_size: f.get("intermediate_size", d.intermediate_size)?,
-            num_hidden_layers: f.get("num_hidden_layers", d.num_hidden_layers)?,
-            num_attention_heads: heads,
-            num_key_value_heads: kv_heads,
-            head_dim,
-            hidden_act: f.get("hidden_act", d.hidden_act)?,
-            max_position_embeddings: f.get("max_position_embeddings", d.max_position_embeddings)?,
-            rms_norm_eps: f.get("rms_norm_eps", d.rms_norm_eps)?,
-            rope_theta: read_rope_theta(&f, d.rope_theta)?,
-            tie_word_embeddings: f.get("tie_word_embeddings", d.tie_word_embeddings)?,
-            extra: f.rest(KNOWN),
-        };
+        let value = lift_rope_theta(value)?;
+        let mut config = config::read(&value, KNOWN, |d| ConfigJson::deserialize(d))?;
+        // Hugging Face's defaults that depend on other fields.
+        if !config::given(&value, "num_key_value_heads") {
+            config.num_key_value_heads = config.num_attention_heads;
+        }
+        if !config::given(&value, "head_dim") {
+            config.head_dim = default_head_dim(config.hidden_size, config.num_attention_heads)?;
+        }
         config.validate()?;
         Ok(config)
     }
 
     /// The config as a `config.json` object.
     pub fn to_json(&self) -> Value {
-        let w = Writer::new()
-            .set("vocab_size", self.vocab_size)
-            .set("hidden_size", self.hidden_size)
-            .set("intermediate_size", self.intermediate_size)
-            .set("num_hidden_layers", self.num_hidden_layers)
-            .set("num_attention_heads", self.num_attention_heads)
-            .set("num_key_value_heads", self.num_key_value_heads)
-            .set("head_dim", self.head_dim)
-            .set("hidden_act", &self.hidden_act)
-            .set("max_position_embeddings", self.max_position_embeddings)
-            .set("rms_norm_eps", self.rms_norm_eps)
-            .set("tie_word_embeddings", self.tie_word_embeddings);
-        write_rope_theta(w, self.rope_theta, &self.extra).keep(&self.extra)
+        let json = ConfigJson::serialize(self, serde_json::value::Serializer).expect("a config serialises to JSON");
+        nest_rope_theta(json)
     }
 }
 
 serde_via_json!(LlamaConfig);
+
+/// The attention and RoPE fields of `extra` that Llama and Mixtral check
+/// (absent or null: Hugging Face's default).
+#[derive(Deserialize)]
+struct AttentionFields {
+    rope_parameters: Option<RopeParameters>,
+    rope_scaling: Option<RopeScaling>,
+    attention_dropout: Option<f64>,
+}
+
+/// `rope_parameters`, where newer files write the RoPE base and type.
+/// (`expecting`: an error says what the file needs, not this type's name.)
+#[derive(Deserialize)]
+#[serde(expecting = "a map")]
+struct RopeParameters {
+    rope_theta: Option<f64>,
+    rope_type: Option<String>,
+}
+
+/// `rope_scaling`, where older files name a scaled RoPE (`type` in the oldest).
+#[derive(Deserialize)]
+#[serde(expecting = "a map")]
+struct RopeScaling {
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+}
 
 /// The attention fields Llama and Mixtral share, borrowed from either config.
 pub(crate) struct AttentionConfig<'a> {
@@ -202,15 +246,14 @@ impl AttentionConfig<'_> {
         if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
             return Err(Error::config("rope_theta", format!("must be a finite number above 1 (usually 10000), got {}", self.rope_theta)));
         }
-        let f = Fields::new(self.extra);
-        if let Some(rope) = f.opt::<Map<String, Value>>("rope_parameters")? {
-            check_default_rope("rope_parameters.rope_type", Fields::new(&rope).opt::<String>("rope_type")?)?;
+        let fields: AttentionFields = config::read_extra(self.extra)?;
+        if let Some(rope) = fields.rope_parameters {
+            check_default_rope("rope_parameters.rope_type", rope.rope_type)?;
         }
-        if let Some(scaling) = f.opt::<Map<String, Value>>("rope_scaling")? {
-            let s = Fields::new(&scaling);
-            check_default_rope("rope_scaling", s.opt::<String>("rope_type")?.or(s.opt::<String>("type")?))?;
+        if let Some(scaling) = fields.rope_scaling {
+            check_default_rope("rope_scaling", scaling.rope_type.or(scaling.kind))?;
         }
-        if f.get("attention_dropout", 0.0f64)? != 0.0 {
+        if fields.attention_dropout.unwrap_or(0.0) != 0.0 {
             return Err(Error::config("attention_dropout", "only 0 is supported: attention has no dropout here"));
         }
         Ok(())
@@ -233,45 +276,43 @@ pub(crate) fn check_silu(hidden_act: &str) -> Result<()> {
     Ok(())
 }
 
-/// `(num_attention_heads, num_key_value_heads, head_dim)`, with Hugging
-/// Face's rules for the absent ones: key/value heads default to
-/// `default_kv`, or to one per query head.
-pub(crate) fn read_heads(f: &Fields<'_>, default_hidden: usize, default_heads: usize, default_kv: Option<usize>) -> Result<(usize, usize, usize)> {
-    let hidden: usize = f.get("hidden_size", default_hidden)?;
-    let heads: usize = f.get("num_attention_heads", default_heads)?;
-    let kv_heads = f.get("num_key_value_heads", default_kv.unwrap_or(heads))?;
-    let head_dim = match f.opt("head_dim")? {
-        Some(d) => d,
-        None if heads > 0 && hidden.is_multiple_of(heads) => hidden / heads,
-        None => {
-            return Err(Error::config(
-                "num_attention_heads",
-                format!("{heads} heads do not divide hidden_size = {hidden}; give `head_dim` or a head count that divides the width"),
-            ))
-        }
-    };
-    Ok((heads, kv_heads, head_dim))
+/// Hugging Face's `head_dim` for a file that gives none: the width split over the heads.
+pub(crate) fn default_head_dim(hidden: usize, heads: usize) -> Result<usize> {
+    if heads > 0 && hidden.is_multiple_of(heads) {
+        return Ok(hidden / heads);
+    }
+    Err(Error::config(
+        "num_attention_heads",
+        format!("{heads} heads do not divide hidden_size = {hidden}; give `head_dim` or a head count that divides the width"),
+    ))
 }
 
-/// The RoPE base: `rope_parameters.rope_theta` (newer files), else `rope_theta`, else `default`.
-pub(crate) fn read_rope_theta(f: &Fields<'_>, default: f64) -> Result<f64> {
-    if let Some(rope) = f.opt::<Map<String, Value>>("rope_parameters")? {
-        if let Some(theta) = Fields::new(&rope).opt("rope_theta").map_err(|_| Error::config("rope_parameters.rope_theta", "must be a number"))? {
-            return Ok(theta);
+/// `value` with the RoPE base as newer files write it,
+/// `rope_parameters.rope_theta`, moved to `rope_theta` for the derive to
+/// read: it takes precedence, and a `rope_theta` beside it is not read.
+pub(crate) fn lift_rope_theta(value: &Value) -> Result<Value> {
+    /// The one field read here.
+    #[derive(Deserialize)]
+    struct Nested {
+        rope_parameters: Option<RopeParameters>,
+    }
+    let mut value = value.clone();
+    // Anything but an object is the derive's to report.
+    if let Value::Object(map) = &mut value {
+        let nested: Nested = config::read_extra(map)?;
+        if let Some(theta) = nested.rope_parameters.and_then(|rope| rope.rope_theta) {
+            map.insert("rope_theta".into(), Value::from(theta));
         }
     }
-    f.get("rope_theta", default)
+    Ok(value)
 }
 
 /// Writes the RoPE base where the file had it: inside `rope_parameters`
 /// when the file has that object, as `rope_theta` otherwise.
-pub(crate) fn write_rope_theta(w: Writer, theta: f64, extra: &Map<String, Value>) -> Writer {
-    match extra.get("rope_parameters") {
-        Some(Value::Object(rope)) => {
-            let mut rope = rope.clone();
-            rope.insert("rope_theta".into(), Value::from(theta));
-            w.set("rope_parameters", rope)
-        }
-        _ => w.set("rope_theta", theta),
+pub(crate) fn nest_rope_theta(mut json: Value) -> Value {
+    if json.get("rope_parameters").is_some_and(Value::is_object) {
+        let theta = json.as_object_mut().and_then(|m| m.remove("rope_theta")).unwrap_or(Value::Null);
+        json["rope_parameters"]["rope_theta"] = theta;
     }
+    json
 }

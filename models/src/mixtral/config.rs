@@ -1,8 +1,9 @@
 //! Mixtral's Hugging Face configuration (`MixtralConfig`).
 
-use crate::config::{check_model_type, identity, positive, positive_real, serde_via_json, Fields, Writer};
+use crate::config::{self, check_model_type, identity, positive, positive_real, serde_via_json};
 use crate::error::{Error, Result};
-use crate::llama::{check_silu, read_heads, read_rope_theta, write_rope_theta, AttentionConfig};
+use crate::llama::{check_silu, default_head_dim, lift_rope_theta, nest_rope_theta, AttentionConfig};
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 /// The fields of a Hugging Face `MixtralConfig` that shape the model: those
@@ -48,6 +49,10 @@ pub struct MixtralConfig {
     pub extra: Map<String, Value>,
 }
 
+/// The fields of [`MixtralConfig`] (`extra` aside): the keys a training
+/// configuration's `[model]` table may set, and those whose null in
+/// `config.json` means Hugging Face's default. A test checks that they are
+/// the keys [`ConfigJson`] writes.
 pub(crate) const KNOWN: &[&str] = &[
     "vocab_size",
     "hidden_size",
@@ -64,6 +69,40 @@ pub(crate) const KNOWN: &[&str] = &[
     "num_local_experts",
     "num_experts_per_tok",
 ];
+
+/// How `config.json` spells a [`MixtralConfig`]: serde derives the reading
+/// and writing from it (see `gpt2/config.rs` for why through `remote`).
+/// Fields absent from the file take [`MixtralConfig::default`], and
+/// [`MixtralConfig::from_json`] applies the default `head_dim`, which
+/// depends on other fields; every other key lands in `extra`.
+#[derive(Deserialize, Serialize)]
+#[serde(remote = "MixtralConfig", default = "MixtralConfig::default")]
+struct ConfigJson {
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: usize,
+    head_dim: usize,
+    hidden_act: String,
+    max_position_embeddings: usize,
+    rms_norm_eps: f64,
+    rope_theta: f64,
+    tie_word_embeddings: bool,
+    num_local_experts: usize,
+    num_experts_per_tok: usize,
+    #[serde(flatten, serialize_with = "config::write_extra::<MixtralConfig, _>")]
+    extra: Map<String, Value>,
+}
+
+/// Fields of Hugging Face's Mixtral that change the computation, kept in
+/// `extra` and checked (absent or null: Hugging Face's default).
+#[derive(Deserialize)]
+struct Switches {
+    router_jitter_noise: Option<f64>,
+    sliding_window: Option<usize>,
+}
 
 impl Default for MixtralConfig {
     /// Hugging Face's defaults: Mixtral 8x7B.
@@ -138,11 +177,11 @@ impl MixtralConfig {
             ));
         }
         check_model_type(&self.extra, "mixtral")?;
-        let f = Fields::new(&self.extra);
-        if f.get("router_jitter_noise", 0.0f64)? != 0.0 {
+        let switches: Switches = config::read_extra(&self.extra)?;
+        if switches.router_jitter_noise.unwrap_or(0.0) != 0.0 {
             return Err(Error::config("router_jitter_noise", "only 0 is supported: the router's input is not perturbed"));
         }
-        if let Some(window) = f.opt::<usize>("sliding_window")? {
+        if let Some(window) = switches.sliding_window {
             if window < self.max_position_embeddings {
                 return Err(Error::config(
                     "sliding_window",
@@ -168,47 +207,21 @@ impl MixtralConfig {
 
     /// Reads a config from its JSON object and validates it.
     pub fn from_json(value: &Value) -> Result<MixtralConfig> {
-        let f = Fields::of(value)?;
-        let d = MixtralConfig::default();
-        let (heads, kv_heads, head_dim) = read_heads(&f, d.hidden_size, d.num_attention_heads, Some(d.num_key_value_heads))?;
-        let config = MixtralConfig {
-            vocab_size: f.get("vocab_size", d.vocab_size)?,
-            hidden_size: f.get("hidden_size", d.hidden_size)?,
-            intermediate_size: f.get("intermediate_size", d.intermediate_size)?,
-            num_hidden_layers: f.get("num_hidden_layers", d.num_hidden_layers)?,
-            num_attention_heads: heads,
-            num_key_value_heads: kv_heads,
-            head_dim,
-            hidden_act: f.get("hidden_act", d.hidden_act)?,
-            max_position_embeddings: f.get("max_position_embeddings", d.max_position_embeddings)?,
-            rms_norm_eps: f.get("rms_norm_eps", d.rms_norm_eps)?,
-            rope_theta: read_rope_theta(&f, d.rope_theta)?,
-            tie_word_embeddings: f.get("tie_word_embeddings", d.tie_word_embeddings)?,
-            num_local_experts: f.get("num_local_experts", d.num_local_experts)?,
-            num_experts_per_tok: f.get("num_experts_per_tok", d.num_experts_per_tok)?,
-            extra: f.rest(KNOWN),
-        };
+        let value = lift_rope_theta(value)?;
+        let mut config = config::read(&value, KNOWN, |d| ConfigJson::deserialize(d))?;
+        // Hugging Face's default that depends on other fields (unlike
+        // Llama's, Mixtral's key/value heads default to a number, 8).
+        if !config::given(&value, "head_dim") {
+            config.head_dim = default_head_dim(config.hidden_size, config.num_attention_heads)?;
+        }
         config.validate()?;
         Ok(config)
     }
 
     /// The config as a `config.json` object.
     pub fn to_json(&self) -> Value {
-        let w = Writer::new()
-            .set("vocab_size", self.vocab_size)
-            .set("hidden_size", self.hidden_size)
-            .set("intermediate_size", self.intermediate_size)
-            .set("num_hidden_layers", self.num_hidden_layers)
-            .set("num_attention_heads", self.num_attention_heads)
-            .set("num_key_value_heads", self.num_key_value_heads)
-            .set("head_dim", self.head_dim)
-            .set("hidden_act", &self.hidden_act)
-            .set("max_position_embeddings", self.max_position_embeddings)
-            .set("rms_norm_eps", self.rms_norm_eps)
-            .set("tie_word_embeddings", self.tie_word_embeddings)
-            .set("num_local_experts", self.num_local_experts)
-            .set("num_experts_per_tok", self.num_experts_per_tok);
-        write_rope_theta(w, self.rope_theta, &self.extra).keep(&self.extra)
+        let json = ConfigJson::serialize(self, serde_json::value::Serializer).expect("a config serialises to JSON");
+        nest_rope_theta(json)
     }
 }
 

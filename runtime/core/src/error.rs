@@ -41,13 +41,169 @@ pub enum Error {
         rhs: String,
     },
 
-    /// A scalar argument is outside the range the operation accepts.
+    /// A value (a size, rate, probability, count or option) is outside the
+    /// range the operation accepts.
     #[error("{op}: invalid argument: {detail}")]
     InvalidArgument {
         /// The operation that refused its input.
         op: &'static str,
         /// What is wrong and how to fix it.
         detail: String,
+    },
+
+    /// A rank, root, peer or mesh coordinate names no member of the group
+    /// or world it is used in (or names the calling rank where another
+    /// rank is needed).
+    #[error("{op}: {detail}")]
+    NoSuchRank {
+        /// The operation that refused its input.
+        op: &'static str,
+        /// Which rank, and the ranks there are.
+        detail: String,
+    },
+
+    /// The ranks cannot be arranged as asked: a mesh that does not parse,
+    /// degrees whose product is not the world, a group with no rank or a
+    /// rank twice, a mesh, world and device list that do not fit together.
+    #[error("{op}: {detail}")]
+    Topology {
+        /// The operation that refused its input.
+        op: &'static str,
+        /// What does not fit and how to fix it.
+        detail: String,
+    },
+
+    /// A size cannot be split over the ranks of a parallel layout (a
+    /// tensor-parallel degree that does not divide a dimension, an
+    /// expert-parallel degree that does not divide the experts).
+    #[error("{op}: {detail}")]
+    Indivisible {
+        /// The operation that refused its input.
+        op: &'static str,
+        /// Which sizes, over how many ranks, and how to fix it.
+        detail: String,
+    },
+
+    /// A pipeline schedule is malformed (the checker found an action out of
+    /// order, a missing computation, a send never received, a deadlock) or
+    /// does not fit the model, ranks or inputs it is run with.
+    #[error("{op}: {detail}")]
+    Schedule {
+        /// The operation that refused the schedule.
+        op: &'static str,
+        /// What is wrong and how to fix it.
+        detail: String,
+    },
+
+    /// A parameter has no value on this rank: the model was not
+    /// materialised, the parameter belongs to another pipeline stage, or a
+    /// sharding engine holds it.
+    #[error("{op}: {detail}")]
+    ParamUnavailable {
+        /// The operation that needed the value.
+        op: &'static str,
+        /// Which parameter, and why it has no value here.
+        detail: String,
+    },
+
+    /// State handed to an object does not belong to it, or comes at a time
+    /// it cannot take it: a backward given another forward's saved state, a
+    /// restore with the wrong number of values, a parameter of another
+    /// model, a restore while gradients are in flight.
+    #[error("{op}: {detail}")]
+    StateMismatch {
+        /// The operation that refused the state.
+        op: &'static str,
+        /// What does not match and how to fix it.
+        detail: String,
+    },
+
+    /// A tensor is not where, or not laid out how, the operation needs it:
+    /// on the host where a device is needed (or on another device), or not
+    /// contiguous.
+    #[error("{op}: {detail}")]
+    Placement {
+        /// The operation that refused its input.
+        op: &'static str,
+        /// Where the tensor is, and where it must be.
+        detail: String,
+    },
+
+    /// A valid request that this build, backend or engine does not carry
+    /// out (a size beyond a kernel's index type, a big-endian host, a check
+    /// that cannot compare what it was given).
+    #[error("{op}: {detail}")]
+    Unsupported {
+        /// The operation that cannot do it.
+        op: &'static str,
+        /// What is not supported and what to do instead.
+        detail: String,
+    },
+
+    /// A value that must be finite is NaN or infinite (a gradient norm, a
+    /// loss): the step is unusable.
+    #[error("{op}: {detail}")]
+    NonFinite {
+        /// The operation that found it.
+        op: &'static str,
+        /// Which value, and what to do.
+        detail: String,
+    },
+
+    /// A rank's thread panicked: its panic message, printed above, is the
+    /// cause.
+    #[error("rank {rank} panicked: {message}")]
+    RankPanicked {
+        /// The world rank whose thread panicked.
+        rank: usize,
+        /// The panic message, if it was a string.
+        message: String,
+    },
+
+    /// A thread the runtime needs could not be started.
+    #[error("cannot start the {what} thread: {source}")]
+    Thread {
+        /// What the thread is for.
+        what: &'static str,
+        /// Why the operating system refused.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// Training stopped improving in a way rollbacks could not cure.
+    #[error("step {step}: {detail}")]
+    Diverged {
+        /// The step at which the run gave up.
+        step: u64,
+        /// What happened and what to change.
+        detail: String,
+    },
+
+    /// The run would not fit in this machine's memory.
+    #[error("{detail}")]
+    InsufficientMemory {
+        /// What the run needs, what there is, and what to change.
+        detail: String,
+    },
+
+    /// The run directory is in use by another job.
+    #[error("the run directory `{dir}` is in use by {holder}; wait for that job to finish or stop it, or give this run another `run.out`")]
+    RunDirInUse {
+        /// The run directory.
+        dir: String,
+        /// The job that holds it.
+        holder: String,
+    },
+
+    /// An error with what the caller was doing when it struck; `source` is
+    /// the error itself (match on [`Error::root`] to see through contexts).
+    #[error("{context}: {source}")]
+    Context {
+        /// What was being done.
+        context: String,
+        /// The error that struck.
+        #[source]
+        source: Box<Error>,
     },
 
     /// An index (token id, target, position) is outside the table it indexes.
@@ -239,6 +395,20 @@ pub enum Error {
         detail: String,
     },
 
+    /// A checkpoint file or directory could not be written or read: the
+    /// operating system's error is the source (its message is repeated, so
+    /// that it survives the trip to other ranks as text).
+    #[error("checkpoint `{path}`: {doing}: {source}")]
+    CheckpointIo {
+        /// The file or directory concerned.
+        path: String,
+        /// What was being done, with a hint at the usual cause.
+        doing: String,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+
     /// A tensor stored in a checkpoint does not match the checksum recorded
     /// for it when it was written: the file was damaged after the write.
     #[error("checkpoint file `{file}`: tensor `{tensor}` is corrupt ({detail}); the file changed after it was written: restore it from a copy, or fall back to the previous checkpoint with `load_latest_valid`")]
@@ -272,13 +442,15 @@ pub enum Error {
     },
 
     /// A file the run writes or reads (metrics, trace, plot, run directory)
-    /// could not be written or read.
-    #[error("`{path}`: {detail}")]
+    /// could not be written or read. The message repeats the operating
+    /// system's, so that it survives the trip to other ranks as text.
+    #[error("`{path}`: {source}")]
     Io {
         /// The file or directory concerned.
         path: String,
-        /// The underlying error.
-        detail: String,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
     },
 
     /// A training configuration is malformed or inconsistent. `key` names
@@ -296,6 +468,21 @@ pub enum Error {
     /// not fit the data, a cursor from another dataset.
     #[error("data: {0}")]
     Data(String),
+
+    /// A data file or directory (text, tokenizer, shard or index) could not
+    /// be read or written: the operating system's error is the source.
+    #[error("data file `{path}`: {doing} ({source}){hint}")]
+    DataFileIo {
+        /// The file or directory concerned.
+        path: String,
+        /// What was being done (`cannot be read`).
+        doing: &'static str,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+        /// Advice appended to the message (starting with `; `), or empty.
+        hint: String,
+    },
 
     /// A data file (text, tokenizer, shard or index) is missing, unreadable,
     /// truncated or malformed. `path` names it.
@@ -319,13 +506,46 @@ fn format_advice(found: Option<u32>, supported: u32) -> String {
     }
 }
 
+/// The message of a caught panic: its payload when that is a string (as
+/// `panic!` makes it), else a placeholder.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
+        (Some(s), _) => s.to_string(),
+        (_, Some(s)) => s.clone(),
+        _ => "(a panic without a message; see the output above)".to_string(),
+    }
+}
+
 /// Result with the runtime's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     /// An [`Error::Io`] on `path`.
-    pub fn io(path: &std::path::Path, e: impl std::fmt::Display) -> Self {
-        Error::Io { path: path.display().to_string(), detail: e.to_string() }
+    pub fn io(path: &std::path::Path, source: std::io::Error) -> Self {
+        Error::Io { path: path.display().to_string(), source }
+    }
+
+    /// An [`Error::CheckpointIo`] on `path`, struck while `doing`.
+    pub fn checkpoint_io(path: &std::path::Path, doing: impl Into<String>, source: std::io::Error) -> Self {
+        Error::CheckpointIo { path: path.display().to_string(), doing: doing.into(), source }
+    }
+
+    /// An [`Error::Checkpoint`] on `path`.
+    pub fn checkpoint(path: &std::path::Path, detail: impl Into<String>) -> Self {
+        Error::Checkpoint { path: path.display().to_string(), detail: detail.into() }
+    }
+
+    /// This error with what the caller was doing: an [`Error::Context`].
+    pub fn context(self, context: impl Into<String>) -> Self {
+        Error::Context { context: context.into(), source: Box::new(self) }
+    }
+
+    /// The error under any [`Error::Context`] layers: what to match on.
+    pub fn root(&self) -> &Error {
+        match self {
+            Error::Context { source, .. } => source.root(),
+            e => e,
+        }
     }
 
     /// An [`Error::Config`] for `key`.
@@ -343,8 +563,58 @@ impl Error {
         Error::DataFile { path: path.display().to_string(), detail: detail.into() }
     }
 
+    /// An [`Error::DataFileIo`] for `path`; `hint`, if not empty, starts with `; `.
+    pub fn data_file_io(path: &std::path::Path, doing: &'static str, source: std::io::Error, hint: impl Into<String>) -> Self {
+        Error::DataFileIo { path: path.display().to_string(), doing, source, hint: hint.into() }
+    }
+
     /// An [`Error::InvalidArgument`] of operation `op`.
     pub fn invalid(op: &'static str, detail: impl Into<String>) -> Self {
         Error::InvalidArgument { op, detail: detail.into() }
+    }
+
+    /// An [`Error::NoSuchRank`] of operation `op`.
+    pub fn no_such_rank(op: &'static str, detail: impl Into<String>) -> Self {
+        Error::NoSuchRank { op, detail: detail.into() }
+    }
+
+    /// An [`Error::Topology`] of operation `op`.
+    pub fn topology(op: &'static str, detail: impl Into<String>) -> Self {
+        Error::Topology { op, detail: detail.into() }
+    }
+
+    /// An [`Error::Indivisible`] of operation `op`.
+    pub fn indivisible(op: &'static str, detail: impl Into<String>) -> Self {
+        Error::Indivisible { op, detail: detail.into() }
+    }
+
+    /// An [`Error::Schedule`] of operation `op`.
+    pub fn schedule(op: &'static str, detail: impl Into<String>) -> Self {
+        Error::Schedule { op, detail: detail.into() }
+    }
+
+    /// An [`Error::ParamUnavailable`] of operation `op`.
+    pub fn param_unavailable(op: &'static str, detail: impl Into<String>) -> Self {
+        Error::ParamUnavailable { op, detail: detail.into() }
+    }
+
+    /// An [`Error::StateMismatch`] of operation `op`.
+    pub fn state_mismatch(op: &'static str, detail: impl Into<String>) -> Self {
+        Error::StateMismatch { op, detail: detail.into() }
+    }
+
+    /// An [`Error::Placement`] of operation `op`.
+    pub fn placement(op: &'static str, detail: impl Into<String>) -> Self {
+        Error::Placement { op, detail: detail.into() }
+    }
+
+    /// An [`Error::Unsupported`] of operation `op`.
+    pub fn unsupported(op: &'static str, detail: impl Into<String>) -> Self {
+        Error::Unsupported { op, detail: detail.into() }
+    }
+
+    /// An [`Error::NonFinite`] of operation `op`.
+    pub fn non_finite(op: &'static str, detail: impl Into<String>) -> Self {
+        Error::NonFinite { op, detail: detail.into() }
     }
 }

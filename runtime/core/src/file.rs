@@ -1,8 +1,10 @@
 //! Writing files so that a crash, a full disk or a concurrent reader never
 //! sees half of one, and mapping the files Tessera reads in place (token
-//! shards, checkpoint rank files, Hugging Face weights).
+//! shards, checkpoint rank files, Hugging Face weights; the last two through
+//! [`MappedSafetensors`]).
 
 pub use memmap2::Mmap;
+use safetensors::SafeTensors;
 use std::fs::File;
 use std::io::{self, Write};
 use std::path::Path;
@@ -39,6 +41,37 @@ pub fn map_read_only(file: &File) -> io::Result<Mmap> {
     // out as an immutable `Mmap`; the remaining hazard (a file changed by
     // someone else under the map) is the documented contract above.
     unsafe { Mmap::map(file) }
+}
+
+self_cell::self_cell!(
+    /// A safetensors file mapped into memory with its header parsed once: the
+    /// `safetensors` crate's reader borrowing the map this value owns, so one
+    /// value can be kept (in a cache of open files, in a model's weights) and
+    /// read tensor by tensor. The crate checks the header against the file
+    /// (offsets in range, shapes matching sizes); no offset is computed here.
+    pub struct MappedSafetensors {
+        owner: Mmap,
+        #[covariant]
+        dependent: SafeTensors,
+    }
+);
+
+impl MappedSafetensors {
+    /// Parses the header of the mapped file `map`.
+    pub fn parse(map: Mmap) -> Result<Self, safetensors::SafeTensorError> {
+        MappedSafetensors::try_new(map, |bytes| SafeTensors::deserialize(bytes))
+    }
+
+    /// The reader: names, and each tensor's view (dtype, shape, bytes).
+    pub fn reader(&self) -> &SafeTensors<'_> {
+        self.borrow_dependent()
+    }
+}
+
+impl std::fmt::Debug for MappedSafetensors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedSafetensors").field("bytes", &self.borrow_owner().len()).field("tensors", &self.reader().len()).finish()
+    }
 }
 
 /// Flushes a directory's entries (new names, renames) to the disk. Opening
@@ -79,6 +112,32 @@ mod tests {
         let mut names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
         names.sort();
         assert_eq!(names, ["blocked", "out.json"], "a temporary file was left behind");
+    }
+
+    #[test]
+    fn a_mapped_safetensors_file_reads_its_tensors_wherever_it_is_moved() {
+        use safetensors::tensor::{serialize, Dtype, TensorView};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        let a: Vec<u8> = (0..24).collect();
+        let b: Vec<u8> = vec![9; 4];
+        let views = [("a", TensorView::new(Dtype::F32, vec![2, 3], &a).unwrap()), ("b", TensorView::new(Dtype::U8, vec![4], &b).unwrap())];
+        let bytes = serialize(views, None).unwrap();
+        std::fs::write(&path, &bytes).unwrap();
+        // Moved into a collection after parsing, as the caches of open files are.
+        let files: Vec<MappedSafetensors> = (0..2).map(|_| MappedSafetensors::parse(map_read_only(&File::open(&path).unwrap()).unwrap()).unwrap()).collect();
+        for f in &files {
+            let view = f.reader().tensor("a").unwrap();
+            assert_eq!((view.dtype(), view.shape(), view.data()), (Dtype::F32, &[2, 3][..], &a[..]));
+            assert_eq!(f.reader().tensor("b").unwrap().data(), &b[..]);
+            assert!(f.reader().tensor("c").is_err());
+        }
+        // Every truncation is refused with an error, never a panic.
+        for cut in 0..bytes.len() {
+            std::fs::write(&path, &bytes[..cut]).unwrap();
+            let map = map_read_only(&File::open(&path).unwrap()).unwrap();
+            assert!(MappedSafetensors::parse(map).is_err(), "a file cut at {cut} bytes was accepted");
+        }
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! reach it through the `tessera` facade (`tessera::Tensor`, `tessera::ops`).
 
 pub mod backend;
-mod error;
+pub mod error;
 pub mod file;
 pub mod ops;
 pub mod tensor;

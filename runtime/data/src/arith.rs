@@ -184,13 +184,13 @@ impl Task {
     /// held-out problem with its answer) into `dir`; returns their paths.
     pub fn write_text(&self, dir: impl AsRef<Path>) -> Result<Vec<PathBuf>> {
         let dir = dir.as_ref();
-        std::fs::create_dir_all(dir).map_err(|e| Error::data_file(dir, format!("cannot be created ({e}); check the path and permissions")))?;
+        std::fs::create_dir_all(dir).map_err(|e| Error::data_file_io(dir, "cannot be created", e, "; check the path and permissions"))?;
         let held_out: String = self.held_out.iter().map(|p| p.line()).collect();
         [(TRAIN_FILE, self.train_text()), (HELD_OUT_FILE, held_out)]
             .into_iter()
             .map(|(name, text)| {
                 let path = dir.join(name);
-                std::fs::write(&path, text).map_err(|e| Error::data_file(&path, format!("cannot be written ({e})")))?;
+                std::fs::write(&path, text).map_err(|e| Error::data_file_io(&path, "cannot be written", e, ""))?;
                 Ok(path)
             })
             .collect()

@@ -42,9 +42,9 @@ pub fn input_files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
 }
 
 fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
-    let entries = std::fs::read_dir(dir).map_err(|e| Error::data_file(dir, format!("cannot be listed ({e})")))?;
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::data_file_io(dir, "cannot be listed", e, ""))?;
     for entry in entries {
-        let path = entry.map_err(|e| Error::data_file(dir, format!("cannot be listed ({e})")))?.path();
+        let path = entry.map_err(|e| Error::data_file_io(dir, "cannot be listed", e, ""))?.path();
         if path.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')) {
             continue;
         }
@@ -88,7 +88,7 @@ pub fn prepare(files: &[PathBuf], out: &Path, source: &TokenizerSource, shard_to
 }
 
 fn read_text(file: &Path) -> Result<String> {
-    let bytes = std::fs::read(file).map_err(|e| Error::data_file(file, format!("cannot be read ({e})")))?;
+    let bytes = std::fs::read(file).map_err(|e| Error::data_file_io(file, "cannot be read", e, ""))?;
     String::from_utf8(bytes).map_err(|e| {
         Error::data_file(file, format!("is not UTF-8 text (invalid byte at offset {}); convert it to UTF-8 or leave it out", e.utf8_error().valid_up_to()))
     })

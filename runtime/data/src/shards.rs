@@ -143,7 +143,7 @@ impl ShardWriter {
         if let Some(sep) = separator.filter(|&s| s as usize >= vocab_size) {
             return Err(Error::Data(format!("the document separator {sep} is outside the vocabulary of {vocab_size} ids")));
         }
-        std::fs::create_dir_all(&dir).map_err(|e| Error::data_file(&dir, format!("cannot be created ({e}); check the path and permissions")))?;
+        std::fs::create_dir_all(&dir).map_err(|e| Error::data_file_io(&dir, "cannot be created", e, "; check the path and permissions"))?;
         Ok(Self {
             dir,
             vocab_size,
@@ -218,7 +218,7 @@ impl ShardWriter {
         };
         let path = self.dir.join(INDEX_FILE);
         let json = serde_json::to_string_pretty(&index).map_err(|e| Error::Data(format!("serialising the shard index: {e}")))?;
-        write_atomic(&path, json.as_bytes()).map_err(|e| Error::data_file(&path, format!("cannot be written ({e})")))?;
+        write_atomic(&path, json.as_bytes()).map_err(|e| Error::data_file_io(&path, "cannot be written", e, ""))?;
         Ok(index)
     }
 
@@ -247,7 +247,7 @@ impl ShardWriter {
             TokenDType::U16 => self.pending.iter().for_each(|&t| bytes.extend_from_slice(&(t as u16).to_le_bytes())),
             TokenDType::U32 => self.pending.iter().for_each(|&t| bytes.extend_from_slice(&t.to_le_bytes())),
         }
-        write_atomic(&path, &bytes).map_err(|e| Error::data_file(&path, format!("cannot be written ({e}); check free space and permissions")))?;
+        write_atomic(&path, &bytes).map_err(|e| Error::data_file_io(&path, "cannot be written", e, "; check free space and permissions"))?;
         self.shards.push(ShardEntry { file, tokens: self.pending.len() as u64 });
         self.pending.clear();
         Ok(())
@@ -276,11 +276,11 @@ impl Dataset {
         let dir = dir.as_ref().to_path_buf();
         let index_path = dir.join(INDEX_FILE);
         let text = std::fs::read_to_string(&index_path).map_err(|e| {
-            Error::data_file(
+            Error::data_file_io(
                 &index_path,
-                format!(
-                    "cannot be read ({e}); point at a directory written by `tessera prepare` (a directory without an index was never finished: {REPREPARE})"
-                ),
+                "cannot be read",
+                e,
+                format!("; point at a directory written by `tessera prepare` (a directory without an index was never finished: {REPREPARE})"),
             )
         })?;
         let index: Index = serde_json::from_str(&text).map_err(|e| Error::data_file(&index_path, format!("is not a shard index ({e}); {REPREPARE}")))?;
@@ -390,12 +390,13 @@ impl Shard {
     fn open(dir: &Path, entry: &ShardEntry, dtype: TokenDType) -> Result<Self> {
         let path = dir.join(&entry.file);
         let bad = |detail: String| Error::data_file(&path, format!("{detail}; {REPREPARE}"));
-        let file = File::open(&path).map_err(|e| bad(format!("cannot be opened ({e})")))?;
-        let len = file.metadata().map_err(|e| bad(format!("cannot be inspected ({e})")))?.len();
+        let io = |doing, e| Error::data_file_io(&path, doing, e, format!("; {REPREPARE}"));
+        let file = File::open(&path).map_err(|e| io("cannot be opened", e))?;
+        let len = file.metadata().map_err(|e| io("cannot be inspected", e))?.len();
         if len < HEADER_BYTES as u64 {
             return Err(bad(format!("is truncated: {len} bytes, shorter than the {HEADER_BYTES}-byte header")));
         }
-        let map = map_read_only(&file).map_err(|e| bad(format!("cannot be memory-mapped ({e})")))?;
+        let map = map_read_only(&file).map_err(|e| io("cannot be memory-mapped", e))?;
         if map[..8] != MAGIC {
             return Err(bad("is not a Tessera token shard (wrong magic bytes)".into()));
         }

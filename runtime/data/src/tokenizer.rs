@@ -81,7 +81,7 @@ impl Tokenizer {
     /// Loads a `tokenizer.json`: a Hugging Face tokenizer or a Tessera character tokenizer.
     pub fn load(path: impl AsRef<Path>) -> Result<Tokenizer> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::data_file(path, format!("cannot be read ({e}); check the path")))?;
+        let text = std::fs::read_to_string(path).map_err(|e| Error::data_file_io(path, "cannot be read", e, "; check the path"))?;
         let not_a_tokenizer = |e: &dyn std::fmt::Display| {
             Error::data_file(path, format!("is not a tokenizer.json ({e}); pass one written by `tessera prepare` or by the `tokenizers` library"))
         };
@@ -102,7 +102,7 @@ impl Tokenizer {
         let path = path.as_ref();
         let json = self.to_json()?;
         tessera_core::file::write_atomic(path, json.as_bytes())
-            .map_err(|e| Error::data_file(path, format!("cannot be written ({e}); check that its directory exists and is writable")))
+            .map_err(|e| Error::data_file_io(path, "cannot be written", e, "; check that its directory exists and is writable"))
     }
 
     /// The tokenizer's JSON, as [`Tokenizer::save`] writes it.

@@ -177,7 +177,7 @@ pub trait Communicator: fmt::Debug + Send + Sync {
 }
 
 fn unsupported(op: &'static str, peer: usize, comm: &(impl Communicator + ?Sized)) -> Error {
-    Error::invalid(
+    Error::unsupported(
         op,
         format!("peer {peer}: this communicator ({comm:?}) has no point-to-point messages; use one that implements `send` and `recv`, such as the in-process communicator"),
     )
@@ -303,7 +303,7 @@ pub struct SingleRank;
 
 impl SingleRank {
     fn no_peer(op: &'static str, peer: usize) -> Error {
-        Error::invalid(
+        Error::no_such_rank(
             op,
             format!("peer {peer}: a group of one rank has no other rank to exchange messages with; point-to-point calls need a group of at least two ranks"),
         )
@@ -328,7 +328,7 @@ impl Communicator for SingleRank {
     }
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         if root != 0 {
-            return Err(Error::invalid("broadcast", format!("root {root} is not a rank of a group of one rank (only 0 is)")));
+            return Err(Error::no_such_rank("broadcast", format!("root {root} is not a rank of a group of one rank (only 0 is)")));
         }
         Ok(t.clone())
     }

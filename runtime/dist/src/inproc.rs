@@ -120,7 +120,7 @@ impl InProcess {
     /// [`Error::Timeout`] and stops the world.
     pub fn with_timeout(world_size: usize, timeout: Duration) -> Result<Self> {
         if world_size == 0 {
-            return Err(Error::invalid("InProcess::new", "a world needs at least one rank"));
+            return Err(Error::topology("InProcess::new", "a world needs at least one rank"));
         }
         Ok(InProcess { world: Arc::new(World::new(world_size, timeout)) })
     }
@@ -161,15 +161,15 @@ impl InProcess {
     /// same.
     pub fn tagged_group(&self, tag: &str, ranks: &[usize]) -> Result<Group> {
         if ranks.is_empty() {
-            return Err(Error::invalid("InProcess::group", "a group needs at least one rank"));
+            return Err(Error::topology("InProcess::group", "a group needs at least one rank"));
         }
         if let Some(&r) = ranks.iter().find(|&&r| r >= self.world.size) {
-            return Err(Error::invalid("InProcess::group", format!("rank {r} in {ranks:?} is not a rank of this world of {} ranks", self.world.size)));
+            return Err(Error::no_such_rank("InProcess::group", format!("rank {r} in {ranks:?} is not a rank of this world of {} ranks", self.world.size)));
         }
         let mut sorted = ranks.to_vec();
         sorted.sort_unstable();
         if sorted.windows(2).any(|w| w[0] == w[1]) {
-            return Err(Error::invalid("InProcess::group", format!("rank list {ranks:?} names a rank twice")));
+            return Err(Error::topology("InProcess::group", format!("rank list {ranks:?} names a rank twice")));
         }
         Ok(Group { world: self.world.clone(), state: self.world.group(tag, ranks) })
     }
@@ -208,7 +208,7 @@ impl Group {
             .ranks
             .iter()
             .position(|&r| r == rank)
-            .ok_or_else(|| Error::invalid("Group::communicator", format!("rank {rank} is not a member of group {:?}", self.state.ranks)))?;
+            .ok_or_else(|| Error::no_such_rank("Group::communicator", format!("rank {rank} is not a member of group {:?}", self.state.ranks)))?;
         if let Device::Cuda(d) = device {
             return d.unsupported("the in-process communicator (CUDA ranks will communicate through NCCL)");
         }
@@ -312,12 +312,12 @@ impl InProcessComm {
                     // leave the peers waiting: report it and keep serving, so
                     // the queued calls fail fast instead of never finishing.
                     if let Err(p) = catch_unwind(AssertUnwindSafe(job)) {
-                        let msg = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
+                        let msg = tessera_core::error::panic_message(p.as_ref());
                         core.world.fail(rank, format!("its communication thread panicked: {msg}"));
                     }
                 }
             })
-            .map_err(|e| Error::invalid("communicator", format!("could not start the background communication thread: {e}")))?;
+            .map_err(|source| Error::Thread { what: "background communication", source })?;
         Ok(Worker { jobs, thread })
     }
 }
@@ -584,7 +584,7 @@ impl Core {
         const OP: &str = "broadcast";
         let n = self.size();
         let local = if root >= n {
-            Err(Error::invalid(OP, format!("root {root} is not a rank of this group of {n} ranks")))
+            Err(Error::no_such_rank(OP, format!("root {root} is not a rank of this group of {n} ranks")))
         } else if root == self.me {
             t.contiguous().map(Payload::One)
         } else {
@@ -638,10 +638,10 @@ impl Core {
     fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
         let n = self.size();
         if peer >= n {
-            return Err(Error::invalid(op, format!("peer {peer} is not a rank of this group of {n} ranks")));
+            return Err(Error::no_such_rank(op, format!("peer {peer} is not a rank of this group of {n} ranks")));
         }
         if peer == self.me {
-            return Err(Error::invalid(op, format!("peer {peer} is this rank itself; keep the tensor instead of sending it")));
+            return Err(Error::no_such_rank(op, format!("peer {peer} is this rank itself; keep the tensor instead of sending it")));
         }
         Ok(())
     }
@@ -680,7 +680,7 @@ impl Core {
 pub fn mesh_groups(world: &InProcess, mesh: &crate::mesh::Mesh, rank: usize, device: &Device) -> Result<crate::Groups> {
     use crate::mesh::Axis;
     if world.world_size() != mesh.world() {
-        return Err(Error::invalid(
+        return Err(Error::topology(
             "mesh_groups",
             format!("the mesh {mesh} has {} ranks but the in-process world has {}; build both for the same world", mesh.world(), world.world_size()),
         ));

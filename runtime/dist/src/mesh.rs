@@ -93,7 +93,7 @@ impl FromStr for Axis {
         Axis::ALL
             .into_iter()
             .find(|a| a.name().eq_ignore_ascii_case(s))
-            .ok_or_else(|| Error::invalid("Axis::from_str", format!("unknown axis `{s}`; the axes are {}", axis_list())))
+            .ok_or_else(|| Error::topology("Axis::from_str", format!("unknown axis `{s}`; the axes are {}", axis_list())))
     }
 }
 
@@ -153,13 +153,13 @@ impl Degrees {
             let split = item.find(|c: char| !c.is_ascii_alphabetic()).unwrap_or(item.len());
             let (name, rest) = item.split_at(split);
             let axis: Axis =
-                name.parse().map_err(|_| Error::invalid(OP, format!("unknown axis `{name}` in `{item}` of `{spec}`; the axes are {}", axis_list())))?;
+                name.parse().map_err(|_| Error::topology(OP, format!("unknown axis `{name}` in `{item}` of `{spec}`; the axes are {}", axis_list())))?;
             let number = rest.strip_prefix(['=', ':']).unwrap_or(rest);
             let degree: usize = number
                 .parse()
-                .map_err(|_| Error::invalid(OP, format!("`{item}` in `{spec}` has no valid degree; write the axis and its degree, as in `{axis}4`")))?;
+                .map_err(|_| Error::topology(OP, format!("`{item}` in `{spec}` has no valid degree; write the axis and its degree, as in `{axis}4`")))?;
             if std::mem::replace(&mut seen[axis.index()], true) {
-                return Err(Error::invalid(OP, format!("`{axis}` is given twice in `{spec}`; give each axis once")));
+                return Err(Error::topology(OP, format!("`{axis}` is given twice in `{spec}`; give each axis once")));
             }
             degrees = degrees.with(axis, degree);
         }
@@ -270,14 +270,14 @@ impl Mesh {
     pub fn new(degrees: Degrees, world: usize, ranks_per_node: usize) -> Result<Mesh> {
         const OP: &str = "Mesh::new";
         if world == 0 {
-            return Err(Error::invalid(OP, "the world has 0 ranks; a mesh needs at least one rank"));
+            return Err(Error::topology(OP, "the world has 0 ranks; a mesh needs at least one rank"));
         }
         if ranks_per_node == 0 {
-            return Err(Error::invalid(OP, "ranks_per_node is 0; give the number of ranks (devices) on each node, at least 1"));
+            return Err(Error::topology(OP, "ranks_per_node is 0; give the number of ranks (devices) on each node, at least 1"));
         }
         let zero: Vec<String> = Axis::ALL.iter().filter(|&&a| degrees.get(a) == 0).map(|a| a.to_string()).collect();
         if !zero.is_empty() {
-            return Err(Error::invalid(
+            return Err(Error::topology(
                 OP,
                 format!("{} has degree 0 in {}; every axis needs degree at least 1 (1 leaves it unused)", zero.join(" and "), degrees.factors()),
             ));
@@ -285,10 +285,10 @@ impl Mesh {
         match degrees.product() {
             Some(n) if n == world => Ok(Mesh { degrees, world, ranks_per_node }),
             Some(n) => {
-                Err(Error::invalid(OP, format!("{} = {n}, but the world has {world} ranks; choose degrees whose product is {world}", degrees.factors())))
+                Err(Error::topology(OP, format!("{} = {n}, but the world has {world} ranks; choose degrees whose product is {world}", degrees.factors())))
             }
             None => {
-                Err(Error::invalid(OP, format!("{} overflows, but the world has {world} ranks; choose degrees whose product is {world}", degrees.factors())))
+                Err(Error::topology(OP, format!("{} overflows, but the world has {world} ranks; choose degrees whose product is {world}", degrees.factors())))
             }
         }
     }
@@ -362,7 +362,10 @@ impl Mesh {
         for axis in Axis::ALL {
             let (c, n) = (coords[axis], self.size(axis));
             if c >= n {
-                return Err(Error::invalid("Mesh::rank_of", format!("coordinate {axis} {c} of {coords} is outside the axis, whose degree is {n}; use 0..{n}")));
+                return Err(Error::no_such_rank(
+                    "Mesh::rank_of",
+                    format!("coordinate {axis} {c} of {coords} is outside the axis, whose degree is {n}; use 0..{n}"),
+                ));
             }
             rank = rank * n + c;
         }
@@ -453,7 +456,7 @@ impl Mesh {
 
     fn check_rank(&self, op: &'static str, rank: usize) -> Result<()> {
         if rank >= self.world {
-            return Err(Error::invalid(op, format!("rank {rank} is outside the world of {} ranks; use 0..{}", self.world, self.world)));
+            return Err(Error::no_such_rank(op, format!("rank {rank} is outside the world of {} ranks; use 0..{}", self.world, self.world)));
         }
         Ok(())
     }

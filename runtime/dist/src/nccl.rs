@@ -146,18 +146,18 @@ impl Drop for Member {
 /// named twice (NCCL runs one rank per GPU).
 fn cuda_devices(op: &'static str, devices: &[Device]) -> Result<Vec<CudaDevice>> {
     if devices.is_empty() {
-        return Err(Error::invalid(op, "a group needs at least one device"));
+        return Err(Error::topology(op, "a group needs at least one device"));
     }
     let mut out: Vec<CudaDevice> = Vec::with_capacity(devices.len());
     for (i, d) in devices.iter().enumerate() {
         let Device::Cuda(c) = d else {
-            return Err(Error::invalid(
+            return Err(Error::topology(
                 op,
                 format!("device {i} is {d}: NCCL connects CUDA devices; use the in-process communicator (`dist::inproc`) for CPU ranks"),
             ));
         };
         if let Some(j) = out.iter().position(|o| o.ordinal() == c.ordinal()) {
-            return Err(Error::invalid(
+            return Err(Error::topology(
                 op,
                 format!("devices {j} and {i} are both cuda:{}: NCCL runs one rank per GPU; give every rank its own device", c.ordinal()),
             ));
@@ -220,7 +220,7 @@ impl NcclCommunicator {
         let mine = self.cuda();
         match t.device() {
             Device::Cuda(d) if d.same(mine) => t.contiguous(),
-            other => Err(Error::invalid(
+            other => Err(Error::placement(
                 op,
                 format!("the tensor is on {other} but rank {} of this NCCL group runs on cuda:{}; create the rank's tensors on the `Device` its communicator was built from (a second `Device::cuda(n)` is another handle with its own streams)", self.rank, mine.ordinal()),
             )),
@@ -313,7 +313,7 @@ fn address(op: &'static str, t: &Tensor) -> Result<*mut std::ffi::c_void> {
     let guard = t.read();
     match &*guard {
         Storage::Cuda(s) => Ok(s.device_ptr_at(t.layout().offset()) as *mut std::ffi::c_void),
-        Storage::Cpu(_) => Err(Error::invalid(op, "an NCCL collective was given a host tensor; move it to the rank's CUDA device first")),
+        Storage::Cpu(_) => Err(Error::placement(op, "an NCCL collective was given a host tensor; move it to the rank's CUDA device first")),
     }
 }
 
@@ -458,7 +458,7 @@ impl Communicator for NcclCommunicator {
     fn broadcast_async(&self, t: &Tensor, root: usize) -> Result<Pending> {
         let op = "broadcast";
         if root >= self.size() {
-            return Err(Error::invalid(op, format!("root {root} is not a rank of this group of {} ranks (0..{})", self.size(), self.size())));
+            return Err(Error::no_such_rank(op, format!("root {root} is not a rank of this group of {} ranks (0..{})", self.size(), self.size())));
         }
         let x = self.input(op, t)?;
         // The root sends from its own tensor in place and gets it back; the
@@ -529,7 +529,7 @@ impl fmt::Debug for NcclCommunicator {
 /// [`mesh_groups`](super::inproc::mesh_groups).
 pub fn mesh_groups(mesh: &Mesh, devices: &[Device]) -> Result<Vec<Groups>> {
     if devices.len() != mesh.world() {
-        return Err(Error::invalid(
+        return Err(Error::topology(
             "nccl::mesh_groups",
             format!("the mesh {mesh} has {} ranks but {} devices were given; give one CUDA device per rank", mesh.world(), devices.len()),
         ));
@@ -552,7 +552,9 @@ pub fn mesh_groups(mesh: &Mesh, devices: &[Device]) -> Result<Vec<Groups>> {
     }
     let slot = |axis: Axis| Axis::ALL.iter().position(|&a| a == axis).expect("every axis is in Axis::ALL");
     let take = |comms: &mut Vec<Vec<Option<Arc<dyn Communicator>>>>, axis: Axis, rank: usize| -> Result<Arc<dyn Communicator>> {
-        comms[slot(axis)][rank].take().ok_or_else(|| Error::invalid("nccl::mesh_groups", format!("rank {rank} belongs to no {axis} group of the mesh {mesh}")))
+        comms[slot(axis)][rank]
+            .take()
+            .ok_or_else(|| Error::no_such_rank("nccl::mesh_groups", format!("rank {rank} belongs to no {axis} group of the mesh {mesh}")))
     };
     (0..mesh.world())
         .map(|r| {

@@ -177,7 +177,7 @@ impl CausalAttention {
     /// This rank's heads on a tensor-parallel group of `tp` ranks.
     fn local(&self, tp: usize) -> Result<Heads> {
         if !self.q_heads.is_multiple_of(tp) || !self.kv_heads.is_multiple_of(tp) {
-            return Err(Error::invalid(
+            return Err(Error::indivisible(
                 "CausalAttention",
                 format!(
                     "{} query heads and {} key/value heads cannot be split over a tensor-parallel group of {tp}; choose a degree that divides both",

@@ -173,7 +173,7 @@ where
     fn backward_layers(&self, cx: &mut Cx, layers: Range<usize>, saved: Self::Saved, dy: Act<Self::Out>) -> Result<Act<Self::In>> {
         self.check_range("backward_layers", &layers)?;
         if saved.len() != layers.len() {
-            return Err(Error::invalid(
+            return Err(Error::state_mismatch(
                 "Stack::backward",
                 format!("{} saved states for {} layers; pass the state the forward over these layers returned", saved.len(), layers.len()),
             ));

@@ -191,7 +191,7 @@ impl MetricsLog {
 
     /// Writes one step.
     pub fn write(&mut self, m: &StepMetrics) -> Result<()> {
-        let line = serde_json::to_string(m).map_err(|e| Error::io(&self.path, e))?;
+        let line = serde_json::to_string(m).map_err(|e| Error::io(&self.path, e.into()))?;
         writeln!(self.out, "{line}").and_then(|_| self.out.flush()).map_err(|e| Error::io(&self.path, e))
     }
 }
@@ -206,7 +206,9 @@ pub fn read_metrics(path: impl AsRef<Path>) -> Result<Vec<StepMetrics>> {
         if line.trim().is_empty() {
             continue;
         }
-        out.push(serde_json::from_str(&line).map_err(|e| Error::io(path, format!("line {}: {e}", i + 1)))?);
+        out.push(
+            serde_json::from_str(&line).map_err(|e| Error::io(path, std::io::Error::new(std::io::ErrorKind::InvalidData, format!("line {}: {e}", i + 1))))?,
+        );
     }
     Ok(out)
 }

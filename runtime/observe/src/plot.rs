@@ -126,6 +126,15 @@ impl Canvas {
 }
 
 /// Round-number tick positions covering `lo..=hi`, about `n` of them.
+/// The encoder's error as the I/O error it usually wraps (a failed write),
+/// or as one that carries it.
+fn png_io(e: png::EncodingError) -> std::io::Error {
+    match e {
+        png::EncodingError::IoError(e) => e,
+        e => std::io::Error::other(e),
+    }
+}
+
 fn ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
     let raw = (hi - lo) / n as f64;
     let mag = 10f64.powf(raw.log10().floor());
@@ -214,9 +223,9 @@ impl LinePlot {
         let mut encoder = png::Encoder::new(BufWriter::new(file), WIDTH as u32, HEIGHT as u32);
         encoder.set_color(png::ColorType::Rgb);
         encoder.set_depth(png::BitDepth::Eight);
-        let mut writer = encoder.write_header().map_err(|e| Error::io(path, e))?;
-        writer.write_image_data(&canvas.pixels).map_err(|e| Error::io(path, e))?;
-        writer.finish().map_err(|e| Error::io(path, e))
+        let mut writer = encoder.write_header().map_err(|e| Error::io(path, png_io(e)))?;
+        writer.write_image_data(&canvas.pixels).map_err(|e| Error::io(path, png_io(e)))?;
+        writer.finish().map_err(|e| Error::io(path, png_io(e)))
     }
 }
 

@@ -89,7 +89,7 @@ impl Trace {
     /// Writes the trace to `path` (e.g. `trace.json`).
     pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        let text = serde_json::to_string(&self.to_json()).map_err(|e| Error::io(path, e))?;
+        let text = serde_json::to_string(&self.to_json()).map_err(|e| Error::io(path, e.into()))?;
         tessera_core::file::write_atomic(path, text.as_bytes()).map_err(|e| Error::io(path, e))
     }
 }

@@ -137,7 +137,10 @@ impl AdamW {
                 return Ok(());
             }
             let value = e.param.value().map_err(|_| {
-                Error::invalid("AdamW::new", format!("parameter `{}` has no value; build (materialise) the model before creating its optimizer", e.name))
+                Error::param_unavailable(
+                    "AdamW::new",
+                    format!("parameter `{}` has no value; build (materialise) the model before creating its optimizer", e.name),
+                )
             })?;
             let dtype = master_dtype(e.name, &value)?;
             let m = Tensor::zeros(value.shape().clone(), dtype, value.device())?;
@@ -185,7 +188,7 @@ impl AdamW {
         for (i, s) in self.slots.iter().enumerate() {
             let Some(g) = s.param.grad() else { continue };
             let p = s.param.value().map_err(|_| {
-                Error::invalid(
+                Error::param_unavailable(
                     "AdamW::step",
                     format!("parameter `{}` has no value (freed by a sharding engine?); a sharded model is updated by its ZeRO engine, not by `AdamW`", s.name),
                 )
@@ -217,7 +220,7 @@ impl AdamW {
     /// they replace; `param` must be one this optimizer updates.
     pub fn load_state(&mut self, param: &Param, m: Tensor, v: Tensor, steps: u64) -> Result<()> {
         let Some(s) = self.slot_of.get(&param.id()).map(|&i| &mut self.slots[i]) else {
-            return Err(Error::invalid(
+            return Err(Error::state_mismatch(
                 "AdamW::load_state",
                 format!("{param:?} is not updated by this optimizer; build the optimizer from the model the state belongs to"),
             ));

@@ -185,7 +185,7 @@ impl OptimizerState for AdamW {
     fn restore(&mut self, values: Vec<(Tensor, Option<u64>)>, steps: u64) -> Result<()> {
         let slots = self.slots();
         if values.len() != slots.len() {
-            return Err(Error::invalid("AdamW::restore", format!("{} values for {} slots; pass one per slot", values.len(), slots.len())));
+            return Err(Error::state_mismatch("AdamW::restore", format!("{} values for {} slots; pass one per slot", values.len(), slots.len())));
         }
         let mut values = values.into_iter();
         for pair in slots.chunks(2) {

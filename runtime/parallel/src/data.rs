@@ -207,7 +207,7 @@ impl Hooks for DataParallel {
         let mut s = self.state();
         Self::poll(&mut s);
         let Some(&i) = self.index.get(&param.id()) else {
-            return Err(Error::invalid(
+            return Err(Error::state_mismatch(
                 "DataParallel",
                 format!("{param:?} is not a parameter of the model this engine was built for; build one engine per model"),
             ));

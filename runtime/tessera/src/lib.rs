@@ -10,7 +10,7 @@
 //! [`observe`], [`train`] with [`ckpt`], and [`testing`], each a crate of its
 //! own (docs/design.md has the map and what each may import).
 
-pub use tessera_core::{backend, file, ops, tensor};
+pub use tessera_core::{backend, error, file, ops, tensor};
 pub use tessera_data as data;
 pub use tessera_dist as dist;
 pub use tessera_nn as nn;

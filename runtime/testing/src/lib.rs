@@ -105,7 +105,10 @@ impl FromStr for ParallelRun {
         let mut parts = spec.split('+');
         let degrees = Degrees::parse(parts.next().unwrap_or(""))?;
         if degrees.get(Axis::Ep) != 1 {
-            return Err(Error::invalid(OP, format!("`{spec}`: expert parallelism changes which tokens each expert sees; check it with the model's own tests")));
+            return Err(Error::unsupported(
+                OP,
+                format!("`{spec}`: expert parallelism changes which tokens each expert sees; check it with the model's own tests"),
+            ));
         }
         let mut run = ParallelRun { degrees, sequence_parallel: false, bucket_bytes: 1 << 20, microbatches: degrees.get(Axis::Pp) };
         for opt in parts {
@@ -199,7 +202,7 @@ impl Check {
             spec.parse::<ParallelRun>()?;
         }
         if !matches!(self.dtype, DType::F32 | DType::F64) {
-            return Err(Error::invalid(
+            return Err(Error::unsupported(
                 "check_parallel",
                 format!("runs compute in f32 or f64, not {}; set a model's half-precision regions with `#[precision(..)]`", self.dtype),
             ));
@@ -266,7 +269,7 @@ impl Report {
 pub fn check_parallel<M: Module, F: Fn(&Rank) -> Result<M> + Sync>(make: F, input: &Tensor, check: &Check) -> Result<Report> {
     check.validate()?;
     if let Some(run) = check.runs.iter().find(|r| r.degrees.get(Axis::Pp) > 1) {
-        return Err(Error::invalid(
+        return Err(Error::unsupported(
             "check_parallel",
             format!("`{run}` runs a pipeline, which needs a model with a `#[stage(split)]` field: use `check_parallel_staged`"),
         ));

@@ -101,7 +101,7 @@ fn out_part<M: Module>(sequence_split: bool) -> Result<OutPart> {
         "SplitSeq" => OutPart::Split(Some(1)),
         "SplitHidden" => OutPart::Split(None),
         "PartialSum" => OutPart::Partial,
-        other => return Err(Error::invalid("check_parallel", format!("a model whose output is `{other}` has no single-rank counterpart to compare with"))),
+        other => return Err(Error::unsupported("check_parallel", format!("a model whose output is `{other}` has no single-rank counterpart to compare with"))),
     })
 }
 
@@ -182,13 +182,12 @@ fn run_mesh<M: Module, F: Fn(&Rank) -> Result<M> + Sync, E: Exec<M>>(
                 first_error.get_or_insert(e);
             }
             Err(panic) => {
-                let what = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
-                first_error.get_or_insert(Error::invalid("check_parallel", format!("rank {rank} panicked: {what}")));
+                first_error.get_or_insert(Error::RankPanicked { rank, message: tessera_core::error::panic_message(panic.as_ref()) });
             }
         }
     }
     match first_error {
-        Some(e) => Err(Error::invalid("check_parallel", format!("`{run}`: {e}"))),
+        Some(e) => Err(e.context(format!("check_parallel `{run}`"))),
         None => Ok(out),
     }
 }

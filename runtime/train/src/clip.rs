@@ -46,7 +46,7 @@ pub fn clip_grad_norm<M: Module>(model: &M, cx: &Cx, max_norm: f64) -> Result<f6
     check_max_norm(max_norm)?;
     let norm = global_grad_norm(model, cx)?;
     if !norm.is_finite() {
-        return Err(Error::invalid(
+        return Err(Error::non_finite(
             "clip_grad_norm",
             format!("the gradient norm is {norm}; skip this step (and lower the loss scale under fp16) rather than applying it"),
         ));
@@ -62,7 +62,7 @@ pub fn clip_grad_norm<M: Module>(model: &M, cx: &Cx, max_norm: f64) -> Result<f6
 pub fn clip_to_norm<M: Module>(model: &M, norm: f64, max_norm: f64) -> Result<()> {
     check_max_norm(max_norm)?;
     if !norm.is_finite() {
-        return Err(Error::invalid("clip_to_norm", format!("the gradient norm is {norm}; skip this step rather than clipping it")));
+        return Err(Error::non_finite("clip_to_norm", format!("the gradient norm is {norm}; skip this step rather than clipping it")));
     }
     let factor = max_norm / (norm + 1e-6);
     if factor < 1.0 {

@@ -60,9 +60,8 @@ pub(crate) fn check<M: Module>(cfg: &TrainConfig, model: &M, vocab: usize) -> Re
     if need.total() <= have {
         return Ok(());
     }
-    Err(Error::invalid(
-        "trainer",
-        format!(
+    Err(Error::InsufficientMemory {
+        detail: format!(
             "this run needs at least {:.1} GiB of host memory but {:.1} GiB are available: {:.1} GiB of f32 weights, gradients and AdamW moments \
              ({params} parameters, over {} data replicas{}) and {:.1} GiB of logits (batch.micro_batch {} × batch.seq_len {} × vocabulary {vocab}, \
              with their gradient, per replica); make the model smaller, shorten batch.seq_len or batch.micro_batch, use fewer data replicas, \
@@ -76,7 +75,7 @@ pub(crate) fn check<M: Module>(cfg: &TrainConfig, model: &M, vocab: usize) -> Re
             cfg.batch.micro_batch,
             cfg.batch.seq_len,
         ),
-    ))
+    })
 }
 
 #[cfg(test)]

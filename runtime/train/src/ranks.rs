@@ -61,7 +61,7 @@ impl Ranks {
             }
             Ranks::Cuda { devices, groups, .. } => {
                 let taken = groups[rank].lock().take();
-                let groups = taken.ok_or_else(|| Error::invalid("trainer", format!("rank {rank}'s communicators were already taken")))?;
+                let groups = taken.ok_or_else(|| Error::state_mismatch("trainer", format!("rank {rank}'s communicators were already taken")))?;
                 Ok((devices[rank].clone(), groups))
             }
         }

@@ -40,13 +40,7 @@ impl RunLock {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => {
                 let who = if holder.is_empty() { "another job".to_string() } else { holder };
-                return Err(Error::invalid(
-                    "run",
-                    format!(
-                        "the run directory `{}` is in use by {who}; wait for that job to finish or stop it, or give this run another `run.out`",
-                        dir.display()
-                    ),
-                ));
+                return Err(Error::RunDirInUse { dir: dir.display().to_string(), holder: who });
             }
             Err(TryLockError::Error(e)) => return Err(Error::io(&path, e)),
         }

@@ -39,7 +39,7 @@ fn grid(l: &Launch) -> Grid {
 /// error naming the limit; the CPU runs them.
 fn unsupported(op: &'static str, e: gpu::AttnLaunchError) -> Error {
     let e = e.to_string();
-    Error::invalid(op, format!("{}; the CPU backend runs any size", e.trim_start_matches("attention: ")))
+    Error::unsupported(op, format!("{}; the CPU backend runs any size", e.trim_start_matches("attention: ")))
 }
 
 /// The forward launch for this call: bf16 and f16 with `head_dim` up to 128

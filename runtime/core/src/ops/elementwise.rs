@@ -99,9 +99,9 @@ pub fn axpy(y: &Tensor, alpha: f64, x: &Tensor) -> Result<()> {
         return Err(Error::Aliased { op: OP, a: "accumulator", b: "increment" });
     }
     let Some(range) = y.layout().contiguous_range() else {
-        return Err(Error::invalid(OP, "the accumulator must be contiguous; accumulate into a fresh `contiguous()` tensor"));
+        return Err(Error::placement(OP, "the accumulator must be contiguous; accumulate into a fresh `contiguous()` tensor"));
     };
-    let x = x.to_dtype(y.dtype()).map_err(|_| Error::invalid(OP, "increment cannot be converted to the accumulator's dtype"))?;
+    let x = x.to_dtype(y.dtype()).map_err(|_| Error::unsupported(OP, "increment cannot be converted to the accumulator's dtype"))?;
     let xr = x.layout().contiguous_range().expect("fresh tensor");
     let xg = x.read();
     let mut yg = y.write();

@@ -40,7 +40,7 @@ float_kernel!(EmbedBack<'a> { ids: &'a [u32], rows: usize, dim: usize, start: u3
 /// positions of `ids` that name row `r`, in increasing order.
 fn positions_by_row(ids: &[u32], rows: usize, start: u32) -> Result<(Vec<u32>, Vec<u32>)> {
     if ids.len() > u32::MAX as usize {
-        return Err(Error::invalid("embedding_backward", format!("{} ids exceed the GPU kernel's u32 positions; split the batch", ids.len())));
+        return Err(Error::unsupported("embedding_backward", format!("{} ids exceed the GPU kernel's u32 positions; split the batch", ids.len())));
     }
     let local = |id: u32| id.checked_sub(start).map(|r| r as usize).filter(|&r| r < rows);
     let mut offsets = vec![0u32; rows + 1];

@@ -122,7 +122,7 @@ pub fn cross_entropy_backward(logits: &Tensor, targets: &Tensor, ignore_index: O
     with_u32(OP, "targets", targets, |t| {
         let (vocab, count) = check(OP, logits, t, targets.shape(), ignore_index)?;
         if count != saved.count {
-            return Err(Error::invalid(OP, "the saved state belongs to another batch of targets"));
+            return Err(Error::state_mismatch(OP, "the saved state belongs to another batch of targets"));
         }
         let per_row = dloss / count.max(1) as f64;
         // Made in the compute dtype directly: a GPU has no f64 conversions.

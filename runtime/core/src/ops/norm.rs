@@ -125,7 +125,7 @@ pub fn layer_norm_backward(x: &Tensor, gamma: &Tensor, has_beta: bool, saved: &N
     const OP: &str = "layer_norm_backward";
     let row = check_params(OP, x, gamma, None)?;
     check_same_shape(OP, "input and upstream gradient", x, dy)?;
-    let mean = saved.mean.as_ref().ok_or_else(|| Error::invalid(OP, "the saved statistics come from rms_norm, not layer_norm"))?;
+    let mean = saved.mean.as_ref().ok_or_else(|| Error::state_mismatch(OP, "the saved statistics come from rms_norm, not layer_norm"))?;
     let kernel = LayerNormBack { row, has_beta };
     let mut outs = vec![(x.shape().clone(), Out::Primary), (gamma.shape().clone(), Out::Primary)];
     if has_beta {

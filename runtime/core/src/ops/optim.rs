@@ -68,7 +68,7 @@ pub fn adamw_update_many(targets: &[AdamWTarget<'_>]) -> Result<()> {
             let at = |s: &Storage, tensor: &Tensor| match s {
                 Storage::Cuda(s) => Ok(s.device_ptr_at(tensor.layout().offset())),
                 Storage::Cpu(_) => {
-                    Err(Error::invalid(OP, "a host tensor among the device operands of one update; keep each parameter's gradient and moments on its device"))
+                    Err(Error::placement(OP, "a host tensor among the device operands of one update; keep each parameter's gradient and moments on its device"))
                 }
             };
             if t.param.dtype() != DType::F32 {
@@ -105,7 +105,7 @@ fn check(t: &AdamWTarget<'_>) -> Result<Tensor> {
             }
         }
         if ta.layout().contiguous_range().is_none() {
-            return Err(Error::invalid(OP, format!("`{a}` must be contiguous")));
+            return Err(Error::placement(OP, format!("`{a}` must be contiguous")));
         }
     }
     if !(step.lr.is_finite() && step.lr >= 0.0 && step.step >= 1 && (0.0..1.0).contains(&step.beta1) && (0.0..1.0).contains(&step.beta2) && step.eps > 0.0) {

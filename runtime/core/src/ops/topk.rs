@@ -30,7 +30,7 @@ pub fn topk(x: &Tensor, k: usize) -> Result<(Tensor, Tensor)> {
         return Err(Error::invalid(OP, format!("k must be in 1..={row} (the row length), got {k}")));
     }
     if row > u32::MAX as usize {
-        return Err(Error::invalid(OP, format!("rows of {row} elements exceed the u32 indices; split the rows")));
+        return Err(Error::unsupported(OP, format!("rows of {row} elements exceed the u32 indices; split the rows")));
     }
     let out_shape = x.shape().with_last(k);
     let dev = match x.device() {

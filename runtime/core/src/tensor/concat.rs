@@ -27,7 +27,7 @@ impl Tensor {
                     .zip(&contiguous)
                     .map(|(g, t)| match &**g {
                         Storage::Cuda(s) => Ok((s, t.layout().contiguous_range().expect("contiguous"))),
-                        Storage::Cpu(_) => Err(Error::invalid(OP, "a host part among device parts; move every part to one device first")),
+                        Storage::Cpu(_) => Err(Error::placement(OP, "a host part among device parts; move every part to one device first")),
                     })
                     .collect::<Result<Vec<_>>>()?;
                 let storage = CudaStorage::concat(d, first.dtype(), &parts)?;

@@ -201,7 +201,7 @@ impl GroupState {
     pub fn attach(&self, me: usize, device: &Device) -> Result<()> {
         let mut g = self.inner.lock();
         if g.attached[me].is_some() || g.departed[me].is_some() {
-            return Err(Error::invalid(
+            return Err(Error::state_mismatch(
                 "communicator",
                 format!("rank {} already has a communicator for group {:?}; create one per rank and share it (it is `Sync`)", self.ranks[me], self.ranks),
             ));

@@ -26,12 +26,15 @@ fn describe(op: &'static str, peer: usize, part: &Tensor) -> Result<[u32; ROW]> 
     let mut row = [0u32; ROW];
     row[0] = DTYPES.iter().position(|&d| d == part.dtype()).expect("every dtype has a code") as u32;
     if part.rank() > MAX_DIMS {
-        return Err(Error::invalid(op, format!("the part for rank {peer} has {} dims; at most {MAX_DIMS} travel through NCCL, reshape it first", part.rank())));
+        return Err(Error::unsupported(
+            op,
+            format!("the part for rank {peer} has {} dims; at most {MAX_DIMS} travel through NCCL, reshape it first", part.rank()),
+        ));
     }
     row[1] = part.rank() as u32;
     for (slot, &d) in row[2..].iter_mut().zip(part.dims()) {
         *slot = u32::try_from(d).map_err(|_| {
-            Error::invalid(op, format!("the part for rank {peer} has a dimension of {d} elements; at most {} travel through NCCL, split it", u32::MAX))
+            Error::unsupported(op, format!("the part for rank {peer} has a dimension of {d} elements; at most {} travel through NCCL, split it", u32::MAX))
         })?;
     }
     Ok(row)

@@ -58,10 +58,10 @@ impl Mailboxes {
 impl NcclCommunicator {
     fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
         if peer >= self.size() {
-            return Err(Error::invalid(op, format!("peer {peer} is not a rank of this group of {} ranks (0..{})", self.size(), self.size())));
+            return Err(Error::no_such_rank(op, format!("peer {peer} is not a rank of this group of {} ranks (0..{})", self.size(), self.size())));
         }
         if peer == self.rank() {
-            return Err(Error::invalid(op, format!("rank {peer} cannot message itself; keep the tensor instead")));
+            return Err(Error::no_such_rank(op, format!("rank {peer} cannot message itself; keep the tensor instead")));
         }
         Ok(())
     }
@@ -84,7 +84,7 @@ impl NcclCommunicator {
         let device = self.cuda();
         let copy = {
             let guard = x.read();
-            let Storage::Cuda(s) = &*guard else { return Err(Error::invalid(op, "a host tensor; move it to the rank's CUDA device first")) };
+            let Storage::Cuda(s) = &*guard else { return Err(Error::placement(op, "a host tensor; move it to the rank's CUDA device first")) };
             let start = x.layout().offset();
             CudaStorage::concat(device, x.dtype(), &[(s, start..start + x.elem_count())])?
         };

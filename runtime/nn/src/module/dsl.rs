@@ -208,5 +208,5 @@ pub fn accumulate<L: Layout>(slot: &mut Option<Act<L>>, g: Act<L>) -> Result<()>
 /// (field `partner`); an error naming both fields when the shapes differ.
 pub fn tie<A: super::Tie, B: super::Tie>(layer: &mut A, with: &B, model: &str, field: &str, partner: &str) -> Result<()> {
     let w = with.weight().clone();
-    layer.tie_weight(&w).map_err(|e| tessera_core::Error::invalid("tie", format!("`{model}.{field}` is `#[tied({partner})]` to `{model}.{partner}`, but: {e}")))
+    layer.tie_weight(&w).map_err(|e| e.context(format!("`{model}.{field}` is `#[tied({partner})]` to `{model}.{partner}`, but")))
 }

@@ -322,7 +322,10 @@ pub fn materialize<M: Module>(model: &M, cx: &Cx) -> Result<()> {
         Ok(())
     })?;
     if !problems.is_empty() {
-        return Err(Error::invalid("materialize", format!("{}; choose a tensor-parallel degree that divides these sizes, or pad them", problems.join("; "))));
+        return Err(Error::indivisible(
+            "materialize",
+            format!("{}; choose a tensor-parallel degree that divides these sizes, or pad them", problems.join("; ")),
+        ));
     }
     let stage = cx.groups().pp.rank();
     let layout = cx.pipeline_layout()?;

@@ -120,9 +120,9 @@ impl Param {
         s.value.clone().ok_or_else(|| {
             let name = s.name.as_deref().unwrap_or("?");
             if s.remote {
-                Error::invalid("param", format!("parameter `{name}` belongs to another pipeline stage; only the stages that run it hold its value"))
+                Error::param_unavailable("param", format!("parameter `{name}` belongs to another pipeline stage; only the stages that run it hold its value"))
             } else {
-                Error::invalid("param", format!("parameter `{name}` has no value yet; materialise the model for a rank first"))
+                Error::param_unavailable("param", format!("parameter `{name}` has no value yet; materialise the model for a rank first"))
             }
         })
     }

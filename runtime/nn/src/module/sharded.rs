@@ -148,7 +148,7 @@ where
                 Err(saved) => match saved.downcast::<L::Saved>() {
                     Ok(saved) => call_backward::<R, L>(layer.get(), cx, name, *saved, dy)?,
                     Err(_) => {
-                        return Err(Error::invalid(
+                        return Err(Error::state_mismatch(
                             "backward",
                             format!("`{name}` was given another layer's saved state; pass each backward what its forward returned"),
                         ))
@@ -168,7 +168,7 @@ where
         ShardedOp::TieParams => {
             match &mut layer {
                 LayerRef::Unique(l) => l.tie_params()?,
-                LayerRef::Shared(_) => return Err(Error::invalid("tie_params", "tying weights needs the layer mutably")),
+                LayerRef::Shared(_) => return Err(Error::unsupported("tie_params", "tying weights needs the layer mutably")),
             }
             ShardedOut::Done
         }

@@ -71,7 +71,7 @@ impl PipelineLayout {
     /// `stages` stages of `chunks` chunks each (both at least 1).
     pub fn new(stages: usize, chunks: usize) -> Result<Self> {
         if stages == 0 || chunks == 0 {
-            return Err(Error::invalid(
+            return Err(Error::schedule(
                 "PipelineLayout::new",
                 format!("{stages} stages of {chunks} chunks: both must be at least 1 (1 chunk unless the schedule interleaves)"),
             ));

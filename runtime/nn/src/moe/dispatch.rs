@@ -39,13 +39,13 @@ impl Plan {
             .enumerate()
             .map(|(s, t)| {
                 if t.elem_count() != local {
-                    return Err(Error::invalid(
-                        "Moe",
-                        format!(
-                            "rank {s} of the expert-parallel group sent counts for {} local experts, this rank holds {local}; every rank must build the layer with the same number of experts and the same ep degree",
+                    return Err(Error::CollectiveMismatch {
+                        op: "Moe",
+                        detail: format!(
+                            "rank {s} of the expert-parallel group sent counts for {} local experts, this rank holds {local}; build the layer with the same number of experts and the same ep degree on every rank",
                             t.elem_count()
                         ),
-                    ));
+                    });
                 }
                 Ok(t.to_vec::<u32>()?.into_iter().map(|v| v as usize).collect())
             })
@@ -113,10 +113,10 @@ fn exchange(comm: &dyn Communicator, rows: &Tensor, out: &[usize], inn: &[usize]
     let got = comm.all_to_all(parts)?;
     for (s, (t, &m)) in got.iter().zip(inn).enumerate() {
         if t.dims() != [m, d] {
-            return Err(Error::invalid(
-                "Moe",
-                format!("rank {s} of the expert-parallel group sent rows of shape {}, where [{m}, {d}] was agreed; every rank must run the same layers in the same order", t.shape()),
-            ));
+            return Err(Error::CollectiveMismatch {
+                op: "Moe",
+                detail: format!("rank {s} of the expert-parallel group sent rows of shape {}, where [{m}, {d}] was agreed", t.shape()),
+            });
         }
     }
     let total: usize = inn.iter().sum();

@@ -252,13 +252,13 @@ impl Moe {
     pub fn with_expert_parallel(mut self, rank: usize, degree: usize) -> Result<Moe> {
         const OP: &str = "Moe::with_expert_parallel";
         if self.ep_degree != 1 {
-            return Err(Error::invalid(OP, format!("the layer is already split over {} ranks; build a fresh layer to split it again", self.ep_degree)));
+            return Err(Error::state_mismatch(OP, format!("the layer is already split over {} ranks; build a fresh layer to split it again", self.ep_degree)));
         }
         if degree == 0 || rank >= degree {
-            return Err(Error::invalid(OP, format!("rank {rank} of an expert-parallel group of {degree}: pass the group's rank and size (rank < size)")));
+            return Err(Error::no_such_rank(OP, format!("rank {rank} of an expert-parallel group of {degree}: pass the group's rank and size (rank < size)")));
         }
         if !self.total.is_multiple_of(degree) {
-            return Err(Error::invalid(
+            return Err(Error::indivisible(
                 OP,
                 format!("{} experts cannot be split evenly over an expert-parallel group of {degree} ranks; choose an ep degree that divides {}, or change the number of experts", self.total, self.total),
             ));
@@ -340,7 +340,7 @@ impl Moe {
     fn check_group(&self, cx: &Cx) -> Result<()> {
         let ep = &cx.groups().ep;
         if ep.size() != self.ep_degree || ep.rank() != self.ep_rank {
-            return Err(Error::invalid(
+            return Err(Error::state_mismatch(
                 "Moe",
                 format!(
                     "the layer holds the experts of rank {} of an expert-parallel group of {}, but runs as rank {} of a group of {}; build it with `.with_expert_parallel({}, {})`",
@@ -486,7 +486,7 @@ impl Module<Plain> for Moe {
         let MoeSaved { x, shape, experts_idx, weights, probs, slots, tokens, w, o, plan, order, per_expert, stats } = saved;
         let (n, k, d, ne) = (x.dims()[0], self.top_k, self.dim, self.total);
         if per_expert.len() != self.experts.len() || stats.routed.len() != ne {
-            return Err(Error::invalid(OP, "the saved state does not come from this layer's forward"));
+            return Err(Error::state_mismatch(OP, "the saved state does not come from this layer's forward"));
         }
         let dy = dy.into_tensor();
         if *dy.shape() != shape {
@@ -520,8 +520,10 @@ impl Module<Plain> for Moe {
                 continue;
             };
             let m = se.xe.dims()[0];
-            let do_ =
-                dby_expert.as_ref().ok_or_else(|| Error::invalid(OP, "the saved state does not come from this layer's forward"))?.narrow(0, se.start, m)?;
+            let do_ = dby_expert
+                .as_ref()
+                .ok_or_else(|| Error::state_mismatch(OP, "the saved state does not come from this layer's forward"))?
+                .narrow(0, se.start, m)?;
             let (wg, wu, wd) = (param_value(cx, &ex.gate)?, param_value(cx, &ex.up)?, param_value(cx, &ex.down)?);
             let dh = ops::matmul(&do_, &wd)?;
             let ddown = weight_grad(&do_, &se.h)?;

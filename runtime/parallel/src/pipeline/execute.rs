@@ -70,7 +70,7 @@ pub fn run_stage<M: Staged>(
     const OP: &str = "pipeline";
     let pp = cx.groups().pp.clone();
     if pp.size() != schedule.stages() || pp.rank() != stage {
-        return Err(Error::invalid(
+        return Err(Error::schedule(
             OP,
             format!(
                 "stage {stage} of a {}-stage schedule runs on rank {} of a pipeline group of {}; give each stage the rank of its index",
@@ -82,23 +82,23 @@ pub fn run_stage<M: Staged>(
     }
     if let Some(layout) = cx.pipeline_layout()? {
         if layout.chunks() != schedule.chunks() {
-            return Err(Error::invalid(
+            return Err(Error::schedule(
                 OP,
                 format!("the context declares {} chunks per stage but the schedule `{}` has {}; declare the schedule's chunks with `Cx::with_pipeline_chunks` before building the model", layout.chunks(), schedule.name(), schedule.chunks()),
             ));
         }
     }
     if inputs.len() != schedule.microbatches() {
-        return Err(Error::invalid(OP, format!("{} inputs for {} microbatches", inputs.len(), schedule.microbatches())));
+        return Err(Error::schedule(OP, format!("{} inputs for {} microbatches", inputs.len(), schedule.microbatches())));
     }
     let virtual_stages = schedule.virtual_stages();
     let layers = model.split_layers();
     if layers < virtual_stages {
-        return Err(Error::invalid(OP, format!("{layers} layers cannot fill {virtual_stages} virtual stages; use fewer stages or chunks")));
+        return Err(Error::schedule(OP, format!("{layers} layers cannot fill {virtual_stages} virtual stages; use fewer stages or chunks")));
     }
     let last = virtual_stages - 1;
     let missing = |what: &str, mb: usize, c: usize| {
-        Error::invalid(OP, format!("stage {stage}: {what} of microbatch {mb}, chunk {c} is not there; the schedule is out of order"))
+        Error::schedule(OP, format!("stage {stage}: {what} of microbatch {mb}, chunk {c} is not there; the schedule is out of order"))
     };
 
     let device = cx.device().clone();

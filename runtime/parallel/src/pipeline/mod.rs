@@ -304,7 +304,7 @@ fn validate(op: &'static str, stages: usize, microbatches: usize, chunks: usize)
         ("chunks", chunks, "use 1 chunk per stage unless interleaving"),
     ] {
         if n == 0 {
-            return Err(Error::invalid(op, format!("the number of {what} is 0; {fix}")));
+            return Err(Error::schedule(op, format!("the number of {what} is 0; {fix}")));
         }
     }
     Ok(())

@@ -206,7 +206,7 @@ fn finished(schedule: &Schedule, stages: &[Stage], mailbox: &HashMap<Message, f6
             let (mb, c) = (unit / v, unit % v);
             if !f || !b {
                 let missing = if f { "backward" } else { "forward" };
-                return Err(Error::invalid(
+                return Err(Error::schedule(
                     "Schedule::check",
                     format!(
                         "{}: stage {s} never runs the {missing} of microbatch {mb}, chunk {c}; every stage must forward and backward every (microbatch, chunk)",
@@ -224,7 +224,7 @@ fn finished(schedule: &Schedule, stages: &[Stage], mailbox: &HashMap<Message, f6
             Kind::Activation => ("activation", format!("RecvActivation {{ from: {from}, microbatch: {mb}, chunk: {} }}", schedule.placement(k + 1).1)),
             Kind::Grad => ("gradient", format!("RecvGrad {{ from: {from}, microbatch: {mb}, chunk: {} }}", schedule.placement(k - 1).1)),
         };
-        return Err(Error::invalid(
+        return Err(Error::schedule(
             "Schedule::check",
             format!(
                 "{}: stage {from} sends the {what} of microbatch {mb}, chunk {c} to stage {to}, which never receives it ({} unreceived sends in all); add {recv} on stage {to}",
@@ -243,7 +243,7 @@ fn deadlock(schedule: &Schedule, stages: &[Stage]) -> Error {
         .enumerate()
         .filter_map(|(s, st)| schedule.actions(s).get(st.cursor).map(|a| format!("stage {s} at action {} (`{a}`)", st.cursor)))
         .collect();
-    Error::invalid(
+    Error::schedule(
         "Schedule::check",
         format!(
             "{}: deadlock: {} wait(s) for a tensor that no stage can send yet; reorder the computations so that each receive's sender can get to its send",
@@ -254,5 +254,5 @@ fn deadlock(schedule: &Schedule, stages: &[Stage]) -> Error {
 }
 
 fn error(schedule: &Schedule, s: usize, index: usize, a: Action, msg: String) -> Error {
-    Error::invalid("Schedule::check", format!("{}: stage {s}, action {index} (`{a}`): {msg}", schedule.name))
+    Error::schedule("Schedule::check", format!("{}: stage {s}, action {index} (`{a}`): {msg}", schedule.name))
 }

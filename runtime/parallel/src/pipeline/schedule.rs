@@ -116,7 +116,7 @@ pub fn interleaved_one_f_one_b(stages: usize, microbatches: usize, chunks: usize
         let below = microbatches / stages * stages;
         let above = below + stages;
         let options = if below > 0 { format!("{below} or {above}") } else { format!("{above}") };
-        return Err(Error::invalid(
+        return Err(Error::schedule(
             OP,
             format!(
                 "{microbatches} microbatches is not a multiple of the {stages} stages: interleaving sends microbatches through the chunks in groups of {stages}; use {options} microbatches, or plain 1F1B"

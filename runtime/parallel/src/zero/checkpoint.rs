@@ -55,7 +55,7 @@ fn restore_zero(zero: &Zero, values: Vec<(Tensor, Option<u64>)>, steps: u64) -> 
     const OP: &str = "Zero::restore";
     let pieces = zero.shard_pieces();
     if values.len() != 3 * pieces.len() {
-        return Err(Error::invalid(OP, format!("{} values for {} slots; pass one per slot", values.len(), 3 * pieces.len())));
+        return Err(Error::state_mismatch(OP, format!("{} values for {} slots; pass one per slot", values.len(), 3 * pieces.len())));
     }
     let current = zero.shard_state()?;
     let (len, dtype, device) = (current.params.elem_count(), current.params.dtype(), current.params.device().clone());
@@ -72,7 +72,7 @@ fn restore_zero(zero: &Zero, values: Vec<(Tensor, Option<u64>)>, steps: u64) -> 
         [] => steps,
         [one] => *one,
         many => {
-            return Err(Error::invalid(
+            return Err(Error::unsupported(
                 OP,
                 format!("the checkpoint's moments were updated {many:?} times for different parameters; ZeRO keeps one update count, so restore such a checkpoint with `AdamW`"),
             ))

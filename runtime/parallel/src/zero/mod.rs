@@ -237,7 +237,10 @@ impl Zero {
                 Some(&i) => i,
                 None => {
                     let value = e.param.value().map_err(|_| {
-                        Error::invalid(OP, format!("parameter `{}` has no value; build (materialise) the model on this rank before sharding it", e.name))
+                        Error::param_unavailable(
+                            OP,
+                            format!("parameter `{}` has no value; build (materialise) the model on this rank before sharding it", e.name),
+                        )
                     })?;
                     let dtype = master_dtype(e.name, &value)?;
                     match &kind {
@@ -258,7 +261,10 @@ impl Zero {
             Ok(())
         })?;
         if let Some(p) = problem {
-            return Err(Error::invalid(OP, format!("{p}; ZeRO flattens all parameters into one vector, so materialise them all in one dtype on one device")));
+            return Err(Error::unsupported(
+                OP,
+                format!("{p}; ZeRO flattens all parameters into one vector, so materialise them all in one dtype on one device"),
+            ));
         }
         let Some((dtype, device)) = kind else {
             return Err(Error::invalid(OP, "the model has no parameters; there is nothing to shard or optimise"));
@@ -417,7 +423,7 @@ impl Zero {
         }
         let mut s = self.state();
         if !s.inflight.is_empty() || s.grad_shard.is_some() || s.synced {
-            return Err(Error::invalid(
+            return Err(Error::state_mismatch(
                 OP,
                 "gradients of a step are still being reduced; restore state between steps (after `step`, before the next backward)",
             ));
@@ -556,7 +562,10 @@ impl Hooks for Zero {
             return dp.grad_ready(param);
         }
         let Some(&i) = self.entry_of.get(&param.id()) else {
-            return Err(Error::invalid("Zero", format!("{param:?} is not a parameter of the model this engine was built for; build one engine per model")));
+            return Err(Error::state_mismatch(
+                "Zero",
+                format!("{param:?} is not a parameter of the model this engine was built for; build one engine per model"),
+            ));
         };
         let mut s = self.state();
         if s.packed[i] || s.ready[i] {

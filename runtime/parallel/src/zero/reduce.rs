@@ -64,7 +64,7 @@ impl Zero {
         let mut at = 0;
         for (o, t) in pieces {
             if o != at {
-                return Err(Error::invalid(
+                return Err(Error::state_mismatch(
                     "Zero::finish",
                     format!(
                         "gradient pieces of shard {} do not tile it (gap at {at}, next piece at {o}); a parameter was reduced twice or not at all",
@@ -82,7 +82,7 @@ impl Zero {
     }
 
     pub(super) fn missing_grad(&self, e: &Entry) -> Error {
-        Error::invalid(
+        Error::unsupported(
             "Zero::finish",
             format!(
                 "parameter `{}` has no gradient this step; ZeRO updates every parameter from its averaged gradient, so every parameter must take part in the forward and backward on every rank (run the backward before the step, or leave unused parameters out of the model)",

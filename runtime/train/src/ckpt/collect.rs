@@ -2,7 +2,7 @@
 //! and a copy of every piece it writes (see [`place`](super::place) for
 //! who writes what).
 
-use super::io::{self, io_err};
+use super::io::{self, ckpt_err};
 use super::manifest::{MeshInfo, ParamRecord, TensorRecord};
 use super::place::{self, Coords};
 use super::region::Region;
@@ -141,7 +141,7 @@ pub(crate) fn collect<M: Module>(model: &M, opt: Option<&dyn OptimizerState>, cx
         // shards them (then every replica writes its own shard of them).
         if !zero && c.dp == 0 {
             let value = mp.param.value().map_err(|_| {
-                io_err(
+                ckpt_err(
                     &tmp.join(file),
                     &format!("parameter `{}` has no value on this rank", mp.name()),
                     "a ZeRO engine holds it: pass the engine as the optimizer to save it",

@@ -4,7 +4,7 @@ use std::fs::{self, File};
 use std::hash::Hasher;
 use std::io::Write;
 use std::path::Path;
-use tessera_core::file::{map_read_only, write_atomic, Mmap};
+use tessera_core::file::{map_read_only, write_atomic, MappedSafetensors};
 use tessera_core::tensor::{with_elem, DType, Tensor};
 use tessera_core::Device;
 use tessera_core::{Error, Result};
@@ -23,7 +23,7 @@ pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
         // Host byte order is little-endian on every platform Tessera runs on;
         // refuse to write anything else rather than produce unreadable files.
         if cfg!(target_endian = "big") {
-            return Err(Error::invalid("checkpoint", "big-endian hosts cannot write checkpoints; save on a little-endian machine"));
+            return Err(Error::unsupported("checkpoint", "big-endian hosts cannot write checkpoints; save on a little-endian machine"));
         }
         Ok(bytemuck::cast_slice(&t.to_vec::<T>()?).to_vec())
     }
@@ -56,9 +56,15 @@ pub(crate) fn dtype_named(name: &str) -> Option<DType> {
     [DType::F32, DType::F64, DType::BF16, DType::F16, DType::I32, DType::U32].into_iter().find(|d| d.name() == name)
 }
 
+/// A checkpoint problem on `path` that is not the operating system's: what
+/// was being done, and what went wrong or how to fix it.
+pub(crate) fn ckpt_err(path: &Path, doing: &str, detail: impl std::fmt::Display) -> Error {
+    Error::checkpoint(path, format!("{doing}: {detail}"))
+}
+
 /// An I/O error on `path`, with what was being done.
-pub(crate) fn io_err(path: &Path, doing: &str, e: impl std::fmt::Display) -> Error {
-    Error::Checkpoint { path: path.display().to_string(), detail: format!("{doing}: {e}") }
+pub(crate) fn io_err(path: &Path, doing: &str, e: std::io::Error) -> Error {
+    Error::checkpoint_io(path, doing, e)
 }
 
 /// Writes `bytes` to `path` and flushes them to the disk.
@@ -83,49 +89,45 @@ pub(crate) fn write_safetensors(path: &Path, tensors: &[(String, DType, Vec<usiz
     let views = tensors
         .iter()
         .map(|(key, dtype, shape, bytes)| {
-            let view = safetensors::tensor::TensorView::new(st_dtype(*dtype), shape.clone(), bytes).map_err(|e| io_err(path, &format!("tensor `{key}`"), e))?;
+            let view =
+                safetensors::tensor::TensorView::new(st_dtype(*dtype), shape.clone(), bytes).map_err(|e| ckpt_err(path, &format!("tensor `{key}`"), e))?;
             Ok((key.as_str(), view))
         })
         .collect::<Result<Vec<_>>>()?;
-    let bytes = safetensors::tensor::serialize(views, None).map_err(|e| io_err(path, "cannot serialise the tensors", e))?;
+    let bytes = safetensors::tensor::serialize(views, None).map_err(|e| ckpt_err(path, "cannot serialise the tensors", e))?;
     write_synced(path, &bytes)
 }
 
-/// One rank file, memory-mapped, its header parsed once: a tensor's bytes
-/// are read (and checksummed) when it is restored, and the file is never
-/// copied into memory whole.
-pub(crate) struct RankFile {
-    bytes: Mmap,
-    header: usize,
-    meta: safetensors::tensor::Metadata,
-}
+/// One rank file, memory-mapped, its header parsed once by the safetensors
+/// reader: a tensor's bytes are read (and checksummed) when it is restored,
+/// and the file is never copied into memory whole.
+pub(crate) struct RankFile(MappedSafetensors);
 
 impl RankFile {
     /// Maps and parses `path`; the tensors' bytes are not looked at.
     pub fn open(path: &Path) -> Result<RankFile> {
         let file = File::open(path).map_err(|e| io_err(path, "cannot read (missing or unreadable; the checkpoint is incomplete)", e))?;
-        let bytes = map_read_only(&file).map_err(|e| io_err(path, "cannot memory-map the file", e))?;
-        let (header, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| Error::CheckpointCorrupt {
+        let map = map_read_only(&file).map_err(|e| io_err(path, "cannot memory-map the file", e))?;
+        let tensors = MappedSafetensors::parse(map).map_err(|e| Error::CheckpointCorrupt {
             file: path.display().to_string(),
             tensor: "(header)".into(),
             detail: format!("the file's header is unreadable: {e}"),
         })?;
-        Ok(RankFile { bytes, header, meta })
+        Ok(RankFile(tensors))
     }
 
     /// The bytes of the tensor `r` describes, checked against its record
     /// (key, dtype, shape, checksum) without decoding them.
     pub fn tensor(&self, r: &super::TensorRecord, path: &Path) -> Result<&[u8]> {
         let corrupt = |detail: String| Error::CheckpointCorrupt { file: path.display().to_string(), tensor: r.name.clone(), detail };
-        let info = self.meta.info(&r.name).ok_or_else(|| corrupt("not found in the file".into()))?;
+        // The reader's only error here is a name the header lacks.
+        let view = self.0.reader().tensor(&r.name).map_err(|_| corrupt("not found in the file".into()))?;
         let dtype = dtype_named(&r.dtype).ok_or_else(|| corrupt(format!("the manifest names an unknown dtype `{}`", r.dtype)))?;
         let shape = r.region.stored_shape();
-        if info.shape != shape || info.dtype != st_dtype(dtype) {
-            return Err(corrupt(format!("stored as {:?} {:?}, the manifest says {} {:?}", info.dtype, info.shape, r.dtype, shape)));
+        if view.shape() != shape || view.dtype() != st_dtype(dtype) {
+            return Err(corrupt(format!("stored as {:?} {:?}, the manifest says {} {:?}", view.dtype(), view.shape(), r.dtype, shape)));
         }
-        let (a, b) = info.data_offsets;
-        let start = 8 + self.header;
-        let data = &self.bytes[start + a..start + b];
+        let data = view.data();
         let sum = checksum(data);
         if sum != r.checksum {
             return Err(corrupt(format!("checksum {sum}, the manifest recorded {}", r.checksum)));
@@ -136,7 +138,71 @@ impl RankFile {
 
 #[cfg(test)]
 mod tests {
-    use super::checksum;
+    use super::{checksum, write_safetensors, RankFile};
+    use crate::ckpt::Region;
+    use crate::ckpt::TensorRecord;
+    use tessera_core::tensor::DType;
+    use tessera_core::Error;
+    use tessera_optim::TensorKind;
+
+    /// The record a manifest would hold of an f32 tensor `name` of `shape` holding `bytes`.
+    fn record(name: &str, shape: &[usize], bytes: &[u8]) -> TensorRecord {
+        TensorRecord {
+            name: name.into(),
+            param: name.into(),
+            kind: TensorKind::Param,
+            region: Region::whole(shape),
+            dtype: DType::F32.name().into(),
+            file: "rank.safetensors".into(),
+            checksum: checksum(bytes),
+            steps: None,
+        }
+    }
+
+    /// The problem an error reports about which tensor, for a corrupt file.
+    fn corrupt(e: Error) -> (String, String) {
+        match e {
+            Error::CheckpointCorrupt { tensor, detail, .. } => (tensor, detail),
+            other => panic!("expected a corrupt-file error, got {other}"),
+        }
+    }
+
+    /// The reader keeps pointing into the mapping when the `RankFile` that
+    /// owns both moves (into a collection, as restoring does), and reports
+    /// each kind of damage naming the tensor.
+    #[test]
+    fn rank_files_read_tensors_and_name_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rank.safetensors");
+        let a: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let b: Vec<u8> = [7.0f32].iter().flat_map(|v| v.to_le_bytes()).collect();
+        write_safetensors(&path, &[("a".into(), DType::F32, vec![2, 3], &a), ("b".into(), DType::F32, vec![1], &b)]).unwrap();
+
+        let files = vec![RankFile::open(&path).unwrap()];
+        let file = &files[0];
+        assert_eq!(file.tensor(&record("a", &[2, 3], &a), &path).unwrap(), &a[..]);
+        assert_eq!(file.tensor(&record("b", &[1], &b), &path).unwrap(), &b[..]);
+
+        let (tensor, detail) = corrupt(file.tensor(&record("c", &[1], &b), &path).unwrap_err());
+        assert_eq!((tensor.as_str(), detail.as_str()), ("c", "not found in the file"));
+        let (_, detail) = corrupt(file.tensor(&record("a", &[3, 2], &a), &path).unwrap_err());
+        assert!(detail.contains("stored as F32 [2, 3]"), "{detail}");
+        let mut bf16 = record("a", &[2, 3], &a);
+        bf16.dtype = DType::BF16.name().into();
+        let (_, detail) = corrupt(file.tensor(&bf16, &path).unwrap_err());
+        assert!(detail.contains("the manifest says bf16"), "{detail}");
+        let (_, detail) = corrupt(file.tensor(&record("a", &[2, 3], &b), &path).unwrap_err());
+        assert!(detail.contains("checksum"), "{detail}");
+        drop(files);
+
+        let whole = std::fs::read(&path).unwrap();
+        for cut in [0, 4, 8, 20, whole.len() - 1] {
+            std::fs::write(&path, &whole[..cut]).unwrap();
+            let (tensor, detail) = corrupt(RankFile::open(&path).err().expect("a truncated file is refused"));
+            assert_eq!(tensor, "(header)");
+            assert!(detail.contains("header is unreadable"), "{detail}");
+        }
+    }
 
     /// Manifests already written hold these values: the checksum is part of
     /// the on-disk format (FNV-1a 64; reference values of the algorithm).

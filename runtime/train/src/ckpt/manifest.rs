@@ -187,13 +187,13 @@ impl Manifest {
     /// checksum of its contents.
     pub fn to_json(&self) -> Result<Vec<u8>> {
         let sealed = Manifest { checksum: Some(self.content_checksum()?), ..self.clone() };
-        serde_json::to_vec_pretty(&sealed).map_err(|e| Error::invalid("manifest", format!("cannot encode the manifest: {e}")))
+        serde_json::to_vec_pretty(&sealed).map_err(|e| Error::unsupported("manifest", format!("cannot encode the manifest: {e}")))
     }
 
     /// The checksum of the manifest's contents (compact JSON, checksum left out).
     fn content_checksum(&self) -> Result<String> {
         let bare = Manifest { checksum: None, ..self.clone() };
-        let bytes = serde_json::to_vec(&bare).map_err(|e| Error::invalid("manifest", format!("cannot encode the manifest: {e}")))?;
+        let bytes = serde_json::to_vec(&bare).map_err(|e| Error::unsupported("manifest", format!("cannot encode the manifest: {e}")))?;
         Ok(super::io::checksum(&bytes))
     }
 

@@ -4,7 +4,7 @@
 //! it belongs to, which is all the [placement rules](super::place) need.
 
 use super::check::{self, verify};
-use super::io::{self, checksum, io_err};
+use super::io::{self, checksum, ckpt_err, io_err};
 use super::manifest::{Manifest, MeshInfo, ParamRecord, TensorRecord};
 use super::place::{self, Coords};
 use super::region::Region;
@@ -76,9 +76,9 @@ pub fn reshard(src: &Path, out: &Path, mesh: MeshInfo) -> Result<Manifest> {
         return Err(Error::CheckpointMismatch { path: src.display().to_string(), detail: format!("it cannot be laid out on {mesh}: {}", found.join("; ")) });
     }
     if out.exists() {
-        return Err(io_err(out, "already exists", "choose a new directory for the resharded checkpoint"));
+        return Err(ckpt_err(out, "already exists", "choose a new directory for the resharded checkpoint"));
     }
-    let name = out.file_name().and_then(|n| n.to_str()).ok_or_else(|| io_err(out, "has no directory name", "name the new checkpoint's directory"))?;
+    let name = out.file_name().and_then(|n| n.to_str()).ok_or_else(|| ckpt_err(out, "has no directory name", "name the new checkpoint's directory"))?;
     let tmp = out.with_file_name(format!("{name}.tmp-{}", std::process::id()));
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(|e| io_err(&tmp, "cannot remove a stale temporary directory", e))?;

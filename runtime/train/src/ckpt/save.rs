@@ -6,7 +6,7 @@
 
 use super::collect::{self, Part};
 use super::faults::WriteFault;
-use super::io::{self, checksum, io_err};
+use super::io::{self, checksum, ckpt_err, io_err};
 use super::manifest::{Manifest, MeshInfo, ParamRecord, TensorRecord, FORMAT_VERSION};
 use super::place::Coords;
 use super::{check, collective, read_manifest, Checkpointer, Root, LATEST, MANIFEST};
@@ -142,7 +142,7 @@ fn write_part(tmp: &Path, coords: Coords, file: &str, part: Part, fault: Option<
         Err(e) => PartFile { error: Some(e.to_string()), ..PartFile::default() },
     };
     let path = tmp.join(coords.part_file());
-    let json = serde_json::to_vec(&report).map_err(|e| io_err(&path, "cannot encode the records", e))?;
+    let json = serde_json::to_vec(&report).map_err(|e| ckpt_err(&path, "cannot encode the records", e))?;
     // The rank's own failure is the cause to report, not that it could
     // not report it either.
     let reported = io::replace_file(&path, &json);
@@ -159,13 +159,13 @@ fn await_part(path: &Path, deadline: Instant, groups: &Groups) -> Result<PartFil
             return Err(e);
         }
         match fs::read(path) {
-            Ok(bytes) => return serde_json::from_slice(&bytes).map_err(|e| io_err(path, "malformed part file", e)),
+            Ok(bytes) => return serde_json::from_slice(&bytes).map_err(|e| ckpt_err(path, "malformed part file", e)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && Instant::now() < deadline => {
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_millis(50));
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(io_err(path, "the rank that writes it did not finish in time", "it is stalled (a rank that fails stops the others with its cause); on a slow disk raise the timeout (`mesh.timeout_s`, `Checkpointer::with_timeout`)"))
+                return Err(ckpt_err(path, "the rank that writes it did not finish in time", "it is stalled (a rank that fails stops the others with its cause); on a slow disk raise the timeout (`mesh.timeout_s`, `Checkpointer::with_timeout`)"))
             }
             Err(e) => return Err(io_err(path, "cannot read", e)),
         }
@@ -201,7 +201,7 @@ impl Checkpointer {
                 ),
             }),
             Ok(None) => Ok(1),
-            Err(e) => Err(Error::Checkpoint { path: self.root.path.display().to_string(), detail: e.to_string() }),
+            Err(e) => Err(Error::checkpoint(&self.root.path, e.to_string())),
         };
         // Every rank writes into rank 0's temporary directory.
         let pid = collective::broadcast(cx, std::process::id())?;
@@ -250,7 +250,7 @@ impl Root {
                     }
                     Some(&i) if params[i] == p => {}
                     Some(&i) => {
-                        return Err(io_err(
+                        return Err(ckpt_err(
                             &path,
                             &format!("ranks describe parameter `{}` differently ({:?} and {p:?})", p.name, params[i]),
                             "every rank must build the same model",

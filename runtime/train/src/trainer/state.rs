@@ -77,22 +77,17 @@ impl RunState {
         }
         self.rollbacks += 1;
         if self.rollbacks > MAX_ROLLBACKS {
-            return Err(Error::invalid(
-                "trainer",
-                format!("step {step}: still unstable after {MAX_ROLLBACKS} rollbacks to healthy checkpoints with fresh data; lower optim.lr, raise optim.warmup or tighten optim.clip"),
-            ));
+            return Err(Error::Diverged {
+                step,
+                detail: format!("still unstable after {MAX_ROLLBACKS} rollbacks to healthy checkpoints with fresh data; lower optim.lr, raise optim.warmup or tighten optim.clip"),
+            });
         }
         let Some(r) = ckpt.load_latest_valid_regular(model, Some(opt), cx)? else { return Ok(None) };
         let extra = &r.manifest.extra;
         self.restore_scaler_and_monitor(extra)?;
         match extra.get("data") {
             Some(since) => self.batches.exclude_since(since)?,
-            None => {
-                return Err(Error::invalid(
-                    "trainer",
-                    format!("the checkpoint `{}` holds no data cursor, so the data since it cannot be excluded", r.dir.display()),
-                ))
-            }
+            None => return Err(Error::checkpoint(&r.dir, "holds no data cursor, so the data read since it cannot be excluded on a rollback")),
         }
         // Newer checkpoints it had to pass over are reported, not hidden.
         let skipped = r.skipped.iter().map(|s| Event::Skipped { dir: s.dir.display().to_string(), reason: s.reason.to_string() }).collect();

@@ -116,7 +116,7 @@ impl CudaCall {
             Arg::Null | Arg::U64(_) | Arg::F32(_) | Arg::U32(_) | Arg::Attn(_) => return Ok(()),
         };
         if len < n {
-            return Err(Error::invalid(
+            return Err(Error::shape(
                 self.op,
                 format!("a CUDA launch needs {n} elements of {what}, which holds {len}; the operands' shapes do not fit the op"),
             ));

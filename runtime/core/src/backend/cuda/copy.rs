@@ -87,7 +87,7 @@ impl CudaStorage {
         let mut at = 0;
         for (part, range) in parts {
             if part.dtype() != dtype || !part.device().same(device) || range.end > part.len() {
-                return Err(Error::invalid(
+                return Err(Error::placement(
                     "concat_flat",
                     format!(
                         "a part of {} {} elements on cuda:{} does not fit a join of {dtype} on cuda:{}",

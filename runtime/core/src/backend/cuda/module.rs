@@ -61,7 +61,7 @@ impl CudaDevice {
             return Ok(m.clone());
         }
         let unit = tessera_kernels::cuda::source(source)
-            .ok_or_else(|| Error::invalid("cuda kernel", format!("no kernel source named `{source}` in tessera_kernels::cuda::SOURCES")))?;
+            .ok_or_else(|| Error::unsupported("cuda kernel", format!("no kernel source named `{source}` in tessera_kernels::cuda::SOURCES")))?;
         let ptx = nvrtc::compile_ptx(unit.name, unit.source, self.capability())?;
         let params = signature::entries(&ptx)
             .map_err(|e| Error::Cuda { ordinal: self.ordinal(), op: "reading a kernel module's entry points", detail: format!("`{source}`: {e}") })?

@@ -22,7 +22,7 @@ impl CudaStorage {
     pub fn uninit(device: &CudaDevice, dtype: DType, len: usize) -> Result<Self> {
         let bytes = len
             .checked_mul(dtype.size_in_bytes())
-            .ok_or_else(|| Error::invalid("cuda alloc", format!("{len} elements of {dtype} overflow the address space")))?;
+            .ok_or_else(|| Error::unsupported("cuda alloc", format!("{len} elements of {dtype} overflow the address space")))?;
         let (block, class) = device.allocate(bytes)?;
         Ok(CudaStorage { block: Some(block), class, dtype, len, device: device.clone() })
     }
@@ -40,7 +40,7 @@ impl CudaStorage {
     pub(crate) fn from_host_bytes(device: &CudaDevice, dtype: DType, len: usize, data: &[u8]) -> Result<Self> {
         let mut s = Self::uninit(device, dtype, len)?;
         if data.len() != s.bytes() {
-            return Err(Error::invalid("cuda copy", format!("{} bytes given for {len} elements of {dtype}", data.len())));
+            return Err(Error::shape("cuda copy", format!("{} bytes given for {len} elements of {dtype}", data.len())));
         }
         let stream = device.compute_stream().clone();
         let bytes = s.bytes();

@@ -48,7 +48,7 @@ impl CudaStorage {
         let sfx = suffix(self.dtype()).ok_or(Error::NotImplementedOnCuda { op: OP })?;
         let (indices, indices_range) = indices;
         if indices.dtype() != DType::U32 || indices_range.len() != rows * k || range.len() != rows * k {
-            return Err(Error::invalid(
+            return Err(Error::shape(
                 OP,
                 format!("{rows} rows of {k} value gradients and u32 indices expected, got {} and {} of {}", range.len(), indices_range.len(), indices.dtype()),
             ));
