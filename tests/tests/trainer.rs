@@ -11,6 +11,7 @@ use tessera::module::Cx;
 use tessera::observe::{read_metrics, Event};
 use tessera::prelude::*;
 use tessera::train::{Batches, ModelFacts, Trainer};
+use tessera::Error;
 
 #[test]
 fn a_run_writes_metrics_trace_plot_and_checkpoint_and_learns() {
@@ -413,4 +414,21 @@ fn a_run_that_cannot_fit_in_memory_is_refused_before_it_allocates() {
     .to_string();
     assert!(err.contains("needs at least") && err.contains("GiB") && err.contains("parameters"), "{err}");
     let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn a_configuration_that_cannot_run_is_refused_before_the_run_directory_exists() {
+    let scratch = scratch("preflight");
+    let out = scratch.path().join("run");
+    let refused = |toml: &str, key: &str, says: &str| {
+        let e = try_train(config(&out, toml, &["run.steps=1"]), false).expect_err("refused");
+        assert!(matches!(&e, Error::Config { key: k, .. } if k == key), "{toml}: {e:?}");
+        assert!(e.to_string().contains(says), "{toml}: {e}");
+        assert!(!out.exists(), "{toml}: the run directory was created");
+    };
+    // The two-layer model cannot fill 2 stages of 2 chunks, nor 3 stages.
+    refused("[mesh]\npp = 2\nschedule = \"interleaved\"\nchunks = 2\n[batch]\ngrad_accum = 2\n", "mesh.pp", "2 layers, too few for 4 pipeline stages");
+    refused("[mesh]\npp = 3\n[batch]\ngrad_accum = 3\n", "mesh.pp", "too few for 3 pipeline stages");
+    // Interleaving sends microbatches through the chunks in groups of pp.
+    refused("[mesh]\npp = 2\nschedule = \"interleaved\"\nchunks = 2\n[batch]\ngrad_accum = 3\n", "batch.grad_accum", "not a multiple of the 2 stages");
 }

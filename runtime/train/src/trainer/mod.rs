@@ -30,6 +30,7 @@
 //! the first root cause; `[faults]` injects failures on purpose.
 
 mod optimizer;
+mod preflight;
 mod rank;
 mod report;
 mod state;
@@ -43,6 +44,7 @@ use report::Collector;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+use tessera_core::error::panic_message;
 use tessera_core::{Device, Error, Result};
 use tessera_data::Batches;
 use tessera_dist::mesh::{Axis, Mesh};
@@ -162,21 +164,21 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let damaged: Vec<&crate::ckpt::Skipped> = scan.skipped.iter().filter(|s| s.dir.is_dir()).collect();
         if !cfg.checkpoint.resume && !steps.is_empty() {
             let newest = steps.last().map(|(s, _)| *s).unwrap_or(0);
-            return Err(Error::invalid(
-                "trainer",
-                format!("`{root}` holds checkpoints of an earlier run (the newest of step {newest}) that this run would not resume from and would delete; resume from them (`checkpoint.resume = true`), start over with `--fresh`, or give this run another `run.out`"),
-            ));
+            return Err(Error::Checkpoint {
+                path: root.to_string(),
+                detail: format!("holds checkpoints of an earlier run (the newest of step {newest}) that this run would not resume from and would delete; resume from them (`checkpoint.resume = true`), start over with `--fresh`, or give this run another `run.out`"),
+            });
         }
         if scan.valid.is_none() && !damaged.is_empty() {
             let why: Vec<String> = damaged.iter().map(|s| format!("  {}: {}", s.dir.display(), s.reason)).collect();
-            return Err(Error::invalid(
-                "trainer",
-                format!(
-                    "`{root}` holds {} checkpoint(s) but none can be loaded:\n{}\nrepair or remove them, or start over with `--fresh` (which deletes them)",
+            return Err(Error::Checkpoint {
+                path: root.to_string(),
+                detail: format!(
+                    "holds {} checkpoint(s) but none can be loaded:\n{}\nrepair or remove them, or start over with `--fresh` (which deletes them)",
                     damaged.len(),
                     why.join("\n")
                 ),
-            ));
+            });
         }
         let mut events = Vec::new();
         for s in damaged {
@@ -202,17 +204,12 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
     pub fn run(&self) -> Result<RunSummary> {
         let cfg = &self.config;
         let out = PathBuf::from(&cfg.run.out);
+        // Before the run directory is touched and any rank allocates: a run
+        // that cannot work, or cannot fit, is refused here.
+        let mesh = preflight::check(cfg, self.facts.vocab, &self.build)?;
         // Held until the run ends: one job per run directory.
         let _lock = self.open_run_dir(&out)?;
-
-        // Before any rank allocates: a run that cannot fit is refused here,
-        // not aborted by the allocator.
-        if cfg.mesh.rank_device()? == crate::RankDevice::Cpu {
-            let probe = (self.build)(&Cx::new(Device::cpu()), 0, 1)?;
-            crate::memory_check::check(cfg, &probe, self.facts.vocab)?;
-        }
-        let world_size = cfg.mesh.world_size();
-        let mesh = Mesh::parse(&format!("pp{},dp{},ep{},tp{}", cfg.mesh.pp, cfg.mesh.dp, cfg.mesh.ep, cfg.mesh.tp), world_size, world_size)?;
+        let world_size = mesh.world();
         let ranks = Ranks::new(cfg.mesh.rank_device()?, &mesh, cfg.mesh.timeout())?;
         if cfg.faults.any() {
             eprintln!("fault injection is on: {}", cfg.faults.describe());
@@ -237,7 +234,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
                         // A panic is caught so that it, too, aborts the rank's
                         // groups: NCCL peers would otherwise wait for it forever.
                         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| RankRun::setup(self, shared, rank)?.run()))
-                            .unwrap_or_else(|_| Err(Error::invalid("trainer", format!("rank {rank} panicked; see its message above"))));
+                            .unwrap_or_else(|panic| Err(Error::RankPanicked { rank, message: panic_message(panic.as_ref()) }));
                         // A rank killed on purpose tells no one, as a dead
                         // process could not: its peers must find out.
                         if let Err(e) = &r {
@@ -249,7 +246,11 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
                     })
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("trainer", "a rank's thread could not be joined")))).collect()
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(rank, h)| h.join().unwrap_or_else(|panic| Err(Error::RankPanicked { rank, message: panic_message(panic.as_ref()) })))
+                .collect()
         });
         let elapsed = started.elapsed();
         let (resumed_from, checkpoint) = first_root_cause(results)?;
@@ -429,5 +430,5 @@ fn first_root_cause(results: Vec<Result<(u64, PathBuf)>>) -> Result<(u64, PathBu
     if let Some(e) = first_err {
         return Err(e);
     }
-    outcome.ok_or_else(|| Error::invalid("trainer", "no rank ran"))
+    outcome.ok_or_else(|| Error::topology("trainer", "no rank ran"))
 }

@@ -1,0 +1,53 @@
+//! What can be known about a run without running it is checked before the
+//! run directory is touched: a configuration that cannot work fails in a
+//! second, naming the setting, instead of on every rank at step 1 after the
+//! directory, the lock and the first checkpoints exist.
+
+use crate::TrainConfig;
+use tessera_core::{Device, Error, Result};
+use tessera_dist::mesh::Mesh;
+use tessera_nn::module::{Cx, Staged};
+use tessera_parallel::pipeline::ScheduleKind;
+
+/// Checks `cfg` against the model `build` makes: the mesh fits the world,
+/// the pipeline schedule can be built for these stages and microbatches,
+/// the model has a layer for every virtual stage, the experts split over
+/// the expert-parallel ranks, and (on CPU ranks) the run fits in memory.
+/// Returns the mesh. Building the model only records shapes: nothing is
+/// allocated.
+pub(super) fn check<M: Staged>(cfg: &TrainConfig, vocab: usize, build: impl Fn(&Cx, usize, usize) -> Result<M>) -> Result<Mesh> {
+    let world = cfg.mesh.world_size();
+    let mesh = Mesh::parse(&format!("pp{},dp{},ep{},tp{}", cfg.mesh.pp, cfg.mesh.dp, cfg.mesh.ep, cfg.mesh.tp), world, world)?;
+
+    let kind = cfg.mesh.schedule_kind()?;
+    let schedule = kind.build(cfg.mesh.pp, cfg.batch.grad_accum).map_err(|e| {
+        Error::config(
+            "batch.grad_accum",
+            format!("the `{}` schedule cannot run this pipeline: {e}; batch.grad_accum is its microbatch count", cfg.mesh.schedule),
+        )
+    })?;
+
+    let cx = Cx::new(Device::cpu());
+    let whole = build(&cx, 0, 1)?;
+    if cfg.mesh.pp > 1 {
+        let (layers, virtual_stages) = (whole.split_layers(), schedule.virtual_stages());
+        if layers < virtual_stages {
+            let chunks = if let ScheduleKind::Interleaved { chunks } = kind { format!(" × mesh.chunks = {chunks}") } else { String::new() };
+            return Err(Error::config(
+                "mesh.pp",
+                format!(
+                    "the model's split field has {layers} layers, too few for {virtual_stages} pipeline stages (mesh.pp = {}{chunks}); every stage needs at least one layer: lower mesh.pp or mesh.chunks, or give the model more layers",
+                    cfg.mesh.pp
+                ),
+            ));
+        }
+    }
+    if cfg.mesh.ep > 1 {
+        // Rank 0's share: building it checks that the experts divide.
+        build(&cx, 0, cfg.mesh.ep).map_err(|e| Error::config("mesh.ep", e.to_string()))?;
+    }
+    if cfg.mesh.rank_device()? == crate::RankDevice::Cpu {
+        crate::memory_check::check(cfg, &whole, vocab)?;
+    }
+    Ok(mesh)
+}
