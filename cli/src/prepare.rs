@@ -28,6 +28,11 @@ pub struct Args {
     #[arg(long)]
     chars: bool,
 
+    /// Leave out the special tokens (BOS, EOS, ...) the tokenizer file's post-processor adds
+    /// around each document; by default they are added, as Hugging Face's `encode` does.
+    #[arg(long)]
+    no_special_tokens: bool,
+
     /// Tokens per shard file.
     #[arg(long, value_name = "N", default_value_t = 1 << 24)]
     shard_tokens: usize,
@@ -79,7 +84,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         _ => bail!("choose how to tokenize: --tokenizer FILE, --train-bpe VOCAB or --chars"),
     };
     let files = data::input_files(&args.input)?;
-    let index = data::prepare(&files, &args.out, &source, args.shard_tokens)?;
+    let special = if args.no_special_tokens { data::SpecialTokens::Omitted } else { data::SpecialTokens::Added };
+    let index = data::prepare(&files, &args.out, &source, args.shard_tokens, special)?;
     report(&args.out, &index);
     Ok(())
 }

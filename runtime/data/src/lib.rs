@@ -51,4 +51,4 @@ pub use batches::{AnswerTargets, Batches};
 pub use prepare::{input_files, prepare, TokenizerSource};
 pub use sampler::{Cursor, OrderSpan, Sampler, Window, WindowRange};
 pub use shards::{Dataset, Index, ShardEntry, ShardWriter, TokenDType};
-pub use tokenizer::{CharTokenizer, Tokenizer, END_OF_TEXT};
+pub use tokenizer::{CharTokenizer, SpecialTokens, Tokenizer, END_OF_TEXT};

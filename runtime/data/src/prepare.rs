@@ -1,6 +1,6 @@
 //! Text files to a token-shard dataset: what `tessera prepare` runs.
 
-use super::{CharTokenizer, Index, ShardWriter, Tokenizer};
+use super::{CharTokenizer, Index, ShardWriter, SpecialTokens, Tokenizer};
 use std::path::{Path, PathBuf};
 use tessera_core::{Error, Result};
 
@@ -58,8 +58,10 @@ fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
 }
 
 /// Tokenizes `files` (one document each) into a new dataset in `out`, which
-/// must not exist yet or be empty; `shard_tokens` tokens per shard.
-pub fn prepare(files: &[PathBuf], out: &Path, source: &TokenizerSource, shard_tokens: usize) -> Result<Index> {
+/// must not exist yet or be empty; `shard_tokens` tokens per shard. With
+/// [`SpecialTokens::Added`], each document gets the special tokens the
+/// tokenizer's post-processor adds around a sequence (Llama's BOS), once.
+pub fn prepare(files: &[PathBuf], out: &Path, source: &TokenizerSource, shard_tokens: usize, special: SpecialTokens) -> Result<Index> {
     if out.exists() && std::fs::read_dir(out).map_or(true, |mut d| d.next().is_some()) {
         return Err(Error::data_file(out, "already exists and is not empty; choose a new output directory or remove this one"));
     }
@@ -75,13 +77,19 @@ pub fn prepare(files: &[PathBuf], out: &Path, source: &TokenizerSource, shard_to
             Tokenizer::Chars(chars)
         }
     };
+    let (prefix, suffix) = match special {
+        SpecialTokens::Added => tokenizer.special_affixes()?,
+        SpecialTokens::Omitted => (Vec::new(), Vec::new()),
+    };
     let mut writer = ShardWriter::create(out, tokenizer.vocab_size(), tokenizer.document_separator(), shard_tokens)?;
     for file in files {
         let text = read_text(file)?;
+        writer.push(&prefix)?;
         for piece in pieces(&text) {
-            let ids = tokenizer.encode(piece).map_err(|e| Error::data_file(file, e.to_string()))?;
+            let ids = tokenizer.encode_with(piece, SpecialTokens::Omitted).map_err(|e| Error::data_file(file, e.to_string()))?;
             writer.push(&ids)?;
         }
+        writer.push(&suffix)?;
         writer.end_document();
     }
     writer.finish(Some(&tokenizer))

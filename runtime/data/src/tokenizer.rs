@@ -21,6 +21,18 @@ use tessera_core::{Error, Result};
 /// The special token a trained BPE reserves to separate documents.
 pub const END_OF_TEXT: &str = "<|endoftext|>";
 
+/// Whether an encoding carries the special tokens (BOS, EOS, ...) that the
+/// tokenizer file's post-processor adds around a sequence, as Hugging Face's
+/// `encode` does by default. A character tokenizer has none.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SpecialTokens {
+    /// As the post-processor says (Llama's adds BOS, GPT-2's adds nothing).
+    #[default]
+    Added,
+    /// The text's own tokens only.
+    Omitted,
+}
+
 /// Text to token ids and back: a byte-level BPE or a character tokenizer.
 #[derive(Clone, Debug)]
 pub enum Tokenizer {
@@ -116,14 +128,45 @@ impl Tokenizer {
         }
     }
 
-    /// The token ids of `text`.
+    /// The token ids of `text`, with the special tokens the tokenizer's
+    /// post-processor adds (as Hugging Face's `encode`); see
+    /// [`encode_with`](Self::encode_with) to leave them out.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, SpecialTokens::Added)
+    }
+
+    /// The token ids of `text`, with or without the post-processor's special tokens.
+    pub fn encode_with(&self, text: &str, special: SpecialTokens) -> Result<Vec<u32>> {
         match self {
             Tokenizer::Chars(c) => c.encode(text),
-            Tokenizer::Bpe(b) => {
-                b.encode(text, false).map(|e| e.get_ids().to_vec()).map_err(|e| Error::Data(format!("the BPE tokenizer cannot encode a text: {e}")))
+            Tokenizer::Bpe(b) => b
+                .encode(text, special == SpecialTokens::Added)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| Error::Data(format!("the BPE tokenizer cannot encode a text: {e}"))),
+        }
+    }
+
+    /// The special tokens the post-processor puts before and after one
+    /// sequence (`([BOS], [])` for Llama's, `([], [])` for GPT-2's), so that
+    /// a document encoded in pieces gets them once. Found by encoding a
+    /// probe text with and without them: the plain ids sit inside the
+    /// others, and what surrounds them is the answer.
+    pub fn special_affixes(&self) -> Result<(Vec<u32>, Vec<u32>)> {
+        if let Tokenizer::Chars(_) = self {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        for probe in ["a", "0", " ", "the", ""] {
+            let (Ok(plain), Ok(full)) = (self.encode_with(probe, SpecialTokens::Omitted), self.encode_with(probe, SpecialTokens::Added)) else { continue };
+            if plain.is_empty() {
+                // Only the affixes: all of them go first, unless the probes
+                // above found where the text goes.
+                return Ok((full, Vec::new()));
+            }
+            if let Some(at) = full.windows(plain.len()).position(|w| w == plain) {
+                return Ok((full[..at].to_vec(), full[at + plain.len()..].to_vec()));
             }
         }
+        Err(Error::Data("the tokenizer's post-processor does not keep a text's tokens together, so where its special tokens go is unknown; prepare the data without special tokens".into()))
     }
 
     /// The text of `ids`; every id must be below [`Tokenizer::vocab_size`].
