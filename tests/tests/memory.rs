@@ -88,3 +88,20 @@ fn reused_buffers_never_leak_stale_values() {
     let clean = run(&Device::cpu(), false);
     assert_eq!(run(&Device::cpu(), true), clean);
 }
+
+#[test]
+fn buffers_kept_for_reuse_never_take_the_device_past_its_peak() {
+    let dev = Device::cpu();
+    // Large buffers of lengths never asked for again, as a run's conversions free.
+    for i in 0..64 {
+        let t = Tensor::zeros([(1 << 16) + 64 * i], DType::F32, &dev).unwrap();
+        drop(t);
+        let s = dev.memory_stats();
+        assert!(s.in_use + s.cached <= s.peak, "after {i}: {} in use + {} cached > peak {}", s.in_use, s.cached, s.peak);
+    }
+    // A buffer in use leaves room for no more than the rest of the peak.
+    let held = Tensor::zeros([1 << 16], DType::F32, &dev).unwrap();
+    let s = dev.memory_stats();
+    assert!(s.in_use + s.cached <= s.peak, "{} in use + {} cached > peak {}", s.in_use, s.cached, s.peak);
+    drop(held);
+}

@@ -22,6 +22,9 @@ pub struct MemoryStats {
 pub struct MemoryTracker {
     in_use: AtomicUsize,
     peak: AtomicUsize,
+    /// The largest `in_use` since the device was created (`reset_peak`
+    /// leaves it): what the device has shown it needs at once.
+    high_water: AtomicUsize,
     allocations: AtomicUsize,
 }
 
@@ -29,11 +32,18 @@ impl MemoryTracker {
     pub(crate) fn on_alloc(&self, bytes: usize) {
         let now = self.in_use.fetch_add(bytes, Ordering::AcqRel) + bytes;
         self.peak.fetch_max(now, Ordering::AcqRel);
+        self.high_water.fetch_max(now, Ordering::AcqRel);
         self.allocations.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn on_free(&self, bytes: usize) {
         self.in_use.fetch_sub(bytes, Ordering::AcqRel);
+    }
+
+    /// How many bytes a cache of freed buffers may hold now without the
+    /// device's memory (in use plus cached) passing its high-water mark.
+    pub(crate) fn headroom(&self) -> usize {
+        self.high_water.load(Ordering::Acquire).saturating_sub(self.in_use.load(Ordering::Acquire))
     }
 
     /// Current figures.

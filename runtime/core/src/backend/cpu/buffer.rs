@@ -62,7 +62,7 @@ impl<T: Send + 'static> Buffer<T> {
 impl<T: Send + 'static> Drop for Buffer<T> {
     fn drop(&mut self) {
         self.host.tracker.on_free(Self::bytes_of(self.data.len()));
-        self.host.pool.give(std::mem::take(&mut self.data));
+        self.host.pool.give(std::mem::take(&mut self.data), self.host.tracker.headroom());
     }
 }
 
