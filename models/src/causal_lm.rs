@@ -62,4 +62,17 @@ impl<B: DecoderBlock> CausalLm<B> {
     pub fn layers(&self) -> &Stack<B> {
         &self.layers
     }
+
+    /// This model with its vocabulary padded to `padded` ids (see
+    /// [`vocab`](crate::vocab)): the embedding and head grow, the head masks
+    /// the padding. Before the model is materialised.
+    pub fn with_vocab_padded_to(mut self, padded: usize) -> crate::Result<CausalLm<B>> {
+        (self.embed_tokens, self.lm_head) = crate::gpt2::padded_vocab_layers(&self.embed_tokens, &self.lm_head, padded)?;
+        Ok(self)
+    }
+
+    /// The vocabulary size the model was built with, padding included.
+    pub fn padded_vocab(&self) -> usize {
+        self.lm_head.out_features()
+    }
 }

@@ -51,6 +51,7 @@ pub mod gpt2;
 pub mod hf;
 pub mod llama;
 pub mod mixtral;
+pub mod vocab;
 
 pub use error::{Error, Result};
 pub use tessera;

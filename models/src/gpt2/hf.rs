@@ -3,6 +3,7 @@
 use super::{Gpt2, Gpt2Config};
 use crate::error::Result;
 use crate::hf::{Conversion, HfConfig, HfModel, HfParam, QkvHeads, QkvStorage};
+use crate::vocab::padded_vocab;
 use tessera::module::Cx;
 
 impl HfConfig for Gpt2Config {
@@ -24,16 +25,24 @@ impl HfModel for Gpt2 {
     type Config = Gpt2Config;
     const BASE_PREFIX: &'static str = "transformer.";
 
-    fn from_config(config: &Gpt2Config, _cx: &Cx) -> Result<Gpt2> {
-        Gpt2::new(config)
+    /// Pads the vocabulary when the tensor-parallel degree of `cx` does not divide it.
+    fn from_config(config: &Gpt2Config, cx: &Cx) -> Result<Gpt2> {
+        Gpt2::new(config)?.with_vocab_padded_to(padded_vocab(config.vocab_size, cx.groups().tp.size()))
     }
 
     /// Tessera's names are Hugging Face's without `transformer.`; the
     /// `Conv1D` weights are stored transposed, and `c_attn` holds all query,
     /// key and value heads one after the other where Tessera packs them per head.
+    fn with_vocab_padded_to(self, padded: usize) -> Result<Gpt2> {
+        Gpt2::with_vocab_padded_to(self, padded)
+    }
+
     fn hf_param(config: &Gpt2Config, name: &str) -> HfParam {
         if name == "lm_head.weight" {
-            return HfParam::one(name, Conversion::Identity);
+            return HfParam::one(name, Conversion::Vocab { stored: config.vocab_size });
+        }
+        if name == "wte.weight" {
+            return HfParam::one(format!("transformer.{name}"), Conversion::Vocab { stored: config.vocab_size });
         }
         let heads = QkvHeads { q: config.n_head, kv: config.n_head, dim: config.head_dim() };
         let conversion = if name.ends_with(".attn.c_attn.weight") {

@@ -7,6 +7,13 @@ use tessera::{Result, Tensor};
 /// Face tensors that store it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Conversion {
+    /// A vocabulary table (token embedding, output head) whose first
+    /// `stored` rows are the checkpoint's; the rows past them are padding
+    /// (see [`vocab`](crate::vocab)): zero on import, left out on export.
+    Vocab {
+        /// The vocabulary size the checkpoint stores.
+        stored: usize,
+    },
     /// One tensor of the same shape and element order.
     Identity,
     /// One 2-D tensor stored transposed: GPT-2's `Conv1D` weights are
@@ -76,6 +83,7 @@ impl Conversion {
     pub fn hf_shapes(&self, global: &[usize]) -> Vec<Vec<usize>> {
         match *self {
             Conversion::Identity => vec![global.to_vec()],
+            Conversion::Vocab { stored } => vec![with_rows(global, stored)],
             Conversion::Transpose => vec![global.iter().rev().copied().collect()],
             Conversion::Qkv { heads, storage } => {
                 let (q, kv) = heads.rows();
@@ -89,10 +97,11 @@ impl Conversion {
     }
 
     /// The parameter's global tensor from its Hugging Face tensors (of the
-    /// shapes [`hf_shapes`](Self::hf_shapes) gives, in order).
+    /// shapes [`hf_shapes`](Self::hf_shapes) gives, in order); a padded
+    /// vocabulary table without its padding rows, which loading adds.
     pub fn import(&self, hf: &[Tensor]) -> Result<Tensor> {
         match *self {
-            Conversion::Identity => Ok(hf[0].clone()),
+            Conversion::Identity | Conversion::Vocab { .. } => Ok(hf[0].clone()),
             Conversion::Transpose => transposed(&hf[0]),
             Conversion::Qkv { heads, storage } => {
                 let (qr, kvr) = heads.rows();
@@ -122,6 +131,7 @@ impl Conversion {
     pub fn export(&self, t: &Tensor) -> Result<Vec<Tensor>> {
         match *self {
             Conversion::Identity => Ok(vec![t.contiguous()?]),
+            Conversion::Vocab { stored } => Ok(vec![t.narrow(0, 0, stored)?.contiguous()?]),
             Conversion::Transpose => Ok(vec![transposed(t)?]),
             Conversion::Qkv { heads, storage } => {
                 let (qr, kvr) = heads.rows();

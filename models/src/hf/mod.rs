@@ -109,8 +109,14 @@ pub trait HfModel: Module + Sized {
     const BASE_PREFIX: &'static str;
 
     /// The model `config` describes, for the rank of `cx` (a Mixtral holds
-    /// the experts of its expert-parallel rank), not yet materialised.
+    /// the experts of its expert-parallel rank; a vocabulary the
+    /// tensor-parallel degree does not divide is padded, see
+    /// [`crate::vocab`]), not yet materialised.
     fn from_config(config: &Self::Config, cx: &Cx) -> Result<Self>;
+
+    /// This model with its vocabulary padded to `padded` ids, the padding
+    /// masked in the head (see [`crate::vocab`]). Before it is materialised.
+    fn with_vocab_padded_to(self, padded: usize) -> Result<Self>;
 
     /// Where parameter `name` (its first name, for a tied one) is stored.
     fn hf_param(config: &Self::Config, name: &str) -> HfParam;
@@ -231,7 +237,7 @@ fn fill(plan: Vec<Source>, weights: &files::Weights) -> Result<()> {
         for (key, shape) in &source.tensors {
             parts.push(weights.read(key, shape, current.dtype(), current.device())?);
         }
-        let global = source.conversion.import(&parts)?;
+        let global = with_padding_rows(source.conversion.import(&parts)?, source.param.param.global_shape().dims()[0])?;
         let local = match source.param.param.shard() {
             Shard::Full => global,
             Shard::Split { dim, rank, degree } => {
@@ -245,6 +251,20 @@ fn fill(plan: Vec<Source>, weights: &files::Weights) -> Result<()> {
         p.set_value(v)?;
     }
     Ok(())
+}
+
+/// `t` with zero rows appended up to `rows` (a vocabulary table read into a
+/// model whose vocabulary is padded; see [`crate::vocab`]).
+fn with_padding_rows(t: Tensor, rows: usize) -> Result<Tensor> {
+    let have = t.dims()[0];
+    if have >= rows {
+        return Ok(t);
+    }
+    let mut dims = t.dims().to_vec();
+    dims[0] = rows - have;
+    let zeros = Tensor::zeros(dims.clone(), t.dtype(), t.device())?;
+    dims[0] = rows;
+    Ok(Tensor::concat_flat(&[&t.contiguous()?, &zeros])?.reshape(dims)?)
 }
 
 /// Writes `model` (of `config`) to `dir` as a Hugging Face checkpoint:

@@ -3,6 +3,7 @@
 use super::{Llama, LlamaConfig};
 use crate::error::Result;
 use crate::hf::{Conversion, HfConfig, HfModel, HfParam, QkvHeads, QkvStorage};
+use crate::vocab::padded_vocab;
 use tessera::module::Cx;
 
 impl HfConfig for LlamaConfig {
@@ -24,17 +25,32 @@ impl HfModel for Llama {
     type Config = LlamaConfig;
     const BASE_PREFIX: &'static str = "model.";
 
-    fn from_config(config: &LlamaConfig, _cx: &Cx) -> Result<Llama> {
-        Llama::new(config)
+    /// Pads the vocabulary when the tensor-parallel degree of `cx` does not divide it.
+    fn from_config(config: &LlamaConfig, cx: &Cx) -> Result<Llama> {
+        Llama::new(config)?.with_vocab_padded_to(padded_vocab(config.vocab_size, cx.groups().tp.size()))
+    }
+
+    fn with_vocab_padded_to(self, padded: usize) -> Result<Llama> {
+        Llama::with_vocab_padded_to(self, padded)
     }
 
     fn hf_param(config: &LlamaConfig, name: &str) -> HfParam {
         let heads = QkvHeads { q: config.num_attention_heads, kv: config.num_key_value_heads, dim: config.head_dim };
-        attention_param(heads, name).unwrap_or_else(|| HfParam::one(base_name(name), Conversion::Identity))
+        attention_param(heads, name).unwrap_or_else(|| HfParam::one(base_name(name), vocab_or_identity(name, config.vocab_size)))
     }
 
     fn skips(&self, config: &LlamaConfig, tensor: &str) -> bool {
         skipped(config.tie_word_embeddings, tensor)
+    }
+}
+
+/// How a parameter stored as it is converts: the vocabulary tables (the
+/// token embedding and the head) may be padded (see [`crate::vocab`]).
+pub(crate) fn vocab_or_identity(name: &str, vocab: usize) -> Conversion {
+    if name == "embed_tokens.weight" || name == "lm_head.weight" {
+        Conversion::Vocab { stored: vocab }
+    } else {
+        Conversion::Identity
     }
 }
 

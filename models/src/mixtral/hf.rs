@@ -2,8 +2,9 @@
 
 use super::{Mixtral, MixtralConfig};
 use crate::error::{Error, Result};
-use crate::hf::{Conversion, HfConfig, HfModel, HfParam, QkvHeads};
-use crate::llama::hf::{attention_param, base_name, skipped};
+use crate::hf::{HfConfig, HfModel, HfParam, QkvHeads};
+use crate::llama::hf::{attention_param, base_name, skipped, vocab_or_identity};
+use crate::vocab::padded_vocab;
 use tessera::module::Cx;
 
 impl HfConfig for MixtralConfig {
@@ -32,7 +33,11 @@ impl HfModel for Mixtral {
     /// Holds the experts of the expert-parallel rank of `cx`.
     fn from_config(config: &MixtralConfig, cx: &Cx) -> Result<Mixtral> {
         let ep = &cx.groups().ep;
-        Mixtral::with_expert_parallel(config, ep.rank(), ep.size())
+        Mixtral::with_expert_parallel(config, ep.rank(), ep.size())?.with_vocab_padded_to(padded_vocab(config.vocab_size, cx.groups().tp.size()))
+    }
+
+    fn with_vocab_padded_to(self, padded: usize) -> Result<Mixtral> {
+        Mixtral::with_vocab_padded_to(self, padded)
     }
 
     fn hf_param(config: &MixtralConfig, name: &str) -> HfParam {
@@ -48,7 +53,7 @@ impl HfModel for Mixtral {
                 }
             }
         }
-        HfParam::one(base_name(&hf), Conversion::Identity)
+        HfParam::one(base_name(&hf), vocab_or_identity(name, config.vocab_size))
     }
 
     /// Also skips the experts other expert-parallel ranks hold.

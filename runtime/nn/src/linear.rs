@@ -49,6 +49,9 @@ use tessera_core::{Error, Result};
 pub struct Linear {
     in_features: usize,
     out_features: usize,
+    /// Outputs past this index are padding: a vocab-parallel head masks
+    /// them to −∞ (see [`Linear::with_valid_outputs`]).
+    valid_outputs: usize,
     weight: Param,
     bias: Option<Param>,
 }
@@ -77,6 +80,7 @@ impl Linear {
         Ok(Linear {
             in_features,
             out_features,
+            valid_outputs: out_features,
             weight: Param::new([out_features, in_features], Init::Normal { mean: 0.0, std: 0.02 }),
             bias: bias.then(|| Param::new([out_features], Init::Normal { mean: 0.0, std: 0.0 })),
         })
@@ -90,6 +94,40 @@ impl Linear {
     /// Number of output features (global).
     pub fn out_features(&self) -> usize {
         self.out_features
+    }
+
+    /// Marks the outputs from `valid` on as padding: as a vocab-parallel head
+    /// (`#[shard(vocab)]`) the layer sets their logits to −∞, so they never
+    /// win a softmax or a sample, take no probability in a cross-entropy and
+    /// get no gradient from one. This is how a vocabulary is padded to a size
+    /// the tensor-parallel degree divides (GPT-2's 50 257 to 50 304).
+    pub fn with_valid_outputs(mut self, valid: usize) -> Result<Linear> {
+        if valid == 0 || valid > self.out_features {
+            return Err(Error::invalid(
+                "Linear::with_valid_outputs",
+                format!("{valid} valid outputs of {}; pass 1..={}", self.out_features, self.out_features),
+            ));
+        }
+        self.valid_outputs = valid;
+        Ok(self)
+    }
+
+    /// Outputs that are not padding (all of them unless
+    /// [`with_valid_outputs`](Self::with_valid_outputs) said otherwise).
+    pub fn valid_outputs(&self) -> usize {
+        self.valid_outputs
+    }
+
+    /// `y` (this rank's `local` columns of the outputs, starting at `first`)
+    /// with the padding columns set to −∞.
+    fn mask_padding(&self, y: Tensor, first: usize) -> Result<Tensor> {
+        let local = *y.dims().last().expect("a linear output has a last dimension");
+        if first + local <= self.valid_outputs {
+            return Ok(y);
+        }
+        let mask: Vec<f32> = (first..first + local).map(|c| if c < self.valid_outputs { 0.0 } else { f32::NEG_INFINITY }).collect();
+        let mask = Tensor::from_vec(mask, [local], y.device())?.to_dtype(y.dtype())?;
+        ops::add_bias(&y, &mask)
     }
 
     /// The weight, `[out_features, in_features]`.
@@ -251,7 +289,10 @@ impl Module<Vocab> for Linear {
     const SEQ_IN: Seq = Seq::Split;
 
     fn forward(&self, cx: &mut Cx, x: Act<Replicated>) -> Result<(Act<SplitHidden>, LinearSaved)> {
-        <Self as Module<Column>>::forward(self, cx, x)
+        let (y, saved) = <Self as Module<Column>>::forward(self, cx, x)?;
+        let y = y.into_tensor();
+        let first = cx.tp().rank() * y.dims().last().copied().unwrap_or(0);
+        Ok((Act::new(self.mask_padding(y, first)?), saved))
     }
 
     fn backward(&self, cx: &mut Cx, saved: LinearSaved, dy: Act<SplitHidden>) -> Result<Act<Replicated>> {

@@ -63,7 +63,8 @@ pub struct Replica {
 /// What the program training a model tells the trainer about it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ModelFacts {
-    /// Vocabulary size (the logits' last dimension, unsharded).
+    /// Vocabulary size: the logits' last dimension, unsharded, padding included
+    /// (a padded model's `padded_vocab()`, not its tokenizer's size).
     pub vocab: usize,
     /// Training FLOPs per token (see [`tessera_observe::transformer_flops_per_token`]).
     pub flops_per_token: f64,
