@@ -139,7 +139,15 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(cfg: Config, world: &
             .unwrap();
         }
         match &zero {
-            Some(z) => z.step(LR).unwrap(),
+            Some(z) => {
+                // The norm over the shards, the same on every rank at every stage.
+                let factor = cfg.clip.map_or(1.0, |max| {
+                    let norm = z.grad_norm().unwrap();
+                    assert!(norm > max, "the clipping threshold {max} must bite (norm {norm})");
+                    max / (norm + 1e-6)
+                });
+                z.step_scaled(LR, factor).unwrap()
+            }
             None => {
                 average_grads(&model, &*dp_group, &*ep_group, replicas);
                 if let Some(max) = cfg.clip {
@@ -324,6 +332,9 @@ fn global_gradient_norm_clipping_counts_each_parameter_once() {
         ("pp2 1f1b", Config { clip, ..Config::new("pp2") }),
         ("pp2 interleaved v2", Config { clip, schedule: ScheduleKind::Interleaved { chunks: 2 }, ..Config::new("pp2") }),
         ("dp2 tp2 pp2", Config { clip, ..Config::new("dp2,tp2,pp2") }),
+        ("zero1 dp2", Config { clip, zero: Some(Stage::One), ..Config::new("dp2") }),
+        ("zero2 dp2", Config { clip, zero: Some(Stage::Two), ..Config::new("dp2") }),
+        ("zero3 dp4", Config { clip, zero: Some(Stage::Three), ..Config::new("dp4") }),
     ];
     for (name, cfg) in configs {
         check(&format!("{name} with clipping"), &train(cfg, gpt), &reference);

@@ -74,6 +74,52 @@ fn zero_training_resumes_bit_for_bit() {
     let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
 }
 
+/// The losses and gradient norms of an 8-step dp2 run under `extra` settings.
+fn losses_and_norms(name: &str, extra: &str) -> Vec<(f64, Option<f64>, bool)> {
+    let out = scratch(name);
+    let text = format!("[mesh]\ndp = 2\n[batch]\nmicro_batch = 2\n{extra}");
+    train(config(&out, &text, &["run.steps=8"]), 0..0);
+    read_metrics(out.join("metrics.jsonl")).unwrap().iter().map(|m| (m.loss, m.grad_norm, m.skipped)).collect()
+}
+
+#[test]
+fn zero_clips_and_scales_the_loss_as_plain_data_parallelism_does() {
+    // A threshold that bites at every step, and fp16 with dynamic loss scaling.
+    // ZeRO applies the loss scale and the clipping factor inside its update,
+    // data parallelism to the gradients first: one f32 rounding apart, which
+    // f32 activations keep at ~1e-8 and fp16 ones round up to a half-precision
+    // step (~1e-3) now and then.
+    let fp16 = "[precision]\ncompute = \"fp16\"\n";
+    let cases = [
+        ("clipping", "[optim]\nclip = 0.05\n".to_string(), 1e-5),
+        ("fp16", format!("{fp16}[optim]\nclip = 0.05\n"), 1e-3),
+        // A scale so large that the first steps overflow and are skipped.
+        ("fp16-overflow", format!("{fp16}initial_scale = 4e6\n"), 1e-3),
+    ];
+    for (what, settings, tolerance) in cases {
+        let plain = losses_and_norms(&format!("zero-{what}-dp"), &settings);
+        if what == "fp16-overflow" {
+            assert!(plain.iter().any(|s| s.2) && plain.iter().any(|s| !s.2), "{what}: some steps overflow, some do not: {plain:?}");
+        } else {
+            assert!(plain.iter().all(|(_, n, _)| n.is_some_and(|n| n > 0.05)), "{what}: the threshold must bite: {plain:?}");
+        }
+        for stage in 1..=3 {
+            let zero = losses_and_norms(&format!("zero-{what}-{stage}"), &format!("{settings}[zero]\nstage = {stage}\n"));
+            for (step, ((l0, n0, s0), (l1, n1, s1))) in plain.iter().zip(&zero).enumerate() {
+                let close = |a: f64, b: f64| (a - b).abs() <= tolerance * a.abs().max(1e-3);
+                assert!(close(*l0, *l1), "{what}, ZeRO-{stage}, step {}: loss {l1} where data parallelism gives {l0}", step + 1);
+                assert_eq!(s0, s1, "{what}, ZeRO-{stage}, step {}: skipped or not as data parallelism", step + 1);
+                // Every stage logs the norm, measured over its shards (none on an overflow).
+                match (n0, n1) {
+                    (Some(n0), Some(n1)) => assert!(close(*n0, *n1), "{what}, ZeRO-{stage}, step {}: norm {n1} where data parallelism gives {n0}", step + 1),
+                    (None, None) => assert!(*s0, "a step without a norm overflowed"),
+                    _ => panic!("{what}, ZeRO-{stage}, step {}: norm {n1:?} where data parallelism gives {n0:?}", step + 1),
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn gradient_accumulation_equals_one_big_batch() {
     let (a, b) = (scratch("accum"), scratch("big"));

@@ -64,7 +64,7 @@ pub fn clip_to_norm<M: Module>(model: &M, norm: f64, max_norm: f64) -> Result<()
     if !norm.is_finite() {
         return Err(Error::non_finite("clip_to_norm", format!("the gradient norm is {norm}; skip this step rather than clipping it")));
     }
-    let factor = max_norm / (norm + 1e-6);
+    let factor = clip_factor(norm, max_norm);
     if factor < 1.0 {
         for n in module::distinct_params(model)? {
             if let Some(g) = n.param.grad() {
@@ -75,6 +75,14 @@ pub fn clip_to_norm<M: Module>(model: &M, norm: f64, max_norm: f64) -> Result<()
         }
     }
     Ok(())
+}
+
+/// What clipping multiplies the gradients by when their global norm is
+/// `norm`: `max_norm / norm` (with a little slack against division by
+/// zero) when that is below one, else one. For an engine that applies it in
+/// its update (ZeRO) rather than to the gradients.
+pub fn clip_factor(norm: f64, max_norm: f64) -> f64 {
+    (max_norm / (norm + 1e-6)).min(1.0)
 }
 
 fn check_max_norm(max_norm: f64) -> Result<()> {

@@ -478,12 +478,6 @@ impl TrainConfig {
         if zero.is_some() && (self.mesh.tp > 1 || self.mesh.pp > 1 || self.mesh.ep > 1) {
             return Err(Error::config("zero.stage", "ZeRO is combined with data parallelism only; set mesh.tp, mesh.pp and mesh.ep to 1, or zero.stage to 0"));
         }
-        if zero.is_some() && self.optim.clip > 0.0 {
-            return Err(Error::config("optim.clip", "global-norm clipping is not combined with ZeRO yet; set optim.clip = 0 or zero.stage = 0"));
-        }
-        if self.precision.scales_loss()? && zero.is_some() {
-            return Err(Error::config("precision.loss_scaling", "loss scaling is not combined with ZeRO yet; use bf16, or zero.stage = 0"));
-        }
         let o = &self.optim;
         if !(o.lr.is_finite() && o.lr > 0.0 && o.min_lr.is_finite() && o.min_lr >= 0.0 && o.min_lr <= o.lr) {
             return Err(Error::config("optim.lr", format!("need 0 <= min_lr <= lr and lr > 0; got lr {} and min_lr {}", o.lr, o.min_lr)));

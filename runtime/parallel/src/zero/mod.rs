@@ -454,31 +454,33 @@ impl Zero {
     /// stages 1 and 2 then all-gather the updated parameters. Consumes the
     /// gradients.
     pub fn step(&self, lr: f64) -> Result<()> {
+        self.step_scaled(lr, 1.0)
+    }
+
+    /// The global norm of the averaged gradients (after
+    /// [`finish`](Self::finish), which it calls if the caller has not):
+    /// each rank's shard squared and summed, then summed over the
+    /// data-parallel group, so every rank gets the same value at every stage
+    /// though stages 2 and 3 hold only a shard. NaN or infinite when any
+    /// gradient is (an fp16 overflow).
+    pub fn grad_norm(&self) -> Result<f64> {
         let mut s = self.state();
-        let synced = if self.stage == Stage::One { s.synced } else { s.grad_shard.is_some() };
-        if !synced {
-            self.finish_locked(&mut s)?;
-        }
+        self.ensure_synced(&mut s)?;
+        let local = ops::sum_squares(&self.grad_shard(&mut s, false)?)?.to_scalar()?;
+        let total = self.dp.all_reduce_sum(&Tensor::from_vec(vec![local], [1], s.m.device())?)?.to_scalar()?;
+        Ok(total.sqrt())
+    }
+
+    /// [`step`](Self::step) with every gradient multiplied by `grad_scale`
+    /// first: the clipping factor, over the loss scale under fp16.
+    pub fn step_scaled(&self, lr: f64, grad_scale: f64) -> Result<()> {
+        let mut s = self.state();
+        self.ensure_synced(&mut s)?;
         let step = s.stats.steps + 1;
-        let upd = self.config.adamw.at(step, lr)?;
+        let mut upd = self.config.adamw.at(step, lr)?;
+        upd.grad_scale = grad_scale;
         let range = self.flat.layout.shard_range(self.rank);
-        let grad = match self.stage {
-            Stage::One => {
-                let parts: Vec<Tensor> = self
-                    .flat
-                    .pieces_in(range.clone())
-                    .into_iter()
-                    .map(|p| {
-                        let e = &self.flat.entries[p.entry];
-                        let g = e.param.grad().ok_or_else(|| self.missing_grad(e))?;
-                        let g = if g.dtype() == self.flat.dtype { g } else { g.to_dtype(self.flat.dtype)? };
-                        flat_view(&g)?.narrow(0, p.start, p.len)
-                    })
-                    .collect::<Result<_>>()?;
-                self.flat.padded_concat(parts, range.len())?
-            }
-            _ => s.grad_shard.take().expect("finished above"),
-        };
+        let grad = self.grad_shard(&mut s, true)?;
         let params = s.params.shard(range.clone())?;
         ops::adamw_update(&upd, &params, &grad, &s.m, &s.v)?;
         drop(grad);
@@ -505,6 +507,63 @@ impl Zero {
                     self.install(&ids, got)?;
                 }
             }
+        }
+        Ok(())
+    }
+}
+
+impl Zero {
+    /// Averages the gradients if that is still to be done.
+    fn ensure_synced(&self, s: &mut State) -> Result<()> {
+        let synced = if self.stage == Stage::One { s.synced } else { s.grad_shard.is_some() };
+        if synced {
+            Ok(())
+        } else {
+            self.finish_locked(s)
+        }
+    }
+
+    /// This rank's shard of the averaged gradients, flat: at stage 1 cut
+    /// from the parameters' (whole, averaged) gradients, at stages 2 and 3
+    /// the reduce-scattered shard, taken when `take`.
+    fn grad_shard(&self, s: &mut State, take: bool) -> Result<Tensor> {
+        let range = self.flat.layout.shard_range(self.rank);
+        match self.stage {
+            Stage::One => {
+                let parts: Vec<Tensor> = self
+                    .flat
+                    .pieces_in(range.clone())
+                    .into_iter()
+                    .map(|p| {
+                        let e = &self.flat.entries[p.entry];
+                        let g = e.param.grad().ok_or_else(|| self.missing_grad(e))?;
+                        let g = if g.dtype() == self.flat.dtype { g } else { g.to_dtype(self.flat.dtype)? };
+                        flat_view(&g)?.narrow(0, p.start, p.len)
+                    })
+                    .collect::<Result<_>>()?;
+                self.flat.padded_concat(parts, range.len())
+            }
+            _ if take => Ok(s.grad_shard.take().expect("synchronised above")),
+            _ => Ok(s.grad_shard.clone().expect("synchronised above")),
+        }
+    }
+
+    /// Drops this step's gradients without an update (a step skipped for an
+    /// overflow or an anomaly): the averaged shard and every parameter's
+    /// gradient, so the next step starts from none.
+    pub fn discard_grads(&self) -> Result<()> {
+        let mut s = self.state();
+        self.ensure_synced(&mut s)?;
+        s.grad_shard = None;
+        s.synced = false;
+        for e in &self.flat.entries {
+            e.param.take_grad();
+        }
+        if self.stage == Stage::Three {
+            // The next step's forward gathers as this one's did.
+            s.recording = false;
+            s.cursor = 0;
+            s.on_track = true;
         }
         Ok(())
     }

@@ -8,7 +8,7 @@ use tessera_dist::Communicator;
 use tessera_nn::module::{self, Module, Param};
 use tessera_optim::{AdamW, OptimizerState};
 use tessera_parallel::data::DataParallel;
-use tessera_parallel::zero::{Stage, Zero};
+use tessera_parallel::zero::Zero;
 
 /// The optimizer of one rank: AdamW over the rank's whole model, or this
 /// rank's shard of a ZeRO engine (which holds the shard's master weights
@@ -36,23 +36,36 @@ impl RankOptimizer {
     }
 
     /// Updates the parameters at learning rate `lr` from the synchronised
-    /// gradients, which are then cleared.
-    pub(super) fn step(&mut self, lr: f64) -> Result<()> {
+    /// gradients, which are then cleared. A ZeRO engine multiplies them by
+    /// `grad_scale` in its update (the clipping factor over the loss
+    /// scale); AdamW's gradients were scaled in place, so it takes 1.
+    pub(super) fn step(&mut self, lr: f64, grad_scale: f64) -> Result<()> {
         match self {
             RankOptimizer::AdamW(o) => {
+                debug_assert_eq!(grad_scale, 1.0, "AdamW's gradients are scaled in place");
                 o.step(lr)?;
                 o.zero_grad();
                 Ok(())
             }
-            RankOptimizer::Zero(z) => z.step(lr),
+            RankOptimizer::Zero(z) => z.step_scaled(lr, grad_scale),
         }
     }
 
-    /// Whether each rank holds whole gradients after the synchronisation,
-    /// so their global norm can be measured: ZeRO stages 2 and 3 keep only
-    /// this rank's shard of them.
-    pub(super) fn holds_whole_grads(&self) -> bool {
-        !matches!(self, RankOptimizer::Zero(z) if matches!(z.stage(), Stage::Two | Stage::Three))
+    /// Drops this step's gradients without an update (an overflow, an anomaly).
+    pub(super) fn discard_grads<M: Module>(&self, model: &M) -> Result<()> {
+        match self {
+            RankOptimizer::AdamW(_) => module::zero_grad(model),
+            RankOptimizer::Zero(z) => z.discard_grads(),
+        }
+    }
+
+    /// The ZeRO engine, which holds the averaged gradients (whole at stage
+    /// 1, a shard at stages 2 and 3) and measures their norm itself.
+    pub(super) fn zero(&self) -> Option<&Zero> {
+        match self {
+            RankOptimizer::Zero(z) => Some(z),
+            RankOptimizer::AdamW(_) => None,
+        }
     }
 }
 

@@ -7,7 +7,7 @@ use super::state::{describe, RunState};
 use super::{Replica, Trainer};
 use crate::ckpt::{Checkpointer, SaveHandle};
 use crate::ranks::Ranks;
-use crate::{clip_to_norm, global_grad_norm, Anomaly, AtStep, LossScaler, StabilityMonitor, WarmupCosine};
+use crate::{clip_factor, clip_to_norm, global_grad_norm, Anomaly, AtStep, LossScaler, StabilityMonitor, WarmupCosine};
 use parking_lot::Mutex;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -181,16 +181,35 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         let mut pass = self.forward_backward(done, started, tracing)?;
         let mut events = Vec::new();
 
-        let finite = match &self.state.scaler {
-            Some(s) => s.unscale_and_check(&self.model, &self.cx)?,
-            None => true,
+        // The gradients' global norm, measured once: the monitor judges it,
+        // clipping scales by it. A ZeRO engine measures it over its shards
+        // and applies the loss scale and clipping in its update (`grad_scale`).
+        let mut grad_scale = 1.0;
+        let finite = match self.optimizer.zero() {
+            Some(zero) => {
+                let loss_scale = self.state.scaler.as_ref().map_or(1.0, |s| s.scale());
+                // Of the scaled gradients: not finite on an fp16 overflow.
+                let scaled = zero.grad_norm()?;
+                grad_scale = 1.0 / loss_scale;
+                pass.grad_norm = scaled.is_finite().then_some(scaled / loss_scale);
+                scaled.is_finite()
+            }
+            None => {
+                let finite = match &self.state.scaler {
+                    Some(s) => s.unscale_and_check(&self.model, &self.cx)?,
+                    None => true,
+                };
+                if finite {
+                    pass.grad_norm = Some(global_grad_norm(&self.model, &self.cx)?);
+                }
+                finite
+            }
         };
-        // Measured once: the monitor judges it, clipping scales by it.
-        if finite && self.optimizer.holds_whole_grads() {
-            pass.grad_norm = Some(global_grad_norm(&self.model, &self.cx)?);
-        }
         if let Some(norm) = pass.grad_norm.filter(|n| n.is_finite() && cfg.optim.clip > 0.0) {
-            clip_to_norm(&self.model, norm, cfg.optim.clip)?;
+            match self.optimizer.zero() {
+                Some(_) => grad_scale *= clip_factor(norm, cfg.optim.clip),
+                None => clip_to_norm(&self.model, norm, cfg.optim.clip)?,
+            }
         }
         let norm = pass.grad_norm.unwrap_or(0.0);
         // Judged under the number of the metrics line it lands on.
@@ -212,7 +231,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         };
         if let Some(a) = anomaly {
             events.push(Event::Anomaly { detail: describe(&a) });
-            module::zero_grad(&self.model)?;
+            self.optimizer.discard_grads(&self.model)?;
             if cfg.stability.rollback {
                 if let Some(to) = self.roll_back(done, &mut events)? {
                     self.report(done + 1, &pass, true, events)?;
@@ -220,13 +239,13 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
                 }
             }
         } else if !finite {
-            module::zero_grad(&self.model)?;
+            self.optimizer.discard_grads(&self.model)?;
             if let Some(s) = self.state.scaler.as_mut() {
                 s.update(false);
                 events.push(Event::Overflow { scale: s.scale() });
             }
         } else {
-            self.optimizer.step(pass.lr)?;
+            self.optimizer.step(pass.lr, grad_scale)?;
             if let Some(s) = self.state.scaler.as_mut() {
                 s.update(true);
             }
