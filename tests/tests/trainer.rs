@@ -475,6 +475,8 @@ fn a_configuration_that_cannot_run_is_refused_before_the_run_directory_exists() 
     // The two-layer model cannot fill 2 stages of 2 chunks, nor 3 stages.
     refused("[mesh]\npp = 2\nschedule = \"interleaved\"\nchunks = 2\n[batch]\ngrad_accum = 2\n", "mesh.pp", "2 layers, too few for 4 pipeline stages");
     refused("[mesh]\npp = 3\n[batch]\ngrad_accum = 3\n", "mesh.pp", "too few for 3 pipeline stages");
+    // The model's two attention heads cannot be split over four ranks.
+    refused("[mesh]\ntp = 4\n", "mesh.tp", "cannot be split over a tensor-parallel group of 4");
     // Interleaving sends microbatches through the chunks in groups of pp.
     refused("[mesh]\npp = 2\nschedule = \"interleaved\"\nchunks = 2\n[batch]\ngrad_accum = 3\n", "batch.grad_accum", "not a multiple of the 2 stages");
 }

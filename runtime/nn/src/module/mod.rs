@@ -288,6 +288,38 @@ pub fn distinct_params<M: Module>(model: &M) -> Result<Vec<NamedParam>> {
     Ok(out)
 }
 
+/// Checks, on shapes alone, that `model` can be split over a tensor-parallel
+/// group of `degree` ranks: the degree divides every dimension a parameter is
+/// split along, and every layer's own constraint holds (attention heads over
+/// the group, a static degree the model declares). The error names each
+/// parameter or layer at fault. [`materialize`] runs it first; a trainer
+/// runs it before it starts any rank.
+pub fn check_tp_degree<M: Module>(model: &M, degree: usize) -> Result<()> {
+    let mut problems = Vec::new();
+    // Every degree is checked, one included: a model declaring a static
+    // degree (`#[model(tp = N)]`) must run on a group of exactly that size.
+    model.check_tp("", degree, &mut problems);
+    visit_params(model, |e| {
+        if let Some(dim) = e.split_dim {
+            let size = e.param.global_shape().dims().get(dim).copied().unwrap_or(0);
+            if degree > 1 && size % degree != 0 {
+                problems.push(format!(
+                    "`{}` ({:?}-parallel) has dimension {dim} of size {size}, which the tensor-parallel degree {degree} does not divide",
+                    e.name, e.role
+                ));
+            }
+        }
+        Ok(())
+    })?;
+    if !problems.is_empty() {
+        return Err(Error::indivisible(
+            "materialize",
+            format!("{}; choose a tensor-parallel degree that divides these sizes, or pad them", problems.join("; ")),
+        ));
+    }
+    Ok(())
+}
+
 /// Gives every parameter of `model` this rank's shard, in the master dtype (f32).
 ///
 /// First checks every sharded dimension (and every layer's own constraint,
@@ -301,32 +333,14 @@ pub fn distinct_params<M: Module>(model: &M) -> Result<Vec<NamedParam>> {
 /// [remote](Param::is_remote) and take no memory here.
 pub fn materialize<M: Module>(model: &M, cx: &Cx) -> Result<()> {
     let (rank, degree) = (cx.tp().rank(), cx.tp().size());
-    let mut problems = Vec::new();
-    // Every degree is checked, one included: a model declaring a static
-    // degree (`#[model(tp = N)]`) must run on a group of exactly that size.
-    model.check_tp("", degree, &mut problems);
+    check_tp_degree(model, degree)?;
     // Every part of the pipeline through which each parameter is reached
     // (a tied weight may be reached from the first and the last stage).
     let mut parts: std::collections::HashMap<ParamId, Vec<StagePart>> = std::collections::HashMap::new();
     visit_params(model, |e| {
-        if let Some(dim) = e.split_dim {
-            let size = e.param.global_shape().dims().get(dim).copied().unwrap_or(0);
-            if degree > 1 && size % degree != 0 {
-                problems.push(format!(
-                    "`{}` ({:?}-parallel) has dimension {dim} of size {size}, which the tensor-parallel degree {degree} does not divide",
-                    e.name, e.role
-                ));
-            }
-        }
         parts.entry(e.param.id()).or_default().push(e.stage);
         Ok(())
     })?;
-    if !problems.is_empty() {
-        return Err(Error::indivisible(
-            "materialize",
-            format!("{}; choose a tensor-parallel degree that divides these sizes, or pad them", problems.join("; ")),
-        ));
-    }
     let stage = cx.groups().pp.rank();
     let layout = cx.pipeline_layout()?;
     let held = |p: &Param| match &layout {

@@ -5,14 +5,16 @@
 
 use crate::TrainConfig;
 use tessera_core::{Device, Error, Result};
+use tessera_dist::inproc::{mesh_groups, InProcess};
 use tessera_dist::mesh::Mesh;
-use tessera_nn::module::{Cx, Staged};
+use tessera_nn::module::{check_tp_degree, Cx, Staged};
 use tessera_parallel::pipeline::ScheduleKind;
 
 /// Checks `cfg` against the model `build` makes: the mesh fits the world,
 /// the pipeline schedule can be built for these stages and microbatches,
-/// the model has a layer for every virtual stage, the experts split over
-/// the expert-parallel ranks, and (on CPU ranks) the run fits in memory.
+/// the model has a layer for every virtual stage, the tensor-parallel degree
+/// divides what the model splits, the experts split over the
+/// expert-parallel ranks, and (on CPU ranks) the run fits in memory.
 /// Returns the mesh. Building the model only records shapes: nothing is
 /// allocated.
 pub(super) fn check<M: Staged>(cfg: &TrainConfig, vocab: usize, build: impl Fn(&Cx, usize, usize) -> Result<M>) -> Result<Mesh> {
@@ -41,6 +43,15 @@ pub(super) fn check<M: Staged>(cfg: &TrainConfig, vocab: usize, build: impl Fn(&
                 ),
             ));
         }
+    }
+    if cfg.mesh.tp > 1 {
+        // The model as a tensor-parallel rank builds it (a vocabulary the
+        // degree does not divide is padded then): rank 0's groups of an
+        // in-process world of the mesh's shape, read for their sizes only.
+        let world = InProcess::new(mesh.world())?;
+        let rank0 = Cx::new(Device::cpu()).with_groups(mesh_groups(&world, &mesh, 0, &Device::cpu())?);
+        let split = build(&rank0, 0, 1)?;
+        check_tp_degree(&split, cfg.mesh.tp).map_err(|e| Error::config("mesh.tp", e.to_string()))?;
     }
     if cfg.mesh.ep > 1 {
         // Rank 0's share: building it checks that the experts divide.
