@@ -67,7 +67,7 @@ impl<B: DecoderBlock> CausalLm<B> {
     /// [`vocab`](crate::vocab)): the embedding and head grow, the head masks
     /// the padding. Before the model is materialised.
     pub fn with_vocab_padded_to(mut self, padded: usize) -> crate::Result<CausalLm<B>> {
-        (self.embed_tokens, self.lm_head) = crate::gpt2::padded_vocab_layers(&self.embed_tokens, &self.lm_head, padded)?;
+        (self.embed_tokens, self.lm_head) = crate::vocab::padded_vocab_layers(&self.embed_tokens, &self.lm_head, padded)?;
         Ok(self)
     }
 

@@ -6,6 +6,9 @@
 //! so they never win a softmax or a sample; Hugging Face checkpoints are
 //! read into the first rows and written back without the padding.
 
+use crate::error::{Error, Result};
+use tessera::nn::{Embedding, Linear};
+
 /// The vocabulary size a model split over `tp` tensor-parallel ranks is
 /// built with: `vocab` itself when `tp` divides it, else the next multiple
 /// of lcm(64, `tp`), so that the power-of-two degrees up to 64 all pad to the
@@ -25,6 +28,23 @@ pub fn padded_vocab(vocab: usize, tp: usize) -> usize {
     } else {
         vocab.div_ceil(tp) * tp
     }
+}
+
+/// A token embedding and output head of `padded` ids in place of `wte` and
+/// `head` (tied again if they were), the head masking the ids past the
+/// real vocabulary.
+pub(crate) fn padded_vocab_layers(wte: &Embedding, head: &Linear, padded: usize) -> Result<(Embedding, Linear)> {
+    let (vocab, d) = (head.valid_outputs(), head.in_features());
+    if padded < vocab {
+        return Err(Error::Tessera(tessera::Error::invalid("with_vocab_padded_to", format!("{padded} ids cannot hold a vocabulary of {vocab}"))));
+    }
+    let tied = head.weight().same(wte.weight());
+    let embedding = Embedding::new(padded, d)?;
+    let mut lm_head = Linear::new(d, padded, head.bias().is_some())?.with_valid_outputs(vocab)?;
+    if tied {
+        lm_head.tie_weight(embedding.weight())?;
+    }
+    Ok((embedding, lm_head))
 }
 
 fn lcm(a: usize, b: usize) -> usize {

@@ -11,7 +11,7 @@ mod hf;
 
 pub use config::Gpt2Config;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use tessera::nn::{CausalAttention, Embedding, LayerNorm, Linear, PositionEmbedding, Stack};
 use tessera::prelude::*;
 
@@ -154,7 +154,7 @@ impl Gpt2 {
     /// [`vocab`](crate::vocab)): the embedding and head grow, the head masks
     /// the padding. Before the model is materialised.
     pub fn with_vocab_padded_to(mut self, padded: usize) -> Result<Gpt2> {
-        (self.wte, self.lm_head) = padded_vocab_layers(&self.wte, &self.lm_head, padded)?;
+        (self.wte, self.lm_head) = crate::vocab::padded_vocab_layers(&self.wte, &self.lm_head, padded)?;
         Ok(self)
     }
 
@@ -162,21 +162,4 @@ impl Gpt2 {
     pub fn padded_vocab(&self) -> usize {
         self.lm_head.out_features()
     }
-}
-
-/// A token embedding and output head of `padded` ids in place of `wte` and
-/// `head` (tied again if they were), the head masking the ids past the
-/// real vocabulary.
-pub(crate) fn padded_vocab_layers(wte: &Embedding, head: &Linear, padded: usize) -> Result<(Embedding, Linear)> {
-    let (vocab, d) = (head.valid_outputs(), head.in_features());
-    if padded < vocab {
-        return Err(Error::Tessera(tessera::Error::invalid("with_vocab_padded_to", format!("{padded} ids cannot hold a vocabulary of {vocab}"))));
-    }
-    let tied = head.weight().same(wte.weight());
-    let embedding = Embedding::new(padded, d)?;
-    let mut lm_head = Linear::new(d, padded, head.bias().is_some())?.with_valid_outputs(vocab)?;
-    if tied {
-        lm_head.tie_weight(embedding.weight())?;
-    }
-    Ok((embedding, lm_head))
 }
