@@ -21,7 +21,7 @@ use tessera::optim::AdamWConfig;
 use tessera::parallel::pipeline::{run_stage, sync_tied_grads, ScheduleKind};
 use tessera::parallel::zero::{Stage, Zero, ZeroConfig};
 use tessera::prelude::*;
-use tessera::train::clip_grad_norm;
+use tessera::train::{clip_grad_norm, NormClasses};
 
 const VOCAB: usize = 12;
 const SEQS: usize = 4;
@@ -103,8 +103,18 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(cfg: Config, world: &
     if let Some(r) = cfg.recompute {
         cx.set_recompute_override(r);
     }
+    if pp > 1 {
+        // Each stage materialises only its own layers, as the trainer's do.
+        cx = cx.with_pipeline_chunks(match cfg.schedule {
+            ScheduleKind::Interleaved { chunks } => chunks,
+            _ => 1,
+        });
+    }
     let model = module::build(make(e, ep).unwrap(), &cx).unwrap();
-    let zero = cfg.zero.map(|stage| Arc::new(Zero::new(&model, dp_group.clone(), ZeroConfig::new(stage).with_adamw(ADAMW).with_bucket_bytes(2048)).unwrap()));
+    let zero = cfg.zero.map(|stage| {
+        let config = ZeroConfig::new(stage).with_adamw(ADAMW).with_bucket_bytes(2048);
+        Arc::new(if ep > 1 { Zero::with_experts(&model, cx.groups(), config) } else { Zero::new(&model, dp_group.clone(), config) }.unwrap())
+    });
     if let Some(z) = &zero {
         cx = cx.with_hooks(z.clone());
     }
@@ -133,16 +143,22 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(cfg: Config, world: &
         trained.extend(params_with_grads(&model));
         if zero.is_some() {
             module::visit_params(&model, |p| {
-                trained.insert(p.name.to_string());
+                if !p.param.is_remote() {
+                    trained.insert(p.name.to_string());
+                }
                 Ok(())
             })
             .unwrap();
         }
         match &zero {
             Some(z) => {
-                // The norm over the shards, the same on every rank at every stage.
+                // The norm over the shards, the same on every rank at every
+                // stage, each class of parameter summed over the groups it
+                // is split over (tp, pp).
                 let factor = cfg.clip.map_or(1.0, |max| {
-                    let norm = z.grad_norm().unwrap();
+                    let classes = NormClasses::of(&model, &cx).unwrap();
+                    let squares = z.grad_squares(NormClasses::COUNT, |p| classes.class(p)).unwrap();
+                    let norm = classes.norm(squares.try_into().unwrap(), &cx).unwrap();
                     assert!(norm > max, "the clipping threshold {max} must bite (norm {norm})");
                     max / (norm + 1e-6)
                 });
@@ -285,6 +301,11 @@ fn every_configuration_trains_like_one_rank() {
         ("zero1 dp4", Config { zero: Some(Stage::One), ..Config::new("dp4") }),
         ("zero2 dp4", Config { zero: Some(Stage::Two), ..Config::new("dp4") }),
         ("zero3 dp4", Config { zero: Some(Stage::Three), ..Config::new("dp4") }),
+        ("zero1 dp2 tp2 pp2", Config { zero: Some(Stage::One), ..Config::new("dp2,tp2,pp2") }),
+        ("zero2 dp2 tp2 pp2", Config { zero: Some(Stage::Two), ..Config::new("dp2,tp2,pp2") }),
+        ("zero3 dp2 tp2 pp2", Config { zero: Some(Stage::Three), ..Config::new("dp2,tp2,pp2") }),
+        ("zero2 dp2 tp2+sp", Config { zero: Some(Stage::Two), sequence_parallel: true, ..Config::new("dp2,tp2") }),
+        ("zero3 dp2 pp2 interleaved v2", Config { zero: Some(Stage::Three), schedule: ScheduleKind::Interleaved { chunks: 2 }, ..Config::new("dp2,pp2") }),
     ];
     for (name, cfg) in configs {
         check(name, &train(cfg, gpt), &reference);
@@ -313,6 +334,11 @@ fn every_configuration_trains_the_moe_model_like_one_rank() {
         ("zero1 dp4", Config { zero: Some(Stage::One), ..Config::new("dp4") }),
         ("zero2 dp4", Config { zero: Some(Stage::Two), ..Config::new("dp4") }),
         ("zero3 dp4", Config { zero: Some(Stage::Three), ..Config::new("dp4") }),
+        ("zero1 dp2 ep2", Config { zero: Some(Stage::One), ..Config::new("dp2,ep2") }),
+        ("zero2 dp2 ep2", Config { zero: Some(Stage::Two), ..Config::new("dp2,ep2") }),
+        ("zero3 dp2 ep2", Config { zero: Some(Stage::Three), ..Config::new("dp2,ep2") }),
+        ("zero2 ep2 tp2 pp2", Config { zero: Some(Stage::Two), ..Config::new("ep2,tp2,pp2") }),
+        ("zero3 dp2 ep2 pp2", Config { zero: Some(Stage::Three), ..Config::new("dp2,ep2,pp2") }),
     ];
     for (name, cfg) in configs {
         check(name, &train(cfg, moe), &reference);
@@ -335,6 +361,9 @@ fn global_gradient_norm_clipping_counts_each_parameter_once() {
         ("zero1 dp2", Config { clip, zero: Some(Stage::One), ..Config::new("dp2") }),
         ("zero2 dp2", Config { clip, zero: Some(Stage::Two), ..Config::new("dp2") }),
         ("zero3 dp4", Config { clip, zero: Some(Stage::Three), ..Config::new("dp4") }),
+        ("zero1 dp2 tp2 pp2", Config { clip, zero: Some(Stage::One), ..Config::new("dp2,tp2,pp2") }),
+        ("zero2 dp2 tp2 pp2", Config { clip, zero: Some(Stage::Two), ..Config::new("dp2,tp2,pp2") }),
+        ("zero3 dp2 tp2+sp pp2", Config { clip, zero: Some(Stage::Three), sequence_parallel: true, ..Config::new("dp2,tp2,pp2") }),
     ];
     for (name, cfg) in configs {
         check(&format!("{name} with clipping"), &train(cfg, gpt), &reference);

@@ -87,6 +87,28 @@ fn groups_partition_the_world() {
     }
 }
 
+/// The data replicas (dp × ep together): the ranks of one pipeline stage
+/// and tensor shard, a rank's index among them its replica index d·EP + e,
+/// and the groups partition the world.
+#[test]
+fn replica_groups_span_dp_and_ep_and_partition_the_world() {
+    for mesh in meshes() {
+        let mut seen = vec![0; mesh.world()];
+        for group in mesh.replica_groups() {
+            assert_eq!(group.len(), mesh.size(Axis::Dp) * mesh.size(Axis::Ep), "{mesh}");
+            for &r in &group {
+                seen[r] += 1;
+                assert_eq!(mesh.replica_group(r).unwrap(), group, "{mesh}: rank {r}");
+                let (c, first) = (mesh.coords(r).unwrap(), mesh.coords(group[0]).unwrap());
+                assert_eq!((c[Axis::Pp], c[Axis::Tp]), (first[Axis::Pp], first[Axis::Tp]), "{mesh}: rank {r} in {group:?}");
+                let index = group.iter().position(|&m| m == r).unwrap();
+                assert_eq!(index, c[Axis::Dp] * mesh.size(Axis::Ep) + c[Axis::Ep], "{mesh}: rank {r} in {group:?}");
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1), "{mesh}: {seen:?}");
+    }
+}
+
 #[test]
 fn tp_groups_are_contiguous_ranks() {
     let mesh = Mesh::parse("pp2,dp2,tp4", 16, 8).unwrap();

@@ -60,28 +60,38 @@ fn a_resumed_run_continues_bit_for_bit() {
     let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
 }
 
+/// A ZeRO run stopped and resumed equals the uninterrupted run, under data
+/// parallelism alone and with tensor and pipeline parallelism (the shards
+/// of tensor-parallel pieces on each stage saved and restored).
 #[test]
 fn zero_training_resumes_bit_for_bit() {
-    let (a, b) = (scratch("zero-straight"), scratch("zero-resumed"));
-    let text = "[mesh]\ndp = 2\n[zero]\nstage = 2\n[optim]\nclip = 0.0\n[batch]\nmicro_batch = 2\n";
-    let straight = train(config(&a, text, &["run.steps=8"]), 0..0);
-    let first = train(config(&b, text, &["run.steps=8", "run.stop_after=4"]), 0..0);
-    let resumed = train(config(&b, text, &["run.steps=8"]), 0..0);
-    assert_eq!(resumed.resumed_from, 4);
-    let losses: Vec<f64> = first.losses.iter().chain(&resumed.losses).map(|l| l.1).collect();
-    assert_eq!(losses, straight.losses.iter().map(|l| l.1).collect::<Vec<_>>());
-    assert_eq!(final_params(&resumed), final_params(&straight));
-    let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
+    for (tag, mesh, stage) in [("dp2", "dp = 2", 2), ("dp2-tp2-pp2", "dp = 2\ntp = 2\npp = 2", 2), ("dp2-tp2-pp2", "dp = 2\ntp = 2\npp = 2", 3)] {
+        let (a, b) = (scratch(&format!("zero{stage}-{tag}-straight")), scratch(&format!("zero{stage}-{tag}-resumed")));
+        let text = format!("[mesh]\n{mesh}\n[zero]\nstage = {stage}\n[optim]\nclip = 0.0\n[batch]\nmicro_batch = 2\n");
+        let straight = train(config(&a, &text, &["run.steps=8"]), 0..0);
+        let first = train(config(&b, &text, &["run.steps=8", "run.stop_after=4"]), 0..0);
+        let resumed = train(config(&b, &text, &["run.steps=8"]), 0..0);
+        assert_eq!(resumed.resumed_from, 4);
+        let losses: Vec<f64> = first.losses.iter().chain(&resumed.losses).map(|l| l.1).collect();
+        assert_eq!(losses, straight.losses.iter().map(|l| l.1).collect::<Vec<_>>(), "ZeRO-{stage} on {tag}");
+        assert_eq!(final_params(&resumed), final_params(&straight), "ZeRO-{stage} on {tag}");
+        let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
+    }
 }
 
-/// The losses and gradient norms of an 8-step dp2 run under `extra` settings.
-fn losses_and_norms(name: &str, extra: &str) -> Vec<(f64, Option<f64>, bool)> {
+/// The losses and gradient norms of an 8-step run on `mesh` (the lines of
+/// a `[mesh]` table) under `extra` settings.
+fn losses_and_norms(name: &str, mesh: &str, extra: &str) -> Vec<(f64, Option<f64>, bool)> {
     let out = scratch(name);
-    let text = format!("[mesh]\ndp = 2\n[batch]\nmicro_batch = 2\n{extra}");
+    let text = format!("[mesh]\n{mesh}\n[batch]\nmicro_batch = 2\n{extra}");
     train(config(&out, &text, &["run.steps=8"]), 0..0);
     read_metrics(out.join("metrics.jsonl")).unwrap().iter().map(|m| (m.loss, m.grad_norm, m.skipped)).collect()
 }
 
+/// ZeRO 1/2/3 under data parallelism alone and combined with tensor (with
+/// sequence parallelism) and pipeline parallelism: the same steps as
+/// without ZeRO on the same mesh, with clipping, fp16 loss scaling and
+/// overflows.
 #[test]
 fn zero_clips_and_scales_the_loss_as_plain_data_parallelism_does() {
     // A threshold that bites at every step, and fp16 with dynamic loss scaling.
@@ -96,15 +106,17 @@ fn zero_clips_and_scales_the_loss_as_plain_data_parallelism_does() {
         // A scale so large that the first steps overflow and are skipped.
         ("fp16-overflow", format!("{fp16}initial_scale = 4e6\n"), 1e-3),
     ];
-    for (what, settings, tolerance) in cases {
-        let plain = losses_and_norms(&format!("zero-{what}-dp"), &settings);
-        if what == "fp16-overflow" {
+    let meshes = [("dp2", "dp = 2"), ("dp2-tp2-sp-pp2", "dp = 2\ntp = 2\nsp = true\npp = 2")];
+    for ((what, settings, tolerance), (tag, mesh)) in cases.iter().flat_map(|c| meshes.map(|m| (c, m))) {
+        let (what, tolerance) = (format!("{what}-{tag}"), *tolerance);
+        let plain = losses_and_norms(&format!("zero-{what}-dp"), mesh, settings);
+        if what.starts_with("fp16-overflow") {
             assert!(plain.iter().any(|s| s.2) && plain.iter().any(|s| !s.2), "{what}: some steps overflow, some do not: {plain:?}");
         } else {
             assert!(plain.iter().all(|(_, n, _)| n.is_some_and(|n| n > 0.05)), "{what}: the threshold must bite: {plain:?}");
         }
         for stage in 1..=3 {
-            let zero = losses_and_norms(&format!("zero-{what}-{stage}"), &format!("{settings}[zero]\nstage = {stage}\n"));
+            let zero = losses_and_norms(&format!("zero-{what}-{stage}"), mesh, &format!("{settings}[zero]\nstage = {stage}\n"));
             for (step, ((l0, n0, s0), (l1, n1, s1))) in plain.iter().zip(&zero).enumerate() {
                 let close = |a: f64, b: f64| (a - b).abs() <= tolerance * a.abs().max(1e-3);
                 assert!(close(*l0, *l1), "{what}, ZeRO-{stage}, step {}: loss {l1} where data parallelism gives {l0}", step + 1);
@@ -195,13 +207,33 @@ fn bf16_training_keeps_f32_masters_and_learns() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// Expert parallelism in the trainer: the experts of each MoE layer dealt
+/// over the ep ranks, tokens dispatched by all-to-all, the experts'
+/// gradients summed over the data-parallel group and every other over all
+/// replicas, in buckets overlapped with the backward (64-byte buckets: many
+/// of each kind), the global norm counting each expert once; and with ZeRO,
+/// which shards over the data-parallel group and sums the rest over the
+/// expert-parallel group on its shard. Every layout
+/// sees the same four sequences a step and must take the steps one rank
+/// takes, with the same gradient norms.
 #[test]
 fn expert_parallel_training_matches_one_rank() {
-    // The same four sequences a step: one replica of 4, or ep2 replicas of 2.
-    let run = |name: &str, ep: usize| {
+    let run = |name: &str, mesh: [usize; 4]| {
+        let [dp, ep, tp, zero] = mesh;
         let out = scratch(name);
-        let (ep_set, micro) = (format!("mesh.ep={ep}"), format!("batch.micro_batch={}", 4 / ep));
-        let cfg = config(&out, "[batch]\ngrad_accum = 1\n[optim]\nclip = 0.0\n", &["run.steps=3", &ep_set, &micro]);
+        let sets = [
+            format!("mesh.dp={dp}"),
+            format!("mesh.ep={ep}"),
+            format!("mesh.tp={tp}"),
+            format!("zero.stage={zero}"),
+            format!("batch.micro_batch={}", 4 / (dp * ep)),
+        ];
+        let mut overrides: Vec<&str> = sets.iter().map(String::as_str).collect();
+        overrides.extend(["run.steps=3", "mesh.bucket_bytes=64"]);
+        // Clipping bites (the norms are about 1.25): a norm that differed
+        // between the expert-parallel ranks would scale their shared
+        // parameters differently.
+        let cfg = config(&out, "[batch]\ngrad_accum = 1\n[optim]\nclip = 0.5\n", &overrides);
         let micro_batch = cfg.batch.micro_batch;
         let trainer = Trainer::new(
             cfg,
@@ -211,13 +243,64 @@ fn expert_parallel_training_matches_one_rank() {
         )
         .unwrap();
         let summary = trainer.run().unwrap();
+        let norms: Vec<f64> = read_metrics(out.join("metrics.jsonl")).unwrap().iter().map(|m| m.grad_norm.unwrap()).collect();
         let _ = std::fs::remove_dir_all(&out);
-        summary.losses
+        (summary.losses, norms)
     };
-    let (one, two) = (run("moe-ep1", 1), run("moe-ep2", 2));
+    let (one, one_norms) = run("moe-ep1", [1, 1, 1, 0]);
     assert_eq!(one.len(), 3);
-    for ((_, a), (_, b)) in one.iter().zip(&two) {
-        assert!((a - b).abs() <= 1e-5 * a.abs(), "loss {a} (ep1) vs {b} (ep2)");
+    // dp × ep × tp and the ZeRO stage.
+    for mesh in [[1, 2, 1, 0], [2, 2, 1, 0], [1, 4, 1, 0], [2, 2, 2, 0], [2, 2, 1, 1], [2, 2, 1, 2], [2, 2, 2, 3], [1, 2, 1, 3]] {
+        let (losses, norms) = run(&format!("moe-{mesh:?}"), mesh);
+        for (((step, a), (_, b)), (na, nb)) in one.iter().zip(&losses).zip(one_norms.iter().zip(&norms)) {
+            assert!((a - b).abs() <= 1e-6 * a.abs(), "dp×ep×tp, ZeRO {mesh:?}, step {step}: loss {b}, one rank {a}");
+            assert!((na - nb).abs() <= 1e-6 * na.abs(), "dp×ep×tp, ZeRO {mesh:?}, step {step}: gradient norm {nb}, one rank {na}");
+        }
+    }
+}
+
+/// An MoE run with expert parallelism and ZeRO (each stage) stopped and
+/// resumed equals the uninterrupted run: the shards of every expert and of
+/// the shared parameters are saved and restored, and the final checkpoint
+/// reshards onto one rank with every expert.
+#[test]
+fn expert_parallel_zero_training_resumes_bit_for_bit() {
+    let run = |out: &std::path::Path, stage: usize, stop: Option<u64>| {
+        let mut overrides =
+            vec!["run.steps=6".to_string(), "mesh.dp=2".into(), "mesh.ep=2".into(), format!("zero.stage={stage}"), "batch.micro_batch=1".into()];
+        overrides.extend(stop.map(|s| format!("run.stop_after={s}")));
+        let cfg = config(out, "[batch]\ngrad_accum = 1\n", &overrides.iter().map(String::as_str).collect::<Vec<_>>());
+        let trainer = Trainer::new(
+            cfg,
+            ModelFacts { vocab: VOCAB, flops_per_token: 1e5 },
+            |_cx: &Cx, e, ep| MoeGpt::new(VOCAB, 16, 2, 2, 4, e, ep),
+            |replica| Ok(Box::new(Counting { replica, micro_batch: 1, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>),
+        )
+        .unwrap();
+        trainer.run().unwrap()
+    };
+    let params = |summary: &tessera::train::RunSummary| {
+        let cx = Cx::new(Device::cpu());
+        let model = tessera::module::build(MoeGpt::new(VOCAB, 16, 2, 2, 4, 0, 1).unwrap(), &cx).unwrap();
+        tessera::ckpt::Checkpointer::new(summary.checkpoint.parent().unwrap(), 10).unwrap().load(&summary.checkpoint, &model, None, &cx).unwrap();
+        tessera::module::distinct_params(&model)
+            .unwrap()
+            .into_iter()
+            .map(|n| (n.names[0].clone(), n.param.value().unwrap().to_vec::<f32>().unwrap()))
+            .collect::<Vec<_>>()
+    };
+    for stage in 1..=3 {
+        let (a, b) = (scratch(&format!("moe-zero{stage}-straight")), scratch(&format!("moe-zero{stage}-resumed")));
+        let straight = run(&a, stage, None);
+        let first = run(&b, stage, Some(3));
+        let resumed = run(&b, stage, None);
+        assert_eq!(resumed.resumed_from, 3);
+        let losses: Vec<f64> = first.losses.iter().chain(&resumed.losses).map(|l| l.1).collect();
+        assert_eq!(losses, straight.losses.iter().map(|l| l.1).collect::<Vec<_>>(), "ZeRO-{stage}");
+        let (p, q) = (params(&resumed), params(&straight));
+        assert!(p.iter().any(|(name, _)| name.contains(".experts.3.")), "every expert is in the checkpoint");
+        assert_eq!(p, q, "ZeRO-{stage}");
+        let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
     }
 }
 

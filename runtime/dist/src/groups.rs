@@ -1,9 +1,10 @@
-//! The communicators of one rank, one per mesh axis.
+//! The communicators of one rank: one per mesh axis, and the data replicas
+//! (data × expert parallel) together.
 
 use crate::{Communicator, SingleRank};
 use std::sync::Arc;
 
-/// One communicator per mesh axis.
+/// One communicator per mesh axis, and one over the data replicas.
 #[derive(Clone, Debug)]
 pub struct Groups {
     /// The tensor-parallel group.
@@ -14,12 +15,17 @@ pub struct Groups {
     pub pp: Arc<dyn Communicator>,
     /// The expert-parallel group.
     pub ep: Arc<dyn Communicator>,
+    /// The data replicas: the data- and expert-parallel axes together
+    /// ([`Mesh::replica_group`](crate::mesh::Mesh::replica_group)), over
+    /// which the gradients of every parameter but the experts are summed.
+    /// The same members as `dp` when `ep` is 1, as `ep` when `dp` is 1.
+    pub replicas: Arc<dyn Communicator>,
 }
 
 impl Groups {
-    /// The four communicators.
-    pub fn all(&self) -> [&Arc<dyn Communicator>; 4] {
-        [&self.tp, &self.dp, &self.pp, &self.ep]
+    /// Every communicator.
+    pub fn all(&self) -> [&Arc<dyn Communicator>; 5] {
+        [&self.tp, &self.dp, &self.pp, &self.ep, &self.replicas]
     }
 
     /// Stops every group of this rank (see [`Communicator::abort`]).
@@ -38,6 +44,6 @@ impl Groups {
     /// Every axis of size one.
     pub fn single() -> Self {
         let one: Arc<dyn Communicator> = Arc::new(SingleRank);
-        Groups { tp: one.clone(), dp: one.clone(), pp: one.clone(), ep: one }
+        Groups { tp: one.clone(), dp: one.clone(), pp: one.clone(), ep: one.clone(), replicas: one }
     }
 }

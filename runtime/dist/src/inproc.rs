@@ -675,8 +675,9 @@ impl Core {
 }
 
 /// The communicators of world rank `rank` for every axis of `mesh` (its
-/// tensor-, data-, pipeline- and expert-parallel groups), each group tagged
-/// with its axis so that axes with the same members stay independent.
+/// tensor-, data-, pipeline- and expert-parallel groups) and for its data
+/// replicas, each group tagged with its axis so that groups with the same
+/// members stay independent.
 pub fn mesh_groups(world: &InProcess, mesh: &crate::mesh::Mesh, rank: usize, device: &Device) -> Result<crate::Groups> {
     use crate::mesh::Axis;
     if world.world_size() != mesh.world() {
@@ -689,5 +690,6 @@ pub fn mesh_groups(world: &InProcess, mesh: &crate::mesh::Mesh, rank: usize, dev
         let members = mesh.group(axis, rank)?;
         Ok(Arc::new(world.tagged_group(axis.name(), &members)?.communicator(rank, device)?))
     };
-    Ok(crate::Groups { tp: comm(Axis::Tp)?, dp: comm(Axis::Dp)?, pp: comm(Axis::Pp)?, ep: comm(Axis::Ep)? })
+    let replicas = Arc::new(world.tagged_group("replicas", &mesh.replica_group(rank)?)?.communicator(rank, device)?);
+    Ok(crate::Groups { tp: comm(Axis::Tp)?, dp: comm(Axis::Dp)?, pp: comm(Axis::Pp)?, ep: comm(Axis::Ep)?, replicas })
 }

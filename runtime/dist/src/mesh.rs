@@ -400,6 +400,34 @@ impl Mesh {
         (0..self.world).filter(|r| (r / stride) % size == 0).map(|first| (0..size).map(|i| first + i * stride).collect()).collect()
     }
 
+    /// The data replicas `rank` belongs to: the ranks that hold the same
+    /// pipeline stage and tensor shard, over the data- and expert-parallel
+    /// axes together (`dp × ep` ranks), ordered by replica index `d · EP + e`.
+    /// Gradients of parameters that every replica holds (all but the
+    /// experts) are summed over this group.
+    ///
+    /// ```
+    /// use tessera::dist::mesh::Mesh;
+    ///
+    /// let mesh = Mesh::parse("dp2,ep2,tp2", 8, 8)?;
+    /// assert_eq!(mesh.replica_group(3)?, vec![1, 3, 5, 7]);
+    /// # Ok::<(), tessera::Error>(())
+    /// ```
+    pub fn replica_group(&self, rank: usize) -> Result<Vec<usize>> {
+        // dp is the next-slower axis after ep, so the two together step by
+        // ep's stride: one run of `dp · ep` evenly spaced ranks.
+        let c = self.coords(rank)?;
+        let stride = self.stride(Axis::Ep);
+        let first = rank - (c[Axis::Dp] * self.size(Axis::Ep) + c[Axis::Ep]) * stride;
+        Ok((0..self.size(Axis::Dp) * self.size(Axis::Ep)).map(|i| first + i * stride).collect())
+    }
+
+    /// Every replica group (see [`replica_group`](Self::replica_group)),
+    /// ordered by their first rank: disjoint, and together covering the world.
+    pub fn replica_groups(&self) -> Vec<Vec<usize>> {
+        (0..self.world).filter_map(|r| self.replica_group(r).ok().filter(|g| g[0] == r)).collect()
+    }
+
     /// The node `rank` runs on.
     pub fn node_of(&self, rank: usize) -> Result<usize> {
         self.check_rank("Mesh::node_of", rank)?;

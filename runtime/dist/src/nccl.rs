@@ -520,7 +520,8 @@ impl fmt::Debug for NcclCommunicator {
 }
 
 /// Every world rank's communicators for the axes of `mesh` (its tensor-,
-/// data-, pipeline- and expert-parallel groups), world rank `r` running on
+/// data-, pipeline- and expert-parallel groups) and its data replicas,
+/// world rank `r` running on
 /// `devices[r]`; element `r` of the result goes to rank `r`'s thread.
 ///
 /// An axis of size one gets [`SingleRank`](super::SingleRank); every group of
@@ -535,21 +536,25 @@ pub fn mesh_groups(mesh: &Mesh, devices: &[Device]) -> Result<Vec<Groups>> {
         ));
     }
     cuda_devices("nccl::mesh_groups", devices)?;
-    // comms[axis][rank], filled group by group.
-    let mut comms: Vec<Vec<Option<Arc<dyn Communicator>>>> = vec![vec![None; mesh.world()]; Axis::COUNT];
-    for (slot, axis) in Axis::ALL.into_iter().enumerate() {
-        for members in mesh.groups(axis) {
+    // Each rank's communicator of every group in `groups` (disjoint, covering the world).
+    let communicators = |groups: Vec<Vec<usize>>| -> Result<Vec<Option<Arc<dyn Communicator>>>> {
+        let mut comms: Vec<Option<Arc<dyn Communicator>>> = vec![None; mesh.world()];
+        for members in groups {
             if members.len() == 1 {
-                comms[slot][members[0]] = Some(Arc::new(super::SingleRank));
+                comms[members[0]] = Some(Arc::new(super::SingleRank));
                 continue;
             }
             let group_devices: Vec<Device> = members.iter().map(|&r| devices[r].clone()).collect();
             let group = NcclCommunicator::group_of_world_ranks(&group_devices, members.clone())?;
             for (comm, &r) in group.into_iter().zip(&members) {
-                comms[slot][r] = Some(Arc::new(comm));
+                comms[r] = Some(Arc::new(comm));
             }
         }
-    }
+        Ok(comms)
+    };
+    // comms[axis][rank], then the data replicas (dp × ep).
+    let mut comms = Axis::ALL.into_iter().map(|axis| communicators(mesh.groups(axis))).collect::<Result<Vec<_>>>()?;
+    let mut replicas = communicators(mesh.replica_groups())?;
     let slot = |axis: Axis| Axis::ALL.iter().position(|&a| a == axis).expect("every axis is in Axis::ALL");
     let take = |comms: &mut Vec<Vec<Option<Arc<dyn Communicator>>>>, axis: Axis, rank: usize| -> Result<Arc<dyn Communicator>> {
         comms[slot(axis)][rank]
@@ -563,6 +568,9 @@ pub fn mesh_groups(mesh: &Mesh, devices: &[Device]) -> Result<Vec<Groups>> {
                 dp: take(&mut comms, Axis::Dp, r)?,
                 pp: take(&mut comms, Axis::Pp, r)?,
                 ep: take(&mut comms, Axis::Ep, r)?,
+                replicas: replicas[r]
+                    .take()
+                    .ok_or_else(|| Error::no_such_rank("nccl::mesh_groups", format!("rank {r} belongs to no replica group of the mesh {mesh}")))?,
             })
         })
         .collect()

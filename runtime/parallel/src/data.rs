@@ -57,13 +57,17 @@ struct Inflight {
 struct State {
     /// Whether each parameter's gradient was announced this step.
     ready: Vec<bool>,
-    /// Whether each bucket was sent this step.
-    launched: Vec<bool>,
+    /// Buckets sent this step: they go in order (`0..launched`), so that
+    /// every rank issues the same collectives in the same order, whatever
+    /// order its backward finished its gradients in (NCCL requires it of
+    /// communicators that share a stream, and it costs little: buckets are
+    /// cut in about the order gradients become final).
+    launched: usize,
     inflight: Vec<Inflight>,
     stats: SyncStats,
 }
 
-/// Averages gradients over the data-parallel group during the backward.
+/// Averages gradients over the data replicas during the backward.
 ///
 /// Install it as a [`Hooks`] on each rank's `Cx`. The buckets are fixed when
 /// the engine is built: the model's parameters in reverse order (about the
@@ -76,6 +80,18 @@ struct State {
 /// rest, waits for all, and writes every gradient back as the average over
 /// the replicas.
 ///
+/// With expert parallelism ([`with_experts`](Self::with_experts)), an
+/// expert's gradient already holds the tokens of every expert-parallel rank
+/// (the all-to-all brought them), so it is summed over the replicas that
+/// hold the same expert only, while every other gradient is summed over all
+/// replicas; the two kinds travel in separate buckets.
+///
+/// A parameter the model uses in several places (an embedding tied to the
+/// head) is sent only by `finish`, in buckets of its own: under pipeline
+/// parallelism its uses sit on different stages, and the caller sums its
+/// gradient over them (`sync_tied_grads`) after the backward and before
+/// `finish`.
+///
 /// On GPUs with NCCL (`dist::nccl`), a bucket's all-reduce is queued
 /// on the device's communication stream and runs beside the kernels of the
 /// rest of the backward on the compute stream; `finish` orders the compute
@@ -84,7 +100,16 @@ struct State {
 /// device done with the bucket, and `exposed` is near zero, since the
 /// device, not the host, does the waiting.
 pub struct DataParallel {
-    dp: Arc<dyn Communicator>,
+    /// Sums the gradients every replica holds.
+    replicas: Arc<dyn Communicator>,
+    /// With expert parallelism, sums the experts' gradients (the replicas
+    /// that hold the same experts).
+    experts: Option<Arc<dyn Communicator>>,
+    /// Whether each bucket holds experts' gradients.
+    expert_bucket: Vec<bool>,
+    /// The buckets the backward may send (`0..sent_during_backward`); the
+    /// rest hold tied parameters, sent only by `finish`.
+    sent_during_backward: usize,
     compression: Compression,
     params: Vec<Param>,
     /// Each parameter's index in `params`.
@@ -98,16 +123,81 @@ impl DataParallel {
     /// Buckets of about `bucket_bytes` (25 MiB is a common choice) of
     /// `model`'s parameters, over the group `dp`.
     pub fn new<M: Module>(model: &M, dp: Arc<dyn Communicator>, bucket_bytes: usize) -> Result<Self> {
+        DataParallel::build(model, dp, None, bucket_bytes)
+    }
+
+    /// With expert parallelism: the experts' gradients are summed over
+    /// `experts` (the data-parallel group: the replicas holding the same
+    /// experts), every other gradient over `replicas` (data × expert
+    /// parallel, [`Groups::replicas`](tessera_dist::Groups::replicas)), and
+    /// all are divided by the number of replicas.
+    pub fn with_experts<M: Module>(model: &M, replicas: Arc<dyn Communicator>, experts: Arc<dyn Communicator>, bucket_bytes: usize) -> Result<Self> {
+        DataParallel::build(model, replicas, Some(experts), bucket_bytes)
+    }
+
+    fn build<M: Module>(model: &M, replicas: Arc<dyn Communicator>, experts: Option<Arc<dyn Communicator>>, bucket_bytes: usize) -> Result<Self> {
         if bucket_bytes == 0 {
             return Err(Error::invalid("DataParallel::new", "the bucket size must be positive (e.g. 25 MiB)"));
         }
-        // Parameters of other pipeline stages have no gradient here to average.
-        let params: Vec<Param> = module::distinct_params(model)?.into_iter().map(|n| n.param).filter(|p| !p.is_remote()).collect();
+        if let Some(e) = &experts {
+            if e.size() == 0 || !replicas.size().is_multiple_of(e.size()) {
+                return Err(Error::topology(
+                    "DataParallel::with_experts",
+                    format!(
+                        "the experts' group ({} ranks) must divide the replicas ({} ranks): it is the data-parallel group inside them",
+                        e.size(),
+                        replicas.size()
+                    ),
+                ));
+            }
+        }
+        // Parameters of other pipeline stages have no gradient here to
+        // average; which are experts' only matters with an experts' group.
+        let mut params: Vec<Param> = Vec::new();
+        let mut is_expert: Vec<bool> = Vec::new();
+        let mut tied = std::collections::HashSet::new();
+        let mut seen = std::collections::HashMap::new();
+        module::visit_params(model, |e| {
+            if e.param.is_remote() {
+                return Ok(());
+            }
+            match seen.get(&e.param.id()) {
+                Some(&i) => {
+                    tied.insert(i);
+                }
+                None => {
+                    seen.insert(e.param.id(), params.len());
+                    params.push(e.param.clone());
+                    is_expert.push(experts.is_some() && e.expert.is_some());
+                }
+            }
+            Ok(())
+        })?;
+        // Tied parameters first: buckets are cut from the last parameter,
+        // so theirs come last, after every bucket the backward may send.
+        let order: Vec<usize> = (0..params.len()).filter(|i| tied.contains(i)).chain((0..params.len()).filter(|i| !tied.contains(i))).collect();
+        let params: Vec<Param> = order.iter().map(|&i| params[i].clone()).collect();
+        let is_expert: Vec<bool> = order.iter().map(|&i| is_expert[i]).collect();
+        let deferred = tied.len();
         let bytes: Vec<usize> = params.iter().map(|p| p.local_shape().elem_count() * p.value().map(|v| v.dtype().size_in_bytes()).unwrap_or(4)).collect();
-        let buckets = Buckets::new(&bytes, bucket_bytes);
-        let state = State { ready: vec![false; params.len()], launched: vec![false; buckets.len()], ..State::default() };
+        // Keys: shared 0, expert 1, tied 2 and 3.
+        let keys: Vec<usize> = (0..params.len()).map(|i| usize::from(is_expert[i]) + if i < deferred { 2 } else { 0 }).collect();
+        let buckets = Buckets::keyed(&bytes, &keys, bucket_bytes);
+        let expert_bucket = buckets.iter().map(|m| is_expert[m[0]]).collect();
+        let sent_during_backward = buckets.iter().take_while(|m| m[0] >= deferred).count();
+        let state = State { ready: vec![false; params.len()], ..State::default() };
         let index = params.iter().enumerate().map(|(i, p)| (p.id(), i)).collect();
-        Ok(DataParallel { dp, compression: Compression::None, params, index, buckets, state: Mutex::new(state) })
+        Ok(DataParallel {
+            replicas,
+            experts,
+            expert_bucket,
+            sent_during_backward,
+            compression: Compression::None,
+            params,
+            index,
+            buckets,
+            state: Mutex::new(state),
+        })
     }
 
     /// Sends gradients compressed as `compression`.
@@ -120,10 +210,11 @@ impl DataParallel {
         self.state.lock()
     }
 
-    /// Flattens bucket `b`'s gradients (zeros for a parameter without one)
-    /// and starts its all-reduce.
-    fn launch(&self, s: &mut State, b: usize) -> Result<()> {
-        s.launched[b] = true;
+    /// Flattens the next bucket's gradients (zeros for a parameter without
+    /// one) and starts its all-reduce.
+    fn launch(&self, s: &mut State) -> Result<()> {
+        let b = s.launched;
+        s.launched += 1;
         let grads: Vec<Tensor> = self
             .buckets
             .members(b)
@@ -146,7 +237,11 @@ impl DataParallel {
         };
         s.stats.bytes += wire.elem_count() * wire.dtype().size_in_bytes();
         s.stats.buckets += 1;
-        let pending = self.dp.all_reduce_sum_async(&wire)?;
+        let group = match &self.experts {
+            Some(experts) if self.expert_bucket[b] => experts,
+            _ => &self.replicas,
+        };
+        let pending = group.all_reduce_sum_async(&wire)?;
         s.inflight.push(Inflight { bucket: b, pending, launched: Instant::now(), done_at: None });
         Ok(())
     }
@@ -167,13 +262,13 @@ impl DataParallel {
     pub fn finish(&self) -> Result<SyncStats> {
         let mut s = self.state();
         s.stats.launched_during_backward = s.stats.buckets;
-        for b in 0..self.buckets.len() {
-            if !s.launched[b] {
-                self.launch(&mut s, b)?;
-            }
+        while s.launched < self.buckets.len() {
+            self.launch(&mut s)?;
         }
         Self::poll(&mut s);
-        let scale = 1.0 / self.dp.size() as f64;
+        // Every gradient is a sum over all replicas by now (an expert's
+        // through the all-to-all and the experts' group).
+        let scale = 1.0 / self.replicas.size() as f64;
         for b in std::mem::take(&mut s.inflight) {
             let started_wait = Instant::now();
             let already = b.done_at;
@@ -197,7 +292,7 @@ impl DataParallel {
             }
         }
         s.ready.iter_mut().for_each(|r| *r = false);
-        s.launched.iter_mut().for_each(|l| *l = false);
+        s.launched = 0;
         Ok(std::mem::take(&mut s.stats))
     }
 }
@@ -213,9 +308,9 @@ impl Hooks for DataParallel {
             ));
         };
         s.ready[i] = true;
-        let b = self.buckets.of(i);
-        if !s.launched[b] && self.buckets.members(b).iter().all(|&j| s.ready[j]) {
-            self.launch(&mut s, b)?;
+        // Send every bucket, in order, whose gradients are all final.
+        while s.launched < self.sent_during_backward && self.buckets.members(s.launched).iter().all(|&j| s.ready[j]) {
+            self.launch(&mut s)?;
         }
         Ok(())
     }
@@ -223,6 +318,6 @@ impl Hooks for DataParallel {
 
 impl std::fmt::Debug for DataParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DataParallel(dp = {}, {} buckets, {:?})", self.dp.size(), self.buckets.len(), self.compression)
+        write!(f, "DataParallel(replicas = {}, {} buckets, {:?})", self.replicas.size(), self.buckets.len(), self.compression)
     }
 }

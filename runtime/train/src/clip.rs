@@ -3,41 +3,90 @@
 use tessera_core::ops;
 use tessera_core::tensor::{DType, Tensor};
 use tessera_core::{Error, Result};
-use tessera_nn::module::{self, Cx, Module, Shard};
+use tessera_nn::module::{self, Cx, Module, Param, ParamId, Shard};
 
 /// The L2 norm of the whole model's gradient, as one rank would compute it.
 ///
-/// Every rank must call it at the same point (it reduces over the tensor-
-/// and pipeline-parallel groups). Each logical parameter is counted once:
-/// a tensor-parallel shard contributes its part (summed over the TP group);
-/// a parameter replicated over the TP group counts once, not once per rank;
+/// Every rank must call it at the same point (it reduces over the tensor-,
+/// expert- and pipeline-parallel groups). Each logical parameter is counted
+/// once: a tensor-parallel shard contributes its part (summed over the TP
+/// group); a parameter replicated over the TP group counts once, not once
+/// per rank; an expert held by one rank of the expert-parallel group is
+/// summed over that group, every other parameter is replicated over it;
 /// stages hold different parameters (summed over the pipeline group), and a
 /// weight tied across stages (the embedding and the head) counts on the
 /// first stage only. Data-parallel replicas hold the same averaged gradient
 /// and are not summed. Parameters without a gradient contribute nothing.
 ///
-/// Not covered: gradients sharded by ZeRO stages 2 and 3, and expert
-/// parameters split over an expert-parallel group.
+/// Gradients sharded by ZeRO are measured by the engine over its shards
+/// ([`Zero::grad_squares`](tessera_parallel::zero::Zero::grad_squares)) with
+/// the same [`NormClasses`].
 pub fn global_grad_norm<M: Module>(model: &M, cx: &Cx) -> Result<f64> {
-    let pp = &cx.groups().pp;
-    let (mut split, mut replicated) = (0.0f64, 0.0f64);
+    let classes = NormClasses::of(model, cx)?;
+    let mut squares = [0.0f64; NormClasses::COUNT];
     for n in module::distinct_params(model)? {
-        let p = &n.param;
-        let Some(g) = p.grad() else { continue };
-        if n.is_tied() && pp.size() > 1 && pp.rank() != 0 {
-            continue;
-        }
-        let sq = ops::sum_squares(&g)?.to_scalar()?;
-        match p.shard() {
-            Shard::Split { .. } => split += sq,
-            Shard::Full => replicated += sq,
+        let Some(g) = n.param.grad() else { continue };
+        if let Some(c) = classes.class(&n.param) {
+            squares[c] += ops::sum_squares(&g)?.to_scalar()?;
         }
     }
-    let dev = cx.device();
-    let scalar = |v: f64| Tensor::from_vec(vec![v], [1], dev);
-    let split = cx.tp().all_reduce_sum(&scalar(split)?)?.to_scalar()?;
-    let stage = pp.all_reduce_sum(&scalar(split + replicated)?)?.to_scalar()?;
-    Ok(stage.sqrt())
+    classes.norm(squares, cx)
+}
+
+/// Where each parameter's squared gradient is summed for the global norm:
+/// over the tensor-parallel group when the parameter is split over it, over
+/// the expert-parallel group when it is an expert, over the pipeline stages
+/// always; and whether this rank counts it at all (a weight tied across
+/// stages counts on the first stage only).
+#[derive(Debug)]
+pub struct NormClasses {
+    class: std::collections::HashMap<ParamId, Option<usize>>,
+}
+
+impl NormClasses {
+    /// The number of classes: split experts, split, experts, replicated.
+    pub const COUNT: usize = 4;
+
+    /// The classes of `model`'s parameters on the rank of `cx`.
+    pub fn of<M: Module>(model: &M, cx: &Cx) -> Result<Self> {
+        let pp = &cx.groups().pp;
+        let mut class = std::collections::HashMap::new();
+        let mut seen = std::collections::HashSet::new();
+        module::visit_params(model, |e| {
+            // A parameter visited again is tied (shared by several layers).
+            let tied = !seen.insert(e.param.id());
+            let split = matches!(e.param.shard(), Shard::Split { .. });
+            let c = match (split, e.expert.is_some()) {
+                (true, true) => 0,
+                (true, false) => 1,
+                (false, true) => 2,
+                (false, false) => 3,
+            };
+            let counted = !(tied && pp.size() > 1 && pp.rank() != 0);
+            if !counted || !class.contains_key(&e.param.id()) {
+                class.insert(e.param.id(), counted.then_some(c));
+            }
+            Ok(())
+        })?;
+        Ok(NormClasses { class })
+    }
+
+    /// The class of `p` (an index below [`COUNT`](Self::COUNT)), or `None`
+    /// when this rank does not count it.
+    pub fn class(&self, p: &Param) -> Option<usize> {
+        self.class.get(&p.id()).copied().flatten()
+    }
+
+    /// The global norm from this rank's squared gradients per class (each
+    /// summed over the data-parallel group first when the gradients are
+    /// sharded over it). Every rank calls it at the same point.
+    pub fn norm(&self, squares: [f64; Self::COUNT], cx: &Cx) -> Result<f64> {
+        let dev = cx.device();
+        let split = cx.tp().all_reduce_sum(&Tensor::from_vec(squares[..2].to_vec(), [2], dev)?)?.to_vec::<f64>()?;
+        let experts = cx.groups().ep.all_reduce_sum(&Tensor::from_vec(vec![split[0] + squares[2]], [1], dev)?)?.to_scalar()?;
+        let stage = cx.groups().pp.all_reduce_sum(&Tensor::from_vec(vec![experts + split[1] + squares[3]], [1], dev)?)?.to_scalar()?;
+        Ok(stage.sqrt())
+    }
 }
 
 /// Scales every gradient so the global norm is at most `max_norm`; returns

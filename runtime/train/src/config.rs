@@ -474,10 +474,7 @@ impl TrainConfig {
             return Err(Error::config("precision.hysteresis", "counts overflows: at least 1"));
         }
         self.recompute.to_override()?;
-        let zero = self.zero.to_stage()?;
-        if zero.is_some() && (self.mesh.tp > 1 || self.mesh.pp > 1 || self.mesh.ep > 1) {
-            return Err(Error::config("zero.stage", "ZeRO is combined with data parallelism only; set mesh.tp, mesh.pp and mesh.ep to 1, or zero.stage to 0"));
-        }
+        self.zero.to_stage()?;
         let o = &self.optim;
         if !(o.lr.is_finite() && o.lr > 0.0 && o.min_lr.is_finite() && o.min_lr >= 0.0 && o.min_lr <= o.lr) {
             return Err(Error::config("optim.lr", format!("need 0 <= min_lr <= lr and lr > 0; got lr {} and min_lr {}", o.lr, o.min_lr)));
@@ -530,7 +527,9 @@ mod tests {
         assert!(e.contains("did you mean `seq_len`?"), "{e}");
         let e = TrainConfig::parse("[optimizer]\nlr = 2\n", &[]).unwrap_err().to_string();
         assert!(e.contains("optimizer") && e.contains("did you mean `optim`?"), "{e}");
-        let e = TrainConfig::parse("[zero]\nstage = 1\n[mesh]\ntp = 2\n", &[]).unwrap_err().to_string();
+        // ZeRO combines with every axis.
+        TrainConfig::parse("[zero]\nstage = 3\n[mesh]\ndp = 2\ntp = 2\npp = 2\nep = 2\nsp = true\n", &[]).unwrap();
+        let e = TrainConfig::parse("[zero]\nstage = 4\n", &[]).unwrap_err().to_string();
         assert!(e.contains("zero.stage"), "{e}");
         let e = TrainConfig::parse("[mesh]\npp = 4\n[batch]\ngrad_accum = 2\n", &[]).unwrap_err().to_string();
         assert!(e.contains("grad_accum"), "{e}");

@@ -22,7 +22,7 @@ mod schedule;
 mod suggest;
 mod trainer;
 
-pub use clip::{clip_factor, clip_grad_norm, clip_to_norm, global_grad_norm};
+pub use clip::{clip_factor, clip_grad_norm, clip_to_norm, global_grad_norm, NormClasses};
 pub use config::{
     BatchConfig, CheckpointConfig, DataConfig, MeshConfig, OptimConfig, PrecisionConfig, RankDevice, RecomputeConfig, RunConfig, StabilityConfig, TrainConfig,
     ZeroSection,

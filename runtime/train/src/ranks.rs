@@ -79,12 +79,7 @@ impl Ranks {
     pub(crate) fn abort(&self, rank: usize, reason: &str) {
         match self {
             Ranks::Cpu(world) => world.abort(rank, reason),
-            Ranks::Cuda { handles, .. } => {
-                let g = &handles[rank];
-                for comm in [&g.tp, &g.dp, &g.pp, &g.ep] {
-                    comm.abort(reason);
-                }
-            }
+            Ranks::Cuda { handles, .. } => handles[rank].abort(reason),
         }
     }
 }

@@ -32,6 +32,14 @@
 //!
 //! The memory each stage needs is derived in the repository's `docs/zero.md`.
 //!
+//! # Tied parameters
+//!
+//! A parameter the model uses in several places (an embedding tied to the
+//! head) is reduced only in [`finish`](Zero::finish), never during the
+//! backward, and in buckets of its own: under pipeline parallelism its uses
+//! sit on different stages, and the caller sums its gradient over them
+//! (`sync_tied_grads`) after the backward and before `finish`.
+//!
 //! # Use
 //!
 //! ```
@@ -206,6 +214,13 @@ pub struct Zero {
     all_reduce: Option<DataParallel>,
     /// Stages 2 and 3: the fixed gradient buckets (entry indices).
     buckets: Buckets,
+    /// Whether each entry is tied (used in several places): reduced only in
+    /// `finish`, after the caller summed it over the stages that use it.
+    tied: Vec<bool>,
+    /// With expert parallelism: the expert-parallel group, over which the
+    /// shard of every gradient but the experts' is summed too, and whether
+    /// each entry is an expert's.
+    experts: Option<(Arc<dyn Communicator>, Vec<bool>)>,
     state: Mutex<State>,
 }
 
@@ -218,6 +233,27 @@ impl Zero {
     /// this with the same model and configuration. Stage 3 keeps only this
     /// rank's shard of the parameters from here on.
     pub fn new<M: Module>(model: &M, dp: Arc<dyn Communicator>, config: ZeroConfig) -> Result<Self> {
+        Zero::build(model, dp, None, config)
+    }
+
+    /// With expert parallelism: the engine shards over `groups.dp` (the
+    /// replicas that hold the same experts, so the same flat layout); an
+    /// expert's gradient is averaged over it as usual (the all-to-all
+    /// already brought it every expert-parallel rank's tokens), while every
+    /// other gradient is also summed over `groups.ep`: at stage 1 through
+    /// the all-reduce over all replicas (`groups.replicas`), at stages 2 and
+    /// 3 on this rank's shard only, after the reduce-scatter (1/dp of the
+    /// bytes). Every gradient is divided by the number of replicas, dp × ep.
+    pub fn with_experts<M: Module>(model: &M, groups: &tessera_dist::Groups, config: ZeroConfig) -> Result<Self> {
+        Zero::build(model, groups.dp.clone(), Some((groups.ep.clone(), groups.replicas.clone())), config)
+    }
+
+    fn build<M: Module>(
+        model: &M,
+        dp: Arc<dyn Communicator>,
+        experts: Option<(Arc<dyn Communicator>, Arc<dyn Communicator>)>,
+        config: ZeroConfig,
+    ) -> Result<Self> {
         const OP: &str = "Zero::new";
         config.adamw.validate()?;
         if config.bucket_bytes == 0 {
@@ -226,6 +262,8 @@ impl Zero {
         let mut entries: Vec<Entry> = Vec::new();
         let mut seen: HashMap<tessera_nn::module::ParamId, usize> = HashMap::new();
         let mut owners: Vec<(String, usize)> = Vec::new();
+        let mut tied = std::collections::HashSet::new();
+        let mut is_expert: Vec<bool> = Vec::new();
         let mut kind: Option<(DType, Device)> = None;
         let mut problem: Option<String> = None;
         module::visit_params(model, |e| {
@@ -234,7 +272,10 @@ impl Zero {
                 return Ok(());
             }
             let index = match seen.get(&e.param.id()) {
-                Some(&i) => i,
+                Some(&i) => {
+                    tied.insert(i);
+                    i
+                }
                 None => {
                     let value = e.param.value().map_err(|_| {
                         Error::param_unavailable(
@@ -252,6 +293,7 @@ impl Zero {
                     }
                     let offset = entries.last().map_or(0, |x| x.offset + x.len);
                     entries.push(Entry { name: e.name.to_string(), param: e.param.clone(), shape: value.shape().clone(), offset, len: value.elem_count() });
+                    is_expert.push(e.expert.is_some());
                     seen.insert(e.param.id(), entries.len() - 1);
                     entries.len() - 1
                 }
@@ -295,12 +337,15 @@ impl Zero {
             }
         }
 
-        let all_reduce = match config.stage {
-            Stage::One => Some(DataParallel::new(model, dp.clone(), config.bucket_bytes)?),
+        let all_reduce = match (config.stage, &experts) {
+            (Stage::One, None) => Some(DataParallel::new(model, dp.clone(), config.bucket_bytes)?),
+            (Stage::One, Some((_, replicas))) => Some(DataParallel::with_experts(model, replicas.clone(), dp.clone(), config.bucket_bytes)?),
             _ => None,
         };
+        let experts = experts.map(|(ep, _)| (ep, is_expert));
         let bytes: Vec<usize> = entries.iter().map(|e| e.len * dtype.size_in_bytes()).collect();
-        let buckets = Buckets::new(&bytes, config.bucket_bytes);
+        let tied: Vec<bool> = (0..entries.len()).map(|i| tied.contains(&i)).collect();
+        let buckets = Buckets::keyed(&bytes, &tied.iter().map(|&t| usize::from(t)).collect::<Vec<_>>(), config.bucket_bytes);
         let flat = Flat { layout, entries, dtype, device };
         let m = Tensor::zeros([layout.shard_len], dtype, &flat.device)?;
         let v = Tensor::zeros([layout.shard_len], dtype, &flat.device)?;
@@ -327,7 +372,22 @@ impl Zero {
             stats: ZeroStats::default(),
         };
         let entry_of = flat.entries.iter().enumerate().map(|(i, e)| (e.param.id(), i)).collect();
-        Ok(Zero { stage: config.stage, config, dp, rank, flat, entry_of, units, unit_of_path, persistent, all_reduce, buckets, state: Mutex::new(state) })
+        Ok(Zero {
+            stage: config.stage,
+            config,
+            dp,
+            rank,
+            flat,
+            entry_of,
+            units,
+            unit_of_path,
+            persistent,
+            all_reduce,
+            buckets,
+            tied,
+            experts,
+            state: Mutex::new(state),
+        })
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -462,13 +522,37 @@ impl Zero {
     /// each rank's shard squared and summed, then summed over the
     /// data-parallel group, so every rank gets the same value at every stage
     /// though stages 2 and 3 hold only a shard. NaN or infinite when any
-    /// gradient is (an fp16 overflow).
+    /// gradient is (an fp16 overflow). The norm of this engine's parameters
+    /// only: with tensor, pipeline or expert parallelism, see
+    /// [`grad_squares`](Self::grad_squares).
     pub fn grad_norm(&self) -> Result<f64> {
+        Ok(self.grad_squares(1, |_| Some(0))?[0].sqrt())
+    }
+
+    /// The squared averaged gradients summed per class (after
+    /// [`finish`](Self::finish), which it calls if the caller has not):
+    /// `class(param)` puts each parameter in one of `classes` sums, or in
+    /// none; each rank sums its shard, then the sums are added over the
+    /// data-parallel group, so every rank gets the same values at every
+    /// stage. A caller that also splits the model over other groups sums
+    /// each class over the groups it is split over (tensor-parallel shards,
+    /// experts, stages) to get the model's global norm.
+    pub fn grad_squares(&self, classes: usize, class: impl Fn(&Param) -> Option<usize>) -> Result<Vec<f64>> {
         let mut s = self.state();
         self.ensure_synced(&mut s)?;
-        let local = ops::sum_squares(&self.grad_shard(&mut s, false)?)?.to_scalar()?;
-        let total = self.dp.all_reduce_sum(&Tensor::from_vec(vec![local], [1], s.m.device())?)?.to_scalar()?;
-        Ok(total.sqrt())
+        let grad = self.grad_shard(&mut s, false)?;
+        let range = self.flat.layout.shard_range(self.rank);
+        let mut local = vec![0.0f64; classes];
+        for p in self.flat.pieces_in(range.clone()) {
+            let e = &self.flat.entries[p.entry];
+            let Some(c) = class(&e.param) else { continue };
+            if c >= classes {
+                return Err(Error::invalid("Zero::grad_squares", format!("parameter `{}` was put in class {c} of {classes}", e.name)));
+            }
+            let at = e.offset + p.start - range.start;
+            local[c] += ops::sum_squares(&grad.narrow(0, at, p.len)?)?.to_scalar()?;
+        }
+        self.dp.all_reduce_sum(&Tensor::from_vec(local, [classes], s.m.device())?)?.to_vec::<f64>()
     }
 
     /// [`step`](Self::step) with every gradient multiplied by `grad_scale`
@@ -627,7 +711,8 @@ impl Hooks for Zero {
             ));
         };
         let mut s = self.state();
-        if s.packed[i] || s.ready[i] {
+        // A tied parameter waits for `finish` (see the module documentation).
+        if s.packed[i] || s.ready[i] || self.tied[i] {
             return Ok(());
         }
         s.ready[i] = true;

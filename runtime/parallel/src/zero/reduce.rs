@@ -75,10 +75,44 @@ impl Zero {
             at += t.elem_count();
             parts.push(t);
         }
-        s.grad_shard = Some(self.flat.padded_concat(parts, self.flat.layout.shard_len)?);
+        let shard = self.flat.padded_concat(parts, self.flat.layout.shard_len)?;
+        s.grad_shard = Some(self.sum_shared_over_experts(shard)?);
         s.packed.iter_mut().for_each(|p| *p = false);
         s.ready.iter_mut().for_each(|r| *r = false);
         Ok(())
+    }
+
+    /// With expert parallelism, completes this rank's averaged gradient
+    /// shard (a mean over the data-parallel group): the pieces of
+    /// parameters every expert-parallel rank holds are summed over the
+    /// expert-parallel group (the shard has the same layout on each, since
+    /// the ranks hold the same number of experts of the same shapes), and
+    /// everything is divided by its size, so the shard is a mean over all
+    /// dp × ep replicas.
+    fn sum_shared_over_experts(&self, shard: Tensor) -> Result<Tensor> {
+        let Some((ep, is_expert)) = &self.experts else { return Ok(shard) };
+        if ep.size() == 1 {
+            return Ok(shard);
+        }
+        let range = self.flat.layout.shard_range(self.rank);
+        let pieces = self.flat.pieces_in(range.clone());
+        let at = |p: &super::layout::Piece| self.flat.entries[p.entry].offset + p.start - range.start;
+        let shared: Vec<Tensor> = pieces.iter().filter(|p| !is_expert[p.entry]).map(|p| shard.narrow(0, at(p), p.len)).collect::<Result<_>>()?;
+        let summed = if shared.is_empty() { None } else { Some(ep.all_reduce_sum(&Tensor::concat_flat(&shared.iter().collect::<Vec<_>>())?)?) };
+        drop(shared);
+        let mut parts = Vec::with_capacity(pieces.len());
+        let mut taken = 0;
+        for p in &pieces {
+            parts.push(match &summed {
+                Some(summed) if !is_expert[p.entry] => {
+                    taken += p.len;
+                    summed.narrow(0, taken - p.len, p.len)?
+                }
+                _ => shard.narrow(0, at(p), p.len)?,
+            });
+        }
+        let whole = self.flat.padded_concat(parts, range.len())?;
+        ops::scale(&whole, 1.0 / ep.size() as f64)
     }
 
     pub(super) fn missing_grad(&self, e: &Entry) -> Error {

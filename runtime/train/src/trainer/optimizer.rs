@@ -3,9 +3,8 @@
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_core::{ops, Result};
-use tessera_dist::Communicator;
-use tessera_nn::module::{self, Module, Param};
+use tessera_core::Result;
+use tessera_nn::module::{self, Module};
 use tessera_optim::{AdamW, OptimizerState};
 use tessera_parallel::data::DataParallel;
 use tessera_parallel::zero::Zero;
@@ -76,9 +75,6 @@ pub(super) enum GradSync {
     Overlapped(Arc<DataParallel>),
     /// ZeRO's reduce-scatter (or, at stage 1, its all-reduce).
     Zero(Arc<Zero>),
-    /// With expert parallelism: every gradient averaged after the backward
-    /// over `replicas` data replicas (see [`average_grads`]).
-    Averaged { dp: Arc<dyn Communicator>, ep: Arc<dyn Communicator>, replicas: usize },
     /// One replica: nothing to do.
     None,
 }
@@ -86,39 +82,13 @@ pub(super) enum GradSync {
 impl GradSync {
     /// Finishes the synchronisation; returns the communication time the
     /// backward did not hide.
-    pub(super) fn finish<M: Module>(&self, model: &M) -> Result<Duration> {
+    pub(super) fn finish(&self) -> Result<Duration> {
         let started = Instant::now();
         match self {
             GradSync::Overlapped(o) => return Ok(o.finish()?.exposed),
             GradSync::Zero(z) => z.finish()?,
-            GradSync::Averaged { dp, ep, replicas } => average_grads(model, &**dp, &**ep, *replicas)?,
             GradSync::None => return Ok(Duration::ZERO),
         }
         Ok(started.elapsed())
     }
-}
-
-/// Averages every gradient over the data replicas when expert parallelism
-/// is on: an expert's gradient already holds every expert-parallel rank's
-/// tokens (the all-to-all brought them), every other parameter is also
-/// replicated over the expert group and sums over it.
-fn average_grads<M: Module>(model: &M, dp: &dyn Communicator, ep: &dyn Communicator, replicas: usize) -> Result<()> {
-    // Each parameter once, with whether the visitor places it in an expert.
-    let mut params: Vec<(Param, bool)> = Vec::new();
-    let mut seen = std::collections::HashSet::new();
-    module::visit_params(model, |e| {
-        if seen.insert(e.param.id()) {
-            params.push((e.param.clone(), e.expert.is_some()));
-        }
-        Ok(())
-    })?;
-    for (p, expert) in params {
-        let Some(g) = p.grad() else { continue };
-        let mut g = dp.all_reduce_sum(&g)?;
-        if !expert {
-            g = ep.all_reduce_sum(&g)?;
-        }
-        p.set_grad(ops::scale(&g, 1.0 / replicas as f64)?)?;
-    }
-    Ok(())
 }

@@ -7,7 +7,7 @@ use super::state::{describe, RunState};
 use super::{Replica, Trainer};
 use crate::ckpt::{Checkpointer, SaveHandle};
 use crate::ranks::Ranks;
-use crate::{clip_factor, clip_to_norm, global_grad_norm, Anomaly, AtStep, LossScaler, StabilityMonitor, WarmupCosine};
+use crate::{clip_factor, clip_to_norm, global_grad_norm, Anomaly, AtStep, LossScaler, NormClasses, StabilityMonitor, WarmupCosine};
 use parking_lot::Mutex;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -70,6 +70,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         let (d, e, stage) = (c[Axis::Dp], c[Axis::Ep], c[Axis::Pp]);
         let (dp, ep, pp) = (cfg.mesh.dp, cfg.mesh.ep, cfg.mesh.pp);
         let (tp_group, dp_group, ep_group, pp_group) = (groups.tp.clone(), groups.dp.clone(), groups.ep.clone(), groups.pp.clone());
+        let replicas_group = groups.replicas.clone();
         let mut cx = Cx::new(dev.clone()).with_seed(cfg.run.seed).with_groups(groups).with_sequence_parallel(cfg.mesh.sp).with_dtype(cfg.precision.dtype()?);
         if pp > 1 {
             // Each stage materialises (and checkpoints) only its own layers.
@@ -82,23 +83,28 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         cx.set_recompute_override(cfg.recompute.to_override()?);
         let model = module::build((trainer.build)(&cx, e, ep)?, &cx)?;
 
-        // Gradient synchronisation: ZeRO, overlapped buckets, or (with
-        // expert parallelism, whose non-expert gradients also sum over the
-        // expert group) an explicit average after the backward.
+        // Gradient synchronisation: ZeRO, or buckets all-reduced while the
+        // backward runs (with expert parallelism, the experts' gradients
+        // over the data-parallel group, every other over all replicas).
         let (sync, optimizer) = match cfg.zero.to_stage()? {
             Some(stage) => {
                 let config = ZeroConfig::new(stage).with_adamw(cfg.optim.adamw()).with_bucket_bytes(cfg.mesh.bucket_bytes);
-                let zero = Arc::new(Zero::new(&model, dp_group.clone(), config)?);
+                let zero = Arc::new(match ep {
+                    1 => Zero::new(&model, dp_group.clone(), config)?,
+                    _ => Zero::with_experts(&model, cx.groups(), config)?,
+                });
                 cx = cx.with_hooks(zero.clone());
                 (GradSync::Zero(zero.clone()), RankOptimizer::Zero(zero))
             }
             None => {
-                let sync = if dp > 1 && ep == 1 {
-                    let overlap = Arc::new(DataParallel::new(&model, dp_group.clone(), cfg.mesh.bucket_bytes)?);
+                let sync = if dp * ep > 1 {
+                    let overlap = match ep {
+                        1 => DataParallel::new(&model, dp_group.clone(), cfg.mesh.bucket_bytes)?,
+                        _ => DataParallel::with_experts(&model, replicas_group, dp_group.clone(), cfg.mesh.bucket_bytes)?,
+                    };
+                    let overlap = Arc::new(overlap);
                     cx = cx.with_hooks(overlap.clone());
                     GradSync::Overlapped(overlap)
-                } else if dp * ep > 1 {
-                    GradSync::Averaged { dp: dp_group.clone(), ep: ep_group.clone(), replicas: dp * ep }
                 } else {
                     GradSync::None
                 };
@@ -189,7 +195,13 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
             Some(zero) => {
                 let loss_scale = self.state.scaler.as_ref().map_or(1.0, |s| s.scale());
                 // Of the scaled gradients: not finite on an fp16 overflow.
-                let scaled = zero.grad_norm()?;
+                // Measured over the shards, each class of parameter summed
+                // over the groups it is split over (tp, ep, pp).
+                let classes = NormClasses::of(&self.model, &self.cx)?;
+                let squares = zero.grad_squares(NormClasses::COUNT, |p| classes.class(p))?;
+                let squares = <[f64; NormClasses::COUNT]>::try_from(squares)
+                    .map_err(|_| tessera_core::Error::state_mismatch("trainer", "the engine returned another number of norm classes"))?;
+                let scaled = classes.norm(squares, &self.cx)?;
                 grad_scale = 1.0 / loss_scale;
                 pass.grad_norm = scaled.is_finite().then_some(scaled / loss_scale);
                 scaled.is_finite()
@@ -313,8 +325,10 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         }
 
         let sync_started = Instant::now();
-        let exposed = self.sync.finish(&self.model)?;
+        // A weight tied across stages (the embedding and the head) sums over
+        // them first; the engines reduce tied parameters only in `finish`.
         sync_tied_grads(&self.model, &self.cx)?;
+        let exposed = self.sync.finish()?;
         if tracing {
             trace.record(self.rank, "grad sync", "comm", sync_started, Instant::now());
         }
