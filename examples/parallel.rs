@@ -1,23 +1,30 @@
 //! Trains a small GPT on in-process CPU ranks with a hybrid mesh
 //! (data × tensor × pipeline parallelism) and reports, per rank, memory,
-//! communication time and the pipeline bubble.
+//! gradient communication (in all, and the part the backward did not hide)
+//! and the pipeline bubble.
 //!
-//! Run: `cargo run --release --example parallel -- --dp 2 --tp 2 --pp 2`
+//! Each stage materialises only its own layers; data-parallel gradients go
+//! in buckets all-reduced while the backward runs, as in the trainer.
+//! `--compare` also runs the same steps with every bucket sent after the
+//! backward, and sets the step time overlap saved beside what the
+//! communication figures claim.
+//!
+//! Run: `cargo run --release --example parallel -- --dp 2 --tp 2 --pp 2 --schedule interleaved --compare`
 
-use anyhow::{ensure, Result};
+use anyhow::{bail, ensure, Result};
 use clap::Parser;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tessera::dist::inproc::{mesh_groups, InProcess};
 use tessera::dist::mesh::{Axis, Mesh};
-use tessera::module::{self, Groups, Param};
+use tessera::module::{self, Groups};
 use tessera::nn::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward, CausalAttention, Embedding, LayerNorm, Linear, Stack};
-use tessera::ops;
 use tessera::optim::{AdamW, AdamWConfig};
+use tessera::parallel::data::DataParallel;
 use tessera::parallel::pipeline::{run_stage, sync_tied_grads, Costs, ScheduleKind};
 use tessera::prelude::*;
 
-#[derive(Parser, Clone, Copy)]
+#[derive(Parser, Clone)]
 #[command(about = "Train a small GPT on CPU ranks with data, tensor and pipeline parallelism")]
 struct Args {
     /// Data-parallel replicas.
@@ -38,6 +45,30 @@ struct Args {
     /// Microbatches per replica and step (one sequence each).
     #[arg(long, default_value_t = 4)]
     microbatches: usize,
+    /// Pipeline schedule: gpipe, 1f1b or interleaved.
+    #[arg(long, default_value = "1f1b")]
+    schedule: String,
+    /// Model chunks per stage under the interleaved schedule.
+    #[arg(long, default_value_t = 2)]
+    chunks: usize,
+    /// Data-parallel bucket size in bytes.
+    #[arg(long, default_value_t = 4096)]
+    bucket_bytes: usize,
+    /// Also run the same steps with the gradients sent after the backward,
+    /// and compare.
+    #[arg(long)]
+    compare: bool,
+}
+
+impl Args {
+    fn schedule(&self) -> Result<ScheduleKind> {
+        Ok(match self.schedule.as_str() {
+            "gpipe" => ScheduleKind::GPipe,
+            "1f1b" => ScheduleKind::OneFOneB,
+            "interleaved" => ScheduleKind::Interleaved { chunks: self.chunks },
+            other => bail!("unknown schedule `{other}`; use gpipe, 1f1b or interleaved"),
+        })
+    }
 }
 
 const VOCAB: usize = 32;
@@ -126,30 +157,63 @@ struct RankReport {
     rank: usize,
     coords: String,
     peak_bytes: usize,
+    /// Bytes of parameters this rank holds (its stage's, its tp shards).
+    param_bytes: usize,
+    /// Gradient communication in flight, summed over steps.
     dp_comm: Duration,
+    /// The part of it the backward did not hide.
+    dp_exposed: Duration,
     compute: Duration,
     waiting: Duration,
+    /// Wall time of the steps after the first few (which warm the
+    /// allocator and start the communication threads).
+    timed: Duration,
 }
 
-fn run_rank(args: Args, world: &InProcess, mesh: &Mesh, rank: usize, log: &Mutex<Vec<(usize, f64)>>) -> Result<RankReport> {
+/// Steps left out of the timing.
+fn warm_up_steps(steps: usize) -> usize {
+    (steps / 10).min(5)
+}
+
+/// When the data-parallel buckets go.
+#[derive(Clone, Copy, PartialEq)]
+enum Sync {
+    /// Each as soon as its gradients are final, while the backward runs.
+    Overlapped,
+    /// All after the backward.
+    After,
+}
+
+fn run_rank(args: &Args, sync: Sync, world: &InProcess, mesh: &Mesh, rank: usize, log: &Mutex<Vec<(usize, f64)>>) -> Result<RankReport> {
     let dev = Device::cpu();
     let c = mesh.coords(rank)?;
     let (d, t, stage) = (c[Axis::Dp], c[Axis::Tp], c[Axis::Pp]);
     let groups: Groups = mesh_groups(world, mesh, rank, &dev)?;
     let (tp, dp) = (groups.tp.clone(), groups.dp.clone());
-    let mut cx = Cx::new(dev.clone()).with_seed(1).with_groups(groups).with_sequence_parallel(args.sp);
+    let kind = args.schedule()?;
+    let chunks = match kind {
+        ScheduleKind::Interleaved { chunks } => chunks,
+        _ => 1,
+    };
+    // Each stage materialises only its own layers.
+    let mut cx = Cx::new(dev.clone()).with_seed(1).with_groups(groups).with_sequence_parallel(args.sp).with_pipeline_chunks(chunks);
     let model = module::build(gpt()?, &cx)?;
+    let param_bytes: usize =
+        module::distinct_params(&model)?.iter().filter(|n| !n.param.is_remote()).map(|n| n.param.local_shape().elem_count() * std::mem::size_of::<f32>()).sum();
+    // The trainer's data parallelism: buckets all-reduced as the backward
+    // finishes their gradients (installed as hooks), or all after it.
+    let engine = Arc::new(DataParallel::new(&model, dp.clone(), args.bucket_bytes)?);
+    if sync == Sync::Overlapped {
+        cx = cx.with_hooks(engine.clone());
+    }
     let mut opt = AdamW::new(&model, AdamWConfig { weight_decay: 0.0, ..AdamWConfig::default() })?;
-    let schedule = ScheduleKind::OneFOneB.build(args.pp, args.microbatches)?;
-    let mut params: Vec<Param> = Vec::new();
-    module::visit_params(&model, |e| {
-        if !params.iter().any(|p| p.same(e.param)) {
-            params.push(e.param.clone());
-        }
-        Ok(())
-    })?;
-    let (mut dp_comm, mut compute, mut waiting) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+    let schedule = kind.build(args.pp, args.microbatches)?;
+    let (mut dp_comm, mut dp_exposed, mut compute, mut waiting) = (Duration::ZERO, Duration::ZERO, Duration::ZERO, Duration::ZERO);
+    let mut timing_from = Instant::now();
     for step in 0..args.steps {
+        if step == warm_up_steps(args.steps) {
+            timing_from = Instant::now();
+        }
         let seqs: Vec<_> = (0..args.microbatches).map(|i| sequence(step, d * args.microbatches + i)).collect();
         let inputs: Vec<Tensor> = seqs.iter().map(|(x, _)| Tensor::from_vec(x.clone(), [1, SEQ], &dev)).collect::<tessera::Result<_>>()?;
         let targets: Vec<Tensor> = seqs.iter().map(|(_, y)| Tensor::from_vec(y.clone(), [1, SEQ], &dev)).collect::<tessera::Result<_>>()?;
@@ -161,14 +225,12 @@ fn run_rank(args: Args, world: &InProcess, mesh: &Mesh, rank: usize, log: &Mutex
         })?;
         compute += report.compute;
         waiting += report.waiting;
+        // The tied embedding and head sum over their stages, then every
+        // bucket not sent yet goes and the averages come back.
         sync_tied_grads(&model, &cx)?;
-        let started = Instant::now();
-        for p in &params {
-            if let Some(g) = p.grad() {
-                p.set_grad(ops::scale(&dp.all_reduce_sum(&g)?, 1.0 / args.dp as f64)?)?;
-            }
-        }
-        dp_comm += started.elapsed();
+        let stats = engine.finish()?;
+        dp_comm += stats.comm;
+        dp_exposed += stats.exposed;
         let lr = 3e-3 * (1.0 - step as f64 / args.steps as f64).max(0.1);
         opt.step(lr)?;
         opt.zero_grad();
@@ -180,25 +242,46 @@ fn run_rank(args: Args, world: &InProcess, mesh: &Mesh, rank: usize, log: &Mutex
             }
         }
     }
-    Ok(RankReport { rank, coords: format!("dp{d} tp{t} pp{stage}"), peak_bytes: dev.memory_stats().peak, dp_comm, compute, waiting })
+    let timed = timing_from.elapsed();
+    Ok(RankReport {
+        rank,
+        coords: format!("dp{d} tp{t} pp{stage}"),
+        peak_bytes: dev.memory_stats().peak,
+        param_bytes,
+        dp_comm,
+        dp_exposed,
+        compute,
+        waiting,
+        timed,
+    })
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    let world_size = args.dp * args.tp * args.pp;
-    ensure!(args.dp > 0 && args.tp > 0 && args.pp > 0, "--dp, --tp and --pp must each be at least 1");
-    ensure!(LAYERS.is_multiple_of(args.pp), "{LAYERS} layers do not split over {} pipeline stages; use a --pp that divides {LAYERS}", args.pp);
-    let mesh = Mesh::parse(&format!("dp{},tp{},pp{}", args.dp, args.tp, args.pp), world_size, world_size)?;
+/// What one run measured.
+struct Run {
+    reports: Vec<RankReport>,
+    losses: Vec<(usize, f64)>,
+    elapsed: Duration,
+}
+
+impl Run {
+    /// Milliseconds per step after the warm-up, on the slowest rank.
+    fn step_ms(&self, steps: usize) -> f64 {
+        let timed = self.reports.iter().map(|r| r.timed).max().unwrap_or_default();
+        timed.as_secs_f64() * 1e3 / (steps - warm_up_steps(steps)) as f64
+    }
+}
+
+fn run(args: &Args, sync: Sync, mesh: &Mesh) -> Result<Run> {
+    let world_size = mesh.world();
     let world = InProcess::new(world_size)?;
-    println!("training a {LAYERS}-layer GPT (hidden {DIM}, vocab {VOCAB}) on {world_size} ranks: {mesh}{}", if args.sp { " + sequence parallel" } else { "" });
     let log = Mutex::new(Vec::new());
     let started = Instant::now();
     let reports: Vec<Result<RankReport>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..world_size)
             .map(|rank| {
-                let (world, mesh, log) = (&world, &mesh, &log);
+                let (world, log) = (&world, &log);
                 s.spawn(move || {
-                    let r = run_rank(args, world, mesh, rank, log);
+                    let r = run_rank(args, sync, world, mesh, rank, log);
                     if let Err(e) = &r {
                         world.abort(rank, &e.to_string());
                     }
@@ -211,26 +294,92 @@ fn main() -> Result<()> {
     let elapsed = started.elapsed();
     let mut losses = log.into_inner().expect("log");
     losses.sort_by_key(|(s, _)| *s);
-    for (step, loss) in losses.iter().filter(|(s, _)| s % 25 == 0 || *s + 1 == args.steps) {
-        println!("step {step:>4}  loss {loss:.4}");
-    }
-    println!("\n{:>4}  {:<14} {:>12} {:>12} {:>10}", "rank", "coordinates", "peak memory", "dp comm", "bubble");
     let mut reports = reports.into_iter().collect::<Result<Vec<_>>>()?;
     reports.sort_by_key(|r| r.rank);
-    for r in &reports {
-        let bubble = r.waiting.as_secs_f64() / (r.compute + r.waiting).as_secs_f64().max(1e-12);
-        println!("{:>4}  {:<14} {:>9.2} MB {:>9.1} ms {:>9.1}%", r.rank, r.coords, r.peak_bytes as f64 / 1e6, r.dp_comm.as_secs_f64() * 1e3, 100.0 * bubble);
-    }
-    let sim = ScheduleKind::OneFOneB.build(args.pp, args.microbatches)?.simulate(&Costs::new(1.0, 2.0))?;
+    Ok(Run { reports, losses, elapsed })
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    ensure!(args.dp > 0 && args.tp > 0 && args.pp > 0 && args.steps > 0, "--dp, --tp, --pp and --steps must each be at least 1");
+    let kind = args.schedule()?;
+    let virtual_stages = args.pp * if let ScheduleKind::Interleaved { chunks } = kind { chunks } else { 1 };
+    ensure!(
+        LAYERS.is_multiple_of(virtual_stages),
+        "{LAYERS} layers do not split over {virtual_stages} virtual pipeline stages; use a --pp (times --chunks when interleaved) that divides {LAYERS}"
+    );
+    let world_size = args.dp * args.tp * args.pp;
+    let mesh = Mesh::parse(&format!("dp{},tp{},pp{}", args.dp, args.tp, args.pp), world_size, world_size)?;
     println!(
-        "\n1F1B with {} stages and {} microbatches: theoretical bubble {:.1}% (equal stage costs); {:.1}s in all",
+        "training a {LAYERS}-layer GPT (hidden {DIM}, vocab {VOCAB}) on {world_size} ranks: {mesh}{}, {} schedule",
+        if args.sp { " + sequence parallel" } else { "" },
+        args.schedule
+    );
+    let overlapped = run(&args, Sync::Overlapped, &mesh)?;
+    for (step, loss) in overlapped.losses.iter().filter(|(s, _)| s % 25 == 0 || *s + 1 == args.steps) {
+        println!("step {step:>4}  loss {loss:.4}");
+    }
+    let per_step = |d: Duration| d.as_secs_f64() * 1e3 / args.steps as f64;
+    println!("\n{:>4}  {:<14} {:>11} {:>12} {:>14} {:>14} {:>8}", "rank", "coordinates", "parameters", "peak memory", "dp comm/step", "exposed/step", "bubble");
+    for r in &overlapped.reports {
+        let bubble = r.waiting.as_secs_f64() / (r.compute + r.waiting).as_secs_f64().max(1e-12);
+        println!(
+            "{:>4}  {:<14} {:>8.1} kB {:>9.2} MB {:>11.2} ms {:>11.2} ms {:>7.1}%",
+            r.rank,
+            r.coords,
+            r.param_bytes as f64 / 1e3,
+            r.peak_bytes as f64 / 1e6,
+            per_step(r.dp_comm),
+            per_step(r.dp_exposed),
+            100.0 * bubble
+        );
+    }
+    let sim = kind.build(args.pp, args.microbatches)?.simulate(&Costs::new(1.0, 2.0))?;
+    println!(
+        "\n{} with {} stages and {} microbatches: theoretical bubble {:.1}% (equal stage costs); {:.1}s in all",
+        args.schedule,
         args.pp,
         args.microbatches,
         100.0 * sim.bubble_fraction(),
-        elapsed.as_secs_f64()
+        overlapped.elapsed.as_secs_f64()
     );
-    if let (Some(first), Some(last)) = (losses.first(), losses.last()) {
+    if let (Some(first), Some(last)) = (overlapped.losses.first(), overlapped.losses.last()) {
         println!("loss {:.3} -> {:.3}", first.1, last.1);
+    }
+    if args.compare && args.dp > 1 {
+        // The same steps with every bucket sent after the backward: the
+        // step time overlap saved, against the communication the overlapped
+        // run says ran during the backward (comm − exposed), which is an
+        // upper bound: on CPU ranks the collectives share the cores. Two
+        // more runs, after-then-overlapped, and the faster of each mode, so
+        // neither gains from going second.
+        let after = run(&args, Sync::After, &mesh)?;
+        let again = run(&args, Sync::Overlapped, &mesh)?;
+        let overlapped = if again.step_ms(args.steps) < overlapped.step_ms(args.steps) { again } else { overlapped };
+        let mean = |run: &Run, f: fn(&RankReport) -> Duration| per_step(run.reports.iter().map(f).sum::<Duration>()) / run.reports.len() as f64;
+        let (with, without) = (overlapped.step_ms(args.steps), after.step_ms(args.steps));
+        let saved = without - with;
+        let claimed = mean(&overlapped, |r| r.dp_comm) - mean(&overlapped, |r| r.dp_exposed);
+        let serial = mean(&after, |r| r.dp_exposed);
+        println!(
+            "\noverlap: {with:.2} ms/step against {without:.2} ms/step with the buckets sent after the backward, whose communication took {serial:.2} ms/step"
+        );
+        println!("saved {saved:.2} ms/step; the overlapped run's figures put {claimed:.2} ms/step of communication under the backward (an upper bound)");
+        println!(
+            "{}",
+            serde_json::json!({
+                "bench": "dp_overlap",
+                "mesh": mesh.to_string(),
+                "schedule": args.schedule,
+                "overlapped_ms_per_step": with,
+                "after_ms_per_step": without,
+                "serial_comm_ms_per_step": serial,
+                "saved_ms_per_step": saved,
+                "hidden_ms_per_step": claimed,
+                "saved_over_serial_comm": saved / serial.max(1e-9),
+                "hidden_over_comm": claimed / mean(&overlapped, |r| r.dp_comm).max(1e-9),
+            })
+        );
     }
     Ok(())
 }

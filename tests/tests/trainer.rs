@@ -88,6 +88,25 @@ fn losses_and_norms(name: &str, mesh: &str, extra: &str) -> Vec<(f64, Option<f64
     read_metrics(out.join("metrics.jsonl")).unwrap().iter().map(|m| (m.loss, m.grad_norm, m.skipped)).collect()
 }
 
+/// metrics.jsonl logs the gradient communication in all and the part the
+/// backward did not hide: both zero on one replica, and with replicas a
+/// positive total that covers the exposed part, with and without ZeRO.
+#[test]
+fn metrics_log_total_and_exposed_communication() {
+    for (what, text) in [("dp1", "[mesh]\ndp = 1\n"), ("dp2", "[mesh]\ndp = 2\n"), ("zero2", "[mesh]\ndp = 2\n[zero]\nstage = 2\n")] {
+        let out = scratch(&format!("comm-{what}"));
+        train(config(&out, &format!("{text}[batch]\nmicro_batch = 2\n"), &["run.steps=4"]), 0..0);
+        for m in read_metrics(out.join("metrics.jsonl")).unwrap() {
+            if what == "dp1" {
+                assert_eq!((m.comm_s, m.exposed_comm_s), (0.0, 0.0), "{what}, step {}", m.step);
+            } else {
+                assert!(m.comm_s > 0.0 && m.comm_s >= m.exposed_comm_s && m.comm_s <= m.step_time_s, "{what}, step {}: {m:?}", m.step);
+            }
+        }
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}
+
 /// ZeRO 1/2/3 under data parallelism alone and combined with tensor (with
 /// sequence parallelism) and pipeline parallelism: the same steps as
 /// without ZeRO on the same mesh, with clipping, fp16 loss scaling and

@@ -5,6 +5,7 @@
 use std::cell::OnceCell;
 use std::fmt;
 use std::sync::mpsc;
+use std::time::Instant;
 use tessera_core::tensor::Tensor;
 use tessera_core::{Error, Result};
 
@@ -192,8 +193,10 @@ fn unsupported(op: &'static str, peer: usize, comm: &(impl Communicator + ?Sized
 pub struct Pending<T = Tensor> {
     op: &'static str,
     rank: usize,
-    rx: Option<mpsc::Receiver<Result<T>>>,
-    got: OnceCell<Result<T>>,
+    rx: Option<mpsc::Receiver<(Result<T>, Instant)>>,
+    /// The result, and when the operation finished, as stamped by whoever
+    /// ran it.
+    got: OnceCell<(Result<T>, Instant)>,
     queued: Option<Queued<T>>,
 }
 
@@ -210,7 +213,7 @@ struct Queued<T> {
 /// makes the handle's [`wait`](Pending::wait) return an error rather than
 /// wait forever.
 pub struct Completer<T = Tensor> {
-    tx: mpsc::SyncSender<Result<T>>,
+    tx: mpsc::SyncSender<(Result<T>, Instant)>,
 }
 
 impl<T> Pending<T> {
@@ -218,7 +221,7 @@ impl<T> Pending<T> {
     /// finish an operation at once (a group of one rank).
     pub fn ready(op: &'static str, result: Result<T>) -> Self {
         let got = OnceCell::new();
-        let _ = got.set(result);
+        let _ = got.set((result, Instant::now()));
         Pending { op, rank: 0, rx: None, got, queued: None }
     }
 
@@ -252,8 +255,8 @@ impl<T> Pending<T> {
         }
         let Some(rx) = &self.rx else { return true };
         match rx.try_recv() {
-            Ok(r) => {
-                let _ = self.got.set(r);
+            Ok(got) => {
+                let _ = self.got.set(got);
                 true
             }
             Err(mpsc::TryRecvError::Empty) => false,
@@ -265,19 +268,31 @@ impl<T> Pending<T> {
     ///
     /// The operation's own waits have timeouts, so this returns too: with
     /// the result, or with the error that stopped the operation.
-    pub fn wait(mut self) -> Result<T> {
-        if let Some(r) = self.got.take() {
-            return r;
+    pub fn wait(self) -> Result<T> {
+        self.wait_timed().0
+    }
+
+    /// [`wait`](Self::wait), with the moment the operation finished as
+    /// stamped by the thread that ran it, which a caller polling with
+    /// [`is_done`](Self::is_done) would only see later. `None` for an
+    /// operation queued on a device, whose end the host cannot see without
+    /// polling.
+    pub fn wait_timed(mut self) -> (Result<T>, Option<Instant>) {
+        if let Some((r, at)) = self.got.take() {
+            return (r, Some(at));
         }
         if let Some(q) = self.queued.take() {
-            return (q.finish)();
+            return ((q.finish)(), None);
         }
         match self.rx.take().map(|rx| rx.recv()) {
-            Some(Ok(r)) => r,
-            _ => Err(Error::PeerFailed {
-                rank: self.rank,
-                reason: format!("the thread running its {} stopped without delivering a result (it panicked; see its panic message)", self.op),
-            }),
+            Some(Ok((r, at))) => (r, Some(at)),
+            _ => (
+                Err(Error::PeerFailed {
+                    rank: self.rank,
+                    reason: format!("the thread running its {} stopped without delivering a result (it panicked; see its panic message)", self.op),
+                }),
+                None,
+            ),
         }
     }
 }
@@ -292,7 +307,7 @@ impl<T> Completer<T> {
     /// Delivers the operation's result to its handle (a no-op when the
     /// handle was dropped).
     pub fn complete(self, result: Result<T>) {
-        let _ = self.tx.send(result);
+        let _ = self.tx.send((result, Instant::now()));
     }
 }
 

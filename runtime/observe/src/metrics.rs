@@ -74,7 +74,7 @@ pub enum Event {
 /// The figures of one optimizer step, as written to `metrics.jsonl`.
 ///
 /// Times are seconds of wall clock. `compute_s`, `exposed_comm_s` and
-/// `bubble_s` split the step: time in kernels, time waiting on data-parallel
+/// `bubble_s` split the step (`comm_s` overlaps `compute_s`): time in kernels, time waiting on data-parallel
 /// communication that the backward did not hide, and time pipeline stages
 /// spent idle waiting for a neighbour. Each is the maximum over the ranks
 /// (the slowest rank sets the step time).
@@ -87,9 +87,8 @@ pub struct StepMetrics {
     #[serde(deserialize_with = "null_as_nan")]
     pub loss: f64,
     /// Global gradient norm before clipping (each logical parameter counted
-    /// once); not measured under ZeRO stages 2 and 3, whose gradients are
-    /// sharded. `null` in the file also when it was not finite (the step's
-    /// anomaly event gives the value).
+    /// once; under ZeRO measured over the shards). `null` in the file when
+    /// it was not finite (the step's anomaly event gives the value).
     pub grad_norm: Option<f64>,
     /// Learning rate of this step.
     pub lr: f64,
@@ -106,6 +105,11 @@ pub struct StepMetrics {
     pub step_time_s: f64,
     /// Time in compute.
     pub compute_s: f64,
+    /// Data-parallel gradient communication in all: the wall time during
+    /// which at least one bucket was in flight (maximum over the ranks).
+    /// `comm_s − exposed_comm_s` ran while the backward did.
+    #[serde(default)]
+    pub comm_s: f64,
     /// Data-parallel communication time not hidden behind the backward.
     pub exposed_comm_s: f64,
     /// Pipeline bubble: time a stage waited on its neighbours.

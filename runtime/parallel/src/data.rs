@@ -32,18 +32,60 @@ pub struct SyncStats {
     pub bytes: usize,
     /// Buckets launched before [`DataParallel::finish`], i.e. during the backward.
     pub launched_during_backward: usize,
-    /// Time the all-reduces were in flight, summed over buckets (from launch
-    /// to the first moment they were seen complete).
+    /// Wall time during which at least one all-reduce was in flight: the
+    /// union over buckets of the span from its launch to its completion, as
+    /// stamped by the thread that ran it (buckets in flight together count
+    /// once). For a collective queued on a GPU, the host sees its end only
+    /// when it polls, so the span ends at the first poll that saw it done.
     pub comm: Duration,
-    /// Time `finish` spent blocked on unfinished all-reduces.
+    /// Time `finish` spent blocked on unfinished all-reduces: communication
+    /// on the critical path.
     pub exposed: Duration,
 }
 
 impl SyncStats {
-    /// Communication time overlapped with computation.
+    /// Communication time that ran while the backward did (`comm −
+    /// exposed`). An upper bound of the time overlap saved: on CPU ranks
+    /// the collectives share the cores with the backward and slow it, so
+    /// the step gains less (`examples/parallel --compare` measures both).
     pub fn hidden(&self) -> Duration {
         self.comm.saturating_sub(self.exposed)
     }
+}
+
+/// When a collective waited for from `started_wait` counts as ended, and
+/// how long the wait blocked: a collective that had finished before the
+/// wait (at `finished`) ended then and blocked nothing; otherwise the wait
+/// blocked until its result arrived, which is when it ended for this rank
+/// (including the hand-over from the thread that ran it), so every blocked
+/// moment lies within the collective's span.
+pub(crate) fn wait_span(started_wait: Instant, finished: Option<Instant>) -> (Instant, Duration) {
+    match finished {
+        Some(at) if at <= started_wait => (at, Duration::ZERO),
+        _ => {
+            let now = Instant::now();
+            (now, now.saturating_duration_since(started_wait))
+        }
+    }
+}
+
+/// The total length of the union of `spans` (start, end): time covered by
+/// at least one of them.
+pub(crate) fn union_length(mut spans: Vec<(Instant, Instant)>) -> Duration {
+    spans.sort_by_key(|s| s.0);
+    let mut total = Duration::ZERO;
+    let mut current: Option<(Instant, Instant)> = None;
+    for (start, end) in spans {
+        current = match current {
+            Some((a, b)) if start <= b => Some((a, b.max(end))),
+            Some((a, b)) => {
+                total += b.saturating_duration_since(a);
+                Some((start, end))
+            }
+            None => Some((start, end)),
+        };
+    }
+    total + current.map_or(Duration::ZERO, |(a, b)| b.saturating_duration_since(a))
 }
 
 struct Inflight {
@@ -246,7 +288,8 @@ impl DataParallel {
         Ok(())
     }
 
-    /// Notes the completion time of all-reduces that finished since the last look.
+    /// Notes when all-reduces were first seen done (the end of a collective
+    /// queued on a device, whose completion is not stamped).
     fn poll(s: &mut State) {
         let now = Instant::now();
         for b in s.inflight.iter_mut().filter(|b| b.done_at.is_none()) {
@@ -269,15 +312,14 @@ impl DataParallel {
         // Every gradient is a sum over all replicas by now (an expert's
         // through the all-to-all and the experts' group).
         let scale = 1.0 / self.replicas.size() as f64;
+        let mut spans = Vec::with_capacity(s.inflight.len());
         for b in std::mem::take(&mut s.inflight) {
             let started_wait = Instant::now();
-            let already = b.done_at;
-            let summed = b.pending.wait()?;
-            let done = already.unwrap_or_else(Instant::now);
-            if already.is_none() {
-                s.stats.exposed += started_wait.elapsed();
-            }
-            s.stats.comm += done.saturating_duration_since(b.launched);
+            let (summed, stamped) = b.pending.wait_timed();
+            let summed = summed?;
+            let (end, exposed) = wait_span(started_wait, stamped.or(b.done_at));
+            s.stats.exposed += exposed;
+            spans.push((b.launched, end));
             let summed = if summed.dtype() == DType::F32 || summed.dtype() == DType::F64 { summed } else { summed.to_dtype(DType::F32)? };
             let mean = ops::scale(&summed, scale)?;
             let mut offset = 0;
@@ -291,6 +333,7 @@ impl DataParallel {
                 offset += n;
             }
         }
+        s.stats.comm = union_length(spans);
         s.ready.iter_mut().for_each(|r| *r = false);
         s.launched = 0;
         Ok(std::mem::take(&mut s.stats))
@@ -319,5 +362,22 @@ impl Hooks for DataParallel {
 impl std::fmt::Debug for DataParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "DataParallel(replicas = {}, {} buckets, {:?})", self.replicas.size(), self.buckets.len(), self.compression)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::union_length;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn overlapping_spans_count_once() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        // [0, 10] and [5, 20] overlap into [0, 20]; [30, 35] stands alone;
+        // [31, 32] lies inside it.
+        let spans = vec![(at(30), at(35)), (at(0), at(10)), (at(5), at(20)), (at(31), at(32))];
+        assert_eq!(union_length(spans), Duration::from_millis(25));
+        assert_eq!(union_length(Vec::new()), Duration::ZERO);
     }
 }

@@ -370,6 +370,8 @@ impl Zero {
             on_track: true,
             prefetch: None,
             stats: ZeroStats::default(),
+            sync: Default::default(),
+            last_sync: Default::default(),
         };
         let entry_of = flat.entries.iter().enumerate().map(|(i, e)| (e.param.id(), i)).collect();
         Ok(Zero {
@@ -412,6 +414,13 @@ impl Zero {
     /// What the engine has done so far.
     pub fn stats(&self) -> ZeroStats {
         self.state().stats
+    }
+
+    /// The gradient communication of the last [`finish`](Self::finish):
+    /// buckets, bytes, wall time in flight and time `finish` was blocked,
+    /// measured as [`DataParallel`] measures them.
+    pub fn sync_stats(&self) -> crate::data::SyncStats {
+        self.state().last_sync
     }
 
     /// The sub-module paths whose parameters stage 3 gathers around their

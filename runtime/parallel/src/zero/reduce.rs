@@ -24,6 +24,7 @@ impl Zero {
     pub(super) fn finish_locked(&self, s: &mut State) -> Result<()> {
         if let Some(dp) = &self.all_reduce {
             let st = dp.finish()?;
+            s.last_sync = st;
             s.stats.grad_buckets += st.buckets;
             s.stats.grad_buckets_during_backward += st.launched_during_backward;
             if let Some(e) = self.flat.entries.iter().find(|e| e.param.grad().is_none()) {
@@ -33,6 +34,7 @@ impl Zero {
             return Ok(());
         }
         s.stats.grad_buckets_during_backward += s.inflight.len();
+        s.sync.launched_during_backward = s.inflight.len();
         // Buckets not sent yet (gradients complete but never announced, or
         // never final) go now, each whole, in the fixed order.
         for members in self.buckets.iter() {
@@ -48,8 +50,14 @@ impl Zero {
         let scale = 1.0 / self.flat.layout.ranks as f64;
         let base = self.rank * self.flat.layout.shard_len;
         let mut pieces: Vec<(usize, Tensor)> = Vec::new();
+        let mut spans = Vec::with_capacity(s.inflight.len());
         for b in std::mem::take(&mut s.inflight) {
-            let summed = b.pending.wait()?;
+            let started_wait = std::time::Instant::now();
+            let (summed, stamped) = b.pending.wait_timed();
+            let summed = summed?;
+            let (end, exposed) = crate::data::wait_span(started_wait, stamped);
+            s.sync.exposed += exposed;
+            spans.push((b.launched, end));
             let mine: usize = b.rows.rows[self.rank].iter().map(|p| p.len).sum();
             let mean = ops::scale(&flat_view(&summed)?.narrow(0, b.my_start, mine)?, scale)?;
             drop(summed);
@@ -75,6 +83,8 @@ impl Zero {
             at += t.elem_count();
             parts.push(t);
         }
+        s.sync.comm = crate::data::union_length(spans);
+        s.last_sync = std::mem::take(&mut s.sync);
         let shard = self.flat.padded_concat(parts, self.flat.layout.shard_len)?;
         s.grad_shard = Some(self.sum_shared_over_experts(shard)?);
         s.packed.iter_mut().for_each(|p| *p = false);
@@ -170,9 +180,12 @@ impl Zero {
             self.flat.entries[i].param.take_grad();
             s.packed[i] = true;
         }
+        let packed_bytes = packed.elem_count() * packed.dtype().size_in_bytes();
         let pending = if scatter { self.dp.reduce_scatter_sum_async(&packed, 0)? } else { self.dp.all_reduce_sum_async(&packed)? };
         s.stats.grad_buckets += 1;
-        s.inflight.push(Bucket { rows, my_start, pending });
+        s.sync.buckets += 1;
+        s.sync.bytes += packed_bytes;
+        s.inflight.push(Bucket { rows, my_start, pending, launched: std::time::Instant::now() });
         Ok(())
     }
 }

@@ -55,6 +55,10 @@ pub(super) struct State {
     pub(super) on_track: bool,
     pub(super) prefetch: Option<(usize, Pending)>,
     pub(super) stats: ZeroStats,
+    /// The gradient communication of the step under way.
+    pub(super) sync: crate::data::SyncStats,
+    /// That of the last `finish`.
+    pub(super) last_sync: crate::data::SyncStats,
 }
 
 /// A gradient bucket in flight (stages 2 and 3).
@@ -64,6 +68,8 @@ pub(super) struct Bucket {
     /// (the result is the row), the earlier rows' length for an all-reduce.
     pub(super) my_start: usize,
     pub(super) pending: Pending,
+    /// When its reduction started.
+    pub(super) launched: std::time::Instant,
 }
 
 /// A sub-module whose own parameters stage 3 gathers around its runs.

@@ -2,11 +2,10 @@
 //! same on every data replica first.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 use tessera_core::Result;
 use tessera_nn::module::{self, Module};
 use tessera_optim::{AdamW, OptimizerState};
-use tessera_parallel::data::DataParallel;
+use tessera_parallel::data::{DataParallel, SyncStats};
 use tessera_parallel::zero::Zero;
 
 /// The optimizer of one rank: AdamW over the rank's whole model, or this
@@ -80,15 +79,15 @@ pub(super) enum GradSync {
 }
 
 impl GradSync {
-    /// Finishes the synchronisation; returns the communication time the
-    /// backward did not hide.
-    pub(super) fn finish(&self) -> Result<Duration> {
-        let started = Instant::now();
+    /// Finishes the synchronisation; returns its communication figures.
+    pub(super) fn finish(&self) -> Result<SyncStats> {
         match self {
-            GradSync::Overlapped(o) => return Ok(o.finish()?.exposed),
-            GradSync::Zero(z) => z.finish()?,
-            GradSync::None => return Ok(Duration::ZERO),
+            GradSync::Overlapped(o) => o.finish(),
+            GradSync::Zero(z) => {
+                z.finish()?;
+                Ok(z.sync_stats())
+            }
+            GradSync::None => Ok(SyncStats::default()),
         }
-        Ok(started.elapsed())
     }
 }

@@ -328,7 +328,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         // A weight tied across stages (the embedding and the head) sums over
         // them first; the engines reduce tied parameters only in `finish`.
         sync_tied_grads(&self.model, &self.cx)?;
-        let exposed = self.sync.finish()?;
+        let sync = self.sync.finish()?;
         if tracing {
             trace.record(self.rank, "grad sync", "comm", sync_started, Instant::now());
         }
@@ -341,7 +341,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
             t = g.all_reduce_sum(&t)?;
         }
         let loss = t.to_scalar()? / self.replica.count as f64;
-        Ok(Pass { started, lr, loss, grad_norm: None, report, exposed })
+        Ok(Pass { started, lr, loss, grad_norm: None, report, sync })
     }
 
     /// After an anomaly in step `done + 1`, every rank goes back to the

@@ -3,9 +3,10 @@
 
 use crate::LossScaler;
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tessera_core::{Device, Result};
 use tessera_observe::{Event, MetricsLog, StepMetrics};
+use tessera_parallel::data::SyncStats;
 use tessera_parallel::pipeline::StageReport;
 
 /// What a rank measured of one step's forward, backward and synchronisation.
@@ -20,8 +21,9 @@ pub(super) struct Pass {
     pub(super) grad_norm: Option<f64>,
     /// The pipeline stage's compute and waiting times.
     pub(super) report: StageReport,
-    /// Gradient communication the backward did not hide.
-    pub(super) exposed: Duration,
+    /// Gradient communication in all (wall time in flight) and what the
+    /// backward did not hide.
+    pub(super) sync: SyncStats,
 }
 
 /// One rank's figures for one step.
@@ -34,6 +36,7 @@ pub(super) struct RankStep {
     loss_scale: Option<f64>,
     step_time: f64,
     compute: f64,
+    comm: f64,
     exposed: f64,
     bubble: f64,
     peak_memory: usize,
@@ -69,7 +72,8 @@ impl RankStep {
             loss_scale: scaler.as_ref().map(|s| s.scale()),
             step_time: pass.started.elapsed().as_secs_f64(),
             compute: pass.report.compute.as_secs_f64(),
-            exposed: pass.exposed.as_secs_f64(),
+            comm: pass.sync.comm.as_secs_f64(),
+            exposed: pass.sync.exposed.as_secs_f64(),
             bubble: pass.report.waiting.as_secs_f64(),
             peak_memory: dev.memory_stats().peak,
             skipped,
@@ -105,6 +109,7 @@ impl Collector {
             mfu: self.flops_per_token * tokens_per_s / self.peak,
             step_time_s: step_time,
             compute_s: max(|r| r.compute),
+            comm_s: max(|r| r.comm),
             exposed_comm_s: max(|r| r.exposed),
             bubble_s: max(|r| r.bubble),
             peak_memory: ranks.iter().map(|r| r.peak_memory).collect(),
