@@ -62,12 +62,24 @@ fn a_resumed_run_continues_bit_for_bit() {
 
 /// A ZeRO run stopped and resumed equals the uninterrupted run, under data
 /// parallelism alone and with tensor and pipeline parallelism (the shards
-/// of tensor-parallel pieces on each stage saved and restored).
+/// of tensor-parallel pieces on each stage saved and restored), and with
+/// half-precision parameters (with and without ZeRO).
 #[test]
 fn zero_training_resumes_bit_for_bit() {
-    for (tag, mesh, stage) in [("dp2", "dp = 2", 2), ("dp2-tp2-pp2", "dp = 2\ntp = 2\npp = 2", 2), ("dp2-tp2-pp2", "dp = 2\ntp = 2\npp = 2", 3)] {
+    // Half precision too: the f32 master copies (in AdamW, or sharded by
+    // ZeRO) are what the checkpoint holds and what the resumed run updates.
+    let bf16 = "[precision]\ncompute = \"bf16\"\n";
+    let cases = [
+        ("dp2", "dp = 2", 2, ""),
+        ("dp2-tp2-pp2", "dp = 2\ntp = 2\npp = 2", 2, ""),
+        ("dp2-tp2-pp2", "dp = 2\ntp = 2\npp = 2", 3, ""),
+        ("dp2-bf16", "dp = 2", 0, bf16),
+        ("dp2-bf16", "dp = 2", 2, bf16),
+        ("dp2-pp2-bf16", "dp = 2\npp = 2", 3, bf16),
+    ];
+    for (tag, mesh, stage, extra) in cases {
         let (a, b) = (scratch(&format!("zero{stage}-{tag}-straight")), scratch(&format!("zero{stage}-{tag}-resumed")));
-        let text = format!("[mesh]\n{mesh}\n[zero]\nstage = {stage}\n[optim]\nclip = 0.0\n[batch]\nmicro_batch = 2\n");
+        let text = format!("[mesh]\n{mesh}\n[zero]\nstage = {stage}\n[optim]\nclip = 0.0\n[batch]\nmicro_batch = 2\n{extra}");
         let straight = train(config(&a, &text, &["run.steps=8"]), 0..0);
         let first = train(config(&b, &text, &["run.steps=8", "run.stop_after=4"]), 0..0);
         let resumed = train(config(&b, &text, &["run.steps=8"]), 0..0);

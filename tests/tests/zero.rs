@@ -119,6 +119,9 @@ fn zero_run<M: Module>(
                     let mut groups = Groups::single();
                     groups.dp = comm.clone();
                     let cx = Cx::new(dev.clone()).with_dtype(dtype).with_seed(7).with_groups(groups);
+                    // Mixed precision that saves memory: half-precision
+                    // parameters and gradients, f32 master copy in the engine.
+                    let cx = if dtype.is_half() { cx.with_half_params() } else { cx };
                     let model = module::build(build(), &cx).unwrap();
                     let config = ZeroConfig::new(stage).with_adamw(adamw()).with_bucket_bytes(bucket_bytes);
                     let zero = Arc::new(Zero::new(&model, comm, config).unwrap());
@@ -227,15 +230,50 @@ fn stage_three_handles_tied_weights_and_stacked_layers() {
     }
 }
 
-/// The analytic per-rank bytes of docs/zero.md (f32 everywhere), before
-/// padding: parameters, gradients and the two Adam moments.
-fn analytic(stage: Stage, psi: f64, n: f64) -> (f64, f64) {
+/// The analytic per-rank bytes of docs/zero.md, before padding:
+/// parameters, gradients and the optimizer state (the two Adam moments, and
+/// the f32 master copy when parameters are held in half precision). With
+/// gradients and after the step (when the step has consumed them). In f32
+/// that is 4 + 4 + 8 bytes per element; in half precision 2 + 2 + 12, the
+/// paper's 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N.
+fn analytic(stage: Option<Stage>, psi: f64, n: f64, half: bool) -> (f64, f64) {
+    let (held, state) = if half { (2.0 * psi, 12.0 * psi) } else { (4.0 * psi, 8.0 * psi) };
     let (params, grads, opt) = match stage {
-        Stage::One => (4.0 * psi, 4.0 * psi, 8.0 * psi / n),
-        Stage::Two => (4.0 * psi, 4.0 * psi / n, 8.0 * psi / n),
-        Stage::Three => (4.0 * psi / n, 4.0 * psi / n, 8.0 * psi / n),
+        None => (held, held, state),
+        Some(Stage::One) => (held, held, state / n),
+        Some(Stage::Two) => (held, held / n, state / n),
+        Some(Stage::Three) => (held / n, held / n, state / n),
     };
     (params + grads + opt, params + opt)
+}
+
+/// AdamW on one rank (no ZeRO) in `dtype` (half precision holds the
+/// parameters and gradients in it): Ψ and the memory with gradients and
+/// after the second step.
+fn adamw_memory<M: Module>(build: &(dyn Fn() -> M + Sync), input: &Input, dtype: DType) -> (usize, Mem) {
+    let dev = Device::cpu();
+    let cx = Cx::new(dev.clone()).with_dtype(dtype).with_seed(7);
+    let mut cx = if dtype.is_half() { cx.with_half_params() } else { cx };
+    let model = module::build(build(), &cx).unwrap();
+    let mut opt = AdamW::new(&model, adamw()).unwrap();
+    let psi = params_of(&model).iter().map(|(_, v)| v.len()).sum();
+    let mut mem = Mem::default();
+    for (step, lr) in LRS.into_iter().enumerate() {
+        dev.reset_peak();
+        let x = input(0..4, &dev);
+        let x = if x.dtype().is_float() { x.to_dtype(dtype).unwrap() } else { x };
+        let (y, saved) = model.forward(&mut cx, Act::new(x)).unwrap();
+        let (_, dy) = mse(y.tensor(), 0..4, 4);
+        drop(y);
+        model.backward(&mut cx, saved, Act::new(dy)).unwrap();
+        let with_grads = dev.memory_stats().in_use;
+        opt.step(lr).unwrap();
+        opt.zero_grad();
+        if step == 1 {
+            mem = Mem { with_grads, after_step: dev.memory_stats().in_use, peak: dev.memory_stats().peak };
+        }
+    }
+    (psi, mem)
 }
 
 #[test]
@@ -244,22 +282,34 @@ fn per_rank_memory_matches_the_analytic_model_states() {
     let build = || GptBlock::new(64, 4).unwrap();
     let input = block_input(64, 4);
     let mut peaks = Vec::new();
-    for n in [2, 4] {
-        for stage in [Stage::One, Stage::Two, Stage::Three] {
-            let outs = zero_run(stage, n, DType::F32, 64 << 10, &build, &input, 4);
-            for (rank, o) in outs.iter().enumerate() {
-                let (with_grads, after_step) = analytic(stage, o.psi as f64, n as f64);
-                for (what, got, want) in [("with gradients", o.mem.with_grads, with_grads), ("after the step", o.mem.after_step, after_step)] {
-                    let err = (got as f64 - want).abs() / want;
-                    println!(
-                        "stage {stage:?}, N = {n}, rank {rank}, {what}: measured {got} B, analytic {want:.0} B ({:+.2} %)",
-                        100.0 * (got as f64 - want) / want
-                    );
-                    assert!(err <= 0.05, "stage {stage:?}, N = {n}, rank {rank}, {what}: measured {got} bytes, analytic {want:.0}");
+    for dtype in [DType::F32, DType::BF16] {
+        let half = dtype.is_half();
+        // Without ZeRO: AdamW on one rank holds everything, 16Ψ in both.
+        let (psi, mem) = adamw_memory(&build, &input, dtype);
+        let (with_grads, after_step) = analytic(None, psi as f64, 1.0, half);
+        for (what, got, want) in [("with gradients", mem.with_grads, with_grads), ("after the step", mem.after_step, after_step)] {
+            println!("{dtype} AdamW, {what}: measured {got} B, analytic {want:.0} B ({:+.2} %)", 100.0 * (got as f64 - want) / want);
+            assert!((got as f64 - want).abs() <= 0.05 * want, "{dtype} AdamW, {what}: measured {got} bytes, analytic {want:.0}");
+        }
+        for n in [2, 4] {
+            for stage in [Stage::One, Stage::Two, Stage::Three] {
+                let outs = zero_run(stage, n, dtype, 64 << 10, &build, &input, 4);
+                for (rank, o) in outs.iter().enumerate() {
+                    let (with_grads, after_step) = analytic(Some(stage), o.psi as f64, n as f64, half);
+                    for (what, got, want) in [("with gradients", o.mem.with_grads, with_grads), ("after the step", o.mem.after_step, after_step)] {
+                        let err = (got as f64 - want).abs() / want;
+                        println!(
+                            "{dtype} stage {stage:?}, N = {n}, rank {rank}, {what}: measured {got} B, analytic {want:.0} B ({:+.2} %)",
+                            100.0 * (got as f64 - want) / want
+                        );
+                        assert!(err <= 0.05, "{dtype} stage {stage:?}, N = {n}, rank {rank}, {what}: measured {got} bytes, analytic {want:.0}");
+                    }
+                }
+                println!("{dtype} stage {stage:?}, N = {n}: peak during a step {} B", outs[0].mem.peak);
+                if !half {
+                    peaks.push((stage, n, outs[0].mem.peak, outs[0].psi));
                 }
             }
-            println!("stage {stage:?}, N = {n}: peak during a step {} B", outs[0].mem.peak);
-            peaks.push((stage, n, outs[0].mem.peak, outs[0].psi));
         }
     }
     // Stage 3's peak holds its shards, the gathered layers in flight (the

@@ -9,7 +9,9 @@
 //! [`AdamW`] keeps the two Adam moments of every parameter next to it, on
 //! the parameter's device and in its master dtype (f32; f64 when the model is
 //! materialised in f64), and applies the fused [`ops::adamw_update`] to each
-//! parameter in place. The ZeRO engine
+//! parameter in place. A parameter held in half precision (bf16 or f16, see
+//! `Cx::with_half_params`) gets an f32 master copy too: the update is made
+//! to the master copy, which is then rounded into the parameter. The ZeRO engine
 //! (`tessera::parallel::zero`) applies the very same update to
 //! a rank's shard of the flattened parameters, so both give bit-identical
 //! results element by element.
@@ -75,6 +77,8 @@ impl AdamWConfig {
 struct Slot {
     name: String,
     param: Param,
+    /// The f32 master copy of a parameter held in half precision.
+    master: Option<Tensor>,
     m: Tensor,
     v: Tensor,
     /// Updates applied to this parameter so far (bias correction counts them).
@@ -92,6 +96,8 @@ pub struct AdamWState<'a> {
     pub m: &'a Tensor,
     /// The second moment.
     pub v: &'a Tensor,
+    /// The f32 master copy of a parameter held in half precision.
+    pub master: Option<&'a Tensor>,
     /// Updates applied to the parameter so far (bias correction counts them).
     pub steps: u64,
 }
@@ -142,10 +148,15 @@ impl AdamW {
                     format!("parameter `{}` has no value; build (materialise) the model before creating its optimizer", e.name),
                 )
             })?;
-            let dtype = master_dtype(e.name, &value)?;
+            // A half-precision parameter's master copy starts as its value.
+            let master = match value.dtype() {
+                DType::BF16 | DType::F16 => Some(value.to_dtype(DType::F32)?),
+                _ => None,
+            };
+            let dtype = master_dtype(e.name, master.as_ref().unwrap_or(&value))?;
             let m = Tensor::zeros(value.shape().clone(), dtype, value.device())?;
             let v = Tensor::zeros(value.shape().clone(), dtype, value.device())?;
-            slots.push(Slot { name: e.name.to_string(), param: e.param.clone(), m, v, steps: 0 });
+            slots.push(Slot { name: e.name.to_string(), param: e.param.clone(), master, m, v, steps: 0 });
             Ok(())
         })?;
         let slot_of = slots.iter().enumerate().map(|(i, s)| (s.param.id(), i)).collect();
@@ -167,9 +178,11 @@ impl AdamW {
         self.slots.is_empty()
     }
 
-    /// Bytes of optimizer state (both moments of every parameter).
+    /// Bytes of optimizer state (both moments of every parameter, and the
+    /// master copies of those held in half precision).
     pub fn state_bytes(&self) -> usize {
-        self.slots.iter().map(|s| 2 * s.m.elem_count() * s.m.dtype().size_in_bytes()).sum()
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        self.slots.iter().map(|s| bytes(&s.m) + bytes(&s.v) + s.master.as_ref().map_or(0, bytes)).sum()
     }
 
     /// Updates every parameter that has a gradient, in place, at learning
@@ -182,7 +195,17 @@ impl AdamW {
     /// All parameters are updated by one [`ops::adamw_update_many`]: on a
     /// GPU, one fused launch for the whole model.
     pub fn step(&mut self, lr: f64) -> Result<()> {
+        self.step_scaled(lr, 1.0)
+    }
+
+    /// [`step`](Self::step) with every gradient multiplied by `grad_scale`
+    /// inside the update (the clipping factor over the loss scale), so
+    /// gradients held in half precision are never rewritten.
+    pub fn step_scaled(&mut self, lr: f64, grad_scale: f64) -> Result<()> {
         self.config.at(1, lr)?;
+        if !(grad_scale.is_finite() && grad_scale > 0.0) {
+            return Err(Error::invalid("AdamW::step_scaled", format!("gradient scale {grad_scale}; pass a finite scale > 0")));
+        }
         // (slot, parameter, gradient) of every parameter used this step.
         let mut used = Vec::with_capacity(self.slots.len());
         for (i, s) in self.slots.iter().enumerate() {
@@ -193,18 +216,26 @@ impl AdamW {
                     format!("parameter `{}` has no value (freed by a sharding engine?); a sharded model is updated by its ZeRO engine, not by `AdamW`", s.name),
                 )
             })?;
-            used.push((i, p, g));
+            // The update goes to the master copy where there is one.
+            let target = self.slots[i].master.clone().unwrap_or(p);
+            used.push((i, target, g));
         }
         let targets = used
             .iter()
             .map(|(i, p, g)| {
                 let s = &self.slots[*i];
-                Ok(ops::AdamWTarget { step: self.config.at(s.steps + 1, lr)?, param: p, grad: g, m: &s.m, v: &s.v })
+                let mut step = self.config.at(s.steps + 1, lr)?;
+                step.grad_scale = grad_scale;
+                Ok(ops::AdamWTarget { step, param: p, grad: g, m: &s.m, v: &s.v })
             })
             .collect::<Result<Vec<_>>>()?;
         ops::adamw_update_many(&targets)?;
         for (i, _, _) in &used {
-            self.slots[*i].steps += 1;
+            let s = &mut self.slots[*i];
+            s.steps += 1;
+            if let Some(master) = &s.master {
+                s.param.set_value(master.to_dtype(s.param.value()?.dtype())?)?;
+            }
         }
         Ok(())
     }
@@ -212,7 +243,7 @@ impl AdamW {
     /// The state of every distinct parameter, in visiting order (what a
     /// checkpoint saves): its name, handle, moments and update count.
     pub fn moments(&self) -> Vec<AdamWState<'_>> {
-        self.slots.iter().map(|s| AdamWState { name: &s.name, param: &s.param, m: &s.m, v: &s.v, steps: s.steps }).collect()
+        self.slots.iter().map(|s| AdamWState { name: &s.name, param: &s.param, m: &s.m, v: &s.v, master: s.master.as_ref(), steps: s.steps }).collect()
     }
 
     /// Replaces the moments and update count of `param` (restoring a
@@ -243,6 +274,27 @@ impl AdamW {
         s.m = m;
         s.v = v;
         s.steps = steps;
+        Ok(())
+    }
+
+    /// Replaces the master copy of `param`, a parameter held in half
+    /// precision (restoring a checkpoint), and rounds it into the parameter.
+    pub fn load_master(&mut self, param: &Param, master: Tensor) -> Result<()> {
+        let Some(s) = self.slot_of.get(&param.id()).map(|&i| &mut self.slots[i]) else {
+            return Err(Error::state_mismatch("AdamW::load_master", format!("{param:?} is not updated by this optimizer; build the optimizer from the model")));
+        };
+        let Some(current) = &s.master else {
+            return Err(Error::state_mismatch("AdamW::load_master", format!("`{}` is its own master copy (held in full precision)", s.name)));
+        };
+        if master.shape() != current.shape() {
+            return Err(Error::shape(
+                "AdamW::load_master",
+                format!("a master copy of shape {} for `{}`, whose shard is {}", master.shape(), s.name, current.shape()),
+            ));
+        }
+        let master = if master.dtype() == current.dtype() { master } else { master.to_dtype(current.dtype())? };
+        s.param.set_value(master.to_dtype(s.param.value()?.dtype())?)?;
+        s.master = Some(master);
         Ok(())
     }
 

@@ -162,10 +162,13 @@ impl OptimizerState for AdamW {
         None
     }
 
+    /// The moments of every parameter, and the master copy (as the
+    /// parameter's values, in f32) of each held in half precision.
     fn pieces(&self) -> Result<Vec<StatePiece>> {
         let mut out = Vec::new();
         for s in self.moments() {
-            for (kind, t) in [(TensorKind::AdamM, s.m), (TensorKind::AdamV, s.v)] {
+            let master = s.master.map(|t| (TensorKind::Param, t));
+            for (kind, t) in master.into_iter().chain([(TensorKind::AdamM, s.m), (TensorKind::AdamV, s.v)]) {
                 let slot = StateSlot { name: s.name.to_string(), param: s.param.clone(), kind, elements: None };
                 out.push(StatePiece { slot, tensor: t.clone(), steps: s.steps });
             }
@@ -174,12 +177,14 @@ impl OptimizerState for AdamW {
     }
 
     fn slots(&self) -> Vec<StateSlot> {
-        self.moments()
-            .iter()
-            .flat_map(|s| {
-                [TensorKind::AdamM, TensorKind::AdamV].map(|kind| StateSlot { name: s.name.to_string(), param: s.param.clone(), kind, elements: None })
-            })
-            .collect()
+        let mut out = Vec::new();
+        for s in self.moments() {
+            let master = s.master.map(|_| TensorKind::Param);
+            for kind in master.into_iter().chain([TensorKind::AdamM, TensorKind::AdamV]) {
+                out.push(StateSlot { name: s.name.to_string(), param: s.param.clone(), kind, elements: None });
+            }
+        }
+        out
     }
 
     fn restore(&mut self, values: Vec<(Tensor, Option<u64>)>, steps: u64) -> Result<()> {
@@ -188,10 +193,17 @@ impl OptimizerState for AdamW {
             return Err(Error::state_mismatch("AdamW::restore", format!("{} values for {} slots; pass one per slot", values.len(), slots.len())));
         }
         let mut values = values.into_iter();
-        for pair in slots.chunks(2) {
+        let mut slots = slots.into_iter();
+        while let Some(slot) = slots.next() {
+            if slot.kind == TensorKind::Param {
+                let (master, _) = values.next().expect("counted");
+                self.load_master(&slot.param, master)?;
+                slots.next();
+            }
             let (m, m_steps) = values.next().expect("counted");
             let (v, _) = values.next().expect("counted");
-            self.load_state(&pair[0].param, m, v, m_steps.unwrap_or(steps))?;
+            slots.next();
+            self.load_state(&slot.param, m, v, m_steps.unwrap_or(steps))?;
         }
         Ok(())
     }

@@ -226,6 +226,13 @@ impl OptimConfig {
 pub struct PrecisionConfig {
     /// Compute dtype: `f32`, `bf16` or `fp16` (master weights stay f32).
     pub compute: String,
+    /// What the parameters and their gradients are held in under `bf16` or
+    /// `fp16`: `compute` (the compute dtype, with f32 master weights and
+    /// moments in the optimizer: 16 bytes per parameter, the memory mixed
+    /// precision is for) or `f32` (the parameters are the master weights,
+    /// cast for each use: 16 bytes per parameter plus a gradient of 4
+    /// instead of 2, no rounding of the weights between steps).
+    pub params: String,
     /// Dynamic loss scaling (on by default for fp16; ignored otherwise).
     pub loss_scaling: bool,
     /// Initial loss scale.
@@ -236,7 +243,7 @@ pub struct PrecisionConfig {
 
 impl Default for PrecisionConfig {
     fn default() -> Self {
-        PrecisionConfig { compute: "f32".into(), loss_scaling: true, initial_scale: 65536.0, hysteresis: 1 }
+        PrecisionConfig { compute: "f32".into(), params: "compute".into(), loss_scaling: true, initial_scale: 65536.0, hysteresis: 1 }
     }
 }
 
@@ -248,6 +255,16 @@ impl PrecisionConfig {
             "bf16" => Ok(DType::BF16),
             "fp16" | "f16" => Ok(DType::F16),
             other => Err(Error::config("precision.compute", format!("unknown dtype `{other}`; use `f32`, `bf16` or `fp16`"))),
+        }
+    }
+
+    /// Whether the parameters are held in the compute dtype (half precision
+    /// with `params = "compute"`) rather than in f32.
+    pub fn half_params(&self) -> Result<bool> {
+        match self.params.as_str() {
+            "compute" => Ok(self.dtype()?.is_half()),
+            "f32" => Ok(false),
+            other => Err(Error::config("precision.params", format!("unknown choice `{other}`; use `compute` (held in the compute dtype) or `f32`"))),
         }
     }
 
@@ -467,6 +484,7 @@ impl TrainConfig {
             ));
         }
         self.precision.dtype()?;
+        self.precision.half_params()?;
         if !(self.precision.initial_scale.is_finite() && self.precision.initial_scale > 0.0) {
             return Err(Error::config("precision.initial_scale", "must be a positive number (e.g. 65536)"));
         }

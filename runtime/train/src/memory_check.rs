@@ -25,10 +25,14 @@ impl Need {
     pub fn of(cfg: &TrainConfig, params: u64, vocab: usize) -> Need {
         let (p, dp) = (params as f64, cfg.mesh.dp as f64);
         let stage = cfg.zero.stage;
-        // f32 master weights, gradients and AdamW's two moments, each held
-        // once per data replica unless ZeRO shards it over the replicas.
+        // Parameters, gradients and the optimizer's state (AdamW's two
+        // moments, and the f32 master copy of parameters held in half
+        // precision), each held once per data replica unless ZeRO shards it
+        // over the replicas: 4 + 4 + 8 bytes per parameter in f32, 2 + 2 + 12
+        // in half precision.
         let copies = |sharded_from: u8| if stage >= sharded_from { 1.0 } else { dp };
-        let model_state = 4.0 * p * copies(3) + 4.0 * p * copies(2) + 8.0 * p * copies(1);
+        let (held, optimizer) = if cfg.precision.half_params().unwrap_or(false) { (2.0, 12.0) } else { (4.0, 8.0) };
+        let model_state = held * p * copies(3) + held * p * copies(2) + optimizer * p * copies(1);
         // Every replica holds at least one microbatch's logits and their
         // gradient, in f32 (split over tensor-parallel ranks, whole in sum).
         let replicas = (cfg.mesh.dp * cfg.mesh.ep) as f64;
@@ -62,7 +66,7 @@ pub(crate) fn check<M: Module>(cfg: &TrainConfig, model: &M, vocab: usize) -> Re
     }
     Err(Error::InsufficientMemory {
         detail: format!(
-            "this run needs at least {:.1} GiB of host memory but {:.1} GiB are available: {:.1} GiB of f32 weights, gradients and AdamW moments \
+            "this run needs at least {:.1} GiB of host memory but {:.1} GiB are available: {:.1} GiB of weights, gradients and AdamW state \
              ({params} parameters, over {} data replicas{}) and {:.1} GiB of logits (batch.micro_batch {} × batch.seq_len {} × vocabulary {vocab}, \
              with their gradient, per replica); make the model smaller, shorten batch.seq_len or batch.micro_batch, use fewer data replicas, \
              or shard the state with zero.stage",
@@ -92,5 +96,13 @@ mod tests {
         assert_eq!(Need::of(&cfg, 1000, 10).model_state, 16.0 * 1000.0);
         cfg.zero.stage = 1;
         assert_eq!(Need::of(&cfg, 1000, 10).model_state, (8.0 * 4.0 + 8.0) * 1000.0);
+        // Half precision, summed over the 4 replicas: at stage 2 the
+        // parameters whole on each (2 bytes), gradients and optimizer state
+        // (2 + 12) sharded; at stage 1 the gradients whole too.
+        cfg.precision.compute = "bf16".into();
+        cfg.zero.stage = 2;
+        assert_eq!(Need::of(&cfg, 1000, 10).model_state, (2.0 * 4.0 + 2.0 + 12.0) * 1000.0);
+        cfg.zero.stage = 1;
+        assert_eq!(Need::of(&cfg, 1000, 10).model_state, (4.0 * 4.0 + 12.0) * 1000.0);
     }
 }

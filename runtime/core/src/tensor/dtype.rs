@@ -37,6 +37,12 @@ impl DType {
         matches!(self, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
     }
 
+    /// Whether the dtype is a 16-bit float (bf16 or f16), whose values need
+    /// a full-precision master copy to be trained.
+    pub fn is_half(self) -> bool {
+        matches!(self, DType::BF16 | DType::F16)
+    }
+
     /// The lower-case name used in messages and file formats (`f32`, `bf16`, ...).
     pub fn name(self) -> &'static str {
         match self {

@@ -58,6 +58,7 @@ pub struct Cx {
     recomputing: bool,
     layer_recompute: Option<super::Recompute>,
     master_dtype: DType,
+    param_dtype: DType,
     sequence_parallel: bool,
     token_slice: bool,
     batch_offset: u64,
@@ -82,6 +83,7 @@ impl Cx {
             recomputing: false,
             layer_recompute: None,
             master_dtype: DType::F32,
+            param_dtype: DType::F32,
             sequence_parallel: false,
             token_slice: false,
             batch_offset: 0,
@@ -202,11 +204,34 @@ impl Cx {
         self.master_dtype
     }
 
-    /// Sets master-weight and compute dtype together (f64 runs whole models in double precision).
+    /// Sets master-weight and compute dtype together (f64 runs whole models
+    /// in double precision). Parameters are held in the master dtype (see
+    /// [`with_half_params`](Self::with_half_params)).
     pub fn with_dtype(mut self, dtype: DType) -> Self {
         self.master_dtype = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
         self.compute_dtype = dtype;
+        self.param_dtype = self.master_dtype;
         self
+    }
+
+    /// Holds the parameters, and so their gradients, in the compute dtype
+    /// (bf16 or f16 after [`with_dtype`](Self::with_dtype)) rather than the
+    /// master dtype: mixed precision that saves memory. They are
+    /// initialised in the master dtype and rounded once; the optimizer
+    /// (`AdamW`, or a ZeRO engine) keeps their master copy in f32 and
+    /// updates it, then rounds it into the parameter. Per parameter element
+    /// that is 2 + 2 bytes of parameter and gradient and 4 + 4 + 4 of
+    /// master copy and moments: 16 bytes, which ZeRO divides as the paper
+    /// does (`docs/zero.md`).
+    pub fn with_half_params(mut self) -> Self {
+        self.param_dtype = self.compute_dtype;
+        self
+    }
+
+    /// The dtype parameters (and their gradients) are held in: the master
+    /// dtype, or the compute dtype after [`with_half_params`](Self::with_half_params).
+    pub fn param_dtype(&self) -> DType {
+        self.param_dtype
     }
 
     /// Turns sequence parallelism on or off (the model is unchanged).

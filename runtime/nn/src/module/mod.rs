@@ -353,7 +353,15 @@ pub fn materialize<M: Module>(model: &M, cx: &Cx) -> Result<()> {
             _ => Shard::Full,
         };
         if held(e.param) {
-            e.param.materialise(e.name, shard, cx.master_dtype(), cx.seed(), cx.device())
+            // Drawn in the master dtype, whatever the parameter is held in,
+            // so a run in half precision starts from the f32 run's weights
+            // rounded once.
+            e.param.materialise(e.name, shard, cx.master_dtype(), cx.seed(), cx.device())?;
+            let value = e.param.value()?;
+            if value.dtype() != cx.param_dtype() {
+                e.param.set_value(value.to_dtype(cx.param_dtype())?)?;
+            }
+            Ok(())
         } else {
             e.param.mark_remote(e.name, shard);
             Ok(())

@@ -49,6 +49,9 @@ struct State {
     name: Option<String>,
     shard: Shard,
     value: Option<Tensor>,
+    /// The dtype of the last value held (kept when a sharding engine frees
+    /// the value): the dtype gradients are accumulated in.
+    held: Option<DType>,
     grad: Option<Tensor>,
     /// Forward uses whose gradient has not arrived yet.
     pending: usize,
@@ -62,7 +65,7 @@ impl Param {
         Param(Arc::new(Inner {
             global: shape.into(),
             init,
-            state: Mutex::new(State { name: None, shard: Shard::Full, value: None, grad: None, pending: 0, remote: false }),
+            state: Mutex::new(State { name: None, shard: Shard::Full, value: None, held: None, grad: None, pending: 0, remote: false }),
         }))
     }
 
@@ -133,7 +136,9 @@ impl Param {
         if *t.shape() != expected {
             return Err(Error::shape("param", format!("a value of shape {} for a parameter whose shard is {expected}", t.shape())));
         }
-        self.state().value = Some(t);
+        let mut s = self.state();
+        s.held = Some(t.dtype());
+        s.value = Some(t);
         Ok(())
     }
 
@@ -182,6 +187,7 @@ impl Param {
         let t = Tensor::rand_slice(self.0.init, key, &self.0.global, &starts, local, dtype, device)?;
         s.name = Some(name.to_string());
         s.shard = shard;
+        s.held = Some(t.dtype());
         s.value = Some(t);
         s.remote = false;
         Ok(())
@@ -208,9 +214,18 @@ impl Param {
     /// (every forward use has delivered its part).
     pub(crate) fn add_grad(&self, g: Tensor) -> Result<bool> {
         let mut s = self.state();
+        // Gradients are held in the parameter's own dtype: f32 (or f64) when
+        // the parameter is its master copy, bf16/f16 when it is held in half
+        // precision (each use's contribution then rounds once as it is added).
+        let dtype = s.held.filter(|d| d.is_float()).unwrap_or(DType::F32);
         match &s.grad {
-            Some(acc) => ops::accumulate(acc, &g)?,
-            None => s.grad = Some(if g.dtype() == DType::F32 || g.dtype() == DType::F64 { g.contiguous()? } else { g.to_dtype(DType::F32)? }),
+            Some(acc) if acc.dtype() == DType::F32 || acc.dtype() == DType::F64 => ops::accumulate(acc, &g)?,
+            Some(acc) => {
+                let sum = ops::add(&acc.to_dtype(DType::F32)?, &g.to_dtype(DType::F32)?)?.to_dtype(dtype)?;
+                s.grad = Some(sum);
+            }
+            None if g.dtype() == dtype => s.grad = Some(g.contiguous()?),
+            None => s.grad = Some(g.to_dtype(dtype)?),
         }
         s.pending = s.pending.saturating_sub(1);
         Ok(s.pending == 0)

@@ -226,7 +226,7 @@ pub fn sync_tied_grads<M: Staged>(model: &M, cx: &Cx) -> Result<()> {
     for p in tied {
         let g = match p.grad() {
             Some(g) => g,
-            None => Tensor::zeros(p.local_shape(), cx.master_dtype(), cx.device())?,
+            None => Tensor::zeros(p.local_shape(), cx.param_dtype(), cx.device())?,
         };
         let sum = pp.all_reduce_sum(&g)?;
         if !p.is_remote() {

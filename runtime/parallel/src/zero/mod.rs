@@ -90,6 +90,15 @@ use tessera_dist::Communicator;
 use tessera_nn::module::{self, Hooks, Module, Param};
 use tessera_optim::{master_dtype, AdamWConfig};
 
+/// The dtype a parameter is held in: its master dtype (f32 or f64), or a
+/// half-precision dtype whose master copy the engine keeps in f32.
+fn held_dtype(name: &str, value: &Tensor) -> Result<DType> {
+    match value.dtype() {
+        d @ (DType::BF16 | DType::F16) => Ok(d),
+        _ => master_dtype(name, value),
+    }
+}
+
 /// Which model states are partitioned over the data-parallel group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stage {
@@ -283,7 +292,7 @@ impl Zero {
                             format!("parameter `{}` has no value; build (materialise) the model on this rank before sharding it", e.name),
                         )
                     })?;
-                    let dtype = master_dtype(e.name, &value)?;
+                    let dtype = held_dtype(e.name, &value)?;
                     match &kind {
                         None => kind = Some((dtype, value.device().clone())),
                         Some((d, dev)) if *d != dtype || !dev.same(value.device()) => {
@@ -347,14 +356,22 @@ impl Zero {
         let tied: Vec<bool> = (0..entries.len()).map(|i| tied.contains(&i)).collect();
         let buckets = Buckets::keyed(&bytes, &tied.iter().map(|&t| usize::from(t)).collect::<Vec<_>>(), config.bucket_bytes);
         let flat = Flat { layout, entries, dtype, device };
-        let m = Tensor::zeros([layout.shard_len], dtype, &flat.device)?;
-        let v = Tensor::zeros([layout.shard_len], dtype, &flat.device)?;
+        // The optimizer state is in full precision whatever the parameters
+        // are held in.
+        let state_dtype = if dtype.is_half() { DType::F32 } else { dtype };
+        let m = Tensor::zeros([layout.shard_len], state_dtype, &flat.device)?;
+        let v = Tensor::zeros([layout.shard_len], state_dtype, &flat.device)?;
         // After the moments, as the engine has always allocated: the memory
         // figures of its tests count on this order.
         let params = initial_params(&flat, config.stage, rank, &persistent)?;
+        let master = match dtype.is_half() {
+            true => Some(params.shard(layout.shard_range(rank))?.to_dtype(DType::F32)?),
+            false => None,
+        };
         let n = flat.entries.len();
         let state = State {
             params,
+            master,
             m,
             v,
             open: Vec::new(),
@@ -429,9 +446,13 @@ impl Zero {
         self.units.iter().map(|u| u.path.as_str()).collect()
     }
 
-    /// Bytes of optimizer state on this rank (both moments of its shard).
+    /// Bytes of optimizer state on this rank: both moments of its shard,
+    /// and its shard of the f32 master copy when the parameters are held
+    /// in half precision.
     pub fn state_bytes(&self) -> usize {
-        2 * self.flat.layout.shard_len * self.flat.dtype.size_in_bytes()
+        let s = self.state();
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        bytes(&s.m) + bytes(&s.v) + s.master.as_ref().map_or(0, bytes)
     }
 
     /// Every distinct parameter's full value, with its name, in visit order.
@@ -466,7 +487,10 @@ impl Zero {
     /// the next [`step`](Self::step) updates in place: copy them to keep them.
     pub fn shard_state(&self) -> Result<ShardState> {
         let s = self.state();
-        let params = s.params.shard(self.flat.layout.shard_range(self.rank))?;
+        let params = match &s.master {
+            Some(master) => master.clone(),
+            None => s.params.shard(self.flat.layout.shard_range(self.rank))?,
+        };
         Ok(ShardState { params, m: s.m.clone(), v: s.v.clone(), steps: s.stats.steps })
     }
 
@@ -477,15 +501,16 @@ impl Zero {
     pub fn load_shard_state(&self, state: ShardState) -> Result<()> {
         const OP: &str = "Zero::load_shard_state";
         let want = Shape::new([self.flat.layout.shard_len]);
+        let state_dtype = self.state().m.dtype();
         for (what, t) in [("parameter", &state.params), ("first-moment", &state.m), ("second-moment", &state.v)] {
-            if *t.shape() != want || t.dtype() != self.flat.dtype {
+            if *t.shape() != want || t.dtype() != state_dtype {
                 return Err(Error::shape(
                     OP,
                     format!(
                         "a {what} shard of {} {}, this rank's shard is {} {want}; restore state for the same model and data-parallel degree",
                         t.dtype(),
                         t.shape(),
-                        self.flat.dtype
+                        state_dtype
                     ),
                 ));
             }
@@ -500,14 +525,24 @@ impl Zero {
         s.m = state.m;
         s.v = state.v;
         s.stats.steps = state.steps;
+        // Parameters held in half precision: the restored values are the
+        // master copy, rounded into the parameters.
+        let params = match s.master.is_some() {
+            true => {
+                let held = state.params.to_dtype(self.flat.dtype)?;
+                s.master = Some(state.params);
+                held
+            }
+            false => state.params,
+        };
         match self.stage {
             Stage::One | Stage::Two => {
-                let flat = self.dp.all_gather(&state.params, 0)?;
+                let flat = self.dp.all_gather(&params, 0)?;
                 self.flat.point_values_at(&flat)?;
                 s.params = Params::Flat(flat);
             }
             Stage::Three => {
-                s.params = Params::Shard(state.params);
+                s.params = Params::Shard(params);
                 if !self.persistent.is_empty() {
                     let ids = self.persistent.clone();
                     let got = self.gather_now(&s, &ids)?;
@@ -574,8 +609,18 @@ impl Zero {
         upd.grad_scale = grad_scale;
         let range = self.flat.layout.shard_range(self.rank);
         let grad = self.grad_shard(&mut s, true)?;
-        let params = s.params.shard(range.clone())?;
-        ops::adamw_update(&upd, &params, &grad, &s.m, &s.v)?;
+        let params = match &s.master {
+            // The update goes to the master copy, rounded into the shard.
+            Some(master) => {
+                ops::adamw_update(&upd, master, &grad, &s.m, &s.v)?;
+                master.to_dtype(self.flat.dtype)?
+            }
+            None => {
+                let params = s.params.shard(range.clone())?;
+                ops::adamw_update(&upd, &params, &grad, &s.m, &s.v)?;
+                params
+            }
+        };
         drop(grad);
         s.synced = false;
         s.stats.steps = step;
@@ -590,7 +635,12 @@ impl Zero {
                 s.params = Params::Flat(flat);
             }
             Stage::Three => {
-                drop(params);
+                // In place, unless rounded from a master copy.
+                if s.master.is_some() {
+                    s.params = Params::Shard(params);
+                } else {
+                    drop(params);
+                }
                 s.recording = false;
                 s.cursor = 0;
                 s.on_track = true;

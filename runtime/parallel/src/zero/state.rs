@@ -31,6 +31,9 @@ impl Params {
 pub(super) struct State {
     /// The parameters' values this rank holds.
     pub(super) params: Params,
+    /// This rank's shard of the f32 master copy, when the parameters are
+    /// held in half precision (`None`: the parameters are their own master).
+    pub(super) master: Option<Tensor>,
     pub(super) m: Tensor,
     pub(super) v: Tensor,
     /// Stages 2 and 3: the parameters of the bucket being packed.

@@ -102,9 +102,13 @@ pub(crate) fn collect<M: Module>(model: &M, opt: Option<&dyn OptimizerState>, cx
             continue;
         }
         let mine: Vec<&StatePiece> = by_param.remove(&mp.param.id()).unwrap_or_default();
-        let dtype = match mp.param.value() {
-            Ok(v) => v.dtype(),
-            Err(_) => mine.first().map_or(cx.master_dtype(), |p| p.tensor.dtype()),
+        // The dtype the parameter's values are saved in: its master copy's
+        // when the optimizer holds one.
+        let master_piece = mine.iter().find(|p| p.slot.kind == TensorKind::Param);
+        let dtype = match (master_piece, mp.param.value()) {
+            (Some(p), _) => p.tensor.dtype(),
+            (None, Ok(v)) => v.dtype(),
+            (None, Err(_)) => mine.first().map_or(cx.master_dtype(), |p| p.tensor.dtype()),
         };
         let record = mp.record(dtype);
         if !place::writes(&record, c, mesh)? {
@@ -138,8 +142,10 @@ pub(crate) fn collect<M: Module>(model: &M, opt: Option<&dyn OptimizerState>, cx
             Ok(())
         };
         // Replicas hold equal values: the first writes them, unless ZeRO
-        // shards them (then every replica writes its own shard of them).
-        if !zero && c.dp == 0 {
+        // shards them (then every replica writes its own shard of them). An
+        // optimizer that holds the parameter's master copy (of a parameter
+        // held in half precision) saves that instead.
+        if !zero && master_piece.is_none() && c.dp == 0 {
             let value = mp.param.value().map_err(|_| {
                 ckpt_err(
                     &tmp.join(file),

@@ -202,7 +202,9 @@ fn read_state(store: &mut Store, params: &[ModelParam], opt: &dyn OptimizerState
             None => local,
         };
         let (t, steps) = store.assemble(r, s.kind, &want, cx.device())?;
-        let dtype = m.param.value().map_or(cx.master_dtype(), |v| v.dtype());
+        // Optimizer state is in the master dtype: a parameter's own (f32 or
+        // f64), the context's for one held in half precision or freed.
+        let dtype = m.param.value().ok().map(|v| v.dtype()).filter(|d| matches!(d, DType::F32 | DType::F64)).unwrap_or(cx.master_dtype());
         state.push((convert(t, dtype)?, steps));
     }
     Ok(state)

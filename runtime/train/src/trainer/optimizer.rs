@@ -34,14 +34,12 @@ impl RankOptimizer {
     }
 
     /// Updates the parameters at learning rate `lr` from the synchronised
-    /// gradients, which are then cleared. A ZeRO engine multiplies them by
-    /// `grad_scale` in its update (the clipping factor over the loss
-    /// scale); AdamW's gradients were scaled in place, so it takes 1.
+    /// gradients multiplied by `grad_scale` inside the update (the clipping
+    /// factor over the loss scale); the gradients are then cleared.
     pub(super) fn step(&mut self, lr: f64, grad_scale: f64) -> Result<()> {
         match self {
             RankOptimizer::AdamW(o) => {
-                debug_assert_eq!(grad_scale, 1.0, "AdamW's gradients are scaled in place");
-                o.step(lr)?;
+                o.step_scaled(lr, grad_scale)?;
                 o.zero_grad();
                 Ok(())
             }

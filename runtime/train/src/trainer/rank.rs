@@ -7,7 +7,7 @@ use super::state::{describe, RunState};
 use super::{Replica, Trainer};
 use crate::ckpt::{Checkpointer, SaveHandle};
 use crate::ranks::Ranks;
-use crate::{clip_factor, clip_to_norm, global_grad_norm, Anomaly, AtStep, LossScaler, NormClasses, StabilityMonitor, WarmupCosine};
+use crate::{clip_factor, global_grad_norm, Anomaly, AtStep, LossScaler, NormClasses, StabilityMonitor, WarmupCosine};
 use parking_lot::Mutex;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -72,6 +72,9 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         let (tp_group, dp_group, ep_group, pp_group) = (groups.tp.clone(), groups.dp.clone(), groups.ep.clone(), groups.pp.clone());
         let replicas_group = groups.replicas.clone();
         let mut cx = Cx::new(dev.clone()).with_seed(cfg.run.seed).with_groups(groups).with_sequence_parallel(cfg.mesh.sp).with_dtype(cfg.precision.dtype()?);
+        if cfg.precision.half_params()? {
+            cx = cx.with_half_params();
+        }
         if pp > 1 {
             // Each stage materialises (and checkpoints) only its own layers.
             let chunks = match cfg.mesh.schedule_kind()? {
@@ -187,41 +190,30 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         let mut pass = self.forward_backward(done, started, tracing)?;
         let mut events = Vec::new();
 
-        // The gradients' global norm, measured once: the monitor judges it,
-        // clipping scales by it. A ZeRO engine measures it over its shards
-        // and applies the loss scale and clipping in its update (`grad_scale`).
-        let mut grad_scale = 1.0;
-        let finite = match self.optimizer.zero() {
+        // The gradients' global norm, measured once on the (loss-scaled)
+        // gradients: not finite on an fp16 overflow. The monitor judges it;
+        // the loss scale and clipping are applied inside the update
+        // (`grad_scale`), so gradients held in half precision are never
+        // rewritten. A ZeRO engine measures it over its shards, each class
+        // of parameter summed over the groups it is split over (tp, ep, pp).
+        let loss_scale = self.state.scaler.as_ref().map_or(1.0, |s| s.scale());
+        let scaled = match self.optimizer.zero() {
             Some(zero) => {
-                let loss_scale = self.state.scaler.as_ref().map_or(1.0, |s| s.scale());
-                // Of the scaled gradients: not finite on an fp16 overflow.
-                // Measured over the shards, each class of parameter summed
-                // over the groups it is split over (tp, ep, pp).
                 let classes = NormClasses::of(&self.model, &self.cx)?;
                 let squares = zero.grad_squares(NormClasses::COUNT, |p| classes.class(p))?;
                 let squares = <[f64; NormClasses::COUNT]>::try_from(squares)
                     .map_err(|_| tessera_core::Error::state_mismatch("trainer", "the engine returned another number of norm classes"))?;
-                let scaled = classes.norm(squares, &self.cx)?;
-                grad_scale = 1.0 / loss_scale;
-                pass.grad_norm = scaled.is_finite().then_some(scaled / loss_scale);
-                scaled.is_finite()
+                classes.norm(squares, &self.cx)?
             }
-            None => {
-                let finite = match &self.state.scaler {
-                    Some(s) => s.unscale_and_check(&self.model, &self.cx)?,
-                    None => true,
-                };
-                if finite {
-                    pass.grad_norm = Some(global_grad_norm(&self.model, &self.cx)?);
-                }
-                finite
-            }
+            None => global_grad_norm(&self.model, &self.cx)?,
         };
+        // Under loss scaling a norm that is not finite is an overflow (the
+        // scale backs off); otherwise it is the monitor's to judge.
+        let finite = self.state.scaler.is_none() || scaled.is_finite();
+        pass.grad_norm = finite.then_some(scaled / loss_scale);
+        let mut grad_scale = 1.0 / loss_scale;
         if let Some(norm) = pass.grad_norm.filter(|n| n.is_finite() && cfg.optim.clip > 0.0) {
-            match self.optimizer.zero() {
-                Some(_) => grad_scale *= clip_factor(norm, cfg.optim.clip),
-                None => clip_to_norm(&self.model, norm, cfg.optim.clip)?,
-            }
+            grad_scale *= clip_factor(norm, cfg.optim.clip);
         }
         let norm = pass.grad_norm.unwrap_or(0.0);
         // Judged under the number of the metrics line it lands on.
