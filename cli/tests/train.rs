@@ -13,7 +13,7 @@ use tessera::nn::vocab_parallel_cross_entropy;
 use tessera::testing::Scratch;
 use tessera::train::Batches;
 use tessera::{Device, Tensor};
-use tessera_models::gpt2::{Gpt2, Gpt2Config};
+use tessera_models::gpt2::{Gpt2, Gpt2Config, MoeGpt2};
 use tessera_models::hf::{self, HfModel};
 use tessera_models::kinds::ModelSpec;
 use tessera_models::mixtral::Mixtral;
@@ -250,17 +250,45 @@ fn a_mixtral_trained_at_ep2_exports_every_expert() {
     assert_eq!(got, want);
 }
 
-/// Every kind trains from its `[model]` table: Llama at tp2 and Mixtral
-/// with its experts split over ep2, with a finite loss and a checkpoint,
-/// and the banner says what was built.
+/// The MoE GPT-2 has no Hugging Face class, but its export is a directory
+/// in Hugging Face's layout that a new run starts from: a model trained at
+/// ep2 × pp2, exported, fine-tuned at tp2 × ep2 starts at the loss the
+/// export gives on one rank.
+#[test]
+fn an_exported_moe_gpt2_starts_a_new_run_on_another_mesh() {
+    let dir = scratch("moe-gpt2");
+    let first = dir.path().join("first");
+    let model = "kind = \"gpt2_moe\"\nn_layer = 2\nn_embd = 32\nn_head = 4\nnum_local_experts = 4\nnum_experts_per_tok = 2";
+    let cfg = config(dir.path(), &first, model, "ep = 2\npp = 2", 2);
+    ok(&["train", "--config", cfg.to_str().unwrap(), "--eval", "0"]);
+    let exported = dir.path().join("exported");
+    ok(&["export", "--run", first.to_str().unwrap(), "--out", exported.to_str().unwrap()]);
+    let written: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(exported.join("config.json")).unwrap()).unwrap();
+    assert_eq!((written["model_type"].as_str(), written["num_local_experts"].as_u64()), (Some("gpt2_moe"), Some(4)));
+
+    let second = dir.path().join("second");
+    let cfg = config(dir.path(), &second, &format!("from = {:?}", exported.display().to_string()), "tp = 2\nep = 2", 1);
+    ok(&["train", "--config", cfg.to_str().unwrap(), "--eval", "0"]);
+    let got = losses(&second)[0].1;
+    let want = first_step_loss::<MoeGpt2>(&exported, &second.join("data"), 2);
+    assert!((got - want).abs() < 2e-5, "the first step's loss is {got}, the exported weights give {want}");
+}
+
+/// Every kind trains from its `[model]` table: Llama at tp2, Mixtral with
+/// its experts split over ep2 and the MoE GPT-2 over ep2 × pp2, with a
+/// finite loss and a checkpoint, and the banner says what was built.
 #[test]
 fn every_kind_trains_from_its_table() {
     let dir = scratch("kinds");
     let shape = "hidden_size = 32\nnum_hidden_layers = 2\nnum_attention_heads = 4\nnum_key_value_heads = 2\nintermediate_size = 64";
     let llama = format!("kind = \"llama\"\n{shape}");
     let mixtral = format!("kind = \"mixtral\"\n{shape}\nnum_local_experts = 4\nnum_experts_per_tok = 2");
-    for (name, model, mesh, banner) in [("llama", llama, "tp = 2", "training llama ("), ("mixtral", mixtral, "ep = 2", "4 experts of which each token uses 2")]
-    {
+    let moe_gpt2 = "kind = \"gpt2_moe\"\nn_layer = 2\nn_embd = 32\nn_head = 4\nnum_local_experts = 4\nnum_experts_per_tok = 1".to_string();
+    for (name, model, mesh, banner) in [
+        ("llama", llama, "tp = 2", "training llama ("),
+        ("mixtral", mixtral, "ep = 2", "4 experts of which each token uses 2"),
+        ("gpt2_moe", moe_gpt2, "ep = 2\npp = 2", "4 experts of which each token uses 1"),
+    ] {
         let run = dir.path().join(name);
         let cfg = config(dir.path(), &run, &model, mesh, 2);
         let stdout = ok(&["train", "--config", cfg.to_str().unwrap(), "--eval", "5"]);
@@ -287,10 +315,10 @@ fn bad_configurations_are_refused_before_the_run_starts() {
     let cfg = cfg.to_str().unwrap();
     let from = |d: &Path| format!("model.from={:?}", d.display().to_string());
     let cases: Vec<(Vec<String>, Vec<&str>)> = vec![
-        (vec!["--set".into(), "model.kind=\"gtp2\"".into()], vec!["model.kind", "did you mean \"gpt2\"", "\"gpt2\", \"llama\" or \"mixtral\""]),
+        (vec!["--set".into(), "model.kind=\"gtp2\"".into()], vec!["model.kind", "did you mean \"gpt2\"", "\"gpt2\", \"llama\", \"mixtral\" or \"gpt2_moe\""]),
         (vec!["--set".into(), "model.kind=2".into()], vec!["model.kind", "write a string"]),
         (vec!["--set".into(), "model.n_layers=3".into()], vec!["model.n_layers", "did you mean `n_layer`"]),
-        (vec!["--set".into(), "mesh.ep=2".into()], vec!["mesh.ep", "has no experts", "model.kind = \"mixtral\""]),
+        (vec!["--set".into(), "mesh.ep=2".into()], vec!["mesh.ep", "has no experts", "model.kind = \"mixtral\" or \"gpt2_moe\""]),
         (vec!["--set".into(), "mesh.dpp=2".into()], vec!["dpp", "did you mean `dp`"]),
         (vec!["--set".into(), "batch.seq_len=64".into(), "--set".into(), "model.n_positions=32".into()], vec!["batch.seq_len", "32 positions"]),
         (vec!["--set".into(), from(&fixture("mixtral")), "--set".into(), "mesh.ep=3".into()], vec!["model.kind", "conflicts", "mixtral"]),

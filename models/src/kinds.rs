@@ -32,7 +32,7 @@
 //! ```
 
 use crate::error::{Error, Result};
-use crate::gpt2::{Gpt2, Gpt2Config};
+use crate::gpt2::{Gpt2, Gpt2Config, MoeGpt2, MoeGpt2Config, MOE_GPT2_MODEL_TYPE};
 use crate::hf::{self, HfConfig, HfModel};
 use crate::llama::{Llama, LlamaConfig};
 use crate::mixtral::{Mixtral, MixtralConfig};
@@ -59,11 +59,13 @@ pub enum ModelKind {
     Llama,
     /// Mixtral ([`Mixtral`]): Llama with a mixture of experts in every block.
     Mixtral,
+    /// GPT-2 with a mixture of experts in every block ([`MoeGpt2`]).
+    MoeGpt2,
 }
 
 impl ModelKind {
     /// Every kind, in the order messages list them.
-    pub const ALL: [ModelKind; 3] = [ModelKind::Gpt2, ModelKind::Llama, ModelKind::Mixtral];
+    pub const ALL: [ModelKind; 4] = [ModelKind::Gpt2, ModelKind::Llama, ModelKind::Mixtral, ModelKind::MoeGpt2];
 
     /// The name `model.kind` gives it (also its Hugging Face `model_type`).
     pub fn name(self) -> &'static str {
@@ -71,12 +73,13 @@ impl ModelKind {
             ModelKind::Gpt2 => "gpt2",
             ModelKind::Llama => "llama",
             ModelKind::Mixtral => "mixtral",
+            ModelKind::MoeGpt2 => MOE_GPT2_MODEL_TYPE,
         }
     }
 
     /// Whether its blocks hold experts that `mesh.ep` can split over ranks.
     pub fn has_experts(self) -> bool {
-        self == ModelKind::Mixtral
+        matches!(self, ModelKind::Mixtral | ModelKind::MoeGpt2)
     }
 
     /// The kind named `name`; an error (for the setting `key`) lists the
@@ -151,7 +154,7 @@ fn dense(kind: ModelKind, ep_degree: usize) -> Result<()> {
         return Err(setting(
             "mesh.ep",
             format!(
-                "mesh.ep = {ep_degree} splits a model's experts over ranks, and a {kind} has no experts; train a mixtral (model.kind = \"mixtral\"), or set mesh.ep = 1 and raise mesh.dp for more data replicas"
+                "mesh.ep = {ep_degree} splits a model's experts over ranks, and a {kind} has no experts; train a kind with experts (model.kind = \"mixtral\" or \"gpt2_moe\"), or set mesh.ep = 1 and raise mesh.dp for more data replicas"
             ),
         ));
     }
@@ -213,16 +216,8 @@ impl KindModel for Mixtral {
     const ARCHITECTURE: &'static str = "MixtralForCausalLM";
 
     fn for_rank(config: &MixtralConfig, tp: usize, ep_rank: usize, ep_degree: usize) -> Result<Mixtral> {
-        let experts = config.num_local_experts;
-        if ep_degree == 0 || !experts.is_multiple_of(ep_degree) {
-            let divisors: Vec<String> = (1..=experts).filter(|d| experts.is_multiple_of(*d)).map(|d| d.to_string()).collect();
-            return Err(setting(
-                "mesh.ep",
-                format!(
-                    "mesh.ep = {ep_degree} does not divide the {experts} experts of each layer (num_local_experts), so the ranks cannot hold equal shares; choose mesh.ep among {}",
-                    divisors.join(", ")
-                ),
-            ));
+        if ep_degree == 0 || !config.num_local_experts.is_multiple_of(ep_degree) {
+            return Err(indivisible_experts(config.num_local_experts, ep_degree));
         }
         Mixtral::with_expert_parallel(config, ep_rank, ep_degree)?.with_vocab_padded_to(padded_vocab(config.vocab_size, tp))
     }
@@ -240,6 +235,48 @@ impl KindModel for Mixtral {
     }
 
     fn experts(config: &MixtralConfig) -> Option<(usize, usize)> {
+        Some((config.num_local_experts, config.num_experts_per_tok))
+    }
+}
+
+/// The error of an expert-parallel degree that does not divide the experts.
+fn indivisible_experts(experts: usize, ep_degree: usize) -> Error {
+    let divisors: Vec<String> = (1..=experts).filter(|d| experts.is_multiple_of(*d)).map(|d| d.to_string()).collect();
+    setting(
+        "mesh.ep",
+        format!(
+            "mesh.ep = {ep_degree} does not divide the {experts} experts of each layer (num_local_experts), so the ranks cannot hold equal shares; choose mesh.ep among {}",
+            divisors.join(", ")
+        ),
+    )
+}
+
+impl KindModel for MoeGpt2 {
+    const KIND: ModelKind = ModelKind::MoeGpt2;
+    const POSITIONS: &'static str = "n_positions";
+    const EMBEDDING: &'static str = "wte.weight";
+    const ARCHITECTURE: &'static str = "MoeGpt2LMHeadModel";
+
+    fn for_rank(config: &MoeGpt2Config, tp: usize, ep_rank: usize, ep_degree: usize) -> Result<MoeGpt2> {
+        if ep_degree == 0 || !config.num_local_experts.is_multiple_of(ep_degree) {
+            return Err(indivisible_experts(config.num_local_experts, ep_degree));
+        }
+        MoeGpt2::with_expert_parallel(config, ep_rank, ep_degree)?.with_vocab_padded_to(padded_vocab(config.gpt2.vocab_size, tp))
+    }
+
+    fn vocab_size(config: &MoeGpt2Config) -> usize {
+        config.gpt2.vocab_size
+    }
+
+    fn positions(config: &MoeGpt2Config) -> usize {
+        config.gpt2.n_positions
+    }
+
+    fn depth_and_width(config: &MoeGpt2Config) -> (usize, usize) {
+        (config.gpt2.n_layer, config.gpt2.n_embd)
+    }
+
+    fn experts(config: &MoeGpt2Config) -> Option<(usize, usize)> {
         Some((config.num_local_experts, config.num_experts_per_tok))
     }
 }
@@ -413,8 +450,8 @@ pub trait ModelJob {
 /// Reads the `[model]` table of `cfg` and runs `job` with the model it
 /// describes. `data_vocab` is the vocabulary of the training data.
 ///
-/// * `kind`: `gpt2` (when absent), `llama` or `mixtral`; anything else is an
-///   error listing the kinds.
+/// * `kind`: `gpt2` (when absent), `llama`, `mixtral` or `gpt2_moe`;
+///   anything else is an error listing the kinds.
 /// * Without `from`, the other keys are fields of that kind's Hugging Face
 ///   config (a misspelt one is an error naming the closest field). The
 ///   vocabulary is `vocab_size` if given, else the data's rounded up to a
@@ -479,12 +516,14 @@ pub fn with_configured_model<J: ModelJob>(cfg: &TrainConfig, data_vocab: usize, 
                 ModelKind::Gpt2 => job.run(pretrained::<Gpt2>(cfg, &dir, &file, &fields, data_vocab)?),
                 ModelKind::Llama => job.run(pretrained::<Llama>(cfg, &dir, &file, &fields, data_vocab)?),
                 ModelKind::Mixtral => job.run(pretrained::<Mixtral>(cfg, &dir, &file, &fields, data_vocab)?),
+                ModelKind::MoeGpt2 => job.run(pretrained::<MoeGpt2>(cfg, &dir, &file, &fields, data_vocab)?),
             }
         }
         None => match kind.unwrap_or(ModelKind::Gpt2) {
             ModelKind::Gpt2 => job.run(described::<Gpt2>(cfg, &fields, data_vocab)?),
             ModelKind::Llama => job.run(described::<Llama>(cfg, &fields, data_vocab)?),
             ModelKind::Mixtral => job.run(described::<Mixtral>(cfg, &fields, data_vocab)?),
+            ModelKind::MoeGpt2 => job.run(described::<MoeGpt2>(cfg, &fields, data_vocab)?),
         },
     }
 }
@@ -500,6 +539,7 @@ pub fn with_recorded_model<J: ModelJob>(record: &Value, job: J) -> Result<J::Out
         ModelKind::Gpt2 => job.run(ModelSpec::<Gpt2>::new(Gpt2Config::from_json(config)?, from)),
         ModelKind::Llama => job.run(ModelSpec::<Llama>::new(LlamaConfig::from_json(config)?, from)),
         ModelKind::Mixtral => job.run(ModelSpec::<Mixtral>::new(MixtralConfig::from_json(config)?, from)),
+        ModelKind::MoeGpt2 => job.run(ModelSpec::<MoeGpt2>::new(MoeGpt2Config::from_json(config)?, from)),
     }
 }
 

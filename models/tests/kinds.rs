@@ -12,7 +12,7 @@ use tessera::dist::mesh::Mesh;
 use tessera::module::{self, Cx, Shard};
 use tessera::train::TrainConfig;
 use tessera::Device;
-use tessera_models::gpt2::Gpt2;
+use tessera_models::gpt2::{Gpt2, Gpt2Config, MoeGpt2, MoeGpt2Config};
 use tessera_models::hf;
 use tessera_models::kinds::{self, KindModel, ModelJob, ModelKind, ModelSpec};
 use tessera_models::mixtral::Mixtral;
@@ -27,8 +27,15 @@ fn whole_params<M: tessera::module::Module>(model: &M) -> BTreeMap<String, Vec<f
 /// parameter it materialised, its slice of the one-rank `load_pretrained`
 /// values; returns how many parameters each rank left to other stages.
 fn deferred_matches_one_rank<M: KindModel>(name: &str, spec: &str, world: usize) -> Vec<usize> {
-    let full = whole_params(&hf::load_pretrained::<M>(fixture(name), &Cx::new(Device::cpu())).unwrap().model);
-    let model_spec = ModelSpec::<M>::new(hf::read_config(fixture(name)).unwrap(), Some(fixture(name)));
+    deferred_matches_one_rank_from::<M>(&fixture(name), spec, world)
+}
+
+/// [`deferred_matches_one_rank`] for the Hugging Face directory `dir`.
+fn deferred_matches_one_rank_from<M: KindModel>(dir: &std::path::Path, spec: &str, world: usize) -> Vec<usize> {
+    let name = dir.display().to_string();
+    let name = name.as_str();
+    let full = whole_params(&hf::load_pretrained::<M>(dir, &Cx::new(Device::cpu())).unwrap().model);
+    let model_spec = ModelSpec::<M>::new(hf::read_config(dir).unwrap(), Some(dir.to_path_buf()));
     let mesh = Mesh::parse(spec, world, world).unwrap();
     let net = InProcess::new(world).unwrap();
     std::thread::scope(|s| {
@@ -128,7 +135,7 @@ fn configuration_mistakes_name_the_setting_and_the_fix() {
     let err = |toml: &str, overrides: &[&str], data_vocab: usize| kind_of(toml, overrides, data_vocab).unwrap_err();
     let gpt2 = "[model]\nn_layer = 2\nn_embd = 32\nn_head = 4\n";
     let e = err(gpt2, &["model.kind=\"lama\""], 13);
-    assert!(e.contains("model.kind") && e.contains("did you mean \"llama\"") && e.contains("\"gpt2\", \"llama\" or \"mixtral\""), "{e}");
+    assert!(e.contains("model.kind") && e.contains("did you mean \"llama\"") && e.contains("\"gpt2\", \"llama\", \"mixtral\" or \"gpt2_moe\""), "{e}");
     let e = err(gpt2, &["mesh.ep=2"], 13);
     assert!(e.contains("mesh.ep") && e.contains("a gpt2 has no experts"), "{e}");
     let e = err(gpt2, &["model.vocab_size=10"], 13);
@@ -164,4 +171,29 @@ fn a_recorded_model_is_the_model_recorded() {
     assert_eq!(kinds::with_recorded_model(&record, Record).unwrap(), record);
     let llama = hf::load_pretrained::<tessera_models::llama::Llama>(fixture("llama"), &Cx::new(Device::cpu())).unwrap();
     assert_eq!(record["config"], hf::HfConfig::to_json(&llama.config));
+}
+
+/// The MoE GPT-2 writes and reads its checkpoint in Hugging Face's layout
+/// bit for bit, and each of two expert-parallel ranks reads only its experts.
+#[test]
+fn moe_gpt2_round_trips_and_splits_its_experts_over_ep2() {
+    let dir = TempDir::new("moe-gpt2");
+    let config = MoeGpt2Config::new(Gpt2Config::tiny(40, 32, 4, 2, 16), 4, 2);
+    let cx = Cx::new(Device::cpu()).with_seed(5);
+    let model = module::build(MoeGpt2::new(&config).unwrap(), &cx).unwrap();
+    hf::save_pretrained(&model, &config, dir.path()).unwrap();
+    let loaded = hf::load_pretrained::<MoeGpt2>(dir.path(), &Cx::new(Device::cpu())).unwrap();
+    assert_eq!(loaded.config, config);
+    assert_eq!(param_bits(&loaded.model), param_bits(&model));
+    let names: Vec<String> = read_tensors(&dir.path().join("model.safetensors")).into_keys().collect();
+    assert!(
+        names.contains(&"transformer.h.1.moe.experts.3.down.weight".to_string()) && names.contains(&"transformer.h.0.moe.router.weight".to_string()),
+        "{names:?}"
+    );
+    deferred_matches_one_rank_from::<MoeGpt2>(dir.path(), "ep2", 2);
+    // An ep rank's share cannot be exported: it lacks the other experts.
+    let half = MoeGpt2::with_expert_parallel(&config, 1, 2).unwrap();
+    let half = module::build(half, &Cx::new(Device::cpu())).unwrap();
+    let e = hf::save_pretrained(&half, &config, dir.path().join("half")).unwrap_err().to_string();
+    assert!(e.contains("expert-parallel rank 1 of 2"), "{e}");
 }
