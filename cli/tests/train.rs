@@ -314,6 +314,10 @@ fn bad_configurations_are_refused_before_the_run_starts() {
     let cfg = config(dir.path(), &run, gpt2, "dp = 1", 1);
     let cfg = cfg.to_str().unwrap();
     let from = |d: &Path| format!("model.from={:?}", d.display().to_string());
+    // A directory with a config and no weights.
+    let config_only = dir.path().join("config-only");
+    std::fs::create_dir_all(&config_only).unwrap();
+    std::fs::copy(fixture("gpt2").join("config.json"), config_only.join("config.json")).unwrap();
     let cases: Vec<(Vec<String>, Vec<&str>)> = vec![
         (vec!["--set".into(), "model.kind=\"gtp2\"".into()], vec!["model.kind", "did you mean \"gpt2\"", "\"gpt2\", \"llama\", \"mixtral\" or \"gpt2_moe\""]),
         (vec!["--set".into(), "model.kind=2".into()], vec!["model.kind", "write a string"]),
@@ -332,6 +336,9 @@ fn bad_configurations_are_refused_before_the_run_starts() {
         ),
         (vec!["--set".into(), from(&dir.path().join("missing"))], vec!["missing/config.json", "cannot read it"]),
         (vec!["--set".into(), "data.source=\"no-such-shards\"".into()], vec!["data.source", "no-such-shards"]),
+        (vec!["--set".into(), "mesh.tp=3".into()], vec!["mesh.tp", "3"]),
+        (vec!["--set".into(), "mesh.pp=3".into(), "--set".into(), "batch.grad_accum=3".into()], vec!["mesh.pp", "2 layers", "too few"]),
+        (vec!["--set".into(), from(&config_only)], vec!["model.from", "model.safetensors", "cannot read it"]),
         (vec!["--eval".into(), "100000".into()], vec!["--eval 100000", "at most"]),
     ];
     for (extra, needles) in &cases {

@@ -43,6 +43,7 @@ use std::path::{Path, PathBuf};
 use tessera::ckpt::{self, Checkpointer};
 use tessera::module::{self, Cx, Replicated, SplitHidden, Staged};
 use tessera::observe::transformer_flops_per_token;
+use tessera::parallel::pipeline::ScheduleKind;
 use tessera::train::{ModelFacts, TrainConfig};
 
 /// The file in a run directory that records the model the run trains
@@ -370,9 +371,12 @@ impl<M: KindModel> ModelSpec<M> {
     }
 
     /// Checks the model against the run before anything is built: the
-    /// sequences fit its positions, the data's ids fit its vocabulary, and
-    /// the expert-parallel degree splits its experts (a model without experts
-    /// takes none). Each error names the setting to change.
+    /// sequences fit its positions, the data's ids fit its vocabulary, the
+    /// expert-parallel degree splits its experts (a model without experts
+    /// takes none), the tensor-parallel degree its heads and widths, the
+    /// pipeline its layers, and a pretrained directory holds every weight
+    /// with the shape the config implies. Each error names the setting to
+    /// change. Nothing is allocated or read but file headers.
     pub fn check_run(&self, cfg: &TrainConfig, data_vocab: usize) -> Result<()> {
         let positions = M::positions(&self.config);
         if cfg.batch.seq_len > positions {
@@ -396,7 +400,37 @@ impl<M: KindModel> ModelSpec<M> {
                 format!("the data has {data_vocab} token ids and the model a vocabulary of {vocab}; {fix}"),
             ));
         }
-        M::for_rank(&self.config, 1, 0, cfg.mesh.ep).map(drop)
+        M::for_rank(&self.config, 1, 0, cfg.mesh.ep)?;
+        // The trainer checks the mesh against the model too, but only once
+        // the run directory exists (a program has written its data there):
+        // a degree that cannot split the model is refused before that.
+        let (tp, pp) = (cfg.mesh.tp, cfg.mesh.pp);
+        let model = M::for_rank(&self.config, tp, 0, 1)?;
+        if tp > 1 {
+            module::check_tp_degree(&model, tp).map_err(|e| setting("mesh.tp", e.to_string()))?;
+        }
+        let chunks = match cfg.mesh.schedule_kind()? {
+            ScheduleKind::Interleaved { chunks } => chunks,
+            _ => 1,
+        };
+        if model.split_layers() < pp * chunks {
+            return Err(setting(
+                "mesh.pp",
+                format!(
+                    "the model has {} layers, too few for {} pipeline stages (mesh.pp = {pp}, {chunks} chunk(s) each); lower mesh.pp or mesh.chunks, or give the model more layers",
+                    model.split_layers(),
+                    pp * chunks
+                ),
+            ));
+        }
+        if let Some(dir) = &self.from {
+            // Every tensor of the directory, checked against the model now
+            // (headers only): a missing or mismatched file is refused here,
+            // not when the ranks start.
+            let mut model = M::for_rank(&self.config, 1, 0, 1)?;
+            hf::load_when_materialized(&mut model, &self.config, dir).map_err(|e| setting("model.from", e.to_string()))?;
+        }
+        Ok(())
     }
 
     /// The model as a run directory records it (`model.json`): its kind, its
@@ -488,7 +522,8 @@ pub fn with_configured_model<J: ModelJob>(cfg: &TrainConfig, data_vocab: usize, 
     let fields: Value = serde_json::to_value(table).map_err(|e| setting("model", e.to_string()))?;
     match from {
         Some(dir) => {
-            let file = read_json(&dir.join("config.json"))?;
+            let file = read_json(&dir.join("config.json"))
+                .map_err(|e| setting("model.from", format!("{e}; point model.from at a Hugging Face model directory (config.json and model.safetensors)")))?;
             let stored = match file.get("model_type").and_then(Value::as_str) {
                 Some(t) => Some(ModelKind::parse(t, "model.from").map_err(|_| {
                     setting(
