@@ -284,10 +284,22 @@ impl KindModel for MoeGpt2 {
 
 /// A model of kind `M` as a training run builds it: its config, and the
 /// Hugging Face directory its weights start from, if any.
-#[derive(Clone, Debug)]
 pub struct ModelSpec<M: KindModel> {
     config: M::Config,
     from: Option<PathBuf>,
+}
+
+// By hand: a derive would require the model type itself to be `Clone` and `Debug`.
+impl<M: KindModel> Clone for ModelSpec<M> {
+    fn clone(&self) -> Self {
+        ModelSpec { config: self.config.clone(), from: self.from.clone() }
+    }
+}
+
+impl<M: KindModel> fmt::Debug for ModelSpec<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ModelSpec").field("kind", &M::KIND).field("from", &self.from).field("config", &self.config.to_json()).finish()
+    }
 }
 
 impl<M: KindModel> ModelSpec<M> {
