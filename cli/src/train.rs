@@ -52,8 +52,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })?;
     let mut overrides = args.set.clone();
     if let Some(out) = &args.out {
-        // A TOML basic string: Rust's quoting escapes what TOML needs.
-        overrides.push(format!("run.out={:?}", out.display().to_string()));
+        // A TOML basic string: JSON's quoting (\", \\, \uXXXX) is valid TOML.
+        overrides.push(format!("run.out={}", serde_json::Value::from(out.display().to_string())));
     }
     let refs: Vec<&str> = overrides.iter().map(String::as_str).collect();
     let cfg = TrainConfig::parse(&text, &refs).with_context(|| format!("in the configuration `{}`", args.config.display()))?;

@@ -177,10 +177,11 @@ fn a_resumed_fine_tuning_run_continues_from_its_checkpoint() {
     let cfg = config(dir.path(), &whole, &model, "tp = 2", 2);
     ok(&["train", "--config", cfg.to_str().unwrap(), "--eval", "0"]);
 
+    // The same configuration, sent elsewhere with --out.
     let parts = dir.path().join("parts");
-    let cfg = config(dir.path(), &parts, &model, "tp = 2", 2);
-    ok(&["train", "--config", cfg.to_str().unwrap(), "--eval", "0", "--set", "run.stop_after=1"]);
-    let stdout = ok(&["train", "--config", cfg.to_str().unwrap(), "--eval", "0"]);
+    let out = parts.to_str().unwrap();
+    ok(&["train", "--config", cfg.to_str().unwrap(), "--out", out, "--eval", "0", "--set", "run.stop_after=1"]);
+    let stdout = ok(&["train", "--config", cfg.to_str().unwrap(), "--out", out, "--eval", "0"]);
     assert!(stdout.contains("resumed from the checkpoint of step 1"), "{stdout}");
     let (a, b) = (losses(&whole), losses(&parts));
     assert_eq!(a.len(), 2);
@@ -196,12 +197,15 @@ fn export_round_trips_through_the_hugging_face_loader() {
     let dir = scratch("export-gpt2");
     let hf_dir = dir.path().join("hf");
     let gpt2 = tiny_gpt2(&hf_dir);
+    // The pretrained directory's tokenizer goes with the export.
+    std::fs::write(hf_dir.join("tokenizer.json"), "{\"model\": \"a tokenizer\"}").unwrap();
     let run = dir.path().join("run");
     let cfg = config(dir.path(), &run, &format!("from = {:?}", hf_dir.display().to_string()), "tp = 2\npp = 2", 2);
     ok(&["train", "--config", cfg.to_str().unwrap(), "--eval", "0"]);
     let out = dir.path().join("exported");
     let stdout = ok(&["export", "--run", run.to_str().unwrap(), "--out", out.to_str().unwrap()]);
     assert!(stdout.contains("of step 2"), "{stdout}");
+    assert_eq!(std::fs::read(out.join("tokenizer.json")).unwrap(), std::fs::read(hf_dir.join("tokenizer.json")).unwrap());
 
     let cx = &mut Cx::new(Device::cpu());
     let exported = hf::load_pretrained::<Gpt2>(&out, cx).unwrap();
