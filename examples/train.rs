@@ -9,23 +9,27 @@
 //! ```
 //!
 //! The run directory (`runs/arith` by default) receives `config.toml`,
-//! `metrics.jsonl`, `trace.json` (open in ui.perfetto.dev), `loss.png`,
-//! `eval.json` and `checkpoints/`. A second run with the same directory
-//! resumes from its last checkpoint; `--fresh` starts over.
+//! `model.json`, `metrics.jsonl`, `trace.json` (open in ui.perfetto.dev),
+//! `loss.png`, `eval.json` and `checkpoints/`. A second run with the same
+//! directory resumes from its last checkpoint; `--fresh` starts over.
+//!
+//! `model.kind` chooses GPT-2, Llama or Mixtral and `model.from` starts from
+//! a Hugging Face directory (`tessera_models::kinds` builds the model for
+//! every rank); `tessera train` is the same run as a command, and
+//! `tessera export --run runs/arith --out DIR` writes the result as a
+//! Hugging Face directory.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use tessera::ckpt::Checkpointer;
 use tessera::data::{arith, AnswerTargets, Dataset, Sampler};
-use tessera::module::{self, Act, Cx, Module, Replicated, SplitHidden, Staged};
-use tessera::observe::{transformer_flops_per_token, Event};
-use tessera::train::{Batches, ModelFacts, RunLock, TrainConfig, Trainer};
-use tessera::{Device, Tensor};
-use tessera_models::gpt2::Gpt2;
-use tessera_models::hf::{HfConfig, HfModel};
-use tessera_models::llama::Llama;
+use tessera::module::Cx;
+use tessera::observe::Event;
+use tessera::train::{Batches, RunLock, TrainConfig, Trainer};
+use tessera::Device;
+use tessera_models::generate::greedy;
+use tessera_models::kinds::{self, KindModel, ModelJob, ModelSpec};
 
 /// Prints a line to stdout; when the reader has gone (`train | head`), the
 /// program ends quietly and successfully (its checkpoints are atomic, and
@@ -92,59 +96,6 @@ impl Args {
     }
 }
 
-/// The model kinds this program trains.
-const KINDS: [&str; 2] = ["gpt2", "llama"];
-
-/// `model.kind`: a string naming a kind this program trains (GPT-2 when absent).
-fn model_kind(cfg: &TrainConfig) -> Result<&str> {
-    let Some(kind) = cfg.model.get("kind") else { return Ok("gpt2") };
-    match kind.as_str() {
-        Some(k) if KINDS.contains(&k) => Ok(k),
-        Some(k) => {
-            let hint = tessera::train::closest(k, &KINDS).map(|c| format!("did you mean \"{c}\"? ")).unwrap_or_default();
-            bail!("config `model.kind`: unknown model kind {k:?}; {hint}this program trains \"gpt2\" or \"llama\"")
-        }
-        None => bail!("config `model.kind`: {kind} is not a model kind; write a string, \"gpt2\" or \"llama\""),
-    }
-}
-
-/// The model section of the config as a Hugging Face `config.json` for
-/// `kind`, with the vocabulary of the data and room for the sequence length.
-fn model_json(cfg: &TrainConfig, kind: &str, vocab: usize) -> Result<serde_json::Value> {
-    let mut table = cfg.model.clone();
-    table.remove("kind");
-    let mut json = serde_json::to_value(&table).context("model section")?;
-    json["vocab_size"] = vocab.into();
-    let positions = if kind == "gpt2" { "n_positions" } else { "max_position_embeddings" };
-    if json.get(positions).is_none() {
-        json[positions] = cfg.batch.seq_len.into();
-    }
-    Ok(json)
-}
-
-/// A width or depth of the model, under its GPT-2 or Llama name.
-fn size(json: &serde_json::Value, names: [&str; 2]) -> usize {
-    names.iter().find_map(|n| json.get(*n).and_then(|v| v.as_u64())).unwrap_or(0) as usize
-}
-
-/// Greedy completions of equal-length prompts on one rank: each new token is
-/// the most likely one after the prompt and what was written so far.
-fn generate<M: Module<In = Replicated, Out = SplitHidden>>(model: &M, cx: &mut Cx, prompts: &[Vec<u32>], new_tokens: usize) -> tessera::Result<Vec<Vec<u32>>> {
-    let mut seqs: Vec<Vec<u32>> = prompts.to_vec();
-    for _ in 0..new_tokens {
-        let (b, t) = (seqs.len(), seqs[0].len());
-        let ids = Tensor::from_vec(seqs.concat(), [b, t], cx.device())?;
-        let (logits, _) = model.forward(cx, Act::new(ids))?;
-        let vocab = logits.tensor().dims()[2];
-        let last = logits.tensor().narrow(1, t - 1, 1)?.contiguous()?.to_vec::<f32>()?;
-        for (s, row) in seqs.iter_mut().zip(last.chunks(vocab)) {
-            let best = row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i);
-            s.push(best as u32);
-        }
-    }
-    Ok(seqs.into_iter().zip(prompts).map(|(s, p)| s[p.len()..].to_vec()).collect())
-}
-
 fn main() -> Result<()> {
     let args = Args::parse();
     let text = match &args.config {
@@ -153,25 +104,37 @@ fn main() -> Result<()> {
     };
     let overrides = args.overrides();
     let cfg = TrainConfig::parse(&text, &overrides.iter().map(String::as_str).collect::<Vec<_>>())?;
-    match model_kind(&cfg)? {
-        "gpt2" => run::<Gpt2>(&args, &cfg, "gpt2"),
-        _ => run::<Llama>(&args, &cfg, "llama"),
+    let task = arith::Task::new(cfg.data.seed);
+    // The vocabulary of the data decides the model's (unless the model comes from a Hugging Face directory).
+    let data_vocab = match cfg.data.source.as_str() {
+        "bundled" => task.tokenizer().vocab_size(),
+        dir => Dataset::open(dir)?.index().vocab_size,
+    };
+    // `model.kind` (and `model.from`) choose the model: tessera-models builds it for every rank.
+    kinds::with_configured_model(&cfg, data_vocab, Run { args: &args, cfg: &cfg, task })?
+}
+
+/// The training run, generic over the model kind the configuration names.
+struct Run<'a> {
+    args: &'a Args,
+    cfg: &'a TrainConfig,
+    task: arith::Task,
+}
+
+impl ModelJob for Run<'_> {
+    type Output = Result<()>;
+
+    fn run<M: KindModel>(self, spec: ModelSpec<M>) -> tessera_models::Result<Result<()>> {
+        Ok(train(self.args, self.cfg, &self.task, spec))
     }
 }
 
-fn run<M>(args: &Args, cfg: &TrainConfig, kind: &str) -> Result<()>
-where
-    M: HfModel + Staged<In = Replicated, Out = SplitHidden>,
-    M::Config: Sync,
-{
-    // A misspelt `[model]` key would leave the model at its default.
-    tessera_models::hf::check_fields::<M::Config>(cfg.model.keys().map(String::as_str)).with_context(|| format!("the `[model]` table of a {kind} run"))?;
+fn train<M: KindModel>(args: &Args, cfg: &TrainConfig, task: &arith::Task, spec: ModelSpec<M>) -> Result<()> {
     let out = PathBuf::from(&cfg.run.out);
     std::fs::create_dir_all(&out).with_context(|| format!("creating the run directory {}", out.display()))?;
     // One job per run directory, from before the data is written.
     let lock = RunLock::acquire(&out)?;
     // Data: the bundled task, generated into the run directory once.
-    let task = arith::Task::new(cfg.data.seed);
     let data_dir = match cfg.data.source.as_str() {
         "bundled" => {
             let dir = out.join("data");
@@ -183,27 +146,14 @@ where
         other => PathBuf::from(other),
     };
     let data = Dataset::open(&data_dir)?;
-    // The vocabulary is split over the tensor-parallel ranks: pad it to a
-    // multiple of 8 per rank, as Megatron does. The extra ids are entries of
-    // the vocabulary the data never uses, learned down like any absent
-    // token, and not masked: masking them (`with_vocab_padded_to`, as models
-    // imported with a vocabulary the degree does not divide are) changes
-    // this small model's trajectory, and within its 2000 steps it then did
-    // not reach the answers it reaches this way (13 % against 100 %).
-    let step = 8 * cfg.mesh.tp;
-    let vocab = data.index().vocab_size.div_ceil(step) * step;
+    // What `tessera export` rebuilds the model from.
+    spec.write_record(&out)?;
 
-    let json = model_json(cfg, kind, vocab)?;
-    let model_cfg = M::Config::from_json(&json)?;
-    let build = |cx: &Cx| M::from_config(&model_cfg, cx).map_err(|e| tessera::Error::Config { key: "model".into(), detail: e.to_string() });
-    let probe = build(&Cx::new(Device::cpu()))?;
-    let params: usize = module::distinct_params(&probe)?.iter().map(|n| n.param.global_shape().elem_count()).sum();
-    let (layers, width) = (size(&json, ["n_layer", "num_hidden_layers"]), size(&json, ["n_embd", "hidden_size"]));
-    let facts = ModelFacts { vocab, flops_per_token: transformer_flops_per_token(params, layers, cfg.batch.seq_len, width) };
     let trainer = Trainer::new(
         cfg.clone(),
-        facts,
-        |cx: &Cx, _, _| build(cx),
+        spec.facts(cfg.mesh.tp, cfg.batch.seq_len)?,
+        // Each rank's model: its tensor-parallel shard, its experts, its weights when it starts from a pretrained one.
+        |cx: &Cx, ep_rank, ep| spec.build(cx, ep_rank, ep),
         |replica| {
             let global = cfg.batch.micro_batch * replica.count;
             let sampler = Sampler::new(&data, global, cfg.batch.seq_len, replica.index, replica.count, cfg.data.seed)?;
@@ -216,8 +166,11 @@ where
     let trainer = trainer.fresh(args.fresh).with_run_lock(lock);
     let m = &cfg.mesh;
     let ranks = if m.rank_device()? == tessera::train::RankDevice::Cuda { "GPUs" } else { "CPU ranks" };
+    let (params, _) = spec.param_counts()?;
+    let (layers, width) = M::depth_and_width(spec.config());
     say!(
-        "training {kind} ({params} parameters, {layers} layers, hidden {width}) on {} {ranks}: dp{} × ep{} × pp{} × tp{}{} ({} schedule, {} microbatches of {} × {} tokens per replica and step)",
+        "training {} ({params} parameters, {layers} layers, hidden {width}) on {} {ranks}: dp{} × ep{} × pp{} × tp{}{} ({} schedule, {} microbatches of {} × {} tokens per replica and step)",
+        spec.kind(),
         m.world_size(),
         m.dp,
         m.ep,
@@ -269,9 +222,8 @@ where
     let started = Instant::now();
     let mut cx = Cx::new(Device::cpu());
     cx.set_training(false);
-    let model = module::build(build(&cx)?, &cx)?;
-    Checkpointer::new(trainer.checkpoint_dir(), cfg.checkpoint.keep)?.load(&summary.checkpoint, &model, None, &cx)?;
-    let report = task.eval_batched(args.eval, 100, |prompts| generate(&model, &mut cx, prompts, arith::ANSWER_LEN))?;
+    let model = spec.load_checkpoint(&summary.checkpoint, &cx)?;
+    let report = task.eval_batched(args.eval, 100, |prompts| greedy(&model, &mut cx, prompts, arith::ANSWER_LEN))?;
     say!(
         "\nexact match on {} held-out problems: {:.1}% ({} right), evaluated in {:.1}s",
         report.total,
@@ -288,7 +240,7 @@ where
     let eval =
         serde_json::json!({ "held_out": report.total, "correct": report.correct, "exact_match": report.accuracy, "digit_accuracy": report.digit_accuracy });
     write(&out.join("eval.json"), &eval.to_string())?;
-    say!("\nrun directory {}: config.toml, metrics.jsonl, trace.json, loss.png, eval.json, checkpoints/", out.display());
+    say!("\nrun directory {}: config.toml, model.json, metrics.jsonl, trace.json, loss.png, eval.json, checkpoints/", out.display());
     Ok(())
 }
 

@@ -1,6 +1,9 @@
 //! `tessera`: the command-line tools around training runs.
 //!
 //! - `tessera prepare`: turn text files into memory-mapped token shards;
+//! - `tessera train`: run a training configuration (any model kind, from
+//!   scratch or from a Hugging Face directory, on any mesh);
+//! - `tessera export`: write a run's checkpoint as a Hugging Face directory;
 //! - `tessera ckpt inspect` / `tessera ckpt reshard`: look into a checkpoint,
 //!   and rewrite it for another mesh.
 
@@ -16,12 +19,14 @@ macro_rules! say {
 }
 
 mod ckpt;
+mod export;
 mod prepare;
+mod train;
 
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "tessera", version, about = "Tessera's tools: data preparation and checkpoints")]
+#[command(name = "tessera", version, about = "Tessera's tools: data preparation, training, export and checkpoints")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -31,6 +36,10 @@ struct Cli {
 enum Command {
     /// Tokenize text files into memory-mapped token shards.
     Prepare(prepare::Args),
+    /// Train a model as a TOML configuration says (see docs/training.md).
+    Train(train::Args),
+    /// Write a training run's checkpoint as a Hugging Face model directory.
+    Export(export::Args),
     /// Inspect or reshard a checkpoint.
     #[command(subcommand)]
     Ckpt(ckpt::Command),
@@ -39,6 +48,8 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     let r = match Cli::parse().command {
         Command::Prepare(args) => prepare::run(args),
+        Command::Train(args) => train::run(args),
+        Command::Export(args) => export::run(args),
         Command::Ckpt(cmd) => ckpt::run(cmd),
     };
     // A reader that went away is not an error of this program.

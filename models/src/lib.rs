@@ -8,6 +8,10 @@
 //!   Llama's attention with a sparse mixture of SwiGLU experts. Llama and
 //!   Mixtral are one generic definition, [`CausalLm`](llama::CausalLm), over
 //!   their blocks.
+//! * [`kinds`]: a model chosen by name (`model.kind`) from a training
+//!   configuration's `[model]` table, described there or started from a
+//!   Hugging Face directory (`model.from`), built for any rank of a mesh.
+//! * [`generate`]: greedy decoding on one rank, for evaluation.
 //! * [`hf`]: loading a Hugging Face checkpoint directory (`config.json` +
 //!   `model.safetensors`) into a model on each tensor-parallel rank, and
 //!   exporting a model in the same form.
@@ -47,8 +51,10 @@
 mod causal_lm;
 mod config;
 mod error;
+pub mod generate;
 pub mod gpt2;
 pub mod hf;
+pub mod kinds;
 pub mod llama;
 pub mod mixtral;
 pub mod vocab;

@@ -1,6 +1,7 @@
 //! GPT-2: learned token and position embeddings, pre-LayerNorm blocks,
 //! GELU (tanh approximation) MLP, attention with biased projections, and an
-//! output head tied to the token embedding.
+//! output head tied to the token embedding; and [`MoeGpt2`], GPT-2 with a
+//! mixture of experts in place of every MLP.
 //!
 //! Parameter names follow Hugging Face's `GPT2LMHeadModel` without its
 //! `transformer.` prefix (`h.0.attn.c_attn.weight`, ...); see
@@ -8,8 +9,10 @@
 
 mod config;
 mod hf;
+mod moe;
 
 pub use config::Gpt2Config;
+pub use moe::{MoeGpt2, MoeGpt2Block, MoeGpt2Config, MOE_GPT2_MODEL_TYPE};
 
 use crate::error::Result;
 use tessera::nn::{CausalAttention, Embedding, LayerNorm, Linear, PositionEmbedding, Stack};

@@ -41,8 +41,9 @@ pub use convert::{Conversion, QkvHeads, QkvStorage};
 use crate::error::{Error, Result};
 use std::collections::HashSet;
 use std::path::Path;
-use tessera::module::{self, Cx, Module, Shard};
-use tessera::{DType, Tensor};
+use std::sync::Arc;
+use tessera::module::{self, Cx, InitialValues, Module, Shard};
+use tessera::{DType, Device, Shape, Tensor};
 
 /// The config file of a checkpoint directory.
 const CONFIG: &str = "config.json";
@@ -232,25 +233,90 @@ fn plan<M: HfModel>(model: &M, config: &M::Config, weights: &files::Weights) -> 
 fn fill(plan: Vec<Source>, weights: &files::Weights) -> Result<()> {
     let mut values: Vec<(tessera::module::Param, Tensor)> = Vec::with_capacity(plan.len());
     for source in plan {
-        let current = source.param.param.value()?;
-        let mut parts = Vec::with_capacity(source.tensors.len());
-        for (key, shape) in &source.tensors {
-            parts.push(weights.read(key, shape, current.dtype(), current.device())?);
-        }
-        let global = with_padding_rows(source.conversion.import(&parts)?, source.param.param.global_shape().dims()[0])?;
-        let local = match source.param.param.shard() {
-            Shard::Full => global,
-            Shard::Split { dim, rank, degree } => {
-                let len = global.dims()[dim] / degree;
-                global.narrow(dim, rank * len, len)?.contiguous()?
-            }
-        };
-        values.push((source.param.param.clone(), local));
+        let param = &source.param.param;
+        let current = param.value()?;
+        let local = source.read(weights, param.global_shape(), param.shard(), current.dtype(), current.device())?;
+        values.push((param.clone(), local));
     }
     for (p, v) in values {
         p.set_value(v)?;
     }
     Ok(())
+}
+
+impl Source {
+    /// The `shard` of this parameter (of global shape `global`) in `dtype` on
+    /// `device`: its tensors read and converted whole, the vocabulary's
+    /// padding rows added, then this rank's slice taken.
+    fn read(&self, weights: &files::Weights, global: &Shape, shard: Shard, dtype: DType, device: &Device) -> Result<Tensor> {
+        let mut parts = Vec::with_capacity(self.tensors.len());
+        for (key, shape) in &self.tensors {
+            parts.push(weights.read(key, shape, dtype, device)?);
+        }
+        let whole = with_padding_rows(self.conversion.import(&parts)?, global.dims()[0])?;
+        Ok(match shard {
+            Shard::Full => whole,
+            Shard::Split { dim, rank, degree } => {
+                let len = whole.dims()[dim] / degree;
+                whole.narrow(dim, rank * len, len)?.contiguous()?
+            }
+        })
+    }
+}
+
+/// Makes `model` (of `config`, built for its rank and not yet materialised)
+/// take its weights from the checkpoint in `dir` when it is materialised:
+/// [`module::materialize`] (or [`module::build`]) then reads, on each rank,
+/// exactly the parameters that rank holds (its pipeline stage's, its
+/// experts') and keeps its tensor-parallel shard of each, instead of drawing
+/// random values. This is how a trainer, which builds and materialises the
+/// model on every rank itself, fine-tunes a checkpoint on any mesh.
+///
+/// The checkpoint is checked now, as [`load_weights`] checks it (every
+/// tensor present with the shape the config implies and a readable dtype,
+/// none left over), and nothing is read or allocated yet. The files stay
+/// memory-mapped until every parameter that uses them is materialised (or
+/// the model is dropped).
+///
+/// ```
+/// use tessera::module::{self, Cx};
+/// use tessera::Device;
+/// use tessera_models::{hf, llama::Llama};
+/// use tessera_models::hf::HfModel;
+///
+/// # let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/llama");
+/// let cx = Cx::new(Device::cpu());
+/// let config = hf::read_config(dir)?;
+/// let mut model = Llama::from_config(&config, &cx)?;
+/// hf::load_when_materialized(&mut model, &config, dir)?;
+/// let model = module::build(model, &cx)?; // reads the weights now
+/// # Ok::<(), tessera_models::Error>(())
+/// ```
+pub fn load_when_materialized<M: HfModel>(model: &mut M, config: &M::Config, dir: impl AsRef<Path>) -> Result<()> {
+    let weights = Arc::new(files::Weights::open(dir.as_ref())?);
+    // The plan names each parameter once: a tied head is the embedding's parameter.
+    model.tie_params()?;
+    for source in plan(model, config, &weights)? {
+        let param = source.param.param.clone();
+        param.set_initial_values(Arc::new(Deferred { source, weights: weights.clone() }));
+    }
+    Ok(())
+}
+
+/// A parameter's tensors in a checkpoint, read when the parameter is materialised.
+struct Deferred {
+    source: Source,
+    weights: Arc<files::Weights>,
+}
+
+impl InitialValues for Deferred {
+    fn read(&self, global: &Shape, shard: Shard, dtype: DType, device: &Device) -> tessera::Result<Tensor> {
+        self.source.read(&self.weights, global, shard, dtype, device).map_err(|e| match e {
+            Error::Tessera(e) => e,
+            // A file that changed after it was checked.
+            other => tessera::Error::Checkpoint { path: self.weights.path(), detail: format!("cannot read the initial values of a parameter: {other}") },
+        })
+    }
 }
 
 /// `t` with zero rows appended up to `rows` (a vocabulary table read into a

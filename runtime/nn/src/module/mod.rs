@@ -47,7 +47,7 @@ pub mod layout_names {
     /// Not a layout: a second item named `Dispatched`.
     pub enum Dispatched {}
 }
-pub use param::{Param, ParamId, Shard};
+pub use param::{InitialValues, Param, ParamId, Shard};
 pub use role::{Column, Plain, Role, RoleKind, Row, Vocab};
 pub use stage::{layers_of, PipelineLayout, StagePart};
 pub use visit::{ExpertSlot, ParamEntry, Visitor};

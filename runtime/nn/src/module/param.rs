@@ -29,6 +29,16 @@ pub enum Shard {
     },
 }
 
+/// Where a parameter's first values come from when it is materialised, in
+/// place of a draw from its [`Init`]: a pretrained checkpoint's tensor, read
+/// for one rank only when that rank materialises its model (see
+/// [`Param::set_initial_values`]).
+pub trait InitialValues: Send + Sync {
+    /// This rank's `shard` of a parameter of global shape `global`, as a
+    /// tensor of the shard's shape in `dtype` on `device`.
+    fn read(&self, global: &Shape, shard: Shard, dtype: DType, device: &tessera_core::Device) -> Result<Tensor>;
+}
+
 /// A trainable parameter.
 ///
 /// A layer creates its parameters with their *global* shape and initial
@@ -47,6 +57,9 @@ struct Inner {
 
 struct State {
     name: Option<String>,
+    /// Where materialising reads the first values from instead of drawing
+    /// them (see [`Param::set_initial_values`]); dropped once used.
+    source: Option<Arc<dyn InitialValues>>,
     shard: Shard,
     value: Option<Tensor>,
     /// The dtype of the last value held (kept when a sharding engine frees
@@ -65,7 +78,7 @@ impl Param {
         Param(Arc::new(Inner {
             global: shape.into(),
             init,
-            state: Mutex::new(State { name: None, shard: Shard::Full, value: None, held: None, grad: None, pending: 0, remote: false }),
+            state: Mutex::new(State { name: None, source: None, shard: Shard::Full, value: None, held: None, grad: None, pending: 0, remote: false }),
         }))
     }
 
@@ -172,6 +185,15 @@ impl Param {
         s.grad.take()
     }
 
+    /// Makes materialising read this parameter's values from `source`
+    /// instead of drawing them from its [`Init`]: each rank then reads only
+    /// its own shard, when it materialises (fine-tuning from a pretrained
+    /// checkpoint, on any mesh). Set before the model is materialised; a
+    /// parameter that already holds values keeps them.
+    pub fn set_initial_values(&self, source: Arc<dyn InitialValues>) {
+        self.state().source = Some(source);
+    }
+
     pub(crate) fn materialise(&self, name: &str, shard: Shard, dtype: DType, key_seed: u64, device: &tessera_core::Device) -> Result<()> {
         let mut s = self.state();
         if s.value.is_some() {
@@ -179,12 +201,27 @@ impl Param {
             return Ok(());
         }
         let local = local_shape(&self.0.global, shard);
-        let mut starts = vec![0; self.0.global.rank()];
-        if let Shard::Split { dim, rank, .. } = shard {
-            starts[dim] = rank * local.dims()[dim];
-        }
-        let key = tessera_core::RngKey::new(key_seed, stream_of(name));
-        let t = Tensor::rand_slice(self.0.init, key, &self.0.global, &starts, local, dtype, device)?;
+        // The source is used once: it may hold a whole checkpoint's files open.
+        let t = match s.source.take() {
+            Some(source) => {
+                let t = source.read(&self.0.global, shard, dtype, device)?;
+                if *t.shape() != local || t.dtype() != dtype {
+                    return Err(Error::shape(
+                        "param",
+                        format!("the initial values of `{name}` are {} {:?}; its shard is {local} {dtype:?}", t.shape(), t.dtype()),
+                    ));
+                }
+                t
+            }
+            None => {
+                let mut starts = vec![0; self.0.global.rank()];
+                if let Shard::Split { dim, rank, .. } = shard {
+                    starts[dim] = rank * local.dims()[dim];
+                }
+                let key = tessera_core::RngKey::new(key_seed, stream_of(name));
+                Tensor::rand_slice(self.0.init, key, &self.0.global, &starts, local, dtype, device)?
+            }
+        };
         s.name = Some(name.to_string());
         s.shard = shard;
         s.held = Some(t.dtype());
@@ -202,6 +239,8 @@ impl Param {
             s.name = Some(name.to_string());
             s.shard = shard;
             s.remote = true;
+            // The source stays: a tied weight that another part of this
+            // stage uses is materialised after all.
         }
     }
 
@@ -256,5 +295,64 @@ impl fmt::Debug for Param {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = self.state();
         write!(f, "Param({}, global {}, {:?})", s.name.as_deref().unwrap_or("?"), self.0.global, s.shard)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_core::Device;
+
+    /// Slices of one known global tensor: `[4, 6]` holding `0, 1, 2, ...`.
+    struct Counting;
+
+    impl InitialValues for Counting {
+        fn read(&self, global: &Shape, shard: Shard, dtype: DType, device: &Device) -> Result<Tensor> {
+            let whole = Tensor::from_vec((0..global.elem_count()).map(|i| i as f32).collect::<Vec<_>>(), global.clone(), device)?;
+            let part = match shard {
+                Shard::Full => whole,
+                Shard::Split { dim, rank, degree } => {
+                    let len = global.dims()[dim] / degree;
+                    whole.narrow(dim, rank * len, len)?.contiguous()?
+                }
+            };
+            part.to_dtype(dtype)
+        }
+    }
+
+    /// A source handing back the wrong shape.
+    struct Wrong;
+
+    impl InitialValues for Wrong {
+        fn read(&self, _: &Shape, _: Shard, dtype: DType, device: &Device) -> Result<Tensor> {
+            Tensor::zeros([3], dtype, device)
+        }
+    }
+
+    #[test]
+    fn materialising_reads_this_ranks_shard_from_the_source_once() {
+        let dev = Device::cpu();
+        let p = Param::new([4, 6], Init::Normal { mean: 0.0, std: 1.0 });
+        let source: Arc<dyn InitialValues> = Arc::new(Counting);
+        p.set_initial_values(source.clone());
+        p.materialise("w", Shard::Split { dim: 1, rank: 1, degree: 2 }, DType::F32, 7, &dev).unwrap();
+        let want: Vec<f32> = (0..4).flat_map(|r| (3..6).map(move |c| (r * 6 + c) as f32)).collect();
+        assert_eq!(p.value().unwrap().to_vec::<f32>().unwrap(), want);
+        // Used once, then let go: the source may hold a checkpoint's files open.
+        assert_eq!(Arc::strong_count(&source), 1);
+
+        // Without a source the draw is the usual one.
+        let drawn = Param::new([4, 6], Init::Normal { mean: 0.0, std: 1.0 });
+        drawn.materialise("w", Shard::Full, DType::F32, 7, &dev).unwrap();
+        assert_ne!(drawn.value().unwrap().to_vec::<f32>().unwrap(), (0..24).map(|i| i as f32).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_source_of_the_wrong_shape_is_refused_naming_the_parameter() {
+        let p = Param::new([4, 6], Init::Normal { mean: 0.0, std: 1.0 });
+        p.set_initial_values(Arc::new(Wrong));
+        let e = p.materialise("blocks.0.w", Shard::Full, DType::F32, 7, &Device::cpu()).unwrap_err().to_string();
+        assert!(e.contains("blocks.0.w") && e.contains("[4, 6]"), "{e}");
+        assert!(p.value().is_err(), "nothing was set");
     }
 }
