@@ -367,6 +367,11 @@ impl Default for DataConfig {
 pub struct StabilityConfig {
     /// A loss or gradient norm above `spike_factor` × its recent median is a spike.
     pub spike_factor: f64,
+    /// A loss spike must also rise at least this much above the median, in
+    /// the loss's own units (nats per token): near the end of a run whose
+    /// loss is a few hundredths, batches differ by several times that
+    /// without anything being wrong.
+    pub min_rise: f64,
     /// How many recent healthy steps the median is taken over.
     pub window: usize,
     /// Healthy steps before spikes are judged.
@@ -378,7 +383,7 @@ pub struct StabilityConfig {
 
 impl Default for StabilityConfig {
     fn default() -> Self {
-        StabilityConfig { spike_factor: 3.0, window: 20, warmup: 20, rollback: true }
+        StabilityConfig { spike_factor: 3.0, min_rise: 0.1, window: 20, warmup: 20, rollback: true }
     }
 }
 
@@ -507,6 +512,9 @@ impl TrainConfig {
         let s = &self.stability;
         if !(s.spike_factor > 1.0 && s.spike_factor.is_finite() && s.window > 0) {
             return Err(Error::config("stability", "need spike_factor > 1 and a window of at least 1 step"));
+        }
+        if !(s.min_rise.is_finite() && s.min_rise >= 0.0) {
+            return Err(Error::config("stability.min_rise", "a loss difference >= 0 (0 judges the factor alone)"));
         }
         if !(self.mesh.timeout_s.is_finite() && self.mesh.timeout_s > 0.0 && self.mesh.timeout_s <= 86_400.0) {
             return Err(Error::config(

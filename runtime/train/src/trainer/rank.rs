@@ -116,7 +116,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         };
         let schedule = cfg.mesh.schedule_kind()?.build(pp, cfg.batch.grad_accum)?;
         let lr_schedule = WarmupCosine::new(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup.min(cfg.run.steps), cfg.run.steps)?;
-        let monitor = StabilityMonitor::new(cfg.stability.spike_factor, cfg.stability.window, cfg.stability.warmup)?;
+        let monitor = StabilityMonitor::new(cfg.stability.spike_factor, cfg.stability.window, cfg.stability.warmup)?.with_min_rise(cfg.stability.min_rise)?;
         let scaler = if cfg.precision.scales_loss()? {
             Some(LossScaler::new().with_initial_scale(cfg.precision.initial_scale)?.with_hysteresis(cfg.precision.hysteresis)?)
         } else {
@@ -318,9 +318,21 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
 
         let sync_started = Instant::now();
         // A weight tied across stages (the embedding and the head) sums over
-        // them first; the engines reduce tied parameters only in `finish`.
-        sync_tied_grads(&self.model, &self.cx)?;
-        let sync = self.sync.finish()?;
+        // them. A ZeRO engine reduces tied parameters only in `finish`, so
+        // they sum before it; data parallelism averages them first, as it
+        // always has (the same sum in another order would round otherwise,
+        // and earlier runs would not reproduce bit for bit).
+        let sync = match &self.sync {
+            GradSync::Zero(_) => {
+                sync_tied_grads(&self.model, &self.cx)?;
+                self.sync.finish()?
+            }
+            _ => {
+                let sync = self.sync.finish()?;
+                sync_tied_grads(&self.model, &self.cx)?;
+                sync
+            }
+        };
         if tracing {
             trace.record(self.rank, "grad sync", "comm", sync_started, Instant::now());
         }
