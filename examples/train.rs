@@ -25,7 +25,6 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tessera::data::{arith, AnswerTargets, Dataset, Sampler};
 use tessera::module::Cx;
-use tessera::observe::Event;
 use tessera::train::{Batches, RunLock, TrainConfig, Trainer};
 use tessera::Device;
 use tessera_models::generate::greedy;
@@ -186,33 +185,8 @@ fn train<M: KindModel>(args: &Args, cfg: &TrainConfig, task: &arith::Task, spec:
         say!("task: three-digit addition, every number written least significant digit first (123 + 45 = 168 is \"321+540=8610\"); loss on the answers");
     }
     let summary = trainer.run()?;
-    if summary.resumed_from >= cfg.run.steps {
-        say!("the run in {} already finished its {} steps (--fresh starts over); evaluating its final checkpoint", out.display(), cfg.run.steps);
-    } else if summary.resumed_from > 0 {
-        say!("resumed from the checkpoint of step {}", summary.resumed_from);
-    }
-    if let (Some(first), Some(last)) = (summary.losses.first(), summary.losses.last()) {
-        say!(
-            "loss {:.3} (step {}) -> {:.3} (step {}) in {:.1}s, {:.0} tokens/s",
-            first.1,
-            first.0,
-            last.1,
-            last.0,
-            summary.elapsed.as_secs_f64(),
-            summary.tokens_per_s
-        );
-    }
-    let mut norm_spikes = 0;
-    for (step, e) in &summary.events {
-        match e {
-            Event::Checkpoint { .. } => {}
-            Event::Anomaly { detail } if detail.contains("gradient-norm spike") => norm_spikes += 1,
-            Event::Anomaly { detail } => say!("step {step}: anomaly: {detail}"),
-            other => say!("step {step}: {other:?}"),
-        }
-    }
-    if norm_spikes > 0 {
-        say!("{norm_spikes} gradient-norm spikes recorded (clipped; see metrics.jsonl)");
+    for line in summary.report_lines(cfg.run.steps) {
+        say!("{line}");
     }
     if cfg.data.source != "bundled" {
         return Ok(());

@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tessera::data::{arith, AnswerTargets, Dataset, Sampler};
 use tessera::module::Cx;
-use tessera::observe::Event;
 use tessera::train::{Batches, RunLock, RunSummary, TrainConfig, Trainer};
 use tessera::Device;
 use tessera_models::kinds::{self, KindModel, ModelJob, ModelSpec};
@@ -136,7 +135,7 @@ impl Job<'_> {
             say!("task: three-digit addition, every number written least significant digit first (123 + 45 = 168 is \"321+540=8610\"); loss on the answers");
         }
         let summary = trainer.run()?;
-        report(&summary, cfg, &out);
+        report(&summary, cfg);
         if let (Data::Bundled(task), true) = (&self.data, self.args.eval > 0) {
             evaluate(&spec, task, &summary, self.args.eval, &out)?;
         }
@@ -190,34 +189,9 @@ fn banner<M: KindModel>(spec: &ModelSpec<M>, cfg: &TrainConfig) -> anyhow::Resul
 }
 
 /// The loss, resumption and the events worth a line.
-fn report(summary: &RunSummary, cfg: &TrainConfig, out: &Path) {
-    if summary.resumed_from >= cfg.run.steps {
-        say!("the run in {} already finished its {} steps (--fresh starts over)", out.display(), cfg.run.steps);
-    } else if summary.resumed_from > 0 {
-        say!("resumed from the checkpoint of step {}", summary.resumed_from);
-    }
-    if let (Some(first), Some(last)) = (summary.losses.first(), summary.losses.last()) {
-        say!(
-            "loss {:.3} (step {}) -> {:.3} (step {}) in {:.1}s, {:.0} tokens/s",
-            first.1,
-            first.0,
-            last.1,
-            last.0,
-            summary.elapsed.as_secs_f64(),
-            summary.tokens_per_s
-        );
-    }
-    let mut norm_spikes = 0;
-    for (step, e) in &summary.events {
-        match e {
-            Event::Checkpoint { .. } => {}
-            Event::Anomaly { detail } if detail.contains("gradient-norm spike") => norm_spikes += 1,
-            Event::Anomaly { detail } => say!("step {step}: anomaly: {detail}"),
-            other => say!("step {step}: {other:?}"),
-        }
-    }
-    if norm_spikes > 0 {
-        say!("{norm_spikes} gradient-norm spikes recorded (clipped; see metrics.jsonl)");
+fn report(summary: &RunSummary, cfg: &TrainConfig) {
+    for line in summary.report_lines(cfg.run.steps) {
+        say!("{line}");
     }
 }
 

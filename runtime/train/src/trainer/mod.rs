@@ -89,6 +89,46 @@ pub struct RunSummary {
     pub resumed_from: u64,
 }
 
+impl RunSummary {
+    /// What a program tells its user about a finished run of `steps`
+    /// planned steps, a line each: whether it resumed (or had already
+    /// finished), the loss from first to last step with the throughput, and
+    /// every event worth a line (gradient-norm spikes, which clipping
+    /// bounds, counted on one line; checkpoints left out).
+    pub fn report_lines(&self, steps: u64) -> Vec<String> {
+        let mut lines = Vec::new();
+        if self.resumed_from >= steps {
+            lines.push(format!("the run in {} already finished its {steps} steps (--fresh starts over)", self.out.display()));
+        } else if self.resumed_from > 0 {
+            lines.push(format!("resumed from the checkpoint of step {}", self.resumed_from));
+        }
+        if let (Some(first), Some(last)) = (self.losses.first(), self.losses.last()) {
+            lines.push(format!(
+                "loss {:.3} (step {}) -> {:.3} (step {}) in {:.1}s, {:.0} tokens/s",
+                first.1,
+                first.0,
+                last.1,
+                last.0,
+                self.elapsed.as_secs_f64(),
+                self.tokens_per_s
+            ));
+        }
+        let mut norm_spikes = 0;
+        for (step, e) in &self.events {
+            match e {
+                Event::Checkpoint { .. } => {}
+                Event::Anomaly { detail } if detail.contains("gradient-norm spike") => norm_spikes += 1,
+                Event::Anomaly { detail } => lines.push(format!("step {step}: anomaly: {detail}")),
+                other => lines.push(format!("step {step}: {other:?}")),
+            }
+        }
+        if norm_spikes > 0 {
+            lines.push(format!("{norm_spikes} gradient-norm spikes recorded (clipped; see metrics.jsonl)"));
+        }
+        lines
+    }
+}
+
 /// Builds a rank's model: `(cx, ep_rank, ep_degree) -> model`.
 type BuildModel<'a, M> = Box<dyn Fn(&Cx, usize, usize) -> Result<M> + Sync + 'a>;
 /// Opens a data replica's batch stream.
