@@ -30,6 +30,51 @@ use std::ops::Range;
 /// and the per-block bookkeeping is small next to the block's work.
 pub const BLOCK: usize = 2048;
 
+/// A type a kernel's operands may be stored in while it computes in `T`:
+/// `T` itself, or bf16 for f32. Kernels generic over it read every element
+/// through [`load`](Self::load) and write through [`store`](Self::store), so
+/// on bf16 storage they widen and round as they go instead of working on
+/// widened copies of whole tensors.
+pub trait Stored<T>: Copy + Send + Sync + 'static {
+    /// The value in the compute type (exact).
+    fn load(self) -> T;
+    /// `v` rounded to this type (to nearest even, as the casts round).
+    fn store(v: T) -> Self;
+    /// The elements themselves when they already are of the compute type
+    /// (so a kernel can read them in place rather than through a copy).
+    fn as_compute(x: &[Self]) -> Option<&[T]>;
+}
+
+impl<T: crate::Real> Stored<T> for T {
+    #[inline(always)]
+    fn load(self) -> T {
+        self
+    }
+    #[inline(always)]
+    fn store(v: T) -> T {
+        v
+    }
+    #[inline(always)]
+    fn as_compute(x: &[T]) -> Option<&[T]> {
+        Some(x)
+    }
+}
+
+impl Stored<f32> for bf16 {
+    #[inline(always)]
+    fn load(self) -> f32 {
+        f32_of(self)
+    }
+    #[inline(always)]
+    fn store(v: f32) -> bf16 {
+        bf16_of(v)
+    }
+    #[inline(always)]
+    fn as_compute(_: &[bf16]) -> Option<&[f32]> {
+        None
+    }
+}
+
 /// A read-only operand, in the type it is stored in.
 #[derive(Clone, Copy, Debug)]
 pub enum Src<'a> {
@@ -112,6 +157,14 @@ impl<'a> Src<'a> {
         let _ = r;
     }
 
+    /// The elements when they are stored as f32.
+    pub fn as_f32(&self) -> Option<&'a [f32]> {
+        match *self {
+            Src::F32(x) => Some(x),
+            _ => None,
+        }
+    }
+
     /// The elements when they are stored as bf16.
     pub fn as_bf16(&self) -> Option<&'a [bf16]> {
         match *self {
@@ -166,6 +219,14 @@ impl<'a> Dst<'a> {
             Dst::F32(x) => Dst::F32(&mut x[r]),
             Dst::BF16(x) => Dst::BF16(&mut x[r]),
             Dst::F16(x) => Dst::F16(&mut x[r]),
+        }
+    }
+
+    /// The elements when they are stored as f32.
+    pub fn as_f32(&mut self) -> Option<&mut [f32]> {
+        match self {
+            Dst::F32(x) => Some(x),
+            _ => None,
         }
     }
 

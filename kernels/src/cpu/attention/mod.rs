@@ -306,4 +306,56 @@ mod tests {
             }
         }
     }
+
+    /// Operands stored as bf16: the same bits as the f32 kernels on the
+    /// widened operands with their outputs rounded, for both layouts and
+    /// both backward schedules (one (batch, kv head) pair runs the two-pass
+    /// schedule on several threads, eight pairs the fused one).
+    #[test]
+    fn bf16_storage_gives_the_bits_of_the_widening_path() {
+        use super::test_inputs::qkv;
+        use super::{attention_backward, attention_backward_packed, attention_forward, attention_forward_packed};
+        use half::bf16;
+        let h = |x: &[f64]| x.iter().map(|&v| bf16::from_f64(v)).collect::<Vec<bf16>>();
+        let w = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+        let round = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect::<Vec<u16>>();
+        let bits = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<u16>>();
+        for (d, threads) in [(dims(1, 4, 1, 200, 200, 32, true), 2), (dims(2, 4, 2, 150, 120, 16, true), 3), (dims(2, 4, 4, 130, 130, 8, false), 1)] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let (q, k, v) = qkv(&d, 21);
+                let (q, k, v) = (h(&q), h(&k), h(&v));
+                let dout = h(&crate::testing::rand_vec(22, d.q_len()));
+                // Separate tensors.
+                let (mut out32, mut lse32) = (vec![0f32; d.q_len()], vec![0f32; d.lse_len()]);
+                attention_forward(&d, &w(&q), &w(&k), &w(&v), &mut out32, &mut lse32);
+                let (mut out, mut lse) = (vec![bf16::ZERO; d.q_len()], vec![0f32; d.lse_len()]);
+                attention_forward(&d, &q, &k, &v, &mut out, &mut lse);
+                assert_eq!(bits(&out), round(&out32), "forward {d:?}");
+                assert_eq!(lse, lse32, "lse {d:?}");
+                let (mut dq32, mut dk32, mut dv32) = (vec![0f32; d.q_len()], vec![0f32; d.kv_len()], vec![0f32; d.kv_len()]);
+                attention_backward(&d, &w(&q), &w(&k), &w(&v), &w(&out), &lse, &w(&dout), &mut dq32, &mut dk32, &mut dv32);
+                let (mut dq, mut dk, mut dv) = (vec![bf16::ZERO; d.q_len()], vec![bf16::ZERO; d.kv_len()], vec![bf16::ZERO; d.kv_len()]);
+                attention_backward(&d, &q, &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv);
+                assert_eq!(bits(&dq), round(&dq32), "dq {d:?}");
+                assert_eq!(bits(&dk), round(&dk32), "dk {d:?}");
+                assert_eq!(bits(&dv), round(&dv32), "dv {d:?}");
+                // The fused projection of self-attention.
+                if d.seq_q == d.seq_kv {
+                    let packed = h(&crate::testing::rand_vec(23, d.packed_len()));
+                    let (mut out32, mut lse32) = (vec![0f32; d.q_len()], vec![0f32; d.lse_len()]);
+                    attention_forward_packed(&d, &w(&packed), &mut out32, &mut lse32);
+                    let (mut out, mut lse) = (vec![bf16::ZERO; d.q_len()], vec![0f32; d.lse_len()]);
+                    attention_forward_packed(&d, &packed, &mut out, &mut lse);
+                    assert_eq!(bits(&out), round(&out32), "packed forward {d:?}");
+                    assert_eq!(lse, lse32, "packed lse {d:?}");
+                    let mut g32 = vec![0f32; d.packed_len()];
+                    attention_backward_packed(&d, &w(&packed), &w(&out), &lse, &w(&dout), &mut g32);
+                    let mut g = vec![bf16::ZERO; d.packed_len()];
+                    attention_backward_packed(&d, &packed, &out, &lse, &dout, &mut g);
+                    assert_eq!(bits(&g), round(&g32), "packed backward {d:?}");
+                }
+            });
+        }
+    }
 }

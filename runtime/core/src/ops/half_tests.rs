@@ -194,3 +194,33 @@ fn bf16_products_run_natively_and_track_the_f32_product() {
         assert!(g.iter().zip(&w).all(|(g, w)| (g.to_f32() - w).abs() <= w.abs() / 256.0 + 1e-4 * scale));
     }
 }
+
+#[test]
+fn attention_on_bf16_gives_the_bits_of_the_widening_path() {
+    use crate::ops::{AttnOpts, QkvHeads};
+    let dt = DType::BF16;
+    // Separate heads: 2 sequences, 4 query heads sharing 2 kv heads.
+    let (q, k, v) = (rand(20, &[2, 4, 90, 16], 2.0, dt), rand(21, &[2, 2, 90, 16], 2.0, dt), rand(22, &[2, 2, 90, 16], 1.0, dt));
+    let opts = AttnOpts::causal();
+    let (out, lse) = ops::attention(&q, &k, &v, opts).unwrap();
+    let (out_w, lse_w) = ops::attention(&wide(&q), &wide(&k), &wide(&v), opts).unwrap();
+    same(&out, &out_w, "attention out");
+    same(&lse, &lse_w, "attention lse");
+    let dout = rand(23, &[2, 4, 90, 16], 1.0, dt);
+    let (dq, dk, dv) = ops::attention_backward(&q, &k, &v, &out, &lse, &dout, opts).unwrap();
+    let (dqw, dkw, dvw) = ops::attention_backward(&wide(&q), &wide(&k), &wide(&v), &wide(&out), &lse, &wide(&dout), opts).unwrap();
+    same(&dq, &dqw, "attention dq");
+    same(&dk, &dkw, "attention dk");
+    same(&dv, &dvw, "attention dv");
+    // The fused projection of a self-attention layer: [batch, seq, (6 + 2·3)·8].
+    let heads = QkvHeads { q_heads: 6, kv_heads: 3, head_dim: 8 };
+    let qkv = rand(24, &[3, 70, heads.width()], 2.0, dt);
+    let (out, lse) = ops::attention_packed(&qkv, heads, opts).unwrap();
+    let (out_w, lse_w) = ops::attention_packed(&wide(&qkv), heads, opts).unwrap();
+    same(&out, &out_w, "attention_packed out");
+    same(&lse, &lse_w, "attention_packed lse");
+    let dout = rand(25, &[3, 70, 48], 1.0, dt);
+    let g = ops::attention_packed_backward(&qkv, &out, &lse, &dout, heads, opts).unwrap();
+    let gw = ops::attention_packed_backward(&wide(&qkv), &wide(&out), &lse, &wide(&dout), heads, opts).unwrap();
+    same(&g, &gw, "attention_packed dqkv");
+}
