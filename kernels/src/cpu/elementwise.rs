@@ -118,7 +118,7 @@ pub fn mul<T: Real>(a: &[T], b: &[T], out: &mut [T]) {
 ///
 /// The gradient is `dx = s * dy`, i.e. `scale` again.
 pub fn scale<T: Real>(x: &[T], s: T, out: &mut [T]) {
-    map1(x, out, |v| s * v);
+    map1(x, out, move |v| s * v);
 }
 
 /// [`add`] on operands stored as f32, bf16 or f16 (see [`mixed::map2`]):
@@ -139,7 +139,7 @@ pub fn mul_mixed(a: Src<'_>, b: Src<'_>, out: Dst<'_>) {
 
 /// [`scale`] on operands stored as f32, bf16 or f16 (see [`add_mixed`]).
 pub fn scale_mixed(x: Src<'_>, s: f32, out: Dst<'_>) {
-    mixed::map1(x, out, |v| s * v);
+    mixed::map1(x, out, move |v| s * v);
 }
 
 /// `acc[i] += x[i]`: accumulates a gradient contribution in place.
@@ -149,7 +149,7 @@ pub fn add_assign<T: Real>(acc: &mut [T], x: &[T]) {
 
 /// `y[i] += alpha * x[i]` (BLAS AXPY); `x` and `y` have the same length.
 pub fn axpy<T: Real>(alpha: T, x: &[T], y: &mut [T]) {
-    update(y, x, |a, v| a + alpha * v);
+    update(y, x, move |a, v| a + alpha * v);
 }
 
 /// Adds a bias to every row: `out[r, j] = x[r, j] + bias[j]`.
