@@ -195,8 +195,24 @@ fn bf16_products_run_natively_and_track_the_f32_product() {
     }
 }
 
+/// Where the CPU has bf16 dot products, attention on bf16 runs its tile
+/// products on them (rounding probabilities and score gradients to bf16;
+/// tessera-kernels tests it against an exact reference with its error
+/// bounds): here it only has to stay within a few bf16 roundings of the
+/// widening path. Elsewhere it must give that path's bits.
+#[track_caller]
+fn attention_close(got: &Tensor, want: &Tensor, what: &str) {
+    if !tessera_kernels::cpu::attention::bf16_dot_products() {
+        return same(got, want, what);
+    }
+    let (g, w) = (got.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+    let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let bad = g.iter().zip(&w).position(|(g, w)| (g - w).abs() > scale / 32.0);
+    assert!(bad.is_none(), "{what}: element {} is {} against {} (scale {scale})", bad.unwrap(), g[bad.unwrap()], w[bad.unwrap()]);
+}
+
 #[test]
-fn attention_on_bf16_gives_the_bits_of_the_widening_path() {
+fn attention_on_bf16_follows_the_widening_path() {
     use crate::ops::{AttnOpts, QkvHeads};
     let dt = DType::BF16;
     // Separate heads: 2 sequences, 4 query heads sharing 2 kv heads.
@@ -204,23 +220,23 @@ fn attention_on_bf16_gives_the_bits_of_the_widening_path() {
     let opts = AttnOpts::causal();
     let (out, lse) = ops::attention(&q, &k, &v, opts).unwrap();
     let (out_w, lse_w) = ops::attention(&wide(&q), &wide(&k), &wide(&v), opts).unwrap();
-    same(&out, &out_w, "attention out");
-    same(&lse, &lse_w, "attention lse");
+    attention_close(&out, &out_w, "attention out");
+    attention_close(&lse, &lse_w, "attention lse");
     let dout = rand(23, &[2, 4, 90, 16], 1.0, dt);
     let (dq, dk, dv) = ops::attention_backward(&q, &k, &v, &out, &lse, &dout, opts).unwrap();
     let (dqw, dkw, dvw) = ops::attention_backward(&wide(&q), &wide(&k), &wide(&v), &wide(&out), &lse, &wide(&dout), opts).unwrap();
-    same(&dq, &dqw, "attention dq");
-    same(&dk, &dkw, "attention dk");
-    same(&dv, &dvw, "attention dv");
+    attention_close(&dq, &dqw, "attention dq");
+    attention_close(&dk, &dkw, "attention dk");
+    attention_close(&dv, &dvw, "attention dv");
     // The fused projection of a self-attention layer: [batch, seq, (6 + 2·3)·8].
     let heads = QkvHeads { q_heads: 6, kv_heads: 3, head_dim: 8 };
     let qkv = rand(24, &[3, 70, heads.width()], 2.0, dt);
     let (out, lse) = ops::attention_packed(&qkv, heads, opts).unwrap();
     let (out_w, lse_w) = ops::attention_packed(&wide(&qkv), heads, opts).unwrap();
-    same(&out, &out_w, "attention_packed out");
-    same(&lse, &lse_w, "attention_packed lse");
+    attention_close(&out, &out_w, "attention_packed out");
+    attention_close(&lse, &lse_w, "attention_packed lse");
     let dout = rand(25, &[3, 70, 48], 1.0, dt);
     let g = ops::attention_packed_backward(&qkv, &out, &lse, &dout, heads, opts).unwrap();
     let gw = ops::attention_packed_backward(&wide(&qkv), &wide(&out), &lse, &wide(&dout), heads, opts).unwrap();
-    same(&g, &gw, "attention_packed dqkv");
+    attention_close(&g, &gw, "attention_packed dqkv");
 }
