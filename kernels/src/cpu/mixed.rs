@@ -426,7 +426,7 @@ pub enum Cut {
 /// and each output `(dst, width)` holds `units × width` elements. `block`
 /// gets, for one block of units, every input as f32 (in the order given)
 /// and every output as an f32 buffer to fill completely; values are widened
-/// and rounded around it as [`Src::read`] and [`Dst::write`] do. A block
+/// and rounded around it as [`Src::read`] and [`Dst::store`] do. A block
 /// spans about [`BLOCK`] elements of the widest operand, and at least one
 /// unit.
 ///

@@ -1,9 +1,12 @@
 //! Running a floating-point kernel on CPU storage of any float dtype.
 //!
 //! Kernels compute in `f32` (or `f64` when the op's primary input is `f64`).
-//! Half-precision inputs are widened into tracked temporaries, the kernel
-//! runs, and outputs are narrowed back where the op asks for it: this is the
-//! one place where "stored in bf16/f16, computed in f32" is implemented.
+//! For half-precision operands, an op with a half-precision form
+//! ([`FloatKernel::half`]) gets them in their storage dtype and writes its
+//! outputs in their final dtype; for the others, inputs are widened into
+//! tracked temporaries, the kernel runs, and outputs are narrowed back where
+//! the op asks for it. These two paths are where "stored in bf16/f16,
+//! computed in f32" is implemented.
 
 use super::{convert, Buffer, CpuDevice, CpuStorage};
 use crate::backend::kernel::{FloatKernel, Out};
