@@ -9,10 +9,17 @@
 //! `{"bench":"attention","case":"fwd","b":8,"h":6,"t":256,"hd":64,"causal":true,"gflops":80.1}`.
 //! `--packed` times the same computation read from and written to the fused
 //! `qkv` layout an attention layer uses (cases `fwd-packed`, `bwd-packed`).
+//! `--dtype bf16` times the bf16 entry points (bf16 operands, f32
+//! statistics; the tile products on the CPU's bf16 dot-product instruction
+//! where it has one), cases suffixed `-bf16`.
 
 use anyhow::{ensure, Result};
 use std::hint::black_box;
-use tessera_kernels::cpu::attention::{attention_backward, attention_backward_packed, attention_forward, attention_forward_packed, AttnDims};
+use tessera::bf16;
+use tessera_kernels::cpu::attention::{
+    attention_backward, attention_backward_bf16, attention_backward_packed, attention_backward_packed_bf16, attention_forward, attention_forward_bf16,
+    attention_forward_packed, attention_forward_packed_bf16, AttnDims,
+};
 
 /// Arguments of `bench attention`.
 #[derive(clap::Args)]
@@ -42,6 +49,9 @@ pub struct Args {
     /// Timed repetitions per pass; the fastest is reported.
     #[arg(long, default_value_t = 5)]
     reps: usize,
+    /// Element type of q, k, v and the gradients: `f32` or `bf16`.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    dtype: String,
 }
 
 /// Measures the forward, then the backward, and prints the JSON lines.
@@ -58,10 +68,15 @@ pub fn run(args: &Args) -> Result<()> {
         causal,
         scale: 1.0 / (args.head_dim as f64).sqrt(),
     };
-    let (t_fwd, t_bwd) = if args.packed { time_packed(args, &d) } else { time_heads(args, &d) };
+    let (t_fwd, t_bwd) = match (args.packed, args.dtype == "bf16") {
+        (true, false) => time_packed(args, &d),
+        (false, false) => time_heads(args, &d),
+        (true, true) => time_packed_bf16(args, &d),
+        (false, true) => time_heads_bf16(args, &d),
+    };
     let product = (d.batch * d.q_heads * d.seq_q * d.seq_kv * d.head_dim) as f64 * 2.0;
     let visible = if causal { 0.5 } else { 1.0 };
-    let suffix = if args.packed { "-packed" } else { "" };
+    let suffix = format!("{}{}", if args.packed { "-packed" } else { "" }, if args.dtype == "bf16" { "-bf16" } else { "" });
     for (case, t, products) in [("fwd", t_fwd, 2.0), ("bwd", t_bwd, 4.0)] {
         let case = format!("{case}{suffix}");
         let gflops = product * products * visible / t / 1e9;
@@ -105,5 +120,34 @@ fn time_packed(args: &Args, d: &AttnDims) -> (f64, f64) {
     let mut dqkv = vec![0f32; d.packed_len()];
     let t_fwd = super::time_per_call(args.min_time, args.reps, || attention_forward_packed(d, black_box(&qkv), &mut out, &mut lse));
     let t_bwd = super::time_per_call(args.min_time, args.reps, || attention_backward_packed(d, black_box(&qkv), &out, &lse, &dout, &mut dqkv));
+    (t_fwd, t_bwd)
+}
+
+fn halves(x: Vec<f32>) -> Vec<bf16> {
+    x.into_iter().map(bf16::from_f32).collect()
+}
+
+/// [`time_heads`] on bf16 operands.
+fn time_heads_bf16(args: &Args, d: &AttnDims) -> (f64, f64) {
+    let (q, k, v) = (halves(super::fill(d.q_len(), 1)), halves(super::fill(d.kv_len(), 2)), halves(super::fill(d.kv_len(), 3)));
+    let dout = halves(super::fill(d.q_len(), 4));
+    let mut out = vec![bf16::ZERO; d.q_len()];
+    let mut lse = vec![0f32; d.lse_len()];
+    let (mut dq, mut dk, mut dv) = (vec![bf16::ZERO; d.q_len()], vec![bf16::ZERO; d.kv_len()], vec![bf16::ZERO; d.kv_len()]);
+    let t_fwd = super::time_per_call(args.min_time, args.reps, || attention_forward_bf16(d, black_box(&q), &k, &v, &mut out, &mut lse));
+    let t_bwd =
+        super::time_per_call(args.min_time, args.reps, || attention_backward_bf16(d, black_box(&q), &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv));
+    (t_fwd, t_bwd)
+}
+
+/// [`time_packed`] on bf16 operands.
+fn time_packed_bf16(args: &Args, d: &AttnDims) -> (f64, f64) {
+    let qkv = halves(super::fill(d.packed_len(), 1));
+    let dout = halves(super::fill(d.q_len(), 4));
+    let mut out = vec![bf16::ZERO; d.q_len()];
+    let mut lse = vec![0f32; d.lse_len()];
+    let mut dqkv = vec![bf16::ZERO; d.packed_len()];
+    let t_fwd = super::time_per_call(args.min_time, args.reps, || attention_forward_packed_bf16(d, black_box(&qkv), &mut out, &mut lse));
+    let t_bwd = super::time_per_call(args.min_time, args.reps, || attention_backward_packed_bf16(d, black_box(&qkv), &out, &lse, &dout, &mut dqkv));
     (t_fwd, t_bwd)
 }

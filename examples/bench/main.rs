@@ -6,6 +6,7 @@
 //!
 //! ```text
 //! cargo run --release --example bench -- matmul --sizes 1024,2048
+//! cargo run --release --example bench -- matmul --dtype bf16 --sizes 2048
 //! cargo run --release --example bench -- collectives --max-bytes 16M
 //! cargo run --release --example bench -- gpt
 //! cargo run --release --example bench -- elementwise
@@ -21,7 +22,8 @@ use anyhow::{ensure, Result};
 use clap::{Parser, Subcommand};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
-use tessera_kernels::cpu::matmul::matmul;
+use tessera::bf16;
+use tessera_kernels::cpu::matmul::{matmul, matmul_bf16};
 use tessera_kernels::desc::Gemm;
 
 #[derive(Parser)]
@@ -33,7 +35,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Bench {
-    /// f32 square matrix products `C = A·B` of the given sizes.
+    /// Square matrix products `C = A·B` of the given sizes, f32 or bf16.
     Matmul(MatmulArgs),
     /// In-process all-reduce, all-gather and reduce-scatter bandwidth (one
     /// thread per rank), with a plain memory copy of the same size for scale.
@@ -78,6 +80,10 @@ struct MatmulArgs {
     /// Also print every repetition's rate to stderr.
     #[arg(long)]
     verbose: bool,
+    /// Element type of the operands and the result: `f32`, or `bf16` (f32
+    /// accumulation, the result rounded once to bf16).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    dtype: String,
 }
 
 #[derive(clap::Args)]
@@ -205,7 +211,13 @@ fn bench_matmul(args: &MatmulArgs) -> Result<()> {
         let a = fill(m * k, 1);
         let b = fill(k * n, 2);
         let mut c = vec![0f32; m * n];
-        let mut run = || matmul(&g, black_box(&a), black_box(&b), black_box(&mut c));
+        let half = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<bf16>>();
+        let (a16, b16) = if args.dtype == "bf16" { (half(&a), half(&b)) } else { (Vec::new(), Vec::new()) };
+        let mut c16 = vec![bf16::ZERO; if args.dtype == "bf16" { m * n } else { 0 }];
+        let mut run = || match args.dtype.as_str() {
+            "bf16" => matmul_bf16(&g, black_box(&a16), black_box(&b16), black_box(&mut c16)),
+            _ => matmul(&g, black_box(&a), black_box(&b), black_box(&mut c)),
+        };
         // Warm-up: first-touch page faults, thread-pool start, caches, clocks.
         let rate = |iters: usize, t: Duration| g.flops() * iters as f64 / t.as_secs_f64() / 1e9;
         let clock = Clock { cpu: args.cpu_time };
@@ -234,6 +246,7 @@ fn bench_matmul(args: &MatmulArgs) -> Result<()> {
         lines.push(serde_json::json!({
             "bench": "matmul",
             "case": name,
+            "dtype": args.dtype,
             "gflops": (median * 10.0).round() / 10.0,
             "best_gflops": (rates[rates.len() - 1] * 10.0).round() / 10.0,
         }));
@@ -278,6 +291,40 @@ fn time_per_call(min_time: f64, reps: usize, mut run: impl FnMut()) -> f64 {
                 run();
             }
             t.elapsed().as_secs_f64() / iters as f64
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// On-CPU time of every thread of this process so far (the first field of
+/// each `/proc/self/task/*/schedstat`, nanoseconds): with the work on a known
+/// number of threads, it measures the work itself while other processes
+/// share the cores, which wall time on a loaded machine does not.
+fn process_cpu_time() -> Duration {
+    let tasks = std::fs::read_dir("/proc/self/task").expect("CPU time needs Linux /proc/self/task");
+    let ns: u64 = tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    Duration::from_nanos(ns)
+}
+
+/// Like [`time_per_call`], with the process's on-CPU time instead of wall
+/// time when `cpu` is set (see [`process_cpu_time`]).
+fn time_per_call_on(cpu: bool, min_time: f64, reps: usize, mut run: impl FnMut()) -> f64 {
+    if !cpu {
+        return time_per_call(min_time, reps, run);
+    }
+    let t0 = Instant::now();
+    run();
+    let once = t0.elapsed().as_secs_f64().max(1e-7);
+    let iters = ((min_time / once).ceil() as usize).clamp(1, 100_000);
+    (0..reps)
+        .map(|_| {
+            let t = process_cpu_time();
+            for _ in 0..iters {
+                run();
+            }
+            (process_cpu_time() - t).as_secs_f64() / iters as f64
         })
         .fold(f64::INFINITY, f64::min)
 }

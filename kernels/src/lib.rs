@@ -4,8 +4,12 @@
 //! kernel takes plain slices plus the sizes that describe them, writes its
 //! results into caller-provided output slices, and is generic over [`Real`]
 //! (`f32` for training, `f64` so gradient checks can run the very same code in
-//! double precision). Half-precision data is converted to `f32` by the caller
-//! (see [`cpu::cast`]); kernels never see `bf16`/`f16` arithmetic.
+//! double precision). Half-precision data is computed in `f32` too: either
+//! the caller converts it (see [`cpu::cast`]), or a kernel reads and writes
+//! bf16/f16 storage itself, widening and rounding as it goes ([`cpu::mixed`],
+//! the bf16 GEMM and attention entry points); the one place bf16 arithmetic
+//! happens is the CPU's bf16 dot-product instruction, whose products are
+//! exact and whose sums are f32.
 //!
 //! Conventions shared by every kernel:
 //! - buffers are contiguous and row-major; a "row" is the last dimension;

@@ -28,17 +28,35 @@ fn allocations_and_frees_are_counted_exactly() {
 #[test]
 fn op_temporaries_count_towards_the_peak() {
     let dev = Device::cpu();
-    let x = Tensor::zeros([64, 32], DType::BF16, &dev).unwrap(); // 4 KiB
+    let x = Tensor::zeros([64, 32], DType::F16, &dev).unwrap(); // 4 KiB
+    let w = Tensor::zeros([32, 32], DType::F16, &dev).unwrap(); // 2 KiB
     dev.reset_peak();
-    let y = ops::gelu(&x).unwrap();
+    // An f16 product still widens its operands to f32 (the CPU has no f16
+    // dot product): those temporaries count.
+    let y = ops::matmul(&x, &w).unwrap();
     let s = dev.memory_stats();
-    // in use: x and y (bf16). Peak also saw the f32 widening of x and the f32 result (8 KiB each).
-    assert_eq!(s.in_use, 2 * 4096);
-    // Peak: x, its f32 widening and the f32 result at once; the widening is
-    // freed before the result is narrowed into y.
-    assert_eq!(s.peak, 4096 + 2 * 8192, "{s:?}");
+    // in use: x, w and y (f16).
+    assert_eq!(s.in_use, 4096 + 2048 + 4096);
+    // Peak: x, w, their f32 widenings (8 + 4 KiB) and the f32 result (8 KiB)
+    // at once; the widenings are freed before the result is narrowed into y.
+    assert_eq!(s.peak, 4096 + 2048 + 8192 + 4096 + 8192, "{s:?}");
     drop(y);
-    assert_eq!(dev.memory_stats().in_use, 4096);
+    assert_eq!(dev.memory_stats().in_use, 4096 + 2048);
+}
+
+#[test]
+fn half_precision_point_wise_ops_allocate_only_their_output() {
+    let dev = Device::cpu();
+    for dtype in [DType::BF16, DType::F16] {
+        let x = Tensor::zeros([64, 32], dtype, &dev).unwrap(); // 4 KiB
+        dev.reset_peak();
+        // Computed in f32 a block at a time (in registers on bf16): no
+        // whole-tensor f32 copy of the input or the result.
+        let y = ops::gelu(&x).unwrap();
+        let s = dev.memory_stats();
+        assert_eq!((s.in_use, s.peak), (2 * 4096, 2 * 4096), "{dtype}: {s:?}");
+        drop(y);
+    }
 }
 
 #[test]

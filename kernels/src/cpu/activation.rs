@@ -7,6 +7,7 @@
 
 use super::elementwise::{map1, map2, PAR_CHUNK};
 use super::exp::exp;
+use super::mixed::{self, Cut, Dst, Src};
 use super::wide::widest;
 use crate::Real;
 use rayon::prelude::*;
@@ -94,14 +95,17 @@ pub fn swiglu_backward<T: Real>(gate: &[T], up: &[T], dy: &[T], dgate: &mut [T],
     assert_eq!(dgate.len(), n, "dgate and gate lengths differ");
     assert_eq!(dup.len(), n, "dup and gate lengths differ");
     let run = |gate: &[T], up: &[T], dy: &[T], dgate: &mut [T], dup: &mut [T]| {
-        widest(|| {
-            let outs = dgate.iter_mut().zip(dup.iter_mut());
-            for ((dg, du), ((&g, &u), &d)) in outs.zip(gate.iter().zip(up).zip(dy)) {
-                let s = sigmoid(g);
-                *dg = d * u * silu_grad_from(g, s);
-                *du = d * g * s;
-            }
-        })
+        widest(
+            #[inline(always)]
+            || {
+                let outs = dgate.iter_mut().zip(dup.iter_mut());
+                for ((dg, du), ((&g, &u), &d)) in outs.zip(gate.iter().zip(up).zip(dy)) {
+                    let s = sigmoid(g);
+                    *dg = d * u * silu_grad_from(g, s);
+                    *du = d * g * s;
+                }
+            },
+        )
     };
     if n <= PAR_CHUNK {
         run(gate, up, dy, dgate, dup);
@@ -114,6 +118,44 @@ pub fn swiglu_backward<T: Real>(gate: &[T], up: &[T], dy: &[T], dgate: &mut [T],
             .zip(dy.par_chunks(PAR_CHUNK))
             .for_each(|((((dg, du), g), u), d)| run(g, u, d, dg, du));
     }
+}
+
+/// [`gelu_forward`] on operands stored as f32, bf16 or f16: each value
+/// widened, mapped in f32 and rounded once to the output's type, in
+/// registers on bf16 (see [`mixed::map1`]).
+pub fn gelu_forward_mixed(x: Src<'_>, y: Dst<'_>) {
+    mixed::map1(x, y, gelu);
+}
+
+/// [`gelu_backward`] on operands stored as f32, bf16 or f16 (see [`gelu_forward_mixed`]).
+pub fn gelu_backward_mixed(x: Src<'_>, dy: Src<'_>, dx: Dst<'_>) {
+    mixed::map2(x, dy, dx, |x, g| g * gelu_grad(x));
+}
+
+/// [`silu_forward`] on operands stored as f32, bf16 or f16 (see [`gelu_forward_mixed`]).
+pub fn silu_forward_mixed(x: Src<'_>, y: Dst<'_>) {
+    mixed::map1(x, y, |x| x * sigmoid(x));
+}
+
+/// [`silu_backward`] on operands stored as f32, bf16 or f16 (see [`gelu_forward_mixed`]).
+pub fn silu_backward_mixed(x: Src<'_>, dy: Src<'_>, dx: Dst<'_>) {
+    mixed::map2(x, dy, dx, |x, g| g * silu_grad_from(x, sigmoid(x)));
+}
+
+/// [`swiglu_forward`] on operands stored as f32, bf16 or f16 (see [`gelu_forward_mixed`]).
+pub fn swiglu_forward_mixed(gate: Src<'_>, up: Src<'_>, y: Dst<'_>) {
+    mixed::map2(gate, up, y, |g, u| g * sigmoid(g) * u);
+}
+
+/// [`swiglu_backward`] on operands stored as f32, bf16 or f16, computed in
+/// f32 a block at a time (see [`mixed::blocked`]).
+pub fn swiglu_backward_mixed(gate: Src<'_>, up: Src<'_>, dy: Src<'_>, dgate: Dst<'_>, dup: Dst<'_>) {
+    let n = gate.len();
+    let ins = [(gate, Cut::Units(1)), (up, Cut::Units(1)), (dy, Cut::Units(1))];
+    mixed::blocked(n, &ins, vec![(dgate, 1), (dup, 1)], |_, x, y| {
+        let (dg, du) = y.split_at_mut(1);
+        swiglu_backward(x[0], x[1], x[2], dg[0], du[0])
+    });
 }
 
 #[cfg(test)]

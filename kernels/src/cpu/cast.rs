@@ -1,12 +1,16 @@
 //! Precision conversions between `f32` and `bf16`/`f16`/`f64` buffers.
 //!
 //! Mixed-precision training converts every weight and activation at least
-//! once per step, so these run in parallel chunks and rely on `half`'s slice
-//! conversions, which use the CPU's conversion instructions (F16C, AVX-512)
-//! when present. Narrowing rounds to nearest, ties to even; NaN stays NaN and
-//! values beyond the narrow type's range become infinities.
+//! once per step, so these run in parallel chunks. f16 uses `half`'s slice
+//! conversions, which use the CPU's conversion instructions (F16C) when
+//! present; bf16 is a shift one way and an integer rounding the other, in
+//! loops that vectorise (`half`'s bf16 slice conversions run an element at
+//! a time), with the same results. Narrowing rounds to nearest, ties to
+//! even; NaN stays NaN and values beyond the narrow type's range become
+//! infinities.
 
 use super::elementwise::{map1, PAR_CHUNK};
+use super::mixed::{narrow_bf16, widen_bf16};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -25,12 +29,12 @@ fn convert<S: Sync, D: Send>(src: &[S], dst: &mut [D], f: impl Fn(&[S], &mut [D]
 /// Narrows `src` to bfloat16 element-wise (round to nearest even); both
 /// buffers have the same length.
 pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
-    convert(src, dst, |s, d| d.convert_from_f32_slice(s));
+    convert(src, dst, narrow_bf16);
 }
 
 /// Widens bfloat16 to `f32` element-wise (exact); both buffers have the same length.
 pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
-    convert(src, dst, |s, d| s.convert_to_f32_slice(d));
+    convert(src, dst, widen_bf16);
 }
 
 /// Narrows `src` to IEEE half precision element-wise (round to nearest even,

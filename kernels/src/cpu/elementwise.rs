@@ -9,8 +9,10 @@
 //! order is fixed by the shape alone), results never depend on the number of
 //! threads.
 
+use super::mixed::{self, Dst, Src};
 use super::wide::widest;
 use crate::Real;
+use half::bf16;
 use rayon::prelude::*;
 
 /// Elements per parallel task: large enough to amortise scheduling, small
@@ -27,11 +29,14 @@ where
 {
     assert_eq!(x.len(), out.len(), "input and output lengths differ");
     let run = |x: &[T], out: &mut [U]| {
-        widest(|| {
-            for (o, &v) in out.iter_mut().zip(x) {
-                *o = f(v);
-            }
-        })
+        widest(
+            #[inline(always)]
+            || {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    *o = f(v);
+                }
+            },
+        )
     };
     if out.len() <= PAR_CHUNK {
         run(x, out);
@@ -50,11 +55,14 @@ where
     assert_eq!(a.len(), out.len(), "first input and output lengths differ");
     assert_eq!(b.len(), out.len(), "second input and output lengths differ");
     let run = |a: &[T], b: &[T], out: &mut [T]| {
-        widest(|| {
-            for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
-                *o = f(x, y);
-            }
-        })
+        widest(
+            #[inline(always)]
+            || {
+                for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+                    *o = f(x, y);
+                }
+            },
+        )
     };
     if out.len() <= PAR_CHUNK {
         run(a, b, out);
@@ -72,11 +80,14 @@ where
 {
     assert_eq!(acc.len(), x.len(), "accumulator and input lengths differ");
     let run = |acc: &mut [T], x: &[T]| {
-        widest(|| {
-            for (a, &v) in acc.iter_mut().zip(x) {
-                *a = f(*a, v);
-            }
-        })
+        widest(
+            #[inline(always)]
+            || {
+                for (a, &v) in acc.iter_mut().zip(x) {
+                    *a = f(*a, v);
+                }
+            },
+        )
     };
     if acc.len() <= PAR_CHUNK {
         run(acc, x);
@@ -107,7 +118,28 @@ pub fn mul<T: Real>(a: &[T], b: &[T], out: &mut [T]) {
 ///
 /// The gradient is `dx = s * dy`, i.e. `scale` again.
 pub fn scale<T: Real>(x: &[T], s: T, out: &mut [T]) {
-    map1(x, out, |v| s * v);
+    map1(x, out, move |v| s * v);
+}
+
+/// [`add`] on operands stored as f32, bf16 or f16 (see [`mixed::map2`]):
+/// the f32 sum of the widened values, rounded once to the output's type.
+pub fn add_mixed(a: Src<'_>, b: Src<'_>, out: Dst<'_>) {
+    mixed::map2(a, b, out, |x, y| x + y);
+}
+
+/// [`sub`] on operands stored as f32, bf16 or f16 (see [`add_mixed`]).
+pub fn sub_mixed(a: Src<'_>, b: Src<'_>, out: Dst<'_>) {
+    mixed::map2(a, b, out, |x, y| x - y);
+}
+
+/// [`mul`] on operands stored as f32, bf16 or f16 (see [`add_mixed`]).
+pub fn mul_mixed(a: Src<'_>, b: Src<'_>, out: Dst<'_>) {
+    mixed::map2(a, b, out, |x, y| x * y);
+}
+
+/// [`scale`] on operands stored as f32, bf16 or f16 (see [`add_mixed`]).
+pub fn scale_mixed(x: Src<'_>, s: f32, out: Dst<'_>) {
+    mixed::map1(x, out, move |v| s * v);
 }
 
 /// `acc[i] += x[i]`: accumulates a gradient contribution in place.
@@ -117,7 +149,7 @@ pub fn add_assign<T: Real>(acc: &mut [T], x: &[T]) {
 
 /// `y[i] += alpha * x[i]` (BLAS AXPY); `x` and `y` have the same length.
 pub fn axpy<T: Real>(alpha: T, x: &[T], y: &mut [T]) {
-    update(y, x, |a, v| a + alpha * v);
+    update(y, x, move |a, v| a + alpha * v);
 }
 
 /// Adds a bias to every row: `out[r, j] = x[r, j] + bias[j]`.
@@ -160,6 +192,18 @@ const BIAS_COL_BLOCK: usize = 2048;
 /// summed in blocks of fixed height whose partial sums are then added in
 /// block order, so the result is bit-identical whatever the thread count.
 pub fn bias_grad<T: Real>(dy: &[T], dbias: &mut [T]) {
+    bias_grad_by(dy, dbias, |v| v)
+}
+
+/// [`bias_grad`] of a bf16 gradient, summed in f32: the same sums in the same
+/// order as [`bias_grad`] on the gradient widened to f32 (widening is exact),
+/// so the same bits, without the widened copy.
+pub fn bias_grad_bf16(dy: &[bf16], dbias: &mut [f32]) {
+    bias_grad_by(dy, dbias, |v| f32::from_bits((v.to_bits() as u32) << 16))
+}
+
+/// [`bias_grad`] reading `dy` through `widen`, which must be exact.
+fn bias_grad_by<S: Copy + Sync, T: Real>(dy: &[S], dbias: &mut [T], widen: impl Fn(S) -> T + Sync) {
     let cols = dbias.len();
     if cols == 0 {
         assert!(dy.is_empty(), "empty bias with a non-empty gradient");
@@ -174,7 +218,7 @@ pub fn bias_grad<T: Real>(dy: &[T], dbias: &mut [T]) {
         for r in r0..r0 + h {
             let src = &dy[r * cols + c0..r * cols + c0 + acc.len()];
             for (a, &v) in acc.iter_mut().zip(src) {
-                *a += v;
+                *a += widen(v);
             }
         }
     };
@@ -361,5 +405,21 @@ mod tests {
         bias_grad(&dy32, &mut d32);
         let d32: Vec<f64> = d32.iter().map(|&v| v as f64).collect();
         assert_close(&d32, &d64, 1e-4, 1e-5, "bias_grad f32 vs f64");
+    }
+
+    #[test]
+    fn bias_grad_of_bf16_gives_the_bits_of_the_widened_gradient() {
+        for (rows, cols) in [(1031, 300), (5, 7), (64, 2049), (2048, 384)] {
+            let dy: Vec<bf16> = rand_vec(13, rows * cols).iter().map(|&v| bf16::from_f64(v)).collect();
+            let wide: Vec<f32> = dy.iter().map(|v| v.to_f32()).collect();
+            let mut want = vec![0f32; cols];
+            bias_grad(&wide, &mut want);
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let mut got = vec![f32::NAN; cols];
+                pool.install(|| bias_grad_bf16(&dy, &mut got));
+                assert!(got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits()), "{rows}x{cols}, {threads} threads");
+            }
+        }
     }
 }

@@ -11,6 +11,7 @@ pub mod elementwise;
 pub mod embedding;
 pub(crate) mod exp;
 pub mod matmul;
+pub mod mixed;
 pub mod norm;
 pub mod reduce;
 pub mod rope;

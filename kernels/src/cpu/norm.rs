@@ -12,6 +12,7 @@
 //! depends only on the shape; each chunk produces a partial sum sequentially
 //! and the partials are added in chunk order.
 
+use super::mixed::{Dst, Src, BLOCK};
 use crate::Real;
 use rayon::prelude::*;
 
@@ -176,43 +177,60 @@ pub fn layernorm_backward<T: Real>(
         assert_eq!(b.len(), row, "dbeta length");
     }
     let inv_n = T::one() / T::lit(row as f64);
-
     let chunk = |xc: &[T], dyc: &[T], dxc: &mut [T], mc: &[T], rc: &[T]| {
         // Partial dgamma in [0, row), partial dbeta in [row, 2 row).
         let mut part = vec![T::zero(); if with_beta { 2 * row } else { row }];
-        let (pg, pb) = part.split_at_mut(row);
-        for ((((xr, dyr), dxr), &mu), &rs) in xc.chunks(row).zip(dyc.chunks(row)).zip(dxc.chunks_mut(row)).zip(mc).zip(rc) {
-            // dx doubles as scratch for g = dy · gamma.
-            for ((g, &d), &ga) in dxr.iter_mut().zip(dyr).zip(gamma) {
-                *g = d * ga;
-            }
-            let mean_g = lane_sum(dxr, dxr, |g, _| g) * inv_n;
-            let mean_gx = lane_sum(dxr, xr, |g, xv| g * (xv - mu)) * rs * inv_n;
-            for (g, &xv) in dxr.iter_mut().zip(xr) {
-                *g = rs * (*g - mean_g - (xv - mu) * rs * mean_gx);
-            }
-            for ((p, &d), &xv) in pg.iter_mut().zip(dyr).zip(xr) {
-                *p += d * ((xv - mu) * rs);
-            }
-            if with_beta {
-                for (p, &d) in pb.iter_mut().zip(dyr) {
-                    *p += d;
-                }
-            }
-        }
+        layernorm_backward_rows(xc, dyc, dxc, mc, rc, gamma, inv_n, &mut part);
         part
     };
     let partials = chunked_partials(x, dy, dx, mean, rstd, row, chunk);
+    sum_partials(&partials, dgamma, dbeta);
+}
 
+/// The rows `xc`, `dyc` of one chunk of [`layernorm_backward`] (statistics
+/// `mc`, `rc`): writes their `dx` into `dxc` and adds their terms of
+/// `dgamma` to `part[..row]` and, when `part` is longer, of `dbeta` to
+/// `part[row..]`, row after row.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn layernorm_backward_rows<T: Real>(xc: &[T], dyc: &[T], dxc: &mut [T], mc: &[T], rc: &[T], gamma: &[T], inv_n: T, part: &mut [T]) {
+    let row = gamma.len();
+    let (pg, pb) = part.split_at_mut(row);
+    let with_beta = !pb.is_empty();
+    for ((((xr, dyr), dxr), &mu), &rs) in xc.chunks(row).zip(dyc.chunks(row)).zip(dxc.chunks_mut(row)).zip(mc).zip(rc) {
+        // dx doubles as scratch for g = dy · gamma.
+        for ((g, &d), &ga) in dxr.iter_mut().zip(dyr).zip(gamma) {
+            *g = d * ga;
+        }
+        let mean_g = lane_sum(dxr, dxr, |g, _| g) * inv_n;
+        let mean_gx = lane_sum(dxr, xr, |g, xv| g * (xv - mu)) * rs * inv_n;
+        for (g, &xv) in dxr.iter_mut().zip(xr) {
+            *g = rs * (*g - mean_g - (xv - mu) * rs * mean_gx);
+        }
+        for ((p, &d), &xv) in pg.iter_mut().zip(dyr).zip(xr) {
+            *p += d * ((xv - mu) * rs);
+        }
+        if with_beta {
+            for (p, &d) in pb.iter_mut().zip(dyr) {
+                *p += d;
+            }
+        }
+    }
+}
+
+/// Adds the per-chunk partial sums in chunk order: `dgamma` from each
+/// partial's first `row` values, `dbeta` (when asked for) from the rest.
+fn sum_partials<T: Real>(partials: &[Vec<T>], dgamma: &mut [T], dbeta: Option<&mut [T]>) {
+    let row = dgamma.len();
     dgamma.fill(T::zero());
-    for p in &partials {
+    for p in partials {
         for (o, &v) in dgamma.iter_mut().zip(&p[..row]) {
             *o += v;
         }
     }
     if let Some(db) = dbeta {
         db.fill(T::zero());
-        for p in &partials {
+        for p in partials {
             for (o, &v) in db.iter_mut().zip(&p[row..]) {
                 *o += v;
             }
@@ -263,31 +281,122 @@ pub fn rmsnorm_backward<T: Real>(x: &[T], gamma: &[T], rstd: &[T], dy: &[T], row
     assert_eq!(dx.len(), x.len(), "dx length");
     assert_eq!(dgamma.len(), row, "dgamma length");
     let inv_n = T::one() / T::lit(row as f64);
-
     let chunk = |xc: &[T], dyc: &[T], dxc: &mut [T], rc: &[T], _: &[T]| {
         let mut pg = vec![T::zero(); row];
-        for (((xr, dyr), dxr), &rs) in xc.chunks(row).zip(dyc.chunks(row)).zip(dxc.chunks_mut(row)).zip(rc) {
-            for ((g, &d), &ga) in dxr.iter_mut().zip(dyr).zip(gamma) {
-                *g = d * ga;
-            }
-            let mean_gx = lane_sum(dxr, xr, |g, xv| g * xv) * rs * inv_n;
-            for (g, &xv) in dxr.iter_mut().zip(xr) {
-                *g = rs * (*g - xv * rs * mean_gx);
-            }
-            for ((p, &d), &xv) in pg.iter_mut().zip(dyr).zip(xr) {
-                *p += d * (xv * rs);
-            }
-        }
+        rmsnorm_backward_rows(xc, dyc, dxc, rc, gamma, inv_n, &mut pg);
         pg
     };
     let partials = chunked_partials(x, dy, dx, rstd, rstd, row, chunk);
+    sum_partials(&partials, dgamma, None);
+}
 
-    dgamma.fill(T::zero());
-    for p in &partials {
-        for (o, &v) in dgamma.iter_mut().zip(p) {
-            *o += v;
+/// The rows `xc`, `dyc` of one chunk of [`rmsnorm_backward`] (statistics
+/// `rc`): writes their `dx` into `dxc` and adds their terms of `dgamma` to
+/// `pg`, row after row.
+#[inline]
+fn rmsnorm_backward_rows<T: Real>(xc: &[T], dyc: &[T], dxc: &mut [T], rc: &[T], gamma: &[T], inv_n: T, pg: &mut [T]) {
+    let row = gamma.len();
+    for (((xr, dyr), dxr), &rs) in xc.chunks(row).zip(dyc.chunks(row)).zip(dxc.chunks_mut(row)).zip(rc) {
+        for ((g, &d), &ga) in dxr.iter_mut().zip(dyr).zip(gamma) {
+            *g = d * ga;
+        }
+        let mean_gx = lane_sum(dxr, xr, |g, xv| g * xv) * rs * inv_n;
+        for (g, &xv) in dxr.iter_mut().zip(xr) {
+            *g = rs * (*g - xv * rs * mean_gx);
+        }
+        for ((p, &d), &xv) in pg.iter_mut().zip(dyr).zip(xr) {
+            *p += d * (xv * rs);
         }
     }
+}
+
+/// [`chunked_partials`] on operands in their storage type: the same chunks,
+/// each walked in blocks of whole rows widened into scratch (at most
+/// [`BLOCK`] elements, or one row), so `rows` sees the rows of a chunk in
+/// order and adds to the chunk's partial `part_len` sums exactly as the f32
+/// kernel does; `dx` is rounded into its storage type a block at a time.
+#[allow(clippy::too_many_arguments)]
+fn mixed_partials(
+    x: Src<'_>,
+    dy: Src<'_>,
+    dx: Dst<'_>,
+    stat_a: &[f32],
+    stat_b: &[f32],
+    row: usize,
+    part_len: usize,
+    rows: impl Fn(&[f32], &[f32], &mut [f32], &[f32], &[f32], &mut [f32]) + Sync + Send,
+) -> Vec<Vec<f32>> {
+    let n_rows = x.len() / row;
+    let cr = rows_per_partial(n_rows, row);
+    let per_block = (BLOCK / row).max(1);
+    let run = |(c, mut dxc): (usize, Dst<'_>)| {
+        let mut part = vec![0f32; part_len];
+        let (mut xs, mut dys, mut dxs) = (vec![0f32; per_block * row], vec![0f32; per_block * row], vec![0f32; per_block * row]);
+        let chunk_rows = dxc.len() / row;
+        for b0 in (0..chunk_rows).step_by(per_block) {
+            let nb = per_block.min(chunk_rows - b0);
+            let (r0, r1) = (c * cr + b0, c * cr + b0 + nb);
+            let xb = x.slice(r0 * row..r1 * row).read(&mut xs);
+            let dyb = dy.slice(r0 * row..r1 * row).read(&mut dys);
+            let dxb = &mut dxs[..nb * row];
+            rows(xb, dyb, dxb, &stat_a[r0..r1], &stat_b[r0..r1], &mut part);
+            dxc.slice_mut(b0 * row..(b0 + nb) * row).store(dxb);
+        }
+        part
+    };
+    let chunks = dx.into_chunks(cr * row).into_iter().enumerate();
+    if x.len() < PAR_MIN_ELEMS {
+        chunks.map(run).collect()
+    } else {
+        chunks.collect::<Vec<_>>().into_par_iter().map(run).collect()
+    }
+}
+
+/// [`layernorm_backward`] on `x`, `dy` and `dx` stored as f32, bf16 or f16,
+/// computed in f32 a block of rows at a time: the same bits as
+/// [`layernorm_backward`] on the operands widened to f32, with `dx` then
+/// rounded to its type, without the widened copies. `gamma`, the statistics
+/// and the parameter gradients are f32.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward_mixed(
+    x: Src<'_>,
+    gamma: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    dy: Src<'_>,
+    row: usize,
+    dx: Dst<'_>,
+    dgamma: &mut [f32],
+    dbeta: Option<&mut [f32]>,
+) {
+    let rows = rows_of(x.len(), row);
+    assert_eq!(gamma.len(), row, "gamma length");
+    assert_eq!(mean.len(), rows, "mean length");
+    assert_eq!(rstd.len(), rows, "rstd length");
+    assert_eq!(dy.len(), x.len(), "dy length");
+    assert_eq!(dx.len(), x.len(), "dx length");
+    assert_eq!(dgamma.len(), row, "dgamma length");
+    let inv_n = 1.0 / row as f32;
+    let part_len = if dbeta.is_some() { 2 * row } else { row };
+    let partials =
+        mixed_partials(x, dy, dx, mean, rstd, row, part_len, |xc, dyc, dxc, mc, rc, part| layernorm_backward_rows(xc, dyc, dxc, mc, rc, gamma, inv_n, part));
+    sum_partials(&partials, dgamma, dbeta);
+}
+
+/// [`rmsnorm_backward`] on `x`, `dy` and `dx` stored as f32, bf16 or f16
+/// (see [`layernorm_backward_mixed`]): the same bits as the f32 kernel on
+/// the widened operands.
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_backward_mixed(x: Src<'_>, gamma: &[f32], rstd: &[f32], dy: Src<'_>, row: usize, dx: Dst<'_>, dgamma: &mut [f32]) {
+    let rows = rows_of(x.len(), row);
+    assert_eq!(gamma.len(), row, "gamma length");
+    assert_eq!(rstd.len(), rows, "rstd length");
+    assert_eq!(dy.len(), x.len(), "dy length");
+    assert_eq!(dx.len(), x.len(), "dx length");
+    assert_eq!(dgamma.len(), row, "dgamma length");
+    let inv_n = 1.0 / row as f32;
+    let partials = mixed_partials(x, dy, dx, rstd, rstd, row, row, |xc, dyc, dxc, rc, _, part| rmsnorm_backward_rows(xc, dyc, dxc, rc, gamma, inv_n, part));
+    sum_partials(&partials, dgamma, None);
 }
 
 #[cfg(test)]
@@ -460,5 +569,72 @@ mod tests {
         let dy = rand_vec(8, 1000 * 257);
         let col0: f64 = (0..1000).map(|r| dy[r * 257] as f32 as f64).sum();
         assert!((one[5][0] as f64 - col0).abs() < 1e-3, "dbeta[0] {} vs {col0}", one[5][0]);
+    }
+
+    /// The half-precision backward kernels against the f32 ones on the
+    /// widened operands: the same bits for dx (rounded) and the parameter
+    /// gradients, for any thread count, with chunks that do not line up
+    /// with the blocks.
+    #[test]
+    fn mixed_backward_gives_the_bits_of_the_widening_path() {
+        use crate::cpu::mixed::{Dst, Src};
+        use half::{bf16, f16};
+        for (rows, row) in [(1000, 257), (5, 3000), (3, 7)] {
+            let n = rows * row;
+            let f = |seed, k: usize, scale: f64| rand_vec(seed, k).iter().map(|&v| (scale * v) as f32).collect::<Vec<f32>>();
+            let (x, dy, g) = (f(11, n, 3.0), f(12, n, 1.0), f(13, row, 1.0));
+            // bf16 and f16 storage of the same values.
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let dyb: Vec<bf16> = dy.iter().map(|&v| bf16::from_f32(v)).collect();
+            let xh: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+            let dyh: Vec<f16> = dy.iter().map(|&v| f16::from_f32(v)).collect();
+            for (xs, dys, name) in [(Src::BF16(&xb), Src::BF16(&dyb), "bf16"), (Src::F16(&xh), Src::F16(&dyh), "f16")] {
+                let (xw, dyw) = (xs.to_f32().into_owned(), dys.to_f32().into_owned());
+                let (mut y, mut mean, mut rstd) = (vec![0f32; n], vec![0f32; rows], vec![0f32; rows]);
+                layernorm_forward(&xw, &g, None, EPS, row, &mut y, &mut mean, &mut rstd);
+                let (mut dx, mut dg, mut db) = (vec![0f32; n], vec![0f32; row], vec![0f32; row]);
+                layernorm_backward(&xw, &g, &mean, &rstd, &dyw, row, &mut dx, &mut dg, Some(&mut db));
+                let (mut rdx, mut rdg) = (vec![0f32; n], vec![0f32; row]);
+                rmsnorm_backward(&xw, &g, &rstd, &dyw, row, &mut rdx, &mut rdg);
+                let round = |v: &[f32]| -> Vec<u16> {
+                    match xs {
+                        Src::F16(_) => v.iter().map(|&x| f16::from_f32(x).to_bits()).collect(),
+                        _ => v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect(),
+                    }
+                };
+                for threads in [1, 2, 3] {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    pool.install(|| {
+                        let what = format!("{name} {rows}x{row}, {threads} threads");
+                        let (mut gdx_b, mut gdx_h) = (vec![bf16::ZERO; n], vec![f16::ZERO; n]);
+                        let (mut gdg, mut gdb) = (vec![0f32; row], vec![0f32; row]);
+                        let out = match xs {
+                            Src::F16(_) => Dst::F16(&mut gdx_h),
+                            _ => Dst::BF16(&mut gdx_b),
+                        };
+                        layernorm_backward_mixed(xs, &g, &mean, &rstd, dys, row, out, &mut gdg, Some(&mut gdb));
+                        let got: Vec<u16> = match xs {
+                            Src::F16(_) => gdx_h.iter().map(|v| v.to_bits()).collect(),
+                            _ => gdx_b.iter().map(|v| v.to_bits()).collect(),
+                        };
+                        assert_eq!(got, round(&dx), "layernorm dx {what}");
+                        assert_eq!(gdg, dg, "layernorm dgamma {what}");
+                        assert_eq!(gdb, db, "layernorm dbeta {what}");
+                        let mut rg = vec![0f32; row];
+                        let out = match xs {
+                            Src::F16(_) => Dst::F16(&mut gdx_h),
+                            _ => Dst::BF16(&mut gdx_b),
+                        };
+                        rmsnorm_backward_mixed(xs, &g, &rstd, dys, row, out, &mut rg);
+                        let got: Vec<u16> = match xs {
+                            Src::F16(_) => gdx_h.iter().map(|v| v.to_bits()).collect(),
+                            _ => gdx_b.iter().map(|v| v.to_bits()).collect(),
+                        };
+                        assert_eq!(got, round(&rdx), "rmsnorm dx {what}");
+                        assert_eq!(rg, rdg, "rmsnorm dgamma {what}");
+                    });
+                }
+            }
+        }
     }
 }

@@ -29,6 +29,7 @@ use super::exp::{exp_minus, exp_minus_each};
 use super::layout::{Layout, SharedOut};
 use super::tile::{dot, matmul_tile, transpose_scaled};
 use super::{AttnDims, BLOCK_KV, BLOCK_Q, PARALLEL_MIN_WORK};
+use crate::cpu::mixed::Stored;
 use crate::Real;
 use rayon::prelude::*;
 
@@ -86,15 +87,28 @@ impl<T: Real> Acc<T> {
 /// otherwise a copy in `buf`. A fused layout's rows lie a whole position
 /// apart (and so on separate pages), which the tile loops that re-read every
 /// row many times would pay for on each pass.
-fn contiguous_rows<'a, T: Real>(buf: &'a mut Vec<T>, src: &'a [T], start: usize, ld: usize, rows: usize, hd: usize) -> &'a [T] {
-    if ld == hd {
-        return &src[start..start + rows * hd];
+fn contiguous_rows<'a, T: Real, S: Stored<T>>(buf: &'a mut Vec<T>, src: &'a [S], start: usize, ld: usize, rows: usize, hd: usize) -> &'a [T] {
+    match S::as_compute(src) {
+        Some(src) if ld == hd => &src[start..start + rows * hd],
+        _ => {
+            buf.clear();
+            for t in 0..rows {
+                buf.extend(src[start + t * ld..start + t * ld + hd].iter().map(|&x| x.load()));
+            }
+            buf
+        }
     }
-    buf.clear();
-    for t in 0..rows {
-        buf.extend_from_slice(&src[start + t * ld..start + t * ld + hd]);
+}
+
+/// `rows` rows of `hd` from `src`, the first at `start` and each `ld` after
+/// the last, as a block of the compute type: in place (rows still `ld`
+/// apart) when they already are of it, otherwise widened into `buf` (rows
+/// back to back). Either way a tile product reads the same values.
+fn rows_in_place<'a, T: Real, S: Stored<T>>(buf: &'a mut Vec<T>, src: &'a [S], start: usize, ld: usize, rows: usize, hd: usize) -> Block<'a, T> {
+    match S::as_compute(src) {
+        Some(src) => Block { data: &src[start..], rows, ld },
+        None => Block { data: contiguous_rows(buf, src, start, ld, rows, hd), rows, ld: hd },
     }
-    buf
 }
 
 /// Zeros `buf` to `len` elements (growing it on first use) and returns them.
@@ -104,20 +118,20 @@ fn zeroed<T: Real>(buf: &mut Vec<T>, len: usize) -> &mut [T] {
     buf
 }
 
-/// Everything both passes read.
-struct Inputs<'a, T> {
+/// Everything both passes read (`q`, `k`, `v`, `dout` in their storage type `S`).
+struct Inputs<'a, T, S> {
     d: &'a AttnDims,
     lay: Layout,
-    q: &'a [T],
-    k: &'a [T],
-    v: &'a [T],
+    q: &'a [S],
+    k: &'a [S],
+    v: &'a [S],
     lse: &'a [T],
-    dout: &'a [T],
+    dout: &'a [S],
     /// `D_i = rowsum(dout_i ∘ out_i)`, laid out like `lse`.
     delta: &'a [T],
 }
 
-impl<T> Inputs<'_, T> {
+impl<T, S> Inputs<'_, T, S> {
     /// Offset of position `t` of query head `h` in batch `b` in `q` (and `dq`).
     fn q_at(&self, b: usize, h: usize, t: usize) -> usize {
         self.lay.q.at(self.d.group(), b, h, t)
@@ -147,7 +161,18 @@ struct Grads<T> {
 /// contributions of every query head that reads it. Queries that see no key
 /// contribute nothing and get `dq = 0`.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_backward<T: Real>(d: &AttnDims, q: &[T], k: &[T], v: &[T], out: &[T], lse: &[T], dout: &[T], dq: &mut [T], dk: &mut [T], dv: &mut [T]) {
+pub fn attention_backward<T: Real, S: Stored<T>>(
+    d: &AttnDims,
+    q: &[S],
+    k: &[S],
+    v: &[S],
+    out: &[S],
+    lse: &[T],
+    dout: &[S],
+    dq: &mut [S],
+    dk: &mut [S],
+    dv: &mut [S],
+) {
     d.check();
     assert_eq!(q.len(), d.q_len(), "attention_backward: q length");
     assert_eq!(k.len(), d.kv_len(), "attention_backward: k length");
@@ -166,7 +191,12 @@ pub fn attention_backward<T: Real>(d: &AttnDims, q: &[T], k: &[T], v: &[T], out:
 /// `out` and `dout` in place and writes `dq`, `dk` and `dv` into `dqkv`
 /// (laid out like `qkv`). Bit-identical to [`attention_backward`] on the same
 /// values.
-pub fn attention_backward_packed<T: Real>(d: &AttnDims, qkv: &[T], out: &[T], lse: &[T], dout: &[T], dqkv: &mut [T]) {
+///
+/// Both accept operands stored as bf16 while computing in f32 (`S = bf16`,
+/// `T = f32`): the same bits as the f32 kernel on the widened operands with
+/// its gradients rounded, without the widened copies (see
+/// [`attention_forward_packed`](super::attention_forward_packed)).
+pub fn attention_backward_packed<T: Real, S: Stored<T>>(d: &AttnDims, qkv: &[S], out: &[S], lse: &[T], dout: &[S], dqkv: &mut [S]) {
     d.check();
     assert_eq!(d.seq_q, d.seq_kv, "attention_backward_packed: self-attention needs seq_q == seq_kv");
     assert_eq!(qkv.len(), d.packed_len(), "attention_backward_packed: qkv length");
@@ -178,7 +208,7 @@ pub fn attention_backward_packed<T: Real>(d: &AttnDims, qkv: &[T], out: &[T], ls
 }
 
 #[allow(clippy::too_many_arguments)]
-fn backward<T: Real>(d: &AttnDims, lay: Layout, q: &[T], k: &[T], v: &[T], out: &[T], lse: &[T], dout: &[T], grads: Grads<T>) {
+fn backward<T: Real, S: Stored<T>>(d: &AttnDims, lay: Layout, q: &[S], k: &[S], v: &[S], out: &[S], lse: &[T], dout: &[S], grads: Grads<S>) {
     assert_eq!(lse.len(), d.lse_len(), "attention_backward: lse length");
     let hd = d.head_dim;
     let parallel = d.work() >= PARALLEL_MIN_WORK;
@@ -229,7 +259,7 @@ enum Task {
 /// element-wise loops between the tile products (`exp`, `dS`) then run
 /// sixteen lanes wide instead of the baseline's four. No multiply-adds are
 /// contracted, so the bits are the same as the baseline copy's.
-fn run_task<T: Real>(inp: &Inputs<'_, T>, task: Task, grads: Grads<T>, s: &mut Scratch<T>, a: &mut Acc<T>) {
+fn run_task<T: Real, S: Stored<T>>(inp: &Inputs<'_, T, S>, task: Task, grads: Grads<S>, s: &mut Scratch<T>, a: &mut Acc<T>) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: the running CPU supports AVX-512F (just checked).
@@ -240,12 +270,12 @@ fn run_task<T: Real>(inp: &Inputs<'_, T>, task: Task, grads: Grads<T>, s: &mut S
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn run_task_avx512<T: Real>(inp: &Inputs<'_, T>, task: Task, grads: Grads<T>, s: &mut Scratch<T>, a: &mut Acc<T>) {
+fn run_task_avx512<T: Real, S: Stored<T>>(inp: &Inputs<'_, T, S>, task: Task, grads: Grads<S>, s: &mut Scratch<T>, a: &mut Acc<T>) {
     run_task_inline(inp, task, grads, s, a)
 }
 
 #[inline(always)]
-fn run_task_inline<T: Real>(inp: &Inputs<'_, T>, task: Task, grads: Grads<T>, s: &mut Scratch<T>, a: &mut Acc<T>) {
+fn run_task_inline<T: Real, S: Stored<T>>(inp: &Inputs<'_, T, S>, task: Task, grads: Grads<S>, s: &mut Scratch<T>, a: &mut Acc<T>) {
     match task {
         Task::Group { b, g } => group_block(inp, b, g, grads, s, a),
         Task::Dkv { b, g, j0 } => dkv_block(inp, b, g, j0, grads, s, a),
@@ -258,7 +288,7 @@ fn run_task_inline<T: Real>(inp: &Inputs<'_, T>, task: Task, grads: Grads<T>, s:
 const FUSED_TASKS_PER_THREAD: usize = 4;
 
 /// All of `dq`, `dk` and `dv` in one pass, one task per (batch, kv head).
-fn fused<T: Real>(inp: &Inputs<'_, T>, grads: Grads<T>, parallel: bool) {
+fn fused<T: Real, S: Stored<T>>(inp: &Inputs<'_, T, S>, grads: Grads<S>, parallel: bool) {
     let d = inp.d;
     let hd = d.head_dim;
     let run = |(s, a): &mut (Scratch<T>, Acc<T>), bg: usize| run_task(inp, Task::Group { b: bg / d.kv_heads, g: bg % d.kv_heads }, grads, s, a);
@@ -275,10 +305,10 @@ fn fused<T: Real>(inp: &Inputs<'_, T>, grads: Grads<T>, parallel: bool) {
 ///
 /// # Safety
 /// The caller must be the only task writing those rows, and the buffer behind
-/// `out` must outlive the call (see [`SharedOut::write_row`]).
-unsafe fn store<T: Real>(out: SharedOut<T>, src: &[T], hd: usize, at: impl Fn(usize) -> usize) {
+/// `out` must outlive the call (see [`SharedOut::write_stored`]).
+unsafe fn store<T: Real, S: Stored<T>>(out: SharedOut<S>, src: &[T], hd: usize, at: impl Fn(usize) -> usize) {
     for (t, row) in src.chunks_exact(hd).enumerate() {
-        out.write_row(at(t), row);
+        out.write_stored(at(t), row);
     }
 }
 
@@ -290,7 +320,7 @@ unsafe fn store<T: Real>(out: SharedOut<T>, src: &[T], hd: usize, at: impl Fn(us
 /// each tile transposed back from pass 1's `dSᵀ`, so the results are
 /// bit-identical whichever schedule runs.
 #[inline(always)]
-fn group_block<T: Real>(inp: &Inputs<'_, T>, b: usize, g: usize, grads: Grads<T>, s: &mut Scratch<T>, acc: &mut Acc<T>) {
+fn group_block<T: Real, S: Stored<T>>(inp: &Inputs<'_, T, S>, b: usize, g: usize, grads: Grads<S>, s: &mut Scratch<T>, acc: &mut Acc<T>) {
     let d = inp.d;
     let (hd, r) = (d.head_dim, d.group());
     let scale = T::lit(d.scale);
@@ -352,15 +382,16 @@ struct Block<'a, T> {
 /// that `Pᵀ` and `dSᵀ` come out in the row-major form the products
 /// `dV += Pᵀ·dO` and `dK += dSᵀ·Q` consume.
 #[inline(always)]
-fn dkv_block<T: Real>(inp: &Inputs<'_, T>, b: usize, g: usize, j0: usize, grads: Grads<T>, s: &mut Scratch<T>, acc: &mut Acc<T>) {
+fn dkv_block<T: Real, S: Stored<T>>(inp: &Inputs<'_, T, S>, b: usize, g: usize, j0: usize, grads: Grads<S>, s: &mut Scratch<T>, acc: &mut Acc<T>) {
     let d = inp.d;
     let hd = d.head_dim;
     let bk = BLOCK_KV.min(d.seq_kv - j0);
     let scale = T::lit(d.scale);
-    let kb = Block { data: &inp.k[inp.lay.k.at(1, b, g, j0)..], rows: bk, ld: inp.lay.k.row() };
-    let vb = Block { data: &inp.v[inp.lay.v.at(1, b, g, j0)..], rows: bk, ld: inp.lay.v.row() };
-    let dk = zeroed(&mut acc.dk, bk * hd);
-    let dv = zeroed(&mut acc.dv, bk * hd);
+    let Acc { dk, dv, k, v, q, dout, .. } = acc;
+    let kb = rows_in_place(k, inp.k, inp.lay.k.at(1, b, g, j0), inp.lay.k.row(), bk, hd);
+    let vb = rows_in_place(v, inp.v, inp.lay.v.at(1, b, g, j0), inp.lay.v.row(), bk, hd);
+    let dk = zeroed(dk, bk * hd);
+    let dv = zeroed(dv, bk * hd);
 
     // Query blocks stay aligned to BLOCK_Q, as in the forward and in pass 2.
     let first_block = d.first_query(j0) / BLOCK_Q * BLOCK_Q;
@@ -368,8 +399,8 @@ fn dkv_block<T: Real>(inp: &Inputs<'_, T>, b: usize, g: usize, j0: usize, grads:
         let bh = b * d.q_heads + h;
         for i0 in (first_block..d.seq_q).step_by(BLOCK_Q) {
             let bq = BLOCK_Q.min(d.seq_q - i0);
-            let qb = Block { data: &inp.q[inp.q_at(b, h, i0)..], rows: bq, ld: inp.lay.q.row() };
-            let ob = Block { data: &inp.dout[inp.o_at(b, h, i0)..], rows: bq, ld: inp.lay.o.row() };
+            let qb = rows_in_place(q, inp.q, inp.q_at(b, h, i0), inp.lay.q.row(), bq, hd);
+            let ob = rows_in_place(dout, inp.dout, inp.o_at(b, h, i0), inp.lay.o.row(), bq, hd);
             transpose_scaled(qb.data, bq, hd, qb.ld, scale, &mut s.qs);
             transpose_scaled(ob.data, bq, hd, ob.ld, T::one(), &mut s.t1);
             dkv_tile(inp, j0, kb, vb, i0, bh * d.seq_q + i0, qb, ob, dk, dv, s);
@@ -392,8 +423,8 @@ fn dkv_block<T: Real>(inp: &Inputs<'_, T>, b: usize, g: usize, j0: usize, grads:
 /// position `j0`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn dkv_tile<T: Real>(
-    inp: &Inputs<'_, T>,
+fn dkv_tile<T: Real, S: Stored<T>>(
+    inp: &Inputs<'_, T, S>,
     j0: usize,
     kb: Block<'_, T>,
     vb: Block<'_, T>,
@@ -435,7 +466,7 @@ fn dkv_tile<T: Real>(
 /// Gradient of query rows `i0..i0 + BLOCK_Q` (or to the end) of query head
 /// `h` in batch `b`.
 #[inline(always)]
-fn dq_block<T: Real>(inp: &Inputs<'_, T>, b: usize, h: usize, i0: usize, grads: Grads<T>, s: &mut Scratch<T>, acc: &mut Acc<T>) {
+fn dq_block<T: Real, S: Stored<T>>(inp: &Inputs<'_, T, S>, b: usize, h: usize, i0: usize, grads: Grads<S>, s: &mut Scratch<T>, acc: &mut Acc<T>) {
     let d = inp.d;
     let hd = d.head_dim;
     let bq = BLOCK_Q.min(d.seq_q - i0);
@@ -443,13 +474,14 @@ fn dq_block<T: Real>(inp: &Inputs<'_, T>, b: usize, h: usize, i0: usize, grads: 
     let rows = (b * d.q_heads + h) * d.seq_q + i0..(b * d.q_heads + h) * d.seq_q + i0 + bq;
     let (q_ld, o_ld, k_ld, v_ld) = (inp.lay.q.row(), inp.lay.o.row(), inp.lay.k.row(), inp.lay.v.row());
     let q_blk = &inp.q[inp.q_at(b, h, i0)..];
-    let do_blk = &inp.dout[inp.o_at(b, h, i0)..];
+    let ob = rows_in_place(&mut acc.dout, inp.dout, inp.o_at(b, h, i0), o_ld, bq, hd);
+    let (do_blk, o_ld) = (ob.data, ob.ld);
     let lse = &inp.lse[rows.clone()];
     let delta = &inp.delta[rows];
     let g = h / d.group();
     for (r, dst) in s.qs[..bq * hd].chunks_exact_mut(hd).enumerate() {
         for (dst, &x) in dst.iter_mut().zip(&q_blk[r * q_ld..r * q_ld + hd]) {
-            *dst = x * scale;
+            *dst = x.load() * scale;
         }
     }
     let dq = zeroed(&mut acc.dq, bq * hd);
@@ -457,10 +489,11 @@ fn dq_block<T: Real>(inp: &Inputs<'_, T>, b: usize, h: usize, i0: usize, grads: 
     let kend = d.key_end(i0 + bq - 1);
     for j0 in (0..kend).step_by(BLOCK_KV) {
         let bk = BLOCK_KV.min(kend - j0);
-        let k_blk = &inp.k[inp.lay.k.at(1, b, g, j0)..];
+        let k_at = inp.lay.k.at(1, b, g, j0);
         let v_blk = &inp.v[inp.lay.v.at(1, b, g, j0)..];
-        transpose_scaled(k_blk, bk, hd, k_ld, T::one(), &mut s.t2);
+        transpose_scaled(&inp.k[k_at..], bk, hd, k_ld, T::one(), &mut s.t2);
         transpose_scaled(v_blk, bk, hd, v_ld, T::one(), &mut s.t1);
+        let kb = rows_in_place(&mut acc.k, inp.k, k_at, k_ld, bk, hd);
 
         let p = &mut s.p[..bq * bk];
         matmul_tile(bq, bk, hd, &s.qs, hd, &s.t2, bk, p, bk, false);
@@ -478,7 +511,7 @@ fn dq_block<T: Real>(inp: &Inputs<'_, T>, b: usize, h: usize, i0: usize, grads: 
                 *p = *p * (dp - di) * scale;
             }
         }
-        matmul_tile(bq, hd, bk, p, bk, k_blk, k_ld, dq, hd, true);
+        matmul_tile(bq, hd, bk, p, bk, kb.data, kb.ld, dq, hd, true);
     }
     // SAFETY: this task alone computes query rows `i0..i0 + bq` of head `h`
     // in batch `b`; the caller keeps the buffer borrowed.

@@ -5,6 +5,7 @@ use super::exp::exp_minus;
 use super::layout::{Layout, SharedOut};
 use super::tile::{matmul_tile, max_of, sum_of, transpose_scaled};
 use super::{AttnDims, BLOCK_KV, BLOCK_Q, PARALLEL_MIN_WORK};
+use crate::cpu::mixed::Stored;
 use crate::Real;
 use rayon::prelude::*;
 
@@ -48,7 +49,7 @@ impl<T: Real> Scratch<T> {
 /// needs. A query that sees no key (causal with `seq_q > seq_kv`) gets a zero
 /// output and `lse = -inf`. Every query row is computed by one task in a fixed
 /// order, so results do not depend on the thread count.
-pub fn attention_forward<T: Real>(d: &AttnDims, q: &[T], k: &[T], v: &[T], out: &mut [T], lse: &mut [T]) {
+pub fn attention_forward<T: Real, S: Stored<T>>(d: &AttnDims, q: &[S], k: &[S], v: &[S], out: &mut [S], lse: &mut [T]) {
     d.check();
     assert_eq!(q.len(), d.q_len(), "attention_forward: q length");
     assert_eq!(k.len(), d.kv_len(), "attention_forward: k length");
@@ -63,7 +64,12 @@ pub fn attention_forward<T: Real>(d: &AttnDims, q: &[T], k: &[T], v: &[T], out: 
 /// `[batch, seq, q_heads, head_dim]`, so neither side needs a copy into
 /// per-head tensors. Needs `seq_q == seq_kv`; results are bit-identical to
 /// [`attention_forward`] on the same values.
-pub fn attention_forward_packed<T: Real>(d: &AttnDims, qkv: &[T], out: &mut [T], lse: &mut [T]) {
+///
+/// Both accept operands stored as bf16 while computing in f32 (`S = bf16`,
+/// `T = f32`): rows are widened as the blocks gather them and output rows
+/// rounded as they are written, the same bits as the f32 kernel on the
+/// widened operands with its output rounded, without the widened copies.
+pub fn attention_forward_packed<T: Real, S: Stored<T>>(d: &AttnDims, qkv: &[S], out: &mut [S], lse: &mut [T]) {
     d.check();
     assert_eq!(d.seq_q, d.seq_kv, "attention_forward_packed: self-attention needs seq_q == seq_kv");
     assert_eq!(qkv.len(), d.packed_len(), "attention_forward_packed: qkv length");
@@ -71,7 +77,7 @@ pub fn attention_forward_packed<T: Real>(d: &AttnDims, qkv: &[T], out: &mut [T],
     forward(d, &Layout::packed(d), qkv, qkv, qkv, out, lse);
 }
 
-fn forward<T: Real>(d: &AttnDims, lay: &Layout, q: &[T], k: &[T], v: &[T], out: &mut [T], lse: &mut [T]) {
+fn forward<T: Real, S: Stored<T>>(d: &AttnDims, lay: &Layout, q: &[S], k: &[S], v: &[S], out: &mut [S], lse: &mut [T]) {
     assert_eq!(lse.len(), d.lse_len(), "attention_forward: lse length");
     if d.lse_len() == 0 {
         return;
@@ -98,13 +104,13 @@ fn forward<T: Real>(d: &AttnDims, lay: &Layout, q: &[T], k: &[T], v: &[T], out: 
 }
 
 /// What every forward task reads, and the output it writes its rows of.
-struct Io<'a, T> {
+struct Io<'a, S> {
     d: &'a AttnDims,
     lay: &'a Layout,
-    q: &'a [T],
-    k: &'a [T],
-    v: &'a [T],
-    out: SharedOut<T>,
+    q: &'a [S],
+    k: &'a [S],
+    v: &'a [S],
+    out: SharedOut<S>,
 }
 
 /// [`forward_block`] compiled for AVX-512: the softmax's `exp`, max and sum
@@ -113,13 +119,13 @@ struct Io<'a, T> {
 /// same as the baseline copy's.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn forward_block_avx512<T: Real>(io: &Io<'_, T>, b: usize, h: usize, i0: usize, lse: &mut [T], s: &mut Scratch<T>) {
+fn forward_block_avx512<T: Real, S: Stored<T>>(io: &Io<'_, S>, b: usize, h: usize, i0: usize, lse: &mut [T], s: &mut Scratch<T>) {
     forward_block(io, b, h, i0, lse, s)
 }
 
 /// Output rows `i0..i0 + lse.len()` of query head `h` in batch `b`.
 #[inline(always)]
-fn forward_block<T: Real>(io: &Io<'_, T>, b: usize, h: usize, i0: usize, lse: &mut [T], s: &mut Scratch<T>) {
+fn forward_block<T: Real, S: Stored<T>>(io: &Io<'_, S>, b: usize, h: usize, i0: usize, lse: &mut [T], s: &mut Scratch<T>) {
     let Io { d, lay, q, k, v, out } = *io;
     let hd = d.head_dim;
     let bq = lse.len();
@@ -128,7 +134,7 @@ fn forward_block<T: Real>(io: &Io<'_, T>, b: usize, h: usize, i0: usize, lse: &m
     for (r, dst) in s.qs[..bq * hd].chunks_exact_mut(hd).enumerate() {
         let row = lay.q.at(d.group(), b, h, i0 + r);
         for (dst, &x) in dst.iter_mut().zip(&q[row..row + hd]) {
-            *dst = x * scale;
+            *dst = x.load() * scale;
         }
     }
     s.m[..bq].fill(T::neg_infinity());
@@ -171,14 +177,18 @@ fn forward_block<T: Real>(io: &Io<'_, T>, b: usize, h: usize, i0: usize, lse: &m
             s.m[r] = m_new;
         }
         // A fused layout's value rows lie a whole position apart; the
-        // product re-reads each row, so it gets them back to back.
-        let (v_blk, v_ld) = if lay.v.row() == hd {
-            (v_blk, hd)
-        } else {
-            for (t, dst) in s.vb[..bk * hd].chunks_exact_mut(hd).enumerate() {
-                dst.copy_from_slice(&v_blk[t * lay.v.row()..t * lay.v.row() + hd]);
+        // product re-reads each row, so it gets them back to back (widened,
+        // when they are stored in another type).
+        let (v_blk, v_ld) = match S::as_compute(v_blk) {
+            Some(v_blk) if lay.v.row() == hd => (v_blk, hd),
+            _ => {
+                for (t, dst) in s.vb[..bk * hd].chunks_exact_mut(hd).enumerate() {
+                    for (dst, &x) in dst.iter_mut().zip(&v_blk[t * lay.v.row()..t * lay.v.row() + hd]) {
+                        *dst = x.load();
+                    }
+                }
+                (&s.vb[..], hd)
             }
-            (&s.vb[..], hd)
         };
         matmul_tile(bq, hd, bk, st, bk, v_blk, v_ld, &mut s.acc, hd, true);
     }
@@ -198,7 +208,7 @@ fn forward_block<T: Real>(io: &Io<'_, T>, b: usize, h: usize, i0: usize, lse: &m
         // SAFETY: this task is the only one computing query `i0 + r` of head
         // `h` in batch `b`, whose row no other row of the layout overlaps;
         // `out` stays borrowed by `forward` until every task has returned.
-        unsafe { out.write_row(lay.o.at(d.group(), b, h, i0 + r), o) };
+        unsafe { out.write_stored(lay.o.at(d.group(), b, h, i0 + r), o) };
     }
 }
 

@@ -8,6 +8,7 @@
 //! is what lets tasks write their rows of a shared output buffer.
 
 use super::AttnDims;
+use crate::cpu::mixed::Stored;
 
 /// Row `t` of head `j` of group `g` in batch `b` starts at
 /// `base + b·batch + g·group + j·head + t·row` (`g` is the kv head; for
@@ -89,7 +90,7 @@ pub(super) struct SharedOut<T> {
     len: usize,
 }
 
-// SAFETY: tasks write disjoint rows (see `write_row`'s contract) and nothing
+// SAFETY: tasks write disjoint rows (see `write_stored`'s contract) and nothing
 // reads the buffer while they run.
 unsafe impl<T: Send> Send for SharedOut<T> {}
 unsafe impl<T: Send> Sync for SharedOut<T> {}
@@ -100,14 +101,22 @@ impl<T: Copy> SharedOut<T> {
         SharedOut { ptr: buf.as_mut_ptr(), len: buf.len() }
     }
 
-    /// Copies `src` to `offset..offset + src.len()`.
+    /// Writes `src`, computed in `C`, to `offset..offset + src.len()`, each
+    /// value rounded to the stored type (a plain copy when they agree).
     ///
     /// # Safety
     /// The buffer passed to [`new`](Self::new) must still be borrowed, and no
     /// other task may read or write this range while it runs.
     #[inline]
-    pub(super) unsafe fn write_row(&self, offset: usize, src: &[T]) {
+    pub(super) unsafe fn write_stored<C: Copy>(&self, offset: usize, src: &[C])
+    where
+        T: Stored<C>,
+    {
         assert!(offset + src.len() <= self.len, "attention: output row out of bounds");
-        std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(offset), src.len());
+        // A slice of the row (no other task touches it) lets the loop vectorise.
+        let dst = std::slice::from_raw_parts_mut(self.ptr.add(offset), src.len());
+        for (d, &v) in dst.iter_mut().zip(src) {
+            *d = T::store(v);
+        }
     }
 }

@@ -18,6 +18,8 @@
 //! in the tiles the diagonal crosses.
 
 mod backward;
+#[cfg(target_arch = "x86_64")]
+mod dot_bf16;
 mod exp;
 mod forward;
 mod layout;
@@ -27,6 +29,102 @@ pub use backward::{attention_backward, attention_backward_packed};
 pub use forward::{attention_forward, attention_forward_packed};
 
 use crate::Real;
+use half::bf16;
+use layout::{Layout, SharedOut};
+
+/// Whether the bf16 entry points ([`attention_forward_bf16`] and the others)
+/// run their tile products on the CPU's bf16 dot-product instruction.
+pub fn bf16_dot_products() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        dot_bf16::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// [`attention_forward`] on bf16 operands (f32 log-sum-exp). With
+/// [`bf16_dot_products`], the tile products run on the bf16 dot-product
+/// instruction: scores from the bf16 queries and keys summed in f32, and the
+/// probabilities rounded once to bf16 before they weight the values (the
+/// softmax itself and every sum stay in f32). Otherwise the f32 kernel reads
+/// the bf16 operands, giving its bits rounded once. Either way the results
+/// do not depend on the number of threads.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_bf16(d: &AttnDims, q: &[bf16], k: &[bf16], v: &[bf16], out: &mut [bf16], lse: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if dot_bf16::available() {
+        d.check();
+        assert_eq!(q.len(), d.q_len(), "attention_forward: q length");
+        assert_eq!(k.len(), d.kv_len(), "attention_forward: k length");
+        assert_eq!(v.len(), d.kv_len(), "attention_forward: v length");
+        assert_eq!(out.len(), d.q_len(), "attention_forward: out length");
+        return dot_bf16::forward(d, &Layout::heads(d), q, k, v, out, lse);
+    }
+    attention_forward(d, q, k, v, out, lse)
+}
+
+/// [`attention_forward_packed`] on bf16 operands: see [`attention_forward_bf16`].
+pub fn attention_forward_packed_bf16(d: &AttnDims, qkv: &[bf16], out: &mut [bf16], lse: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if dot_bf16::available() {
+        d.check();
+        assert_eq!(d.seq_q, d.seq_kv, "attention_forward_packed: self-attention needs seq_q == seq_kv");
+        assert_eq!(qkv.len(), d.packed_len(), "attention_forward_packed: qkv length");
+        assert_eq!(out.len(), d.q_len(), "attention_forward_packed: out length");
+        return dot_bf16::forward(d, &Layout::packed(d), qkv, qkv, qkv, out, lse);
+    }
+    attention_forward_packed(d, qkv, out, lse)
+}
+
+/// [`attention_backward`] on bf16 operands (f32 log-sum-exp). With
+/// [`bf16_dot_products`], the tile products run on the bf16 dot-product
+/// instruction, the probabilities and score gradients rounded once to bf16
+/// before they multiply (see [`attention_forward_bf16`]), and one task per
+/// (batch, kv head) computes every gradient. Otherwise the f32 kernel reads
+/// the bf16 operands.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_bf16(
+    d: &AttnDims,
+    q: &[bf16],
+    k: &[bf16],
+    v: &[bf16],
+    out: &[bf16],
+    lse: &[f32],
+    dout: &[bf16],
+    dq: &mut [bf16],
+    dk: &mut [bf16],
+    dv: &mut [bf16],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if dot_bf16::available() {
+        d.check();
+        for (x, len, what) in [(q, d.q_len(), "q"), (k, d.kv_len(), "k"), (v, d.kv_len(), "v"), (out, d.q_len(), "out"), (dout, d.q_len(), "dout")] {
+            assert_eq!(x.len(), len, "attention_backward: {what} length");
+        }
+        assert_eq!((dq.len(), dk.len(), dv.len()), (d.q_len(), d.kv_len(), d.kv_len()), "attention_backward: gradient lengths");
+        let grads = dot_bf16::Grads { dq: SharedOut::new(dq), dk: SharedOut::new(dk), dv: SharedOut::new(dv) };
+        return dot_bf16::backward(d, &Layout::heads(d), q, k, v, out, lse, dout, grads);
+    }
+    attention_backward(d, q, k, v, out, lse, dout, dq, dk, dv)
+}
+
+/// [`attention_backward_packed`] on bf16 operands: see [`attention_backward_bf16`].
+pub fn attention_backward_packed_bf16(d: &AttnDims, qkv: &[bf16], out: &[bf16], lse: &[f32], dout: &[bf16], dqkv: &mut [bf16]) {
+    #[cfg(target_arch = "x86_64")]
+    if dot_bf16::available() {
+        d.check();
+        assert_eq!(d.seq_q, d.seq_kv, "attention_backward_packed: self-attention needs seq_q == seq_kv");
+        assert_eq!(qkv.len(), d.packed_len(), "attention_backward_packed: qkv length");
+        assert_eq!((out.len(), dout.len()), (d.q_len(), d.q_len()), "attention_backward_packed: out and dout lengths");
+        assert_eq!(dqkv.len(), d.packed_len(), "attention_backward_packed: dqkv length");
+        let g = SharedOut::new(dqkv);
+        return dot_bf16::backward(d, &Layout::packed(d), qkv, qkv, qkv, out, lse, dout, dot_bf16::Grads { dq: g, dk: g, dv: g });
+    }
+    attention_backward_packed(d, qkv, out, lse, dout, dqkv)
+}
 
 /// Query rows per block (one forward task, one backward `dq` task).
 pub const BLOCK_Q: usize = 64;
@@ -304,6 +402,58 @@ mod tests {
                     }
                 });
             }
+        }
+    }
+
+    /// Operands stored as bf16: the same bits as the f32 kernels on the
+    /// widened operands with their outputs rounded, for both layouts and
+    /// both backward schedules (one (batch, kv head) pair runs the two-pass
+    /// schedule on several threads, eight pairs the fused one).
+    #[test]
+    fn bf16_storage_gives_the_bits_of_the_widening_path() {
+        use super::test_inputs::qkv;
+        use super::{attention_backward, attention_backward_packed, attention_forward, attention_forward_packed};
+        use half::bf16;
+        let h = |x: &[f64]| x.iter().map(|&v| bf16::from_f64(v)).collect::<Vec<bf16>>();
+        let w = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+        let round = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect::<Vec<u16>>();
+        let bits = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<u16>>();
+        for (d, threads) in [(dims(1, 4, 1, 200, 200, 32, true), 2), (dims(2, 4, 2, 150, 120, 16, true), 3), (dims(2, 4, 4, 130, 130, 8, false), 1)] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let (q, k, v) = qkv(&d, 21);
+                let (q, k, v) = (h(&q), h(&k), h(&v));
+                let dout = h(&crate::testing::rand_vec(22, d.q_len()));
+                // Separate tensors.
+                let (mut out32, mut lse32) = (vec![0f32; d.q_len()], vec![0f32; d.lse_len()]);
+                attention_forward(&d, &w(&q), &w(&k), &w(&v), &mut out32, &mut lse32);
+                let (mut out, mut lse) = (vec![bf16::ZERO; d.q_len()], vec![0f32; d.lse_len()]);
+                attention_forward(&d, &q, &k, &v, &mut out, &mut lse);
+                assert_eq!(bits(&out), round(&out32), "forward {d:?}");
+                assert_eq!(lse, lse32, "lse {d:?}");
+                let (mut dq32, mut dk32, mut dv32) = (vec![0f32; d.q_len()], vec![0f32; d.kv_len()], vec![0f32; d.kv_len()]);
+                attention_backward(&d, &w(&q), &w(&k), &w(&v), &w(&out), &lse, &w(&dout), &mut dq32, &mut dk32, &mut dv32);
+                let (mut dq, mut dk, mut dv) = (vec![bf16::ZERO; d.q_len()], vec![bf16::ZERO; d.kv_len()], vec![bf16::ZERO; d.kv_len()]);
+                attention_backward(&d, &q, &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv);
+                assert_eq!(bits(&dq), round(&dq32), "dq {d:?}");
+                assert_eq!(bits(&dk), round(&dk32), "dk {d:?}");
+                assert_eq!(bits(&dv), round(&dv32), "dv {d:?}");
+                // The fused projection of self-attention.
+                if d.seq_q == d.seq_kv {
+                    let packed = h(&crate::testing::rand_vec(23, d.packed_len()));
+                    let (mut out32, mut lse32) = (vec![0f32; d.q_len()], vec![0f32; d.lse_len()]);
+                    attention_forward_packed(&d, &w(&packed), &mut out32, &mut lse32);
+                    let (mut out, mut lse) = (vec![bf16::ZERO; d.q_len()], vec![0f32; d.lse_len()]);
+                    attention_forward_packed(&d, &packed, &mut out, &mut lse);
+                    assert_eq!(bits(&out), round(&out32), "packed forward {d:?}");
+                    assert_eq!(lse, lse32, "packed lse {d:?}");
+                    let mut g32 = vec![0f32; d.packed_len()];
+                    attention_backward_packed(&d, &w(&packed), &w(&out), &lse, &w(&dout), &mut g32);
+                    let mut g = vec![bf16::ZERO; d.packed_len()];
+                    attention_backward_packed(&d, &packed, &out, &lse, &dout, &mut g);
+                    assert_eq!(bits(&g), round(&g32), "packed backward {d:?}");
+                }
+            });
         }
     }
 }

@@ -7,6 +7,7 @@
 //! kernels need (`Q·Kᵀ`, `P·V`, `Pᵀ·dO`, ...), with operands laid out so the
 //! innermost loop runs over contiguous memory and auto-vectorises.
 
+use crate::cpu::mixed::Stored;
 use crate::Real;
 
 /// `c[m×n] = a[m×k] · b[k×n]` (or `+=` when `accumulate`), all row-major with
@@ -146,14 +147,14 @@ pub(super) fn axpy<T: Real>(y: &mut [T], alpha: T, x: &[T]) {
 /// (`dst` has leading dimension `r`). Puts a block of keys (or queries) in
 /// the layout whose rows [`matmul_tile`] streams contiguously.
 #[inline(always)]
-pub(super) fn transpose_scaled<T: Real>(src: &[T], rows: usize, cols: usize, ld: usize, scale: T, dst: &mut [T]) {
+pub(super) fn transpose_scaled<T: Real, S: Stored<T>>(src: &[S], rows: usize, cols: usize, ld: usize, scale: T, dst: &mut [T]) {
     if rows == 0 {
         return;
     }
     assert!(src.len() >= (rows - 1) * ld + cols && dst.len() >= rows * cols);
     for r in 0..rows {
         for (c, &x) in src[r * ld..r * ld + cols].iter().enumerate() {
-            dst[c * rows + r] = x * scale;
+            dst[c * rows + r] = x.load() * scale;
         }
     }
 }
@@ -161,7 +162,7 @@ pub(super) fn transpose_scaled<T: Real>(src: &[T], rows: usize, cols: usize, ld:
 /// `sum_i a[i] * b[i]` with eight independent partial sums (so it vectorises)
 /// combined in a fixed order (so it is deterministic).
 #[inline]
-pub(super) fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+pub(super) fn dot<T: Real, S: Stored<T>>(a: &[S], b: &[S]) -> T {
     assert_eq!(a.len(), b.len());
     let mut lanes = [T::zero(); 8];
     let ca = a.chunks_exact(8);
@@ -169,12 +170,12 @@ pub(super) fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (xa, xb) in ca.zip(cb) {
         for l in 0..8 {
-            lanes[l] += xa[l] * xb[l];
+            lanes[l] += xa[l].load() * xb[l].load();
         }
     }
     let mut tail = T::zero();
     for (&x, &y) in ra.iter().zip(rb) {
-        tail += x * y;
+        tail += x.load() * y.load();
     }
     ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + tail
 }

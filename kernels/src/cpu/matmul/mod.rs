@@ -5,16 +5,24 @@
 //! runs on any x86-64); everything else goes to the `gemm` crate, which is
 //! as fast on small products and is the portable path. Small products never
 //! touch the thread pool; batches of them run one product per task.
+//!
+//! bf16 products ([`matmul_bf16`]) run on the AVX-512 BF16 dot-product
+//! instruction where the CPU has it (`avx512_bf16.rs`), reading bf16
+//! operands directly and accumulating in f32; elsewhere they widen to f32
+//! and take the f32 path.
 
 use crate::desc::Gemm;
 use crate::Real;
 use gemm::Parallelism;
+use half::bf16;
 use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 use std::any::TypeId;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_bf16;
 
 /// From this many multiply-adds on, one product is split over the rayon
 /// pool (about 40 µs of single-core work): below it, waking the pool costs
@@ -121,6 +129,103 @@ fn single<T: Real>(g: &Gemm, a: &[T], b: &[T], bias: Option<&[T]>, c: &mut [T], 
                 *x += b;
             }
         }
+    }
+}
+
+/// Whether [`matmul_bf16`] runs natively on this CPU (AVX-512 BF16, checked
+/// at run time). Without it, bf16 products are computed by widening the
+/// operands to f32, which is what callers that account for memory should do
+/// themselves.
+pub fn bf16_native() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx512_bf16::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// [`matmul`] on bf16 operands: every element of `C` is one f32 sum over the
+/// depth (plus the old `C` when `g.accumulate`), rounded once to bf16.
+///
+/// With [`bf16_native`], the products run on the CPU's bf16 dot-product
+/// instruction, whose partial sums flush denormals to zero (a bf16 operand
+/// below `2^-126` in magnitude contributes nothing); otherwise the operands
+/// are widened into temporary f32 buffers and multiplied by the f32 path. The
+/// result does not depend on the number of threads.
+pub fn matmul_bf16(g: &Gemm, a: &[bf16], b: &[bf16], c: &mut [bf16]) {
+    product_bf16(g, a, b, None, c)
+}
+
+/// [`matmul_bias`] on bf16 operands: `C = op(A)·op(B) + bias`, the sum and the
+/// bias added in f32 and rounded once to bf16 (see [`matmul_bf16`]).
+/// `g.accumulate` must be off.
+pub fn matmul_bias_bf16(g: &Gemm, a: &[bf16], b: &[bf16], bias: &[bf16], c: &mut [bf16]) {
+    assert!(!g.accumulate, "matmul_bias: accumulating into C is not supported");
+    assert_eq!(bias.len(), g.n, "matmul_bias: the bias must have n elements");
+    product_bf16(g, a, b, Some(bias), c)
+}
+
+fn product_bf16(g: &Gemm, a: &[bf16], b: &[bf16], bias: Option<&[bf16]>, c: &mut [bf16]) {
+    assert!(a.len() >= g.len_a(), "matmul: A has {} elements, needs {}", a.len(), g.len_a());
+    assert!(b.len() >= g.len_b(), "matmul: B has {} elements, needs {}", b.len(), g.len_b());
+    assert_eq!(c.len(), g.len_c(), "matmul: C must have batch*m*n elements");
+    let (m, k, n) = (g.m, g.k, g.n);
+    if g.batch == 0 || m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        match bias {
+            Some(bias) => c.chunks_exact_mut(n).for_each(|row| row.copy_from_slice(bias)),
+            None if !g.accumulate => c.fill(bf16::ZERO),
+            None => {}
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if avx512_bf16::available() {
+        let one = |bi: usize, c_b: &mut [bf16], threads: usize| {
+            let a_b = &a[bi * g.batch_stride_a..][..m * k];
+            let b_b = &b[bi * g.batch_stride_b..][..k * n];
+            let (a_rs, a_cs) = if g.trans_a { (1, m) } else { (k, 1) };
+            let (b_rs, b_cs) = if g.trans_b { (1, k) } else { (n, 1) };
+            let bits = |x: &[bf16]| bytemuck::cast_slice::<bf16, u16>(x).as_ptr();
+            let av = avx512_bf16::View { ptr: bits(a_b), rs: a_rs, cs: a_cs };
+            let bv = avx512_bf16::View { ptr: bits(b_b), rs: b_rs, cs: b_cs };
+            let start = match bias {
+                Some(bias) => avx512_bf16::Start::Bias(bytemuck::cast_slice(bias)),
+                None if g.accumulate => avx512_bf16::Start::Accumulate,
+                None => avx512_bf16::Start::Overwrite,
+            };
+            let out = bytemuck::cast_slice_mut::<bf16, u16>(c_b).as_mut_ptr();
+            // SAFETY: the CPU features were checked; the views address the
+            // m×k and k×n elements of the slices taken above, with one unit
+            // stride each; `c_b` has m*n elements and is a distinct `&mut`.
+            unsafe { avx512_bf16::gemm_bf16(m, n, k, av, bv, out, start, threads) };
+        };
+        let macs = m * n * k;
+        if macs >= PAR_MIN_MACS {
+            let threads = rayon::current_num_threads();
+            c.chunks_mut(m * n).enumerate().for_each(|(bi, c_b)| one(bi, c_b, threads));
+        } else if macs.saturating_mul(g.batch) >= PAR_MIN_MACS {
+            c.par_chunks_mut(m * n).enumerate().for_each(|(bi, c_b)| one(bi, c_b, 1));
+        } else {
+            c.chunks_mut(m * n).enumerate().for_each(|(bi, c_b)| one(bi, c_b, 1));
+        }
+        return;
+    }
+    // The portable path: the f32 product of the widened operands, rounded once to bf16.
+    let widen = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+    let mut c32 = if g.accumulate { widen(c) } else { vec![0f32; c.len()] };
+    let (a32, b32) = (widen(&a[..g.len_a()]), widen(&b[..g.len_b()]));
+    match bias {
+        Some(bias) => matmul_bias(g, &a32, &b32, &widen(bias), &mut c32),
+        None => matmul(g, &a32, &b32, &mut c32),
+    }
+    for (o, &v) in c.iter_mut().zip(&c32) {
+        *o = bf16::from_f32(v);
     }
 }
 
@@ -405,5 +510,139 @@ mod tests {
                 check::<f64>(g, threads);
             }
         }
+    }
+
+    fn to_bf16(x: &[f64]) -> Vec<bf16> {
+        x.iter().map(|&v| bf16::from_f64(v)).collect()
+    }
+
+    fn bf16_to64(x: &[bf16]) -> Vec<f64> {
+        x.iter().map(|v| v.to_f64()).collect()
+    }
+
+    /// Checks a bf16 product against the f64 product of the same (bf16)
+    /// values, element by element, with the bound the arithmetic guarantees.
+    ///
+    /// The f32 sum of `k` exact products (bf16 × bf16 fits in f32), plus
+    /// the old `C` or the bias, is a chain of at most `k + 1` roundings of
+    /// relative size `u = 2^-24`, so it differs from the exact value `s` by at
+    /// most `γ·S` with `γ = (k+1)u / (1 - (k+1)u)` and `S` the sum of the
+    /// magnitudes of the terms; the native instruction may also flush a
+    /// partial sum below `2^-126` to zero, at most `2^-126` per step, and
+    /// treats bf16 inputs below `2^-126` as zero (the random inputs here are
+    /// far above it). Rounding that f32 value once to bf16 (8 significant
+    /// bits, to nearest) adds at most `2^-8` of it, or `2^-134` in bf16's
+    /// denormal range. So
+    /// `|got - s| <= 2^-8·|s| + (1 + 2^-8)·(γ·S + (k+1)·2^-126) + 2^-134`.
+    fn check_bf16(g: Gemm, bias: bool, seed: u64) {
+        let a = to_bf16(&rand_vec(seed, g.len_a()));
+        let b = to_bf16(&rand_vec(seed + 1, g.len_b()));
+        let c0 = to_bf16(&rand_vec(seed + 2, g.len_c()));
+        let bias_v = to_bf16(&rand_vec(seed + 3, g.n));
+        let (a64, b64, c64) = (bf16_to64(&a), bf16_to64(&b), bf16_to64(&c0));
+        let mut exact = naive(&g, &a64, &b64, &c64);
+        let abs = |x: &[f64]| x.iter().map(|v| v.abs()).collect::<Vec<f64>>();
+        // S: the same sum over magnitudes.
+        let mut mag = naive(&g, &abs(&a64), &abs(&b64), &abs(&c64));
+        let mut c = c0.clone();
+        if bias {
+            matmul_bias_bf16(&g, &a, &b, &bias_v, &mut c);
+            for (i, (e, s)) in exact.iter_mut().zip(&mut mag).enumerate() {
+                let bv = bias_v[i % g.n.max(1)].to_f64();
+                *e += bv;
+                *s += bv.abs();
+            }
+        } else {
+            matmul_bf16(&g, &a, &b, &mut c);
+        }
+        let u = 2f64.powi(-24);
+        let steps = (g.k + 1) as f64;
+        let gamma = steps * u / (1.0 - steps * u);
+        for (i, ((&got, &s), &mag)) in c.iter().zip(&exact).zip(&mag).enumerate() {
+            let bound = 2f64.powi(-8) * s.abs() + (1.0 + 2f64.powi(-8)) * (gamma * mag + steps * 2f64.powi(-126)) + 2f64.powi(-134);
+            let got = got.to_f64();
+            assert!((got - s).abs() <= bound, "{g:?} bias={bias}: element {i}: got {got}, exact {s}, bound {bound}");
+        }
+    }
+
+    #[test]
+    fn bf16_products_stay_within_the_rounding_bound() {
+        // Odd sizes, sizes one off the micro-tile (12×32) and off every block,
+        // odd depths (a lone last value per row), several row blocks, and
+        // every storage order, with and without accumulation and bias.
+        let shapes = [
+            (1, 1, 1, 1),
+            (1, 7, 7, 7),
+            (2, 13, 63, 33),
+            (1, 63, 65, 31),
+            (1, 65, 129, 63),
+            (1, 129, 1, 65),
+            (3, 5, 7, 129),
+            (1, 200, 1001, 70),
+            (1, 25, 2, 97),
+        ];
+        let mut seed = 100;
+        for &(batch, m, k, n) in &shapes {
+            for ta in [false, true] {
+                for tb in [false, true] {
+                    for (acc, bias) in [(false, false), (true, false), (false, true)] {
+                        check_bf16(Gemm::new(batch, m, k, n).trans_a(ta).trans_b(tb).accumulate(acc), bias, seed);
+                        seed += 4;
+                    }
+                }
+            }
+        }
+        // A weight shared by the batch (a linear layer), and one left operand
+        // shared instead.
+        check_bf16(Gemm::new(4, 17, 40, 50).batch_stride_b(0).trans_b(true), true, 7);
+        check_bf16(Gemm::new(3, 30, 41, 20).batch_stride_a(0).trans_a(true).accumulate(true), false, 8);
+        // Many small products in parallel, and large ones split inside.
+        check_bf16(Gemm::new(64, 16, 24, 20), false, 9);
+        check_bf16(Gemm::new(2, 150, 130, 260).trans_a(true), false, 10);
+    }
+
+    #[test]
+    fn bf16_product_wider_than_one_packed_column_block() {
+        // Deep enough that the packed right operand is split into column
+        // blocks (16 MiB each: 2048 columns at this depth), with an odd depth.
+        check_bf16(Gemm::new(1, 13, 4097, 2100), true, 11);
+        check_bf16(Gemm::new(1, 13, 4097, 2100).trans_b(true).accumulate(true), false, 12);
+    }
+
+    #[test]
+    fn bf16_results_identical_across_thread_counts() {
+        for g in [Gemm::new(1, 160, 300, 170), Gemm::new(1, 250, 271, 260).trans_a(true), Gemm::new(1, 20, 520, 400).trans_b(true), Gemm::new(6, 40, 64, 48)] {
+            let a = to_bf16(&rand_vec(21, g.len_a()));
+            let b = to_bf16(&rand_vec(22, g.len_b()));
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let mut c = vec![bf16::ZERO; g.len_c()];
+                pool.install(|| matmul_bf16(&g, &a, &b, &mut c));
+                c
+            };
+            let one = run(1);
+            for threads in [2, 3, 4] {
+                assert!(run(threads).iter().zip(&one).all(|(x, y)| x.to_bits() == y.to_bits()), "{g:?}: {threads} threads differ from 1");
+            }
+        }
+    }
+
+    /// What the instruction does with denormals, as documented on
+    /// [`matmul_bf16`]: a bf16 operand below `2^-126` counts as zero on the
+    /// native path, while the portable path keeps it (multiplied by `2^127`
+    /// it is 1, plainly visible in the sum).
+    #[test]
+    fn bf16_denormal_inputs_follow_the_documented_semantics() {
+        let tiny = bf16::from_bits(0x0040); // 2^-127, a bf16 denormal
+        assert!(tiny.to_f32() > 0.0 && tiny.to_f32() < f32::MIN_POSITIVE);
+        let g = Gemm::new(1, 1, 2, 1);
+        let a = [tiny, bf16::ONE];
+        let b = [bf16::from_f32(2.0f32.powi(127)), bf16::from_f32(1.5)];
+        let mut c = [bf16::ZERO];
+        matmul_bf16(&g, &a, &b, &mut c);
+        let kept = bf16::from_f32(tiny.to_f32() * b[0].to_f32() + 1.5);
+        let want = if bf16_native() { bf16::from_f32(1.5) } else { kept };
+        assert_eq!(c[0].to_bits(), want.to_bits(), "kept would be {kept}");
+        assert_ne!(kept.to_bits(), bf16::from_f32(1.5).to_bits(), "the case must tell the two apart");
     }
 }

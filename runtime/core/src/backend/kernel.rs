@@ -5,6 +5,8 @@
 
 use crate::backend::cuda::CudaCall;
 use crate::error::Result;
+use crate::tensor::DType;
+use tessera_kernels::cpu::mixed::{Dst, Src};
 use tessera_kernels::Real;
 
 /// An op's arithmetic, written once over the compute type `T` for the CPU,
@@ -16,6 +18,24 @@ pub(crate) trait FloatKernel {
     const WRITES_ALL: bool = false;
     /// Reads `inputs` and writes `outputs` (lengths as the op requested).
     fn run<T: Real>(&self, inputs: &[&[T]], outputs: &mut [&mut [T]]);
+
+    /// Whether [`run_half`](Self::run_half) computes this op on a CPU when
+    /// its primary input is `dtype` (bf16 or f16) and its inputs are stored
+    /// as `inputs`. The operands are then read and written in their own
+    /// dtype instead of being widened into whole f32 copies around
+    /// [`run`](Self::run) and narrowed back.
+    fn half(&self, _dtype: DType, _inputs: &[DType]) -> bool {
+        false
+    }
+
+    /// The op on operands in their storage dtype (only called where
+    /// [`half`](Self::half) said so): outputs of [`Out::Primary`] are in the
+    /// primary input's dtype, those of [`Out::Compute`] f32. Where the op's
+    /// f32 result rounded once to the output dtype is what [`run`](Self::run)
+    /// gives after widening, this must give the same bits.
+    fn run_half(&self, _inputs: &[Src<'_>], _outputs: Vec<Dst<'_>>) {
+        unreachable!("run_half on a kernel without a half-precision form")
+    }
 
     /// The same on a CUDA device: launches on `call`'s operands that write
     /// its outputs (same order, lengths and dtypes as [`run`](Self::run)'s;

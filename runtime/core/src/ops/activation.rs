@@ -8,11 +8,16 @@ use crate::tensor::check_same_shape;
 use crate::tensor::Tensor;
 use tessera_kernels::cpu::activation as k;
 
-float_kernel!(writes_all Gelu {} |s, i, o| k::gelu_forward(i[0], o[0]); cuda |s, c| cuda_launch::unary(c, "elementwise", "gelu"));
-float_kernel!(writes_all GeluBack {} |s, i, o| k::gelu_backward(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "gelu_backward"));
-float_kernel!(writes_all Silu {} |s, i, o| k::silu_forward(i[0], o[0]); cuda |s, c| cuda_launch::unary(c, "elementwise", "silu"));
-float_kernel!(writes_all SiluBack {} |s, i, o| k::silu_backward(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "silu_backward"));
-float_kernel!(writes_all SwiGlu {} |s, i, o| k::swiglu_forward(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "swiglu"));
+float_kernel!(writes_all Gelu {} |s, i, o| k::gelu_forward(i[0], o[0]); cuda |s, c| cuda_launch::unary(c, "elementwise", "gelu");
+    half |s, dtype, dtypes| true => |i, o| k::gelu_forward_mixed(i[0], o.remove(0)));
+float_kernel!(writes_all GeluBack {} |s, i, o| k::gelu_backward(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "gelu_backward");
+    half |s, dtype, dtypes| true => |i, o| k::gelu_backward_mixed(i[0], i[1], o.remove(0)));
+float_kernel!(writes_all Silu {} |s, i, o| k::silu_forward(i[0], o[0]); cuda |s, c| cuda_launch::unary(c, "elementwise", "silu");
+    half |s, dtype, dtypes| true => |i, o| k::silu_forward_mixed(i[0], o.remove(0)));
+float_kernel!(writes_all SiluBack {} |s, i, o| k::silu_backward(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "silu_backward");
+    half |s, dtype, dtypes| true => |i, o| k::silu_backward_mixed(i[0], i[1], o.remove(0)));
+float_kernel!(writes_all SwiGlu {} |s, i, o| k::swiglu_forward(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "swiglu");
+    half |s, dtype, dtypes| true => |i, o| k::swiglu_forward_mixed(i[0], i[1], o.remove(0)));
 float_kernel!(writes_all SwiGluBack {} |s, i, o| {
     let (dgate, dup) = o.split_at_mut(1);
     k::swiglu_backward(i[0], i[1], i[2], dgate[0], dup[0])
@@ -24,7 +29,12 @@ float_kernel!(writes_all SwiGluBack {} |s, i, o| {
     }
     // SAFETY: the kernel reads and writes `n` elements of each operand (checked).
     unsafe { c.launch("elementwise", "swiglu_backward", Grid::Items(n), &args) }
-});
+};
+    half |s, dtype, dtypes| true => |i, o| {
+        let mut o = o.into_iter();
+        let (dgate, dup) = (o.next().expect("dgate"), o.next().expect("dup"));
+        k::swiglu_backward_mixed(i[0], i[1], i[2], dgate, dup)
+    });
 
 /// GELU, tanh approximation: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {

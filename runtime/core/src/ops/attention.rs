@@ -6,29 +6,69 @@ use crate::backend::cuda::CudaCall;
 use crate::backend::kernel::Out;
 use crate::error::{Error, Result};
 use crate::tensor::check_same_shape;
-use crate::tensor::{Shape, Tensor};
+use crate::tensor::{DType, Shape, Tensor};
+use half::bf16;
 use tessera_kernels::cpu::attention::{
-    attention_backward as back, attention_backward_packed as back_packed, attention_forward as fwd, attention_forward_packed as fwd_packed, AttnDims,
+    attention_backward as back, attention_backward_bf16 as back_bf16, attention_backward_packed as back_packed,
+    attention_backward_packed_bf16 as back_packed_bf16, attention_forward as fwd, attention_forward_bf16 as fwd_bf16, attention_forward_packed as fwd_packed,
+    attention_forward_packed_bf16 as fwd_packed_bf16, AttnDims,
 };
+use tessera_kernels::cpu::mixed::Src;
 use tessera_kernels::cuda::attention::{self as gpu, AttnLayout, AttnParams, BackwardLaunches, Launch};
 use tessera_kernels::cuda::attention_tc as tc;
 
+// On bf16 operands (with the f32 log-sum-exp) the kernels read and write
+// bf16 directly: with the CPU's bf16 dot products their tile products use
+// them (probabilities and score gradients rounded to bf16 before they
+// multiply, every sum in f32), otherwise the f32 kernels give the bits of
+// widening first.
 float_kernel!(writes_all AttnFwd { d: AttnDims } |s, i, o| {
     let (out, lse) = o.split_at_mut(1);
     fwd(&s.d, i[0], i[1], i[2], out[0], lse[0])
-}; cuda |s, c| forward_cuda(c, &s.d, AttnLayout::Heads));
+}; cuda |s, c| forward_cuda(c, &s.d, AttnLayout::Heads);
+    half |s, dtype, dtypes| bf16_with_stats(dtype, dtypes, &[]) => |i, o| {
+        let (q, k, v) = (bf16_in(i[0]), bf16_in(i[1]), bf16_in(i[2]));
+        let (out, lse) = o.split_at_mut(1);
+        fwd_bf16(&s.d, q, k, v, out[0].as_bf16().expect("bf16 output"), lse[0].as_f32().expect("f32 lse"))
+    });
 float_kernel!(writes_all AttnBack { d: AttnDims } |s, i, o| {
     let (dq, rest) = o.split_at_mut(1);
     let (dk, dv) = rest.split_at_mut(1);
     back(&s.d, i[0], i[1], i[2], i[3], i[4], i[5], dq[0], dk[0], dv[0])
-}; cuda |s, c| backward_cuda(c, &s.d, AttnLayout::Heads));
+}; cuda |s, c| backward_cuda(c, &s.d, AttnLayout::Heads);
+    half |s, dtype, dtypes| bf16_with_stats(dtype, dtypes, &[4]) => |i, o| {
+        let lse = i[4].as_f32().expect("f32 lse");
+        let (dq, rest) = o.split_at_mut(1);
+        let (dk, dv) = rest.split_at_mut(1);
+        let (dq, dk, dv) = (dq[0].as_bf16().expect("bf16"), dk[0].as_bf16().expect("bf16"), dv[0].as_bf16().expect("bf16"));
+        back_bf16(&s.d, bf16_in(i[0]), bf16_in(i[1]), bf16_in(i[2]), bf16_in(i[3]), lse, bf16_in(i[5]), dq, dk, dv)
+    });
 
 float_kernel!(writes_all AttnFwdPacked { d: AttnDims } |s, i, o| {
     let (out, lse) = o.split_at_mut(1);
     fwd_packed(&s.d, i[0], out[0], lse[0])
-}; cuda |s, c| forward_cuda(c, &s.d, AttnLayout::Packed));
+}; cuda |s, c| forward_cuda(c, &s.d, AttnLayout::Packed);
+    half |s, dtype, dtypes| bf16_with_stats(dtype, dtypes, &[]) => |i, o| {
+        let (out, lse) = o.split_at_mut(1);
+        fwd_packed_bf16(&s.d, bf16_in(i[0]), out[0].as_bf16().expect("bf16 output"), lse[0].as_f32().expect("f32 lse"))
+    });
 float_kernel!(writes_all AttnBackPacked { d: AttnDims } |s, i, o| back_packed(&s.d, i[0], i[1], i[2], i[3], o[0]);
-    cuda |s, c| backward_cuda(c, &s.d, AttnLayout::Packed));
+cuda |s, c| backward_cuda(c, &s.d, AttnLayout::Packed);
+half |s, dtype, dtypes| bf16_with_stats(dtype, dtypes, &[2]) => |i, o| {
+    let lse = i[2].as_f32().expect("f32 lse");
+    back_packed_bf16(&s.d, bf16_in(i[0]), bf16_in(i[1]), lse, bf16_in(i[3]), o[0].as_bf16().expect("bf16 output"))
+});
+
+/// Whether an attention op runs on bf16 storage directly: every input is
+/// bf16 except those at `stats`, the f32 log-sum-exp the forward saved.
+fn bf16_with_stats(dtype: DType, dtypes: &[DType], stats: &[usize]) -> bool {
+    dtype == DType::BF16 && dtypes.iter().enumerate().all(|(k, &d)| d == if stats.contains(&k) { DType::F32 } else { DType::BF16 })
+}
+
+/// A bf16 input (the caller's condition checked the dtype).
+fn bf16_in<'a>(x: Src<'a>) -> &'a [bf16] {
+    x.as_bf16().expect("a bf16 input")
+}
 
 /// The grid of one attention launch, which fixes its own block and shared memory.
 fn grid(l: &Launch) -> Grid {

@@ -8,31 +8,49 @@ use crate::error::{Error, Result};
 use crate::tensor::{check_device, check_same_shape};
 use crate::tensor::{DType, Tensor};
 use tessera_kernels::cpu::elementwise as k;
+use tessera_kernels::cpu::mixed::{self, Cut};
 use tessera_kernels::Real;
 
-float_kernel!(writes_all Add {} |s, i, o| k::add(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "add"));
-float_kernel!(writes_all Sub {} |s, i, o| k::sub(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "sub"));
-float_kernel!(writes_all Mul {} |s, i, o| k::mul(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "mul"));
+float_kernel!(writes_all Add {} |s, i, o| k::add(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "add");
+    half |s, dtype, dtypes| true => |i, o| k::add_mixed(i[0], i[1], o.remove(0)));
+float_kernel!(writes_all Sub {} |s, i, o| k::sub(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "sub");
+    half |s, dtype, dtypes| true => |i, o| k::sub_mixed(i[0], i[1], o.remove(0)));
+float_kernel!(writes_all Mul {} |s, i, o| k::mul(i[0], i[1], o[0]); cuda |s, c| cuda_launch::binary(c, "elementwise", "mul");
+    half |s, dtype, dtypes| true => |i, o| k::mul_mixed(i[0], i[1], o.remove(0)));
 float_kernel!(writes_all Scale { by: f64 } |s, i, o| k::scale(i[0], T::lit(s.by), o[0]); cuda |s, c| {
     let n = c.output_len(0);
     c.at_least(Arg::Input(0), n)?;
     // SAFETY: the kernel reads and writes `n` elements: output 0's length, which input 0 has (checked).
     unsafe { c.launch("elementwise", "scale", Grid::Items(n), &[Arg::Input(0), Arg::F32(s.by as f32), Arg::Output(0), Arg::U64(n)]) }
-});
+};
+    half |s, dtype, dtypes| true => |i, o| k::scale_mixed(i[0], s.by as f32, o.remove(0)));
 float_kernel!(writes_all AddBias {} |s, i, o| k::add_bias(i[0], i[1], o[0]); cuda |s, c| {
     let (n, cols) = (c.output_len(0), c.input_len(1));
     c.at_least(Arg::Input(0), n)?;
     // SAFETY: the kernel reads and writes `n` elements (output 0's length, which input 0 has,
     // checked) and the bias at `i % cols`, below its length `cols`.
     unsafe { c.launch("elementwise", "add_bias", Grid::Items(n), &[Arg::Input(0), Arg::Input(1), Arg::Output(0), Arg::U64(n), Arg::U64(cols)]) }
-});
+};
+    half |s, dtype, dtypes| true => |i, o| {
+        let cols = i[1].len();
+        // An empty bias goes with an empty input: nothing to compute.
+        if let Some(rows) = i[0].len().checked_div(cols) {
+            mixed::blocked(rows, &[(i[0], Cut::Units(cols)), (i[1], Cut::Whole)], vec![(o.remove(0), cols)], |_, x, y| k::add_bias(x[0], x[1], y[0]));
+        }
+    });
 float_kernel!(BiasGrad {} |s, i, o| k::bias_grad(i[0], o[0]); cuda |s, c| {
     let cols = c.output_len(0);
     let rows = c.input_len(0).checked_div(cols).unwrap_or(0);
     // SAFETY: the kernel reads `rows * cols` elements, at most input 0's length, and writes
     // `cols`, output 0's length.
     unsafe { c.launch("reduce", "col_sum", Grid::Items(cols), &[Arg::Input(0), Arg::Output(0), Arg::U64(rows), Arg::U64(cols)]) }
-});
+};
+    // The sums read the bf16 gradient directly, in the f32 kernel's order.
+    half |s, dtype, dtypes| dtypes[0] == DType::BF16 => |i, o| {
+        let mut db = vec![0f32; o[0].len()];
+        k::bias_grad_bf16(i[0].as_bf16().expect("bf16"), &mut db);
+        o[0].store(&db);
+    });
 
 fn binary<K: super::FloatKernel>(op: &'static str, kernel: &K, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     check_same_shape(op, "operands", a, b)?;

@@ -7,14 +7,31 @@ use crate::backend::kernel::Out;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Shape, Tensor};
 use tessera_kernels::cpu::cross_entropy as k;
+use tessera_kernels::cpu::mixed::{self, Cut};
 
 float_kernel!(CeFwd<'a> { targets: &'a [u32], vocab: usize, ignore: Option<u32> } |s, i, o| {
     let (losses, lse) = o.split_at_mut(1);
     k::cross_entropy_forward(i[0], s.vocab, s.targets, s.ignore, losses[0], lse[0]);
-}; cuda |s, c| rows_cuda(c, s.targets, s.vocab, 0, s.ignore, true));
+}; cuda |s, c| rows_cuda(c, s.targets, s.vocab, 0, s.ignore, true);
+    half |s, dtype, dtypes| true => |i, o| {
+        let rows = s.targets.len();
+        mixed::blocked(rows, &[(i[0], Cut::Units(s.vocab))], o.into_iter().map(|d| (d, 1)).collect(), |r0, x, y| {
+            let (losses, lse) = y.split_at_mut(1);
+            let t = &s.targets[r0..r0 + losses[0].len()];
+            k::cross_entropy_forward(x[0], s.vocab, t, s.ignore, losses[0], lse[0]);
+        })
+    });
 float_kernel!(CeBack<'a> { targets: &'a [u32], vocab: usize, ignore: Option<u32> } |s, i, o| {
     k::cross_entropy_backward(i[0], i[1], s.vocab, s.targets, s.ignore, i[2], o[0])
-}; cuda |s, c| backward_cuda(c, s.targets, s.vocab, 0, s.ignore));
+}; cuda |s, c| backward_cuda(c, s.targets, s.vocab, 0, s.ignore);
+    half |s, dtype, dtypes| true => |i, o| {
+        let rows = s.targets.len();
+        let ins = [(i[0], Cut::Units(s.vocab)), (i[1], Cut::Units(1)), (i[2], Cut::Units(1))];
+        mixed::blocked(rows, &ins, vec![(o.remove(0), s.vocab)], |r0, x, y| {
+            let t = &s.targets[r0..r0 + x[1].len()];
+            k::cross_entropy_backward(x[0], x[1], s.vocab, t, s.ignore, x[2], y[0])
+        })
+    });
 float_kernel!(Mean { count: usize } |s, i, o| {
     o[0][0] = tessera_kernels::cpu::reduce::sum(i[0]) / T::lit(s.count.max(1) as f64)
 }; cuda |s, c| {
@@ -139,10 +156,26 @@ pub fn cross_entropy_backward(logits: &Tensor, targets: &Tensor, ignore_index: O
 float_kernel!(ShardStats<'a> { targets: &'a [u32], vocab: usize, start: u32, ignore: Option<u32> } |s, i, o| {
     let (lse, tl) = o.split_at_mut(1);
     k::vocab_shard_stats(i[0], s.vocab, s.start, s.targets, s.ignore, lse[0], tl[0])
-}; cuda |s, c| rows_cuda(c, s.targets, s.vocab, s.start, s.ignore, false));
+}; cuda |s, c| rows_cuda(c, s.targets, s.vocab, s.start, s.ignore, false);
+    half |s, dtype, dtypes| true => |i, o| {
+        let rows = s.targets.len();
+        mixed::blocked(rows, &[(i[0], Cut::Units(s.vocab))], o.into_iter().map(|d| (d, 1)).collect(), |r0, x, y| {
+            let (lse, tl) = y.split_at_mut(1);
+            let t = &s.targets[r0..r0 + lse[0].len()];
+            k::vocab_shard_stats(x[0], s.vocab, s.start, t, s.ignore, lse[0], tl[0])
+        })
+    });
 float_kernel!(ShardBack<'a> { targets: &'a [u32], vocab: usize, start: u32, ignore: Option<u32> } |s, i, o| {
     k::vocab_shard_backward(i[0], i[1], s.vocab, s.start, s.targets, s.ignore, i[2], o[0])
-}; cuda |s, c| backward_cuda(c, s.targets, s.vocab, s.start, s.ignore));
+}; cuda |s, c| backward_cuda(c, s.targets, s.vocab, s.start, s.ignore);
+    half |s, dtype, dtypes| true => |i, o| {
+        let rows = s.targets.len();
+        let ins = [(i[0], Cut::Units(s.vocab)), (i[1], Cut::Units(1)), (i[2], Cut::Units(1))];
+        mixed::blocked(rows, &ins, vec![(o.remove(0), s.vocab)], |r0, x, y| {
+            let t = &s.targets[r0..r0 + x[1].len()];
+            k::vocab_shard_backward(x[0], x[1], s.vocab, s.start, t, s.ignore, x[2], y[0])
+        })
+    });
 
 fn check_shard(
     op: &'static str,

@@ -5,11 +5,16 @@ use crate::backend::cuda::args::{Arg, Grid};
 use crate::backend::kernel::Out;
 use crate::error::{Error, Result};
 use crate::tensor::check_device;
+use crate::tensor::DType;
 use crate::tensor::{Shape, Tensor};
-use tessera_kernels::cpu::matmul::{matmul as gemm, matmul_bias as gemm_bias};
+use tessera_kernels::cpu::matmul::{bf16_native, matmul as gemm, matmul_bf16 as gemm_bf16, matmul_bias as gemm_bias, matmul_bias_bf16 as gemm_bias_bf16};
 use tessera_kernels::desc::Gemm;
 
-float_kernel!(writes_all MatMul { g: Gemm } |s, i, o| gemm(&s.g, i[0], i[1], o[0]); cuda |s, c| c.gemm(&s.g));
+float_kernel!(writes_all MatMul { g: Gemm } |s, i, o| gemm(&s.g, i[0], i[1], o[0]); cuda |s, c| c.gemm(&s.g);
+half |s, dtype, dtypes| native_bf16(dtype, dtypes) => |i, o| {
+    let (a, b) = (i[0].as_bf16().expect("bf16"), i[1].as_bf16().expect("bf16"));
+    gemm_bf16(&s.g, a, b, o[0].as_bf16().expect("bf16 output"))
+});
 float_kernel!(writes_all MatMulBias { g: Gemm } |s, i, o| gemm_bias(&s.g, i[0], i[1], i[2], o[0]); cuda |s, c| {
     // The product, rounded to the output dtype, then the bias added in
     // place: the same rounding as the CPU's fused pass.
@@ -18,7 +23,21 @@ float_kernel!(writes_all MatMulBias { g: Gemm } |s, i, o| gemm_bias(&s.g, i[0], 
     // SAFETY: the kernel updates output 0's `n` elements in place and reads the bias at
     // `i % cols`, below its length `cols`.
     unsafe { c.launch("elementwise", "add_bias", Grid::Items(n), &[Arg::Output(0), Arg::Input(2), Arg::Output(0), Arg::U64(n), Arg::U64(cols)]) }
-});
+};
+    half |s, dtype, dtypes| native_bf16(dtype, dtypes) => |i, o| {
+        let (a, b, bias) = (i[0].as_bf16().expect("bf16"), i[1].as_bf16().expect("bf16"), i[2].as_bf16().expect("bf16"));
+        gemm_bias_bf16(&s.g, a, b, bias, o[0].as_bf16().expect("bf16 output"))
+    });
+
+/// Whether a product of operands of `dtypes` (primary `dtype`) runs on the
+/// CPU's bf16 dot-product instruction: all bf16, on a CPU that has it. The
+/// product then reads the bf16 operands directly, accumulates in f32 and
+/// rounds once (its partial sums flush denormals to zero, see
+/// [`tessera_kernels::cpu::matmul::matmul_bf16`]); otherwise the operands are
+/// widened to f32 as for every other op.
+fn native_bf16(dtype: DType, dtypes: &[DType]) -> bool {
+    dtype == DType::BF16 && dtypes.iter().all(|&d| d == DType::BF16) && bf16_native()
+}
 
 /// A matrix operand: a contiguous tensor, and whether its last two dimensions
 /// are stored transposed (so `x.t()` costs no copy).

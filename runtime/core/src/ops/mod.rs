@@ -15,6 +15,8 @@ mod cuda_launch;
 mod dropout;
 mod elementwise;
 mod embedding;
+#[cfg(test)]
+mod half_tests;
 mod loss;
 mod matmul;
 mod norm;
@@ -56,14 +58,22 @@ use crate::tensor::{check_device, check_float, DType, Shape, Tensor};
 /// ([`FloatKernel::cuda`]), with the struct as `s` and the
 /// [`CudaCall`](crate::backend::cuda::CudaCall) as `c`; without it the op
 /// returns `NotImplementedOnCuda` on a GPU.
+///
+/// A trailing `; half |s, dtype, dtypes| condition => |i, o| body` is its
+/// form on half-precision CPU operands ([`FloatKernel::half`] and
+/// [`FloatKernel::run_half`]): `condition` says for which primary dtype and
+/// input dtypes it applies, `body` gets the inputs as
+/// [`Src`](tessera_kernels::cpu::mixed::Src) views and the outputs as
+/// [`Dst`](tessera_kernels::cpu::mixed::Dst) views. Without it,
+/// half-precision operands are widened to f32 around `run`.
 macro_rules! float_kernel {
-    (writes_all $name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* $(,)? } |$s:ident, $i:ident, $o:ident| $body:expr $(; cuda |$cs:ident, $c:ident| $cuda:expr)?) => {
-        float_kernel!(@impl true, $name $(<$lt>)? { $($f : $t),* } |$s, $i, $o| $body $(; cuda |$cs, $c| $cuda)?);
+    (writes_all $name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* $(,)? } |$s:ident, $i:ident, $o:ident| $body:expr $(; cuda |$cs:ident, $c:ident| $cuda:expr)? $(; half |$hs:ident, $hd:ident, $hdt:ident| $when:expr => |$hi:ident, $ho:ident| $hbody:expr)?) => {
+        float_kernel!(@impl true, $name $(<$lt>)? { $($f : $t),* } |$s, $i, $o| $body $(; cuda |$cs, $c| $cuda)? $(; half |$hs, $hd, $hdt| $when => |$hi, $ho| $hbody)?);
     };
-    ($name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* $(,)? } |$s:ident, $i:ident, $o:ident| $body:expr $(; cuda |$cs:ident, $c:ident| $cuda:expr)?) => {
-        float_kernel!(@impl false, $name $(<$lt>)? { $($f : $t),* } |$s, $i, $o| $body $(; cuda |$cs, $c| $cuda)?);
+    ($name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* $(,)? } |$s:ident, $i:ident, $o:ident| $body:expr $(; cuda |$cs:ident, $c:ident| $cuda:expr)? $(; half |$hs:ident, $hd:ident, $hdt:ident| $when:expr => |$hi:ident, $ho:ident| $hbody:expr)?) => {
+        float_kernel!(@impl false, $name $(<$lt>)? { $($f : $t),* } |$s, $i, $o| $body $(; cuda |$cs, $c| $cuda)? $(; half |$hs, $hd, $hdt| $when => |$hi, $ho| $hbody)?);
     };
-    (@impl $all:expr, $name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* } |$s:ident, $i:ident, $o:ident| $body:expr $(; cuda |$cs:ident, $c:ident| $cuda:expr)?) => {
+    (@impl $all:expr, $name:ident $(<$lt:lifetime>)? { $($f:ident : $t:ty),* } |$s:ident, $i:ident, $o:ident| $body:expr $(; cuda |$cs:ident, $c:ident| $cuda:expr)? $(; half |$hs:ident, $hd:ident, $hdt:ident| $when:expr => |$hi:ident, $ho:ident| $hbody:expr)?) => {
         struct $name $(<$lt>)? { $($f: $t),* }
         impl $(<$lt>)? $crate::backend::kernel::FloatKernel for $name $(<$lt>)? {
             const WRITES_ALL: bool = $all;
@@ -77,6 +87,18 @@ macro_rules! float_kernel {
                 fn cuda(&self, $c: &mut $crate::backend::cuda::CudaCall) -> $crate::error::Result<()> {
                     let $cs = self;
                     $cuda
+                }
+            )?
+            $(
+                #[allow(unused_variables)]
+                fn half(&self, $hd: $crate::tensor::DType, $hdt: &[$crate::tensor::DType]) -> bool {
+                    let $hs = self;
+                    $when
+                }
+                #[allow(unused_variables, unused_mut)]
+                fn run_half(&self, $hi: &[tessera_kernels::cpu::mixed::Src<'_>], mut $ho: Vec<tessera_kernels::cpu::mixed::Dst<'_>>) {
+                    let $hs = self;
+                    $hbody
                 }
             )?
         }

@@ -6,7 +6,9 @@ use crate::backend::cuda::CudaCall;
 use crate::backend::kernel::Out;
 use crate::error::{Error, Result};
 use crate::tensor::check_same_shape;
+use crate::tensor::DType;
 use crate::tensor::{Shape, Tensor};
+use tessera_kernels::cpu::mixed::{self, Cut};
 use tessera_kernels::cpu::norm as k;
 
 float_kernel!(LayerNormFwd { eps: f64, row: usize, has_beta: bool } |s, i, o| {
@@ -23,7 +25,20 @@ float_kernel!(LayerNormFwd { eps: f64, row: usize, has_beta: bool } |s, i, o| {
     // SAFETY: the kernel reads `rows * cols` inputs and `cols` parameters, and writes
     // `rows * cols` outputs and `rows` statistics each (all checked; `rows` is output 1's length).
     unsafe { c.launch("norm", "layernorm", Grid::Rows { rows, cols }, &args) }
-});
+};
+    half |s, dtype, dtypes| true => |i, o| {
+        let rows = i[0].len() / s.row;
+        let mut ins = vec![(i[0], Cut::Units(s.row)), (i[1], Cut::Whole)];
+        if s.has_beta {
+            ins.push((i[2], Cut::Whole));
+        }
+        let widths = [s.row, 1, 1];
+        mixed::blocked(rows, &ins, o.into_iter().zip(widths).collect(), |_, x, y| {
+            let (out, rest) = y.split_at_mut(1);
+            let (mean, rstd) = rest.split_at_mut(1);
+            k::layernorm_forward(x[0], x[1], s.has_beta.then(|| x[2]), s.eps, s.row, out[0], mean[0], rstd[0])
+        })
+    });
 float_kernel!(LayerNormBack { row: usize, has_beta: bool } |s, i, o| {
     let (dx, rest) = o.split_at_mut(1);
     let (dgamma, dbeta) = rest.split_at_mut(1);
@@ -33,7 +48,20 @@ float_kernel!(LayerNormBack { row: usize, has_beta: bool } |s, i, o| {
     // Inputs: x, gamma, mean, rstd, dy.
     let dbeta = if s.has_beta { Arg::Output(2) } else { Arg::Null };
     norm_backward_cuda(c, s.row, Arg::Stats(2), Arg::Stats(3), Arg::Input(4), dbeta)
-});
+};
+    // The statistics are f32 (saved by the forward in the compute dtype).
+    half |s, dtype, dtypes| dtypes[2] == DType::F32 && dtypes[3] == DType::F32 => |i, o| {
+        let (gamma, mean, rstd) = (i[1].to_f32(), i[2].to_f32(), i[3].to_f32());
+        let mut o = o.into_iter();
+        let dx = o.next().expect("dx");
+        let mut dgamma = vec![0f32; s.row];
+        let mut dbeta = vec![0f32; if s.has_beta { s.row } else { 0 }];
+        k::layernorm_backward_mixed(i[0], &gamma, &mean, &rstd, i[4], s.row, dx, &mut dgamma, s.has_beta.then_some(&mut dbeta[..]));
+        o.next().expect("dgamma").store(&dgamma);
+        if let Some(mut db) = o.next() {
+            db.store(&dbeta);
+        }
+    });
 float_kernel!(RmsNormFwd { eps: f64, row: usize } |s, i, o| {
     let (y, rstd) = o.split_at_mut(1);
     k::rmsnorm_forward(i[0], i[1], s.eps, s.row, y[0], rstd[0])
@@ -46,14 +74,29 @@ float_kernel!(RmsNormFwd { eps: f64, row: usize } |s, i, o| {
     // SAFETY: the kernel reads `rows * cols` inputs and `cols` parameters, and writes
     // `rows * cols` outputs and `rows` statistics (all checked; `rows` is output 1's length).
     unsafe { c.launch("norm", "rmsnorm", Grid::Rows { rows, cols }, &args) }
-});
+};
+    half |s, dtype, dtypes| true => |i, o| {
+        let rows = i[0].len() / s.row;
+        mixed::blocked(rows, &[(i[0], Cut::Units(s.row)), (i[1], Cut::Whole)], o.into_iter().zip([s.row, 1]).collect(), |_, x, y| {
+            let (out, rstd) = y.split_at_mut(1);
+            k::rmsnorm_forward(x[0], x[1], s.eps, s.row, out[0], rstd[0])
+        })
+    });
 float_kernel!(RmsNormBack { row: usize } |s, i, o| {
     let (dx, dgamma) = o.split_at_mut(1);
     k::rmsnorm_backward(i[0], i[1], i[2], i[3], s.row, dx[0], dgamma[0])
 }; cuda |s, c| {
     // Inputs: x, gamma, rstd, dy; no mean.
     norm_backward_cuda(c, s.row, Arg::Null, Arg::Stats(2), Arg::Input(3), Arg::Null)
-});
+};
+    half |s, dtype, dtypes| dtypes[2] == DType::F32 => |i, o| {
+        let (gamma, rstd) = (i[1].to_f32(), i[2].to_f32());
+        let mut o = o.into_iter();
+        let dx = o.next().expect("dx");
+        let mut dgamma = vec![0f32; s.row];
+        k::rmsnorm_backward_mixed(i[0], &gamma, &rstd, i[3], s.row, dx, &mut dgamma);
+        o.next().expect("dgamma").store(&dgamma);
+    });
 
 /// Both norms' backward on a GPU: `dx` per row (output 0), then `dgamma`
 /// (output 1) and `dbeta` (`Arg::Null` when there is none) per column.

@@ -23,6 +23,8 @@ pub(crate) fn convert(dev: &CpuDevice, src: &CpuStorage, range: Range<usize>, to
         (S::U32(s), DType::I32) => S::I32(dev.buffer(s[range].iter().map(|&x| x.min(i32::MAX as u32) as i32).collect())),
         (S::F64(s), DType::I32) => S::I32(dev.buffer(s[range].iter().map(|&x| x as i32).collect())),
         (S::F64(s), DType::U32) => S::U32(dev.buffer(s[range].iter().map(|&x| x as u32).collect())),
+        // Widening to f32 is the last step: no copy of the widened buffer.
+        (_, DType::F32) => S::F32(to_f32(dev, src, range)),
         _ => {
             let f32s = to_f32(dev, src, range);
             from_f32(dev, &f32s, to)
