@@ -68,19 +68,17 @@
 //! every collective and reported on every rank as
 //! [`Error::CollectiveMismatch`].
 
-mod data;
 mod state;
 
 use super::comm::{Communicator, Pending};
-use data::{concat, cpu_device, reduce, wrap};
-use parking_lot::Mutex;
+use super::serial::{OnPanic, Serial};
+use crate::host::{concat, cpu_device, reduce, wrap};
 use state::{GroupState, Kind, Payload, Post, World};
 use std::fmt;
 use std::ops::Range;
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
-use std::thread::{self, JoinHandle};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
 use std::time::Duration;
 use tessera_core::tensor::Tensor;
 use tessera_core::Device;
@@ -213,8 +211,9 @@ impl Group {
             return d.unsupported("the in-process communicator (CUDA ranks will communicate through NCCL)");
         }
         self.state.attach(me, device)?;
-        let core = Core { world: self.world.clone(), group: self.state.clone(), me, device: device.clone(), step: AtomicU64::new(0), exec: Mutex::new(()) };
-        Ok(InProcessComm { core: Arc::new(core), outstanding: Arc::new(AtomicUsize::new(0)), worker: Mutex::new(None) })
+        let core = Core { world: self.world.clone(), group: self.state.clone(), me, device: device.clone(), step: AtomicU64::new(0) };
+        let on_panic: OnPanic<Core> = Arc::new(|core, msg| core.world.fail(core.world_rank(), format!("its communication thread panicked: {msg}")));
+        Ok(InProcessComm { serial: Serial::new(core, rank, on_panic) })
     }
 }
 
@@ -228,97 +227,35 @@ impl Group {
 /// Dropping it finishes the queued calls, then leaves the group; dropped
 /// while its thread panics, it stops the world so no peer waits for it.
 pub struct InProcessComm {
-    core: Arc<Core>,
-    /// Calls submitted to the background thread and not yet finished.
-    outstanding: Arc<AtomicUsize>,
-    worker: Mutex<Option<Worker>>,
-}
-
-type Job = Box<dyn FnOnce() + Send>;
-
-struct Worker {
-    jobs: mpsc::Sender<Job>,
-    thread: JoinHandle<()>,
+    serial: Serial<Core>,
 }
 
 impl InProcessComm {
     /// This rank's index in the world (its group rank is [`Communicator::rank`]).
     pub fn world_rank(&self) -> usize {
-        self.core.world_rank()
+        self.core().world_rank()
     }
 
     /// The world ranks of the group's members, in group-rank order.
     pub fn group_ranks(&self) -> &[usize] {
-        &self.core.group.ranks
+        &self.core().group.ranks
     }
 
     /// The device received messages are allocated on.
     pub fn device(&self) -> &Device {
-        &self.core.device
+        &self.core().device
     }
 
-    /// Runs `f` now on this thread, or behind the queued background calls.
+    fn core(&self) -> &Core {
+        self.serial.core()
+    }
+
     fn run<T: Send + 'static>(&self, op: &'static str, f: impl FnOnce(&Core) -> Result<T> + Send + 'static) -> Result<T> {
-        if self.outstanding.load(Ordering::Acquire) == 0 {
-            let _turn = self.core.exec.lock();
-            return f(&self.core);
-        }
-        self.submit(op, f)?.wait()
+        self.serial.run(op, f)
     }
 
-    /// Queues `f` on the background thread, starting it if needed.
     fn submit<T: Send + 'static>(&self, op: &'static str, f: impl FnOnce(&Core) -> Result<T> + Send + 'static) -> Result<Pending<T>> {
-        let (done, pending) = Pending::channel(op, self.world_rank());
-        let core = self.core.clone();
-        let outstanding = self.outstanding.clone();
-        let job: Job = Box::new(move || {
-            // Decremented even if `f` panics, so later calls do not queue
-            // behind a call that will never finish.
-            struct Finished(Arc<AtomicUsize>);
-            impl Drop for Finished {
-                fn drop(&mut self) {
-                    self.0.fetch_sub(1, Ordering::AcqRel);
-                }
-            }
-            let finished = Finished(outstanding);
-            let result = {
-                let _turn = core.exec.lock();
-                f(&core)
-            };
-            drop(finished);
-            done.complete(result);
-        });
-        let mut worker = self.worker.lock();
-        if worker.is_none() {
-            *worker = Some(self.start_worker()?);
-        }
-        self.outstanding.fetch_add(1, Ordering::AcqRel);
-        if worker.as_ref().expect("started above").jobs.send(job).is_err() {
-            self.outstanding.fetch_sub(1, Ordering::AcqRel);
-            return Err(Error::PeerFailed { rank: self.world_rank(), reason: format!("its communication thread has stopped, so {op} cannot start") });
-        }
-        Ok(pending)
-    }
-
-    fn start_worker(&self) -> Result<Worker> {
-        let (jobs, queue) = mpsc::channel::<Job>();
-        let core = self.core.clone();
-        let rank = self.world_rank();
-        let thread = thread::Builder::new()
-            .name(format!("tessera-comm-{rank}"))
-            .spawn(move || {
-                for job in queue {
-                    // A panic inside a collective is a bug, but it must not
-                    // leave the peers waiting: report it and keep serving, so
-                    // the queued calls fail fast instead of never finishing.
-                    if let Err(p) = catch_unwind(AssertUnwindSafe(job)) {
-                        let msg = tessera_core::error::panic_message(p.as_ref());
-                        core.world.fail(rank, format!("its communication thread panicked: {msg}"));
-                    }
-                }
-            })
-            .map_err(|source| Error::Thread { what: "background communication", source })?;
-        Ok(Worker { jobs, thread })
+        self.serial.submit(op, f)
     }
 }
 
@@ -326,8 +263,8 @@ impl fmt::Debug for InProcessComm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("InProcessComm")
             .field("world_rank", &self.world_rank())
-            .field("group", &self.core.group.ranks)
-            .field("device", &self.core.device)
+            .field("group", &self.core().group.ranks)
+            .field("device", &self.core().device)
             .finish()
     }
 }
@@ -336,26 +273,20 @@ impl Drop for InProcessComm {
     fn drop(&mut self) {
         let rank = self.world_rank();
         if thread::panicking() {
-            self.core.world.fail(rank, "its thread panicked (that panic's message is the root cause)".into());
+            self.core().world.fail(rank, "its thread panicked (that panic's message is the root cause)".into());
         }
-        if let Some(w) = self.worker.lock().take() {
-            // Closing the queue lets the thread finish what was submitted
-            // (each call bounded by the timeout) and exit.
-            drop(w.jobs);
-            let _ = w.thread.join();
-        }
-        self.core
-            .group
-            .depart(self.core.me, format!("its communicator for group {:?} was dropped while the other ranks still needed it", self.core.group.ranks));
+        self.serial.shut_down();
+        let core = self.core();
+        core.group.depart(core.me, format!("its communicator for group {:?} was dropped while the other ranks still needed it", core.group.ranks));
     }
 }
 
 impl Communicator for InProcessComm {
     fn rank(&self) -> usize {
-        self.core.me
+        self.core().me
     }
     fn size(&self) -> usize {
-        self.core.group.size()
+        self.core().group.size()
     }
     fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
         let t = t.clone();
@@ -380,10 +311,10 @@ impl Communicator for InProcessComm {
         self.run("barrier", |c| c.barrier())
     }
     fn send(&self, t: &Tensor, peer: usize) -> Result<()> {
-        self.core.send(t, peer)
+        self.core().send(t, peer)
     }
     fn recv(&self, peer: usize) -> Result<Tensor> {
-        self.core.recv(peer)
+        self.core().recv(peer)
     }
     fn all_reduce_sum_async(&self, t: &Tensor) -> Result<Pending> {
         let t = t.clone();
@@ -408,10 +339,10 @@ impl Communicator for InProcessComm {
         self.submit("barrier", |c| c.barrier())
     }
     fn abort(&self, reason: &str) {
-        self.core.world.fail(self.world_rank(), format!("aborted: {reason}"));
+        self.core().world.fail(self.world_rank(), format!("aborted: {reason}"));
     }
     fn failure(&self) -> Option<Error> {
-        self.core.world.failure().map(|f| f.error())
+        self.core().world.failure().map(|f| f.error())
     }
 }
 
@@ -424,8 +355,6 @@ struct Core {
     device: Device,
     /// The number of this rank's next collective step on the group's board.
     step: AtomicU64,
-    /// Held while a collective runs: steps of two calls never interleave.
-    exec: Mutex<()>,
 }
 
 /// `p` if it holds host tensors only: the in-process communicator moves host
@@ -519,7 +448,7 @@ impl Core {
         let dev = cpu_device(t.device());
         let len = t.elem_count();
         // Phase 1 (reduce-scatter): this rank sums its chunk of every input.
-        let inputs: Vec<&Tensor> = posts.iter().map(|p| p.one()).collect();
+        let inputs: Vec<(&Tensor, usize)> = posts.iter().map(|p| (p.one(), 0)).collect();
         let mine = chunk(len, self.size(), self.me);
         let summed = wrap(reduce(dev, t.dtype(), &inputs, std::slice::from_ref(&mine)), [mine.len()], dev);
         drop(inputs);
@@ -570,7 +499,7 @@ impl Core {
         let block: usize = dims[dim..].iter().product();
         let part = block / n;
         let segments: Vec<Range<usize>> = (0..outer).map(|o| o * block + self.me * part..o * block + (self.me + 1) * part).collect();
-        let inputs: Vec<&Tensor> = posts.iter().map(|p| p.one()).collect();
+        let inputs: Vec<(&Tensor, usize)> = posts.iter().map(|p| (p.one(), 0)).collect();
         let mut out_dims = dims.to_vec();
         out_dims[dim] /= n;
         let out = wrap(reduce(dev, t.dtype(), &inputs, &segments), out_dims, dev);

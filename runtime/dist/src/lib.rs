@@ -3,15 +3,19 @@
 //!
 //! Its place: above the tensor core (`tessera-core`), below everything that
 //! runs on more than one rank. It owns the mesh of parallel axes, each rank's
-//! [`Groups`], and the communicators (in-process and NCCL); it knows nothing of
-//! modules or training. Users reach it as `tessera::dist`.
+//! [`Groups`], and the communicators (in-process, between processes over
+//! TCP, and NCCL); it knows nothing of modules or training. Users reach it
+//! as `tessera::dist`.
 
 mod comm;
 mod groups;
+mod host;
 pub mod inproc;
 pub mod mesh;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod process;
+mod serial;
 
 pub use comm::{Communicator, Completer, Pending, SingleRank};
 pub use groups::Groups;

@@ -1,8 +1,10 @@
-//! Moving and summing elements between the ranks' tensors.
+//! Moving and summing elements between host tensors: the arithmetic of the
+//! collectives that run on CPU threads (in-process and between processes).
 //!
-//! Every function reads other ranks' tensors through their storage's read
-//! lock and writes only into new buffers of the calling rank's device, so the
-//! bytes a rank receives are counted where they land.
+//! Every function reads its sources through their storage's read lock and
+//! writes only into new buffers of the calling rank's device, so the bytes a
+//! rank receives are counted where they land. Both backends sum with
+//! [`reduce`], which is what makes their results the same bits.
 
 use half::{bf16, f16};
 use std::ops::Range;
@@ -13,10 +15,10 @@ use tessera_kernels::cpu::{cast, elementwise};
 
 /// The CPU device a tensor lives on: communicators refuse CUDA devices when
 /// they are made, and collectives refuse CUDA tensors at their first step.
-pub(super) fn cpu_device(d: &Device) -> &CpuDevice {
+pub(crate) fn cpu_device(d: &Device) -> &CpuDevice {
     match d {
         Device::Cpu(dev) => dev,
-        Device::Cuda(_) => unreachable!("in-process collectives move host tensors only"),
+        Device::Cuda(_) => unreachable!("host collectives move host tensors only"),
     }
 }
 
@@ -26,14 +28,14 @@ fn range_of(t: &Tensor) -> Range<usize> {
 }
 
 /// Wraps `storage` as a tensor of `shape` on `dev`.
-pub(super) fn wrap(storage: CpuStorage, shape: impl Into<Shape>, dev: &CpuDevice) -> Tensor {
+pub(crate) fn wrap(storage: CpuStorage, shape: impl Into<Shape>, dev: &CpuDevice) -> Tensor {
     Tensor::from_cpu(storage, shape, dev)
 }
 
 /// A new storage on `dev` holding, in order, the elements `range` (counted
 /// from the tensor's first element) of each piece's tensor. All pieces have
 /// dtype `dtype` and are contiguous.
-pub(super) fn concat(dev: &CpuDevice, dtype: DType, pieces: &[(&Tensor, Range<usize>)]) -> CpuStorage {
+pub(crate) fn concat(dev: &CpuDevice, dtype: DType, pieces: &[(&Tensor, Range<usize>)]) -> CpuStorage {
     with_elem!(dtype, T => CpuStorage::from_buffer(concat_typed::<T>(dev, pieces)))
 }
 
@@ -53,21 +55,21 @@ fn concat_typed<T: Element>(dev: &CpuDevice, pieces: &[(&Tensor, Range<usize>)])
 }
 
 /// The elementwise sum over `sources` (in that order) of the elements
-/// `segments` (counted from each tensor's first element), concatenated, as
-/// new storage of `dtype` on `dev`.
+/// `segments` (counted from each source's offset: its tensor's first element
+/// plus the `usize`), concatenated, as new storage of `dtype` on `dev`.
 ///
 /// Floats are summed in `f32` (`f64` for `f64`) and rounded to `dtype` once
 /// at the end; integers wrap. The order of the additions is fixed by the
 /// order of `sources`, so the result never depends on which thread runs it.
-pub(super) fn reduce(dev: &CpuDevice, dtype: DType, sources: &[&Tensor], segments: &[Range<usize>]) -> CpuStorage {
+pub(crate) fn reduce(dev: &CpuDevice, dtype: DType, sources: &[(&Tensor, usize)], segments: &[Range<usize>]) -> CpuStorage {
     let total: usize = segments.iter().map(Range::len).sum();
-    let guards: Vec<_> = sources.iter().map(|t| t.read()).collect();
+    let guards: Vec<_> = sources.iter().map(|(t, _)| t.read()).collect();
     let inputs: Vec<(&CpuStorage, usize)> = guards
         .iter()
         .zip(sources)
-        .map(|(g, t)| match &**g {
-            Storage::Cpu(s) => (s, range_of(t).start),
-            Storage::Cuda(_) => unreachable!("in-process collectives move host tensors only"),
+        .map(|(g, (t, offset))| match &**g {
+            Storage::Cpu(s) => (s, range_of(t).start + offset),
+            Storage::Cuda(_) => unreachable!("host collectives move host tensors only"),
         })
         .collect();
     match dtype {

@@ -1,0 +1,185 @@
+//! Communicators between processes: every rank is an operating-system
+//! process (on this machine or another), connected to every other by TCP.
+//!
+//! A [`ProcessWorld`] is this process's place in the job: its rank and its
+//! connection to every peer. It hands out the communicator of each group the
+//! rank belongs to (the world, or a group of a mesh axis), all sharing those
+//! connections, and used through the [`Communicator`] trait exactly as the
+//! in-process communicators are. The collectives run the in-process
+//! algorithms (see the `comm` module), so a job gives the same bits whether
+//! its ranks are threads or processes.
+//!
+//! # Failures
+//!
+//! Every wait has a deadline (the world's timeout). A peer whose process
+//! exits without leaving the job (killed, crashed) is noticed at once, when
+//! its connection closes; one that hangs is declared failed by the first
+//! rank that waits for it past the timeout. Either way every rank's pending
+//! and later calls return [`Error::PeerFailed`] naming the lost rank: the
+//! rank that notices tells every other. A rank that calls
+//! [`Communicator::abort`] or panics stops the job the same way.
+
+mod comm;
+mod link;
+mod wire;
+
+pub use comm::ProcessComm;
+
+use crate::mesh::{Axis, Mesh};
+use crate::{Communicator, Groups};
+use link::Links;
+use parking_lot::Mutex;
+use std::collections::HashSet;
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::time::Duration;
+use tessera_core::{Device, Error, Result};
+
+/// This process's rank in a job of processes, and its connections to the
+/// others.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::net::TcpListener;
+/// use std::time::Duration;
+/// use tessera::dist::{process::ProcessWorld, Communicator};
+/// use tessera::{Device, Tensor};
+///
+/// // Rank 1 of 2; both ranks know both listeners' addresses (a rendezvous
+/// // store usually hands them out).
+/// let listener = TcpListener::bind("127.0.0.1:0")?;
+/// let addrs = ["127.0.0.1:29600".parse().unwrap(), listener.local_addr()?];
+/// let dev = Device::cpu();
+/// let world = ProcessWorld::connect(1, listener, &addrs, 42, &dev, Duration::from_secs(60))?;
+/// let comm = world.communicator()?;
+/// let x = Tensor::from_vec(vec![1.0f32; 3], [3], &dev)?;
+/// let sum = comm.all_reduce_sum(&x)?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct ProcessWorld {
+    links: Arc<Links>,
+    /// Groups this rank already has a communicator for.
+    taken: Mutex<HashSet<u64>>,
+}
+
+impl std::fmt::Debug for Links {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Links").field("rank", &self.me()).field("size", &self.size()).finish()
+    }
+}
+
+impl ProcessWorld {
+    /// Connects rank `rank` of the job whose ranks listen at `addrs` (one
+    /// address per rank, this rank's own included: `listener` listens
+    /// there) to every other rank. `job` tells this job's connections from
+    /// strays (a process of another job, or of an earlier attempt of this
+    /// one); every rank passes the same. Tensors received are allocated on
+    /// `device`, this rank's CPU device. Returns once every peer is
+    /// connected, or fails after `timeout`, which also bounds every later
+    /// wait.
+    pub fn connect(rank: usize, listener: TcpListener, addrs: &[SocketAddr], job: u64, device: &Device, timeout: Duration) -> Result<ProcessWorld> {
+        if rank >= addrs.len() {
+            return Err(Error::no_such_rank("ProcessWorld::connect", format!("rank {rank} is not a rank of a job of {} ranks", addrs.len())));
+        }
+        let dev = match device {
+            Device::Cpu(d) => d.clone(),
+            Device::Cuda(d) => return d.unsupported("communicators between processes over TCP (CUDA ranks communicate through NCCL)"),
+        };
+        let links = Links::connect(rank, listener, addrs, job, dev, timeout)?;
+        Ok(ProcessWorld { links: Arc::new(links), taken: Mutex::default() })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.links.me()
+    }
+
+    /// Number of ranks in the job.
+    pub fn world_size(&self) -> usize {
+        self.links.size()
+    }
+
+    /// How long each wait lasts at most.
+    pub fn timeout(&self) -> Duration {
+        self.links.timeout()
+    }
+
+    /// The communicator of the whole job.
+    pub fn communicator(&self) -> Result<ProcessComm> {
+        let all: Vec<usize> = (0..self.world_size()).collect();
+        self.tagged_group("world", &all)
+    }
+
+    /// This rank's communicator in the group of world ranks `ranks` (member
+    /// `i` has group rank `i`) named `tag`: groups with different tags are
+    /// independent even when their members are the same. Every member asks
+    /// for it with the same tag and list; asking twice is an error.
+    pub fn tagged_group(&self, tag: &str, ranks: &[usize]) -> Result<ProcessComm> {
+        let n = self.world_size();
+        if ranks.is_empty() {
+            return Err(Error::topology("ProcessWorld::group", "a group needs at least one rank"));
+        }
+        if let Some(&r) = ranks.iter().find(|&&r| r >= n) {
+            return Err(Error::no_such_rank("ProcessWorld::group", format!("rank {r} in {ranks:?} is not a rank of this job of {n} ranks")));
+        }
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        if sorted.windows(2).any(|w| w[0] == w[1]) {
+            return Err(Error::topology("ProcessWorld::group", format!("rank list {ranks:?} names a rank twice")));
+        }
+        if !ranks.contains(&self.rank()) {
+            return Err(Error::no_such_rank("ProcessWorld::group", format!("rank {} is not a member of group {ranks:?}", self.rank())));
+        }
+        let id = group_id(tag, ranks);
+        if !self.taken.lock().insert(id) {
+            return Err(Error::state_mismatch("ProcessWorld::group", format!("rank {} already has a communicator for group {tag:?} {ranks:?}", self.rank())));
+        }
+        Ok(ProcessComm::new(self.links.clone(), id, ranks.to_vec()))
+    }
+
+    /// Stops the job on behalf of world rank `rank`: every pending and
+    /// later call on every rank returns [`Error::PeerFailed`] naming it.
+    pub fn abort(&self, rank: usize, reason: &str) {
+        self.links.fail(rank, format!("aborted: {reason}"));
+    }
+
+    /// The error every call returns once the job has stopped, or `Ok` while
+    /// it runs.
+    pub fn check(&self) -> Result<()> {
+        self.links.failure().map_or(Ok(()), Err)
+    }
+}
+
+/// A group's identity on the wire: FNV-1a of its tag and members, the same
+/// on every rank.
+fn group_id(tag: &str, ranks: &[usize]) -> u64 {
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
+    h.write(tag.as_bytes());
+    h.write_u8(0xff);
+    for &r in ranks {
+        h.write_u64(r as u64);
+    }
+    h.finish()
+}
+
+/// This process's communicators for every axis of `mesh` and for its data
+/// replicas, each group tagged with its axis so that groups with the same
+/// members stay independent.
+pub fn mesh_groups(world: &ProcessWorld, mesh: &Mesh) -> Result<Groups> {
+    if world.world_size() != mesh.world() {
+        return Err(Error::topology(
+            "mesh_groups",
+            format!(
+                "the mesh {mesh} has {} ranks but the job has {} processes; start as many processes as the mesh has ranks",
+                mesh.world(),
+                world.world_size()
+            ),
+        ));
+    }
+    let rank = world.rank();
+    let comm = |axis: Axis| -> Result<Arc<dyn Communicator>> { Ok(Arc::new(world.tagged_group(axis.name(), &mesh.group(axis, rank)?)?)) };
+    let replicas = Arc::new(world.tagged_group("replicas", &mesh.replica_group(rank)?)?);
+    Ok(Groups { tp: comm(Axis::Tp)?, dp: comm(Axis::Dp)?, pp: comm(Axis::Pp)?, ep: comm(Axis::Ep)?, replicas })
+}

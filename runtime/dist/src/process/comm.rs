@@ -1,0 +1,399 @@
+//! One rank's communicator in a group of processes, and the collectives as
+//! exchanges of messages.
+//!
+//! Every collective starts with one exchange in which each rank sends a
+//! message to every other and receives one from every other, in rank order.
+//! Each message names the call (the collective, its arguments, the caller's
+//! dtype and shape, its number in the group) and carries what the receiver
+//! needs of the sender's data, so every rank sees every other rank's call and
+//! all of them detect a mismatch, after draining the exchange (the group
+//! stays usable). The algorithms are the in-process communicator's, so the
+//! two give the same bits:
+//!
+//! - **all-reduce**: rank `r` receives chunk `r` of every input, sums them in
+//!   rank order (in `f32`, `f64` for `f64`, rounding once) and sends the
+//!   summed chunk to every rank, which concatenates the chunks. Each rank
+//!   sends and receives `2·(n−1)/n·N` elements, as in a ring, in two rounds
+//!   instead of `2(n−1)`.
+//! - **reduce-scatter** is the first round alone, **all-gather** sends the
+//!   whole input to every rank, **broadcast** sends the root's tensor, and
+//!   **all-to-all** sends each rank its part.
+
+use super::link::{Links, Message};
+use super::wire::{Call, Channel, Header, Meta, Op};
+use crate::comm::{Communicator, Pending};
+use crate::host::{concat, reduce, wrap};
+use crate::serial::{OnPanic, Serial};
+use std::fmt;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use tessera_core::backend::CpuDevice;
+use tessera_core::tensor::Tensor;
+use tessera_core::{Device, Error, Result};
+
+/// One rank's communicator for a group of ranks that are processes.
+///
+/// Synchronous calls run on the calling thread; the `*_async` forms run in
+/// order on a background thread (see [`Communicator`]'s ordering rules).
+/// Dropping it while its thread panics stops the job, so no peer waits for
+/// a rank that is gone.
+pub struct ProcessComm {
+    serial: Serial<Core>,
+}
+
+/// What a communicator's calls run on, shared with its background thread.
+pub(super) struct Core {
+    links: Arc<Links>,
+    /// The group's identity on the wire.
+    group: u64,
+    /// The members' world ranks, in group-rank order.
+    ranks: Vec<usize>,
+    /// This rank's index in the group.
+    me: usize,
+    /// The number of this rank's next collective in the group.
+    step: AtomicU64,
+}
+
+impl ProcessComm {
+    pub(super) fn new(links: Arc<Links>, group: u64, ranks: Vec<usize>) -> Self {
+        let me = ranks.iter().position(|&r| r == links.me()).expect("the caller checked membership");
+        let rank = links.me();
+        let on_panic: OnPanic<Core> = Arc::new(|core, msg| core.links.fail(core.links.me(), format!("its communication thread panicked: {msg}")));
+        ProcessComm { serial: Serial::new(Core { links, group, ranks, me, step: AtomicU64::new(0) }, rank, on_panic) }
+    }
+
+    /// This rank's index in the world (its group rank is [`Communicator::rank`]).
+    pub fn world_rank(&self) -> usize {
+        self.serial.core().links.me()
+    }
+
+    /// The world ranks of the group's members, in group-rank order.
+    pub fn group_ranks(&self) -> &[usize] {
+        &self.serial.core().ranks
+    }
+}
+
+impl fmt::Debug for ProcessComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProcessComm").field("world_rank", &self.world_rank()).field("group", &self.group_ranks()).finish()
+    }
+}
+
+impl Drop for ProcessComm {
+    fn drop(&mut self) {
+        if thread::panicking() {
+            let core = self.serial.core();
+            core.links.fail(core.links.me(), "its thread panicked (that panic's message is the root cause)".into());
+        }
+        self.serial.shut_down();
+    }
+}
+
+impl Communicator for ProcessComm {
+    fn rank(&self) -> usize {
+        self.serial.core().me
+    }
+    fn size(&self) -> usize {
+        self.serial.core().ranks.len()
+    }
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        let t = t.clone();
+        self.serial.run("all_reduce_sum", move |c| c.all_reduce(&t))
+    }
+    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        let t = t.clone();
+        self.serial.run("all_gather", move |c| c.all_gather(&t, dim))
+    }
+    fn reduce_scatter_sum(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        let t = t.clone();
+        self.serial.run("reduce_scatter_sum", move |c| c.reduce_scatter(&t, dim))
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        let t = t.clone();
+        self.serial.run("broadcast", move |c| c.broadcast(&t, root))
+    }
+    fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        self.serial.run("all_to_all", move |c| c.all_to_all(parts))
+    }
+    fn barrier(&self) -> Result<()> {
+        self.serial.run("barrier", |c| c.barrier())
+    }
+    fn send(&self, t: &Tensor, peer: usize) -> Result<()> {
+        self.serial.core().send(t, peer)
+    }
+    fn recv(&self, peer: usize) -> Result<Tensor> {
+        self.serial.core().recv(peer)
+    }
+    fn all_reduce_sum_async(&self, t: &Tensor) -> Result<Pending> {
+        let t = t.clone();
+        self.serial.submit("all_reduce_sum", move |c| c.all_reduce(&t))
+    }
+    fn all_gather_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
+        let t = t.clone();
+        self.serial.submit("all_gather", move |c| c.all_gather(&t, dim))
+    }
+    fn reduce_scatter_sum_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
+        let t = t.clone();
+        self.serial.submit("reduce_scatter_sum", move |c| c.reduce_scatter(&t, dim))
+    }
+    fn broadcast_async(&self, t: &Tensor, root: usize) -> Result<Pending> {
+        let t = t.clone();
+        self.serial.submit("broadcast", move |c| c.broadcast(&t, root))
+    }
+    fn all_to_all_async(&self, parts: Vec<Tensor>) -> Result<Pending<Vec<Tensor>>> {
+        self.serial.submit("all_to_all", move |c| c.all_to_all(parts))
+    }
+    fn barrier_async(&self) -> Result<Pending<()>> {
+        self.serial.submit("barrier", |c| c.barrier())
+    }
+    fn abort(&self, reason: &str) {
+        let links = &self.serial.core().links;
+        links.fail(links.me(), format!("aborted: {reason}"));
+    }
+    fn failure(&self) -> Option<Error> {
+        self.serial.core().links.failure()
+    }
+}
+
+/// What a rank sends to one peer in an exchange: elements of its tensors,
+/// and the shape the receiver gives them.
+struct Outgoing<'a> {
+    pieces: Vec<(&'a Tensor, Range<usize>)>,
+    payload: Option<Meta>,
+}
+
+impl<'a> Outgoing<'a> {
+    fn nothing() -> Self {
+        Outgoing { pieces: Vec::new(), payload: None }
+    }
+
+    /// The elements `range` of `t`, received as a vector.
+    fn elements(t: &'a Tensor, range: Range<usize>) -> Self {
+        let payload = Some((t.dtype(), vec![range.len()]));
+        Outgoing { pieces: vec![(t, range)], payload }
+    }
+
+    /// All of `t`, received with its shape.
+    fn whole(t: &'a Tensor) -> Self {
+        Outgoing { pieces: vec![(t, 0..t.elem_count())], payload: Some((t.dtype(), t.dims().to_vec())) }
+    }
+}
+
+/// The element range of part `i` when `len` elements are cut into `n`
+/// near-equal parts.
+fn chunk(len: usize, n: usize, i: usize) -> Range<usize> {
+    i * len / n..(i + 1) * len / n
+}
+
+fn cpu(t: &Tensor) -> Result<&CpuDevice> {
+    match t.device() {
+        Device::Cpu(d) => Ok(d),
+        Device::Cuda(d) => d.unsupported("collectives between processes over TCP (CUDA ranks communicate through NCCL)"),
+    }
+}
+
+/// `t`, if it is a host tensor.
+fn host(t: Tensor) -> Result<Tensor> {
+    cpu(&t)?;
+    Ok(t)
+}
+
+impl Core {
+    fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// One exchange: sends `outgoing(j)` to every peer `j` under `call`,
+    /// then receives every peer's message, and checks that all made the same
+    /// call with valid arguments. `local` is this rank's own verdict on its
+    /// arguments. Returns the messages by group rank (`None` for this rank).
+    fn exchange<'a>(&self, call: Call, local: Result<()>, outgoing: impl Fn(usize) -> Outgoing<'a>) -> Result<Vec<Option<Message>>> {
+        let op = call.op.name();
+        let step = if call.phase == 0 { self.step.fetch_add(1, Ordering::Relaxed) } else { self.step.load(Ordering::Relaxed) - 1 };
+        let mut header = Header::message(self.group, Channel::Collective, call.clone(), step);
+        if let Err(e) = &local {
+            header.text = e.to_string();
+        }
+        for j in (0..self.size()).filter(|&j| j != self.me) {
+            let out = if local.is_ok() { outgoing(j) } else { Outgoing::nothing() };
+            header.payload = out.payload.clone();
+            self.links.send(self.ranks[j], &header, &out.pieces)?;
+        }
+        let mut got = Vec::with_capacity(self.size());
+        for j in 0..self.size() {
+            got.push(if j == self.me { None } else { Some(self.links.receive(self.group, Channel::Collective, self.ranks[j], op)?) });
+        }
+        let me = self.ranks[self.me];
+        for (j, m) in got.iter().enumerate() {
+            let Some(m) = m else { continue };
+            let theirs = &m.header;
+            let them = self.ranks[j];
+            if theirs.call.op != call.op || theirs.call.phase != call.phase {
+                return Err(Error::CollectiveMismatch { op, detail: format!("rank {me} called {call} while rank {them} called {}", theirs.call) });
+            }
+            if theirs.step != step {
+                return Err(Error::CollectiveMismatch {
+                    op,
+                    detail: format!(
+                        "rank {me} is at collective #{step} of this group but rank {them} at #{}: a rank skipped or added a collective",
+                        theirs.step
+                    ),
+                });
+            }
+        }
+        local?;
+        if let Some((j, m)) = got.iter().enumerate().find_map(|(j, m)| m.as_ref().filter(|m| !m.header.text.is_empty()).map(|m| (j, m))) {
+            return Err(Error::CollectiveMismatch { op, detail: format!("rank {} passed invalid arguments ({})", self.ranks[j], m.header.text) });
+        }
+        if let Some((j, m)) = got.iter().enumerate().find_map(|(j, m)| m.as_ref().filter(|m| m.header.call.meta != call.meta).map(|m| (j, m))) {
+            return Err(Error::CollectiveMismatch { op, detail: format!("rank {me} called {call} but rank {} called {}", self.ranks[j], m.header.call) });
+        }
+        Ok(got)
+    }
+
+    fn all_reduce(&self, t: &Tensor) -> Result<Tensor> {
+        let n = self.size();
+        let call = Call { op: Op::AllReduce, phase: 0, meta: Some((t.dtype(), t.dims().to_vec())) };
+        let local = t.contiguous().and_then(host);
+        let tc = local.as_ref().ok().cloned();
+        let len = t.elem_count();
+        let got = self.exchange(call.clone(), local.map(drop), |j| Outgoing::elements(tc.as_ref().expect("valid"), chunk(len, n, j)))?;
+        let t = tc.expect("the exchange checked it");
+        let dev = cpu(&t)?;
+        let mine = chunk(len, n, self.me);
+        let sources: Vec<(&Tensor, usize)> = got.iter().map(|m| m.as_ref().map_or((&t, mine.start), |m| (m.tensor.as_ref().expect("a chunk"), 0))).collect();
+        let summed = wrap(reduce(dev, t.dtype(), &sources, std::slice::from_ref(&(0..mine.len()))), [mine.len()], dev);
+        drop(sources);
+        drop(got);
+        let got = self.exchange(Call { phase: 1, ..call }, Ok(()), |_| Outgoing::whole(&summed))?;
+        let pieces: Vec<(&Tensor, Range<usize>)> = got
+            .iter()
+            .map(|m| {
+                let c = m.as_ref().map_or(&summed, |m| m.tensor.as_ref().expect("a summed chunk"));
+                (c, 0..c.elem_count())
+            })
+            .collect();
+        Ok(wrap(concat(dev, t.dtype(), &pieces), t.shape().clone(), dev))
+    }
+
+    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        let call = Call { op: Op::AllGather { dim }, phase: 0, meta: Some((t.dtype(), t.dims().to_vec())) };
+        let local = t.shape().dim("all_gather", dim).and_then(|_| t.contiguous()).and_then(host);
+        let tc = local.as_ref().ok().cloned();
+        let got = self.exchange(call, local.map(drop), |_| Outgoing::whole(tc.as_ref().expect("valid")))?;
+        let t = tc.expect("the exchange checked it");
+        let dev = cpu(&t)?;
+        let dims = t.dims();
+        let outer: usize = dims[..dim].iter().product();
+        let block: usize = dims[dim..].iter().product();
+        let parts: Vec<&Tensor> = got.iter().map(|m| m.as_ref().map_or(&t, |m| m.tensor.as_ref().expect("a tensor"))).collect();
+        let pieces: Vec<(&Tensor, Range<usize>)> = (0..outer).flat_map(|o| parts.iter().map(move |&p| (p, o * block..(o + 1) * block))).collect();
+        let mut out_dims = dims.to_vec();
+        out_dims[dim] *= self.size();
+        Ok(wrap(concat(dev, t.dtype(), &pieces), out_dims, dev))
+    }
+
+    fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        const OP: &str = "reduce_scatter_sum";
+        let n = self.size();
+        let call = Call { op: Op::ReduceScatter { dim }, phase: 0, meta: Some((t.dtype(), t.dims().to_vec())) };
+        let local = t
+            .shape()
+            .dim(OP, dim)
+            .and_then(|d| match d % n {
+                0 => t.contiguous(),
+                _ => Err(Error::shape(
+                    OP,
+                    format!("dimension {dim} of shape {} has size {d}, which does not split into {n} equal parts; pad it to a multiple of {n}", t.shape()),
+                )),
+            })
+            .and_then(host);
+        let tc = local.as_ref().ok().cloned();
+        let (outer, block) = match &tc {
+            Some(t) => (t.dims()[..dim].iter().product::<usize>(), t.dims()[dim..].iter().product::<usize>()),
+            None => (0, 0),
+        };
+        let part = block / n;
+        // Part `j` of every outer block, in order: what rank `j` sums.
+        let segments = |j: usize| -> Vec<Range<usize>> { (0..outer).map(|o| o * block + j * part..o * block + (j + 1) * part).collect() };
+        let got = self.exchange(call, local.map(drop), |j| {
+            let t = tc.as_ref().expect("valid");
+            Outgoing { pieces: segments(j).into_iter().map(|r| (t, r)).collect(), payload: Some((t.dtype(), vec![outer * part])) }
+        })?;
+        let t = tc.expect("the exchange checked it");
+        let dev = cpu(&t)?;
+        // This rank's own part, gathered the way its peers' arrived.
+        let own = wrap(concat(dev, t.dtype(), &segments(self.me).into_iter().map(|r| (&t, r)).collect::<Vec<_>>()), [outer * part], dev);
+        let sources: Vec<(&Tensor, usize)> = got.iter().map(|m| (m.as_ref().map_or(&own, |m| m.tensor.as_ref().expect("a part")), 0)).collect();
+        let mut out_dims = t.dims().to_vec();
+        out_dims[dim] /= n;
+        Ok(wrap(reduce(dev, t.dtype(), &sources, std::slice::from_ref(&(0..outer * part))), out_dims, dev))
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        let n = self.size();
+        let call = Call { op: Op::Broadcast { root }, phase: 0, meta: Some((t.dtype(), t.dims().to_vec())) };
+        let local = if root >= n {
+            Err(Error::no_such_rank("broadcast", format!("root {root} is not a rank of this group of {n} ranks")))
+        } else {
+            t.contiguous().and_then(host)
+        };
+        let tc = local.as_ref().ok().cloned();
+        let me = self.me;
+        let mut got = self.exchange(call, local.map(drop), |_| if me == root { Outgoing::whole(tc.as_ref().expect("valid")) } else { Outgoing::nothing() })?;
+        if me == root {
+            return Ok(t.clone());
+        }
+        got[root]
+            .take()
+            .and_then(|m| m.tensor)
+            .ok_or_else(|| Error::CollectiveMismatch { op: "broadcast", detail: format!("the root, rank {}, sent no tensor", self.ranks[root]) })
+    }
+
+    fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        let n = self.size();
+        let call = Call { op: Op::AllToAll, phase: 0, meta: None };
+        let local = if parts.len() != n {
+            Err(Error::invalid("all_to_all", format!("{} parts given; pass exactly one per rank of the group ({n})", parts.len())))
+        } else {
+            parts.iter().map(|p| p.contiguous().and_then(host)).collect::<Result<Vec<_>>>()
+        };
+        let contiguous = local.as_ref().ok().cloned();
+        let got = self.exchange(call, local.map(drop), |j| Outgoing::whole(&contiguous.as_ref().expect("valid")[j]))?;
+        let mine = &parts[self.me];
+        Ok(got.into_iter().map(|m| m.map_or_else(|| mine.clone(), |m| m.tensor.expect("every part is sent"))).collect())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.exchange(Call { op: Op::Barrier, phase: 0, meta: None }, Ok(()), |_| Outgoing::nothing()).map(drop)
+    }
+
+    fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
+        let n = self.size();
+        if peer >= n {
+            return Err(Error::no_such_rank(op, format!("peer {peer} is not a rank of this group of {n} ranks")));
+        }
+        if peer == self.me {
+            return Err(Error::no_such_rank(op, format!("peer {peer} is this rank itself; keep the tensor instead of sending it")));
+        }
+        Ok(())
+    }
+
+    fn send(&self, t: &Tensor, peer: usize) -> Result<()> {
+        self.check_peer("send", peer)?;
+        let t = t.contiguous()?;
+        cpu(&t)?;
+        let mut header = Header::message(self.group, Channel::PointToPoint, Call { op: Op::Send, phase: 0, meta: None }, 0);
+        let out = Outgoing::whole(&t);
+        header.payload = out.payload;
+        self.links.send(self.ranks[peer], &header, &out.pieces)
+    }
+
+    fn recv(&self, peer: usize) -> Result<Tensor> {
+        self.check_peer("recv", peer)?;
+        let m = self.links.receive(self.group, Channel::PointToPoint, self.ranks[peer], "recv")?;
+        m.tensor.ok_or_else(|| Error::CollectiveMismatch { op: "recv", detail: format!("rank {} sent a message without a tensor", self.ranks[peer]) })
+    }
+}
