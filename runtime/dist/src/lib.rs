@@ -7,6 +7,7 @@
 //! modules or training. Users reach it as `tessera::dist`.
 
 mod comm;
+pub mod env;
 mod groups;
 pub mod inproc;
 pub mod mesh;
