@@ -13,6 +13,7 @@ pub mod inproc;
 pub mod mesh;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod store;
 
 pub use comm::{Communicator, Completer, Pending, SingleRank};
 pub use groups::Groups;
