@@ -364,6 +364,30 @@ pub enum Error {
         detail: String,
     },
 
+    /// A launcher's environment variable (`RANK`, `WORLD_SIZE`,
+    /// `SLURM_PROCID`, `OMPI_COMM_WORLD_RANK`, `MASTER_ADDR`, ...) is
+    /// missing, malformed, or inconsistent with another: this process cannot
+    /// tell its place among the ranks of the job.
+    #[error("environment variable `{var}`: {detail}")]
+    Environment {
+        /// The variable (or variables) concerned, as the launcher names them.
+        var: String,
+        /// The value found, what is wrong with it, and how to fix it.
+        detail: String,
+    },
+
+    /// The rendezvous through which the ranks of a multi-process job find
+    /// each other failed: the store served by rank 0 could not be bound or
+    /// reached, its connection was lost, or the ranks disagree (on the world
+    /// size, or a rank started twice) or did not all arrive in time.
+    #[error("rendezvous store at {addr}: {detail}")]
+    Rendezvous {
+        /// The store's address, `host:port`.
+        addr: String,
+        /// What went wrong, and how to fix it.
+        detail: String,
+    },
+
     /// A collective or receive waited longer than the communicator's timeout.
     #[error("{op} timed out after {waited:?}: {detail}; check that every rank of the group issues the same collectives in the same order (a rank that skips one leaves the others waiting), or raise the timeout if a rank is legitimately that slow")]
     Timeout {
@@ -551,6 +575,16 @@ impl Error {
     /// An [`Error::Config`] for `key`.
     pub fn config(key: impl Into<String>, detail: impl Into<String>) -> Self {
         Error::Config { key: key.into(), detail: detail.into() }
+    }
+
+    /// An [`Error::Environment`] for the launcher variable `var`.
+    pub fn environment(var: impl Into<String>, detail: impl Into<String>) -> Self {
+        Error::Environment { var: var.into(), detail: detail.into() }
+    }
+
+    /// An [`Error::Rendezvous`] with the store at `addr`.
+    pub fn rendezvous(addr: impl Into<String>, detail: impl Into<String>) -> Self {
+        Error::Rendezvous { addr: addr.into(), detail: detail.into() }
     }
 
     /// An [`Error::Shape`] of operation `op`.

@@ -3,11 +3,13 @@
 //!
 //! Its place: above the tensor core (`tessera-core`), below everything that
 //! runs on more than one rank. It owns the mesh of parallel axes, each rank's
-//! [`Groups`], and the communicators (in-process, between processes over
-//! TCP, and NCCL); it knows nothing of modules or training. Users reach it
-//! as `tessera::dist`.
+//! [`Groups`], the communicators (in-process, between processes over TCP,
+//! and NCCL), and how processes find each other (the launchers'
+//! environment, the rendezvous store); it knows nothing of modules or
+//! training. Users reach it as `tessera::dist`.
 
 mod comm;
+pub mod env;
 mod groups;
 mod host;
 pub mod inproc;
@@ -16,6 +18,7 @@ pub mod mesh;
 pub mod nccl;
 pub mod process;
 mod serial;
+pub mod store;
 
 pub use comm::{Communicator, Completer, Pending, SingleRank};
 pub use groups::Groups;
