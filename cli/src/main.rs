@@ -5,7 +5,9 @@
 //!   scratch or from a Hugging Face directory, on any mesh);
 //! - `tessera export`: write a run's checkpoint as a Hugging Face directory;
 //! - `tessera ckpt inspect` / `tessera ckpt reshard`: look into a checkpoint,
-//!   and rewrite it for another mesh.
+//!   and rewrite it for another mesh;
+//! - `tessera launch`: start one process per rank on this node with
+//!   torchrun's environment variables, and supervise them.
 
 /// Prints a line to stdout; when the reader has gone (`tessera … | head`),
 /// the program ends quietly and successfully, as Unix tools do.
@@ -20,6 +22,7 @@ macro_rules! say {
 
 mod ckpt;
 mod export;
+mod launch;
 mod prepare;
 mod train;
 
@@ -43,6 +46,8 @@ enum Command {
     /// Inspect or reshard a checkpoint.
     #[command(subcommand)]
     Ckpt(ckpt::Command),
+    /// Start one process per rank on this node, torchrun-style, and supervise them (see docs/launch.md).
+    Launch(launch::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -51,6 +56,7 @@ fn main() -> anyhow::Result<()> {
         Command::Train(args) => train::run(args),
         Command::Export(args) => export::run(args),
         Command::Ckpt(cmd) => ckpt::run(cmd),
+        Command::Launch(args) => launch::run(args),
     };
     // A reader that went away is not an error of this program.
     match r {
