@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tessera::data::{arith, AnswerTargets, Dataset, Sampler};
 use tessera::module::Cx;
-use tessera::train::{Batches, RunLock, TrainConfig, Trainer};
+use tessera::train::{Batches, Job, RunLock, TrainConfig, Trainer};
 use tessera::Device;
 use tessera_models::generate::greedy;
 use tessera_models::kinds::{self, KindModel, ModelJob, ModelSpec};
@@ -130,23 +130,24 @@ impl ModelJob for Run<'_> {
 
 fn train<M: KindModel>(args: &Args, cfg: &TrainConfig, task: &arith::Task, spec: ModelSpec<M>) -> Result<()> {
     let out = PathBuf::from(&cfg.run.out);
-    std::fs::create_dir_all(&out).with_context(|| format!("creating the run directory {}", out.display()))?;
-    // One job per run directory, from before the data is written.
-    let lock = RunLock::acquire(&out)?;
-    // Data: the bundled task, generated into the run directory once.
+    // Threads of this process, or this process's rank of a job started by `tessera launch` (or torchrun, srun, mpirun).
+    let job = Job::for_config(cfg)?;
     let data_dir = match cfg.data.source.as_str() {
-        "bundled" => {
-            let dir = out.join("data");
-            if Dataset::open(&dir).is_err() {
-                task.write_shards(&dir, 1 << 22)?;
-            }
-            dir
-        }
+        "bundled" => out.join("data"),
         other => PathBuf::from(other),
     };
+    // Once per run, on rank 0 while the other processes wait: the run directory and its lock (one job per directory,
+    // from before the data is written), the bundled task's data, and what `tessera export` rebuilds the model from.
+    let lock = job.primary_first("preparing the run directory", || -> Result<RunLock> {
+        std::fs::create_dir_all(&out).with_context(|| format!("creating the run directory {}", out.display()))?;
+        let lock = RunLock::acquire(&out)?;
+        if cfg.data.source == "bundled" && Dataset::open(&data_dir).is_err() {
+            task.write_shards(&data_dir, 1 << 22)?;
+        }
+        spec.write_record(&out)?;
+        Ok(lock)
+    })?;
     let data = Dataset::open(&data_dir)?;
-    // What `tessera export` rebuilds the model from.
-    spec.write_record(&out)?;
 
     let trainer = Trainer::new(
         cfg.clone(),
@@ -162,29 +163,20 @@ fn train<M: KindModel>(args: &Args, cfg: &TrainConfig, task: &arith::Task, spec:
             })
         },
     )?;
-    let trainer = trainer.fresh(args.fresh).with_run_lock(lock);
-    let m = &cfg.mesh;
-    let ranks = if m.rank_device()? == tessera::train::RankDevice::Cuda { "GPUs" } else { "CPU ranks" };
-    let (params, _) = spec.param_counts()?;
-    let (layers, width) = M::depth_and_width(spec.config());
-    say!(
-        "training {} ({params} parameters, {layers} layers, hidden {width}) on {} {ranks}: dp{} × ep{} × pp{} × tp{}{} ({} schedule, {} microbatches of {} × {} tokens per replica and step)",
-        spec.kind(),
-        m.world_size(),
-        m.dp,
-        m.ep,
-        m.pp,
-        m.tp,
-        if m.sp && m.tp > 1 { " with sequence parallelism" } else { "" },
-        m.schedule,
-        cfg.batch.grad_accum,
-        cfg.batch.micro_batch,
-        cfg.batch.seq_len
-    );
-    if cfg.data.source == "bundled" {
-        say!("task: three-digit addition, every number written least significant digit first (123 + 45 = 168 is \"321+540=8610\"); loss on the answers");
-    }
-    let summary = trainer.run()?;
+    let trainer = trainer.fresh(args.fresh).with_job(job.clone());
+    let trainer = match lock {
+        Some(lock) => trainer.with_run_lock(lock),
+        None => trainer,
+    };
+    let summary = if job.is_primary() {
+        banner(cfg, &spec, &job)?;
+        trainer.run()?
+    } else {
+        // Ranks other than 0 train, and leave the report and the evaluation to rank 0.
+        trainer.run()?;
+        return Ok(());
+    };
+
     for line in summary.report_lines(cfg.run.steps) {
         say!("{line}");
     }
@@ -215,6 +207,36 @@ fn train<M: KindModel>(args: &Args, cfg: &TrainConfig, task: &arith::Task, spec:
         serde_json::json!({ "held_out": report.total, "correct": report.correct, "exact_match": report.accuracy, "digit_accuracy": report.digit_accuracy });
     write(&out.join("eval.json"), &eval.to_string())?;
     say!("\nrun directory {}: config.toml, model.json, metrics.jsonl, trace.json, loss.png, eval.json, checkpoints/", out.display());
+    Ok(())
+}
+
+/// What is trained, where, and how.
+fn banner<M: KindModel>(cfg: &TrainConfig, spec: &ModelSpec<M>, job: &Job) -> Result<()> {
+    let m = &cfg.mesh;
+    let ranks = match (m.rank_device()?, job.processes()) {
+        (tessera::train::RankDevice::Cuda, _) => "GPUs",
+        (_, Some(_)) => "CPU ranks (one process each)",
+        _ => "CPU ranks",
+    };
+    let (params, _) = spec.param_counts()?;
+    let (layers, width) = M::depth_and_width(spec.config());
+    say!(
+        "training {} ({params} parameters, {layers} layers, hidden {width}) on {} {ranks}: dp{} × ep{} × pp{} × tp{}{} ({} schedule, {} microbatches of {} × {} tokens per replica and step)",
+        spec.kind(),
+        m.world_size(),
+        m.dp,
+        m.ep,
+        m.pp,
+        m.tp,
+        if m.sp && m.tp > 1 { " with sequence parallelism" } else { "" },
+        m.schedule,
+        cfg.batch.grad_accum,
+        cfg.batch.micro_batch,
+        cfg.batch.seq_len
+    );
+    if cfg.data.source == "bundled" {
+        say!("task: three-digit addition, every number written least significant digit first (123 + 45 = 168 is \"321+540=8610\"); loss on the answers");
+    }
     Ok(())
 }
 

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tessera::data::{arith, AnswerTargets, Dataset, Sampler};
 use tessera::module::Cx;
-use tessera::train::{Batches, RunLock, RunSummary, TrainConfig, Trainer};
+use tessera::train::{Batches, Job as RunJob, RunLock, RunSummary, TrainConfig, Trainer};
 use tessera::Device;
 use tessera_models::kinds::{self, KindModel, ModelJob, ModelSpec};
 
@@ -99,21 +99,28 @@ impl Job<'_> {
     fn train<M: KindModel>(self, spec: ModelSpec<M>) -> anyhow::Result<()> {
         let cfg = self.cfg;
         let out = PathBuf::from(&cfg.run.out);
-        std::fs::create_dir_all(&out).with_context(|| format!("creating the run directory {}", out.display()))?;
-        // One job per run directory, from before anything is written there.
-        let lock = RunLock::acquire(&out)?;
-        let dataset = match (&self.data, self.dataset) {
-            (Data::Bundled(task), _) => {
+        // Threads of this process, or this process's rank of a launched job.
+        let job = RunJob::for_config(cfg)?;
+        // Once per run (on rank 0 while the other processes wait): the run
+        // directory, its lock (one job per directory, from before anything
+        // is written there), the bundled data, the model record.
+        let lock = job.primary_first("preparing the run directory", || -> anyhow::Result<RunLock> {
+            std::fs::create_dir_all(&out).with_context(|| format!("creating the run directory {}", out.display()))?;
+            let lock = RunLock::acquire(&out)?;
+            if let Data::Bundled(task) = &self.data {
                 let dir = out.join("data");
                 if Dataset::open(&dir).is_err() {
                     task.write_shards(&dir, 1 << 22).context("writing the bundled task's data")?;
                 }
-                Dataset::open(&dir)?
             }
+            spec.write_record(&out)?;
+            Ok(lock)
+        })?;
+        let dataset = match (&self.data, self.dataset) {
+            (Data::Bundled(_), _) => Dataset::open(out.join("data"))?,
             (Data::Shards(_), Some(d)) => d,
             (Data::Shards(dir), None) => Dataset::open(dir)?,
         };
-        spec.write_record(&out)?;
 
         let facts = spec.facts(cfg.mesh.tp, cfg.batch.seq_len)?;
         let bundled = matches!(self.data, Data::Bundled(_));
@@ -128,13 +135,25 @@ impl Job<'_> {
             },
         )?
         .fresh(self.args.fresh)
-        .with_run_lock(lock);
+        .with_job(job.clone());
+        let trainer = match lock {
+            Some(lock) => trainer.with_run_lock(lock),
+            None => trainer,
+        };
 
-        banner(&spec, cfg)?;
-        if bundled {
-            say!("task: three-digit addition, every number written least significant digit first (123 + 45 = 168 is \"321+540=8610\"); loss on the answers");
+        if job.is_primary() {
+            banner(&spec, cfg, &job)?;
+            if bundled {
+                say!(
+                    "task: three-digit addition, every number written least significant digit first (123 + 45 = 168 is \"321+540=8610\"); loss on the answers"
+                );
+            }
         }
         let summary = trainer.run()?;
+        if !summary.primary {
+            // The report, the evaluation and the listing are rank 0's.
+            return Ok(());
+        }
         report(&summary, cfg);
         if let (Data::Bundled(task), true) = (&self.data, self.args.eval > 0) {
             evaluate(&spec, task, &summary, self.args.eval, &out)?;
@@ -159,7 +178,7 @@ fn trainer_checkpoints_exist(cfg: &TrainConfig, out: &Path) -> bool {
 }
 
 /// What is trained, where, and how.
-fn banner<M: KindModel>(spec: &ModelSpec<M>, cfg: &TrainConfig) -> anyhow::Result<()> {
+fn banner<M: KindModel>(spec: &ModelSpec<M>, cfg: &TrainConfig, job: &RunJob) -> anyhow::Result<()> {
     let (params, active) = spec.param_counts()?;
     let (layers, width) = M::depth_and_width(spec.config());
     let experts = match M::experts(spec.config()) {
@@ -171,7 +190,11 @@ fn banner<M: KindModel>(spec: &ModelSpec<M>, cfg: &TrainConfig) -> anyhow::Resul
         None => format!("training {}", spec.kind()),
     };
     let m = &cfg.mesh;
-    let ranks = if m.rank_device()? == tessera::train::RankDevice::Cuda { "GPUs" } else { "CPU ranks" };
+    let ranks = match (m.rank_device()?, job.processes()) {
+        (tessera::train::RankDevice::Cuda, _) => "GPUs",
+        (_, Some(_)) => "CPU ranks (one process each)",
+        _ => "CPU ranks",
+    };
     say!(
         "{origin} ({params} parameters, {layers} layers, hidden {width}{experts}) on {} {ranks}: dp{} × ep{} × pp{} × tp{}{} ({} schedule, {} microbatches of {} × {} tokens per replica and step)",
         m.world_size(),

@@ -26,11 +26,12 @@ mod wire;
 pub use comm::ProcessComm;
 
 use crate::mesh::{Axis, Mesh};
+use crate::store::Rendezvous;
 use crate::{Communicator, Groups};
 use link::Links;
 use parking_lot::Mutex;
 use std::collections::HashSet;
-use std::net::{SocketAddr, TcpListener};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_core::{Device, Error, Result};
@@ -88,6 +89,41 @@ impl ProcessWorld {
         };
         let links = Links::connect(rank, listener, addrs, job, dev, timeout)?;
         Ok(ProcessWorld { links: Arc::new(links), taken: Mutex::default() })
+    }
+
+    /// Connects this process to every other rank of the job it joined
+    /// through `rendezvous`: each rank listens on a free port of the
+    /// interface that reaches the store's host, publishes its address in
+    /// the store, and connects to the addresses the others published (see
+    /// [`connect`](Self::connect) for `device` and `timeout`). Every rank of
+    /// the job calls it.
+    pub fn join(rendezvous: &Rendezvous, device: &Device, timeout: Duration) -> Result<ProcessWorld> {
+        let env = rendezvous.env();
+        let store = rendezvous.store();
+        let ip = store.local_ip();
+        // Listening on every interface: the address published is the one
+        // that reached the store, which peers on other hosts can reach too.
+        let any: IpAddr = if ip.is_ipv4() { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() };
+        let listener = TcpListener::bind((any, 0)).map_err(|e| Error::rendezvous(format!("{any}:0"), format!("cannot listen for the other ranks: {e}")))?;
+        let port = listener.local_addr().map_err(|e| Error::rendezvous(format!("{any}:0"), e.to_string()))?.port();
+        store.set(&rendezvous.key(&format!("tcp/addr/{}", env.rank)), SocketAddr::new(ip, port).to_string().as_bytes())?;
+        let job_key = rendezvous.key("tcp/job");
+        if env.rank == 0 {
+            store.set(&job_key, &job_id().to_le_bytes())?;
+        }
+        let job = store.get(&job_key, timeout)?;
+        let job =
+            u64::from_le_bytes(job.as_slice().try_into().map_err(|_| Error::rendezvous(store.addr(), format!("the job id under {job_key} is not 8 bytes")))?);
+        let addrs = (0..env.world_size)
+            .map(|r| {
+                let key = rendezvous.key(&format!("tcp/addr/{r}"));
+                let text = store.get(&key, timeout)?;
+                String::from_utf8_lossy(&text)
+                    .parse::<SocketAddr>()
+                    .map_err(|e| Error::rendezvous(store.addr(), format!("rank {r} published an address that does not parse ({e})")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        ProcessWorld::connect(env.rank, listener, &addrs, job, device, timeout)
     }
 
     /// This process's rank.
@@ -149,6 +185,18 @@ impl ProcessWorld {
     pub fn check(&self) -> Result<()> {
         self.links.failure().map_or(Ok(()), Err)
     }
+}
+
+/// A number that tells this job's connections from any other's: the time,
+/// this process and its address space, hashed.
+fn job_id() -> u64 {
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    h.write_u128(now.as_nanos());
+    h.write_u32(std::process::id());
+    h.write_usize(&h as *const _ as usize);
+    h.finish()
 }
 
 /// A group's identity on the wire: FNV-1a of its tag and members, the same

@@ -113,12 +113,40 @@ pub struct MeshConfig {
     /// Seconds a rank waits for another (at a collective, or for its part
     /// of a checkpoint) before declaring it hung and stopping the run.
     pub timeout_s: f64,
+    /// How the ranks are started: `auto` (processes when a launcher's
+    /// environment is present, `tessera launch`, torchrun, Slurm or
+    /// mpirun; threads otherwise), `threads` (one process, a thread per
+    /// rank) or `processes` (this process is one rank of a launched job).
+    pub launch: String,
 }
 
 impl Default for MeshConfig {
     fn default() -> Self {
-        MeshConfig { dp: 1, tp: 1, pp: 1, ep: 1, sp: false, schedule: "1f1b".into(), chunks: 2, bucket_bytes: 1 << 20, device: "cpu".into(), timeout_s: 600.0 }
+        MeshConfig {
+            dp: 1,
+            tp: 1,
+            pp: 1,
+            ep: 1,
+            sp: false,
+            schedule: "1f1b".into(),
+            chunks: 2,
+            bucket_bytes: 1 << 20,
+            device: "cpu".into(),
+            timeout_s: 600.0,
+            launch: "auto".into(),
+        }
     }
+}
+
+/// How a run's ranks are started ([`MeshConfig::launch`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaunchMode {
+    /// Processes when a launcher's environment is present, threads otherwise.
+    Auto,
+    /// A thread per rank in this process.
+    Threads,
+    /// This process is one rank of a job a launcher started.
+    Processes,
 }
 
 /// Where a run's ranks execute ([`MeshConfig::device`]).
@@ -152,6 +180,19 @@ impl MeshConfig {
             "cpu" => Ok(RankDevice::Cpu),
             "cuda" => Ok(RankDevice::Cuda),
             other => Err(Error::config("mesh.device", format!("unknown device `{other}`; use `cpu` (a thread per rank) or `cuda` (rank r on GPU r)"))),
+        }
+    }
+
+    /// How the ranks are started ([`launch`](Self::launch)).
+    pub fn launch_mode(&self) -> Result<LaunchMode> {
+        match self.launch.as_str() {
+            "auto" => Ok(LaunchMode::Auto),
+            "threads" => Ok(LaunchMode::Threads),
+            "processes" => Ok(LaunchMode::Processes),
+            other => Err(Error::config(
+                "mesh.launch",
+                format!("unknown launch `{other}`; use `auto` (processes under a launcher, threads otherwise), `threads` or `processes`"),
+            )),
         }
     }
 
@@ -479,6 +520,7 @@ impl TrainConfig {
         }
         let kind = self.mesh.schedule_kind()?;
         self.mesh.rank_device()?;
+        self.mesh.launch_mode()?;
         if self.mesh.pp > 1 && self.batch.grad_accum < self.mesh.pp && !matches!(kind, ScheduleKind::GPipe) {
             return Err(Error::config(
                 "batch.grad_accum",

@@ -13,6 +13,7 @@ pub mod ckpt;
 mod clip;
 mod config;
 mod faults;
+mod job;
 mod memory_check;
 mod monitor;
 mod ranks;
@@ -24,11 +25,12 @@ mod trainer;
 
 pub use clip::{clip_factor, clip_grad_norm, clip_to_norm, global_grad_norm, NormClasses};
 pub use config::{
-    BatchConfig, CheckpointConfig, DataConfig, MeshConfig, OptimConfig, PrecisionConfig, RankDevice, RecomputeConfig, RunConfig, StabilityConfig, TrainConfig,
-    ZeroSection,
+    BatchConfig, CheckpointConfig, DataConfig, LaunchMode, MeshConfig, OptimConfig, PrecisionConfig, RankDevice, RecomputeConfig, RunConfig, StabilityConfig,
+    TrainConfig, ZeroSection,
 };
 pub(crate) use faults::kill_this_process;
 pub use faults::{AtStep, FaultConfig, KillFault, KillPoint, RankAtStep, SlowRank};
+pub use job::Job;
 pub use monitor::{Anomaly, MonitorState, StabilityMonitor};
 pub use run_lock::{RunLock, LOCK_FILE};
 pub use scaler::LossScaler;

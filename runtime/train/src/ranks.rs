@@ -1,9 +1,11 @@
 //! Where a run's ranks execute and how they reach each other: a CPU thread
-//! per rank with the in-process communicator, or one GPU per rank (a
-//! thread each) with NCCL.
+//! per rank with the in-process communicator, one GPU per rank (a thread
+//! each) with NCCL, or this process as one rank of a job of processes.
 
 use super::RankDevice;
+use crate::job::{Job, ProcessJob};
 use parking_lot::Mutex;
+use std::sync::Arc;
 use tessera_core::Device;
 use tessera_core::{Error, Result};
 use tessera_dist::inproc::{mesh_groups, InProcess};
@@ -23,12 +25,17 @@ pub(crate) enum Ranks {
         /// The same communicators, to abort a failed rank's groups.
         handles: Vec<Groups>,
     },
+    /// This process is one rank of a job of processes.
+    Process(Arc<ProcessJob>),
 }
 
 impl Ranks {
-    /// The ranks of `mesh` on `device`.
+    /// The ranks of `mesh` on `device`, in `job`.
     /// A CPU rank waits `timeout` for a peer before declaring it hung.
-    pub(crate) fn new(device: RankDevice, mesh: &Mesh, timeout: std::time::Duration) -> Result<Self> {
+    pub(crate) fn new(device: RankDevice, mesh: &Mesh, timeout: std::time::Duration, job: &Job) -> Result<Self> {
+        if let Some(p) = job.process_job() {
+            return Ok(Ranks::Process(p.clone()));
+        }
         match device {
             RankDevice::Cpu => Ok(Ranks::Cpu(InProcess::with_timeout(mesh.world(), timeout)?)),
             RankDevice::Cuda => {
@@ -59,6 +66,12 @@ impl Ranks {
                 let groups = mesh_groups(world, mesh, rank, &dev)?;
                 Ok((dev, groups))
             }
+            Ranks::Process(p) => {
+                if rank != p.env.rank {
+                    return Err(Error::state_mismatch("trainer", format!("this process is rank {}, not rank {rank}", p.env.rank)));
+                }
+                Ok((p.device.clone(), tessera_dist::process::mesh_groups(&p.world, mesh)?))
+            }
             Ranks::Cuda { devices, groups, .. } => {
                 let taken = groups[rank].lock().take();
                 let groups = taken.ok_or_else(|| Error::state_mismatch("trainer", format!("rank {rank}'s communicators were already taken")))?;
@@ -71,7 +84,16 @@ impl Ranks {
     pub(crate) fn first_device(&self) -> Device {
         match self {
             Ranks::Cpu(_) => Device::cpu(),
+            Ranks::Process(p) => p.device.clone(),
             Ranks::Cuda { devices, .. } => devices[0].clone(),
+        }
+    }
+
+    /// The ranks this process runs: all of them, or its own.
+    pub(crate) fn local(&self, world: usize) -> Vec<usize> {
+        match self {
+            Ranks::Process(p) => vec![p.env.rank],
+            _ => (0..world).collect(),
         }
     }
 
@@ -79,6 +101,7 @@ impl Ranks {
     pub(crate) fn abort(&self, rank: usize, reason: &str) {
         match self {
             Ranks::Cpu(world) => world.abort(rank, reason),
+            Ranks::Process(p) => p.world.abort(rank, reason),
             Ranks::Cuda { handles, .. } => handles[rank].abort(reason),
         }
     }

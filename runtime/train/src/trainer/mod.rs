@@ -37,7 +37,7 @@ mod state;
 
 use crate::ckpt::Checkpointer;
 use crate::ranks::Ranks;
-use crate::{RunLock, TrainConfig};
+use crate::{Job, RunLock, TrainConfig};
 use parking_lot::Mutex;
 use rank::{RankRun, Shared};
 use report::Collector;
@@ -87,6 +87,10 @@ pub struct RunSummary {
     pub elapsed: Duration,
     /// The step the run started from (non-zero when it resumed).
     pub resumed_from: u64,
+    /// Whether this process reported the run: always when ranks are
+    /// threads; in a job of processes, rank 0 only. Only the primary's
+    /// `losses`, `events` and throughput are filled.
+    pub primary: bool,
 }
 
 impl RunSummary {
@@ -147,6 +151,8 @@ pub struct Trainer<'a, M> {
     fresh: bool,
     /// The run directory's lock, when the caller took it already.
     lock: Mutex<Option<RunLock>>,
+    /// Where the ranks live, when the caller made the job already.
+    job: Option<Job>,
 }
 
 impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
@@ -158,7 +164,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         batches: impl Fn(Replica) -> Result<Box<dyn Batches>> + Sync + 'a,
     ) -> Result<Self> {
         config.validate()?;
-        Ok(Trainer { config, facts, build: Box::new(build), batches: Box::new(batches), fresh: false, lock: Mutex::new(None) })
+        Ok(Trainer { config, facts, build: Box::new(build), batches: Box::new(batches), fresh: false, lock: Mutex::new(None), job: None })
     }
 
     /// Runs under `lock`, the run directory's lock the caller took before
@@ -166,6 +172,15 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
     /// otherwise [`run`](Self::run) takes it itself.
     pub fn with_run_lock(self, lock: RunLock) -> Self {
         *self.lock.lock() = Some(lock);
+        self
+    }
+
+    /// Runs in `job`, which the caller made (with [`Job::for_config`]) to
+    /// prepare what the run reads on one process first; otherwise
+    /// [`run`](Self::run) makes it from the configuration and the
+    /// environment.
+    pub fn with_job(mut self, job: Job) -> Self {
+        self.job = Some(job);
         self
     }
 
@@ -242,17 +257,40 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
     }
 
     /// Trains; writes the run directory; returns what happened.
+    ///
+    /// Ranks run as threads of this process, or, in a job of processes
+    /// (see [`Job`] and [`with_job`](Self::with_job)), this process runs its
+    /// own rank: rank 0 alone opens the run directory (its lock, the
+    /// configuration, earlier checkpoints) before the others start, and
+    /// writes the metrics and plots from every rank's figures.
     pub fn run(&self) -> Result<RunSummary> {
         let cfg = &self.config;
         let out = PathBuf::from(&cfg.run.out);
         // Before the run directory is touched and any rank allocates: a run
         // that cannot work, or cannot fit, is refused here.
         let mesh = preflight::check(cfg, self.facts.vocab, &self.build)?;
+        let job = match &self.job {
+            Some(job) => job.clone(),
+            None => Job::for_config(cfg)?,
+        };
+        let primary = job.is_primary();
         // Held until the run ends: one job per run directory.
-        let _lock = self.open_run_dir(&out)?;
+        let opened = job.primary_first("opening the run directory", || {
+            let lock = self.open_run_dir(&out)?;
+            let (ckpt, carried, resume_step) = self.open_checkpoints(&mesh)?;
+            Ok((lock, ckpt, carried, resume_step))
+        })?;
+        let (_lock, ckpt, carried, resume_step) = match opened {
+            Some((lock, ckpt, carried, resume_step)) => (Some(lock), ckpt, carried, resume_step),
+            None => {
+                let ckpt = self.checkpointer(&mesh)?;
+                let resume_step = self.resume_step(&ckpt)?;
+                (None, ckpt, Vec::new(), resume_step)
+            }
+        };
         let world_size = mesh.world();
-        let ranks = Ranks::new(cfg.mesh.rank_device()?, &mesh, cfg.mesh.timeout())?;
-        if cfg.faults.any() {
+        let ranks = Ranks::new(cfg.mesh.rank_device()?, &mesh, cfg.mesh.timeout(), &job)?;
+        if cfg.faults.any() && primary {
             eprintln!("fault injection is on: {}", cfg.faults.describe());
         }
         let tracks = (0..world_size)
@@ -262,14 +300,19 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             })
             .collect::<Result<Vec<_>>>()?;
         let trace = Trace::new(tracks);
-        let (ckpt, carried, resume_step) = self.open_checkpoints(&mesh)?;
-        let collector = Mutex::new(self.collector(&out, &ranks, carried, resume_step)?);
+        let collector = match primary {
+            true => Some(Mutex::new(self.collector(&out, &ranks, carried, resume_step)?)),
+            false => None,
+        };
+        let reports = job.process_job().map(|p| &p.control);
 
         let started = Instant::now();
-        let shared = Shared { ranks: &ranks, mesh: &mesh, trace: &trace, ckpt: &ckpt, collector: &collector };
+        let shared = Shared { ranks: &ranks, mesh: &mesh, trace: &trace, ckpt: &ckpt, collector: collector.as_ref(), reports };
+        let local = ranks.local(world_size);
         let results: Vec<Result<(u64, PathBuf)>> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..world_size)
-                .map(|rank| {
+            let handles: Vec<_> = local
+                .iter()
+                .map(|&rank| {
                     let (ranks, shared) = (&ranks, &shared);
                     s.spawn(move || {
                         // A panic is caught so that it, too, aborts the rank's
@@ -289,36 +332,36 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
                 .collect();
             handles
                 .into_iter()
-                .enumerate()
-                .map(|(rank, h)| h.join().unwrap_or_else(|panic| Err(Error::RankPanicked { rank, message: panic_message(panic.as_ref()) })))
+                .zip(&local)
+                .map(|(h, &rank)| h.join().unwrap_or_else(|panic| Err(Error::RankPanicked { rank, message: panic_message(panic.as_ref()) })))
                 .collect()
         });
         let elapsed = started.elapsed();
         let (resumed_from, checkpoint) = first_root_cause(results)?;
-        let collector = collector.into_inner();
-        collector.bar.finish();
+        let (losses, events, tokens) = match collector {
+            Some(c) => {
+                let c = c.into_inner();
+                c.bar.finish();
+                (c.losses, c.events, c.tokens)
+            }
+            None => Default::default(),
+        };
         // A run that had nothing left to do keeps the trace of the run that did.
         if cfg.run.trace_steps > 0 && !trace.spans().is_empty() {
-            trace.write(out.join("trace.json"))?;
+            // Each process of a job of processes traces its own rank.
+            let name = if primary { "trace.json".to_string() } else { format!("trace.rank{}.json", job.rank()) };
+            trace.write(out.join(name))?;
         }
-        if !collector.losses.is_empty() {
+        if !losses.is_empty() {
             LinePlot {
                 title: "training loss".into(),
                 x_label: "step".into(),
                 y_label: "loss".into(),
-                series: vec![Series { label: "train loss".into(), color: PALETTE[0], points: collector.losses.iter().map(|&(s, l)| (s as f64, l)).collect() }],
+                series: vec![Series { label: "train loss".into(), color: PALETTE[0], points: losses.iter().map(|&(s, l)| (s as f64, l)).collect() }],
             }
             .write_png(out.join("loss.png"))?;
         }
-        Ok(RunSummary {
-            out,
-            losses: collector.losses,
-            checkpoint,
-            events: collector.events,
-            tokens_per_s: collector.tokens as f64 / elapsed.as_secs_f64().max(1e-9),
-            elapsed,
-            resumed_from,
-        })
+        Ok(RunSummary { out, losses, checkpoint, events, tokens_per_s: tokens as f64 / elapsed.as_secs_f64().max(1e-9), elapsed, resumed_from, primary })
     }
 
     /// Creates the run directory and takes its lock (one job per
@@ -352,6 +395,29 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
     /// each reported; returns those events for the first metrics line, and
     /// the step the run resumes from.
     fn open_checkpoints(&self, mesh: &Mesh) -> Result<(Checkpointer, Vec<Event>, Option<u64>)> {
+        let ckpt = self.checkpointer(mesh)?;
+        let cleaned = ckpt.clean_leftovers()?;
+        for dir in &cleaned {
+            eprintln!("removed {}: an unfinished checkpoint of a job that is no longer running", dir.display());
+        }
+        let set_aside = self.inspect_checkpoints(&ckpt)?;
+        let events = cleaned.iter().map(|d| Event::Cleaned { dir: d.display().to_string() }).chain(set_aside).collect();
+        let resume_step = self.resume_step(&ckpt)?;
+        Ok((ckpt, events, resume_step))
+    }
+
+    /// The step the run resumes from: that of the newest valid checkpoint,
+    /// when resuming.
+    fn resume_step(&self, ckpt: &Checkpointer) -> Result<Option<u64>> {
+        Ok(match ckpt.latest_valid()?.filter(|_| self.config.checkpoint.resume) {
+            Some(dir) => Some(ckpt.manifest(&dir)?.step),
+            None => None,
+        })
+    }
+
+    /// The run's checkpointer, with `[faults]` that strike during saves
+    /// armed.
+    fn checkpointer(&self, mesh: &Mesh) -> Result<Checkpointer> {
         let cfg = &self.config;
         let ckpt = Checkpointer::new(self.checkpoint_dir(), cfg.checkpoint.keep)?.with_timeout(cfg.mesh.timeout());
         let coords_of = |rank: usize| -> Result<crate::ckpt::place::Coords> {
@@ -364,17 +430,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         if let Some(f) = cfg.faults.kill.as_ref().filter(|k| k.at == crate::KillPoint::Save) {
             ckpt.inject_kill_in_write(coords_of(f.rank)?, f.step);
         }
-        let cleaned = ckpt.clean_leftovers()?;
-        for dir in &cleaned {
-            eprintln!("removed {}: an unfinished checkpoint of a job that is no longer running", dir.display());
-        }
-        let set_aside = self.inspect_checkpoints(&ckpt)?;
-        let events = cleaned.iter().map(|d| Event::Cleaned { dir: d.display().to_string() }).chain(set_aside).collect();
-        let resume_step = match ckpt.latest_valid()?.filter(|_| cfg.checkpoint.resume) {
-            Some(dir) => Some(ckpt.manifest(&dir)?.step),
-            None => None,
-        };
-        Ok((ckpt, events, resume_step))
+        Ok(ckpt)
     }
 
     /// Where ranks report their steps: the metrics log (cut after the line
@@ -405,7 +461,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let replicas = cfg.mesh.dp * cfg.mesh.ep;
         let tokens_per_step = (replicas * cfg.batch.grad_accum * cfg.batch.micro_batch * cfg.batch.seq_len) as u64;
         let peak = match ranks {
-            Ranks::Cpu(_) => PeakRate::measure_matmul(&Device::cpu(), 384)?,
+            Ranks::Cpu(_) | Ranks::Process(_) => PeakRate::measure_matmul(&Device::cpu(), 384)?,
             // A GPU reaches its rate only on large products.
             Ranks::Cuda { .. } => PeakRate::measure_matmul(&ranks.first_device(), 4096)?,
         }

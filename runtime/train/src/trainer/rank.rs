@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use tessera_core::{Device, Result, Tensor};
 use tessera_dist::mesh::{Axis, Mesh};
+use tessera_dist::process::ProcessComm;
 use tessera_dist::Communicator;
 use tessera_nn::module::{self, Act, Cx, Replicated, SplitHidden, Staged};
 use tessera_nn::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward};
@@ -29,7 +30,11 @@ pub(super) struct Shared<'s> {
     pub(super) mesh: &'s Mesh,
     pub(super) trace: &'s Trace,
     pub(super) ckpt: &'s Checkpointer,
-    pub(super) collector: &'s Mutex<Collector>,
+    /// Where steps are reported: in the primary process only.
+    pub(super) collector: Option<&'s Mutex<Collector>>,
+    /// In a job of processes, the whole job, over which every rank's
+    /// figures reach the primary.
+    pub(super) reports: Option<&'s ProcessComm>,
 }
 
 /// One rank of a run, from its set-up to its final checkpoint.
@@ -385,7 +390,19 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
     /// writes the metrics line once every rank has.
     fn report(&self, step: u64, pass: &Pass, skipped: bool, events: Vec<Event>) -> Result<()> {
         let r = RankStep::new(self.rank, pass, &self.state.scaler, &self.dev, skipped, events);
-        self.shared.collector.lock().report(step, r)
+        let Some(comm) = self.shared.reports else {
+            let collector = self.shared.collector.expect("ranks that are threads share the primary's collector");
+            return collector.lock().report(step, r);
+        };
+        // Ranks are processes: every rank's figures, gathered.
+        let rows = comm.all_gather(&r.to_row(&self.dev)?, 0)?;
+        if let Some(collector) = self.shared.collector {
+            let mut collector = collector.lock();
+            for theirs in RankStep::from_rows(&rows.to_vec::<f64>()?, r)? {
+                collector.report(step, theirs)?;
+            }
+        }
+        Ok(())
     }
 
     /// Saves the state after step `done`: as a resume point when a job

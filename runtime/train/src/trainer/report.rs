@@ -4,7 +4,7 @@
 use crate::LossScaler;
 use std::collections::BTreeMap;
 use std::time::Instant;
-use tessera_core::{Device, Result};
+use tessera_core::{Device, Error, Result, Tensor};
 use tessera_observe::{Event, MetricsLog, StepMetrics};
 use tessera_parallel::data::SyncStats;
 use tessera_parallel::pipeline::StageReport;
@@ -80,6 +80,67 @@ impl RankStep {
             // Every rank sees the same events; one copy is enough.
             events: if rank == 0 { events } else { Vec::new() },
         }
+    }
+}
+
+/// Figures of a [`RankStep`] as a row of numbers, for gathering.
+const ROW: usize = 14;
+
+impl RankStep {
+    /// This rank's figures as a `[1, ROW]` tensor (its events stay here:
+    /// every rank sees the same, and the primary keeps its own).
+    pub(super) fn to_row(&self, dev: &Device) -> Result<Tensor> {
+        let flag = |b: bool| if b { 1.0 } else { 0.0 };
+        let row = vec![
+            self.rank as f64,
+            self.loss,
+            flag(self.grad_norm.is_some()),
+            self.grad_norm.unwrap_or(0.0),
+            self.lr,
+            flag(self.loss_scale.is_some()),
+            self.loss_scale.unwrap_or(0.0),
+            self.step_time,
+            self.compute,
+            self.comm,
+            self.exposed,
+            self.bubble,
+            self.peak_memory as f64,
+            flag(self.skipped),
+        ];
+        Tensor::from_vec(row, [1, ROW], dev)
+    }
+
+    /// Every rank's figures from the gathered rows; `own` (this rank's,
+    /// with its events) stands for its own row.
+    pub(super) fn from_rows(rows: &[f64], own: RankStep) -> Result<Vec<RankStep>> {
+        if !rows.len().is_multiple_of(ROW) {
+            return Err(Error::state_mismatch("trainer", format!("gathered {} figures, not rows of {ROW}", rows.len())));
+        }
+        let mut own = Some(own);
+        Ok(rows
+            .chunks(ROW)
+            .map(|r| {
+                let rank = r[0] as usize;
+                match own.take_if(|o| o.rank == rank) {
+                    Some(o) => o,
+                    None => RankStep {
+                        rank,
+                        loss: r[1],
+                        grad_norm: (r[2] != 0.0).then_some(r[3]),
+                        lr: r[4],
+                        loss_scale: (r[5] != 0.0).then_some(r[6]),
+                        step_time: r[7],
+                        compute: r[8],
+                        comm: r[9],
+                        exposed: r[10],
+                        bubble: r[11],
+                        peak_memory: r[12] as usize,
+                        skipped: r[13] != 0.0,
+                        events: Vec::new(),
+                    },
+                }
+            })
+            .collect())
     }
 }
 

@@ -1,0 +1,163 @@
+//! Where a run's ranks live: threads of this process, or processes that a
+//! launcher started (`tessera launch`, torchrun, Slurm's `srun`, `mpirun`),
+//! of which this process is one.
+//!
+//! A program that trains builds its [`Job`] first, from the configuration
+//! and the environment, so that what must happen once per run (writing the
+//! data, taking the run directory's lock) happens on rank 0 alone while the
+//! other processes wait ([`Job::primary_first`]); then it hands the job to
+//! the [`Trainer`](crate::Trainer).
+
+use crate::config::{LaunchMode, RankDevice};
+use crate::TrainConfig;
+use std::sync::Arc;
+use tessera_core::{Device, Error, Result, Tensor};
+use tessera_dist::env::ProcessEnv;
+use tessera_dist::process::{ProcessComm, ProcessWorld};
+use tessera_dist::store::Rendezvous;
+use tessera_dist::Communicator;
+
+/// Where a run's ranks live.
+#[derive(Clone, Debug)]
+pub struct Job {
+    processes: Option<Arc<ProcessJob>>,
+}
+
+/// This process's place in a job of processes.
+pub(crate) struct ProcessJob {
+    pub(crate) env: ProcessEnv,
+    /// Kept for the run: rank 0 serves the store until it is dropped.
+    _rendezvous: Rendezvous,
+    pub(crate) world: ProcessWorld,
+    /// This rank's device, on which the world receives.
+    pub(crate) device: Device,
+    /// The whole job, for what the trainer itself exchanges: rank 0's
+    /// verdict on the run directory, and each step's figures.
+    pub(crate) control: ProcessComm,
+}
+
+impl std::fmt::Debug for ProcessJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessJob").field("rank", &self.env.rank).field("world_size", &self.env.world_size).finish()
+    }
+}
+
+impl Job {
+    /// Every rank a thread of this process.
+    pub fn threads() -> Job {
+        Job { processes: None }
+    }
+
+    /// The job `config` runs as: with `mesh.launch = "auto"`, processes
+    /// when a launcher's variables are in the environment (see
+    /// [`ProcessEnv::detect`]), threads otherwise. As processes, this joins
+    /// the others (the rendezvous, then a connection to every rank),
+    /// waiting at most `mesh.timeout_s`; every process of the job calls it.
+    pub fn for_config(config: &TrainConfig) -> Result<Job> {
+        let env = ProcessEnv::detect()?;
+        Job::with_env(config, env)
+    }
+
+    /// [`for_config`](Self::for_config) with the launcher's environment
+    /// given (`None`: no launcher).
+    pub fn with_env(config: &TrainConfig, env: Option<ProcessEnv>) -> Result<Job> {
+        let mesh = &config.mesh;
+        let env = match (mesh.launch_mode()?, env) {
+            (LaunchMode::Threads, _) | (LaunchMode::Auto, None) => return Ok(Job::threads()),
+            (LaunchMode::Processes, None) => {
+                return Err(Error::config(
+                    "mesh.launch",
+                    format!(
+                        "\"processes\" needs this process to be started by a launcher, which tells it its rank; run it as `tessera launch --nproc-per-node {} -- PROGRAM ARGS` (or under torchrun, srun or mpirun), or use `auto` or `threads`",
+                        mesh.world_size()
+                    ),
+                ))
+            }
+            (_, Some(env)) => env,
+        };
+        if env.world_size != mesh.world_size() {
+            return Err(Error::config(
+                "mesh",
+                format!(
+                    "the mesh {} has {} ranks but the launcher started {} processes ({} = {}); start one process per rank (`tessera launch --nproc-per-node {}`), or change the mesh",
+                    mesh.spec(),
+                    mesh.world_size(),
+                    env.world_size,
+                    env.launcher.world_size_var(),
+                    env.world_size,
+                    mesh.world_size()
+                ),
+            ));
+        }
+        if mesh.rank_device()? == RankDevice::Cuda {
+            return Err(Error::config(
+                "mesh.device",
+                "CUDA ranks run as threads of one process (one per GPU, NCCL between them); processes with a GPU each are not supported yet: run without a launcher, or with mesh.launch = \"threads\"",
+            ));
+        }
+        let timeout = mesh.timeout();
+        let rendezvous = Rendezvous::join(&env, timeout)?;
+        let device = Device::cpu();
+        let world = ProcessWorld::join(&rendezvous, &device, timeout)?;
+        let control = world.tagged_group("trainer", &(0..env.world_size).collect::<Vec<_>>())?;
+        Ok(Job { processes: Some(Arc::new(ProcessJob { env, _rendezvous: rendezvous, world, device, control })) })
+    }
+
+    /// This process's rank when ranks are processes; 0 when they are
+    /// threads (this process runs them all).
+    pub fn rank(&self) -> usize {
+        self.processes.as_ref().map_or(0, |p| p.env.rank)
+    }
+
+    /// Whether this process writes the run's reports (metrics, plots, the
+    /// summary): the only process of a threaded run, rank 0 of a job of
+    /// processes.
+    pub fn is_primary(&self) -> bool {
+        self.rank() == 0
+    }
+
+    /// The number of processes in the job; `None` when ranks are threads.
+    pub fn processes(&self) -> Option<usize> {
+        self.processes.as_ref().map(|p| p.env.world_size)
+    }
+
+    pub(crate) fn process_job(&self) -> Option<&Arc<ProcessJob>> {
+        self.processes.as_ref()
+    }
+
+    /// Runs `f` on the primary process while every other process waits for
+    /// it, then returns its value there (`Some`) and `None` elsewhere; for
+    /// what a run does once (writing its data, taking its directory's lock)
+    /// before the ranks start. A failure of `f` is every process's error:
+    /// the primary's own, and on the others [`Error::RankFailed`] naming
+    /// rank 0 and its message. `what` names the work in that message.
+    pub fn primary_first<T, E>(&self, what: &str, f: impl FnOnce() -> std::result::Result<T, E>) -> std::result::Result<Option<T>, E>
+    where
+        E: std::fmt::Display + From<Error>,
+    {
+        let Some(p) = &self.processes else { return f().map(Some) };
+        let outcome = if p.env.rank == 0 { Some(f()) } else { None };
+        let verdict = match &outcome {
+            // `{:#}` shows a chain of causes where the error type has one.
+            Some(Err(e)) => format!("{e:#}"),
+            _ => String::new(),
+        };
+        let verdict = broadcast_text(&p.control, &verdict, &p.device)?;
+        match outcome {
+            Some(r) => r.map(Some),
+            None if verdict.is_empty() => Ok(None),
+            None => Err(Error::RankFailed { rank: 0, reason: format!("{what}: {verdict}") }.into()),
+        }
+    }
+}
+
+/// Rank 0's `text`, on every rank of `comm`.
+pub(crate) fn broadcast_text(comm: &ProcessComm, text: &str, dev: &Device) -> Result<String> {
+    let len = comm.broadcast(&Tensor::from_vec(vec![text.len() as u32], [1], dev)?, 0)?.to_vec::<u32>()?[0] as usize;
+    if len == 0 {
+        return Ok(String::new());
+    }
+    let bytes: Vec<u32> = if comm.rank() == 0 { text.bytes().map(u32::from).collect() } else { vec![0; len] };
+    let got = comm.broadcast(&Tensor::from_vec(bytes, [len], dev)?, 0)?.to_vec::<u32>()?;
+    Ok(String::from_utf8_lossy(&got.iter().map(|&b| b as u8).collect::<Vec<_>>()).into_owned())
+}
