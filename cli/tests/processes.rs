@@ -192,3 +192,31 @@ fn kill_process(pid: u32) {
     let status = Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap();
     assert!(status.success());
 }
+
+/// Two "nodes" on one machine: two launchers of four ranks each form one
+/// job of eight through the master's address, and give the single-process
+/// run's losses.
+#[test]
+fn two_launchers_as_two_nodes_train_like_one_process() {
+    let dir = Scratch::new("processes-two-nodes");
+    let threads = dir.path().join("threads");
+    let nodes = dir.path().join("nodes");
+    train_threads(&config(dir.path(), &threads, MESH, 4, ""));
+    let cfg = config(dir.path(), &nodes, MESH, 4, "");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let node = |rank: &str| {
+        launch(4, &["--nnodes", "2", "--node-rank", rank, "--master-addr", "127.0.0.1", "--master-port", &port], &cfg).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+    };
+    // The second node may start first: its ranks wait for the master.
+    let second = node("1");
+    std::thread::sleep(Duration::from_millis(300));
+    let first = node("0");
+    for (name, child) in [("node 0", first), ("node 1", second)] {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{name} failed:\n{}\n{}", text(&out.stdout), text(&out.stderr));
+        if name == "node 1" {
+            assert!(text(&out.stderr).contains("starting ranks 4..=7 of 8"), "{}", text(&out.stderr));
+        }
+    }
+    assert_eq!(metrics(&nodes), metrics(&threads), "losses and gradient norms, bit for bit");
+}
