@@ -163,7 +163,7 @@ fn train<M: KindModel>(args: &Args, cfg: &TrainConfig, task: &arith::Task, spec:
             })
         },
     )?;
-    let trainer = trainer.fresh(args.fresh).with_job(job.clone());
+    let trainer = trainer.fresh(args.fresh).with_job(job.clone())?;
     let trainer = match lock {
         Some(lock) => trainer.with_run_lock(lock),
         None => trainer,
@@ -218,6 +218,14 @@ fn banner<M: KindModel>(cfg: &TrainConfig, spec: &ModelSpec<M>, job: &Job) -> Re
         (_, Some(_)) => "CPU ranks (one process each)",
         _ => "CPU ranks",
     };
+    if let Some((dp, accum)) = job.resized() {
+        say!(
+            "elastic: {} processes run the mesh with dp{dp} and {accum} microbatches per step (the configuration's dp{} × {}), keeping the global batch",
+            job.processes().unwrap_or(1),
+            m.dp,
+            cfg.batch.grad_accum
+        );
+    }
     let (params, _) = spec.param_counts()?;
     let (layers, width) = M::depth_and_width(spec.config());
     say!(

@@ -4,6 +4,7 @@
 //! number of times. The rendezvous between ranks is the program's own work;
 //! the launcher only says who is who and where to meet (see docs/launch.md).
 
+mod elastic;
 mod env;
 mod output;
 mod process;
@@ -67,6 +68,19 @@ pub struct Args {
     #[arg(long, value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
     master_port: Option<u16>,
 
+    /// Elastic job: after a failure, go on with the nodes whose launchers are still alive, as long as there are at least
+    /// this many (of --nnodes). The launchers meet at --master-port (node 0's launcher serves it), the ranks one port above.
+    #[arg(long, value_name = "MIN")]
+    min_nodes: Option<usize>,
+
+    /// Elastic job: seconds node 0's launcher waits for the remaining nodes of an attempt once --min-nodes have arrived.
+    #[arg(long, value_name = "SECONDS", default_value = "5", value_parser = seconds)]
+    last_call: Duration,
+
+    /// Elastic job: seconds the launchers wait for --min-nodes nodes to arrive before the job fails.
+    #[arg(long, value_name = "SECONDS", default_value = "600", value_parser = positive_seconds)]
+    rdzv_timeout: Duration,
+
     /// After a failure, stop every local rank and start them all again, at most this many times.
     #[arg(long, value_name = "K", default_value_t = 0)]
     max_restarts: u32,
@@ -126,6 +140,30 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         None if topology.nnodes == 1 => free_port()?,
         None => DEFAULT_PORT,
     };
+    let agent = match args.min_nodes {
+        Some(min) if min == 0 || min > topology.nnodes => bail!("--min-nodes {min} must be between 1 and --nnodes {}", topology.nnodes),
+        Some(min) if min < topology.nnodes => {
+            // The launchers meet at the master port, the ranks one above it.
+            let Some(ranks_port) = master_port.checked_add(1) else {
+                bail!("--master-port {master_port}: an elastic job also uses the port above it; give a lower one")
+            };
+            let agent = elastic::Agent::join(
+                &args.master_addr,
+                master_port,
+                args.node_rank,
+                args.nproc_per_node,
+                (min, topology.nnodes),
+                args.last_call,
+                args.rdzv_timeout,
+            )?;
+            Some((agent, ranks_port))
+        }
+        _ => None,
+    };
+    let (agent, master_port) = match agent {
+        Some((agent, ranks_port)) => (Some(agent), ranks_port),
+        None => (None, master_port),
+    };
     let threads = match std::env::var_os("RAYON_NUM_THREADS") {
         Some(_) => None,
         None => Some(env::threads_per_rank(std::thread::available_parallelism().map_or(1, |n| n.get()), topology.nproc_per_node)),
@@ -149,6 +187,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         program: program.clone(),
         args: program_args.to_vec(),
         topology,
+        agent,
         master_addr: args.master_addr,
         master_port,
         max_restarts: args.max_restarts,
@@ -178,6 +217,8 @@ struct Job {
     program: OsString,
     args: Vec<OsString>,
     topology: Topology,
+    /// An elastic job's membership, settled anew before every attempt.
+    agent: Option<elastic::Agent>,
     master_addr: String,
     master_port: u16,
     max_restarts: u32,
@@ -214,7 +255,22 @@ impl Job {
     fn run(&self) -> anyhow::Result<i32> {
         let mut restart = 0;
         loop {
-            let mut ranks = self.start(restart)?;
+            let topology = match &self.agent {
+                Some(agent) => {
+                    let t = agent.round(restart)?;
+                    note!(
+                        "attempt {restart}: {} of {} nodes; this node runs ranks {}..={} of {}",
+                        t.nnodes,
+                        self.topology.nnodes,
+                        t.global_rank(0),
+                        t.global_rank(t.nproc_per_node - 1),
+                        t.world_size()
+                    );
+                    t
+                }
+                None => self.topology,
+            };
+            let mut ranks = self.start(topology, restart)?;
             let end = self.supervise(&mut ranks);
             let stop_signal = match end {
                 End::Success => libc::SIGTERM,
@@ -267,18 +323,18 @@ impl Job {
     /// Starts every local rank of attempt `restart`; if one cannot be
     /// started, stops those that were and fails: a missing program does not
     /// appear on a retry.
-    fn start(&self, restart: u32) -> anyhow::Result<Vec<Rank>> {
+    fn start(&self, topology: Topology, restart: u32) -> anyhow::Result<Vec<Rank>> {
         let env = RankEnv {
-            topology: self.topology,
+            topology,
             master_addr: &self.master_addr,
             master_port: self.master_port,
             restart,
             max_restarts: self.max_restarts,
             threads: self.threads,
         };
-        let mut ranks = Vec::with_capacity(self.topology.nproc_per_node);
-        for local in 0..self.topology.nproc_per_node {
-            let global = self.topology.global_rank(local);
+        let mut ranks = Vec::with_capacity(topology.nproc_per_node);
+        for local in 0..topology.nproc_per_node {
+            let global = topology.global_rank(local);
             let started = process::spawn(&self.program, &self.args, env.vars(local)).and_then(|mut child| {
                 let pid = child.id();
                 let mut rank = Rank { global, pid, status: None, stopped: false, output: Vec::new() };

@@ -135,7 +135,7 @@ impl Job<'_> {
             },
         )?
         .fresh(self.args.fresh)
-        .with_job(job.clone());
+        .with_job(job.clone())?;
         let trainer = match lock {
             Some(lock) => trainer.with_run_lock(lock),
             None => trainer,
@@ -195,6 +195,14 @@ fn banner<M: KindModel>(spec: &ModelSpec<M>, cfg: &TrainConfig, job: &RunJob) ->
         (_, Some(_)) => "CPU ranks (one process each)",
         _ => "CPU ranks",
     };
+    if let Some((dp, accum)) = job.resized() {
+        say!(
+            "elastic: {} processes run the mesh with dp{dp} and {accum} microbatches per step (the configuration's dp{} × {}), keeping the global batch",
+            job.processes().unwrap_or(1),
+            m.dp,
+            cfg.batch.grad_accum
+        );
+    }
     say!(
         "{origin} ({params} parameters, {layers} layers, hidden {width}{experts}) on {} {ranks}: dp{} × ep{} × pp{} × tp{}{} ({} schedule, {} microbatches of {} × {} tokens per replica and step)",
         m.world_size(),

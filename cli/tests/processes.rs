@@ -205,7 +205,11 @@ fn two_launchers_as_two_nodes_train_like_one_process() {
     let cfg = config(dir.path(), &nodes, MESH, 4, "");
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
     let node = |rank: &str| {
-        launch(4, &["--nnodes", "2", "--node-rank", rank, "--master-addr", "127.0.0.1", "--master-port", &port], &cfg).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+        launch(4, &["--nnodes", "2", "--node-rank", rank, "--master-addr", "127.0.0.1", "--master-port", &port], &cfg)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
     };
     // The second node may start first: its ranks wait for the master.
     let second = node("1");
@@ -219,4 +223,95 @@ fn two_launchers_as_two_nodes_train_like_one_process() {
         }
     }
     assert_eq!(metrics(&nodes), metrics(&threads), "losses and gradient norms, bit for bit");
+}
+
+/// An elastic job of two nodes of two ranks loses a node (its launcher is
+/// killed, and its ranks with it): the other node's launcher goes on alone,
+/// and its two ranks run the dp4 mesh as dp2 with twice the gradient
+/// accumulation, resuming from the last complete checkpoint. Its losses are
+/// those of a two-rank run resumed from that same checkpoint.
+#[test]
+fn an_elastic_job_that_loses_a_node_goes_on_with_the_rest() {
+    let dir = Scratch::new("processes-elastic");
+    const STEPS: u64 = 12;
+    let extra = "\n[faults]\nslow = { rank = 0, ms = 100 }\n";
+    let run = dir.path().join("elastic");
+    let cfg = config(dir.path(), &run, "dp = 4\nelastic = true", STEPS, extra);
+    let text_cfg = std::fs::read_to_string(&cfg).unwrap().replace("keep = 2", "keep = 100");
+    std::fs::write(&cfg, text_cfg).unwrap();
+    let port = {
+        // Two free ports in a row: the launchers' and the ranks'.
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port().min(60000).to_string()
+    };
+    let node = |rank: &str| {
+        launch(
+            2,
+            &[
+                "--nnodes",
+                "2",
+                "--min-nodes",
+                "1",
+                "--node-rank",
+                rank,
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port,
+                "--last-call",
+                "1",
+                "--max-restarts",
+                "1",
+                "--grace-period",
+                "2",
+            ],
+            &cfg,
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+    };
+    let first = node("0");
+    let mut second = node("1");
+    wait_for("step 4", Duration::from_secs(120), || metrics(&run).last().is_some_and(|m| m.0 >= 4));
+    // Node 1 is lost: its launcher dies, and its ranks with it.
+    kill_process(second.id());
+    let _ = second.wait();
+    let out = first.wait_with_output().unwrap();
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "node 0 goes on alone:\n{stdout}\n{stderr}");
+    assert!(stderr.contains("attempt 1: 1 of 2 nodes"), "{stderr}");
+    assert!(stdout.contains("elastic: 2 processes run the mesh with dp2 and 4 microbatches per step"), "{stdout}");
+    let resumed: u64 = stdout
+        .split("resumed from the checkpoint of step ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("the job resumed:\n{stdout}"));
+    // The reference: two ranks (as threads) resumed from a copy of that checkpoint.
+    let reference = dir.path().join("reference");
+    let from = run.join("checkpoints").join(format!("step-{resumed}"));
+    let to = reference.join("checkpoints").join(format!("step-{resumed}"));
+    copy_dir(&from, &to);
+    let ref_cfg = config(dir.path(), &reference, "dp = 2", STEPS, extra);
+    let ref_text = std::fs::read_to_string(&ref_cfg).unwrap().replace("grad_accum = 2", "grad_accum = 4").replace("keep = 2", "keep = 100");
+    std::fs::write(&ref_cfg, ref_text).unwrap();
+    train_threads(&ref_cfg);
+    let after = |m: Vec<(u64, u64, u64)>| m.into_iter().filter(|l| l.0 > resumed).collect::<Vec<_>>();
+    let (want, got) = (after(metrics(&reference)), after(metrics(&run)));
+    assert_eq!(want.len() as u64, STEPS - resumed);
+    assert_eq!(got, want, "the elastic job's losses after step {resumed} are a two-rank run's from the same checkpoint");
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        let path = e.path();
+        if path.is_dir() {
+            copy_dir(&path, &to.join(e.file_name()));
+        } else {
+            std::fs::copy(&path, to.join(e.file_name())).unwrap();
+        }
+    }
 }

@@ -118,6 +118,11 @@ pub struct MeshConfig {
     /// mpirun; threads otherwise), `threads` (one process, a thread per
     /// rank) or `processes` (this process is one rank of a launched job).
     pub launch: String,
+    /// Whether a job of processes may run on another number of ranks than
+    /// the mesh has (an elastic restart after a node was lost): the
+    /// data-parallel degree follows the number of processes, and the
+    /// gradient accumulation keeps the global batch.
+    pub elastic: bool,
 }
 
 impl Default for MeshConfig {
@@ -134,6 +139,7 @@ impl Default for MeshConfig {
             device: "cpu".into(),
             timeout_s: 600.0,
             launch: "auto".into(),
+            elastic: false,
         }
     }
 }
@@ -181,6 +187,30 @@ impl MeshConfig {
             "cuda" => Ok(RankDevice::Cuda),
             other => Err(Error::config("mesh.device", format!("unknown device `{other}`; use `cpu` (a thread per rank) or `cuda` (rank r on GPU r)"))),
         }
+    }
+
+    /// The data-parallel degree and gradient accumulation that run this
+    /// mesh on `world` ranks with the same global batch ([`elastic`](Self::elastic)),
+    /// given `grad_accum` microbatches per step now; an error naming what
+    /// does not divide.
+    pub fn resized(&self, world: usize, grad_accum: usize) -> Result<(usize, usize)> {
+        let model = self.tp * self.pp * self.ep;
+        let fix = "start a number of processes that is a multiple of tp × pp × ep, such that the data-parallel degree divides dp × batch.grad_accum";
+        if world == 0 || !world.is_multiple_of(model) {
+            return Err(Error::config(
+                "mesh.elastic",
+                format!("{world} processes cannot hold whole model replicas of tp{} × pp{} × ep{} = {model} ranks; {fix}", self.tp, self.pp, self.ep),
+            ));
+        }
+        let dp = world / model;
+        let microbatches = self.dp * grad_accum;
+        if !microbatches.is_multiple_of(dp) {
+            return Err(Error::config(
+                "mesh.elastic",
+                format!("the global batch of dp{} × {grad_accum} microbatches cannot be split over {dp} data-parallel replicas; {fix}", self.dp),
+            ));
+        }
+        Ok((dp, microbatches / dp))
     }
 
     /// How the ranks are started ([`launch`](Self::launch)).
@@ -571,6 +601,32 @@ impl TrainConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every world size and configuration either keeps the global batch
+    /// exactly on whole model replicas, or is refused naming `mesh.elastic`.
+    #[test]
+    fn elastic_resizing_keeps_the_global_batch_or_says_why_not() {
+        for (tp, pp, ep) in [(1, 1, 1), (2, 1, 1), (2, 2, 1), (1, 2, 2)] {
+            for dp in 1..=6 {
+                for accum in 1..=4 {
+                    let mesh = MeshConfig { dp, tp, pp, ep, ..MeshConfig::default() };
+                    for world in 0..=40 {
+                        match mesh.resized(world, accum) {
+                            Ok((dp2, accum2)) => {
+                                assert_eq!(dp2 * tp * pp * ep, world, "every rank holds part of a model replica");
+                                assert_eq!(dp2 * accum2, dp * accum, "the global batch is kept");
+                            }
+                            Err(e) => {
+                                let model = tp * pp * ep;
+                                assert!(world == 0 || world % model != 0 || (dp * accum) % (world / model) != 0, "{world} ranks refused: {e}");
+                                assert!(e.to_string().contains("mesh.elastic"), "{e}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn an_empty_file_is_the_defaults() {

@@ -21,6 +21,9 @@ use tessera_dist::Communicator;
 #[derive(Clone, Debug)]
 pub struct Job {
     processes: Option<Arc<ProcessJob>>,
+    /// The data-parallel degree and gradient accumulation of an elastic
+    /// job that runs on another number of processes than the mesh has.
+    resized: Option<(usize, usize)>,
 }
 
 /// This process's place in a job of processes.
@@ -45,7 +48,7 @@ impl std::fmt::Debug for ProcessJob {
 impl Job {
     /// Every rank a thread of this process.
     pub fn threads() -> Job {
-        Job { processes: None }
+        Job { processes: None, resized: None }
     }
 
     /// The job `config` runs as: with `mesh.launch = "auto"`, processes
@@ -75,11 +78,16 @@ impl Job {
             }
             (_, Some(env)) => env,
         };
-        if env.world_size != mesh.world_size() {
+        let resized = match (env.world_size == mesh.world_size(), mesh.elastic) {
+            (true, _) => None,
+            (false, true) => Some(mesh.resized(env.world_size, config.batch.grad_accum)?),
+            (false, false) => None,
+        };
+        if env.world_size != mesh.world_size() && resized.is_none() {
             return Err(Error::config(
                 "mesh",
                 format!(
-                    "the mesh {} has {} ranks but the launcher started {} processes ({} = {}); start one process per rank (`tessera launch --nproc-per-node {}`), or change the mesh",
+                    "the mesh {} has {} ranks but the launcher started {} processes ({} = {}); start one process per rank (`tessera launch --nproc-per-node {}`), change the mesh, or let the data-parallel degree follow the processes with mesh.elastic = true",
                     mesh.spec(),
                     mesh.world_size(),
                     env.world_size,
@@ -100,7 +108,7 @@ impl Job {
         let device = Device::cpu();
         let world = ProcessWorld::join(&rendezvous, &device, timeout)?;
         let control = world.tagged_group("trainer", &(0..env.world_size).collect::<Vec<_>>())?;
-        Ok(Job { processes: Some(Arc::new(ProcessJob { env, _rendezvous: rendezvous, world, device, control })) })
+        Ok(Job { processes: Some(Arc::new(ProcessJob { env, _rendezvous: rendezvous, world, device, control })), resized })
     }
 
     /// This process's rank when ranks are processes; 0 when they are
@@ -119,6 +127,25 @@ impl Job {
     /// The number of processes in the job; `None` when ranks are threads.
     pub fn processes(&self) -> Option<usize> {
         self.processes.as_ref().map(|p| p.env.world_size)
+    }
+
+    /// `config` as this job runs it: an elastic job on another number of
+    /// processes than its mesh has gets the data-parallel degree of those
+    /// processes and the gradient accumulation that keeps its global batch
+    /// (see [`MeshConfig::elastic`](crate::MeshConfig::elastic)).
+    pub fn fit(&self, config: &TrainConfig) -> TrainConfig {
+        let mut config = config.clone();
+        if let Some((dp, accum)) = self.resized {
+            config.mesh.dp = dp;
+            config.batch.grad_accum = accum;
+        }
+        config
+    }
+
+    /// The data-parallel degree and gradient accumulation an elastic job
+    /// runs with instead of its configuration's, when they differ.
+    pub fn resized(&self) -> Option<(usize, usize)> {
+        self.resized
     }
 
     pub(crate) fn process_job(&self) -> Option<&Arc<ProcessJob>> {

@@ -179,9 +179,17 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
     /// prepare what the run reads on one process first; otherwise
     /// [`run`](Self::run) makes it from the configuration and the
     /// environment.
-    pub fn with_job(mut self, job: Job) -> Self {
+    ///
+    /// An elastic job on another number of processes than the mesh has runs
+    /// the configuration [`Job::fit`] makes of it (checked again here).
+    pub fn with_job(mut self, job: Job) -> Result<Self> {
+        if job.resized().is_some() {
+            let fitted = job.fit(&self.config);
+            fitted.validate()?;
+            self.config = fitted;
+        }
         self.job = Some(job);
-        self
+        Ok(self)
     }
 
     /// Starts over: the run deletes the checkpoints of earlier jobs in its
@@ -271,7 +279,16 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let mesh = preflight::check(cfg, self.facts.vocab, &self.build)?;
         let job = match &self.job {
             Some(job) => job.clone(),
-            None => Job::for_config(cfg)?,
+            None => {
+                let job = Job::for_config(cfg)?;
+                if let Some((dp, accum)) = job.resized() {
+                    return Err(Error::config(
+                        "mesh.elastic",
+                        format!("this job of processes runs the mesh with dp{dp} and grad_accum {accum}; make the job first (`Job::for_config`) and give it to the trainer with `with_job`, which fits the configuration to it"),
+                    ));
+                }
+                job
+            }
         };
         let primary = job.is_primary();
         // Held until the run ends: one job per run directory.
