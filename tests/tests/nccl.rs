@@ -422,3 +422,84 @@ fn send_and_recv_between_two_gpus_are_buffered_and_ordered() {
     });
     assert!(e[0].contains("gave up"), "{}", e[0]);
 }
+
+/// Ranks of `n` processes on one machine, as threads: each with its own
+/// rendezvous (rank 0 serving the store) and its own connections, as
+/// separate processes would have.
+fn process_ranks(n: usize, timeout: std::time::Duration) -> Vec<(tessera::dist::store::Rendezvous, tessera::dist::process::ProcessWorld)> {
+    use tessera::dist::env::{Launcher, ProcessEnv};
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    per_rank(n, |rank| {
+        let env = ProcessEnv {
+            rank,
+            world_size: n,
+            local_rank: rank,
+            local_world_size: n,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            restart: 0,
+            launcher: Launcher::Torchrun,
+        };
+        let rdzv = tessera::dist::store::Rendezvous::join(&env, timeout).unwrap();
+        let world = tessera::dist::process::ProcessWorld::join(&rdzv, &Device::cpu(), timeout).unwrap();
+        (rdzv, world)
+    })
+}
+
+/// Rank `r`'s input of the processes test.
+fn process_input(r: usize) -> Vec<f32> {
+    rand_vec(40 + r as u64, 64).iter().map(|&v| v as f32).collect()
+}
+
+/// NCCL between processes, a GPU each: every group gets its id through the
+/// rendezvous store; the all-reduce matches the in-process one, messages
+/// travel through the host, and a lost rank aborts the others' groups.
+#[test]
+fn processes_with_a_gpu_each_join_nccl_groups_through_the_store() {
+    const TEST: &str = "processes_with_a_gpu_each_join_nccl_groups_through_the_store";
+    let n = 2;
+    if (0..n).any(|i| Device::cuda(i).is_err()) {
+        report_skip(TEST, &format!("needs {n} CUDA devices"));
+        return;
+    }
+    let ranks = process_ranks(n, std::time::Duration::from_secs(60));
+    let mesh = Mesh::parse(&format!("dp{n}"), n, n).unwrap();
+    let results = per_rank(n, |r| {
+        let (rdzv, world) = &ranks[r];
+        let dev = Device::cuda(r).unwrap();
+        let groups = match nccl::process_mesh_groups(world, rdzv, &mesh, &dev) {
+            Err(e @ Error::NcclUnavailable { .. }) => return Err(e.to_string()),
+            other => other.unwrap(),
+        };
+        let x = Tensor::from_vec(process_input(r), [64], &dev).unwrap();
+        let sum = groups.dp.all_reduce_sum(&x).unwrap().to_f64_vec().unwrap();
+        let peer = (r + 1) % n;
+        groups.dp.send(&x, peer).unwrap();
+        let got = groups.dp.recv((r + n - 1) % n).unwrap().to_vec::<f32>().unwrap();
+        Ok((sum, got))
+    });
+    if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
+        report_skip(TEST, &format!("no NCCL library: {e}"));
+        return;
+    }
+    let results: Vec<(Vec<f64>, Vec<f32>)> = results.into_iter().map(Result::unwrap).collect();
+    let inputs: Vec<Vec<f32>> = (0..n).map(process_input).collect();
+    let want: Vec<f64> = (0..64).map(|i| inputs.iter().map(|v| v[i] as f64).sum()).collect();
+    for (r, (sum, got)) in results.iter().enumerate() {
+        assert_close(sum, &want, 1e-5, 1e-5, &format!("rank {r}'s all-reduce"));
+        assert_eq!(got, &inputs[(r + n - 1) % n], "rank {r}'s message");
+    }
+}
+
+/// Without a GPU, a job of processes cannot put a rank on a CPU device
+/// through NCCL: the error says so rather than failing later.
+#[test]
+fn nccl_groups_of_processes_refuse_a_cpu_device() {
+    let ranks = process_ranks(2, std::time::Duration::from_secs(30));
+    let mesh = Mesh::parse("dp2", 2, 2).unwrap();
+    let errors = per_rank(2, |r| nccl::process_mesh_groups(&ranks[r].1, &ranks[r].0, &mesh, &Device::cpu()).unwrap_err().to_string());
+    for e in errors {
+        assert!(e.contains("NCCL connects CUDA devices"), "{e}");
+    }
+}

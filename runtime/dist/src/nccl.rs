@@ -74,9 +74,21 @@
 //! - **Point-to-point** [`send`](Communicator::send) and
 //!   [`recv`](Communicator::recv) do not use NCCL's, which are a rendezvous
 //!   (two ranks that both send first deadlock, which the trait promises they
-//!   do not): every rank of a group lives in this process, so a message is a
-//!   copy on the sender's device handed over through a mailbox and copied
-//!   across by the receiver (`nccl/p2p.rs`).
+//!   do not): when every rank of a group lives in this process, a message is
+//!   a copy on the sender's device handed over through a mailbox and copied
+//!   across by the receiver (`nccl/p2p.rs`); between processes it goes
+//!   through the host, over the same members' host communicator.
+//!
+//! # Processes with a GPU each
+//!
+//! [`process_mesh_groups`] builds one process's groups in a job of processes
+//! (`tessera launch`, torchrun, Slurm, mpirun; one GPU per process, the
+//! node's `LOCAL_RANK`-th): each group's first rank makes its NCCL id
+//! (`ncclGetUniqueId`) and publishes it in the rendezvous store, every member
+//! joins with `ncclCommInitRank`, and a watchdog aborts the groups when the
+//! connections between the processes see a rank fail (a killed process, a
+//! hang past the timeout), so that no collective queued on a GPU waits for a
+//! rank that is gone.
 
 mod all_to_all;
 mod p2p;
@@ -109,8 +121,20 @@ pub struct NcclCommunicator {
 
 /// What the members of one group share: each rank's device and NCCL
 /// handle, so that an abort on one rank reaches every handle.
+///
+/// A group of threads holds every member here; a group of processes holds
+/// only this process's, and reaches the others' through NCCL alone.
 struct Shared {
+    /// The members in this process: group ranks `first..first + len`.
     members: Vec<Member>,
+    /// The group rank of `members[0]`.
+    first: usize,
+    /// Ranks in the group, in every process.
+    size: usize,
+    /// Between processes, the same members over the host (TCP or shared
+    /// memory): the path of point-to-point messages, which cannot be
+    /// handed over within one process.
+    host: Option<Arc<dyn Communicator>>,
     /// Each member's rank in the world (its group rank in a plain group),
     /// named in [`Error::PeerFailed`].
     world_ranks: Vec<usize>,
@@ -193,8 +217,45 @@ impl NcclCommunicator {
             detail,
         })?;
         let members = cuda.into_iter().zip(handles).map(|(device, h)| Member { device, state: Mutex::new(State::Live(h)) }).collect();
-        let shared = Arc::new(Shared { members, mail: p2p::Mailboxes::new(world_ranks.len()), world_ranks });
+        let shared = Arc::new(Shared { members, first: 0, size: world_ranks.len(), host: None, mail: p2p::Mailboxes::new(world_ranks.len()), world_ranks });
         Ok((0..devices.len()).map(|rank| NcclCommunicator { shared: shared.clone(), rank }).collect())
+    }
+
+    /// This process's communicator in the group of processes whose world
+    /// ranks are `world_ranks`, this one running on `device`: the group's
+    /// first rank makes its NCCL id and hands it out through `exchange`
+    /// (`exchange(Some(id))` publishes, `exchange(None)` waits for it; the
+    /// rendezvous store under a key naming the group, say), then every rank
+    /// joins with `ncclCommInitRank`, which returns once all have. `host`
+    /// is the same members' communicator over the host, which carries
+    /// point-to-point messages.
+    pub fn join(
+        world_ranks: Vec<usize>,
+        me: usize,
+        device: &Device,
+        host: Arc<dyn Communicator>,
+        exchange: impl FnOnce(Option<[u8; 128]>) -> Result<[u8; 128]>,
+    ) -> Result<NcclCommunicator> {
+        let op = "NcclCommunicator::join";
+        let cuda = cuda_devices(op, std::slice::from_ref(device))?.remove(0);
+        let rank =
+            world_ranks.iter().position(|&r| r == me).ok_or_else(|| Error::no_such_rank(op, format!("rank {me} is not a member of group {world_ranks:?}")))?;
+        if host.size() != world_ranks.len() || host.rank() != rank {
+            return Err(Error::topology(
+                op,
+                format!("the host communicator is rank {} of {} but this rank is {rank} of {}", host.rank(), host.size(), world_ranks.len()),
+            ));
+        }
+        raw::library()?;
+        let nccl_error = |detail| Error::Nccl { ordinal: cuda.ordinal(), op: "joining a group of processes (ncclGetUniqueId, ncclCommInitRank)", detail };
+        let id = exchange(if rank == 0 { Some(RawComm::unique_id().map_err(nccl_error)?) } else { None })?;
+        // NCCL creates the handle on the thread's current device.
+        cuda.compute_stream().context().bind_to_thread().map_err(|e| cuda.error("making the device current before joining an NCCL group", e))?;
+        let handle = RawComm::init_rank(world_ranks.len(), &id, rank).map_err(nccl_error)?;
+        let size = world_ranks.len();
+        let members = vec![Member { device: cuda, state: Mutex::new(State::Live(handle)) }];
+        let shared = Arc::new(Shared { members, first: rank, size, host: Some(host), mail: p2p::Mailboxes::new(size), world_ranks });
+        Ok(NcclCommunicator { shared, rank })
     }
 
     /// The device this rank's collectives run on.
@@ -208,7 +269,7 @@ impl NcclCommunicator {
     }
 
     fn member(&self) -> &Member {
-        &self.shared.members[self.rank]
+        &self.shared.members[self.rank - self.shared.first]
     }
 
     fn cuda(&self) -> &CudaDevice {
@@ -365,7 +426,7 @@ impl Communicator for NcclCommunicator {
     }
 
     fn size(&self) -> usize {
-        self.shared.members.len()
+        self.shared.size
     }
 
     fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
@@ -478,11 +539,19 @@ impl Communicator for NcclCommunicator {
     }
 
     fn send(&self, t: &Tensor, peer: usize) -> Result<()> {
-        self.send_to(t, peer)
+        match &self.shared.host {
+            // Staged through the host: NCCL's own send is a rendezvous that
+            // deadlocks two ranks that both send first.
+            Some(host) => host.send(&self.input("send", t)?.to_device(&Device::cpu())?, peer),
+            None => self.send_to(t, peer),
+        }
     }
 
     fn recv(&self, peer: usize) -> Result<Tensor> {
-        self.recv_from(peer)
+        match &self.shared.host {
+            Some(host) => host.recv(peer)?.to_device(&self.device()),
+            None => self.recv_from(peer),
+        }
     }
 
     fn barrier(&self) -> Result<()> {
@@ -574,4 +643,67 @@ pub fn mesh_groups(mesh: &Mesh, devices: &[Device]) -> Result<Vec<Groups>> {
             })
         })
         .collect()
+}
+
+/// This process's NCCL communicators for every axis of `mesh` and its data
+/// replicas, in a job of processes with a GPU each (`device`): every group
+/// of more than one rank gets its NCCL id from its first rank through the
+/// rendezvous store, and carries its point-to-point messages over the
+/// host communicator of the same members in `world`. A watchdog thread
+/// aborts these communicators when `world` sees a rank fail (a killed
+/// process, a hang past the timeout, an abort), so that no collective
+/// queued on the device waits for a rank that is gone.
+pub fn process_mesh_groups(world: &crate::process::ProcessWorld, rendezvous: &crate::store::Rendezvous, mesh: &Mesh, device: &Device) -> Result<Groups> {
+    let me = world.rank();
+    let timeout = world.timeout();
+    let group = |tag: &str, members: Vec<usize>| -> Result<Arc<dyn Communicator>> {
+        if members.len() == 1 {
+            return Ok(Arc::new(super::SingleRank));
+        }
+        let host: Arc<dyn Communicator> = Arc::new(world.tagged_group(&format!("nccl-{tag}"), &members)?);
+        let key = rendezvous.key(&format!("nccl/{tag}/{members:?}"));
+        let store = rendezvous.store();
+        let exchange = |id: Option<[u8; 128]>| -> Result<[u8; 128]> {
+            match id {
+                Some(id) => {
+                    store.set(&key, &id)?;
+                    Ok(id)
+                }
+                None => store.get(&key, timeout)?.try_into().map_err(|_| Error::rendezvous(store.addr(), format!("the NCCL id under {key} is not 128 bytes"))),
+            }
+        };
+        Ok(Arc::new(NcclCommunicator::join(members, me, device, host, exchange)?))
+    };
+    let groups = Groups {
+        tp: group("tp", mesh.group(Axis::Tp, me)?)?,
+        dp: group("dp", mesh.group(Axis::Dp, me)?)?,
+        pp: group("pp", mesh.group(Axis::Pp, me)?)?,
+        ep: group("ep", mesh.group(Axis::Ep, me)?)?,
+        replicas: group("replicas", mesh.replica_group(me)?)?,
+    };
+    watch(world.watcher(), &groups)?;
+    Ok(groups)
+}
+
+/// Aborts `groups` once `failed` reports a failure of the job, polling every
+/// 100 ms; ends when the groups are dropped.
+fn watch(failed: impl Fn() -> Option<Error> + Send + 'static, groups: &Groups) -> Result<()> {
+    let weak: Vec<std::sync::Weak<dyn Communicator>> = groups.all().iter().map(|c| Arc::downgrade(c)).collect();
+    std::thread::Builder::new()
+        .name("tessera-nccl-watchdog".into())
+        .spawn(move || loop {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            let live: Vec<Arc<dyn Communicator>> = weak.iter().filter_map(std::sync::Weak::upgrade).collect();
+            if live.is_empty() {
+                return;
+            }
+            if let Some(e) = failed() {
+                for c in live {
+                    c.abort(&e.to_string());
+                }
+                return;
+            }
+        })
+        .map_err(|source| Error::Thread { what: "watching NCCL groups", source })?;
+    Ok(())
 }

@@ -180,6 +180,14 @@ impl ProcessWorld {
         self.links.fail(rank, format!("aborted: {reason}"));
     }
 
+    /// A check of the job's failure that outlives this world: what a
+    /// watchdog polls to stop work the connections cannot see (collectives
+    /// queued on a GPU) once a rank is lost.
+    pub fn watcher(&self) -> impl Fn() -> Option<Error> + Send + 'static {
+        let links = Arc::downgrade(&self.links);
+        move || links.upgrade().and_then(|l| l.failure())
+    }
+
     /// The error every call returns once the job has stopped, or `Ok` while
     /// it runs.
     pub fn check(&self) -> Result<()> {

@@ -29,11 +29,15 @@ pub struct Job {
 /// This process's place in a job of processes.
 pub(crate) struct ProcessJob {
     pub(crate) env: ProcessEnv,
-    /// Kept for the run: rank 0 serves the store until it is dropped.
-    _rendezvous: Rendezvous,
+    /// Kept for the run: rank 0 serves the store until it is dropped (the
+    /// CUDA build also hands out the NCCL groups' ids through it).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) rendezvous: Rendezvous,
     pub(crate) world: ProcessWorld,
-    /// This rank's device, on which the world receives.
+    /// This rank's device: the CPU, or its GPU (`LOCAL_RANK`).
     pub(crate) device: Device,
+    /// The CPU device the connections between processes receive on.
+    pub(crate) host: Device,
     /// The whole job, for what the trainer itself exchanges: rank 0's
     /// verdict on the run directory, and each step's figures.
     pub(crate) control: ProcessComm,
@@ -97,18 +101,25 @@ impl Job {
                 ),
             ));
         }
-        if mesh.rank_device()? == RankDevice::Cuda {
-            return Err(Error::config(
-                "mesh.device",
-                "CUDA ranks run as threads of one process (one per GPU, NCCL between them); processes with a GPU each are not supported yet: run without a launcher, or with mesh.launch = \"threads\"",
-            ));
-        }
+        // A GPU per process: the node's `LOCAL_RANK`-th.
+        let device = match mesh.rank_device()? {
+            RankDevice::Cpu => Device::cpu(),
+            RankDevice::Cuda => Device::cuda(env.local_rank).map_err(|e| {
+                Error::config(
+                    "mesh.device",
+                    format!(
+                        "rank {} runs on GPU {} of its node (LOCAL_RANK): {e}; start at most as many processes per node as it has GPUs",
+                        env.rank, env.local_rank
+                    ),
+                )
+            })?,
+        };
         let timeout = mesh.timeout();
         let rendezvous = Rendezvous::join(&env, timeout)?;
-        let device = Device::cpu();
-        let world = ProcessWorld::join(&rendezvous, &device, timeout)?;
+        let host = Device::cpu();
+        let world = ProcessWorld::join(&rendezvous, &host, timeout)?;
         let control = world.tagged_group("trainer", &(0..env.world_size).collect::<Vec<_>>())?;
-        Ok(Job { processes: Some(Arc::new(ProcessJob { env, _rendezvous: rendezvous, world, device, control })), resized })
+        Ok(Job { processes: Some(Arc::new(ProcessJob { env, rendezvous, world, device, host, control })), resized })
     }
 
     /// This process's rank when ranks are processes; 0 when they are
@@ -169,7 +180,7 @@ impl Job {
             Some(Err(e)) => format!("{e:#}"),
             _ => String::new(),
         };
-        let verdict = broadcast_text(&p.control, &verdict, &p.device)?;
+        let verdict = broadcast_text(&p.control, &verdict, &p.host)?;
         match outcome {
             Some(r) => r.map(Some),
             None if verdict.is_empty() => Ok(None),

@@ -70,7 +70,11 @@ impl Ranks {
                 if rank != p.env.rank {
                     return Err(Error::state_mismatch("trainer", format!("this process is rank {}, not rank {rank}", p.env.rank)));
                 }
-                Ok((p.device.clone(), tessera_dist::process::mesh_groups(&p.world, mesh)?))
+                let groups = match &p.device {
+                    Device::Cpu(_) => tessera_dist::process::mesh_groups(&p.world, mesh)?,
+                    Device::Cuda(_) => nccl_process_groups(p, mesh)?,
+                };
+                Ok((p.device.clone(), groups))
             }
             Ranks::Cuda { devices, groups, .. } => {
                 let taken = groups[rank].lock().take();
@@ -110,6 +114,17 @@ impl Ranks {
 #[cfg(feature = "cuda")]
 fn nccl_groups(mesh: &Mesh, devices: &[Device]) -> Result<Vec<Groups>> {
     tessera_dist::nccl::mesh_groups(mesh, devices)
+}
+
+#[cfg(feature = "cuda")]
+fn nccl_process_groups(p: &ProcessJob, mesh: &Mesh) -> Result<Groups> {
+    tessera_dist::nccl::process_mesh_groups(&p.world, &p.rendezvous, mesh, &p.device)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nccl_process_groups(_: &ProcessJob, _: &Mesh) -> Result<Groups> {
+    // Unreachable in practice: opening a CUDA device already failed.
+    Err(Error::NotCompiledWithCuda)
 }
 
 #[cfg(not(feature = "cuda"))]

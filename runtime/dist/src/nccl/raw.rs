@@ -102,6 +102,35 @@ impl RawComm {
         }
     }
 
+    /// A new group's identity, made on the group's first rank and handed to
+    /// the others (through the rendezvous store): 128 opaque bytes.
+    pub(super) fn unique_id() -> std::result::Result<[u8; 128], String> {
+        match catch_unwind(result::get_uniqueid) {
+            Ok(Ok(id)) => Ok(id.internal.map(|c| c as u8)),
+            Ok(Err(e)) => Err(describe(&e)),
+            Err(_) => Err("the NCCL library lacks ncclGetUniqueId".into()),
+        }
+    }
+
+    /// This process's handle as rank `rank` of the group of `size` ranks
+    /// named `id` (`ncclCommInitRank`): every rank of the group calls it, in
+    /// its own process, with the device it runs on current; it returns once
+    /// all have.
+    pub(super) fn init_rank(size: usize, id: &[u8; 128], rank: usize) -> std::result::Result<RawComm, String> {
+        let size = i32::try_from(size).map_err(|_| format!("{size} ranks are more than NCCL can address"))?;
+        let rank = i32::try_from(rank).map_err(|_| format!("rank {rank} is more than NCCL can address"))?;
+        let id = sys::ncclUniqueId { internal: id.map(|b| b as std::ffi::c_char) };
+        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` is a valid place for one handle and outlives the
+        // call; the id is passed by value.
+        let status = catch_unwind(move || unsafe { result::comm_init_rank(&mut comm, size, id, rank) }.map(|_| comm));
+        match status {
+            Ok(Ok(comm)) => Ok(RawComm(comm)),
+            Ok(Err(e)) => Err(describe(&e)),
+            Err(_) => Err("the NCCL library lacks ncclCommInitRank".into()),
+        }
+    }
+
     /// The handle, for a call made while its member's lock is held.
     pub(super) fn handle(&self) -> sys::ncclComm_t {
         self.0
@@ -113,7 +142,8 @@ impl Drop for RawComm {
         // Errors here cannot be reported (the handle is gone either way) and
         // must not panic inside a drop.
         let comm = self.0;
-        // SAFETY: the handle came from ncclCommInitAll and is released once.
+        // SAFETY: the handle came from ncclCommInitAll or ncclCommInitRank
+        // and is released once.
         let _ = catch_unwind(move || unsafe { result::comm_abort(comm) });
     }
 }

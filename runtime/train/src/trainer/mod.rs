@@ -478,7 +478,9 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
         let replicas = cfg.mesh.dp * cfg.mesh.ep;
         let tokens_per_step = (replicas * cfg.batch.grad_accum * cfg.batch.micro_batch * cfg.batch.seq_len) as u64;
         let peak = match ranks {
-            Ranks::Cpu(_) | Ranks::Process(_) => PeakRate::measure_matmul(&Device::cpu(), 384)?,
+            Ranks::Cpu(_) => PeakRate::measure_matmul(&Device::cpu(), 384)?,
+            Ranks::Process(_) if matches!(ranks.first_device(), Device::Cpu(_)) => PeakRate::measure_matmul(&Device::cpu(), 384)?,
+            Ranks::Process(_) => PeakRate::measure_matmul(&ranks.first_device(), 4096)?,
             // A GPU reaches its rate only on large products.
             Ranks::Cuda { .. } => PeakRate::measure_matmul(&ranks.first_device(), 4096)?,
         }

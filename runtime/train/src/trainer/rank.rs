@@ -395,7 +395,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
             return collector.lock().report(step, r);
         };
         // Ranks are processes: every rank's figures, gathered.
-        let rows = comm.all_gather(&r.to_row(&self.dev)?, 0)?;
+        let rows = comm.all_gather(&r.to_row(&Device::cpu())?, 0)?;
         if let Some(collector) = self.shared.collector {
             let mut collector = collector.lock();
             for theirs in RankStep::from_rows(&rows.to_vec::<f64>()?, r)? {
