@@ -113,14 +113,17 @@ fn input(rank: usize, i: usize, dims: &[usize], dtype: DType, dev: &Device) -> T
     }
 }
 
+/// A result's shape, dtype and the bits of every element.
+type Fingerprint = (Vec<usize>, DType, Vec<u64>);
+
 /// The bits of every element (and the shape) of `t`.
-fn fingerprint(t: &Tensor) -> (Vec<usize>, DType, Vec<u64>) {
+fn fingerprint(t: &Tensor) -> Fingerprint {
     (t.dims().to_vec(), t.dtype(), t.to_f64_vec().unwrap().iter().map(|v| v.to_bits()).collect())
 }
 
 /// Runs `program` on `comm` as rank `rank` of `n` and returns what every
 /// call gave this rank.
-fn execute(comm: &dyn Communicator, program: &[Call], rank: usize, n: usize, dev: &Device) -> Vec<Vec<(Vec<usize>, DType, Vec<u64>)>> {
+fn execute(comm: &dyn Communicator, program: &[Call], rank: usize, n: usize, dev: &Device) -> Vec<Vec<Fingerprint>> {
     program
         .iter()
         .enumerate()
