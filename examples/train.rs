@@ -169,7 +169,12 @@ fn train<M: KindModel>(args: &Args, cfg: &TrainConfig, task: &arith::Task, spec:
         None => trainer,
     };
     let summary = if job.is_primary() {
-        banner(cfg, &spec, &job)?;
+        for line in spec.banner(cfg, &job)? {
+            say!("{line}");
+        }
+        if cfg.data.source == "bundled" {
+            say!("task: three-digit addition, every number written least significant digit first (123 + 45 = 168 is \"321+540=8610\"); loss on the answers");
+        }
         trainer.run()?
     } else {
         // Ranks other than 0 train, and leave the report and the evaluation to rank 0.
@@ -207,44 +212,6 @@ fn train<M: KindModel>(args: &Args, cfg: &TrainConfig, task: &arith::Task, spec:
         serde_json::json!({ "held_out": report.total, "correct": report.correct, "exact_match": report.accuracy, "digit_accuracy": report.digit_accuracy });
     write(&out.join("eval.json"), &eval.to_string())?;
     say!("\nrun directory {}: config.toml, model.json, metrics.jsonl, trace.json, loss.png, eval.json, checkpoints/", out.display());
-    Ok(())
-}
-
-/// What is trained, where, and how.
-fn banner<M: KindModel>(cfg: &TrainConfig, spec: &ModelSpec<M>, job: &Job) -> Result<()> {
-    let m = &cfg.mesh;
-    let ranks = match (m.rank_device()?, job.processes()) {
-        (tessera::train::RankDevice::Cuda, _) => "GPUs",
-        (_, Some(_)) => "CPU ranks (one process each)",
-        _ => "CPU ranks",
-    };
-    if let Some((dp, accum)) = job.resized() {
-        say!(
-            "elastic: {} processes run the mesh with dp{dp} and {accum} microbatches per step (the configuration's dp{} × {}), keeping the global batch",
-            job.processes().unwrap_or(1),
-            m.dp,
-            cfg.batch.grad_accum
-        );
-    }
-    let (params, _) = spec.param_counts()?;
-    let (layers, width) = M::depth_and_width(spec.config());
-    say!(
-        "training {} ({params} parameters, {layers} layers, hidden {width}) on {} {ranks}: dp{} × ep{} × pp{} × tp{}{} ({} schedule, {} microbatches of {} × {} tokens per replica and step)",
-        spec.kind(),
-        m.world_size(),
-        m.dp,
-        m.ep,
-        m.pp,
-        m.tp,
-        if m.sp && m.tp > 1 { " with sequence parallelism" } else { "" },
-        m.schedule,
-        cfg.batch.grad_accum,
-        cfg.batch.micro_batch,
-        cfg.batch.seq_len
-    );
-    if cfg.data.source == "bundled" {
-        say!("task: three-digit addition, every number written least significant digit first (123 + 45 = 168 is \"321+540=8610\"); loss on the answers");
-    }
     Ok(())
 }
 

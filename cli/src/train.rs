@@ -142,7 +142,9 @@ impl Job<'_> {
         };
 
         if job.is_primary() {
-            banner(&spec, cfg, &job)?;
+            for line in spec.banner(cfg, &job)? {
+                say!("{line}");
+            }
             if bundled {
                 say!(
                     "task: three-digit addition, every number written least significant digit first (123 + 45 = 168 is \"321+540=8610\"); loss on the answers"
@@ -175,48 +177,6 @@ fn trainer_checkpoints_exist(cfg: &TrainConfig, out: &Path) -> bool {
     } else {
         out.join(dir).is_dir()
     }
-}
-
-/// What is trained, where, and how.
-fn banner<M: KindModel>(spec: &ModelSpec<M>, cfg: &TrainConfig, job: &RunJob) -> anyhow::Result<()> {
-    let (params, active) = spec.param_counts()?;
-    let (layers, width) = M::depth_and_width(spec.config());
-    let experts = match M::experts(spec.config()) {
-        Some((e, k)) => format!(", {e} experts of which each token uses {k} ({active} parameters active per token)"),
-        None => String::new(),
-    };
-    let origin = match spec.pretrained() {
-        Some(dir) => format!("fine-tuning {} from {}", spec.kind(), dir.display()),
-        None => format!("training {}", spec.kind()),
-    };
-    let m = &cfg.mesh;
-    let ranks = match (m.rank_device()?, job.processes()) {
-        (tessera::train::RankDevice::Cuda, _) => "GPUs",
-        (_, Some(_)) => "CPU ranks (one process each)",
-        _ => "CPU ranks",
-    };
-    if let Some((dp, accum)) = job.resized() {
-        say!(
-            "elastic: {} processes run the mesh with dp{dp} and {accum} microbatches per step (the configuration's dp{} × {}), keeping the global batch",
-            job.processes().unwrap_or(1),
-            m.dp,
-            cfg.batch.grad_accum
-        );
-    }
-    say!(
-        "{origin} ({params} parameters, {layers} layers, hidden {width}{experts}) on {} {ranks}: dp{} × ep{} × pp{} × tp{}{} ({} schedule, {} microbatches of {} × {} tokens per replica and step)",
-        m.world_size(),
-        m.dp,
-        m.ep,
-        m.pp,
-        m.tp,
-        if m.sp && m.tp > 1 { " with sequence parallelism" } else { "" },
-        m.schedule,
-        cfg.batch.grad_accum,
-        cfg.batch.micro_batch,
-        cfg.batch.seq_len
-    );
-    Ok(())
 }
 
 /// The loss, resumption and the events worth a line.

@@ -44,7 +44,7 @@ use tessera::ckpt::{self, Checkpointer};
 use tessera::module::{self, Cx, Replicated, SplitHidden, Staged};
 use tessera::observe::transformer_flops_per_token;
 use tessera::parallel::pipeline::ScheduleKind;
-use tessera::train::{ModelFacts, TrainConfig};
+use tessera::train::{Job, ModelFacts, RankDevice, TrainConfig};
 
 /// The file in a run directory that records the model the run trains
 /// ([`ModelSpec::write_record`]), from which a checkpoint of the run is
@@ -349,6 +349,56 @@ impl<M: KindModel> ModelSpec<M> {
     /// ranks, padding included: the trainer's [`ModelFacts::vocab`].
     pub fn padded_vocab(&self, tp: usize) -> usize {
         padded_vocab(M::vocab_size(&self.config), tp)
+    }
+
+    /// What a training program says before it starts, a line each: what is
+    /// trained (from scratch or from which directory, its size, its
+    /// experts), on which ranks and mesh, with which schedule and batch;
+    /// first, for an elastic job that runs another number of processes than
+    /// its mesh has, how it was fitted to them.
+    pub fn banner(&self, cfg: &TrainConfig, job: &Job) -> Result<Vec<String>> {
+        let (params, active) = self.param_counts()?;
+        let (layers, width) = M::depth_and_width(self.config());
+        let experts = match M::experts(self.config()) {
+            Some((e, k)) => format!(", {e} experts of which each token uses {k} ({active} parameters active per token)"),
+            None => String::new(),
+        };
+        let origin = match self.pretrained() {
+            Some(dir) => format!("fine-tuning {} from {}", self.kind(), dir.display()),
+            None => format!("training {}", self.kind()),
+        };
+        let m = &cfg.mesh;
+        let ranks = match (m.rank_device()?, job.processes()) {
+            (RankDevice::Cuda, Some(_)) => "GPUs (one process each)",
+            (RankDevice::Cuda, None) => "GPUs",
+            (_, Some(_)) => "CPU ranks (one process each)",
+            _ => "CPU ranks",
+        };
+        let mut lines = Vec::new();
+        if let Some((dp, accum)) = job.resized() {
+            lines.push(format!(
+                "elastic: {} processes run the mesh with dp{dp} and {accum} microbatches per step (the configuration's dp{} × {}), keeping the global batch",
+                job.processes().unwrap_or(1),
+                m.dp,
+                cfg.batch.grad_accum
+            ));
+        }
+        let cfg = job.fit(cfg);
+        let m = &cfg.mesh;
+        lines.push(format!(
+            "{origin} ({params} parameters, {layers} layers, hidden {width}{experts}) on {} {ranks}: dp{} × ep{} × pp{} × tp{}{} ({} schedule, {} microbatches of {} × {} tokens per replica and step)",
+            m.world_size(),
+            m.dp,
+            m.ep,
+            m.pp,
+            m.tp,
+            if m.sp && m.tp > 1 { " with sequence parallelism" } else { "" },
+            m.schedule,
+            cfg.batch.grad_accum,
+            cfg.batch.micro_batch,
+            cfg.batch.seq_len
+        ));
+        Ok(lines)
     }
 
     /// Parameters in all (every expert counted, a tied weight once) and

@@ -116,7 +116,12 @@ impl Job {
         };
         let timeout = mesh.timeout();
         let rendezvous = Rendezvous::join(&env, timeout)?;
-        let host = Device::cpu();
+        // CPU ranks receive on their own device (received tensors are used
+        // as they are); a GPU rank's connections receive on the host.
+        let host = match &device {
+            Device::Cpu(_) => device.clone(),
+            Device::Cuda(_) => Device::cpu(),
+        };
         let world = ProcessWorld::join(&rendezvous, &host, timeout)?;
         let control = world.tagged_group("trainer", &(0..env.world_size).collect::<Vec<_>>())?;
         Ok(Job { processes: Some(Arc::new(ProcessJob { env, rendezvous, world, device, host, control })), resized })
