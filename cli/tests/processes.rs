@@ -76,8 +76,13 @@ fn processes_train_like_threads_bit_for_bit() {
     let dir = Scratch::new("processes-bits");
     let threads = dir.path().join("threads");
     let procs = dir.path().join("procs");
-    train_threads(&config(dir.path(), &threads, MESH, 6, ""));
-    let out = launch(8, &[], &config(dir.path(), &procs, MESH, 6, "")).output().unwrap();
+    let traced = |run: &Path| {
+        let cfg = config(dir.path(), run, MESH, 6, "");
+        std::fs::write(&cfg, std::fs::read_to_string(&cfg).unwrap().replace("trace_steps = 0", "trace_steps = 2")).unwrap();
+        cfg
+    };
+    train_threads(&traced(&threads));
+    let out = launch(8, &[], &traced(&procs)).output().unwrap();
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "the launched run failed:\n{stdout}\n{}", text(&out.stderr));
     assert!(stdout.contains("[rank 0] training gpt2") && stdout.contains("one process each"), "{stdout}");
@@ -85,6 +90,12 @@ fn processes_train_like_threads_bit_for_bit() {
     let (want, got) = (metrics(&threads), metrics(&procs));
     assert_eq!(want.len(), 6);
     assert_eq!(got, want, "losses and gradient norms, bit for bit");
+    // One trace, with every rank's track, as the thread run writes it.
+    let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(procs.join("trace.json")).unwrap()).unwrap();
+    let mut tracks: Vec<u64> = trace["traceEvents"].as_array().unwrap().iter().filter(|e| e["ph"] == "X").map(|e| e["tid"].as_u64().unwrap()).collect();
+    tracks.sort_unstable();
+    tracks.dedup();
+    assert_eq!(tracks, (0..8).collect::<Vec<u64>>(), "spans of every rank in trace.json");
 }
 
 /// Runs the launched job to its end; returns its output and how long it took.

@@ -9,8 +9,12 @@ use parking_lot::Mutex;
 use serde_json::{json, Value};
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tessera_core::{Error, Result};
+
+/// The categories spans are recorded under (a merged span keeps its own
+/// when it is one of these).
+const CATEGORIES: [&str; 7] = ["compute", "comm", "wait", "step", "io", "pipeline", "other"];
 
 /// One recorded span.
 #[derive(Clone, Debug, PartialEq)]
@@ -30,6 +34,9 @@ pub struct Span {
 #[derive(Debug)]
 struct Inner {
     origin: Instant,
+    /// The wall-clock time of `origin`, which places the traces of
+    /// different processes on one time line.
+    origin_wall: SystemTime,
     tracks: Vec<String>,
     spans: Vec<Span>,
 }
@@ -42,7 +49,7 @@ impl Trace {
     /// A trace with one track per rank, labelled by `tracks[rank]`
     /// (e.g. `rank 3 (dp1 tp1 pp0)`); times count from now.
     pub fn new(tracks: Vec<String>) -> Self {
-        Trace(Arc::new(Mutex::new(Inner { origin: Instant::now(), tracks, spans: Vec::new() })))
+        Trace(Arc::new(Mutex::new(Inner { origin: Instant::now(), origin_wall: SystemTime::now(), tracks, spans: Vec::new() })))
     }
 
     fn lock(&self) -> parking_lot::MutexGuard<'_, Inner> {
@@ -72,6 +79,39 @@ impl Trace {
         self.lock().spans.clone()
     }
 
+    /// The spans recorded so far, with the wall-clock time they count from,
+    /// as JSON text: what another process's trace [`merge`](Self::merge)s.
+    pub fn export(&self) -> String {
+        let inner = self.lock();
+        let origin_us = inner.origin_wall.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64() * 1e6;
+        let spans: Vec<Value> =
+            inner.spans.iter().map(|s| json!({"rank": s.rank, "name": s.name, "cat": s.category, "start": s.start_us, "dur": s.duration_us})).collect();
+        json!({"origin_us": origin_us, "spans": spans}).to_string()
+    }
+
+    /// Adds the spans of another process's trace ([`export`](Self::export)),
+    /// moved onto this trace's time line by the two traces' wall-clock
+    /// origins (the same clock on one machine; across machines, as close as
+    /// their clocks agree). A span of a category this crate does not record
+    /// is filed as `other`.
+    pub fn merge(&self, exported: &str) -> Result<()> {
+        let bad = |detail: String| Error::invalid("Trace::merge", detail);
+        let v: Value = serde_json::from_str(exported).map_err(|e| bad(format!("not an exported trace: {e}")))?;
+        let origin_us = v["origin_us"].as_f64().ok_or_else(|| bad("no origin_us".into()))?;
+        let spans = v["spans"].as_array().ok_or_else(|| bad("no spans".into()))?;
+        let mut inner = self.lock();
+        let ours = inner.origin_wall.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64() * 1e6;
+        let shift = origin_us - ours;
+        for s in spans {
+            let field = |k: &str| s[k].as_f64().ok_or_else(|| bad(format!("a span without {k}")));
+            let rank = s["rank"].as_u64().ok_or_else(|| bad("a span without rank".into()))? as usize;
+            let name = s["name"].as_str().unwrap_or_default().to_string();
+            let category = CATEGORIES.iter().copied().find(|c| Some(*c) == s["cat"].as_str()).unwrap_or("other");
+            inner.spans.push(Span { rank, name, category, start_us: field("start")? + shift, duration_us: field("dur")? });
+        }
+        Ok(())
+    }
+
     /// The trace as Chrome trace-event JSON.
     pub fn to_json(&self) -> Value {
         let inner = self.lock();
@@ -91,5 +131,36 @@ impl Trace {
         let path = path.as_ref();
         let text = serde_json::to_string(&self.to_json()).map_err(|e| Error::io(path, e.into()))?;
         tessera_core::file::write_atomic(path, text.as_bytes()).map_err(|e| Error::io(path, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// Another process's spans land on this trace's time line, shifted by
+    /// the difference of the two origins, with their ranks, names and
+    /// categories; a damaged export is an error.
+    #[test]
+    fn merged_spans_keep_their_place_in_time() {
+        let ours = Trace::new(vec!["rank 0".into(), "rank 1".into()]);
+        std::thread::sleep(Duration::from_millis(20));
+        let theirs = Trace::new(vec!["rank 0".into(), "rank 1".into()]);
+        let t0 = Instant::now();
+        theirs.record(1, "F0", "compute", t0, t0 + Duration::from_millis(5));
+        theirs.record(1, "odd", "made-up", t0, t0 + Duration::from_millis(1));
+        ours.record(0, "F0", "compute", t0, t0 + Duration::from_millis(5));
+        ours.merge(&theirs.export()).unwrap();
+        let spans = ours.spans();
+        assert_eq!(spans.len(), 3);
+        let (mine, merged) = (&spans[0], &spans[1]);
+        assert_eq!((merged.rank, merged.name.as_str(), merged.category), (1, "F0", "compute"));
+        assert_eq!(spans[2].category, "other");
+        assert!((merged.duration_us - mine.duration_us).abs() < 1.0);
+        // The same instant, seen from both origins: within the clocks' jitter.
+        assert!((merged.start_us - mine.start_us).abs() < 2_000.0, "{} vs {}", merged.start_us, mine.start_us);
+        assert!(ours.merge("{not json").is_err());
+        assert!(ours.merge(r#"{"origin_us": 1.0, "spans": [{"rank": 0}]}"#).is_err());
     }
 }

@@ -16,6 +16,7 @@ use tessera_dist::env::ProcessEnv;
 use tessera_dist::process::{ProcessComm, ProcessWorld};
 use tessera_dist::store::Rendezvous;
 use tessera_dist::Communicator;
+use tessera_observe::Trace;
 
 /// Where a run's ranks live.
 #[derive(Clone, Debug)]
@@ -191,6 +192,31 @@ impl Job {
             None if verdict.is_empty() => Ok(None),
             None => Err(Error::RankFailed { rank: 0, reason: format!("{what}: {verdict}") }.into()),
         }
+    }
+}
+
+impl Job {
+    /// In a job of processes, hands every rank's spans to rank 0's `trace`
+    /// (each process traces its own rank); nothing to do when ranks are
+    /// threads, which share one trace. Every process calls it.
+    pub(crate) fn gather_trace(&self, trace: &Trace) -> Result<()> {
+        let Some(p) = &self.processes else { return Ok(()) };
+        let comm = &p.control;
+        let mine: Vec<u32> = if p.env.rank == 0 { Vec::new() } else { trace.export().bytes().map(u32::from).collect() };
+        let lens = comm.all_gather(&Tensor::from_vec(vec![mine.len() as u32], [1], &p.host)?, 0)?.to_vec::<u32>()?;
+        if p.env.rank != 0 {
+            if !mine.is_empty() {
+                comm.send(&Tensor::from_vec(mine.clone(), [mine.len()], &p.host)?, 0)?;
+            }
+            return Ok(());
+        }
+        for (r, &len) in lens.iter().enumerate().skip(1) {
+            if len > 0 {
+                let bytes: Vec<u8> = comm.recv(r)?.to_vec::<u32>()?.iter().map(|&b| b as u8).collect();
+                trace.merge(&String::from_utf8_lossy(&bytes))?;
+            }
+        }
+        Ok(())
     }
 }
 

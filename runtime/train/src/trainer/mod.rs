@@ -363,11 +363,13 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             }
             None => Default::default(),
         };
-        // A run that had nothing left to do keeps the trace of the run that did.
-        if cfg.run.trace_steps > 0 && !trace.spans().is_empty() {
-            // Each process of a job of processes traces its own rank.
-            let name = if primary { "trace.json".to_string() } else { format!("trace.rank{}.json", job.rank()) };
-            trace.write(out.join(name))?;
+        if cfg.run.trace_steps > 0 {
+            // Each process of a job of processes traced its own rank.
+            job.gather_trace(&trace)?;
+            // A run that had nothing left to do keeps the trace of the run that did.
+            if primary && !trace.spans().is_empty() {
+                trace.write(out.join("trace.json"))?;
+            }
         }
         if !losses.is_empty() {
             LinePlot {
