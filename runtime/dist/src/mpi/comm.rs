@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
 use tessera_core::backend::{CpuDevice, CpuStorage, Storage};
-use tessera_core::tensor::{DType, Tensor};
+use tessera_core::tensor::{with_elem, DType, Tensor};
 use tessera_core::{Device, Error, Result};
 use tessera_kernels::cpu::cast;
 
@@ -245,9 +245,15 @@ fn with_storage<R>(t: &Tensor, f: impl FnOnce(&CpuStorage, Range<usize>) -> R) -
     f(s, range)
 }
 
+/// Storage of `len` elements of `dtype` that MPI (or a kernel) writes
+/// entirely: a buffer reused from the device's pool is not zeroed first.
+fn for_overwrite(dev: &CpuDevice, dtype: DType, len: usize) -> CpuStorage {
+    with_elem!(dtype, T => CpuStorage::from_buffer(dev.buffer_for_overwrite::<T>(len)))
+}
+
 /// The elements of a contiguous `bf16` or `f16` tensor, widened to `f32`.
 fn widen(t: &Tensor, dev: &CpuDevice) -> tessera_core::backend::cpu::Buffer<f32> {
-    let mut out = dev.buffer_zeros::<f32>(t.elem_count());
+    let mut out = dev.buffer_for_overwrite::<f32>(t.elem_count());
     with_storage(t, |s, r| match t.dtype() {
         DType::BF16 => cast::bf16_to_f32(&s.as_slice().expect("bf16")[r], &mut out),
         DType::F16 => cast::f16_to_f32(&s.as_slice().expect("f16")[r], &mut out),
@@ -260,12 +266,12 @@ fn widen(t: &Tensor, dev: &CpuDevice) -> tessera_core::backend::cpu::Buffer<f32>
 fn narrow(acc: &[f32], dtype: DType, dims: Vec<usize>, dev: &CpuDevice) -> Tensor {
     let storage = match dtype {
         DType::BF16 => {
-            let mut out = dev.buffer_zeros(acc.len());
+            let mut out = dev.buffer_for_overwrite(acc.len());
             cast::f32_to_bf16(acc, &mut out);
             CpuStorage::from_buffer(out)
         }
         DType::F16 => {
-            let mut out = dev.buffer_zeros(acc.len());
+            let mut out = dev.buffer_for_overwrite(acc.len());
             cast::f32_to_f16(acc, &mut out);
             CpuStorage::from_buffer(out)
         }
@@ -357,7 +363,7 @@ impl Core {
             (Reduction::Native, DType::U32) => self.native_all_reduce::<u32>(&t, dev),
             (Reduction::Native, DType::BF16 | DType::F16) => {
                 let wide = widen(&t, dev);
-                let mut acc = dev.buffer_zeros::<f32>(wide.len());
+                let mut acc = dev.buffer_for_overwrite::<f32>(wide.len());
                 wire::all_reduce_sum(self.raw(), &wide, &mut acc)?;
                 Ok(narrow(&acc, t.dtype(), t.dims().to_vec(), dev))
             }
@@ -365,7 +371,7 @@ impl Core {
     }
 
     fn native_all_reduce<T: Summand + Default>(&self, t: &Tensor, dev: &CpuDevice) -> Result<Tensor> {
-        let mut out = dev.buffer_zeros::<T>(t.elem_count());
+        let mut out = dev.buffer_for_overwrite::<T>(t.elem_count());
         with_storage(t, |s, r| wire::all_reduce_sum(self.raw(), &s.as_slice::<T>().expect("the tensor's dtype")[r], &mut out))?;
         Ok(wrap(CpuStorage::from_buffer(out), t.shape().clone(), dev))
     }
@@ -376,12 +382,12 @@ impl Core {
         let (n, len, dtype) = (self.size(), t.elem_count(), t.dtype());
         let lens: Vec<usize> = (0..n).map(|j| chunk(len, n, j).len()).collect();
         let m = lens[self.me];
-        let mut gathered = CpuStorage::zeros(dev, dtype, n * m);
+        let mut gathered = for_overwrite(dev, dtype, n * m);
         with_storage(t, |s, r| wire::all_to_all_v(self.raw(), bits(s, r), &lens, bits_mut(&mut gathered), &vec![m; n]))?;
         let gathered = wrap(gathered, [n * m], dev);
         let sources: Vec<(&Tensor, usize)> = (0..n).map(|i| (&gathered, i * m)).collect();
         let summed = wrap(reduce(dev, dtype, &sources, std::slice::from_ref(&(0..m))), [m], dev);
-        let mut out = CpuStorage::zeros(dev, dtype, len);
+        let mut out = for_overwrite(dev, dtype, len);
         with_storage(&summed, |s, r| wire::all_gather_v(self.raw(), bits(s, r), bits_mut(&mut out), &lens))?;
         Ok(wrap(out, t.shape().clone(), dev))
     }
@@ -397,7 +403,7 @@ impl Core {
         let block: usize = dims[dim..].iter().product();
         let mut out_dims = dims.to_vec();
         out_dims[dim] *= n;
-        let mut gathered = CpuStorage::zeros(dev, t.dtype(), n * l);
+        let mut gathered = for_overwrite(dev, t.dtype(), n * l);
         {
             let _w = self.watch(OP);
             with_storage(&t, |s, r| wire::all_gather(self.raw(), bits(s, r), bits_mut(&mut gathered)))?;
@@ -449,7 +455,7 @@ impl Core {
         let _w = self.watch(OP);
         match (self.reduction, dtype) {
             (Reduction::Exact, _) => {
-                let mut gathered = CpuStorage::zeros(dev, dtype, n * seg);
+                let mut gathered = for_overwrite(dev, dtype, n * seg);
                 with_storage(&send, |s, r| wire::all_to_all(self.raw(), n, bits(s, r), bits_mut(&mut gathered)))?;
                 let gathered = wrap(gathered, [n * seg], dev);
                 let sources: Vec<(&Tensor, usize)> = (0..n).map(|i| (&gathered, i * seg)).collect();
@@ -461,7 +467,7 @@ impl Core {
             (Reduction::Native, DType::U32) => self.native_reduce_scatter::<u32>(&send, seg, out_dims, dev),
             (Reduction::Native, DType::BF16 | DType::F16) => {
                 let wide = widen(&send, dev);
-                let mut acc = dev.buffer_zeros::<f32>(seg);
+                let mut acc = dev.buffer_for_overwrite::<f32>(seg);
                 wire::reduce_scatter_sum(self.raw(), n, &wide, &mut acc)?;
                 Ok(narrow(&acc, dtype, out_dims, dev))
             }
@@ -469,7 +475,7 @@ impl Core {
     }
 
     fn native_reduce_scatter<T: Summand + Default>(&self, send: &Tensor, seg: usize, out_dims: Vec<usize>, dev: &CpuDevice) -> Result<Tensor> {
-        let mut out = dev.buffer_zeros::<T>(seg);
+        let mut out = dev.buffer_for_overwrite::<T>(seg);
         with_storage(send, |s, r| wire::reduce_scatter_sum(self.raw(), self.size(), &s.as_slice::<T>().expect("the tensor's dtype")[r], &mut out))?;
         Ok(wrap(CpuStorage::from_buffer(out), out_dims, dev))
     }
@@ -493,7 +499,7 @@ impl Core {
             with_storage(&local, |s, r| wire::broadcast_from(self.raw(), root, bits(s, r)))?;
             return Ok(t.clone());
         }
-        let mut out = CpuStorage::zeros(dev, t.dtype(), t.elem_count());
+        let mut out = for_overwrite(dev, t.dtype(), t.elem_count());
         wire::broadcast_into(self.raw(), root, bits_mut(&mut out))?;
         Ok(wrap(out, t.shape().clone(), dev))
     }
@@ -525,7 +531,7 @@ impl Core {
             })
             .collect::<Result<Vec<Meta>>>()?;
         let mut received: Vec<Option<CpuStorage>> =
-            metas.iter().enumerate().map(|(i, (dtype, dims))| (i != self.me).then(|| CpuStorage::zeros(dev, *dtype, dims.iter().product()))).collect();
+            metas.iter().enumerate().map(|(i, (dtype, dims))| (i != self.me).then(|| for_overwrite(dev, *dtype, dims.iter().product()))).collect();
         let guards: Vec<_> = contiguous.iter().map(|p| (p.read(), p.layout().contiguous_range().expect("contiguous"))).collect();
         let mut requests = Vec::with_capacity(2 * n);
         for (i, r) in received.iter_mut().enumerate() {
@@ -600,7 +606,7 @@ impl Core {
         let (dtype, dims) = decode_shape(&shape)?
             .ok_or_else(|| Error::CollectiveMismatch { op: OP, detail: format!("rank {} sent a message without a shape", self.ranks[peer]) })?;
         let dev = cpu_device(&self.shared.device);
-        let mut data = CpuStorage::zeros(dev, dtype, dims.iter().product());
+        let mut data = for_overwrite(dev, dtype, dims.iter().product());
         wire::recv(self.raw(), bits_mut(&mut data), peer, TAG_DATA)?;
         Ok(wrap(data, dims, dev))
     }
