@@ -70,7 +70,7 @@ impl Ranks {
                 if rank != p.env.rank {
                     return Err(Error::state_mismatch("trainer", format!("this process is rank {}, not rank {rank}", p.env.rank)));
                 }
-                Ok((p.device.clone(), tessera_dist::process::mesh_groups(&p.world, mesh)?))
+                Ok((p.device.clone(), p.world.mesh_groups(mesh)?))
             }
             Ranks::Cuda { devices, groups, .. } => {
                 let taken = groups[rank].lock().take();
