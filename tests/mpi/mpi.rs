@@ -277,6 +277,7 @@ const CASES: &[Case] = &[
     ("uneven_all_to_all_carries_shapes_and_dtypes", uneven_all_to_all),
     ("mismatched_calls_are_errors_on_every_rank_and_the_group_stays_usable", mismatches),
     ("large_tensors_give_the_in_process_bits", large),
+    ("options_are_read_from_the_environment_and_bad_values_named", options),
 ];
 
 fn suite(world: &MpiWorld) -> ExitCode {
@@ -721,5 +722,19 @@ fn large(cx: &Ctx) {
         })
         .swap_remove(cx.rank);
         assert!(have.bits() == want.bits(), "{dtype:?}: the exact all-reduce of {len} elements differs from the in-process one");
+    }
+}
+
+fn options(_: &Ctx) {
+    let vars = |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string());
+    assert_eq!(MpiOptions::from_vars(vars(&[])).unwrap(), MpiOptions::default());
+    let o = MpiOptions::from_vars(vars(&[("TESSERA_MPI_REDUCTION", "exact"), ("TESSERA_MPI_VERIFY", "0"), ("TESSERA_MPI_TIMEOUT_S", "0")])).unwrap();
+    assert_eq!(o, MpiOptions { reduction: Reduction::Exact, verify: false, timeout: None });
+    let o = MpiOptions::from_vars(vars(&[("TESSERA_MPI_TIMEOUT_S", "2.5")])).unwrap();
+    assert_eq!(o.timeout, Some(Duration::from_millis(2500)));
+    for (k, v) in [("TESSERA_MPI_REDUCTION", "fast"), ("TESSERA_MPI_VERIFY", "yes"), ("TESSERA_MPI_TIMEOUT_S", "-1")] {
+        let pairs: &'static [(&'static str, &'static str)] = Box::leak(vec![(k, v)].into_boxed_slice());
+        let e = MpiOptions::from_vars(vars(pairs)).unwrap_err().to_string();
+        assert!(e.contains(k) && e.contains(v), "{e}");
     }
 }

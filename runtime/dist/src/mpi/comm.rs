@@ -530,13 +530,21 @@ impl Core {
                 decode_shape(w)?.ok_or_else(|| Error::CollectiveMismatch { op: OP, detail: format!("rank {} announced a part without a shape", self.ranks[i]) })
             })
             .collect::<Result<Vec<Meta>>>()?;
+        // Every count is checked before the first request is posted: an
+        // error between two posts would free buffers MPI still uses.
+        for (_, dims) in &metas {
+            wire::count(OP, dims.iter().product())?;
+        }
+        for p in &contiguous {
+            wire::count(OP, p.elem_count())?;
+        }
         let mut received: Vec<Option<CpuStorage>> =
             metas.iter().enumerate().map(|(i, (dtype, dims))| (i != self.me).then(|| for_overwrite(dev, *dtype, dims.iter().product()))).collect();
         let guards: Vec<_> = contiguous.iter().map(|p| (p.read(), p.layout().contiguous_range().expect("contiguous"))).collect();
         let mut requests = Vec::with_capacity(2 * n);
         for (i, r) in received.iter_mut().enumerate() {
             if let Some(s) = r {
-                requests.push(wire::irecv(self.raw(), bits_mut(s), i, TAG_ALL_TO_ALL)?);
+                requests.push(wire::irecv(self.raw(), bits_mut(s), i, TAG_ALL_TO_ALL).expect("counts checked above"));
             }
         }
         for (j, (g, range)) in guards.iter().enumerate() {
@@ -544,7 +552,7 @@ impl Core {
                 continue;
             }
             let Storage::Cpu(s) = &**g else { unreachable!("host tensors") };
-            requests.push(wire::isend(self.raw(), bits(s, range.clone()), j, TAG_ALL_TO_ALL)?);
+            requests.push(wire::isend(self.raw(), bits(s, range.clone()), j, TAG_ALL_TO_ALL).expect("counts checked above"));
         }
         // The buffers above stay borrowed (guards) or untouched (received)
         // until every request is complete.
@@ -589,8 +597,11 @@ impl Core {
         let shape = Box::new(encode_shape(Some(&meta(&t))));
         let mut sent = self.sent.lock();
         sent.retain_mut(|s| !s.requests.iter_mut().all(Request::test));
-        let shape_req = wire::isend(self.raw(), Bits::B64(&shape[..]), peer, TAG_SHAPE)?;
-        let data_req = with_storage(&copy, |s, r| wire::isend(self.raw(), bits(s, r), peer, TAG_DATA))?;
+        // The element count was checked above, so neither post fails
+        // between the two (a shape without its elements would leave the
+        // receiver waiting).
+        let shape_req = wire::isend(self.raw(), Bits::B64(&shape[..]), peer, TAG_SHAPE).expect("a shape record is small");
+        let data_req = with_storage(&copy, |s, r| wire::isend(self.raw(), bits(s, r), peer, TAG_DATA)).expect("the count was checked");
         sent.push(Sent { requests: [shape_req, data_req], _shape: shape, _data: copy });
         Ok(())
     }
