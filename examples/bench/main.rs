@@ -8,12 +8,14 @@
 //! cargo run --release --example bench -- matmul --sizes 1024,2048
 //! cargo run --release --example bench -- matmul --dtype bf16 --sizes 2048
 //! cargo run --release --example bench -- collectives --max-bytes 16M
+//! mpirun -np 2 target/release/examples/bench collectives --backend mpi   # built with --features mpi
 //! cargo run --release --example bench -- gpt
 //! cargo run --release --example bench -- elementwise
 //! cargo run --release --example bench -- attention
 //! ```
 
 mod attention;
+mod collectives_mpi;
 mod cuda;
 mod elementwise;
 mod gpt;
@@ -107,6 +109,11 @@ struct CollectivesArgs {
     /// mostly time-slicing noise on a shared machine).
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// The communicators measured: `inproc` (a thread per rank), or `mpi`
+    /// (this process is one rank of `mpirun -np N`, which sets the number
+    /// of ranks; needs a build with `--features mpi`).
+    #[arg(long, default_value = "inproc")]
+    backend: String,
 }
 
 /// A collective measured by `bench collectives`.
@@ -403,6 +410,11 @@ fn time_collective(op: Coll, ranks: usize, bytes: usize, args: &CollectivesArgs)
 }
 
 fn bench_collectives(args: &CollectivesArgs) -> Result<()> {
+    match args.backend.as_str() {
+        "inproc" => {}
+        "mpi" => return collectives_mpi::run(args),
+        other => anyhow::bail!("unknown --backend `{other}`; use `inproc` or `mpi`"),
+    }
     ensure!(args.reps > 0, "--reps must be positive");
     ensure!(args.ranks.iter().all(|&n| n >= 2), "--ranks: every count must be at least 2");
     ensure!(args.min_bytes >= 4 && args.min_bytes <= args.max_bytes, "--min-bytes must be at least 4 and at most --max-bytes");

@@ -4,7 +4,7 @@
 //! Its place: above the tensor core (`tessera-core`), below everything that
 //! runs on more than one rank. It owns the mesh of parallel axes, each rank's
 //! [`Groups`], the communicators (in-process, between processes over TCP,
-//! and NCCL), and how processes find each other (the launchers'
+//! MPI with the `mpi` feature, and NCCL), and how processes find each other (the launchers'
 //! environment, the rendezvous store); it knows nothing of modules or
 //! training. Users reach it as `tessera::dist`.
 
@@ -14,6 +14,8 @@ mod groups;
 mod host;
 pub mod inproc;
 pub mod mesh;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod process;

@@ -123,6 +123,11 @@ pub struct MeshConfig {
     /// data-parallel degree follows the number of processes, and the
     /// gradient accumulation keeps the global batch.
     pub elastic: bool,
+    /// How the processes of a launched job communicate: `tcp` (Tessera's
+    /// own connections, found through the rendezvous store) or `mpi` (the
+    /// job's MPI library, for jobs started by `mpirun` or `srun`; needs a
+    /// build with the `mpi` feature). Threads ignore it.
+    pub comm: String,
 }
 
 impl Default for MeshConfig {
@@ -140,6 +145,7 @@ impl Default for MeshConfig {
             timeout_s: 600.0,
             launch: "auto".into(),
             elastic: false,
+            comm: "tcp".into(),
         }
     }
 }
@@ -153,6 +159,15 @@ pub enum LaunchMode {
     Threads,
     /// This process is one rank of a job a launcher started.
     Processes,
+}
+
+/// How the processes of a job communicate ([`MeshConfig::comm`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProcessComms {
+    /// Tessera's TCP connections.
+    Tcp,
+    /// The job's MPI library.
+    Mpi,
 }
 
 /// Where a run's ranks execute ([`MeshConfig::device`]).
@@ -223,6 +238,19 @@ impl MeshConfig {
                 "mesh.launch",
                 format!("unknown launch `{other}`; use `auto` (processes under a launcher, threads otherwise), `threads` or `processes`"),
             )),
+        }
+    }
+
+    /// How the processes of a job communicate ([`comm`](Self::comm)).
+    pub fn process_comms(&self) -> Result<ProcessComms> {
+        match self.comm.as_str() {
+            "tcp" => Ok(ProcessComms::Tcp),
+            "mpi" if cfg!(feature = "mpi") => Ok(ProcessComms::Mpi),
+            "mpi" => Err(Error::config(
+                "mesh.comm",
+                "`mpi` needs a build with the `mpi` feature (`--features mpi`, and MPI installed; see docs/launch.md), or use `tcp`",
+            )),
+            other => Err(Error::config("mesh.comm", format!("unknown comm `{other}`; use `tcp` (Tessera's connections) or `mpi` (the job's MPI library)"))),
         }
     }
 
@@ -551,6 +579,7 @@ impl TrainConfig {
         let kind = self.mesh.schedule_kind()?;
         self.mesh.rank_device()?;
         self.mesh.launch_mode()?;
+        self.mesh.process_comms()?;
         if self.mesh.pp > 1 && self.batch.grad_accum < self.mesh.pp && !matches!(kind, ScheduleKind::GPipe) {
             return Err(Error::config(
                 "batch.grad_accum",
@@ -662,6 +691,12 @@ mod tests {
         let e = TrainConfig::parse("[mesh]\ndevice = \"tpu\"\n", &[]).unwrap_err().to_string();
         assert!(e.contains("mesh.device") && e.contains("`cuda`"), "{e}");
         assert_eq!(TrainConfig::parse("[mesh]\ndevice = \"cuda\"\ndp = 2\n", &[]).unwrap().mesh.rank_device().unwrap(), RankDevice::Cuda);
+        let e = TrainConfig::parse("", &["mesh.comm=udp"]).unwrap_err().to_string();
+        assert!(e.contains("mesh.comm") && e.contains("`tcp`"), "{e}");
+        assert_eq!(TrainConfig::parse("", &[]).unwrap().mesh.process_comms().unwrap(), ProcessComms::Tcp);
+        // `mpi` only where the build has it, and a clear error elsewhere.
+        let mpi = TrainConfig::parse("", &["mesh.comm=mpi"]);
+        assert_eq!(mpi.is_ok(), cfg!(feature = "mpi"), "{mpi:?}");
         let e = TrainConfig::parse("", &["run.out=\"\""]).unwrap_err().to_string();
         assert!(e.contains("run.out") && e.contains("empty"), "{e}");
         let e = TrainConfig::parse("", &["run.stop_after=0"]).unwrap_err().to_string();

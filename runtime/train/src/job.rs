@@ -8,14 +8,15 @@
 //! other processes wait ([`Job::primary_first`]); then it hands the job to
 //! the [`Trainer`](crate::Trainer).
 
-use crate::config::{LaunchMode, RankDevice};
+use crate::config::{LaunchMode, ProcessComms, RankDevice};
 use crate::TrainConfig;
 use std::sync::Arc;
 use tessera_core::{Device, Error, Result, Tensor};
 use tessera_dist::env::ProcessEnv;
-use tessera_dist::process::{ProcessComm, ProcessWorld};
+use tessera_dist::mesh::Mesh;
+use tessera_dist::process::ProcessWorld;
 use tessera_dist::store::Rendezvous;
-use tessera_dist::Communicator;
+use tessera_dist::{Communicator, Groups};
 use tessera_observe::Trace;
 
 /// Where a run's ranks live.
@@ -30,18 +31,51 @@ pub struct Job {
 /// This process's place in a job of processes.
 pub(crate) struct ProcessJob {
     pub(crate) env: ProcessEnv,
-    /// Kept for the run: rank 0 serves the store until it is dropped (the
-    /// CUDA build also hands out the NCCL groups' ids through it).
+    /// The whole job, for what the trainer itself exchanges: rank 0's
+    /// verdict on the run directory, each step's figures, the trace.
+    /// Declared before the world, so it is dropped first.
+    pub(crate) control: Box<dyn Communicator>,
+    pub(crate) world: JobWorld,
+    /// Kept for the run (TCP only): rank 0 serves the store until it is
+    /// dropped; the CUDA build also hands out the NCCL groups' ids through it.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) rendezvous: Rendezvous,
-    pub(crate) world: ProcessWorld,
+    pub(crate) rendezvous: Option<Rendezvous>,
     /// This rank's device: the CPU, or its GPU (`LOCAL_RANK`).
     pub(crate) device: Device,
-    /// The CPU device the connections between processes receive on.
+    /// The CPU device the connections between processes receive on: the
+    /// rank's own when it is a CPU rank (received tensors are used as they
+    /// are), the host's for a GPU rank.
     pub(crate) host: Device,
-    /// The whole job, for what the trainer itself exchanges: rank 0's
-    /// verdict on the run directory, and each step's figures.
-    pub(crate) control: ProcessComm,
+}
+
+/// How the processes of a job reach each other (`mesh.comm`).
+pub(crate) enum JobWorld {
+    /// Tessera's TCP connections.
+    Tcp(ProcessWorld),
+    /// The job's MPI library.
+    #[cfg(feature = "mpi")]
+    Mpi(tessera_dist::mpi::MpiWorld),
+}
+
+impl JobWorld {
+    /// This process's host communicators for every axis of `mesh`.
+    pub(crate) fn mesh_groups(&self, mesh: &Mesh) -> Result<Groups> {
+        match self {
+            JobWorld::Tcp(w) => tessera_dist::process::mesh_groups(w, mesh),
+            #[cfg(feature = "mpi")]
+            JobWorld::Mpi(w) => tessera_dist::mpi::mesh_groups(w, mesh),
+        }
+    }
+
+    /// Stops the job on behalf of this process's rank `rank` (over MPI:
+    /// ends the whole job, this process included).
+    pub(crate) fn abort(&self, rank: usize, reason: &str) {
+        match self {
+            JobWorld::Tcp(w) => w.abort(rank, reason),
+            #[cfg(feature = "mpi")]
+            JobWorld::Mpi(w) => w.abort(reason),
+        }
+    }
 }
 
 impl std::fmt::Debug for ProcessJob {
@@ -59,8 +93,9 @@ impl Job {
     /// The job `config` runs as: with `mesh.launch = "auto"`, processes
     /// when a launcher's variables are in the environment (see
     /// [`ProcessEnv::detect`]), threads otherwise. As processes, this joins
-    /// the others (the rendezvous, then a connection to every rank),
-    /// waiting at most `mesh.timeout_s`; every process of the job calls it.
+    /// the others (with `mesh.comm = "tcp"`, the rendezvous, then a
+    /// connection to every rank; with `"mpi"`, `MPI_Init`), waiting at most
+    /// `mesh.timeout_s`; every process of the job calls it.
     pub fn for_config(config: &TrainConfig) -> Result<Job> {
         let env = ProcessEnv::detect()?;
         Job::with_env(config, env)
@@ -116,16 +151,52 @@ impl Job {
             })?,
         };
         let timeout = mesh.timeout();
-        let rendezvous = Rendezvous::join(&env, timeout)?;
-        // CPU ranks receive on their own device (received tensors are used
-        // as they are); a GPU rank's connections receive on the host.
+        // CPU ranks receive on their own device; a GPU rank's connections
+        // receive on the host.
         let host = match &device {
             Device::Cpu(_) => device.clone(),
             Device::Cuda(_) => Device::cpu(),
         };
-        let world = ProcessWorld::join(&rendezvous, &host, timeout)?;
-        let control = world.tagged_group("trainer", &(0..env.world_size).collect::<Vec<_>>())?;
-        Ok(Job { processes: Some(Arc::new(ProcessJob { env, rendezvous, world, device, host, control })), resized })
+        let all: Vec<usize> = (0..env.world_size).collect();
+        let job = match mesh.process_comms()? {
+            ProcessComms::Tcp => {
+                let rendezvous = Rendezvous::join(&env, timeout)?;
+                let world = ProcessWorld::join(&rendezvous, &host, timeout)?;
+                let control = Box::new(world.tagged_group("trainer", &all)?);
+                ProcessJob { env, control, world: JobWorld::Tcp(world), rendezvous: Some(rendezvous), device, host }
+            }
+            #[cfg(feature = "mpi")]
+            ProcessComms::Mpi => {
+                use tessera_dist::mpi::{MpiOptions, MpiWorld};
+                if matches!(device, Device::Cuda(_)) {
+                    return Err(Error::config(
+                        "mesh.comm",
+                        "GPU ranks of a job of processes form their NCCL groups through the rendezvous store: use mesh.comm = \"tcp\" with mesh.device = \"cuda\"",
+                    ));
+                }
+                // MPI finds the peers itself: no rendezvous store.
+                let options = MpiOptions { timeout: Some(timeout), ..MpiOptions::from_env()? };
+                let world = MpiWorld::init_with(&host, options)?;
+                if world.rank() != env.rank || world.world_size() != env.world_size {
+                    return Err(Error::config(
+                        "mesh.comm",
+                        format!(
+                            "MPI says this process is rank {} of {}, but {} says rank {} of {}: start the job with the MPI's own launcher (its mpirun, or srun --mpi=...)",
+                            world.rank(),
+                            world.world_size(),
+                            env.launcher.rank_var(),
+                            env.rank,
+                            env.world_size
+                        ),
+                    ));
+                }
+                let control = Box::new(world.tagged_group("trainer", &all)?);
+                ProcessJob { env, control, world: JobWorld::Mpi(world), rendezvous: None, device, host }
+            }
+            #[cfg(not(feature = "mpi"))]
+            ProcessComms::Mpi => unreachable!("mesh.comm = \"mpi\" is refused without the mpi feature"),
+        };
+        Ok(Job { processes: Some(Arc::new(job)), resized })
     }
 
     /// This process's rank when ranks are processes; 0 when they are
@@ -186,7 +257,7 @@ impl Job {
             Some(Err(e)) => format!("{e:#}"),
             _ => String::new(),
         };
-        let verdict = broadcast_text(&p.control, &verdict, &p.host)?;
+        let verdict = broadcast_text(p.control.as_ref(), &verdict, &p.host)?;
         match outcome {
             Some(r) => r.map(Some),
             None if verdict.is_empty() => Ok(None),
@@ -221,7 +292,7 @@ impl Job {
 }
 
 /// Rank 0's `text`, on every rank of `comm`.
-pub(crate) fn broadcast_text(comm: &ProcessComm, text: &str, dev: &Device) -> Result<String> {
+pub(crate) fn broadcast_text(comm: &dyn Communicator, text: &str, dev: &Device) -> Result<String> {
     let len = comm.broadcast(&Tensor::from_vec(vec![text.len() as u32], [1], dev)?, 0)?.to_vec::<u32>()?[0] as usize;
     if len == 0 {
         return Ok(String::new());

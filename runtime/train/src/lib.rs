@@ -25,8 +25,8 @@ mod trainer;
 
 pub use clip::{clip_factor, clip_grad_norm, clip_to_norm, global_grad_norm, NormClasses};
 pub use config::{
-    BatchConfig, CheckpointConfig, DataConfig, LaunchMode, MeshConfig, OptimConfig, PrecisionConfig, RankDevice, RecomputeConfig, RunConfig, StabilityConfig,
-    TrainConfig, ZeroSection,
+    BatchConfig, CheckpointConfig, DataConfig, LaunchMode, MeshConfig, OptimConfig, PrecisionConfig, ProcessComms, RankDevice, RecomputeConfig, RunConfig,
+    StabilityConfig, TrainConfig, ZeroSection,
 };
 pub(crate) use faults::kill_this_process;
 pub use faults::{AtStep, FaultConfig, KillFault, KillPoint, RankAtStep, SlowRank};

@@ -71,7 +71,7 @@ impl Ranks {
                     return Err(Error::state_mismatch("trainer", format!("this process is rank {}, not rank {rank}", p.env.rank)));
                 }
                 let groups = match &p.device {
-                    Device::Cpu(_) => tessera_dist::process::mesh_groups(&p.world, mesh)?,
+                    Device::Cpu(_) => p.world.mesh_groups(mesh)?,
                     Device::Cuda(_) => nccl_process_groups(p, mesh)?,
                 };
                 Ok((p.device.clone(), groups))
@@ -118,7 +118,10 @@ fn nccl_groups(mesh: &Mesh, devices: &[Device]) -> Result<Vec<Groups>> {
 
 #[cfg(feature = "cuda")]
 fn nccl_process_groups(p: &ProcessJob, mesh: &Mesh) -> Result<Groups> {
-    tessera_dist::nccl::process_mesh_groups(&p.world, &p.rendezvous, mesh, &p.device)
+    match (&p.world, &p.rendezvous) {
+        (crate::job::JobWorld::Tcp(world), Some(rendezvous)) => tessera_dist::nccl::process_mesh_groups(world, rendezvous, mesh, &p.device),
+        _ => Err(Error::config("mesh.comm", "GPU ranks of a job of processes form their NCCL groups through the rendezvous store: use mesh.comm = \"tcp\"")),
+    }
 }
 
 #[cfg(not(feature = "cuda"))]

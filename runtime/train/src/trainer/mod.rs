@@ -321,7 +321,7 @@ impl<'a, M: Staged<In = Replicated, Out = SplitHidden>> Trainer<'a, M> {
             true => Some(Mutex::new(self.collector(&out, &ranks, carried, resume_step)?)),
             false => None,
         };
-        let reports = job.process_job().map(|p| &p.control);
+        let reports = job.process_job().map(|p| p.control.as_ref());
 
         let started = Instant::now();
         let shared = Shared { ranks: &ranks, mesh: &mesh, trace: &trace, ckpt: &ckpt, collector: collector.as_ref(), reports };

@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::Instant;
 use tessera_core::{Device, Result, Tensor};
 use tessera_dist::mesh::{Axis, Mesh};
-use tessera_dist::process::ProcessComm;
 use tessera_dist::Communicator;
 use tessera_nn::module::{self, Act, Cx, Replicated, SplitHidden, Staged};
 use tessera_nn::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward};
@@ -34,7 +33,7 @@ pub(super) struct Shared<'s> {
     pub(super) collector: Option<&'s Mutex<Collector>>,
     /// In a job of processes, the whole job, over which every rank's
     /// figures reach the primary.
-    pub(super) reports: Option<&'s ProcessComm>,
+    pub(super) reports: Option<&'s dyn Communicator>,
 }
 
 /// One rank of a run, from its set-up to its final checkpoint.
