@@ -3,8 +3,8 @@
 //!
 //! Its place: above the tensor core (`tessera-core`), below everything that
 //! runs on more than one rank. It owns the mesh of parallel axes, each rank's
-//! [`Groups`], the communicators (in-process, between processes over TCP,
-//! and NCCL), and how processes find each other (the launchers'
+//! [`Groups`], the communicators (in-process, between processes through
+//! shared memory or TCP, and NCCL), and how processes find each other (the launchers'
 //! environment, the rendezvous store); it knows nothing of modules or
 //! training. Users reach it as `tessera::dist`.
 
@@ -18,6 +18,7 @@ pub mod mesh;
 pub mod nccl;
 pub mod process;
 mod serial;
+pub mod shm;
 pub mod store;
 
 pub use comm::{Communicator, Completer, Pending, SingleRank};
