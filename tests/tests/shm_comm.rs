@@ -38,14 +38,15 @@ fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// Rank `rank` of a job of `n` on this node, whose store rank 0 serves on `port`.
-fn process_env(rank: usize, n: usize, port: u16) -> ProcessEnv {
+/// Rank `rank` of a job of `n` ranks, `per_node` to a node (as a launcher
+/// numbers them), whose store rank 0 serves on `port`.
+fn process_env(rank: usize, n: usize, per_node: usize, port: u16) -> ProcessEnv {
     ProcessEnv {
         rank,
         world_size: n,
-        local_rank: rank,
-        local_world_size: n,
-        node_rank: 0,
+        local_rank: rank % per_node,
+        local_world_size: per_node,
+        node_rank: rank / per_node,
         master_addr: "127.0.0.1".into(),
         master_port: port,
         restart: 0,
@@ -58,6 +59,12 @@ fn process_env(rank: usize, n: usize, port: u16) -> ProcessEnv {
 /// rank order. Every rank keeps its rendezvous (rank 0 serves the store)
 /// until all are done.
 fn job<R: Send>(n: usize, f: impl Fn(usize, &Rendezvous) -> R + Sync) -> Vec<R> {
+    job_on_nodes(n, n, f)
+}
+
+/// [`job`] with the ranks on nodes of `per_node` ranks each (as two
+/// launchers on one machine place them).
+fn job_on_nodes<R: Send>(n: usize, per_node: usize, f: impl Fn(usize, &Rendezvous) -> R + Sync) -> Vec<R> {
     let port = free_port();
     let done = Barrier::new(n);
     thread::scope(|s| {
@@ -65,7 +72,7 @@ fn job<R: Send>(n: usize, f: impl Fn(usize, &Rendezvous) -> R + Sync) -> Vec<R> 
         let handles: Vec<_> = (0..n)
             .map(|r| {
                 s.spawn(move || {
-                    let rdzv = Rendezvous::join(&process_env(r, n, port), LONG).unwrap();
+                    let rdzv = Rendezvous::join(&process_env(r, n, per_node, port), LONG).unwrap();
                     let out = f(r, &rdzv);
                     done.wait();
                     out
@@ -303,6 +310,44 @@ fn a_process_world_chooses_shared_memory_for_groups_within_the_node() {
         });
         let want = if transport == Transport::Tcp { Transport::Tcp } else { Transport::Shm };
         assert!(kinds.iter().all(|&(a, b)| a == want && b == want), "{transport}: {kinds:?}");
+    }
+}
+
+/// With two ranks to a node, a mesh's tensor-parallel groups (within a
+/// node) get shared memory and the data-parallel ones (across) TCP; both
+/// give the in-process bits, and a failure seen by either transport stops
+/// the waits of the other.
+#[test]
+fn groups_within_a_node_use_shared_memory_and_the_others_tcp() {
+    let prog = program(0xAB, 2, 16);
+    let want = in_process(&prog, 2);
+    let kinds = job_on_nodes(4, 2, |r, rdzv| {
+        let dev = Device::cpu();
+        let world = ProcessWorld::join_with(rdzv, &dev, LONG, Transport::Auto).unwrap();
+        assert_eq!((world.is_local(r ^ 1), world.is_local(r ^ 2)), (true, false));
+        let groups = mesh_groups(&world, &Mesh::parse("dp2,tp2", 4, 2).unwrap()).unwrap();
+        let (tp, dp) = (&groups.tp, &groups.dp);
+        assert_eq!(execute(tp.as_ref(), &prog, r % 2, 2, &dev), want[r % 2], "rank {r}: the shared-memory group");
+        assert_eq!(execute(dp.as_ref(), &prog, r / 2, 2, &dev), want[r / 2], "rank {r}: the TCP group");
+        let all = world.communicator().unwrap();
+        let e = world.tagged_group("forced", &[r % 2, r % 2 + 2]).map(drop);
+        // An abort through shared memory on node 1 reaches node 0's ranks
+        // waiting over TCP, and node 0's ranks waiting in shared memory.
+        all.barrier().unwrap();
+        if r == 3 {
+            thread::sleep(Duration::from_millis(100));
+            tp.abort("a rank of node 1 gave up");
+        }
+        let stopped = if r % 2 == 0 { all.barrier().unwrap_err() } else { tp.barrier().unwrap_err() };
+        assert!(names_rank(&stopped, 3) && stopped.to_string().contains("gave up"), "rank {r}: {stopped}");
+        (all.transport(), e.is_ok())
+    });
+    assert!(kinds.iter().all(|&(t, ok)| t == Transport::Tcp && ok), "{kinds:?}");
+    // Forcing shared memory refuses a group that spans the nodes.
+    let refused =
+        job_on_nodes(4, 2, |_, rdzv| ProcessWorld::join_with(rdzv, &Device::cpu(), LONG, Transport::Shm).unwrap().communicator().map(drop).unwrap_err());
+    for e in refused {
+        assert!(e.to_string().contains("another node") && e.to_string().contains("auto"), "{e}");
     }
 }
 

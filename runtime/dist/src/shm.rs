@@ -119,7 +119,11 @@ impl ShmWorld {
     /// Joins the shared memory of this process's node in the job it joined
     /// through `rendezvous`: every rank publishes its node's identity and
     /// its process id in the store, and the ranks with this node's identity
-    /// map its segment. Every rank of the job calls it, on every node.
+    /// map its segment. The identity is the launcher's node rank
+    /// ([`ProcessEnv::node_rank`](crate::env::ProcessEnv::node_rank)) and
+    /// what processes that can share memory have in common: the running
+    /// kernel (its boot id), the host name, the shared-memory directory and
+    /// the process-id namespace. Every rank of the job calls it, on every node.
     /// Tensors received are allocated on `device`, this rank's CPU device;
     /// `timeout` bounds the wait for the others' entries and every later
     /// wait.
@@ -146,7 +150,10 @@ impl ShmWorld {
         if !dir.is_dir() {
             return Err(node::shm_error(&dir, "use the shared-memory directory", std::io::Error::new(std::io::ErrorKind::NotFound, "no such directory")));
         }
-        let ident = hash(&sys::node_identity(&dir));
+        // The launcher's node rank is part of the identity: ranks it puts on
+        // different nodes never share memory, even when they run on one
+        // machine (two launchers on one host, trying a multi-node job).
+        let ident = hash(&format!("{}|{}", env.node_rank, sys::node_identity(&dir)));
         let pid = std::process::id();
         store.set(&rendezvous.key(&format!("shm/node/{}", env.rank)), format!("{ident:016x} {pid}").as_bytes())?;
         let mut nodes = Vec::with_capacity(env.world_size);

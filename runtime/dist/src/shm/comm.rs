@@ -8,10 +8,11 @@
 //! arithmetic is the in-process communicator's ([`host::Summand`]), so the
 //! three backends give the same bits.
 //!
-//! - **all-reduce**: per round, two steps. Member `i` stages its input's
-//!   round except its own part; member `j` sums part `j` of the round over
-//!   every member in rank order (its own input read in place), writes the
-//!   sum into its result and stages it; then every member copies the other
+//! - **all-reduce**: one step per round, plus one. Member `i` stages its
+//!   input's round except its own part; at the next step member `j` has
+//!   summed part `j` of the round over every member in rank order (its own
+//!   input read in place), written it into its result and staged it beside
+//!   its staging of the following round, and every member copies the other
 //!   sums into its result. Each member copies `(n−1)/n` of its input in and
 //!   `(n−1)/n` of the result out, besides reading its part of the inputs
 //!   and writing its part of the result: with rounds of a megabyte, the
@@ -292,7 +293,10 @@ impl Core {
         let (n, me) = (self.n(), self.me());
         let e = std::mem::size_of::<T>();
         let len = t.elem_count();
-        let per = self.group.lay.half / e;
+        // A half holds a round of the input (`per` elements) and, after it,
+        // this member's part of the previous round's sum.
+        let per = (self.group.lay.half - 128) / e * n / (n + 1);
+        let sums_at = (per * e).div_ceil(64) * 64;
         let rounds = len.div_ceil(per);
         let round = |k: usize| k * per..((k + 1) * per).min(len);
         let c = local.as_ref().ok().cloned();
@@ -307,7 +311,7 @@ impl Core {
             let r = round(k);
             let mine = chunk(r.len(), n, me);
             // SAFETY: called before posting step `s`, after every peer
-            // posted `s - 1`.
+            // posted `s - 1`; no other borrow of these bytes lives.
             let dst: &mut [T] = typed_mut(unsafe { self.group.stage(s, 0, r.len() * e) });
             dst[..mine.start].copy_from_slice(&x[r.start..r.start + mine.start]);
             dst[mine.end..].copy_from_slice(&x[r.start + mine.end..r.end]);
@@ -320,16 +324,13 @@ impl Core {
         let dev = cpu(t)?;
         let mut out = dev.buffer_for_overwrite::<T>(len);
         let stream = streams(len * e);
-        for k in 0..rounds {
-            if k > 0 {
-                s = self.next();
-                stage(s, k);
-                self.step(OP, s, coll, 2 * k)?;
-            }
-            let r = round(k);
+        // Step `k` (after the first) carries this member's part of round
+        // `k - 1`'s sum and its staging of round `k`: one step per round.
+        for k in 1..=rounds {
+            let r = round(k - 1);
             let mine = chunk(r.len(), n, me);
             // This member's part of the round, summed in rank order into its
-            // result and into its half of the next step for the others.
+            // result and into the next step's half for the others.
             let srcs: Vec<&[T]> = (0..n)
                 .map(|i| match i == me {
                     true => &x[r.start + mine.start..r.start + mine.end],
@@ -341,8 +342,9 @@ impl Core {
             let sums: &mut [T] = match n {
                 1 => &mut [],
                 // SAFETY: before posting step `s + 1`, after every peer
-                // posted `s`.
-                _ => typed_mut(unsafe { self.group.stage(s + 1, mine.start * e, mine.len() * e) }),
+                // posted `s`; the staging below writes other bytes, after
+                // this borrow ends.
+                _ => typed_mut(unsafe { self.group.stage(s + 1, sums_at, mine.len() * e) }),
             };
             let dst = &mut out[r.start + mine.start..r.start + mine.end];
             sum_blocks(&srcs, |off, block| {
@@ -352,13 +354,16 @@ impl Core {
                 store(block, &mut dst[off..off + block.len()], stream);
             });
             drop(srcs);
+            if k < rounds {
+                stage(s + 1, k);
+            }
             s += 1;
-            self.step(OP, s, coll, 2 * k + 1)?;
+            self.step(OP, s, coll, k)?;
             for j in (0..n).filter(|&j| j != me) {
                 let theirs = chunk(r.len(), n, j);
                 // SAFETY: `j` posted step `s`, and this member posts `s + 1`
                 // only after reading.
-                let src: &[T] = typed(unsafe { self.group.staged(j, s, theirs.start * e, theirs.len() * e) });
+                let src: &[T] = typed(unsafe { self.group.staged(j, s, sums_at, theirs.len() * e) });
                 store(src, &mut out[r.start + theirs.start..r.start + theirs.end], stream);
             }
         }

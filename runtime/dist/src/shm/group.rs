@@ -103,12 +103,15 @@ pub(super) struct Layout {
 }
 
 impl Layout {
-    /// The layout of a group of `n` members: staging halves of at most
-    /// 1 MiB (8 MiB over the group, down to 256 KiB each for large groups;
-    /// 64 KiB for a group of one, which stages nothing), and rings sharing
-    /// about 1 MiB per member between its peers.
+    /// The layout of a group of `n` members: staging halves of 8 MiB over
+    /// the group, at most 4 MiB each (16 MiB of staging for 2 to 8 members;
+    /// down to 256 KiB a half for large groups; 64 KiB for a group of one,
+    /// which stages nothing), and rings sharing about 1 MiB per member
+    /// between its peers. Fewer, larger rounds mean fewer steps, each a
+    /// wait for the slowest member; a round must still fit the caches
+    /// between the member that stages it and the ones that read it.
     pub(super) fn new(n: usize) -> Layout {
-        let half = if n == 1 { 64 << 10 } else { align_up((8 << 20) / n, 64 << 10).clamp(256 << 10, 1 << 20) };
+        let half = if n == 1 { 64 << 10 } else { align_up((8 << 20) / n, 64 << 10).clamp(256 << 10, 4 << 20) };
         let ring = if n == 1 { 0 } else { align_up((1 << 20) / (n - 1), 64 << 10).clamp(64 << 10, 512 << 10) };
         let call = align_up(CALL_FIXED + CALL_TEXT + n * CALL_PART, 64);
         let calls = align_up(HEADER + n * MEMBER, PAGE);
