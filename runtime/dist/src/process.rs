@@ -21,7 +21,11 @@
 //! rank that waits for it past the timeout. Either way every rank's pending
 //! and later calls return [`Error::PeerFailed`] naming the lost rank: the
 //! rank that notices tells every other. A rank that calls
-//! [`Communicator::abort`] or panics stops the job the same way.
+//! [`Communicator::abort`] or panics stops the job the same way. The two
+//! transports share their failures: ranks waiting in shared memory also
+//! watch the TCP connections (so a killed peer is noticed at once there
+//! too), and a failure found in shared memory (a dead process, a timeout,
+//! an abort) is sent to every rank over TCP.
 
 mod comm;
 mod link;
