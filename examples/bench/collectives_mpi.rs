@@ -20,7 +20,7 @@ pub use imp::run;
 
 #[cfg(feature = "mpi")]
 mod imp {
-    use super::super::{human, memcpy_rates, Coll, CollectivesArgs};
+    use super::super::{human, time_per_call, Coll, CollectivesArgs};
     use anyhow::{ensure, Result};
     use mpi::collective::SystemOperation;
     use mpi::topology::SimpleCommunicator;
@@ -36,6 +36,25 @@ mod imp {
     enum Subject {
         Tessera(Reduction),
         Plain,
+    }
+
+    /// Single-threaded copy of `bytes` between two warm buffers (the speed one
+    /// core moves memory at), and into a fresh allocation each time, as a
+    /// collective's result must be: above the allocator's mmap threshold
+    /// (32 MiB) every fresh buffer is new pages the kernel faults in and zeroes.
+    fn memcpy_rates(bytes: usize, args: &CollectivesArgs) -> (f64, f64) {
+        let src = vec![1u8; bytes];
+        let mut dst = vec![0u8; bytes];
+        let warm = time_per_call(args.min_time, args.reps, || {
+            dst.copy_from_slice(black_box(&src));
+            black_box(&mut dst);
+        });
+        let fresh = time_per_call(args.min_time, args.reps, || {
+            let mut v = Vec::with_capacity(bytes);
+            v.extend_from_slice(black_box(&src));
+            black_box(v);
+        });
+        (bytes as f64 / warm / 1e9, bytes as f64 / fresh / 1e9)
     }
 
     /// Waits for every rank without spinning a core (a blocking MPI call

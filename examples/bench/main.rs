@@ -8,6 +8,7 @@
 //! cargo run --release --example bench -- matmul --sizes 1024,2048
 //! cargo run --release --example bench -- matmul --dtype bf16 --sizes 2048
 //! cargo run --release --example bench -- collectives --max-bytes 16M
+//! cargo run --release --example bench -- collectives --backend shm --ranks 2,4 --min-bytes 1M --max-bytes 64M
 //! mpirun -np 2 target/release/examples/bench collectives --backend mpi   # built with --features mpi
 //! cargo run --release --example bench -- gpt
 //! cargo run --release --example bench -- elementwise
@@ -15,6 +16,7 @@
 //! ```
 
 mod attention;
+mod collectives;
 mod collectives_mpi;
 mod cuda;
 mod elementwise;
@@ -39,8 +41,9 @@ struct Cli {
 enum Bench {
     /// Square matrix products `C = A·B` of the given sizes, f32 or bf16.
     Matmul(MatmulArgs),
-    /// In-process all-reduce, all-gather and reduce-scatter bandwidth (one
-    /// thread per rank), with a plain memory copy of the same size for scale.
+    /// All-reduce, all-gather and reduce-scatter bandwidth, ranks as threads
+    /// or as processes (`--backend`), with memory copies of the same size,
+    /// measured alongside, for scale.
     Collectives(CollectivesArgs),
     /// Training throughput of gpt-tiny on one rank, as a share of the f32
     /// matmul rate measured in the same run.
@@ -90,7 +93,14 @@ struct MatmulArgs {
 
 #[derive(clap::Args)]
 struct CollectivesArgs {
-    /// Numbers of ranks (threads) to measure.
+    /// How the ranks communicate: `inproc` (threads of this process),
+    /// `shm` (processes, shared memory), `tcp` (processes, TCP) or `mpi`
+    /// (the processes of an `mpirun` job; `--ranks` is ignored). For `shm`
+    /// and `tcp` the bench starts the processes itself, or is one of them when
+    /// a launcher started it (then `--ranks` is the launcher's world size).
+    #[arg(long, default_value_t = Backend::Inproc)]
+    backend: Backend,
+    /// Numbers of ranks to measure.
     #[arg(long, value_delimiter = ',', default_values_t = [2, 4, 8])]
     ranks: Vec<usize>,
     /// Smallest message in bytes (suffixes K, M, G allowed); sizes grow by 4×.
@@ -109,11 +119,31 @@ struct CollectivesArgs {
     /// mostly time-slicing noise on a shared machine).
     #[arg(long, default_value_t = 3)]
     reps: usize,
-    /// The communicators measured: `inproc` (a thread per rank), or `mpi`
-    /// (this process is one rank of `mpirun -np N`, which sets the number
-    /// of ranks; needs a build with `--features mpi`).
-    #[arg(long, default_value = "inproc")]
-    backend: String,
+}
+
+/// How the ranks of `bench collectives` communicate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Backend {
+    /// Ranks are threads of this process (`tessera::dist::inproc`).
+    Inproc,
+    /// Ranks are processes of one node, through shared memory.
+    Shm,
+    /// Ranks are processes, through TCP.
+    Tcp,
+    /// Ranks are the processes of an `mpirun` job, through MPI (a build
+    /// with `--features mpi`), against plain MPI calls.
+    Mpi,
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Backend::Inproc => "inproc",
+            Backend::Shm => "shm",
+            Backend::Tcp => "tcp",
+            Backend::Mpi => "mpi",
+        })
+    }
 }
 
 /// A collective measured by `bench collectives`.
@@ -336,144 +366,9 @@ fn time_per_call_on(cpu: bool, min_time: f64, reps: usize, mut run: impl FnMut()
         .fold(f64::INFINITY, f64::min)
 }
 
-/// Single-threaded copy of `bytes` between two warm buffers (the speed one
-/// core moves memory at, the yardstick for a rank's share of a collective),
-/// and into a fresh allocation each time, as a collective's result must be:
-/// above the allocator's mmap threshold (32 MiB) every fresh buffer is new
-/// pages the kernel faults in and zeroes.
-fn memcpy_rates(bytes: usize, args: &CollectivesArgs) -> (f64, f64) {
-    let src = vec![1u8; bytes];
-    let mut dst = vec![0u8; bytes];
-    let warm = time_per_call(args.min_time, args.reps, || {
-        dst.copy_from_slice(black_box(&src));
-        black_box(&mut dst);
-    });
-    let fresh = time_per_call(args.min_time, args.reps, || {
-        let mut v = Vec::with_capacity(bytes);
-        v.extend_from_slice(black_box(&src));
-        black_box(v);
-    });
-    (bytes as f64 / warm / 1e9, bytes as f64 / fresh / 1e9)
-}
-
-/// Seconds per call of `op` on `ranks` rank threads for a message of `bytes`
-/// (nccl-tests' convention: the all-reduce buffer, the all-gather output, the
-/// reduce-scatter input). Timed on rank 0 between barriers, so it covers the
-/// slowest rank; the call count per repetition is decided by rank 0 and
-/// broadcast, since every rank must issue the same calls.
-fn time_collective(op: Coll, ranks: usize, bytes: usize, args: &CollectivesArgs) -> Result<f64> {
-    use tessera::dist::{inproc::InProcess, Communicator};
-    use tessera::{Device, Tensor};
-    let world = InProcess::new(ranks)?;
-    let elems = bytes / 4;
-    let times = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..ranks)
-            .map(|rank| {
-                let world = world.clone();
-                s.spawn(move || -> Result<f64> {
-                    let dev = Device::cpu();
-                    let comm = world.communicator(rank, &dev)?;
-                    let len = if op == Coll::Allgather { elems / ranks } else { elems };
-                    let x = Tensor::from_vec(vec![rank as f32 + 1.0; len], [len], &dev)?;
-                    let call = || -> Result<Tensor> {
-                        Ok(match op {
-                            Coll::Allreduce => comm.all_reduce_sum(&x)?,
-                            Coll::Allgather => comm.all_gather(&x, 0)?,
-                            Coll::Reducescatter => comm.reduce_scatter_sum(&x, 0)?,
-                        })
-                    };
-                    // Warm-up and calibration: rank 0 decides the call count.
-                    comm.barrier()?;
-                    let t0 = Instant::now();
-                    drop(black_box(call()?));
-                    comm.barrier()?;
-                    let once = t0.elapsed().as_secs_f64().max(1e-7);
-                    let mine = ((args.min_time / once).ceil()).clamp(1.0, 100_000.0) as i32;
-                    let iters = comm.broadcast(&Tensor::from_vec(vec![mine], [1], &dev)?, 0)?.to_vec::<i32>()?[0];
-                    let mut best = f64::INFINITY;
-                    for _ in 0..args.reps {
-                        comm.barrier()?;
-                        let t = Instant::now();
-                        for _ in 0..iters {
-                            drop(black_box(call()?));
-                        }
-                        comm.barrier()?;
-                        best = best.min(t.elapsed().as_secs_f64() / iters as f64);
-                    }
-                    Ok(best)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect::<Vec<_>>()
-    });
-    times.into_iter().next().expect("at least one rank")
-}
-
 fn bench_collectives(args: &CollectivesArgs) -> Result<()> {
-    match args.backend.as_str() {
-        "inproc" => {}
-        "mpi" => return collectives_mpi::run(args),
-        other => anyhow::bail!("unknown --backend `{other}`; use `inproc` or `mpi`"),
+    match args.backend {
+        Backend::Inproc | Backend::Shm | Backend::Tcp => collectives::run(args),
+        Backend::Mpi => collectives_mpi::run(args),
     }
-    ensure!(args.reps > 0, "--reps must be positive");
-    ensure!(args.ranks.iter().all(|&n| n >= 2), "--ranks: every count must be at least 2");
-    ensure!(args.min_bytes >= 4 && args.min_bytes <= args.max_bytes, "--min-bytes must be at least 4 and at most --max-bytes");
-    let mut sizes = Vec::new();
-    let mut b = args.min_bytes;
-    while b <= args.max_bytes {
-        sizes.push(b);
-        b *= 4;
-    }
-    let memcpy: Vec<(f64, f64)> = sizes.iter().map(|&b| memcpy_rates(b, args)).collect();
-    eprintln!(
-        "{:<14} {:>5} {:>6} {:>11} {:>11} {:>11} {:>11} {:>8} {:>11}",
-        "collective", "ranks", "bytes", "time_us", "algbw_GB/s", "busbw_GB/s", "memcpy_GB/s", "bus/mcp", "fresh_GB/s"
-    );
-    let mut lines = Vec::new();
-    for &n in &args.ranks {
-        for &op in &args.ops {
-            for (&bytes, &(mcp, fresh)) in sizes.iter().zip(&memcpy) {
-                // Every rank's share must be a whole number of f32 elements.
-                let bytes = bytes / (4 * n) * (4 * n);
-                if bytes == 0 {
-                    continue;
-                }
-                let t = time_collective(op, n, bytes, args)?;
-                let algbw = bytes as f64 / t / 1e9;
-                let factor = match op {
-                    Coll::Allreduce => 2.0 * (n - 1) as f64 / n as f64,
-                    Coll::Allgather | Coll::Reducescatter => (n - 1) as f64 / n as f64,
-                };
-                let busbw = algbw * factor;
-                eprintln!(
-                    "{:<14} {:>5} {:>6} {:>11.1} {:>11.2} {:>11.2} {:>11.2} {:>8.2} {:>11.2}",
-                    op.to_string(),
-                    n,
-                    human(bytes),
-                    t * 1e6,
-                    algbw,
-                    busbw,
-                    mcp,
-                    busbw / mcp,
-                    fresh
-                );
-                let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
-                lines.push(serde_json::json!({
-                    "bench": op.to_string(),
-                    "ranks": n,
-                    "bytes": bytes,
-                    "time_us": (t * 1e7).round() / 10.0,
-                    "algbw_gbs": r3(algbw),
-                    "busbw_gbs": r3(busbw),
-                    "memcpy_gbs": r3(mcp),
-                    "busbw_over_memcpy": r3(busbw / mcp),
-                    "memcpy_fresh_gbs": r3(fresh),
-                }));
-            }
-        }
-    }
-    for l in lines {
-        println!("{l}");
-    }
-    Ok(())
 }

@@ -34,12 +34,14 @@
 //! ring: each rank publishes its (contiguous) input on a per-group board and
 //! reads what it needs straight from its peers' tensors.
 //!
-//! - **all-reduce** is a reduce-scatter followed by an all-gather: rank `r`
-//!   sums chunk `r` (elements `r·N/n .. (r+1)·N/n`) of all `n` inputs, then
-//!   every rank copies the `n` summed chunks into its result. Each rank
-//!   reads `N` and writes `N/n` elements in the first phase and reads and
-//!   writes `N` in the second, the same per-rank traffic as a ring, with two
-//!   synchronisations instead of `2(n−1)`.
+//! - **all-reduce** is a reduce-scatter whose sums go straight to every
+//!   rank: each rank allocates its result before the first step and posts
+//!   it with its input, and rank `r` sums chunk `r` (elements
+//!   `r·N/n .. (r+1)·N/n`) of all `n` inputs and writes each block of the sum
+//!   into all `n` results while the block is in its cache. Each rank reads
+//!   `N` and writes `N` elements, what copying the result would cost and
+//!   less than a ring's `2(n−1)/n·N` each way, with two synchronisations
+//!   instead of `2(n−1)`.
 //! - **reduce-scatter** is the first phase alone, **all-gather** the second.
 //! - **broadcast**, **all-to-all** and **send/recv** copy straight from the
 //!   sender's tensor into a new tensor on the receiver's device.
@@ -68,11 +70,13 @@
 //! every collective and reported on every rank as
 //! [`Error::CollectiveMismatch`].
 
+mod landing;
 mod state;
 
 use super::comm::{Communicator, Pending};
 use super::serial::{OnPanic, Serial};
-use crate::host::{concat, cpu_device, reduce, wrap};
+use crate::host::{concat, cpu_device, elements, reduce, streams, sum_blocks, wrap, Summand};
+use landing::Landing;
 use state::{GroupState, Kind, Payload, Post, World};
 use std::fmt;
 use std::ops::Range;
@@ -80,7 +84,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
-use tessera_core::tensor::Tensor;
+use tessera_core::tensor::{with_elem, Tensor};
 use tessera_core::Device;
 use tessera_core::{Error, Result};
 
@@ -362,7 +366,7 @@ struct Core {
 /// is what lets `data` assume CPU storage).
 fn host_only(op: &'static str, p: Payload) -> Result<Payload> {
     let tensors: &[Tensor] = match &p {
-        Payload::One(t) => std::slice::from_ref(t),
+        Payload::One(t) | Payload::Reduce(t, _) => std::slice::from_ref(t),
         Payload::Many(ts) => ts,
         Payload::None => &[],
     };
@@ -374,6 +378,20 @@ fn host_only(op: &'static str, p: Payload) -> Result<Payload> {
     Ok(p)
 }
 
+/// Sums elements `mine` of every rank's input, in rank order, and writes
+/// each block of the sum into every rank's result while it is in cache.
+fn reduce_into_landings<T: Summand>(posts: &[Arc<Post>], mine: Range<usize>) {
+    let guards: Vec<_> = posts.iter().map(|p| p.one().read()).collect();
+    let srcs: Vec<&[T]> = guards.iter().zip(posts).map(|(g, p)| &elements::<T>(p.one(), g)[mine.clone()]).collect();
+    let outs: Vec<&Landing> = posts.iter().map(|p| p.landing()).collect();
+    let stream = streams(std::mem::size_of_val(srcs[0]) * posts.len());
+    sum_blocks(&srcs, |at, block| {
+        for o in &outs {
+            o.write(mine.start + at, block, stream);
+        }
+    });
+}
+
 /// The element range of part `i` when `len` elements are cut into `n`
 /// near-equal parts.
 fn chunk(len: usize, n: usize, i: usize) -> Range<usize> {
@@ -383,8 +401,15 @@ fn chunk(len: usize, n: usize, i: usize) -> Range<usize> {
 impl Post {
     fn one(&self) -> &Tensor {
         match &self.data {
-            Payload::One(t) => t,
+            Payload::One(t) | Payload::Reduce(t, _) => t,
             _ => unreachable!("the first step checked every rank posted a tensor"),
+        }
+    }
+
+    fn landing(&self) -> &Landing {
+        match &self.data {
+            Payload::Reduce(_, out) => out,
+            _ => unreachable!("the first step checked every rank posted its all-reduce result"),
         }
     }
 }
@@ -444,20 +469,30 @@ impl Core {
 
     fn all_reduce(&self, t: &Tensor) -> Result<Tensor> {
         const OP: &str = "all_reduce_sum";
-        let posts = self.open(OP, Kind::AllReduce, Some(t), t.contiguous().map(Payload::One))?;
-        let dev = cpu_device(t.device());
-        let len = t.elem_count();
-        // Phase 1 (reduce-scatter): this rank sums its chunk of every input.
-        let inputs: Vec<(&Tensor, usize)> = posts.iter().map(|p| (p.one(), 0)).collect();
-        let mine = chunk(len, self.size(), self.me);
-        let summed = wrap(reduce(dev, t.dtype(), &inputs, std::slice::from_ref(&mine)), [mine.len()], dev);
-        drop(inputs);
+        // Every rank allocates its result first and shows it to the others
+        // with its input (see `landing`): rank `r` sums chunk `r` of every
+        // input and writes it into every rank's result, so each rank reads
+        // its share of the inputs once and writes `S` bytes in all.
+        let local = t.contiguous().and_then(|c| host_only(OP, Payload::One(c)));
+        let out = match &local {
+            Ok(Payload::One(c)) => Some(Arc::new(Landing::new(cpu_device(c.device()), c.dtype(), c.elem_count()))),
+            _ => None,
+        };
+        let local = local.map(|p| match (p, &out) {
+            (Payload::One(c), Some(o)) => Payload::Reduce(c, o.clone()),
+            (p, _) => p,
+        });
+        let posts = self.open(OP, Kind::AllReduce, Some(t), local)?;
+        let mine = chunk(t.elem_count(), self.size(), self.me);
+        with_elem!(t.dtype(), T => reduce_into_landings::<T>(&posts, mine));
         drop(posts);
-        // Phase 2 (all-gather): everyone copies every summed chunk. Reaching
-        // this step also means every peer has finished reading our input.
-        let chunks = self.exchange(OP, Post::phase(Payload::One(summed)))?;
-        let pieces: Vec<(&Tensor, Range<usize>)> = chunks.iter().map(|p| (p.one(), 0..p.one().elem_count())).collect();
-        Ok(wrap(concat(dev, t.dtype(), &pieces), t.shape().clone(), dev))
+        // Reaching this step means every rank has written its chunk into
+        // every result and finished reading every input.
+        self.release(OP)?;
+        let out = out.expect("the first step checked this rank's input");
+        let storage = Landing::finish(out)
+            .map_err(|_| Error::state_mismatch(OP, "a peer still held this rank's result after the last step (a bug in the in-process communicator)"))?;
+        Ok(wrap(storage, t.shape().clone(), cpu_device(t.device())))
     }
 
     fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {

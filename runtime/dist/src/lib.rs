@@ -3,8 +3,8 @@
 //!
 //! Its place: above the tensor core (`tessera-core`), below everything that
 //! runs on more than one rank. It owns the mesh of parallel axes, each rank's
-//! [`Groups`], the communicators (in-process, between processes over TCP,
-//! MPI with the `mpi` feature, and NCCL), and how processes find each other (the launchers'
+//! [`Groups`], the communicators (in-process, between processes through
+//! shared memory or TCP, MPI with the `mpi` feature, and NCCL), and how processes find each other (the launchers'
 //! environment, the rendezvous store); it knows nothing of modules or
 //! training. Users reach it as `tessera::dist`.
 
@@ -20,6 +20,7 @@ pub mod mpi;
 pub mod nccl;
 pub mod process;
 mod serial;
+pub mod shm;
 pub mod store;
 
 pub use comm::{Communicator, Completer, Pending, SingleRank};

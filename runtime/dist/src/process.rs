@@ -1,13 +1,17 @@
 //! Communicators between processes: every rank is an operating-system
-//! process (on this machine or another), connected to every other by TCP.
+//! process (on this machine or another), connected to every other by TCP,
+//! and to the others of its node by shared memory.
 //!
-//! A [`ProcessWorld`] is this process's place in the job: its rank and its
-//! connection to every peer. It hands out the communicator of each group the
-//! rank belongs to (the world, or a group of a mesh axis), all sharing those
-//! connections, and used through the [`Communicator`] trait exactly as the
-//! in-process communicators are. The collectives run the in-process
-//! algorithms (see the `comm` module), so a job gives the same bits whether
-//! its ranks are threads or processes.
+//! A [`ProcessWorld`] is this process's place in the job: its rank, its
+//! connection to every peer and its node's shared memory. It hands out the
+//! communicator of each group the rank belongs to (the world, or a group of
+//! a mesh axis), used through the [`Communicator`] trait exactly as the
+//! in-process communicators are. A group whose ranks are all on this node
+//! moves its data through shared memory ([`crate::shm`]), any other over
+//! TCP; [`Transport`] (`TESSERA_TRANSPORT=tcp|shm|auto`) can force either.
+//! Both run the in-process algorithms' arithmetic (see the `comm` module for
+//! TCP's), so a job gives the same bits whether its ranks are threads or
+//! processes, and whatever transport each group uses.
 //!
 //! # Failures
 //!
@@ -17,17 +21,25 @@
 //! rank that waits for it past the timeout. Either way every rank's pending
 //! and later calls return [`Error::PeerFailed`] naming the lost rank: the
 //! rank that notices tells every other. A rank that calls
-//! [`Communicator::abort`] or panics stops the job the same way.
+//! [`Communicator::abort`] or panics stops the job the same way. The two
+//! transports share their failures: ranks waiting in shared memory also
+//! watch the TCP connections (so a killed peer is noticed at once there
+//! too), and a failure found in shared memory (a dead process, a timeout,
+//! an abort) is sent to every rank over TCP.
 
 mod comm;
 mod link;
+mod transport;
 mod wire;
 
-pub use comm::ProcessComm;
+pub use transport::{ProcessComm, Transport};
 
 use crate::mesh::{Axis, Mesh};
+use crate::shm::node::Linked;
+use crate::shm::ShmWorld;
 use crate::store::Rendezvous;
 use crate::{Communicator, Groups};
+use comm::TcpComm;
 use link::Links;
 use parking_lot::Mutex;
 use std::collections::HashSet;
@@ -60,6 +72,9 @@ use tessera_core::{Device, Error, Result};
 #[derive(Debug)]
 pub struct ProcessWorld {
     links: Arc<Links>,
+    /// This node's shared memory, unless the transport is TCP only.
+    shm: Option<ShmWorld>,
+    transport: Transport,
     /// Groups this rank already has a communicator for.
     taken: Mutex<HashSet<u64>>,
 }
@@ -88,16 +103,24 @@ impl ProcessWorld {
             Device::Cuda(d) => return d.unsupported("communicators between processes over TCP (CUDA ranks communicate through NCCL)"),
         };
         let links = Links::connect(rank, listener, addrs, job, dev, timeout)?;
-        Ok(ProcessWorld { links: Arc::new(links), taken: Mutex::default() })
+        Ok(ProcessWorld { links: Arc::new(links), shm: None, transport: Transport::Tcp, taken: Mutex::default() })
     }
 
     /// Connects this process to every other rank of the job it joined
     /// through `rendezvous`: each rank listens on a free port of the
     /// interface that reaches the store's host, publishes its address in
     /// the store, and connects to the addresses the others published (see
-    /// [`connect`](Self::connect) for `device` and `timeout`). Every rank of
-    /// the job calls it.
+    /// [`connect`](Self::connect) for `device` and `timeout`); the ranks of
+    /// each node also join its shared memory ([`ShmWorld::join`]), unless
+    /// `TESSERA_TRANSPORT` is `tcp` (see [`Transport::from_env`]). Every
+    /// rank of the job calls it.
     pub fn join(rendezvous: &Rendezvous, device: &Device, timeout: Duration) -> Result<ProcessWorld> {
+        Self::join_with(rendezvous, device, timeout, Transport::from_env()?)
+    }
+
+    /// [`join`](Self::join) with the transport given rather than read from
+    /// the environment. Every rank passes the same.
+    pub fn join_with(rendezvous: &Rendezvous, device: &Device, timeout: Duration, transport: Transport) -> Result<ProcessWorld> {
         let env = rendezvous.env();
         let store = rendezvous.store();
         let ip = store.local_ip();
@@ -123,7 +146,18 @@ impl ProcessWorld {
                     .map_err(|e| Error::rendezvous(store.addr(), format!("rank {r} published an address that does not parse ({e})")))
             })
             .collect::<Result<Vec<_>>>()?;
-        ProcessWorld::connect(env.rank, listener, &addrs, job, device, timeout)
+        let mut world = ProcessWorld::connect(env.rank, listener, &addrs, job, device, timeout)?;
+        world.transport = transport;
+        if transport != Transport::Tcp {
+            let shm = ShmWorld::join_job(rendezvous, job, device, timeout)?;
+            // A failure either transport sees stops the other's waits too:
+            // shared-memory waiters poll the connections' failure, and a
+            // failure found in shared memory is sent to every rank.
+            let (seen, tell) = (world.links.clone(), world.links.clone());
+            shm.node().link(Linked { failure: Box::new(move || seen.failure()), fail: Box::new(move |rank, reason| tell.fail(rank, reason)) });
+            world.shm = Some(shm);
+        }
+        Ok(world)
     }
 
     /// This process's rank.
@@ -141,6 +175,17 @@ impl ProcessWorld {
         self.links.timeout()
     }
 
+    /// How this job's groups reach one another (see [`Transport`]).
+    pub fn transport(&self) -> Transport {
+        self.transport
+    }
+
+    /// Whether world rank `rank` runs on this process's node, as far as
+    /// shared memory knows (never, when the transport is TCP only).
+    pub fn is_local(&self, rank: usize) -> bool {
+        self.shm.as_ref().is_some_and(|s| s.is_local(rank))
+    }
+
     /// The communicator of the whole job.
     pub fn communicator(&self) -> Result<ProcessComm> {
         let all: Vec<usize> = (0..self.world_size()).collect();
@@ -152,32 +197,31 @@ impl ProcessWorld {
     /// independent even when their members are the same. Every member asks
     /// for it with the same tag and list; asking twice is an error.
     pub fn tagged_group(&self, tag: &str, ranks: &[usize]) -> Result<ProcessComm> {
-        let n = self.world_size();
-        if ranks.is_empty() {
-            return Err(Error::topology("ProcessWorld::group", "a group needs at least one rank"));
+        let id = check_group(self.rank(), self.world_size(), tag, ranks)?;
+        let shared = self.shm.as_ref().filter(|s| ranks.iter().all(|&r| s.is_local(r)));
+        if let (Transport::Shm, None) = (self.transport, shared) {
+            let far = ranks.iter().find(|&&r| !self.is_local(r)).copied().unwrap_or_default();
+            return Err(Error::topology(
+                "ProcessWorld::group",
+                format!("{}=shm, but rank {far} of group {tag:?} {ranks:?} runs on another node than rank {}: shared memory joins the ranks of one node only; use auto (shared memory within a node, TCP between nodes)", Transport::VAR, self.rank()),
+            ));
         }
-        if let Some(&r) = ranks.iter().find(|&&r| r >= n) {
-            return Err(Error::no_such_rank("ProcessWorld::group", format!("rank {r} in {ranks:?} is not a rank of this job of {n} ranks")));
-        }
-        let mut sorted = ranks.to_vec();
-        sorted.sort_unstable();
-        if sorted.windows(2).any(|w| w[0] == w[1]) {
-            return Err(Error::topology("ProcessWorld::group", format!("rank list {ranks:?} names a rank twice")));
-        }
-        if !ranks.contains(&self.rank()) {
-            return Err(Error::no_such_rank("ProcessWorld::group", format!("rank {} is not a member of group {ranks:?}", self.rank())));
-        }
-        let id = group_id(tag, ranks);
         if !self.taken.lock().insert(id) {
             return Err(Error::state_mismatch("ProcessWorld::group", format!("rank {} already has a communicator for group {tag:?} {ranks:?}", self.rank())));
         }
-        Ok(ProcessComm::new(self.links.clone(), id, ranks.to_vec()))
+        match shared {
+            Some(shm) => Ok(ProcessComm::shm(shm.tagged_group(tag, ranks)?)),
+            None => Ok(ProcessComm::tcp(TcpComm::new(self.links.clone(), id, ranks.to_vec()))),
+        }
     }
 
     /// Stops the job on behalf of world rank `rank`: every pending and
     /// later call on every rank returns [`Error::PeerFailed`] naming it.
     pub fn abort(&self, rank: usize, reason: &str) {
-        self.links.fail(rank, format!("aborted: {reason}"));
+        match &self.shm {
+            Some(shm) => shm.abort(rank, reason),
+            None => self.links.fail(rank, format!("aborted: {reason}")),
+        }
     }
 
     /// A check of the job's failure that outlives this world: what a
@@ -191,13 +235,16 @@ impl ProcessWorld {
     /// The error every call returns once the job has stopped, or `Ok` while
     /// it runs.
     pub fn check(&self) -> Result<()> {
-        self.links.failure().map_or(Ok(()), Err)
+        match &self.shm {
+            Some(shm) => shm.check(),
+            None => self.links.failure().map_or(Ok(()), Err),
+        }
     }
 }
 
 /// A number that tells this job's connections from any other's: the time,
 /// this process and its address space, hashed.
-fn job_id() -> u64 {
+pub(crate) fn job_id() -> u64 {
     use std::hash::Hasher;
     let mut h = fnv::FnvHasher::default();
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
@@ -205,6 +252,26 @@ fn job_id() -> u64 {
     h.write_u32(std::process::id());
     h.write_usize(&h as *const _ as usize);
     h.finish()
+}
+
+/// Checks that `ranks` is a group of a job of `world` ranks that rank `me`
+/// belongs to, and returns its identity.
+pub(crate) fn check_group(me: usize, world: usize, tag: &str, ranks: &[usize]) -> Result<u64> {
+    if ranks.is_empty() {
+        return Err(Error::topology("ProcessWorld::group", "a group needs at least one rank"));
+    }
+    if let Some(&r) = ranks.iter().find(|&&r| r >= world) {
+        return Err(Error::no_such_rank("ProcessWorld::group", format!("rank {r} in {ranks:?} is not a rank of this job of {world} ranks")));
+    }
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    if sorted.windows(2).any(|w| w[0] == w[1]) {
+        return Err(Error::topology("ProcessWorld::group", format!("rank list {ranks:?} names a rank twice")));
+    }
+    if !ranks.contains(&me) {
+        return Err(Error::no_such_rank("ProcessWorld::group", format!("rank {me} is not a member of group {ranks:?}")));
+    }
+    Ok(group_id(tag, ranks))
 }
 
 /// A group's identity on the wire: FNV-1a of its tag and members, the same
@@ -222,7 +289,9 @@ fn group_id(tag: &str, ranks: &[usize]) -> u64 {
 
 /// This process's communicators for every axis of `mesh` and for its data
 /// replicas, each group tagged with its axis so that groups with the same
-/// members stay independent.
+/// members stay independent; each group through shared memory when its
+/// ranks are all on this node (see [`ProcessWorld::tagged_group`]), over TCP
+/// otherwise.
 pub fn mesh_groups(world: &ProcessWorld, mesh: &Mesh) -> Result<Groups> {
     if world.world_size() != mesh.world() {
         return Err(Error::topology(

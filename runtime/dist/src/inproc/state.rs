@@ -6,6 +6,7 @@
 //! the world's failure and its peers' departure each time it wakes, so a
 //! failed or missing rank turns into an error instead of a hang.
 
+use super::landing::Landing;
 use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -120,11 +121,15 @@ pub(super) struct Post {
     pub data: Payload,
 }
 
-/// The tensors a step shares: read by the peers, never written.
+/// The tensors a step shares: read by the peers, never written, except an
+/// all-reduce's result buffers, which the peers fill.
 pub(super) enum Payload {
     None,
     One(Tensor),
     Many(Vec<Tensor>),
+    /// An all-reduce's input, and the result buffer every rank writes its
+    /// summed chunk into.
+    Reduce(Tensor, Arc<Landing>),
 }
 
 impl Post {

@@ -33,13 +33,14 @@ use tessera_core::backend::CpuDevice;
 use tessera_core::tensor::Tensor;
 use tessera_core::{Device, Error, Result};
 
-/// One rank's communicator for a group of ranks that are processes.
+/// One rank's communicator for a group of ranks that are processes,
+/// connected by TCP.
 ///
 /// Synchronous calls run on the calling thread; the `*_async` forms run in
 /// order on a background thread (see [`Communicator`]'s ordering rules).
 /// Dropping it while its thread panics stops the job, so no peer waits for
 /// a rank that is gone.
-pub struct ProcessComm {
+pub(super) struct TcpComm {
     serial: Serial<Core>,
 }
 
@@ -56,32 +57,32 @@ pub(super) struct Core {
     step: AtomicU64,
 }
 
-impl ProcessComm {
+impl TcpComm {
     pub(super) fn new(links: Arc<Links>, group: u64, ranks: Vec<usize>) -> Self {
         let me = ranks.iter().position(|&r| r == links.me()).expect("the caller checked membership");
         let rank = links.me();
         let on_panic: OnPanic<Core> = Arc::new(|core, msg| core.links.fail(core.links.me(), format!("its communication thread panicked: {msg}")));
-        ProcessComm { serial: Serial::new(Core { links, group, ranks, me, step: AtomicU64::new(0) }, rank, on_panic) }
+        TcpComm { serial: Serial::new(Core { links, group, ranks, me, step: AtomicU64::new(0) }, rank, on_panic) }
     }
 
     /// This rank's index in the world (its group rank is [`Communicator::rank`]).
-    pub fn world_rank(&self) -> usize {
+    pub(super) fn world_rank(&self) -> usize {
         self.serial.core().links.me()
     }
 
     /// The world ranks of the group's members, in group-rank order.
-    pub fn group_ranks(&self) -> &[usize] {
+    pub(super) fn group_ranks(&self) -> &[usize] {
         &self.serial.core().ranks
     }
 }
 
-impl fmt::Debug for ProcessComm {
+impl fmt::Debug for TcpComm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ProcessComm").field("world_rank", &self.world_rank()).field("group", &self.group_ranks()).finish()
+        f.debug_struct("TcpComm").field("world_rank", &self.world_rank()).field("group", &self.group_ranks()).finish()
     }
 }
 
-impl Drop for ProcessComm {
+impl Drop for TcpComm {
     fn drop(&mut self) {
         if thread::panicking() {
             let core = self.serial.core();
@@ -91,7 +92,7 @@ impl Drop for ProcessComm {
     }
 }
 
-impl Communicator for ProcessComm {
+impl Communicator for TcpComm {
     fn rank(&self) -> usize {
         self.serial.core().me
     }

@@ -55,9 +55,10 @@ impl CpuDevice {
     }
 
     /// A tracked buffer of `len` elements with unspecified (but initialised)
-    /// contents, for a kernel that overwrites all of them: a buffer reused
-    /// from the pool is not zeroed first (a whole pass over it, which a
-    /// communicator receiving into it would pay on every call).
+    /// contents, for a kernel that overwrites all of them: a buffer of that
+    /// length freed earlier comes back from the device's pool as it is,
+    /// without the zero-fill (or, for a new allocation, the page faults) a
+    /// fresh buffer costs.
     pub fn buffer_for_overwrite<T: Copy + Default + Send + 'static>(&self, len: usize) -> Buffer<T> {
         Buffer::for_overwrite(len, &self.host)
     }

@@ -1,0 +1,699 @@
+//! One rank's communicator in a group of processes of one node, and the
+//! collectives as steps over the group's segment (see `group` for steps).
+//!
+//! Every collective's first step carries each member's call, which every
+//! member checks against its own (so all detect a mismatch at the same
+//! step, and the group stays usable), and the first round of its data.
+//! Large tensors move in rounds of one staging half per member; the
+//! arithmetic is the in-process communicator's ([`host::Summand`]), so the
+//! three backends give the same bits.
+//!
+//! - **all-reduce**: one step per round, plus one. Member `i` stages its
+//!   input's round except its own part; at the next step member `j` has
+//!   summed part `j` of the round over every member in rank order (its own
+//!   input read in place), written it into its result and staged it beside
+//!   its staging of the following round, and every member copies the other
+//!   sums into its result. Each member copies `(n−1)/n` of its input in and
+//!   `(n−1)/n` of the result out, besides reading its part of the inputs
+//!   and writing its part of the result: with rounds of a megabyte, the
+//!   staged bytes are still in the cache when they are read.
+//! - **all-gather**, **broadcast**: per round one step, the members (the
+//!   root) stage, every member copies.
+//! - **reduce-scatter**: per round one step; member `i` stages for each
+//!   peer `j` its slice of part `j`; member `j` sums its part.
+//! - **all-to-all**: the first step carries every part's shape, then each
+//!   round one step, member `i` staging a slice of every part.
+//!
+//! [`host::Summand`]: crate::host
+
+use super::call::{describable, Call, Op};
+use super::group::Group;
+use crate::comm::{Communicator, Pending};
+use crate::host::{elements, store, streams, sum_blocks, sum_into, wrap, Summand};
+use crate::serial::{OnPanic, Serial};
+use std::fmt;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use tessera_core::backend::{CpuDevice, CpuStorage};
+use tessera_core::tensor::{with_elem, Element, Tensor};
+use tessera_core::{Device, Error, Result};
+
+/// One rank's communicator for a group of ranks that are processes of this
+/// node, through shared memory.
+///
+/// Synchronous calls run on the calling thread; the `*_async` forms run in
+/// order on a background thread (see [`Communicator`]'s ordering rules).
+/// Dropping it leaves the group (the peers' calls that still need this
+/// rank fail); dropping it while its thread panics stops the job.
+pub struct ShmComm {
+    serial: Serial<Core>,
+}
+
+/// What a communicator's calls run on, shared with its background thread.
+pub(super) struct Core {
+    group: Arc<Group>,
+    device: CpuDevice,
+    /// The number of this member's next step (collectives run one at a
+    /// time, under the serial lock).
+    steps: AtomicU64,
+    /// The number of this member's next collective.
+    colls: AtomicU64,
+    /// Numbers the files of messages too large for a ring.
+    files: AtomicU64,
+}
+
+impl ShmComm {
+    pub(super) fn new(group: Arc<Group>, device: CpuDevice) -> ShmComm {
+        let rank = group.ranks[group.me];
+        let on_panic: OnPanic<Core> = Arc::new(|core, msg| core.group.node.fail(core.world_rank(), format!("its communication thread panicked: {msg}")));
+        let core = Core { group, device, steps: AtomicU64::new(0), colls: AtomicU64::new(0), files: AtomicU64::new(0) };
+        ShmComm { serial: Serial::new(core, rank, on_panic) }
+    }
+
+    /// This rank's index in the world (its group rank is [`Communicator::rank`]).
+    pub fn world_rank(&self) -> usize {
+        self.serial.core().world_rank()
+    }
+
+    /// The world ranks of the group's members, in group-rank order.
+    pub fn group_ranks(&self) -> &[usize] {
+        &self.serial.core().group.ranks
+    }
+}
+
+impl fmt::Debug for ShmComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ShmComm").field("world_rank", &self.world_rank()).field("group", &self.group_ranks()).finish()
+    }
+}
+
+impl Drop for ShmComm {
+    fn drop(&mut self) {
+        let core = self.serial.core();
+        if thread::panicking() {
+            core.group.node.fail(core.world_rank(), "its thread panicked (that panic's message is the root cause)".into());
+        }
+        self.serial.shut_down();
+        let group = &self.serial.core().group;
+        group.drain();
+        group.leave();
+    }
+}
+
+impl Communicator for ShmComm {
+    fn rank(&self) -> usize {
+        self.serial.core().group.me
+    }
+    fn size(&self) -> usize {
+        self.serial.core().group.n()
+    }
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        let t = t.clone();
+        self.serial.run("all_reduce_sum", move |c| c.all_reduce(&t))
+    }
+    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        let t = t.clone();
+        self.serial.run("all_gather", move |c| c.all_gather(&t, dim))
+    }
+    fn reduce_scatter_sum(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        let t = t.clone();
+        self.serial.run("reduce_scatter_sum", move |c| c.reduce_scatter(&t, dim))
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        let t = t.clone();
+        self.serial.run("broadcast", move |c| c.broadcast(&t, root))
+    }
+    fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        self.serial.run("all_to_all", move |c| c.all_to_all(parts))
+    }
+    fn barrier(&self) -> Result<()> {
+        self.serial.run("barrier", |c| c.barrier())
+    }
+    fn send(&self, t: &Tensor, peer: usize) -> Result<()> {
+        self.serial.core().send(t, peer)
+    }
+    fn recv(&self, peer: usize) -> Result<Tensor> {
+        self.serial.core().recv(peer)
+    }
+    fn all_reduce_sum_async(&self, t: &Tensor) -> Result<Pending> {
+        let t = t.clone();
+        self.serial.submit("all_reduce_sum", move |c| c.all_reduce(&t))
+    }
+    fn all_gather_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
+        let t = t.clone();
+        self.serial.submit("all_gather", move |c| c.all_gather(&t, dim))
+    }
+    fn reduce_scatter_sum_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
+        let t = t.clone();
+        self.serial.submit("reduce_scatter_sum", move |c| c.reduce_scatter(&t, dim))
+    }
+    fn broadcast_async(&self, t: &Tensor, root: usize) -> Result<Pending> {
+        let t = t.clone();
+        self.serial.submit("broadcast", move |c| c.broadcast(&t, root))
+    }
+    fn all_to_all_async(&self, parts: Vec<Tensor>) -> Result<Pending<Vec<Tensor>>> {
+        self.serial.submit("all_to_all", move |c| c.all_to_all(parts))
+    }
+    fn barrier_async(&self) -> Result<Pending<()>> {
+        self.serial.submit("barrier", |c| c.barrier())
+    }
+    fn abort(&self, reason: &str) {
+        let core = self.serial.core();
+        core.group.node.fail(core.world_rank(), format!("aborted: {reason}"));
+    }
+    fn failure(&self) -> Option<Error> {
+        self.serial.core().group.node.failure()
+    }
+}
+
+/// The element range of part `i` when `len` elements are cut into `n`
+/// near-equal parts.
+fn chunk(len: usize, n: usize, i: usize) -> Range<usize> {
+    i * len / n..(i + 1) * len / n
+}
+
+fn cpu(t: &Tensor) -> Result<&CpuDevice> {
+    match t.device() {
+        Device::Cpu(d) => Ok(d),
+        Device::Cuda(d) => d.unsupported("collectives through shared memory (CUDA ranks communicate through NCCL)"),
+    }
+}
+
+/// `t` contiguous, if it is a host tensor whose shape a call record can
+/// describe.
+fn host(op: &'static str, t: &Tensor) -> Result<Tensor> {
+    cpu(t)?;
+    describable(t.dims()).map_err(|e| Error::invalid(op, e))?;
+    t.contiguous()
+}
+
+/// Elements `T` of a staged byte range.
+fn typed<T: Element>(b: &[u8]) -> &[T] {
+    bytemuck::cast_slice(b)
+}
+
+fn typed_mut<T: Element>(b: &mut [u8]) -> &mut [T] {
+    bytemuck::cast_slice_mut(b)
+}
+
+/// A step's tag: the collective's number and the step's place in it.
+fn tag(coll: u64, k: usize) -> u64 {
+    (coll << 32) | (k as u64 & 0xffff_ffff)
+}
+
+impl Core {
+    fn world_rank(&self) -> usize {
+        self.group.ranks[self.group.me]
+    }
+
+    fn n(&self) -> usize {
+        self.group.n()
+    }
+
+    fn me(&self) -> usize {
+        self.group.me
+    }
+
+    /// The number of this member's next step.
+    fn next(&self) -> u64 {
+        self.steps.load(Ordering::Relaxed)
+    }
+
+    /// Posts step `s` (the next one) as step `k` of collective `coll` and
+    /// waits for every peer to post it.
+    fn step(&self, op: &'static str, s: u64, coll: u64, k: usize) -> Result<()> {
+        debug_assert_eq!(s, self.next());
+        self.steps.store(s + 1, Ordering::Relaxed);
+        self.group.step(op, s, tag(coll, k))
+    }
+
+    /// The first step of every collective: writes this member's call,
+    /// stages the first round (`stage`, only when the call is valid here),
+    /// posts, and checks that every member made the same call with valid
+    /// arguments; every member reaches the same verdict. Returns the step,
+    /// the collective's number and every member's call.
+    fn open(&self, op: &'static str, call: Call, own: Result<()>, stage: impl FnOnce(u64)) -> Result<(u64, u64, Vec<Call>)> {
+        if let Some(e) = self.group.node.failure() {
+            return Err(e);
+        }
+        let coll = self.colls.fetch_add(1, Ordering::Relaxed);
+        let s = self.next();
+        // SAFETY: before posting step `s`, after every peer posted `s - 1`
+        // (this member's previous step returned only once they had).
+        call.write(unsafe { self.group.call_mut(s) });
+        if own.is_ok() {
+            stage(s);
+        }
+        self.step(op, s, coll, 0)?;
+        let (n, me) = (self.n(), self.me());
+        let ranks = &self.group.ranks;
+        let calls = ranks
+            .iter()
+            .enumerate()
+            .map(|(m, rank)| match m == me {
+                true => Ok(call.clone()),
+                // SAFETY: `m` posted step `s`; this member posts `s + 1`
+                // only after reading.
+                false => Call::read(unsafe { self.group.call(m, s) }, n)
+                    .ok_or_else(|| Error::CollectiveMismatch { op, detail: format!("rank {rank}'s call record does not parse (a rank of another version?)") }),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let world = ranks[me];
+        if let Some((m, c)) = calls.iter().enumerate().find(|(_, c)| c.op != call.op) {
+            return Err(Error::CollectiveMismatch { op, detail: format!("rank {world} called {call} while rank {} called {c}", ranks[m]) });
+        }
+        own?;
+        if let Some((m, c)) = calls.iter().enumerate().find(|(_, c)| c.invalid.is_some()) {
+            return Err(Error::CollectiveMismatch {
+                op,
+                detail: format!("rank {} passed invalid arguments ({})", ranks[m], c.invalid.as_deref().unwrap_or_default()),
+            });
+        }
+        if let Some((m, c)) = calls.iter().enumerate().find(|(_, c)| c.meta != call.meta) {
+            return Err(Error::CollectiveMismatch { op, detail: format!("rank {world} called {call} but rank {} called {c}", ranks[m]) });
+        }
+        Ok((s, coll, calls))
+    }
+
+    fn call(op: Op, t: Option<&Tensor>, local: &Result<impl Sized>) -> Call {
+        Call { op, meta: t.map(|t| (t.dtype(), t.dims().to_vec())), invalid: local.as_ref().err().map(|e| e.to_string()), parts: Vec::new() }
+    }
+
+    fn all_reduce(&self, t: &Tensor) -> Result<Tensor> {
+        const OP: &str = "all_reduce_sum";
+        let local = host(OP, t);
+        let call = Self::call(Op::AllReduce, Some(t), &local);
+        with_elem!(t.dtype(), T => self.all_reduce_typed::<T>(t, local, call))
+    }
+
+    fn all_reduce_typed<T: Summand>(&self, t: &Tensor, local: Result<Tensor>, call: Call) -> Result<Tensor> {
+        const OP: &str = "all_reduce_sum";
+        let (n, me) = (self.n(), self.me());
+        let e = std::mem::size_of::<T>();
+        let len = t.elem_count();
+        // A half holds a round of the input (`per` elements) and, after it,
+        // this member's part of the previous round's sum.
+        let per = (self.group.lay.half - 128) / e * n / (n + 1);
+        let sums_at = (per * e).div_ceil(64) * 64;
+        let rounds = len.div_ceil(per);
+        let round = |k: usize| k * per..((k + 1) * per).min(len);
+        let c = local.as_ref().ok().cloned();
+        let guard = c.as_ref().map(|c| c.read());
+        let x: &[T] = match (&c, &guard) {
+            (Some(c), Some(g)) => elements::<T>(c, g),
+            _ => &[],
+        };
+        // Round `k` of the input, but for this member's own part, which it
+        // reads in place.
+        let stage = |s: u64, k: usize| {
+            let r = round(k);
+            let mine = chunk(r.len(), n, me);
+            // SAFETY: called before posting step `s`, after every peer
+            // posted `s - 1`; no other borrow of these bytes lives.
+            let dst: &mut [T] = typed_mut(unsafe { self.group.stage(s, 0, r.len() * e) });
+            dst[..mine.start].copy_from_slice(&x[r.start..r.start + mine.start]);
+            dst[mine.end..].copy_from_slice(&x[r.start + mine.end..r.end]);
+        };
+        let (mut s, coll, _) = self.open(OP, call, local.map(drop), |s| {
+            if rounds > 0 {
+                stage(s, 0)
+            }
+        })?;
+        let dev = cpu(t)?;
+        let mut out = dev.buffer_for_overwrite::<T>(len);
+        let stream = streams(len * e);
+        // Step `k` (after the first) carries this member's part of round
+        // `k - 1`'s sum and its staging of round `k`: one step per round.
+        for k in 1..=rounds {
+            let r = round(k - 1);
+            let mine = chunk(r.len(), n, me);
+            // This member's part of the round, summed in rank order into its
+            // result and into the next step's half for the others.
+            let srcs: Vec<&[T]> = (0..n)
+                .map(|i| match i == me {
+                    true => &x[r.start + mine.start..r.start + mine.end],
+                    // SAFETY: `i` posted step `s`, and this member posts
+                    // `s + 1` only after reading.
+                    false => typed(unsafe { self.group.staged(i, s, mine.start * e, mine.len() * e) }),
+                })
+                .collect();
+            let sums: &mut [T] = match n {
+                1 => &mut [],
+                // SAFETY: before posting step `s + 1`, after every peer
+                // posted `s`; the staging below writes other bytes, after
+                // this borrow ends.
+                _ => typed_mut(unsafe { self.group.stage(s + 1, sums_at, mine.len() * e) }),
+            };
+            let dst = &mut out[r.start + mine.start..r.start + mine.end];
+            sum_blocks(&srcs, |off, block| {
+                if !sums.is_empty() {
+                    sums[off..off + block.len()].copy_from_slice(block);
+                }
+                store(block, &mut dst[off..off + block.len()], stream);
+            });
+            drop(srcs);
+            if k < rounds {
+                stage(s + 1, k);
+            }
+            s += 1;
+            self.step(OP, s, coll, k)?;
+            for j in (0..n).filter(|&j| j != me) {
+                let theirs = chunk(r.len(), n, j);
+                // SAFETY: `j` posted step `s`, and this member posts `s + 1`
+                // only after reading.
+                let src: &[T] = typed(unsafe { self.group.staged(j, s, sums_at, theirs.len() * e) });
+                store(src, &mut out[r.start + theirs.start..r.start + theirs.end], stream);
+            }
+        }
+        drop(guard);
+        Ok(wrap(CpuStorage::from_buffer(out), t.shape().clone(), dev))
+    }
+
+    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        const OP: &str = "all_gather";
+        let local = t.shape().dim(OP, dim).and_then(|_| host(OP, t));
+        let call = Self::call(Op::AllGather { dim }, Some(t), &local);
+        with_elem!(t.dtype(), T => self.all_gather_typed::<T>(t, dim, local, call))
+    }
+
+    fn all_gather_typed<T: Element + Default>(&self, t: &Tensor, dim: usize, local: Result<Tensor>, call: Call) -> Result<Tensor> {
+        const OP: &str = "all_gather";
+        let (n, me) = (self.n(), self.me());
+        let e = std::mem::size_of::<T>();
+        let len = t.elem_count();
+        let per = self.group.lay.half / e;
+        let rounds = len.div_ceil(per);
+        let round = |k: usize| k * per..((k + 1) * per).min(len);
+        let c = local.as_ref().ok().cloned();
+        let guard = c.as_ref().map(|c| c.read());
+        let x: &[T] = match (&c, &guard) {
+            (Some(c), Some(g)) => elements::<T>(c, g),
+            _ => &[],
+        };
+        let stage = |s: u64, k: usize| {
+            if n > 1 {
+                let r = round(k);
+                // SAFETY: before posting step `s`, after every peer posted `s - 1`.
+                typed_mut::<T>(unsafe { self.group.stage(s, 0, r.len() * e) }).copy_from_slice(&x[r]);
+            }
+        };
+        let (mut s, coll, _) = self.open(OP, call, local.map(drop), |s| {
+            if rounds > 0 {
+                stage(s, 0)
+            }
+        })?;
+        let dev = cpu(t)?;
+        let dims = t.dims();
+        let block: usize = dims[dim..].iter().product();
+        let mut out = dev.buffer_for_overwrite::<T>(n * len);
+        let stream = streams(n * len * e);
+        for k in 0..rounds {
+            if k > 0 {
+                s = self.next();
+                stage(s, k);
+                self.step(OP, s, coll, k)?;
+            }
+            let r = round(k);
+            for j in 0..n {
+                let src: &[T] = match j == me {
+                    true => &x[r.clone()],
+                    // SAFETY: `j` posted step `s`; this member posts `s + 1`
+                    // only after reading.
+                    false => typed(unsafe { self.group.staged(j, s, 0, r.len() * e) }),
+                };
+                // Element `i` of rank `j`'s input lands in block `i / block`
+                // of the output, after the `j` blocks of the ranks before it.
+                let mut i = r.start;
+                while i < r.end {
+                    let (o, w) = (i / block, i % block);
+                    let run = (block - w).min(r.end - i);
+                    let at = o * n * block + j * block + w;
+                    store(&src[i - r.start..i - r.start + run], &mut out[at..at + run], stream);
+                    i += run;
+                }
+            }
+        }
+        drop(guard);
+        let mut out_dims = dims.to_vec();
+        out_dims[dim] *= n;
+        Ok(wrap(CpuStorage::from_buffer(out), out_dims, dev))
+    }
+
+    fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        const OP: &str = "reduce_scatter_sum";
+        let n = self.n();
+        let local = t.shape().dim(OP, dim).and_then(|d| match d % n {
+            0 => host(OP, t),
+            _ => Err(Error::shape(
+                OP,
+                format!("dimension {dim} of shape {} has size {d}, which does not split into {n} equal parts; pad it to a multiple of {n}", t.shape()),
+            )),
+        });
+        let call = Self::call(Op::ReduceScatter { dim }, Some(t), &local);
+        with_elem!(t.dtype(), T => self.reduce_scatter_typed::<T>(t, dim, local, call))
+    }
+
+    fn reduce_scatter_typed<T: Summand>(&self, t: &Tensor, dim: usize, local: Result<Tensor>, call: Call) -> Result<Tensor> {
+        const OP: &str = "reduce_scatter_sum";
+        let (n, me) = (self.n(), self.me());
+        let e = std::mem::size_of::<T>();
+        let c = local.as_ref().ok().cloned();
+        let (outer, block) = match &c {
+            Some(c) => (c.dims()[..dim].iter().product::<usize>(), c.dims()[dim..].iter().product::<usize>()),
+            None => (0, 0),
+        };
+        let part = block / n;
+        // Rank `j`'s part, gathered: element `g` is input element
+        // `(g / part) · block + j · part + g mod part`. Each round stages a
+        // slice of it for every peer, in an area of its own.
+        let q = outer * part;
+        let area = self.group.lay.half / n / e;
+        let rounds = q.div_ceil(area);
+        let round = |k: usize| k * area..((k + 1) * area).min(q);
+        let guard = c.as_ref().map(|c| c.read());
+        let x: &[T] = match (&c, &guard) {
+            (Some(c), Some(g)) => elements::<T>(c, g),
+            _ => &[],
+        };
+        // Calls `f(g, input range)` for the runs of gathered elements `r` of
+        // rank `j`'s part that are contiguous in the input.
+        let runs = |j: usize, r: Range<usize>, f: &mut dyn FnMut(usize, Range<usize>)| {
+            let mut g = r.start;
+            while g < r.end {
+                let (o, w) = (g / part, g % part);
+                let run = (part - w).min(r.end - g);
+                let at = o * block + j * part + w;
+                f(g, at..at + run);
+                g += run;
+            }
+        };
+        let stage = |s: u64, k: usize| {
+            let r = round(k);
+            for j in (0..n).filter(|&j| j != me) {
+                // SAFETY: before posting step `s`, after every peer posted `s - 1`.
+                let dst: &mut [T] = typed_mut(unsafe { self.group.stage(s, j * area * e, r.len() * e) });
+                runs(j, r.clone(), &mut |g, src| dst[g - r.start..g - r.start + src.len()].copy_from_slice(&x[src]));
+            }
+        };
+        let (mut s, coll, _) = self.open(OP, call, local.map(drop), |s| {
+            if rounds > 0 {
+                stage(s, 0)
+            }
+        })?;
+        let dev = cpu(t)?;
+        let mut out = dev.buffer_for_overwrite::<T>(q);
+        let stream = streams(q * e);
+        for k in 0..rounds {
+            if k > 0 {
+                s = self.next();
+                stage(s, k);
+                self.step(OP, s, coll, k)?;
+            }
+            let r = round(k);
+            runs(me, r.clone(), &mut |g, own| {
+                let srcs: Vec<&[T]> = (0..n)
+                    .map(|i| match i == me {
+                        true => &x[own.clone()],
+                        // SAFETY: `i` posted step `s`; this member posts
+                        // `s + 1` only after reading.
+                        false => typed(unsafe { self.group.staged(i, s, (me * area + g - r.start) * e, own.len() * e) }),
+                    })
+                    .collect();
+                let dst = &mut out[g..g + own.len()];
+                if stream {
+                    sum_blocks(&srcs, |off, block| store(block, &mut dst[off..off + block.len()], true));
+                } else {
+                    sum_into(&srcs, dst);
+                }
+            });
+        }
+        drop(guard);
+        let mut out_dims = t.dims().to_vec();
+        out_dims[dim] /= n;
+        Ok(wrap(CpuStorage::from_buffer(out), out_dims, dev))
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        const OP: &str = "broadcast";
+        let n = self.n();
+        let local = match root < n {
+            true => host(OP, t),
+            false => Err(Error::no_such_rank(OP, format!("root {root} is not a rank of this group of {n} ranks"))),
+        };
+        let call = Self::call(Op::Broadcast { root }, Some(t), &local);
+        with_elem!(t.dtype(), T => self.broadcast_typed::<T>(t, root, local, call))
+    }
+
+    fn broadcast_typed<T: Element + Default>(&self, t: &Tensor, root: usize, local: Result<Tensor>, call: Call) -> Result<Tensor> {
+        const OP: &str = "broadcast";
+        let me = self.me();
+        let e = std::mem::size_of::<T>();
+        let len = t.elem_count();
+        let per = self.group.lay.half / e;
+        let rounds = len.div_ceil(per);
+        let round = |k: usize| k * per..((k + 1) * per).min(len);
+        let c = local.as_ref().ok().cloned();
+        let guard = c.as_ref().map(|c| c.read());
+        let x: &[T] = match (&c, &guard) {
+            (Some(c), Some(g)) => elements::<T>(c, g),
+            _ => &[],
+        };
+        let stage = |s: u64, k: usize| {
+            if me == root && self.n() > 1 {
+                let r = round(k);
+                // SAFETY: before posting step `s`, after every peer posted `s - 1`.
+                typed_mut::<T>(unsafe { self.group.stage(s, 0, r.len() * e) }).copy_from_slice(&x[r]);
+            }
+        };
+        let (mut s, coll, _) = self.open(OP, call, local.map(drop), |s| {
+            if rounds > 0 {
+                stage(s, 0)
+            }
+        })?;
+        let dev = cpu(t)?;
+        let mut out = (me != root).then(|| dev.buffer_for_overwrite::<T>(len));
+        let stream = streams(len * e);
+        for k in 0..rounds {
+            if k > 0 {
+                s = self.next();
+                stage(s, k);
+                self.step(OP, s, coll, k)?;
+            }
+            if let Some(out) = &mut out {
+                let r = round(k);
+                // SAFETY: the root posted step `s`; this member posts `s + 1`
+                // only after reading.
+                let src: &[T] = typed(unsafe { self.group.staged(root, s, 0, r.len() * e) });
+                store(src, &mut out[r], stream);
+            }
+        }
+        drop(guard);
+        Ok(match out {
+            Some(out) => wrap(CpuStorage::from_buffer(out), t.shape().clone(), dev),
+            None => t.clone(),
+        })
+    }
+
+    fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        const OP: &str = "all_to_all";
+        let (n, me) = (self.n(), self.me());
+        let local = match parts.len() == n {
+            true => parts.iter().map(|p| host(OP, p)).collect::<Result<Vec<_>>>(),
+            false => Err(Error::invalid(OP, format!("{} parts given; pass exactly one per rank of the group ({n})", parts.len()))),
+        };
+        let mut call = Self::call(Op::AllToAll, None, &local);
+        let (ps, own) = match local {
+            Ok(ps) => {
+                call.parts = ps.iter().map(|p| (p.dtype(), p.dims().to_vec())).collect();
+                (ps, Ok(()))
+            }
+            Err(e) => (Vec::new(), Err(e)),
+        };
+        // Each round stages up to `area` bytes of the part for every peer.
+        let area = self.group.lay.half / n / 64 * 64;
+        let guards: Vec<_> = ps.iter().map(Tensor::read).collect();
+        let bytes_of: Vec<&[u8]> =
+            ps.iter().zip(&guards).map(|(p, g)| with_elem!(p.dtype(), T => bytemuck::cast_slice::<T, u8>(elements::<T>(p, g)))).collect();
+        let stage = |s: u64, k: usize| {
+            for j in (0..n).filter(|&j| j != me) {
+                let src = bytes_of[j];
+                let r = (k * area).min(src.len())..((k + 1) * area).min(src.len());
+                // SAFETY: before posting step `s`, after every peer posted `s - 1`.
+                unsafe { self.group.stage(s, j * area, r.len()) }.copy_from_slice(&src[r]);
+            }
+        };
+        let (mut s, coll, calls) = self.open(OP, call, own, |s| stage(s, 0))?;
+        let size = |m: &(tessera_core::tensor::DType, Vec<usize>)| m.1.iter().product::<usize>() * m.0.size_in_bytes();
+        let rounds =
+            (0..n).flat_map(|i| calls[i].parts.iter().enumerate().filter(move |(j, _)| *j != i).map(|(_, p)| size(p).div_ceil(area))).max().unwrap_or(0);
+        let mut received: Vec<Option<CpuStorage>> = (0..n)
+            .map(|i| {
+                let (dtype, dims) = &calls[i].parts[me];
+                (i != me).then(|| with_elem!(*dtype, T => CpuStorage::from_buffer(self.device.buffer_for_overwrite::<T>(dims.iter().product()))))
+            })
+            .collect();
+        for k in 0..rounds.max(1) {
+            if k > 0 {
+                s = self.next();
+                stage(s, k);
+                self.step(OP, s, coll, k)?;
+            }
+            for (i, got) in received.iter_mut().enumerate() {
+                let Some(got) = got else { continue };
+                let dst: &mut [u8] = with_elem!(got.dtype(), T => bytemuck::cast_slice_mut::<T, u8>(got.as_mut_slice::<T>().expect("its own dtype")));
+                let r = (k * area).min(dst.len())..((k + 1) * area).min(dst.len());
+                // SAFETY: `i` posted step `s`; this member posts `s + 1`
+                // only after reading.
+                dst[r.clone()].copy_from_slice(unsafe { self.group.staged(i, s, me * area, r.len()) });
+            }
+        }
+        drop(bytes_of);
+        drop(guards);
+        Ok(received
+            .into_iter()
+            .enumerate()
+            .map(|(i, got)| match got {
+                Some(st) => Tensor::from_cpu(st, calls[i].parts[me].1.clone(), &self.device),
+                None => parts[me].clone(),
+            })
+            .collect())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let call = Call { op: Op::Barrier, meta: None, invalid: None, parts: Vec::new() };
+        self.open("barrier", call, Ok(()), |_| {}).map(drop)
+    }
+
+    fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
+        let n = self.n();
+        if peer >= n {
+            return Err(Error::no_such_rank(op, format!("peer {peer} is not a rank of this group of {n} ranks")));
+        }
+        if peer == self.me() {
+            return Err(Error::no_such_rank(op, format!("peer {peer} is this rank itself; keep the tensor instead of sending it")));
+        }
+        Ok(())
+    }
+
+    fn send(&self, t: &Tensor, peer: usize) -> Result<()> {
+        self.check_peer("send", peer)?;
+        if let Some(e) = self.group.node.failure() {
+            return Err(e);
+        }
+        if self.group.has_left(peer) {
+            return Err(Error::PeerFailed {
+                rank: self.group.ranks[peer],
+                reason: "it left the job (its process finished or closed its communicators) while this rank still needed it".into(),
+            });
+        }
+        let t = host("send", t)?;
+        self.group.send(peer, &t, self.files.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn recv(&self, peer: usize) -> Result<Tensor> {
+        self.check_peer("recv", peer)?;
+        self.group.recv(peer, &self.device)
+    }
+}
