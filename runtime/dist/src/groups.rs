@@ -1,8 +1,10 @@
 //! The communicators of one rank: one per mesh axis, and the data replicas
 //! (data × expert parallel) together.
 
+use crate::mesh::{Axis, Mesh};
 use crate::{Communicator, SingleRank};
 use std::sync::Arc;
+use tessera_core::{Error, Result};
 
 /// One communicator per mesh axis, and one over the data replicas.
 #[derive(Clone, Debug)]
@@ -46,4 +48,69 @@ impl Groups {
         let one: Arc<dyn Communicator> = Arc::new(SingleRank);
         Groups { tp: one.clone(), dp: one.clone(), pp: one.clone(), ep: one.clone(), replicas: one }
     }
+
+    /// The groups of world rank `rank` in `mesh`, each made by
+    /// `group(tag, members)` with the axis's name as its tag (so that axes
+    /// with the same members stay independent), one at a time and in the
+    /// same order on every rank: tp, dp, pp, ep, then the replicas (backends
+    /// that create groups collectively, such as MPI, rely on that order).
+    ///
+    /// `world` is the backend's number of ranks and `world_is` how it says
+    /// so (`"the job has 4 processes"`), for the error when it is not the
+    /// mesh's; `fix` says what to do then.
+    pub(crate) fn of_mesh(
+        mesh: &Mesh,
+        rank: usize,
+        (world, world_is, fix): (usize, &str, &str),
+        mut group: impl FnMut(&str, &[usize]) -> Result<Arc<dyn Communicator>>,
+    ) -> Result<Groups> {
+        if world != mesh.world() {
+            return Err(Error::topology("mesh_groups", format!("the mesh {mesh} has {} ranks but {world_is}; {fix}", mesh.world())));
+        }
+        let mut axis = |a: Axis| group(a.name(), &mesh.group(a, rank)?);
+        let (tp, dp, pp, ep) = (axis(Axis::Tp)?, axis(Axis::Dp)?, axis(Axis::Pp)?, axis(Axis::Ep)?);
+        let replicas = group("replicas", &mesh.replica_group(rank)?)?;
+        Ok(Groups { tp, dp, pp, ep, replicas })
+    }
+}
+
+/// Checks that `ranks` can be a group of a world of `world` ranks: not
+/// empty, every rank in the world, none twice. `op` names the caller in
+/// errors.
+pub(crate) fn check_members(op: &'static str, world: usize, ranks: &[usize]) -> Result<()> {
+    if ranks.is_empty() {
+        return Err(Error::topology(op, "a group needs at least one rank"));
+    }
+    if let Some(&r) = ranks.iter().find(|&&r| r >= world) {
+        return Err(Error::no_such_rank(op, format!("rank {r} in {ranks:?} is not a rank of this world of {world} ranks")));
+    }
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    if sorted.windows(2).any(|w| w[0] == w[1]) {
+        return Err(Error::topology(op, format!("rank list {ranks:?} names a rank twice")));
+    }
+    Ok(())
+}
+
+/// Checks `ranks` as [`check_members`] does, and that rank `me` is one of
+/// them; returns the group's identity ([`group_id`]).
+pub(crate) fn check_group(op: &'static str, me: usize, world: usize, tag: &str, ranks: &[usize]) -> Result<u64> {
+    check_members(op, world, ranks)?;
+    if !ranks.contains(&me) {
+        return Err(Error::no_such_rank(op, format!("rank {me} is not a member of group {ranks:?}")));
+    }
+    Ok(group_id(tag, ranks))
+}
+
+/// A group's identity between processes: FNV-1a of its tag and members,
+/// the same on every rank.
+pub(crate) fn group_id(tag: &str, ranks: &[usize]) -> u64 {
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
+    h.write(tag.as_bytes());
+    h.write_u8(0xff);
+    for &r in ranks {
+        h.write_u64(r as u64);
+    }
+    h.finish()
 }

@@ -27,6 +27,22 @@ pub(crate) fn cpu_device(d: &Device) -> &CpuDevice {
     }
 }
 
+/// The CPU device of `t`, or the error a host collective gives a CUDA tensor
+/// (`what`: the collectives that refuse it, and why).
+pub(crate) fn host_device<'t>(t: &'t Tensor, what: &'static str) -> tessera_core::Result<&'t CpuDevice> {
+    match t.device() {
+        Device::Cpu(d) => Ok(d),
+        Device::Cuda(d) => d.unsupported(what),
+    }
+}
+
+/// The element range of part `i` when `len` elements are cut into `n`
+/// near-equal parts: the chunk of an all-reduce that rank `i` sums, the
+/// same on every backend.
+pub(crate) fn chunk(len: usize, n: usize, i: usize) -> Range<usize> {
+    i * len / n..(i + 1) * len / n
+}
+
 /// The storage range a contiguous tensor occupies.
 fn range_of(t: &Tensor) -> Range<usize> {
     t.layout().contiguous_range().expect("collectives post contiguous tensors")

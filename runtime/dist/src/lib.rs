@@ -8,10 +8,12 @@
 //! environment, the rendezvous store); it knows nothing of modules or
 //! training. Users reach it as `tessera::dist`.
 
+mod call;
 mod comm;
 pub mod env;
 mod groups;
 mod host;
+mod host_comm;
 pub mod inproc;
 pub mod mesh;
 #[cfg(feature = "mpi")]
@@ -25,3 +27,4 @@ pub mod store;
 
 pub use comm::{Communicator, Completer, Pending, SingleRank};
 pub use groups::Groups;
+pub use host_comm::HostComm;

@@ -5,7 +5,7 @@
 //! An [`MpiWorld`] is this process's place in the MPI job (`MPI_COMM_WORLD`).
 //! It hands out the communicator of each group the rank belongs to (the
 //! world, or a group of a mesh axis), each an MPI communicator of its own,
-//! used through the [`Communicator`] trait exactly as the in-process and TCP
+//! used through the [`Communicator`](crate::Communicator) trait exactly as the in-process and TCP
 //! communicators are.
 //!
 //! ```no_run
@@ -25,7 +25,7 @@
 //!
 //! A rank calls collectives from its own thread, and every communicator runs
 //! its `*_async` calls on a background thread of its own (the rules of
-//! [`Communicator`]); a rank with a communicator per mesh axis therefore
+//! [`Communicator`](crate::Communicator)); a rank with a communicator per mesh axis therefore
 //! has several threads inside MPI at once, each blocked in a collective of a
 //! different communicator. The world asks for `MPI_THREAD_MULTIPLE` and
 //! refuses to start with less. The alternative, one lock around every MPI
@@ -118,7 +118,7 @@
 //!   the job, reporting which rank died and how; MPICH's Hydra and `srun`
 //!   (with `--kill-on-bad-exit`, which Slurm sets for MPI jobs by default in
 //!   most configurations) do the same.
-//! - **[`Communicator::abort`]** (and [`MpiWorld::abort`]) prints
+//! - **[`Communicator::abort`](crate::Communicator::abort)** (and [`MpiWorld::abort`]) prints
 //!   `tessera: rank R aborts the MPI job: REASON` to stderr and calls
 //!   `MPI_Abort(MPI_COMM_WORLD, 70)`: the launcher ends every process and
 //!   exits with status 70 (Open MPI) or reports the abort (MPICH). It does
@@ -137,10 +137,13 @@ mod comm;
 mod watchdog;
 mod wire;
 
+use crate::groups::check_group;
+use crate::host_comm::HostComm;
 pub use comm::MpiComm;
+use comm::MpiCore;
 
-use crate::mesh::{Axis, Mesh};
-use crate::{Communicator, Groups};
+use crate::mesh::Mesh;
+use crate::Groups;
 use ::mpi::environment::Universe;
 use ::mpi::topology::SimpleCommunicator;
 use ::mpi::traits::{AsRaw, Communicator as _, Group as _};
@@ -297,7 +300,7 @@ impl MpiWorld {
     }
 
     /// Initializes MPI (`MPI_Init_thread` at `MPI_THREAD_MULTIPLE`) with
-    /// `options`; messages received with [`Communicator::recv`] are
+    /// `options`; messages received with [`Communicator::recv`](crate::Communicator::recv) are
     /// allocated on `device`, this rank's CPU device.
     pub fn init_with(device: &Device, options: MpiOptions) -> Result<MpiWorld> {
         const OP: &str = "MpiWorld::init";
@@ -384,22 +387,7 @@ impl MpiWorld {
     /// called it). Asking twice for the same group is an error.
     pub fn tagged_group(&self, tag: &str, ranks: &[usize]) -> Result<MpiComm> {
         const OP: &str = "MpiWorld::group";
-        let n = self.world_size();
-        if ranks.is_empty() {
-            return Err(Error::topology(OP, "a group needs at least one rank"));
-        }
-        if let Some(&r) = ranks.iter().find(|&&r| r >= n) {
-            return Err(Error::no_such_rank(OP, format!("rank {r} in {ranks:?} is not a rank of this job of {n} ranks")));
-        }
-        let mut sorted = ranks.to_vec();
-        sorted.sort_unstable();
-        if sorted.windows(2).any(|w| w[0] == w[1]) {
-            return Err(Error::topology(OP, format!("rank list {ranks:?} names a rank twice")));
-        }
-        if !ranks.contains(&self.rank()) {
-            return Err(Error::no_such_rank(OP, format!("rank {} is not a member of group {ranks:?}", self.rank())));
-        }
-        let id = group_id(tag, ranks);
+        let id = check_group(OP, self.rank(), self.world_size(), tag, ranks)?;
         if !self.shared.taken.lock().insert(id) {
             return Err(Error::state_mismatch(OP, format!("rank {} already has a communicator for group {tag:?} {ranks:?}", self.rank())));
         }
@@ -415,10 +403,10 @@ impl MpiWorld {
             world.split_by_subgroup_with_tag(&group, mpi_tag)
         }
         .ok_or_else(|| Error::topology(OP, format!("MPI created no communicator for group {name}")))?;
-        Ok(MpiComm::new(self.shared.clone(), comm, ranks.to_vec(), name, self.reduction, self.verify))
+        Ok(HostComm::new(MpiCore::new(self.shared.clone(), comm, ranks.to_vec(), name, self.reduction, self.verify)))
     }
 
-    /// Aborts the job on behalf of this rank (see [`Communicator::abort`]).
+    /// Aborts the job on behalf of this rank (see [`Communicator::abort`](crate::Communicator::abort)).
     pub fn abort(&self, reason: &str) -> ! {
         abort_job(&format!("aborted: {reason}"))
     }
@@ -436,38 +424,12 @@ pub(crate) fn abort_job(reason: &str) -> ! {
     std::process::abort()
 }
 
-/// A group's identity: FNV-1a of its tag and members, the same on every rank.
-fn group_id(tag: &str, ranks: &[usize]) -> u64 {
-    use std::hash::Hasher;
-    let mut h = fnv::FnvHasher::default();
-    h.write(tag.as_bytes());
-    h.write_u8(0xff);
-    for &r in ranks {
-        h.write_u64(r as u64);
-    }
-    h.finish()
-}
-
 /// This process's communicators for every axis of `mesh` and for its data
 /// replicas, each group tagged with its axis so that groups with the same
 /// members stay independent. Every rank of the job calls it.
 pub fn mesh_groups(world: &MpiWorld, mesh: &Mesh) -> Result<Groups> {
-    if world.world_size() != mesh.world() {
-        return Err(Error::topology(
-            "mesh_groups",
-            format!(
-                "the mesh {mesh} has {} ranks but the MPI job has {} processes; start as many processes as the mesh has ranks (`mpirun -np {}`)",
-                mesh.world(),
-                world.world_size(),
-                mesh.world()
-            ),
-        ));
-    }
-    let rank = world.rank();
-    let comm = |axis: Axis| -> Result<Arc<dyn Communicator>> { Ok(Arc::new(world.tagged_group(axis.name(), &mesh.group(axis, rank)?)?)) };
-    // One partition of the world at a time, in the same order on every
-    // rank: the creation rule of `tagged_group`.
-    let (tp, dp, pp, ep) = (comm(Axis::Tp)?, comm(Axis::Dp)?, comm(Axis::Pp)?, comm(Axis::Ep)?);
-    let replicas = Arc::new(world.tagged_group("replicas", &mesh.replica_group(rank)?)?);
-    Ok(Groups { tp, dp, pp, ep, replicas })
+    let n = world.world_size();
+    let world_is = format!("the MPI job has {n} processes");
+    let fix = format!("start as many processes as the mesh has ranks (`mpirun -np {}`)", mesh.world());
+    Groups::of_mesh(mesh, world.rank(), (n, &world_is, &fix), |tag, members| Ok(Arc::new(world.tagged_group(tag, members)?)))
 }

@@ -656,11 +656,11 @@ pub fn mesh_groups(mesh: &Mesh, devices: &[Device]) -> Result<Vec<Groups>> {
 pub fn process_mesh_groups(world: &crate::process::ProcessWorld, rendezvous: &crate::store::Rendezvous, mesh: &Mesh, device: &Device) -> Result<Groups> {
     let me = world.rank();
     let timeout = world.timeout();
-    let group = |tag: &str, members: Vec<usize>| -> Result<Arc<dyn Communicator>> {
+    let group = |tag: &str, members: &[usize]| -> Result<Arc<dyn Communicator>> {
         if members.len() == 1 {
             return Ok(Arc::new(super::SingleRank));
         }
-        let host: Arc<dyn Communicator> = Arc::new(world.tagged_group(&format!("nccl-{tag}"), &members)?);
+        let host: Arc<dyn Communicator> = Arc::new(world.tagged_group(&format!("nccl-{tag}"), members)?);
         let key = rendezvous.key(&format!("nccl/{tag}/{members:?}"));
         let store = rendezvous.store();
         let exchange = |id: Option<[u8; 128]>| -> Result<[u8; 128]> {
@@ -672,15 +672,11 @@ pub fn process_mesh_groups(world: &crate::process::ProcessWorld, rendezvous: &cr
                 None => store.get(&key, timeout)?.try_into().map_err(|_| Error::rendezvous(store.addr(), format!("the NCCL id under {key} is not 128 bytes"))),
             }
         };
-        Ok(Arc::new(NcclCommunicator::join(members, me, device, host, exchange)?))
+        Ok(Arc::new(NcclCommunicator::join(members.to_vec(), me, device, host, exchange)?))
     };
-    let groups = Groups {
-        tp: group("tp", mesh.group(Axis::Tp, me)?)?,
-        dp: group("dp", mesh.group(Axis::Dp, me)?)?,
-        pp: group("pp", mesh.group(Axis::Pp, me)?)?,
-        ep: group("ep", mesh.group(Axis::Ep, me)?)?,
-        replicas: group("replicas", mesh.replica_group(me)?)?,
-    };
+    let n = world.world_size();
+    let world_is = format!("the job has {n} processes");
+    let groups = Groups::of_mesh(mesh, me, (n, &world_is, "start as many processes as the mesh has ranks"), group)?;
     watch(world.watcher(), &groups)?;
     Ok(groups)
 }

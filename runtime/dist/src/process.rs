@@ -5,7 +5,7 @@
 //! A [`ProcessWorld`] is this process's place in the job: its rank, its
 //! connection to every peer and its node's shared memory. It hands out the
 //! communicator of each group the rank belongs to (the world, or a group of
-//! a mesh axis), used through the [`Communicator`] trait exactly as the
+//! a mesh axis), used through the [`Communicator`](crate::Communicator) trait exactly as the
 //! in-process communicators are. A group whose ranks are all on this node
 //! moves its data through shared memory ([`crate::shm`]), any other over
 //! TCP; [`Transport`] (`TESSERA_TRANSPORT=tcp|shm|auto`) can force either.
@@ -21,7 +21,7 @@
 //! rank that waits for it past the timeout. Either way every rank's pending
 //! and later calls return [`Error::PeerFailed`] naming the lost rank: the
 //! rank that notices tells every other. A rank that calls
-//! [`Communicator::abort`] or panics stops the job the same way. The two
+//! [`Communicator::abort`](crate::Communicator::abort) or panics stops the job the same way. The two
 //! transports share their failures: ranks waiting in shared memory also
 //! watch the TCP connections (so a killed peer is noticed at once there
 //! too), and a failure found in shared memory (a dead process, a timeout,
@@ -34,12 +34,14 @@ mod wire;
 
 pub use transport::{ProcessComm, Transport};
 
-use crate::mesh::{Axis, Mesh};
+use crate::groups::check_group;
+use crate::host_comm::HostComm;
+use crate::mesh::Mesh;
 use crate::shm::node::Linked;
 use crate::shm::ShmWorld;
 use crate::store::Rendezvous;
-use crate::{Communicator, Groups};
-use comm::TcpComm;
+use crate::Groups;
+use comm::TcpCore;
 use link::Links;
 use parking_lot::Mutex;
 use std::collections::HashSet;
@@ -47,6 +49,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_core::{Device, Error, Result};
+use transport::ProcessCore;
 
 /// This process's rank in a job of processes, and its connections to the
 /// others.
@@ -197,7 +200,7 @@ impl ProcessWorld {
     /// independent even when their members are the same. Every member asks
     /// for it with the same tag and list; asking twice is an error.
     pub fn tagged_group(&self, tag: &str, ranks: &[usize]) -> Result<ProcessComm> {
-        let id = check_group(self.rank(), self.world_size(), tag, ranks)?;
+        let id = check_group("ProcessWorld::group", self.rank(), self.world_size(), tag, ranks)?;
         let shared = self.shm.as_ref().filter(|s| ranks.iter().all(|&r| s.is_local(r)));
         if let (Transport::Shm, None) = (self.transport, shared) {
             let far = ranks.iter().find(|&&r| !self.is_local(r)).copied().unwrap_or_default();
@@ -210,8 +213,8 @@ impl ProcessWorld {
             return Err(Error::state_mismatch("ProcessWorld::group", format!("rank {} already has a communicator for group {tag:?} {ranks:?}", self.rank())));
         }
         match shared {
-            Some(shm) => Ok(ProcessComm::shm(shm.tagged_group(tag, ranks)?)),
-            None => Ok(ProcessComm::tcp(TcpComm::new(self.links.clone(), id, ranks.to_vec()))),
+            Some(shm) => Ok(HostComm::new(ProcessCore::Shm(shm.tagged_core(tag, ranks)?))),
+            None => Ok(HostComm::new(ProcessCore::Tcp(TcpCore::new(self.links.clone(), id, ranks.to_vec())))),
         }
     }
 
@@ -254,57 +257,15 @@ pub(crate) fn job_id() -> u64 {
     h.finish()
 }
 
-/// Checks that `ranks` is a group of a job of `world` ranks that rank `me`
-/// belongs to, and returns its identity.
-pub(crate) fn check_group(me: usize, world: usize, tag: &str, ranks: &[usize]) -> Result<u64> {
-    if ranks.is_empty() {
-        return Err(Error::topology("ProcessWorld::group", "a group needs at least one rank"));
-    }
-    if let Some(&r) = ranks.iter().find(|&&r| r >= world) {
-        return Err(Error::no_such_rank("ProcessWorld::group", format!("rank {r} in {ranks:?} is not a rank of this job of {world} ranks")));
-    }
-    let mut sorted = ranks.to_vec();
-    sorted.sort_unstable();
-    if sorted.windows(2).any(|w| w[0] == w[1]) {
-        return Err(Error::topology("ProcessWorld::group", format!("rank list {ranks:?} names a rank twice")));
-    }
-    if !ranks.contains(&me) {
-        return Err(Error::no_such_rank("ProcessWorld::group", format!("rank {me} is not a member of group {ranks:?}")));
-    }
-    Ok(group_id(tag, ranks))
-}
-
-/// A group's identity on the wire: FNV-1a of its tag and members, the same
-/// on every rank.
-fn group_id(tag: &str, ranks: &[usize]) -> u64 {
-    use std::hash::Hasher;
-    let mut h = fnv::FnvHasher::default();
-    h.write(tag.as_bytes());
-    h.write_u8(0xff);
-    for &r in ranks {
-        h.write_u64(r as u64);
-    }
-    h.finish()
-}
-
 /// This process's communicators for every axis of `mesh` and for its data
 /// replicas, each group tagged with its axis so that groups with the same
 /// members stay independent; each group through shared memory when its
 /// ranks are all on this node (see [`ProcessWorld::tagged_group`]), over TCP
 /// otherwise.
 pub fn mesh_groups(world: &ProcessWorld, mesh: &Mesh) -> Result<Groups> {
-    if world.world_size() != mesh.world() {
-        return Err(Error::topology(
-            "mesh_groups",
-            format!(
-                "the mesh {mesh} has {} ranks but the job has {} processes; start as many processes as the mesh has ranks",
-                mesh.world(),
-                world.world_size()
-            ),
-        ));
-    }
-    let rank = world.rank();
-    let comm = |axis: Axis| -> Result<Arc<dyn Communicator>> { Ok(Arc::new(world.tagged_group(axis.name(), &mesh.group(axis, rank)?)?)) };
-    let replicas = Arc::new(world.tagged_group("replicas", &mesh.replica_group(rank)?)?);
-    Ok(Groups { tp: comm(Axis::Tp)?, dp: comm(Axis::Dp)?, pp: comm(Axis::Pp)?, ep: comm(Axis::Ep)?, replicas })
+    let n = world.world_size();
+    let world_is = format!("the job has {n} processes");
+    Groups::of_mesh(mesh, world.rank(), (n, &world_is, "start as many processes as the mesh has ranks"), |tag, members| {
+        Ok(Arc::new(world.tagged_group(tag, members)?))
+    })
 }

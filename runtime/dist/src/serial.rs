@@ -8,16 +8,13 @@
 //! written once.
 
 use crate::comm::Pending;
+use crate::host_comm::HostCore;
 use parking_lot::Mutex;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::{self, JoinHandle};
 use tessera_core::{Error, Result};
-
-/// What a panic inside a queued call does to the backend (stop the peers),
-/// given the backend's state and the panic message.
-pub(crate) type OnPanic<C> = Arc<dyn Fn(&C, String) + Send + Sync>;
 
 /// Runs calls on a backend state `C` one at a time, in the order issued.
 pub(crate) struct Serial<C> {
@@ -29,7 +26,6 @@ pub(crate) struct Serial<C> {
     worker: Mutex<Option<Worker>>,
     /// The world rank, named in errors and in the thread's name.
     rank: usize,
-    on_panic: OnPanic<C>,
 }
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -39,11 +35,11 @@ struct Worker {
     thread: JoinHandle<()>,
 }
 
-impl<C: Send + Sync + 'static> Serial<C> {
+impl<C: HostCore> Serial<C> {
     /// Calls on `core` for world rank `rank`; a call that panics on the
-    /// background thread is reported through `on_panic`.
-    pub(crate) fn new(core: C, rank: usize, on_panic: OnPanic<C>) -> Self {
-        Serial { core: Arc::new(core), exec: Arc::default(), outstanding: Arc::default(), worker: Mutex::new(None), rank, on_panic }
+    /// background thread stops the job ([`HostCore::fail`]).
+    pub(crate) fn new(core: C, rank: usize) -> Self {
+        Serial { core: Arc::new(core), exec: Arc::default(), outstanding: Arc::default(), worker: Mutex::new(None), rank }
     }
 
     /// The backend state.
@@ -95,7 +91,7 @@ impl<C: Send + Sync + 'static> Serial<C> {
 
     fn start_worker(&self) -> Result<Worker> {
         let (jobs, queue) = mpsc::channel::<Job>();
-        let (core, on_panic) = (self.core.clone(), self.on_panic.clone());
+        let core = self.core.clone();
         let thread = thread::Builder::new()
             .name(format!("tessera-comm-{}", self.rank))
             .spawn(move || {
@@ -104,7 +100,7 @@ impl<C: Send + Sync + 'static> Serial<C> {
                     // leave the peers waiting: report it and keep serving, so
                     // the queued calls fail fast instead of never finishing.
                     if let Err(p) = catch_unwind(AssertUnwindSafe(job)) {
-                        on_panic(&core, tessera_core::error::panic_message(p.as_ref()));
+                        core.fail(format!("its communication thread panicked: {}", tessera_core::error::panic_message(p.as_ref())));
                     }
                 }
             })

@@ -69,7 +69,10 @@ mod segment;
 mod sys;
 
 pub use comm::ShmComm;
+pub(crate) use comm::ShmCore;
 
+use crate::groups::check_group;
+use crate::host_comm::HostComm;
 use crate::store::Rendezvous;
 use group::Group;
 use node::{Found, Node};
@@ -215,7 +218,12 @@ impl ShmWorld {
     /// asking twice is an error. Returns at once: no member waits for
     /// another to create the group's segment.
     pub fn tagged_group(&self, tag: &str, ranks: &[usize]) -> Result<ShmComm> {
-        let id = crate::process::check_group(self.rank(), self.world_size(), tag, ranks)?;
+        self.tagged_core(tag, ranks).map(HostComm::new)
+    }
+
+    /// What [`tagged_group`](Self::tagged_group)'s communicator runs on.
+    pub(crate) fn tagged_core(&self, tag: &str, ranks: &[usize]) -> Result<ShmCore> {
+        let id = check_group("ShmWorld::group", self.rank(), self.world_size(), tag, ranks)?;
         if let Some(&r) = ranks.iter().find(|&&r| !self.is_local(r)) {
             return Err(Error::topology(
                 "ShmWorld::group",
@@ -227,7 +235,7 @@ impl ShmWorld {
         }
         let me = ranks.iter().position(|&r| r == self.rank()).expect("checked membership");
         let group = Group::attach(self.node.clone(), id, ranks.to_vec(), me)?;
-        Ok(ShmComm::new(group, self.device.clone()))
+        Ok(ShmCore::new(group, self.device.clone()))
     }
 
     /// Stops the job on behalf of world rank `rank`: every pending and

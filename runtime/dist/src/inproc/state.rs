@@ -7,12 +7,13 @@
 //! failed or missing rank turns into an error instead of a hang.
 
 use super::landing::Landing;
+use crate::call::Call;
 use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
-use tessera_core::tensor::{DType, Tensor};
+use tessera_core::tensor::Tensor;
 use tessera_core::Device;
 use tessera_core::{Error, Result};
 
@@ -76,45 +77,11 @@ impl World {
     }
 }
 
-/// What a collective step is: the collective a rank called, with the
-/// arguments that must agree across the group, or a later step of it.
-#[derive(Clone, Debug, PartialEq)]
-pub(super) enum Kind {
-    AllReduce,
-    AllGather {
-        dim: usize,
-    },
-    ReduceScatter {
-        dim: usize,
-    },
-    Broadcast {
-        root: usize,
-    },
-    AllToAll,
-    Barrier,
-    /// A later step of the collective already matched at its first step.
-    Continue,
-}
-
-impl Kind {
-    pub fn name(&self) -> &'static str {
-        match self {
-            Kind::AllReduce => "all_reduce_sum",
-            Kind::AllGather { .. } => "all_gather",
-            Kind::ReduceScatter { .. } => "reduce_scatter_sum",
-            Kind::Broadcast { .. } => "broadcast",
-            Kind::AllToAll => "all_to_all",
-            Kind::Barrier => "barrier",
-            Kind::Continue => "a later step of a collective",
-        }
-    }
-}
-
 /// One rank's contribution to a collective step.
 pub(super) struct Post {
-    pub kind: Kind,
-    /// Dtype and dims of the tensor passed in (none for barriers and all-to-all).
-    pub meta: Option<(DType, Vec<usize>)>,
+    /// The call, at a collective's first step; `None` at its later steps
+    /// (the call was matched at the first).
+    pub call: Option<Call>,
     /// Why this rank's own arguments are invalid: posted anyway so the peers
     /// fail at once with a clear message instead of timing out.
     pub invalid: Option<String>,
@@ -134,26 +101,18 @@ pub(super) enum Payload {
 
 impl Post {
     pub fn phase(data: Payload) -> Self {
-        Post { kind: Kind::Continue, meta: None, invalid: None, data }
+        Post { call: None, invalid: None, data }
     }
 }
 
 impl fmt::Display for Post {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.kind.name())?;
-        let mut args = Vec::new();
-        match self.kind {
-            Kind::AllGather { dim } | Kind::ReduceScatter { dim } => args.push(format!("dim {dim}")),
-            Kind::Broadcast { root } => args.push(format!("root {root}")),
-            _ => {}
-        }
-        if let Some((dtype, dims)) = &self.meta {
-            args.push(format!("{dtype} {dims:?}"));
-        }
+        let Some(call) = &self.call else { return f.write_str("a later step of a collective") };
+        write!(f, "{call}")?;
         if let Payload::Many(parts) = &self.data {
-            args.push(format!("{} parts", parts.len()));
+            write!(f, " of {} parts", parts.len())?;
         }
-        write!(f, "({})", args.join(", "))
+        Ok(())
     }
 }
 

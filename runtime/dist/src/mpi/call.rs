@@ -3,12 +3,9 @@
 //! all-to-all and point-to-point messages), as fixed-size records of `u64`s
 //! that MPI moves in one small collective or message.
 
-use std::fmt;
-use tessera_core::tensor::DType;
+use crate::call::{dtype_code, dtype_of_code};
+pub(super) use crate::call::{Call, Meta, Op, MAX_DIMS};
 use tessera_core::{Error, Result};
-
-/// Dimensions a record can carry.
-pub(super) const MAX_DIMS: usize = 16;
 
 /// Words of a shape record: dtype, rank, dimensions.
 pub(super) const SHAPE_WORDS: usize = 2 + MAX_DIMS;
@@ -20,81 +17,6 @@ pub(super) const CALL_WORDS: usize = 5 + SHAPE_WORDS;
 
 /// Tells a call record from anything else (a record of another version).
 const CALL_TAG: u64 = 0x7E55_E8A0_C411_0001;
-
-/// The collective a rank called, with the arguments every rank must agree on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Op {
-    AllReduce,
-    AllGather { dim: usize },
-    ReduceScatter { dim: usize },
-    Broadcast { root: usize },
-    AllToAll,
-    Barrier,
-}
-
-impl Op {
-    fn code(self) -> (u64, u64) {
-        match self {
-            Op::AllReduce => (1, 0),
-            Op::AllGather { dim } => (2, dim as u64),
-            Op::ReduceScatter { dim } => (3, dim as u64),
-            Op::Broadcast { root } => (4, root as u64),
-            Op::AllToAll => (5, 0),
-            Op::Barrier => (6, 0),
-        }
-    }
-
-    fn from_code(code: u64, arg: u64) -> Option<Op> {
-        let arg = usize::try_from(arg).ok()?;
-        Some(match code {
-            1 => Op::AllReduce,
-            2 => Op::AllGather { dim: arg },
-            3 => Op::ReduceScatter { dim: arg },
-            4 => Op::Broadcast { root: arg },
-            5 => Op::AllToAll,
-            6 => Op::Barrier,
-            _ => return None,
-        })
-    }
-
-    /// The method's name, as errors name it.
-    pub(super) fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce => "all_reduce_sum",
-            Op::AllGather { .. } => "all_gather",
-            Op::ReduceScatter { .. } => "reduce_scatter_sum",
-            Op::Broadcast { .. } => "broadcast",
-            Op::AllToAll => "all_to_all",
-            Op::Barrier => "barrier",
-        }
-    }
-}
-
-/// A dtype and dimensions.
-pub(super) type Meta = (DType, Vec<usize>);
-
-/// A call as the ranks compare it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) struct Call {
-    pub op: Op,
-    /// The caller's tensor, where every rank's must agree.
-    pub meta: Option<Meta>,
-}
-
-impl fmt::Display for Call {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.op.name())?;
-        match self.op {
-            Op::AllGather { dim } | Op::ReduceScatter { dim } => write!(f, "(dim {dim})")?,
-            Op::Broadcast { root } => write!(f, "(root {root})")?,
-            _ => {}
-        }
-        if let Some((dtype, dims)) = &self.meta {
-            write!(f, " of {dtype:?}{dims:?}")?;
-        }
-        Ok(())
-    }
-}
 
 /// One rank's record of its call: the call, its number in the group, and
 /// whether its own arguments were valid.
@@ -110,7 +32,7 @@ impl Record {
         let mut w = [0u64; CALL_WORDS];
         let (code, arg) = self.call.op.code();
         w[0] = CALL_TAG;
-        w[1] = code;
+        w[1] = u64::from(code);
         w[2] = arg;
         w[3] = self.step;
         w[4] = u64::from(self.valid);
@@ -124,20 +46,9 @@ impl Record {
         if w.len() != CALL_WORDS || w[0] != CALL_TAG {
             return None;
         }
-        let op = Op::from_code(w[1], w[2])?;
+        let op = Op::from_code(u8::try_from(w[1]).ok()?, w[2])?;
         let meta = decode_shape(&w[5..]).ok()?;
         Some(Record { call: Call { op, meta }, step: w[3], valid: w[4] == 1 })
-    }
-}
-
-fn dtype_code(d: DType) -> u64 {
-    match d {
-        DType::F32 => 1,
-        DType::F64 => 2,
-        DType::BF16 => 3,
-        DType::F16 => 4,
-        DType::I32 => 5,
-        DType::U32 => 6,
     }
 }
 
@@ -145,7 +56,7 @@ fn dtype_code(d: DType) -> u64 {
 pub(super) fn encode_shape(meta: Option<&Meta>) -> [u64; SHAPE_WORDS] {
     let mut w = [0u64; SHAPE_WORDS];
     if let Some((dtype, dims)) = meta {
-        w[0] = dtype_code(*dtype);
+        w[0] = u64::from(dtype_code(*dtype));
         // Callers check the rank first ([`check_dims`]); a longer shape
         // would be cut here.
         let n = dims.len().min(MAX_DIMS);
@@ -162,13 +73,7 @@ pub(super) fn decode_shape(w: &[u64]) -> Result<Option<Meta>> {
     let bad = |what: &str| Error::CollectiveMismatch { op: "shape record", detail: format!("a peer sent a shape record that does not parse ({what})") };
     let dtype = match w[0] {
         0 => return Ok(None),
-        1 => DType::F32,
-        2 => DType::F64,
-        3 => DType::BF16,
-        4 => DType::F16,
-        5 => DType::I32,
-        6 => DType::U32,
-        _ => return Err(bad("unknown dtype")),
+        code => u8::try_from(code).ok().and_then(dtype_of_code).ok_or_else(|| bad("unknown dtype"))?,
     };
     let n = usize::try_from(w[1]).ok().filter(|&n| n <= MAX_DIMS).ok_or_else(|| bad("too many dimensions"))?;
     let dims = w[2..2 + n].iter().map(|&d| usize::try_from(d).map_err(|_| bad("dimension out of range"))).collect::<Result<Vec<_>>>()?;
@@ -190,6 +95,7 @@ pub(super) fn check_dims(op: &'static str, dims: &[usize]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tessera_core::tensor::DType;
 
     #[test]
     fn records_round_trip_and_refuse_garbage() {

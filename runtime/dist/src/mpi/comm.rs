@@ -23,24 +23,22 @@
 //!   background; **recv** receives the shape, then the elements into the
 //!   new tensor.
 
-use super::call::{check_dims, decode_shape, encode_shape, Call, Meta, Op, Record, CALL_WORDS, SHAPE_WORDS};
+use super::call::{check_dims, decode_shape, encode_shape, Call, Op, Record, CALL_WORDS, SHAPE_WORDS};
 use super::watchdog::Watched;
 use super::wire::{self, bits, bits_mut, Bits, BitsMut, Comm, Request, Summand};
 use super::{abort_job, Reduction, Shared};
-use crate::comm::{Communicator, Pending};
-use crate::host::{concat, cpu_device, reduce, wrap};
-use crate::serial::{OnPanic, Serial};
+use crate::call::{meta, Meta};
+use crate::host::{chunk, concat, cpu_device, host_device, reduce, wrap};
+use crate::host_comm::{HostComm, HostCore};
 use ::mpi::topology::SimpleCommunicator;
 use ::mpi::traits::AsRaw;
 use parking_lot::Mutex;
-use std::fmt;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread;
 use tessera_core::backend::{CpuDevice, CpuStorage, Storage};
 use tessera_core::tensor::{with_elem, DType, Tensor};
-use tessera_core::{Device, Error, Result};
+use tessera_core::{Error, Result};
 use tessera_kernels::cpu::cast;
 
 /// Message tags on a group's communicator: a message's shape, its elements,
@@ -51,14 +49,16 @@ const TAG_ALL_TO_ALL: i32 = 3;
 
 /// One rank's communicator for a group of an MPI job.
 ///
-/// Synchronous calls run on the calling thread; the `*_async` forms run in
-/// order on a background thread (see [`Communicator`]'s ordering rules).
-/// Dropping it waits until its peers have received the messages it sent
-/// (bounded by the world's timeout), then frees the MPI communicator;
-/// dropped while its thread panics, it aborts the job.
-pub struct MpiComm {
-    serial: Serial<Core>,
-}
+/// Synchronous calls run on the calling thread, asynchronous ones in order on
+/// a background thread (see [`HostComm`]). Dropping it waits until its peers
+/// have received the messages it sent (bounded by the world's timeout), then
+/// frees the MPI communicator; dropped while its thread panics, it aborts the
+/// job. [`Communicator::abort`](crate::Communicator::abort) aborts the whole
+/// job (`MPI_Abort`) and does not return, and
+/// [`Communicator::failure`](crate::Communicator::failure) is always `None`:
+/// a failure never returns here, it ends the job (see the module's
+/// documentation of failures).
+pub type MpiComm = HostComm<MpiCore>;
 
 /// An MPI communicator handle that may be used from any thread.
 struct Handle(SimpleCommunicator);
@@ -80,7 +80,7 @@ struct Sent {
 }
 
 /// What a communicator's calls run on, shared with its background thread.
-pub(super) struct Core {
+pub struct MpiCore {
     /// Declared first: freed (`MPI_Comm_free`) before `shared`, which may
     /// hold the last reference to the MPI library.
     comm: Handle,
@@ -103,126 +103,8 @@ pub(super) struct Core {
     receiving: Vec<Mutex<()>>,
 }
 
-impl MpiComm {
-    pub(super) fn new(shared: Arc<Shared>, comm: SimpleCommunicator, ranks: Vec<usize>, name: Arc<str>, reduction: Reduction, verify: bool) -> Self {
-        let me = ranks.iter().position(|&r| r == shared.rank).expect("the caller checked membership");
-        let rank = shared.rank;
-        let receiving = ranks.iter().map(|_| Mutex::new(())).collect();
-        let core = Core { comm: Handle(comm), shared, ranks, me, name, reduction, verify, step: AtomicU64::new(0), sent: Mutex::default(), receiving };
-        let on_panic: OnPanic<Core> = Arc::new(|_, msg| abort_job(&format!("its communication thread panicked: {msg}")));
-        MpiComm { serial: Serial::new(core, rank, on_panic) }
-    }
-
-    /// This rank's index in the world (its group rank is [`Communicator::rank`]).
-    pub fn world_rank(&self) -> usize {
-        self.serial.core().shared.rank
-    }
-
-    /// The world ranks of the group's members, in group-rank order.
-    pub fn group_ranks(&self) -> &[usize] {
-        &self.serial.core().ranks
-    }
-}
-
-impl fmt::Debug for MpiComm {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MpiComm").field("world_rank", &self.world_rank()).field("group", &self.serial.core().name).finish()
-    }
-}
-
-impl Drop for MpiComm {
-    fn drop(&mut self) {
-        if thread::panicking() {
-            abort_job("its thread panicked while holding a communicator (that panic's message is the root cause)");
-        }
-        self.serial.shut_down();
-        let core = self.serial.core();
-        let mut sent = core.sent.lock();
-        let _w = core.watch("send (waiting for the peer to receive it)");
-        for s in sent.iter_mut() {
-            wire::wait_all(&mut s.requests);
-        }
-        sent.clear();
-    }
-}
-
-impl Communicator for MpiComm {
-    fn rank(&self) -> usize {
-        self.serial.core().me
-    }
-    fn size(&self) -> usize {
-        self.serial.core().ranks.len()
-    }
-    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
-        let t = t.clone();
-        self.serial.run("all_reduce_sum", move |c| c.all_reduce(&t))
-    }
-    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        let t = t.clone();
-        self.serial.run("all_gather", move |c| c.all_gather(&t, dim))
-    }
-    fn reduce_scatter_sum(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        let t = t.clone();
-        self.serial.run("reduce_scatter_sum", move |c| c.reduce_scatter(&t, dim))
-    }
-    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        let t = t.clone();
-        self.serial.run("broadcast", move |c| c.broadcast(&t, root))
-    }
-    fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        self.serial.run("all_to_all", move |c| c.all_to_all(parts))
-    }
-    fn barrier(&self) -> Result<()> {
-        self.serial.run("barrier", |c| c.barrier())
-    }
-    fn send(&self, t: &Tensor, peer: usize) -> Result<()> {
-        self.serial.core().send(t, peer)
-    }
-    fn recv(&self, peer: usize) -> Result<Tensor> {
-        self.serial.core().recv(peer)
-    }
-    fn all_reduce_sum_async(&self, t: &Tensor) -> Result<Pending> {
-        let t = t.clone();
-        self.serial.submit("all_reduce_sum", move |c| c.all_reduce(&t))
-    }
-    fn all_gather_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
-        let t = t.clone();
-        self.serial.submit("all_gather", move |c| c.all_gather(&t, dim))
-    }
-    fn reduce_scatter_sum_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
-        let t = t.clone();
-        self.serial.submit("reduce_scatter_sum", move |c| c.reduce_scatter(&t, dim))
-    }
-    fn broadcast_async(&self, t: &Tensor, root: usize) -> Result<Pending> {
-        let t = t.clone();
-        self.serial.submit("broadcast", move |c| c.broadcast(&t, root))
-    }
-    fn all_to_all_async(&self, parts: Vec<Tensor>) -> Result<Pending<Vec<Tensor>>> {
-        self.serial.submit("all_to_all", move |c| c.all_to_all(parts))
-    }
-    fn barrier_async(&self) -> Result<Pending<()>> {
-        self.serial.submit("barrier", |c| c.barrier())
-    }
-    /// Aborts the whole job (`MPI_Abort`); does not return. See the
-    /// module's documentation of failures.
-    fn abort(&self, reason: &str) {
-        abort_job(&format!("aborted: {reason}"))
-    }
-    // `failure` keeps its default (none): a failure never returns here, it
-    // ends the job.
-}
-
-/// The element range of part `i` when `len` elements are cut into `n`
-/// near-equal parts (the in-process communicator's chunks).
-fn chunk(len: usize, n: usize, i: usize) -> Range<usize> {
-    i * len / n..(i + 1) * len / n
-}
-
 fn cpu(t: &Tensor) -> Result<&CpuDevice> {
-    match t.device() {
-        Device::Cpu(d) => Ok(d),
-        Device::Cuda(d) => d.unsupported("collectives over MPI (CUDA ranks communicate through NCCL)"),
-    }
+    host_device(t, "collectives over MPI (CUDA ranks communicate through NCCL)")
 }
 
 /// `t`, if it is a host tensor with a shape the call records carry.
@@ -230,10 +112,6 @@ fn host(op: &'static str, t: Tensor) -> Result<Tensor> {
     cpu(&t)?;
     check_dims(op, t.dims())?;
     Ok(t)
-}
-
-fn meta(t: &Tensor) -> Meta {
-    (t.dtype(), t.dims().to_vec())
 }
 
 /// Runs `f` on the storage of the contiguous host tensor `t` and the range
@@ -280,7 +158,13 @@ fn narrow(acc: &[f32], dtype: DType, dims: Vec<usize>, dev: &CpuDevice) -> Tenso
     wrap(storage, dims, dev)
 }
 
-impl Core {
+impl MpiCore {
+    pub(super) fn new(shared: Arc<Shared>, comm: SimpleCommunicator, ranks: Vec<usize>, name: Arc<str>, reduction: Reduction, verify: bool) -> Self {
+        let me = ranks.iter().position(|&r| r == shared.rank).expect("the caller checked membership");
+        let receiving = ranks.iter().map(|_| Mutex::new(())).collect();
+        MpiCore { comm: Handle(comm), shared, ranks, me, name, reduction, verify, step: AtomicU64::new(0), sent: Mutex::default(), receiving }
+    }
+
     fn size(&self) -> usize {
         self.ranks.len()
     }
@@ -349,27 +233,6 @@ impl Core {
         Ok(t)
     }
 
-    fn all_reduce(&self, t: &Tensor) -> Result<Tensor> {
-        const OP: &str = "all_reduce_sum";
-        let call = Call { op: Op::AllReduce, meta: Some(meta(t)) };
-        let t = self.open(call, t.contiguous().and_then(|t| host(OP, t)))?;
-        let dev = cpu(&t)?;
-        let _w = self.watch(OP);
-        match (self.reduction, t.dtype()) {
-            (Reduction::Exact, _) => self.exact_all_reduce(&t, dev),
-            (Reduction::Native, DType::F32) => self.native_all_reduce::<f32>(&t, dev),
-            (Reduction::Native, DType::F64) => self.native_all_reduce::<f64>(&t, dev),
-            (Reduction::Native, DType::I32) => self.native_all_reduce::<i32>(&t, dev),
-            (Reduction::Native, DType::U32) => self.native_all_reduce::<u32>(&t, dev),
-            (Reduction::Native, DType::BF16 | DType::F16) => {
-                let wide = widen(&t, dev);
-                let mut acc = dev.buffer_for_overwrite::<f32>(wide.len());
-                wire::all_reduce_sum(self.raw(), &wide, &mut acc)?;
-                Ok(narrow(&acc, t.dtype(), t.dims().to_vec(), dev))
-            }
-        }
-    }
-
     fn native_all_reduce<T: Summand + Default>(&self, t: &Tensor, dev: &CpuDevice) -> Result<Tensor> {
         let mut out = dev.buffer_for_overwrite::<T>(t.elem_count());
         with_storage(t, |s, r| wire::all_reduce_sum(self.raw(), &s.as_slice::<T>().expect("the tensor's dtype")[r], &mut out))?;
@@ -392,9 +255,72 @@ impl Core {
         Ok(wrap(out, t.shape().clone(), dev))
     }
 
+    fn native_reduce_scatter<T: Summand + Default>(&self, send: &Tensor, seg: usize, out_dims: Vec<usize>, dev: &CpuDevice) -> Result<Tensor> {
+        let mut out = dev.buffer_for_overwrite::<T>(seg);
+        with_storage(send, |s, r| wire::reduce_scatter_sum(self.raw(), self.size(), &s.as_slice::<T>().expect("the tensor's dtype")[r], &mut out))?;
+        Ok(wrap(CpuStorage::from_buffer(out), out_dims, dev))
+    }
+}
+
+impl HostCore for MpiCore {
+    const NAME: &'static str = "MpiComm";
+
+    fn world_rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    fn group_ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    fn group_rank(&self) -> usize {
+        self.me
+    }
+
+    /// Aborts the whole job (`MPI_Abort`); does not return.
+    fn fail(&self, reason: String) {
+        abort_job(&reason)
+    }
+
+    /// None: a failure never returns here, it ends the job.
+    fn failure(&self) -> Option<Error> {
+        None
+    }
+
+    /// Waits until the peers have received the messages this rank sent.
+    fn close(&self) {
+        let mut sent = self.sent.lock();
+        let _w = self.watch("send (waiting for the peer to receive it)");
+        for s in sent.iter_mut() {
+            wire::wait_all(&mut s.requests);
+        }
+        sent.clear();
+    }
+
+    fn all_reduce(&self, t: &Tensor) -> Result<Tensor> {
+        const OP: &str = "all_reduce_sum";
+        let call = Call::on(Op::AllReduce, t);
+        let t = self.open(call, t.contiguous().and_then(|t| host(OP, t)))?;
+        let dev = cpu(&t)?;
+        let _w = self.watch(OP);
+        match (self.reduction, t.dtype()) {
+            (Reduction::Exact, _) => self.exact_all_reduce(&t, dev),
+            (Reduction::Native, DType::F32) => self.native_all_reduce::<f32>(&t, dev),
+            (Reduction::Native, DType::F64) => self.native_all_reduce::<f64>(&t, dev),
+            (Reduction::Native, DType::I32) => self.native_all_reduce::<i32>(&t, dev),
+            (Reduction::Native, DType::U32) => self.native_all_reduce::<u32>(&t, dev),
+            (Reduction::Native, DType::BF16 | DType::F16) => {
+                let wide = widen(&t, dev);
+                let mut acc = dev.buffer_for_overwrite::<f32>(wide.len());
+                wire::all_reduce_sum(self.raw(), &wide, &mut acc)?;
+                Ok(narrow(&acc, t.dtype(), t.dims().to_vec(), dev))
+            }
+        }
+    }
+
     fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
         const OP: &str = "all_gather";
-        let call = Call { op: Op::AllGather { dim }, meta: Some(meta(t)) };
+        let call = Call::on(Op::AllGather { dim }, t);
         let t = self.open(call, t.shape().dim(OP, dim).and_then(|_| t.contiguous()).and_then(|t| host(OP, t)))?;
         let dev = cpu(&t)?;
         let (n, l) = (self.size(), t.elem_count());
@@ -422,7 +348,7 @@ impl Core {
     fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
         const OP: &str = "reduce_scatter_sum";
         let n = self.size();
-        let call = Call { op: Op::ReduceScatter { dim }, meta: Some(meta(t)) };
+        let call = Call::on(Op::ReduceScatter { dim }, t);
         let local = t
             .shape()
             .dim(OP, dim)
@@ -474,16 +400,10 @@ impl Core {
         }
     }
 
-    fn native_reduce_scatter<T: Summand + Default>(&self, send: &Tensor, seg: usize, out_dims: Vec<usize>, dev: &CpuDevice) -> Result<Tensor> {
-        let mut out = dev.buffer_for_overwrite::<T>(seg);
-        with_storage(send, |s, r| wire::reduce_scatter_sum(self.raw(), self.size(), &s.as_slice::<T>().expect("the tensor's dtype")[r], &mut out))?;
-        Ok(wrap(CpuStorage::from_buffer(out), out_dims, dev))
-    }
-
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         const OP: &str = "broadcast";
         let n = self.size();
-        let call = Call { op: Op::Broadcast { root }, meta: Some(meta(t)) };
+        let call = Call::on(Op::Broadcast { root }, t);
         let local = if root >= n {
             Err(Error::no_such_rank(OP, format!("root {root} is not a rank of this group of {n} ranks")))
         } else if root == self.me {
@@ -513,7 +433,7 @@ impl Core {
             parts.iter().map(|p| p.contiguous().and_then(|p| host(OP, p))).collect::<Result<Vec<_>>>()
         };
         // The check looks at the call only: the parts' shapes may differ.
-        let contiguous = self.open(Call { op: Op::AllToAll, meta: None }, local)?;
+        let contiguous = self.open(Call::bare(Op::AllToAll), local)?;
         let dev = cpu_device(parts[self.me].device());
         let _w = self.watch(OP);
         // Every rank learns the shape of what each peer sends it.
@@ -565,23 +485,12 @@ impl Core {
         if self.verify {
             // Every rank's record arrives only once every rank has sent it:
             // the comparison is itself a barrier.
-            return self.open(Call { op: Op::Barrier, meta: None }, Ok(()));
+            return self.open(Call::bare(Op::Barrier), Ok(()));
         }
         self.step.fetch_add(1, Ordering::Relaxed);
         self.progress_sends();
         let _w = self.watch("barrier");
         wire::barrier(self.raw());
-        Ok(())
-    }
-
-    fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
-        let n = self.size();
-        if peer >= n {
-            return Err(Error::no_such_rank(op, format!("peer {peer} is not a rank of this group of {n} ranks")));
-        }
-        if peer == self.me {
-            return Err(Error::no_such_rank(op, format!("peer {peer} is this rank itself; keep the tensor instead of sending it")));
-        }
         Ok(())
     }
 

@@ -20,32 +20,20 @@
 //!   **all-to-all** sends each rank its part.
 
 use super::link::{Links, Message};
-use super::wire::{Call, Channel, Header, Meta, Op};
-use crate::comm::{Communicator, Pending};
-use crate::host::{concat, reduce, wrap};
-use crate::serial::{OnPanic, Serial};
-use std::fmt;
+use super::wire::{Channel, Header};
+use crate::call::{Call, Meta, Op};
+use crate::host::{chunk, concat, host_device, reduce, wrap};
+use crate::host_comm::HostCore;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread;
 use tessera_core::backend::CpuDevice;
 use tessera_core::tensor::Tensor;
-use tessera_core::{Device, Error, Result};
+use tessera_core::{Error, Result};
 
-/// One rank's communicator for a group of ranks that are processes,
-/// connected by TCP.
-///
-/// Synchronous calls run on the calling thread; the `*_async` forms run in
-/// order on a background thread (see [`Communicator`]'s ordering rules).
-/// Dropping it while its thread panics stops the job, so no peer waits for
-/// a rank that is gone.
-pub(super) struct TcpComm {
-    serial: Serial<Core>,
-}
-
-/// What a communicator's calls run on, shared with its background thread.
-pub(super) struct Core {
+/// What a TCP communicator's calls run on, shared with its background
+/// thread.
+pub struct TcpCore {
     links: Arc<Links>,
     /// The group's identity on the wire.
     group: u64,
@@ -57,104 +45,10 @@ pub(super) struct Core {
     step: AtomicU64,
 }
 
-impl TcpComm {
+impl TcpCore {
     pub(super) fn new(links: Arc<Links>, group: u64, ranks: Vec<usize>) -> Self {
         let me = ranks.iter().position(|&r| r == links.me()).expect("the caller checked membership");
-        let rank = links.me();
-        let on_panic: OnPanic<Core> = Arc::new(|core, msg| core.links.fail(core.links.me(), format!("its communication thread panicked: {msg}")));
-        TcpComm { serial: Serial::new(Core { links, group, ranks, me, step: AtomicU64::new(0) }, rank, on_panic) }
-    }
-
-    /// This rank's index in the world (its group rank is [`Communicator::rank`]).
-    pub(super) fn world_rank(&self) -> usize {
-        self.serial.core().links.me()
-    }
-
-    /// The world ranks of the group's members, in group-rank order.
-    pub(super) fn group_ranks(&self) -> &[usize] {
-        &self.serial.core().ranks
-    }
-}
-
-impl fmt::Debug for TcpComm {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TcpComm").field("world_rank", &self.world_rank()).field("group", &self.group_ranks()).finish()
-    }
-}
-
-impl Drop for TcpComm {
-    fn drop(&mut self) {
-        if thread::panicking() {
-            let core = self.serial.core();
-            core.links.fail(core.links.me(), "its thread panicked (that panic's message is the root cause)".into());
-        }
-        self.serial.shut_down();
-    }
-}
-
-impl Communicator for TcpComm {
-    fn rank(&self) -> usize {
-        self.serial.core().me
-    }
-    fn size(&self) -> usize {
-        self.serial.core().ranks.len()
-    }
-    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
-        let t = t.clone();
-        self.serial.run("all_reduce_sum", move |c| c.all_reduce(&t))
-    }
-    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        let t = t.clone();
-        self.serial.run("all_gather", move |c| c.all_gather(&t, dim))
-    }
-    fn reduce_scatter_sum(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        let t = t.clone();
-        self.serial.run("reduce_scatter_sum", move |c| c.reduce_scatter(&t, dim))
-    }
-    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        let t = t.clone();
-        self.serial.run("broadcast", move |c| c.broadcast(&t, root))
-    }
-    fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        self.serial.run("all_to_all", move |c| c.all_to_all(parts))
-    }
-    fn barrier(&self) -> Result<()> {
-        self.serial.run("barrier", |c| c.barrier())
-    }
-    fn send(&self, t: &Tensor, peer: usize) -> Result<()> {
-        self.serial.core().send(t, peer)
-    }
-    fn recv(&self, peer: usize) -> Result<Tensor> {
-        self.serial.core().recv(peer)
-    }
-    fn all_reduce_sum_async(&self, t: &Tensor) -> Result<Pending> {
-        let t = t.clone();
-        self.serial.submit("all_reduce_sum", move |c| c.all_reduce(&t))
-    }
-    fn all_gather_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
-        let t = t.clone();
-        self.serial.submit("all_gather", move |c| c.all_gather(&t, dim))
-    }
-    fn reduce_scatter_sum_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
-        let t = t.clone();
-        self.serial.submit("reduce_scatter_sum", move |c| c.reduce_scatter(&t, dim))
-    }
-    fn broadcast_async(&self, t: &Tensor, root: usize) -> Result<Pending> {
-        let t = t.clone();
-        self.serial.submit("broadcast", move |c| c.broadcast(&t, root))
-    }
-    fn all_to_all_async(&self, parts: Vec<Tensor>) -> Result<Pending<Vec<Tensor>>> {
-        self.serial.submit("all_to_all", move |c| c.all_to_all(parts))
-    }
-    fn barrier_async(&self) -> Result<Pending<()>> {
-        self.serial.submit("barrier", |c| c.barrier())
-    }
-    fn abort(&self, reason: &str) {
-        let links = &self.serial.core().links;
-        links.fail(links.me(), format!("aborted: {reason}"));
-    }
-    fn failure(&self) -> Option<Error> {
-        self.serial.core().links.failure()
+        TcpCore { links, group, ranks, me, step: AtomicU64::new(0) }
     }
 }
 
@@ -182,17 +76,8 @@ impl<'a> Outgoing<'a> {
     }
 }
 
-/// The element range of part `i` when `len` elements are cut into `n`
-/// near-equal parts.
-fn chunk(len: usize, n: usize, i: usize) -> Range<usize> {
-    i * len / n..(i + 1) * len / n
-}
-
 fn cpu(t: &Tensor) -> Result<&CpuDevice> {
-    match t.device() {
-        Device::Cpu(d) => Ok(d),
-        Device::Cuda(d) => d.unsupported("collectives between processes over TCP (CUDA ranks communicate through NCCL)"),
-    }
+    host_device(t, "collectives between processes over TCP (CUDA ranks communicate through NCCL)")
 }
 
 /// `t`, if it is a host tensor.
@@ -201,19 +86,20 @@ fn host(t: Tensor) -> Result<Tensor> {
     Ok(t)
 }
 
-impl Core {
+impl TcpCore {
     fn size(&self) -> usize {
         self.ranks.len()
     }
 
-    /// One exchange: sends `outgoing(j)` to every peer `j` under `call`,
-    /// then receives every peer's message, and checks that all made the same
-    /// call with valid arguments. `local` is this rank's own verdict on its
-    /// arguments. Returns the messages by group rank (`None` for this rank).
-    fn exchange<'a>(&self, call: Call, local: Result<()>, outgoing: impl Fn(usize) -> Outgoing<'a>) -> Result<Vec<Option<Message>>> {
+    /// One exchange (number `phase` of the collective): sends `outgoing(j)`
+    /// to every peer `j` under `call`, then receives every peer's message,
+    /// and checks that all made the same call with valid arguments. `local`
+    /// is this rank's own verdict on its arguments. Returns the messages by
+    /// group rank (`None` for this rank).
+    fn exchange<'a>(&self, call: &Call, phase: u8, local: Result<()>, outgoing: impl Fn(usize) -> Outgoing<'a>) -> Result<Vec<Option<Message>>> {
         let op = call.op.name();
-        let step = if call.phase == 0 { self.step.fetch_add(1, Ordering::Relaxed) } else { self.step.load(Ordering::Relaxed) - 1 };
-        let mut header = Header::message(self.group, Channel::Collective, call.clone(), step);
+        let step = if phase == 0 { self.step.fetch_add(1, Ordering::Relaxed) } else { self.step.load(Ordering::Relaxed) - 1 };
+        let mut header = Header::message(self.group, Channel::Collective, call.clone(), phase, step);
         if let Err(e) = &local {
             header.text = e.to_string();
         }
@@ -231,7 +117,7 @@ impl Core {
             let Some(m) = m else { continue };
             let theirs = &m.header;
             let them = self.ranks[j];
-            if theirs.call.op != call.op || theirs.call.phase != call.phase {
+            if theirs.call.op != call.op || theirs.phase != phase {
                 return Err(Error::CollectiveMismatch { op, detail: format!("rank {me} called {call} while rank {them} called {}", theirs.call) });
             }
             if theirs.step != step {
@@ -253,14 +139,40 @@ impl Core {
         }
         Ok(got)
     }
+}
+
+impl HostCore for TcpCore {
+    const NAME: &'static str = "TcpComm";
+
+    fn world_rank(&self) -> usize {
+        self.links.me()
+    }
+
+    fn group_ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    fn group_rank(&self) -> usize {
+        self.me
+    }
+
+    fn fail(&self, reason: String) {
+        self.links.fail(self.links.me(), reason);
+    }
+
+    fn failure(&self) -> Option<Error> {
+        self.links.failure()
+    }
+
+    fn close(&self) {}
 
     fn all_reduce(&self, t: &Tensor) -> Result<Tensor> {
         let n = self.size();
-        let call = Call { op: Op::AllReduce, phase: 0, meta: Some((t.dtype(), t.dims().to_vec())) };
+        let call = Call::on(Op::AllReduce, t);
         let local = t.contiguous().and_then(host);
         let tc = local.as_ref().ok().cloned();
         let len = t.elem_count();
-        let got = self.exchange(call.clone(), local.map(drop), |j| Outgoing::elements(tc.as_ref().expect("valid"), chunk(len, n, j)))?;
+        let got = self.exchange(&call, 0, local.map(drop), |j| Outgoing::elements(tc.as_ref().expect("valid"), chunk(len, n, j)))?;
         let t = tc.expect("the exchange checked it");
         let dev = cpu(&t)?;
         let mine = chunk(len, n, self.me);
@@ -268,7 +180,7 @@ impl Core {
         let summed = wrap(reduce(dev, t.dtype(), &sources, std::slice::from_ref(&(0..mine.len()))), [mine.len()], dev);
         drop(sources);
         drop(got);
-        let got = self.exchange(Call { phase: 1, ..call }, Ok(()), |_| Outgoing::whole(&summed))?;
+        let got = self.exchange(&call, 1, Ok(()), |_| Outgoing::whole(&summed))?;
         let pieces: Vec<(&Tensor, Range<usize>)> = got
             .iter()
             .map(|m| {
@@ -280,10 +192,10 @@ impl Core {
     }
 
     fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        let call = Call { op: Op::AllGather { dim }, phase: 0, meta: Some((t.dtype(), t.dims().to_vec())) };
+        let call = Call::on(Op::AllGather { dim }, t);
         let local = t.shape().dim("all_gather", dim).and_then(|_| t.contiguous()).and_then(host);
         let tc = local.as_ref().ok().cloned();
-        let got = self.exchange(call, local.map(drop), |_| Outgoing::whole(tc.as_ref().expect("valid")))?;
+        let got = self.exchange(&call, 0, local.map(drop), |_| Outgoing::whole(tc.as_ref().expect("valid")))?;
         let t = tc.expect("the exchange checked it");
         let dev = cpu(&t)?;
         let dims = t.dims();
@@ -299,7 +211,7 @@ impl Core {
     fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
         const OP: &str = "reduce_scatter_sum";
         let n = self.size();
-        let call = Call { op: Op::ReduceScatter { dim }, phase: 0, meta: Some((t.dtype(), t.dims().to_vec())) };
+        let call = Call::on(Op::ReduceScatter { dim }, t);
         let local = t
             .shape()
             .dim(OP, dim)
@@ -319,7 +231,7 @@ impl Core {
         let part = block / n;
         // Part `j` of every outer block, in order: what rank `j` sums.
         let segments = |j: usize| -> Vec<Range<usize>> { (0..outer).map(|o| o * block + j * part..o * block + (j + 1) * part).collect() };
-        let got = self.exchange(call, local.map(drop), |j| {
+        let got = self.exchange(&call, 0, local.map(drop), |j| {
             let t = tc.as_ref().expect("valid");
             Outgoing { pieces: segments(j).into_iter().map(|r| (t, r)).collect(), payload: Some((t.dtype(), vec![outer * part])) }
         })?;
@@ -335,7 +247,7 @@ impl Core {
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         let n = self.size();
-        let call = Call { op: Op::Broadcast { root }, phase: 0, meta: Some((t.dtype(), t.dims().to_vec())) };
+        let call = Call::on(Op::Broadcast { root }, t);
         let local = if root >= n {
             Err(Error::no_such_rank("broadcast", format!("root {root} is not a rank of this group of {n} ranks")))
         } else {
@@ -343,7 +255,8 @@ impl Core {
         };
         let tc = local.as_ref().ok().cloned();
         let me = self.me;
-        let mut got = self.exchange(call, local.map(drop), |_| if me == root { Outgoing::whole(tc.as_ref().expect("valid")) } else { Outgoing::nothing() })?;
+        let mut got =
+            self.exchange(&call, 0, local.map(drop), |_| if me == root { Outgoing::whole(tc.as_ref().expect("valid")) } else { Outgoing::nothing() })?;
         if me == root {
             return Ok(t.clone());
         }
@@ -355,38 +268,27 @@ impl Core {
 
     fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
         let n = self.size();
-        let call = Call { op: Op::AllToAll, phase: 0, meta: None };
+        let call = Call::bare(Op::AllToAll);
         let local = if parts.len() != n {
             Err(Error::invalid("all_to_all", format!("{} parts given; pass exactly one per rank of the group ({n})", parts.len())))
         } else {
             parts.iter().map(|p| p.contiguous().and_then(host)).collect::<Result<Vec<_>>>()
         };
         let contiguous = local.as_ref().ok().cloned();
-        let got = self.exchange(call, local.map(drop), |j| Outgoing::whole(&contiguous.as_ref().expect("valid")[j]))?;
+        let got = self.exchange(&call, 0, local.map(drop), |j| Outgoing::whole(&contiguous.as_ref().expect("valid")[j]))?;
         let mine = &parts[self.me];
         Ok(got.into_iter().map(|m| m.map_or_else(|| mine.clone(), |m| m.tensor.expect("every part is sent"))).collect())
     }
 
     fn barrier(&self) -> Result<()> {
-        self.exchange(Call { op: Op::Barrier, phase: 0, meta: None }, Ok(()), |_| Outgoing::nothing()).map(drop)
-    }
-
-    fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
-        let n = self.size();
-        if peer >= n {
-            return Err(Error::no_such_rank(op, format!("peer {peer} is not a rank of this group of {n} ranks")));
-        }
-        if peer == self.me {
-            return Err(Error::no_such_rank(op, format!("peer {peer} is this rank itself; keep the tensor instead of sending it")));
-        }
-        Ok(())
+        self.exchange(&Call::bare(Op::Barrier), 0, Ok(()), |_| Outgoing::nothing()).map(drop)
     }
 
     fn send(&self, t: &Tensor, peer: usize) -> Result<()> {
         self.check_peer("send", peer)?;
         let t = t.contiguous()?;
         cpu(&t)?;
-        let mut header = Header::message(self.group, Channel::PointToPoint, Call { op: Op::Send, phase: 0, meta: None }, 0);
+        let mut header = Header::message(self.group, Channel::PointToPoint, Call::bare(Op::Send), 0, 0);
         let out = Outgoing::whole(&t);
         header.payload = out.payload;
         self.links.send(self.ranks[peer], &header, &out.pieces)

@@ -1,9 +1,9 @@
 //! Which transport a group of processes uses, and the communicator that is
 //! either.
 
-use super::comm::TcpComm;
-use crate::comm::{Communicator, Pending};
-use crate::shm::ShmComm;
+use super::comm::TcpCore;
+use crate::host_comm::{HostComm, HostCore};
+use crate::shm::ShmCore;
 use std::fmt;
 use tessera_core::tensor::Tensor;
 use tessera_core::{Error, Result};
@@ -68,122 +68,82 @@ impl fmt::Display for Transport {
 /// transport allows it), over TCP otherwise. Both run the in-process
 /// algorithms' arithmetic, so which one a group gets never changes its bits.
 ///
-/// Synchronous calls run on the calling thread; the `*_async` forms run in
-/// order on a background thread (see [`Communicator`]'s ordering rules).
-/// Dropping it while its thread panics stops the job, so no peer waits for
-/// a rank that is gone.
-pub struct ProcessComm {
-    inner: Inner,
-}
+/// Synchronous calls run on the calling thread, asynchronous ones in order on
+/// a background thread (see [`HostComm`]). Dropping it while its thread
+/// panics stops the job, so no peer waits for a rank that is gone.
+pub type ProcessComm = HostComm<ProcessCore>;
 
-enum Inner {
-    Tcp(TcpComm),
-    Shm(ShmComm),
-}
-
-impl ProcessComm {
-    pub(super) fn tcp(c: TcpComm) -> Self {
-        ProcessComm { inner: Inner::Tcp(c) }
-    }
-
-    pub(super) fn shm(c: ShmComm) -> Self {
-        ProcessComm { inner: Inner::Shm(c) }
-    }
-
-    fn comm(&self) -> &dyn Communicator {
-        match &self.inner {
-            Inner::Tcp(c) => c,
-            Inner::Shm(c) => c,
-        }
-    }
-
-    /// This rank's index in the world (its group rank is [`Communicator::rank`]).
-    pub fn world_rank(&self) -> usize {
-        match &self.inner {
-            Inner::Tcp(c) => c.world_rank(),
-            Inner::Shm(c) => c.world_rank(),
-        }
-    }
-
-    /// The world ranks of the group's members, in group-rank order.
-    pub fn group_ranks(&self) -> &[usize] {
-        match &self.inner {
-            Inner::Tcp(c) => c.group_ranks(),
-            Inner::Shm(c) => c.group_ranks(),
-        }
-    }
-
+impl HostComm<ProcessCore> {
     /// The transport this group uses: [`Transport::Shm`] or [`Transport::Tcp`].
     pub fn transport(&self) -> Transport {
-        match &self.inner {
-            Inner::Tcp(_) => Transport::Tcp,
-            Inner::Shm(_) => Transport::Shm,
+        match self.core() {
+            ProcessCore::Tcp(_) => Transport::Tcp,
+            ProcessCore::Shm(_) => Transport::Shm,
         }
     }
 }
 
-impl fmt::Debug for ProcessComm {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.inner {
-            Inner::Tcp(c) => c.fmt(f),
-            Inner::Shm(c) => c.fmt(f),
-        }
-    }
+/// What a [`ProcessComm`]'s calls run on: the group's transport.
+pub enum ProcessCore {
+    /// TCP connections to the group's other ranks.
+    Tcp(TcpCore),
+    /// The node's shared memory.
+    Shm(ShmCore),
 }
 
-impl Communicator for ProcessComm {
-    fn rank(&self) -> usize {
-        self.comm().rank()
+/// Runs `$call` on whichever transport `$core` holds.
+macro_rules! on_transport {
+    ($core:expr, $c:ident => $call:expr) => {
+        match $core {
+            ProcessCore::Tcp($c) => $call,
+            ProcessCore::Shm($c) => $call,
+        }
+    };
+}
+
+impl HostCore for ProcessCore {
+    const NAME: &'static str = "ProcessComm";
+
+    fn world_rank(&self) -> usize {
+        on_transport!(self, c => c.world_rank())
     }
-    fn size(&self) -> usize {
-        self.comm().size()
+    fn group_ranks(&self) -> &[usize] {
+        on_transport!(self, c => c.group_ranks())
     }
-    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
-        self.comm().all_reduce_sum(t)
+    fn group_rank(&self) -> usize {
+        on_transport!(self, c => c.group_rank())
+    }
+    fn all_reduce(&self, t: &Tensor) -> Result<Tensor> {
+        on_transport!(self, c => c.all_reduce(t))
     }
     fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        self.comm().all_gather(t, dim)
+        on_transport!(self, c => c.all_gather(t, dim))
     }
-    fn reduce_scatter_sum(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        self.comm().reduce_scatter_sum(t, dim)
+    fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        on_transport!(self, c => c.reduce_scatter(t, dim))
     }
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        self.comm().broadcast(t, root)
+        on_transport!(self, c => c.broadcast(t, root))
     }
     fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        self.comm().all_to_all(parts)
+        on_transport!(self, c => c.all_to_all(parts))
     }
     fn barrier(&self) -> Result<()> {
-        self.comm().barrier()
+        on_transport!(self, c => c.barrier())
     }
     fn send(&self, t: &Tensor, peer: usize) -> Result<()> {
-        self.comm().send(t, peer)
+        on_transport!(self, c => c.send(t, peer))
     }
     fn recv(&self, peer: usize) -> Result<Tensor> {
-        self.comm().recv(peer)
+        on_transport!(self, c => c.recv(peer))
     }
-    fn all_reduce_sum_async(&self, t: &Tensor) -> Result<Pending> {
-        self.comm().all_reduce_sum_async(t)
-    }
-    fn all_gather_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
-        self.comm().all_gather_async(t, dim)
-    }
-    fn reduce_scatter_sum_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
-        self.comm().reduce_scatter_sum_async(t, dim)
-    }
-    fn broadcast_async(&self, t: &Tensor, root: usize) -> Result<Pending> {
-        self.comm().broadcast_async(t, root)
-    }
-    fn all_to_all_async(&self, parts: Vec<Tensor>) -> Result<Pending<Vec<Tensor>>> {
-        self.comm().all_to_all_async(parts)
-    }
-    fn barrier_async(&self) -> Result<Pending<()>> {
-        self.comm().barrier_async()
-    }
-    fn abort(&self, reason: &str) {
-        self.comm().abort(reason)
+    fn fail(&self, reason: String) {
+        on_transport!(self, c => c.fail(reason))
     }
     fn failure(&self) -> Option<Error> {
-        self.comm().failure()
+        on_transport!(self, c => c.failure())
+    }
+    fn close(&self) {
+        on_transport!(self, c => c.close())
     }
 }

@@ -12,9 +12,8 @@
 //! ends must be little-endian (every platform Tessera builds for is); the
 //! handshake's magic number catches a peer that is not.
 
-use std::fmt;
+use crate::call::{dtype_code, dtype_of_code, Call, Meta, Op, MAX_DIMS};
 use std::io::{self, Read, Write};
-use tessera_core::tensor::DType;
 
 /// Marks the start of every header; a stream that does not start with it is
 /// not a Tessera peer.
@@ -25,9 +24,6 @@ const MAX_HEADER: usize = 1 << 16;
 
 /// The largest payload accepted in one frame: larger is a corrupt stream.
 pub(super) const MAX_PAYLOAD: u64 = 1 << 40;
-
-/// Dimensions of a shape, at most.
-const MAX_DIMS: usize = 16;
 
 /// What a frame is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,94 +46,6 @@ pub(super) enum Channel {
     PointToPoint = 1,
 }
 
-/// The collective a rank called, with the arguments every rank must agree on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Op {
-    AllReduce,
-    AllGather {
-        dim: usize,
-    },
-    ReduceScatter {
-        dim: usize,
-    },
-    Broadcast {
-        root: usize,
-    },
-    AllToAll,
-    Barrier,
-    /// A point-to-point message.
-    Send,
-}
-
-impl Op {
-    fn code(self) -> (u8, u64) {
-        match self {
-            Op::AllReduce => (1, 0),
-            Op::AllGather { dim } => (2, dim as u64),
-            Op::ReduceScatter { dim } => (3, dim as u64),
-            Op::Broadcast { root } => (4, root as u64),
-            Op::AllToAll => (5, 0),
-            Op::Barrier => (6, 0),
-            Op::Send => (7, 0),
-        }
-    }
-
-    fn from_code(code: u8, arg: u64) -> io::Result<Op> {
-        let arg = usize::try_from(arg).map_err(|_| bad("argument out of range"))?;
-        Ok(match code {
-            1 => Op::AllReduce,
-            2 => Op::AllGather { dim: arg },
-            3 => Op::ReduceScatter { dim: arg },
-            4 => Op::Broadcast { root: arg },
-            5 => Op::AllToAll,
-            6 => Op::Barrier,
-            7 => Op::Send,
-            _ => return Err(bad("unknown operation")),
-        })
-    }
-
-    /// The method's name, as errors name it.
-    pub(super) fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce => "all_reduce_sum",
-            Op::AllGather { .. } => "all_gather",
-            Op::ReduceScatter { .. } => "reduce_scatter_sum",
-            Op::Broadcast { .. } => "broadcast",
-            Op::AllToAll => "all_to_all",
-            Op::Barrier => "barrier",
-            Op::Send => "send",
-        }
-    }
-}
-
-/// A dtype and dimensions.
-pub(super) type Meta = (DType, Vec<usize>);
-
-/// A call as the ranks compare it: the collective, which of its phases, the
-/// caller's tensor (dtype and shape) where it must agree.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) struct Call {
-    pub op: Op,
-    /// 0 for the first exchange of a collective, 1 for the second.
-    pub phase: u8,
-    pub meta: Option<Meta>,
-}
-
-impl fmt::Display for Call {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.op.name())?;
-        match self.op {
-            Op::AllGather { dim } | Op::ReduceScatter { dim } => write!(f, "(dim {dim})")?,
-            Op::Broadcast { root } => write!(f, "(root {root})")?,
-            _ => {}
-        }
-        if let Some((dtype, dims)) = &self.meta {
-            write!(f, " of {dtype:?}{dims:?}")?;
-        }
-        Ok(())
-    }
-}
-
 /// Everything of a frame but its payload's elements.
 #[derive(Clone, Debug, PartialEq)]
 pub(super) struct Header {
@@ -146,6 +54,8 @@ pub(super) struct Header {
     pub group: u64,
     pub channel: Channel,
     pub call: Call,
+    /// Which exchange of the collective: 0 for the first, 1 for the second.
+    pub phase: u8,
     /// The sender's collective number in the group: the receiver checks
     /// that both are at the same one.
     pub step: u64,
@@ -158,9 +68,9 @@ pub(super) struct Header {
 }
 
 impl Header {
-    /// A message header of `call` on `group`'s `channel`.
-    pub(super) fn message(group: u64, channel: Channel, call: Call, step: u64) -> Header {
-        Header { kind: FrameKind::Message, group, channel, call, step, payload: None, text: String::new(), failed: 0 }
+    /// A message header of exchange `phase` of `call` on `group`'s `channel`.
+    pub(super) fn message(group: u64, channel: Channel, call: Call, phase: u8, step: u64) -> Header {
+        Header { kind: FrameKind::Message, group, channel, call, phase, step, payload: None, text: String::new(), failed: 0 }
     }
 
     /// A frame that declares world rank `failed` failed for `reason`.
@@ -174,7 +84,7 @@ impl Header {
     }
 
     fn control() -> Header {
-        Header::message(0, Channel::Collective, Call { op: Op::Barrier, phase: 0, meta: None }, 0)
+        Header::message(0, Channel::Collective, Call::bare(Op::Barrier), 0, 0)
     }
 
     /// Bytes of payload that follow the header.
@@ -196,7 +106,7 @@ impl Header {
         let (code, arg) = self.call.op.code();
         b.push(code);
         put_u64(&mut b, arg);
-        b.push(self.call.phase);
+        b.push(self.phase);
         put_meta(&mut b, self.call.meta.as_ref());
         put_u64(&mut b, self.step);
         put_meta(&mut b, self.payload.as_ref());
@@ -251,7 +161,7 @@ impl Header {
             _ => return Err(bad("unknown channel")),
         };
         let (code, arg) = (c.u8()?, c.u64()?);
-        let op = Op::from_code(code, arg)?;
+        let op = Op::from_code(code, arg).ok_or_else(|| bad("unknown operation"))?;
         let phase = c.u8()?;
         let meta = c.meta()?;
         let step = c.u64()?;
@@ -262,7 +172,7 @@ impl Header {
         if c.at != b.len() {
             return Err(bad("trailing bytes after the header"));
         }
-        let h = Header { kind, group, channel, call: Call { op, phase, meta }, step, payload, text, failed };
+        let h = Header { kind, group, channel, call: Call { op, meta }, phase, step, payload, text, failed };
         h.payload_bytes()?;
         Ok(h)
     }
@@ -278,17 +188,6 @@ fn put_u32(b: &mut Vec<u8>, v: u32) {
 
 fn put_u64(b: &mut Vec<u8>, v: u64) {
     b.extend_from_slice(&v.to_le_bytes());
-}
-
-fn dtype_code(d: DType) -> u8 {
-    match d {
-        DType::F32 => 1,
-        DType::F64 => 2,
-        DType::BF16 => 3,
-        DType::F16 => 4,
-        DType::I32 => 5,
-        DType::U32 => 6,
-    }
 }
 
 fn put_meta(b: &mut Vec<u8>, meta: Option<&Meta>) {
@@ -328,13 +227,7 @@ impl<'a> Cursor<'a> {
     fn meta(&mut self) -> io::Result<Option<Meta>> {
         let dtype = match self.u8()? {
             0 => return Ok(None),
-            1 => DType::F32,
-            2 => DType::F64,
-            3 => DType::BF16,
-            4 => DType::F16,
-            5 => DType::I32,
-            6 => DType::U32,
-            _ => return Err(bad("unknown dtype")),
+            code => dtype_of_code(code).ok_or_else(|| bad("unknown dtype"))?,
         };
         let n = self.u8()? as usize;
         if n > MAX_DIMS {
@@ -348,12 +241,13 @@ impl<'a> Cursor<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tessera_core::tensor::DType;
 
     fn sample(i: u64) -> Header {
         let ops = [Op::AllReduce, Op::AllGather { dim: 2 }, Op::ReduceScatter { dim: 1 }, Op::Broadcast { root: 3 }, Op::AllToAll, Op::Barrier, Op::Send];
         let op = ops[i as usize % ops.len()];
         let meta = (!i.is_multiple_of(3)).then(|| (DType::BF16, vec![i as usize, 3, 7]));
-        let mut h = Header::message(i.wrapping_mul(0x9E37_79B9_7F4A_7C15), Channel::Collective, Call { op, phase: (i % 2) as u8, meta: meta.clone() }, i);
+        let mut h = Header::message(i.wrapping_mul(0x9E37_79B9_7F4A_7C15), Channel::Collective, Call { op, meta: meta.clone() }, (i % 2) as u8, i);
         h.payload = meta;
         h.text = "x".repeat(i as usize % 5);
         h

@@ -1,111 +1,18 @@
 //! The record of a collective call a member writes for its peers at the
-//! first step: which collective, its arguments, the caller's tensor, and
-//! whether the caller found its own arguments invalid.
+//! first step: the call (which collective, its arguments, the caller's
+//! tensor), and whether the caller found its own arguments invalid.
 
-use super::group::{CALL_FIXED, CALL_PART, CALL_TEXT, MAX_DIMS};
-use std::fmt;
-use tessera_core::tensor::DType;
+use super::group::{CALL_FIXED, CALL_PART, CALL_TEXT};
+use crate::call::{dtype_code, dtype_of_code, Call, Meta, Op, MAX_DIMS};
 
-/// The collective a rank called, with the arguments every rank must agree on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Op {
-    AllReduce,
-    AllGather { dim: usize },
-    ReduceScatter { dim: usize },
-    Broadcast { root: usize },
-    AllToAll,
-    Barrier,
-}
-
-impl Op {
-    /// The method's name, as errors name it.
-    pub(super) fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce => "all_reduce_sum",
-            Op::AllGather { .. } => "all_gather",
-            Op::ReduceScatter { .. } => "reduce_scatter_sum",
-            Op::Broadcast { .. } => "broadcast",
-            Op::AllToAll => "all_to_all",
-            Op::Barrier => "barrier",
-        }
-    }
-
-    fn code(self) -> (u8, u64) {
-        match self {
-            Op::AllReduce => (1, 0),
-            Op::AllGather { dim } => (2, dim as u64),
-            Op::ReduceScatter { dim } => (3, dim as u64),
-            Op::Broadcast { root } => (4, root as u64),
-            Op::AllToAll => (5, 0),
-            Op::Barrier => (6, 0),
-        }
-    }
-
-    fn from_code(code: u8, arg: u64) -> Option<Op> {
-        let arg = usize::try_from(arg).ok()?;
-        Some(match code {
-            1 => Op::AllReduce,
-            2 => Op::AllGather { dim: arg },
-            3 => Op::ReduceScatter { dim: arg },
-            4 => Op::Broadcast { root: arg },
-            5 => Op::AllToAll,
-            6 => Op::Barrier,
-            _ => return None,
-        })
-    }
-}
-
-/// A dtype and dimensions.
-pub(super) type Meta = (DType, Vec<usize>);
-
-/// A call as the members compare it.
+/// A member's call as its peers read it: the call, why the caller found
+/// its own arguments invalid (if it did), and an all-to-all's parts by
+/// destination.
 #[derive(Clone, Debug, PartialEq)]
-pub(super) struct Call {
-    pub op: Op,
-    /// The caller's tensor, where every rank's must agree.
-    pub meta: Option<Meta>,
-    /// Why the caller's own arguments are invalid, if they are.
+pub(super) struct Record {
+    pub call: Call,
     pub invalid: Option<String>,
-    /// An all-to-all's parts, by destination.
     pub parts: Vec<Meta>,
-}
-
-impl fmt::Display for Call {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.op.name())?;
-        match self.op {
-            Op::AllGather { dim } | Op::ReduceScatter { dim } => write!(f, "(dim {dim})")?,
-            Op::Broadcast { root } => write!(f, "(root {root})")?,
-            _ => {}
-        }
-        if let Some((dtype, dims)) = &self.meta {
-            write!(f, " of {dtype:?}{dims:?}")?;
-        }
-        Ok(())
-    }
-}
-
-fn dtype_code(d: DType) -> u8 {
-    match d {
-        DType::F32 => 1,
-        DType::F64 => 2,
-        DType::BF16 => 3,
-        DType::F16 => 4,
-        DType::I32 => 5,
-        DType::U32 => 6,
-    }
-}
-
-fn dtype_of(code: u8) -> Option<DType> {
-    Some(match code {
-        1 => DType::F32,
-        2 => DType::F64,
-        3 => DType::BF16,
-        4 => DType::F16,
-        5 => DType::I32,
-        6 => DType::U32,
-        _ => return None,
-    })
 }
 
 /// Why a shape cannot be described in a call record, if it cannot.
@@ -132,7 +39,7 @@ fn get_meta(b: &[u8]) -> Option<Option<Meta>> {
     if b[0] == 0 {
         return Some(None);
     }
-    let dtype = dtype_of(b[1])?;
+    let dtype = dtype_of_code(b[1])?;
     let rank = b[2] as usize;
     if rank > MAX_DIMS {
         return None;
@@ -141,13 +48,13 @@ fn get_meta(b: &[u8]) -> Option<Option<Meta>> {
     Some(Some((dtype, dims)))
 }
 
-impl Call {
+impl Record {
     /// Writes the record into `b` (a call area of a group of `n` members).
     pub(super) fn write(&self, b: &mut [u8]) {
-        let (code, arg) = self.op.code();
+        let (code, arg) = self.call.op.code();
         b[0] = code;
         b[8..16].copy_from_slice(&arg.to_le_bytes());
-        put_meta(&mut b[64..CALL_FIXED], self.meta.as_ref());
+        put_meta(&mut b[64..CALL_FIXED], self.call.meta.as_ref());
         let text = self.invalid.as_deref().map_or(&[][..], |t| &t.as_bytes()[..t.len().min(CALL_TEXT - 8)]);
         let at = CALL_FIXED;
         b[at..at + 8].copy_from_slice(&(if self.invalid.is_some() { text.len() as u64 + 1 } else { 0 }).to_le_bytes());
@@ -161,7 +68,7 @@ impl Call {
 
     /// Reads a record a peer wrote; `None` if it does not parse (the peer is
     /// not a rank of this job's version).
-    pub(super) fn read(b: &[u8], n: usize) -> Option<Call> {
+    pub(super) fn read(b: &[u8], n: usize) -> Option<Record> {
         let op = Op::from_code(b[0], u64::from_le_bytes(b[8..16].try_into().ok()?))?;
         let meta = get_meta(&b[64..CALL_FIXED])?;
         let at = CALL_FIXED;
@@ -181,6 +88,6 @@ impl Call {
                 get_meta(&b[at..at + CALL_PART]).flatten()
             })
             .collect::<Option<Vec<_>>>()?;
-        Some(Call { op, meta, invalid, parts })
+        Some(Record { call: Call { op, meta }, invalid, parts })
     }
 }

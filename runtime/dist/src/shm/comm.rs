@@ -26,33 +26,30 @@
 //!
 //! [`host::Summand`]: crate::host
 
-use super::call::{describable, Call, Op};
+use super::call::{describable, Record};
 use super::group::Group;
-use crate::comm::{Communicator, Pending};
-use crate::host::{elements, store, streams, sum_blocks, sum_into, wrap, Summand};
-use crate::serial::{OnPanic, Serial};
-use std::fmt;
+use crate::call::{meta, Call, Meta, Op};
+use crate::host::{chunk, elements, host_device, store, streams, sum_blocks, sum_into, wrap, Summand};
+use crate::host_comm::{HostComm, HostCore};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread;
 use tessera_core::backend::{CpuDevice, CpuStorage};
 use tessera_core::tensor::{with_elem, Element, Tensor};
-use tessera_core::{Device, Error, Result};
+use tessera_core::{Error, Result};
 
 /// One rank's communicator for a group of ranks that are processes of this
 /// node, through shared memory.
 ///
-/// Synchronous calls run on the calling thread; the `*_async` forms run in
-/// order on a background thread (see [`Communicator`]'s ordering rules).
-/// Dropping it leaves the group (the peers' calls that still need this
-/// rank fail); dropping it while its thread panics stops the job.
-pub struct ShmComm {
-    serial: Serial<Core>,
-}
+/// Synchronous calls run on the calling thread, asynchronous ones in order on
+/// a background thread (see [`HostComm`]). Dropping it leaves the group (the
+/// peers' calls that still need this rank fail); dropping it while its
+/// thread panics stops the job.
+pub type ShmComm = HostComm<ShmCore>;
 
-/// What a communicator's calls run on, shared with its background thread.
-pub(super) struct Core {
+/// What a shared-memory communicator's calls run on, shared with its
+/// background thread.
+pub struct ShmCore {
     group: Arc<Group>,
     device: CpuDevice,
     /// The number of this member's next step (collectives run one at a
@@ -64,121 +61,8 @@ pub(super) struct Core {
     files: AtomicU64,
 }
 
-impl ShmComm {
-    pub(super) fn new(group: Arc<Group>, device: CpuDevice) -> ShmComm {
-        let rank = group.ranks[group.me];
-        let on_panic: OnPanic<Core> = Arc::new(|core, msg| core.group.node.fail(core.world_rank(), format!("its communication thread panicked: {msg}")));
-        let core = Core { group, device, steps: AtomicU64::new(0), colls: AtomicU64::new(0), files: AtomicU64::new(0) };
-        ShmComm { serial: Serial::new(core, rank, on_panic) }
-    }
-
-    /// This rank's index in the world (its group rank is [`Communicator::rank`]).
-    pub fn world_rank(&self) -> usize {
-        self.serial.core().world_rank()
-    }
-
-    /// The world ranks of the group's members, in group-rank order.
-    pub fn group_ranks(&self) -> &[usize] {
-        &self.serial.core().group.ranks
-    }
-}
-
-impl fmt::Debug for ShmComm {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ShmComm").field("world_rank", &self.world_rank()).field("group", &self.group_ranks()).finish()
-    }
-}
-
-impl Drop for ShmComm {
-    fn drop(&mut self) {
-        let core = self.serial.core();
-        if thread::panicking() {
-            core.group.node.fail(core.world_rank(), "its thread panicked (that panic's message is the root cause)".into());
-        }
-        self.serial.shut_down();
-        let group = &self.serial.core().group;
-        group.drain();
-        group.leave();
-    }
-}
-
-impl Communicator for ShmComm {
-    fn rank(&self) -> usize {
-        self.serial.core().group.me
-    }
-    fn size(&self) -> usize {
-        self.serial.core().group.n()
-    }
-    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
-        let t = t.clone();
-        self.serial.run("all_reduce_sum", move |c| c.all_reduce(&t))
-    }
-    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        let t = t.clone();
-        self.serial.run("all_gather", move |c| c.all_gather(&t, dim))
-    }
-    fn reduce_scatter_sum(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        let t = t.clone();
-        self.serial.run("reduce_scatter_sum", move |c| c.reduce_scatter(&t, dim))
-    }
-    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        let t = t.clone();
-        self.serial.run("broadcast", move |c| c.broadcast(&t, root))
-    }
-    fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        self.serial.run("all_to_all", move |c| c.all_to_all(parts))
-    }
-    fn barrier(&self) -> Result<()> {
-        self.serial.run("barrier", |c| c.barrier())
-    }
-    fn send(&self, t: &Tensor, peer: usize) -> Result<()> {
-        self.serial.core().send(t, peer)
-    }
-    fn recv(&self, peer: usize) -> Result<Tensor> {
-        self.serial.core().recv(peer)
-    }
-    fn all_reduce_sum_async(&self, t: &Tensor) -> Result<Pending> {
-        let t = t.clone();
-        self.serial.submit("all_reduce_sum", move |c| c.all_reduce(&t))
-    }
-    fn all_gather_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
-        let t = t.clone();
-        self.serial.submit("all_gather", move |c| c.all_gather(&t, dim))
-    }
-    fn reduce_scatter_sum_async(&self, t: &Tensor, dim: usize) -> Result<Pending> {
-        let t = t.clone();
-        self.serial.submit("reduce_scatter_sum", move |c| c.reduce_scatter(&t, dim))
-    }
-    fn broadcast_async(&self, t: &Tensor, root: usize) -> Result<Pending> {
-        let t = t.clone();
-        self.serial.submit("broadcast", move |c| c.broadcast(&t, root))
-    }
-    fn all_to_all_async(&self, parts: Vec<Tensor>) -> Result<Pending<Vec<Tensor>>> {
-        self.serial.submit("all_to_all", move |c| c.all_to_all(parts))
-    }
-    fn barrier_async(&self) -> Result<Pending<()>> {
-        self.serial.submit("barrier", |c| c.barrier())
-    }
-    fn abort(&self, reason: &str) {
-        let core = self.serial.core();
-        core.group.node.fail(core.world_rank(), format!("aborted: {reason}"));
-    }
-    fn failure(&self) -> Option<Error> {
-        self.serial.core().group.node.failure()
-    }
-}
-
-/// The element range of part `i` when `len` elements are cut into `n`
-/// near-equal parts.
-fn chunk(len: usize, n: usize, i: usize) -> Range<usize> {
-    i * len / n..(i + 1) * len / n
-}
-
 fn cpu(t: &Tensor) -> Result<&CpuDevice> {
-    match t.device() {
-        Device::Cpu(d) => Ok(d),
-        Device::Cuda(d) => d.unsupported("collectives through shared memory (CUDA ranks communicate through NCCL)"),
-    }
+    host_device(t, "collectives through shared memory (CUDA ranks communicate through NCCL)")
 }
 
 /// `t` contiguous, if it is a host tensor whose shape a call record can
@@ -203,9 +87,9 @@ fn tag(coll: u64, k: usize) -> u64 {
     (coll << 32) | (k as u64 & 0xffff_ffff)
 }
 
-impl Core {
-    fn world_rank(&self) -> usize {
-        self.group.ranks[self.group.me]
+impl ShmCore {
+    pub(super) fn new(group: Arc<Group>, device: CpuDevice) -> ShmCore {
+        ShmCore { group, device, steps: AtomicU64::new(0), colls: AtomicU64::new(0), files: AtomicU64::new(0) }
     }
 
     fn n(&self) -> usize {
@@ -234,7 +118,7 @@ impl Core {
     /// posts, and checks that every member made the same call with valid
     /// arguments; every member reaches the same verdict. Returns the step,
     /// the collective's number and every member's call.
-    fn open(&self, op: &'static str, call: Call, own: Result<()>, stage: impl FnOnce(u64)) -> Result<(u64, u64, Vec<Call>)> {
+    fn open(&self, op: &'static str, record: Record, own: Result<()>, stage: impl FnOnce(u64)) -> Result<(u64, u64, Vec<Record>)> {
         if let Some(e) = self.group.node.failure() {
             return Err(e);
         }
@@ -242,53 +126,48 @@ impl Core {
         let s = self.next();
         // SAFETY: before posting step `s`, after every peer posted `s - 1`
         // (this member's previous step returned only once they had).
-        call.write(unsafe { self.group.call_mut(s) });
+        record.write(unsafe { self.group.call_mut(s) });
         if own.is_ok() {
             stage(s);
         }
         self.step(op, s, coll, 0)?;
         let (n, me) = (self.n(), self.me());
         let ranks = &self.group.ranks;
-        let calls = ranks
+        let records = ranks
             .iter()
             .enumerate()
             .map(|(m, rank)| match m == me {
-                true => Ok(call.clone()),
+                true => Ok(record.clone()),
                 // SAFETY: `m` posted step `s`; this member posts `s + 1`
                 // only after reading.
-                false => Call::read(unsafe { self.group.call(m, s) }, n)
+                false => Record::read(unsafe { self.group.call(m, s) }, n)
                     .ok_or_else(|| Error::CollectiveMismatch { op, detail: format!("rank {rank}'s call record does not parse (a rank of another version?)") }),
             })
             .collect::<Result<Vec<_>>>()?;
-        let world = ranks[me];
-        if let Some((m, c)) = calls.iter().enumerate().find(|(_, c)| c.op != call.op) {
-            return Err(Error::CollectiveMismatch { op, detail: format!("rank {world} called {call} while rank {} called {c}", ranks[m]) });
+        let (world, call) = (ranks[me], &record.call);
+        if let Some((m, r)) = records.iter().enumerate().find(|(_, r)| r.call.op != call.op) {
+            return Err(Error::CollectiveMismatch { op, detail: format!("rank {world} called {call} while rank {} called {}", ranks[m], r.call) });
         }
         own?;
-        if let Some((m, c)) = calls.iter().enumerate().find(|(_, c)| c.invalid.is_some()) {
+        if let Some((m, r)) = records.iter().enumerate().find(|(_, r)| r.invalid.is_some()) {
             return Err(Error::CollectiveMismatch {
                 op,
-                detail: format!("rank {} passed invalid arguments ({})", ranks[m], c.invalid.as_deref().unwrap_or_default()),
+                detail: format!("rank {} passed invalid arguments ({})", ranks[m], r.invalid.as_deref().unwrap_or_default()),
             });
         }
-        if let Some((m, c)) = calls.iter().enumerate().find(|(_, c)| c.meta != call.meta) {
-            return Err(Error::CollectiveMismatch { op, detail: format!("rank {world} called {call} but rank {} called {c}", ranks[m]) });
+        if let Some((m, r)) = records.iter().enumerate().find(|(_, r)| r.call.meta != call.meta) {
+            return Err(Error::CollectiveMismatch { op, detail: format!("rank {world} called {call} but rank {} called {}", ranks[m], r.call) });
         }
-        Ok((s, coll, calls))
+        Ok((s, coll, records))
     }
 
-    fn call(op: Op, t: Option<&Tensor>, local: &Result<impl Sized>) -> Call {
-        Call { op, meta: t.map(|t| (t.dtype(), t.dims().to_vec())), invalid: local.as_ref().err().map(|e| e.to_string()), parts: Vec::new() }
+    /// This member's record of `op` on `t`, given its verdict on its own
+    /// arguments.
+    fn record(op: Op, t: Option<&Tensor>, local: &Result<impl Sized>) -> Record {
+        Record { call: Call { op, meta: t.map(meta) }, invalid: local.as_ref().err().map(|e| e.to_string()), parts: Vec::new() }
     }
 
-    fn all_reduce(&self, t: &Tensor) -> Result<Tensor> {
-        const OP: &str = "all_reduce_sum";
-        let local = host(OP, t);
-        let call = Self::call(Op::AllReduce, Some(t), &local);
-        with_elem!(t.dtype(), T => self.all_reduce_typed::<T>(t, local, call))
-    }
-
-    fn all_reduce_typed<T: Summand>(&self, t: &Tensor, local: Result<Tensor>, call: Call) -> Result<Tensor> {
+    fn all_reduce_typed<T: Summand>(&self, t: &Tensor, local: Result<Tensor>, record: Record) -> Result<Tensor> {
         const OP: &str = "all_reduce_sum";
         let (n, me) = (self.n(), self.me());
         let e = std::mem::size_of::<T>();
@@ -316,7 +195,7 @@ impl Core {
             dst[..mine.start].copy_from_slice(&x[r.start..r.start + mine.start]);
             dst[mine.end..].copy_from_slice(&x[r.start + mine.end..r.end]);
         };
-        let (mut s, coll, _) = self.open(OP, call, local.map(drop), |s| {
+        let (mut s, coll, _) = self.open(OP, record, local.map(drop), |s| {
             if rounds > 0 {
                 stage(s, 0)
             }
@@ -371,14 +250,7 @@ impl Core {
         Ok(wrap(CpuStorage::from_buffer(out), t.shape().clone(), dev))
     }
 
-    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        const OP: &str = "all_gather";
-        let local = t.shape().dim(OP, dim).and_then(|_| host(OP, t));
-        let call = Self::call(Op::AllGather { dim }, Some(t), &local);
-        with_elem!(t.dtype(), T => self.all_gather_typed::<T>(t, dim, local, call))
-    }
-
-    fn all_gather_typed<T: Element + Default>(&self, t: &Tensor, dim: usize, local: Result<Tensor>, call: Call) -> Result<Tensor> {
+    fn all_gather_typed<T: Element + Default>(&self, t: &Tensor, dim: usize, local: Result<Tensor>, record: Record) -> Result<Tensor> {
         const OP: &str = "all_gather";
         let (n, me) = (self.n(), self.me());
         let e = std::mem::size_of::<T>();
@@ -399,7 +271,7 @@ impl Core {
                 typed_mut::<T>(unsafe { self.group.stage(s, 0, r.len() * e) }).copy_from_slice(&x[r]);
             }
         };
-        let (mut s, coll, _) = self.open(OP, call, local.map(drop), |s| {
+        let (mut s, coll, _) = self.open(OP, record, local.map(drop), |s| {
             if rounds > 0 {
                 stage(s, 0)
             }
@@ -441,21 +313,7 @@ impl Core {
         Ok(wrap(CpuStorage::from_buffer(out), out_dims, dev))
     }
 
-    fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        const OP: &str = "reduce_scatter_sum";
-        let n = self.n();
-        let local = t.shape().dim(OP, dim).and_then(|d| match d % n {
-            0 => host(OP, t),
-            _ => Err(Error::shape(
-                OP,
-                format!("dimension {dim} of shape {} has size {d}, which does not split into {n} equal parts; pad it to a multiple of {n}", t.shape()),
-            )),
-        });
-        let call = Self::call(Op::ReduceScatter { dim }, Some(t), &local);
-        with_elem!(t.dtype(), T => self.reduce_scatter_typed::<T>(t, dim, local, call))
-    }
-
-    fn reduce_scatter_typed<T: Summand>(&self, t: &Tensor, dim: usize, local: Result<Tensor>, call: Call) -> Result<Tensor> {
+    fn reduce_scatter_typed<T: Summand>(&self, t: &Tensor, dim: usize, local: Result<Tensor>, record: Record) -> Result<Tensor> {
         const OP: &str = "reduce_scatter_sum";
         let (n, me) = (self.n(), self.me());
         let e = std::mem::size_of::<T>();
@@ -497,7 +355,7 @@ impl Core {
                 runs(j, r.clone(), &mut |g, src| dst[g - r.start..g - r.start + src.len()].copy_from_slice(&x[src]));
             }
         };
-        let (mut s, coll, _) = self.open(OP, call, local.map(drop), |s| {
+        let (mut s, coll, _) = self.open(OP, record, local.map(drop), |s| {
             if rounds > 0 {
                 stage(s, 0)
             }
@@ -535,18 +393,7 @@ impl Core {
         Ok(wrap(CpuStorage::from_buffer(out), out_dims, dev))
     }
 
-    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        const OP: &str = "broadcast";
-        let n = self.n();
-        let local = match root < n {
-            true => host(OP, t),
-            false => Err(Error::no_such_rank(OP, format!("root {root} is not a rank of this group of {n} ranks"))),
-        };
-        let call = Self::call(Op::Broadcast { root }, Some(t), &local);
-        with_elem!(t.dtype(), T => self.broadcast_typed::<T>(t, root, local, call))
-    }
-
-    fn broadcast_typed<T: Element + Default>(&self, t: &Tensor, root: usize, local: Result<Tensor>, call: Call) -> Result<Tensor> {
+    fn broadcast_typed<T: Element + Default>(&self, t: &Tensor, root: usize, local: Result<Tensor>, record: Record) -> Result<Tensor> {
         const OP: &str = "broadcast";
         let me = self.me();
         let e = std::mem::size_of::<T>();
@@ -567,7 +414,7 @@ impl Core {
                 typed_mut::<T>(unsafe { self.group.stage(s, 0, r.len() * e) }).copy_from_slice(&x[r]);
             }
         };
-        let (mut s, coll, _) = self.open(OP, call, local.map(drop), |s| {
+        let (mut s, coll, _) = self.open(OP, record, local.map(drop), |s| {
             if rounds > 0 {
                 stage(s, 0)
             }
@@ -595,6 +442,74 @@ impl Core {
             None => t.clone(),
         })
     }
+}
+
+impl HostCore for ShmCore {
+    const NAME: &'static str = "ShmComm";
+
+    fn world_rank(&self) -> usize {
+        self.group.ranks[self.group.me]
+    }
+
+    fn group_ranks(&self) -> &[usize] {
+        &self.group.ranks
+    }
+
+    fn group_rank(&self) -> usize {
+        self.group.me
+    }
+
+    fn fail(&self, reason: String) {
+        self.group.node.fail(self.world_rank(), reason);
+    }
+
+    fn failure(&self) -> Option<Error> {
+        self.group.node.failure()
+    }
+
+    fn close(&self) {
+        self.group.drain();
+        self.group.leave();
+    }
+
+    fn all_reduce(&self, t: &Tensor) -> Result<Tensor> {
+        const OP: &str = "all_reduce_sum";
+        let local = host(OP, t);
+        let record = Self::record(Op::AllReduce, Some(t), &local);
+        with_elem!(t.dtype(), T => self.all_reduce_typed::<T>(t, local, record))
+    }
+
+    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        const OP: &str = "all_gather";
+        let local = t.shape().dim(OP, dim).and_then(|_| host(OP, t));
+        let record = Self::record(Op::AllGather { dim }, Some(t), &local);
+        with_elem!(t.dtype(), T => self.all_gather_typed::<T>(t, dim, local, record))
+    }
+
+    fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        const OP: &str = "reduce_scatter_sum";
+        let n = self.n();
+        let local = t.shape().dim(OP, dim).and_then(|d| match d % n {
+            0 => host(OP, t),
+            _ => Err(Error::shape(
+                OP,
+                format!("dimension {dim} of shape {} has size {d}, which does not split into {n} equal parts; pad it to a multiple of {n}", t.shape()),
+            )),
+        });
+        let record = Self::record(Op::ReduceScatter { dim }, Some(t), &local);
+        with_elem!(t.dtype(), T => self.reduce_scatter_typed::<T>(t, dim, local, record))
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        const OP: &str = "broadcast";
+        let n = self.n();
+        let local = match root < n {
+            true => host(OP, t),
+            false => Err(Error::no_such_rank(OP, format!("root {root} is not a rank of this group of {n} ranks"))),
+        };
+        let record = Self::record(Op::Broadcast { root }, Some(t), &local);
+        with_elem!(t.dtype(), T => self.broadcast_typed::<T>(t, root, local, record))
+    }
 
     fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
         const OP: &str = "all_to_all";
@@ -603,10 +518,10 @@ impl Core {
             true => parts.iter().map(|p| host(OP, p)).collect::<Result<Vec<_>>>(),
             false => Err(Error::invalid(OP, format!("{} parts given; pass exactly one per rank of the group ({n})", parts.len()))),
         };
-        let mut call = Self::call(Op::AllToAll, None, &local);
+        let mut record = Self::record(Op::AllToAll, None, &local);
         let (ps, own) = match local {
             Ok(ps) => {
-                call.parts = ps.iter().map(|p| (p.dtype(), p.dims().to_vec())).collect();
+                record.parts = ps.iter().map(meta).collect();
                 (ps, Ok(()))
             }
             Err(e) => (Vec::new(), Err(e)),
@@ -624,13 +539,13 @@ impl Core {
                 unsafe { self.group.stage(s, j * area, r.len()) }.copy_from_slice(&src[r]);
             }
         };
-        let (mut s, coll, calls) = self.open(OP, call, own, |s| stage(s, 0))?;
-        let size = |m: &(tessera_core::tensor::DType, Vec<usize>)| m.1.iter().product::<usize>() * m.0.size_in_bytes();
+        let (mut s, coll, records) = self.open(OP, record, own, |s| stage(s, 0))?;
+        let size = |m: &Meta| m.1.iter().product::<usize>() * m.0.size_in_bytes();
         let rounds =
-            (0..n).flat_map(|i| calls[i].parts.iter().enumerate().filter(move |(j, _)| *j != i).map(|(_, p)| size(p).div_ceil(area))).max().unwrap_or(0);
+            (0..n).flat_map(|i| records[i].parts.iter().enumerate().filter(move |(j, _)| *j != i).map(|(_, p)| size(p).div_ceil(area))).max().unwrap_or(0);
         let mut received: Vec<Option<CpuStorage>> = (0..n)
             .map(|i| {
-                let (dtype, dims) = &calls[i].parts[me];
+                let (dtype, dims) = &records[i].parts[me];
                 (i != me).then(|| with_elem!(*dtype, T => CpuStorage::from_buffer(self.device.buffer_for_overwrite::<T>(dims.iter().product()))))
             })
             .collect();
@@ -655,26 +570,15 @@ impl Core {
             .into_iter()
             .enumerate()
             .map(|(i, got)| match got {
-                Some(st) => Tensor::from_cpu(st, calls[i].parts[me].1.clone(), &self.device),
+                Some(st) => Tensor::from_cpu(st, records[i].parts[me].1.clone(), &self.device),
                 None => parts[me].clone(),
             })
             .collect())
     }
 
     fn barrier(&self) -> Result<()> {
-        let call = Call { op: Op::Barrier, meta: None, invalid: None, parts: Vec::new() };
-        self.open("barrier", call, Ok(()), |_| {}).map(drop)
-    }
-
-    fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
-        let n = self.n();
-        if peer >= n {
-            return Err(Error::no_such_rank(op, format!("peer {peer} is not a rank of this group of {n} ranks")));
-        }
-        if peer == self.me() {
-            return Err(Error::no_such_rank(op, format!("peer {peer} is this rank itself; keep the tensor instead of sending it")));
-        }
-        Ok(())
+        let record = Record { call: Call::bare(Op::Barrier), invalid: None, parts: Vec::new() };
+        self.open("barrier", record, Ok(()), |_| {}).map(drop)
     }
 
     fn send(&self, t: &Tensor, peer: usize) -> Result<()> {

@@ -35,6 +35,7 @@
 use super::node::{shm_error, Bell, Node};
 use super::segment::{align_up, Segment};
 use super::sys;
+use crate::call::MAX_DIMS;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -77,8 +78,6 @@ pub(super) const RING_BELL: usize = 128;
 pub(super) const RING_WAITERS: usize = 132;
 pub(super) const RING_CONTROL: usize = 256;
 
-/// The largest number of dimensions a call describes.
-pub(super) const MAX_DIMS: usize = 16;
 /// Bytes of a call's fixed part: codes and the caller's tensor.
 pub(super) const CALL_FIXED: usize = 64 + 8 + 8 * MAX_DIMS;
 /// Bytes of the reason a call is invalid, at most.
