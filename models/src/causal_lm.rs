@@ -6,7 +6,8 @@ use tessera::nn::{Embedding, Linear, RmsNorm, Stack};
 use tessera::prelude::*;
 
 /// A block of a decoder's residual stream: `Replicated → Replicated`, with
-/// an attention core that selective recompute can drop.
+/// an attention core that selective recompute can drop. What [`CausalLm`]
+/// and GPT-2's [`Gpt2Lm`](crate::gpt2::Gpt2Lm) stack.
 pub trait DecoderBlock: Module<In = Replicated, Out = Replicated> + SelectiveRecomputable {}
 impl<B: Module<In = Replicated, Out = Replicated> + SelectiveRecomputable> DecoderBlock for B {}
 

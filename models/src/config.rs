@@ -118,6 +118,17 @@ pub(crate) fn positive_real(field: &str, value: f64) -> Result<()> {
     Ok(())
 }
 
+/// Checks the experts of a mixture: `experts` per block
+/// (`num_local_experts`), of which each token is routed to `top_k`
+/// (`num_experts_per_tok`).
+pub(crate) fn check_experts(experts: usize, top_k: usize) -> Result<()> {
+    positive("num_local_experts", experts)?;
+    if !(1..=experts).contains(&top_k) {
+        return Err(Error::config("num_experts_per_tok", format!("{top_k} experts per token from {experts} experts; choose 1 to num_local_experts")));
+    }
+    Ok(())
+}
+
 /// Implements serde's traits for a config through its `from_json` and
 /// `to_json`, so every deserialisation reads nulls as absent, fills the
 /// dependent defaults, validates and reports bad fields by name.

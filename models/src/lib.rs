@@ -1,7 +1,9 @@
 //! Reference models written with Tessera's model DSL, with Hugging Face
 //! checkpoint import and export.
 //!
-//! * [`gpt2`]: GPT-2 ([`Gpt2`](gpt2::Gpt2), [`Gpt2Config`](gpt2::Gpt2Config)).
+//! * [`gpt2`]: GPT-2 ([`Gpt2`](gpt2::Gpt2), [`Gpt2Config`](gpt2::Gpt2Config)),
+//!   and GPT-2 with a mixture of experts in every block ([`MoeGpt2`](gpt2::MoeGpt2)):
+//!   one generic definition, [`Gpt2Lm`](gpt2::Gpt2Lm), over their blocks.
 //! * [`llama`]: Llama ([`Llama`](llama::Llama), [`LlamaConfig`](llama::LlamaConfig)):
 //!   RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
 //! * [`mixtral`]: Mixtral ([`Mixtral`](mixtral::Mixtral), [`MixtralConfig`](mixtral::MixtralConfig)):

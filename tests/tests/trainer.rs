@@ -10,7 +10,7 @@ use tessera::ckpt::serde_json;
 use tessera::module::Cx;
 use tessera::observe::{read_metrics, Event};
 use tessera::prelude::*;
-use tessera::train::{Batches, ModelFacts, Trainer};
+use tessera::train::{Batches, ModelFacts, RunSummary, TrainConfig, Trainer};
 use tessera::Error;
 
 #[test]
@@ -238,6 +238,36 @@ fn bf16_training_keeps_f32_masters_and_learns() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// The MoE model of the expert-parallel tests (two layers of four experts),
+/// holding the experts of expert-parallel rank `e` of `ep`.
+fn moe(e: usize, ep: usize) -> tessera::Result<MoeGpt> {
+    MoeGpt::new(VOCAB, 16, 2, 2, 4, e, ep)
+}
+
+/// Trains [`moe`] as `cfg` says on the counting task (as [`train`] does the GPT).
+fn train_moe(cfg: TrainConfig) -> RunSummary {
+    let micro_batch = cfg.batch.micro_batch;
+    let trainer = Trainer::new(
+        cfg,
+        ModelFacts { vocab: VOCAB, flops_per_token: 1e5 },
+        |_cx: &Cx, e, ep| moe(e, ep),
+        move |replica| Ok(Box::new(Counting { replica, micro_batch, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>),
+    )
+    .unwrap();
+    trainer.run().unwrap()
+}
+
+/// The `(step, loss)` of every step and the gradient norms of an MoE run
+/// configured by `text` and `overrides`, in a scratch directory `name`
+/// removed afterwards.
+fn moe_losses_and_norms(name: &str, text: &str, overrides: &[&str]) -> (Vec<(u64, f64)>, Vec<f64>) {
+    let out = scratch(name);
+    let summary = train_moe(config(&out, text, overrides));
+    let norms: Vec<f64> = read_metrics(out.join("metrics.jsonl")).unwrap().iter().map(|m| m.grad_norm.unwrap()).collect();
+    let _ = std::fs::remove_dir_all(&out);
+    (summary.losses, norms)
+}
+
 /// Expert parallelism in the trainer: the experts of each MoE layer dealt
 /// over the ep ranks, tokens dispatched by all-to-all, the experts'
 /// gradients summed over the data-parallel group and every other over all
@@ -251,7 +281,6 @@ fn bf16_training_keeps_f32_masters_and_learns() {
 fn expert_parallel_training_matches_one_rank() {
     let run = |name: &str, mesh: [usize; 4]| {
         let [dp, ep, tp, zero] = mesh;
-        let out = scratch(name);
         let sets = [
             format!("mesh.dp={dp}"),
             format!("mesh.ep={ep}"),
@@ -264,19 +293,7 @@ fn expert_parallel_training_matches_one_rank() {
         // Clipping bites (the norms are about 1.25): a norm that differed
         // between the expert-parallel ranks would scale their shared
         // parameters differently.
-        let cfg = config(&out, "[batch]\ngrad_accum = 1\n[optim]\nclip = 0.5\n", &overrides);
-        let micro_batch = cfg.batch.micro_batch;
-        let trainer = Trainer::new(
-            cfg,
-            ModelFacts { vocab: VOCAB, flops_per_token: 1e5 },
-            |_cx: &Cx, e, ep| MoeGpt::new(VOCAB, 16, 2, 2, 4, e, ep),
-            move |replica| Ok(Box::new(Counting { replica, micro_batch, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>),
-        )
-        .unwrap();
-        let summary = trainer.run().unwrap();
-        let norms: Vec<f64> = read_metrics(out.join("metrics.jsonl")).unwrap().iter().map(|m| m.grad_norm.unwrap()).collect();
-        let _ = std::fs::remove_dir_all(&out);
-        (summary.losses, norms)
+        moe_losses_and_norms(name, "[batch]\ngrad_accum = 1\n[optim]\nclip = 0.5\n", &overrides)
     };
     let (one, one_norms) = run("moe-ep1", [1, 1, 1, 0]);
     assert_eq!(one.len(), 3);
@@ -296,25 +313,11 @@ fn expert_parallel_training_matches_one_rank() {
 /// bites, takes the steps one rank takes (losses and gradient norms).
 #[test]
 fn every_technique_in_one_run_trains_like_one_rank() {
-    let run = |name: &str, text: &str, micro_batch: usize| {
-        let out = scratch(name);
-        let cfg = config(&out, text, &["run.steps=3"]);
-        let trainer = Trainer::new(
-            cfg,
-            ModelFacts { vocab: VOCAB, flops_per_token: 1e5 },
-            |_cx: &Cx, e, ep| MoeGpt::new(VOCAB, 16, 2, 2, 4, e, ep),
-            move |replica| Ok(Box::new(Counting { replica, micro_batch, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>),
-        )
-        .unwrap();
-        let summary = trainer.run().unwrap();
-        let norms: Vec<f64> = read_metrics(out.join("metrics.jsonl")).unwrap().iter().map(|m| m.grad_norm.unwrap()).collect();
-        let _ = std::fs::remove_dir_all(&out);
-        (summary.losses, norms)
-    };
+    let run = |name: &str, text: &str| moe_losses_and_norms(name, text, &["run.steps=3"]);
     let common = "[optim]\nclip = 0.5\n[batch]\ngrad_accum = 2\n";
-    let (one, one_norms) = run("all-one", &format!("{common}micro_batch = 4\n"), 4);
+    let (one, one_norms) = run("all-one", &format!("{common}micro_batch = 4\n"));
     let everything = format!("{common}micro_batch = 1\n[mesh]\ndp = 2\nep = 2\ntp = 2\nsp = true\npp = 2\n[zero]\nstage = 3\n[recompute]\nmode = \"full\"\n");
-    let (all, all_norms) = run("all-techniques", &everything, 1);
+    let (all, all_norms) = run("all-techniques", &everything);
     assert!(one_norms.iter().all(|&n| n > 0.5), "clipping must bite: {one_norms:?}");
     assert_eq!(all.len(), one.len());
     for (((step, a), (_, b)), (na, nb)) in one.iter().zip(&all).zip(one_norms.iter().zip(&all_norms)) {
@@ -333,19 +336,11 @@ fn expert_parallel_zero_training_resumes_bit_for_bit() {
         let mut overrides =
             vec!["run.steps=6".to_string(), "mesh.dp=2".into(), "mesh.ep=2".into(), format!("zero.stage={stage}"), "batch.micro_batch=1".into()];
         overrides.extend(stop.map(|s| format!("run.stop_after={s}")));
-        let cfg = config(out, "[batch]\ngrad_accum = 1\n", &overrides.iter().map(String::as_str).collect::<Vec<_>>());
-        let trainer = Trainer::new(
-            cfg,
-            ModelFacts { vocab: VOCAB, flops_per_token: 1e5 },
-            |_cx: &Cx, e, ep| MoeGpt::new(VOCAB, 16, 2, 2, 4, e, ep),
-            |replica| Ok(Box::new(Counting { replica, micro_batch: 1, drawn: 0, poisoned: 0..0 }) as Box<dyn Batches>),
-        )
-        .unwrap();
-        trainer.run().unwrap()
+        train_moe(config(out, "[batch]\ngrad_accum = 1\n", &overrides.iter().map(String::as_str).collect::<Vec<_>>()))
     };
-    let params = |summary: &tessera::train::RunSummary| {
+    let params = |summary: &RunSummary| {
         let cx = Cx::new(Device::cpu());
-        let model = tessera::module::build(MoeGpt::new(VOCAB, 16, 2, 2, 4, 0, 1).unwrap(), &cx).unwrap();
+        let model = tessera::module::build(moe(0, 1).unwrap(), &cx).unwrap();
         tessera::ckpt::Checkpointer::new(summary.checkpoint.parent().unwrap(), 10).unwrap().load(&summary.checkpoint, &model, None, &cx).unwrap();
         tessera::module::distinct_params(&model)
             .unwrap()

@@ -57,10 +57,14 @@ impl HfModel for Gpt2 {
         HfParam::one(format!("transformer.{name}"), conversion)
     }
 
-    /// Older checkpoints carry each block's causal mask (`attn.bias`,
-    /// `attn.masked_bias`); a tied checkpoint may carry the head's copy of
-    /// the embedding.
     fn skips(&self, config: &Gpt2Config, tensor: &str) -> bool {
-        tensor.ends_with(".attn.bias") || tensor.ends_with(".attn.masked_bias") || (config.tie_word_embeddings && tensor == "lm_head.weight")
+        skipped(config, tensor)
     }
+}
+
+/// Tensors of a GPT-2 checkpoint that fill no parameter: older checkpoints
+/// carry each block's causal mask (`attn.bias`, `attn.masked_bias`); a tied
+/// checkpoint may carry the head's copy of the embedding.
+pub(super) fn skipped(config: &Gpt2Config, tensor: &str) -> bool {
+    tensor.ends_with(".attn.bias") || tensor.ends_with(".attn.masked_bias") || (config.tie_word_embeddings && tensor == "lm_head.weight")
 }

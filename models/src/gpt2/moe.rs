@@ -9,13 +9,14 @@
 //! and `num_experts_per_tok` to GPT-2's fields. Tessera reads and writes it;
 //! Transformers does not load it.
 
-use super::{Gpt2, Gpt2Attention, Gpt2Config};
+use super::{Gpt2, Gpt2Attention, Gpt2Config, Gpt2Lm};
+use crate::config::check_experts;
 use crate::error::{Error, Result};
-use crate::hf::{HfConfig, HfModel, HfParam};
+use crate::hf::{check_every_expert_held, held_elsewhere, HfConfig, HfModel, HfParam};
 use crate::vocab::padded_vocab;
 use serde_json::Value;
 use tessera::module::Cx;
-use tessera::nn::{CausalAttention, Embedding, LayerNorm, Linear, Moe, PositionEmbedding, Stack};
+use tessera::nn::{LayerNorm, Moe, Stack};
 use tessera::prelude::*;
 
 /// The `model_type` of a [`MoeGpt2Config`]'s `config.json`.
@@ -40,11 +41,11 @@ impl MoeGpt2Block {
     }
 }
 
-/// GPT-2 with a mixture of experts in every block: token ids `[batch, seq]`
-/// to vocabulary-parallel logits, pipeline stages and recompute as in
-/// [`Gpt2`]. Each expert is a SwiGLU MLP of width `n_inner` (4 · `n_embd`
-/// by default); each token goes to `num_experts_per_tok` of
-/// `num_local_experts` experts.
+/// GPT-2 with a mixture of experts in every block: [`Gpt2Lm`] over
+/// [`MoeGpt2Block`]s, token ids `[batch, seq]` to vocabulary-parallel
+/// logits, pipeline stages and recompute as in [`Gpt2`]. Each expert is a
+/// SwiGLU MLP of width `n_inner` (4 · `n_embd` by default); each token goes
+/// to `num_experts_per_tok` of `num_local_experts` experts.
 ///
 /// ```
 /// use tessera::module::{self, Act, Cx, Module};
@@ -59,32 +60,9 @@ impl MoeGpt2Block {
 /// assert_eq!(logits.tensor().dims(), &[1, 4, 64]);
 /// # Ok::<(), tessera_models::Error>(())
 /// ```
-#[derive(Module)]
-pub struct MoeGpt2 {
-    #[stage(first)]
-    #[shard(vocab)]
-    wte: Embedding,
-    #[stage(first)]
-    wpe: PositionEmbedding,
-    #[stage(split)]
-    #[recompute(selective)]
-    h: Stack<MoeGpt2Block>,
-    #[stage(last)]
-    ln_f: LayerNorm,
-    #[stage(last)]
-    #[shard(vocab)]
-    lm_head: Linear,
-}
+pub type MoeGpt2 = Gpt2Lm<MoeGpt2Block>;
 
-#[forward]
-impl MoeGpt2 {
-    fn forward(&self, ids: Act<Replicated>) -> Act<SplitHidden> {
-        let x = self.wpe(all_reduce(self.wte(ids)));
-        self.lm_head(self.ln_f(self.h(x)))
-    }
-}
-
-impl MoeGpt2 {
+impl Gpt2Lm<MoeGpt2Block> {
     /// The model `config` describes (validated first) with every expert on
     /// this rank, not yet materialised.
     pub fn new(config: &MoeGpt2Config) -> Result<MoeGpt2> {
@@ -101,33 +79,12 @@ impl MoeGpt2 {
         let block = |_| -> tessera::Result<MoeGpt2Block> {
             Ok(MoeGpt2Block {
                 ln_1: LayerNorm::new(d, eps, true)?,
-                attn: Gpt2Attention {
-                    c_attn: Linear::new(d, 3 * d, true)?,
-                    core: CausalAttention::new(g.n_head, g.n_head, g.head_dim())?,
-                    c_proj: Linear::new(d, d, true)?,
-                },
+                attn: Gpt2Attention::new(g)?,
                 ln_2: LayerNorm::new(d, eps, true)?,
                 moe: Moe::new(d, g.inner(), config.num_local_experts, config.num_experts_per_tok)?.with_expert_parallel(rank, degree)?,
             })
         };
-        let wte = Embedding::new(g.vocab_size, d)?;
-        let mut lm_head = Linear::new(d, g.vocab_size, false)?;
-        if g.tie_word_embeddings {
-            lm_head.tie_weight(wte.weight())?;
-        }
-        Ok(MoeGpt2 { wte, wpe: PositionEmbedding::new(g.n_positions, d)?, h: Stack::from_fn(g.n_layer, block)?, ln_f: LayerNorm::new(d, eps, true)?, lm_head })
-    }
-
-    /// This model with its vocabulary padded to `padded` ids (see
-    /// [`vocab`](crate::vocab)). Before the model is materialised.
-    pub fn with_vocab_padded_to(mut self, padded: usize) -> Result<MoeGpt2> {
-        (self.wte, self.lm_head) = crate::vocab::padded_vocab_layers(&self.wte, &self.lm_head, padded)?;
-        Ok(self)
-    }
-
-    /// The vocabulary size the model was built with, padding included.
-    pub fn padded_vocab(&self) -> usize {
-        self.lm_head.out_features()
+        Ok(Gpt2Lm::from_parts(g, Stack::from_fn(g.n_layer, block)?)?)
     }
 
     /// The global indices of the experts this rank holds (the same in every layer).
@@ -179,16 +136,7 @@ impl MoeGpt2Config {
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<()> {
         self.gpt2.validate()?;
-        if self.num_local_experts == 0 {
-            return Err(Error::config("num_local_experts", "must be positive, got 0"));
-        }
-        if !(1..=self.num_local_experts).contains(&self.num_experts_per_tok) {
-            return Err(Error::config(
-                "num_experts_per_tok",
-                format!("{} experts per token from {} experts; choose 1 to num_local_experts", self.num_experts_per_tok, self.num_local_experts),
-            ));
-        }
-        Ok(())
+        check_experts(self.num_local_experts, self.num_experts_per_tok)
     }
 
     /// Reads a config from its JSON object (GPT-2's fields, the experts'
@@ -274,24 +222,10 @@ impl HfModel for MoeGpt2 {
 
     /// GPT-2's skipped tensors, and the experts other expert-parallel ranks hold.
     fn skips(&self, config: &MoeGpt2Config, tensor: &str) -> bool {
-        let gpt2_skips =
-            tensor.ends_with(".attn.bias") || tensor.ends_with(".attn.masked_bias") || (config.gpt2.tie_word_embeddings && tensor == "lm_head.weight");
-        gpt2_skips || expert_of(tensor).is_some_and(|e| !self.local_experts().contains(&e))
+        super::hf::skipped(&config.gpt2, tensor) || held_elsewhere(tensor, ".moe.experts.", self.local_experts())
     }
 
     fn check_exportable(&self) -> Result<()> {
-        let (rank, degree) = self.expert_parallel();
-        if degree > 1 {
-            return Err(Error::Export(format!(
-                "this rank holds only the experts of expert-parallel rank {rank} of {degree}; export from a model holding every expert (expert-parallel degree 1)"
-            )));
-        }
-        Ok(())
+        check_every_expert_held(self.expert_parallel())
     }
-}
-
-/// The expert index of an expert's tensor (`...moe.experts.{e}.gate.weight`).
-fn expert_of(tensor: &str) -> Option<usize> {
-    let (_, rest) = tensor.split_once(".moe.experts.")?;
-    rest.split('.').next()?.parse().ok()
 }

@@ -34,9 +34,11 @@
 //! tensor-parallel degree and expert-parallel degree of one.
 
 mod convert;
+mod experts;
 mod files;
 
 pub use convert::{Conversion, QkvHeads, QkvStorage};
+pub(crate) use experts::{check_every_expert_held, held_elsewhere};
 
 use crate::error::{Error, Result};
 use std::collections::HashSet;

@@ -1,7 +1,7 @@
 //! Llama's Hugging Face configuration (`LlamaConfig`), and the attention and
 //! rotary-embedding fields Mixtral shares with it.
 
-use crate::config::{self, check_model_type, identity, positive, positive_real, serde_via_json};
+use crate::config::{self, check_model_type, identity, positive, serde_via_json};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -137,12 +137,7 @@ impl LlamaConfig {
     /// Checks every field this model depends on; the error names the first
     /// bad field and what it would need to be.
     pub fn validate(&self) -> Result<()> {
-        positive("vocab_size", self.vocab_size)?;
-        positive("intermediate_size", self.intermediate_size)?;
-        positive("num_hidden_layers", self.num_hidden_layers)?;
-        self.attention().validate()?;
-        check_silu(&self.hidden_act)?;
-        positive_real("rms_norm_eps", self.rms_norm_eps)?;
+        self.validate_llama_fields()?;
         check_model_type(&self.extra, "llama")?;
         let biases: Biases = config::read_extra(&self.extra)?;
         for (field, bias) in [("attention_bias", biases.attention_bias), ("mlp_bias", biases.mlp_bias)] {
@@ -153,41 +148,75 @@ impl LlamaConfig {
         Ok(())
     }
 
-    /// The attention and rotary-embedding fields.
-    pub(crate) fn attention(&self) -> AttentionConfig<'_> {
-        AttentionConfig {
-            hidden_size: self.hidden_size,
-            heads: self.num_attention_heads,
-            kv_heads: self.num_key_value_heads,
-            head_dim: self.head_dim,
-            max_positions: self.max_position_embeddings,
-            rope_theta: self.rope_theta,
-            extra: &self.extra,
-        }
-    }
-
     /// Reads a config from its JSON object and validates it.
     pub fn from_json(value: &Value) -> Result<LlamaConfig> {
-        let value = lift_rope_theta(value)?;
-        let mut config = config::read(&value, KNOWN, |d| ConfigJson::deserialize(d))?;
-        // Hugging Face's defaults that depend on other fields.
-        if !config::given(&value, "num_key_value_heads") {
+        let mut config = LlamaConfig::read_json(value)?;
+        // Hugging Face's default key/value heads: one per query head.
+        if !config::given(value, "num_key_value_heads") {
             config.num_key_value_heads = config.num_attention_heads;
-        }
-        if !config::given(&value, "head_dim") {
-            config.head_dim = default_head_dim(config.hidden_size, config.num_attention_heads)?;
         }
         config.validate()?;
         Ok(config)
     }
-
-    /// The config as a `config.json` object.
-    pub fn to_json(&self) -> Value {
-        let json = ConfigJson::serialize(self, serde_json::value::Serializer).expect("a config serialises to JSON");
-        nest_rope_theta(json)
-    }
 }
 
+/// Implements, for a config with Llama's architecture fields (`LlamaConfig`
+/// and `MixtralConfig`, whose fields of the same name mean the same and are
+/// checked the same), what depends on those fields alone: the attention
+/// view, their checks, and reading and writing `config.json` through the
+/// config's derive `$json`, whose keys are `$known`. What differs (the
+/// defaults, the experts, the switches each model refuses) stays with each
+/// config.
+macro_rules! llama_fields {
+    ($config:ident, $json:ident, $known:ident) => {
+        impl $config {
+            /// The attention and rotary-embedding fields.
+            pub(crate) fn attention(&self) -> $crate::llama::AttentionConfig<'_> {
+                $crate::llama::AttentionConfig {
+                    hidden_size: self.hidden_size,
+                    heads: self.num_attention_heads,
+                    kv_heads: self.num_key_value_heads,
+                    head_dim: self.head_dim,
+                    max_positions: self.max_position_embeddings,
+                    rope_theta: self.rope_theta,
+                    extra: &self.extra,
+                }
+            }
+
+            /// Checks the architecture fields Llama and Mixtral share; the
+            /// error names the first bad field and what it would need to be.
+            fn validate_llama_fields(&self) -> $crate::Result<()> {
+                $crate::config::positive("vocab_size", self.vocab_size)?;
+                $crate::config::positive("intermediate_size", self.intermediate_size)?;
+                $crate::config::positive("num_hidden_layers", self.num_hidden_layers)?;
+                self.attention().validate()?;
+                $crate::llama::check_silu(&self.hidden_act)?;
+                $crate::config::positive_real("rms_norm_eps", self.rms_norm_eps)
+            }
+
+            /// Reads a config from its JSON object without validating it:
+            /// the RoPE base where newer files nest it, and Hugging Face's
+            /// `head_dim` when the file gives none (the width split over the heads).
+            fn read_json(value: &serde_json::Value) -> $crate::Result<$config> {
+                let value = $crate::llama::lift_rope_theta(value)?;
+                let mut config = $crate::config::read(&value, $known, |d| $json::deserialize(d))?;
+                if !$crate::config::given(&value, "head_dim") {
+                    config.head_dim = $crate::llama::default_head_dim(config.hidden_size, config.num_attention_heads)?;
+                }
+                Ok(config)
+            }
+
+            /// The config as a `config.json` object.
+            pub fn to_json(&self) -> serde_json::Value {
+                let json = $json::serialize(self, serde_json::value::Serializer).expect("a config serialises to JSON");
+                $crate::llama::nest_rope_theta(json)
+            }
+        }
+    };
+}
+pub(crate) use llama_fields;
+
+llama_fields!(LlamaConfig, ConfigJson, KNOWN);
 serde_via_json!(LlamaConfig);
 
 /// The attention and RoPE fields of `extra` that Llama and Mixtral check

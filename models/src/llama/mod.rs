@@ -10,7 +10,7 @@ mod config;
 pub(crate) mod hf;
 
 pub use config::LlamaConfig;
-pub(crate) use config::{check_silu, default_head_dim, lift_rope_theta, nest_rope_theta, AttentionConfig};
+pub(crate) use config::{check_silu, default_head_dim, lift_rope_theta, llama_fields, nest_rope_theta, AttentionConfig};
 
 pub use crate::causal_lm::CausalLm;
 use crate::error::Result;

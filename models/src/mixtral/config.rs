@@ -1,8 +1,8 @@
 //! Mixtral's Hugging Face configuration (`MixtralConfig`).
 
-use crate::config::{self, check_model_type, identity, positive, positive_real, serde_via_json};
+use crate::config::{self, check_experts, check_model_type, identity, serde_via_json};
 use crate::error::{Error, Result};
-use crate::llama::{check_silu, default_head_dim, lift_rope_theta, nest_rope_theta, AttentionConfig};
+use crate::llama::llama_fields;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -163,19 +163,8 @@ impl MixtralConfig {
     /// Checks every field this model depends on; the error names the first
     /// bad field and what it would need to be.
     pub fn validate(&self) -> Result<()> {
-        positive("vocab_size", self.vocab_size)?;
-        positive("intermediate_size", self.intermediate_size)?;
-        positive("num_hidden_layers", self.num_hidden_layers)?;
-        self.attention().validate()?;
-        check_silu(&self.hidden_act)?;
-        positive_real("rms_norm_eps", self.rms_norm_eps)?;
-        positive("num_local_experts", self.num_local_experts)?;
-        if !(1..=self.num_local_experts).contains(&self.num_experts_per_tok) {
-            return Err(Error::config(
-                "num_experts_per_tok",
-                format!("{} experts per token from {} experts; choose 1 to num_local_experts", self.num_experts_per_tok, self.num_local_experts),
-            ));
-        }
+        self.validate_llama_fields()?;
+        check_experts(self.num_local_experts, self.num_experts_per_tok)?;
         check_model_type(&self.extra, "mixtral")?;
         let switches: Switches = config::read_extra(&self.extra)?;
         if switches.router_jitter_noise.unwrap_or(0.0) != 0.0 {
@@ -192,37 +181,15 @@ impl MixtralConfig {
         Ok(())
     }
 
-    /// The attention and rotary-embedding fields.
-    pub(crate) fn attention(&self) -> AttentionConfig<'_> {
-        AttentionConfig {
-            hidden_size: self.hidden_size,
-            heads: self.num_attention_heads,
-            kv_heads: self.num_key_value_heads,
-            head_dim: self.head_dim,
-            max_positions: self.max_position_embeddings,
-            rope_theta: self.rope_theta,
-            extra: &self.extra,
-        }
-    }
-
-    /// Reads a config from its JSON object and validates it.
+    /// Reads a config from its JSON object and validates it. (Unlike
+    /// Llama's, Mixtral's key/value heads default to a number, 8, not to
+    /// the query heads.)
     pub fn from_json(value: &Value) -> Result<MixtralConfig> {
-        let value = lift_rope_theta(value)?;
-        let mut config = config::read(&value, KNOWN, |d| ConfigJson::deserialize(d))?;
-        // Hugging Face's default that depends on other fields (unlike
-        // Llama's, Mixtral's key/value heads default to a number, 8).
-        if !config::given(&value, "head_dim") {
-            config.head_dim = default_head_dim(config.hidden_size, config.num_attention_heads)?;
-        }
+        let config = MixtralConfig::read_json(value)?;
         config.validate()?;
         Ok(config)
     }
-
-    /// The config as a `config.json` object.
-    pub fn to_json(&self) -> Value {
-        let json = ConfigJson::serialize(self, serde_json::value::Serializer).expect("a config serialises to JSON");
-        nest_rope_theta(json)
-    }
 }
 
+llama_fields!(MixtralConfig, ConfigJson, KNOWN);
 serde_via_json!(MixtralConfig);

@@ -1,8 +1,8 @@
 //! Where Mixtral's parameters are stored in a Hugging Face `MixtralForCausalLM` checkpoint.
 
 use super::{Mixtral, MixtralConfig};
-use crate::error::{Error, Result};
-use crate::hf::{HfConfig, HfModel, HfParam, QkvHeads};
+use crate::error::Result;
+use crate::hf::{check_every_expert_held, held_elsewhere, HfConfig, HfModel, HfParam, QkvHeads};
 use crate::llama::hf::{attention_param, base_name, skipped, vocab_or_identity};
 use crate::vocab::padded_vocab;
 use tessera::module::Cx;
@@ -58,22 +58,10 @@ impl HfModel for Mixtral {
 
     /// Also skips the experts other expert-parallel ranks hold.
     fn skips(&self, config: &MixtralConfig, tensor: &str) -> bool {
-        skipped(config.tie_word_embeddings, tensor) || expert_of(tensor).is_some_and(|e| !self.local_experts().contains(&e))
+        skipped(config.tie_word_embeddings, tensor) || held_elsewhere(tensor, ".block_sparse_moe.experts.", self.local_experts())
     }
 
     fn check_exportable(&self) -> Result<()> {
-        let (rank, degree) = self.expert_parallel();
-        if degree > 1 {
-            return Err(Error::Export(format!(
-                "this rank holds only the experts of expert-parallel rank {rank} of {degree}; export from a model holding every expert (expert-parallel degree 1)"
-            )));
-        }
-        Ok(())
+        check_every_expert_held(self.expert_parallel())
     }
-}
-
-/// The expert index of an expert's tensor (`...block_sparse_moe.experts.{e}.w1.weight`).
-fn expert_of(tensor: &str) -> Option<usize> {
-    let (_, rest) = tensor.split_once(".block_sparse_moe.experts.")?;
-    rest.split('.').next()?.parse().ok()
 }

@@ -20,17 +20,10 @@ use tessera_nn::module::{self, Cx, Module, Param, ParamId, Shard};
 ///
 /// Gradients sharded by ZeRO are measured by the engine over its shards
 /// ([`Zero::grad_squares`](tessera_parallel::zero::Zero::grad_squares)) with
-/// the same [`NormClasses`].
+/// the same [`NormClasses`]. A caller that measures the norm every step can
+/// build the classes once and call [`NormClasses::grad_norm`].
 pub fn global_grad_norm<M: Module>(model: &M, cx: &Cx) -> Result<f64> {
-    let classes = NormClasses::of(model, cx)?;
-    let mut squares = [0.0f64; NormClasses::COUNT];
-    for n in module::distinct_params(model)? {
-        let Some(g) = n.param.grad() else { continue };
-        if let Some(c) = classes.class(&n.param) {
-            squares[c] += ops::sum_squares(&g)?.to_scalar()?;
-        }
-    }
-    classes.norm(squares, cx)
+    NormClasses::of(model, cx)?.grad_norm(model, cx)
 }
 
 /// Where each parameter's squared gradient is summed for the global norm:
@@ -38,6 +31,9 @@ pub fn global_grad_norm<M: Module>(model: &M, cx: &Cx) -> Result<f64> {
 /// the expert-parallel group when it is an expert, over the pipeline stages
 /// always; and whether this rank counts it at all (a weight tied across
 /// stages counts on the first stage only).
+///
+/// They depend only on the model's parameters and how they are laid out,
+/// which are fixed once it is materialised: a trainer builds them once.
 #[derive(Debug)]
 pub struct NormClasses {
     class: std::collections::HashMap<ParamId, Option<usize>>,
@@ -75,6 +71,20 @@ impl NormClasses {
     /// when this rank does not count it.
     pub fn class(&self, p: &Param) -> Option<usize> {
         self.class.get(&p.id()).copied().flatten()
+    }
+
+    /// The global norm of `model`'s gradients (see [`global_grad_norm`]),
+    /// `model` being the one these classes are [`of`](Self::of) on the rank
+    /// of `cx`. Every rank calls it at the same point.
+    pub fn grad_norm<M: Module>(&self, model: &M, cx: &Cx) -> Result<f64> {
+        let mut squares = [0.0f64; Self::COUNT];
+        for n in module::distinct_params(model)? {
+            let Some(g) = n.param.grad() else { continue };
+            if let Some(c) = self.class(&n.param) {
+                squares[c] += ops::sum_squares(&g)?.to_scalar()?;
+            }
+        }
+        self.norm(squares, cx)
     }
 
     /// The global norm from this rank's squared gradients per class (each

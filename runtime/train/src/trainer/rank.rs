@@ -7,7 +7,7 @@ use super::state::{describe, RunState};
 use super::{Replica, Trainer};
 use crate::ckpt::{Checkpointer, SaveHandle};
 use crate::ranks::Ranks;
-use crate::{clip_factor, global_grad_norm, Anomaly, AtStep, LossScaler, NormClasses, StabilityMonitor, WarmupCosine};
+use crate::{clip_factor, Anomaly, AtStep, LossScaler, NormClasses, StabilityMonitor, WarmupCosine};
 use parking_lot::Mutex;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -54,6 +54,9 @@ pub(super) struct RankRun<'r, 'a, M> {
     replica: Replica,
     sync: GradSync,
     optimizer: RankOptimizer,
+    /// Where each parameter's squared gradient counts in the global norm:
+    /// fixed once the model is materialised, so built once, not every step.
+    norm_classes: NormClasses,
     schedule: Schedule,
     lr_schedule: WarmupCosine,
     state: RunState,
@@ -89,6 +92,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         }
         cx.set_recompute_override(cfg.recompute.to_override()?);
         let model = module::build((trainer.build)(&cx, e, ep)?, &cx)?;
+        let norm_classes = NormClasses::of(&model, &cx)?;
 
         // Gradient synchronisation: ZeRO, or buckets all-reduced while the
         // backward runs (with expert parallelism, the experts' gradients
@@ -143,6 +147,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
             replica,
             sync,
             optimizer,
+            norm_classes,
             schedule,
             lr_schedule,
             state: RunState { batches, scaler, monitor, rollbacks: 0 },
@@ -203,13 +208,13 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         let loss_scale = self.state.scaler.as_ref().map_or(1.0, |s| s.scale());
         let scaled = match self.optimizer.zero() {
             Some(zero) => {
-                let classes = NormClasses::of(&self.model, &self.cx)?;
+                let classes = &self.norm_classes;
                 let squares = zero.grad_squares(NormClasses::COUNT, |p| classes.class(p))?;
                 let squares = <[f64; NormClasses::COUNT]>::try_from(squares)
                     .map_err(|_| tessera_core::Error::state_mismatch("trainer", "the engine returned another number of norm classes"))?;
                 classes.norm(squares, &self.cx)?
             }
-            None => global_grad_norm(&self.model, &self.cx)?,
+            None => self.norm_classes.grad_norm(&self.model, &self.cx)?,
         };
         // Under loss scaling a norm that is not finite is an overflow (the
         // scale backs off); otherwise it is the monitor's to judge.
