@@ -26,6 +26,9 @@ use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
+use tessera_comm_harness::{
+    assert_same_bits, execute, in_process, in_process_of_magnitudes, input, on_threads, start_in_opposite_orders, Call, Outcome, ProgramSpace,
+};
 use tessera_core::{DType, Device, Error, Init, RngKey, Tensor};
 use tessera_dist::inproc::{self, InProcess};
 use tessera_dist::mesh::Mesh;
@@ -296,164 +299,9 @@ fn suite(world: &MpiWorld) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Runs `f(rank)` for every rank of an in-process world of `n` on its own
-/// thread; results in rank order.
-fn threads<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
-    thread::scope(|s| {
-        let f = &f;
-        let handles: Vec<_> = (0..n).map(|r| s.spawn(move || f(r))).collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
-    })
-}
-
-/// A deterministic generator of test cases.
-struct Gen(u64);
-
-impl Gen {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
-/// One call of a generated program, the same on every rank.
-#[derive(Clone, Debug)]
-enum Call {
-    AllReduce { dims: Vec<usize>, dtype: DType, asynchronous: bool },
-    AllGather { dims: Vec<usize>, dim: usize, dtype: DType, asynchronous: bool },
-    ReduceScatter { dims: Vec<usize>, dim: usize, dtype: DType, asynchronous: bool },
-    Broadcast { dims: Vec<usize>, root: usize, dtype: DType },
-    AllToAll { rows: Vec<Vec<usize>> },
-    SendRecv { len: usize },
-    Barrier,
-}
-
-impl Call {
-    fn sums(&self) -> bool {
-        matches!(self, Call::AllReduce { .. } | Call::ReduceScatter { .. })
-    }
-}
-
-fn program(seed: u64, n: usize, calls: usize) -> Vec<Call> {
-    let mut g = Gen(seed);
-    let dtypes = [DType::F32, DType::BF16, DType::F16, DType::F64, DType::I32, DType::U32];
-    (0..calls)
-        .map(|_| {
-            let dtype = dtypes[g.below(dtypes.len())];
-            let rank_count = 1 + g.below(3);
-            let mut dims: Vec<usize> = (0..rank_count).map(|_| 1 + g.below(9)).collect();
-            match g.below(7) {
-                0 => Call::AllReduce { dims, dtype, asynchronous: g.below(2) == 0 },
-                1 => {
-                    let dim = g.below(dims.len());
-                    Call::AllGather { dims, dim, dtype, asynchronous: g.below(2) == 0 }
-                }
-                2 => {
-                    let dim = g.below(dims.len());
-                    dims[dim] *= n;
-                    Call::ReduceScatter { dims, dim, dtype, asynchronous: g.below(2) == 0 }
-                }
-                3 => Call::Broadcast { dims, root: g.below(n), dtype },
-                4 => Call::AllToAll { rows: (0..n).map(|_| (0..n).map(|_| g.below(5)).collect()).collect() },
-                5 => Call::SendRecv { len: 1 + g.below(300) },
-                _ => Call::Barrier,
-            }
-        })
-        .collect()
-}
-
-/// Rank `rank`'s input of call `i` (its absolute values with `abs`).
-fn input(rank: usize, i: usize, dims: &[usize], dtype: DType, abs: bool, dev: &Device) -> Tensor {
-    let len: usize = dims.iter().product();
-    let t = match dtype {
-        DType::I32 => Tensor::from_vec((0..len).map(|j| (j as i32 * 7919 + rank as i32 * 31 + i as i32) % 1000 - 500).collect::<Vec<i32>>(), dims, dev),
-        DType::U32 => Tensor::from_vec((0..len).map(|j| (j as u32 * 7919 + rank as u32 * 31 + i as u32) % 1000).collect::<Vec<u32>>(), dims, dev),
-        _ => Tensor::rand(Init::Uniform { lo: -3.0, hi: 3.0 }, RngKey::new(77 + rank as u64, i as u64), dims, dtype, dev),
-    }
-    .unwrap();
-    if !abs {
-        return t;
-    }
-    let v: Vec<f64> = t.to_f64_vec().unwrap().iter().map(|x| x.abs()).collect();
-    Tensor::from_vec(v, dims, dev).unwrap().to_dtype(dtype).unwrap()
-}
-
-/// The shape, dtype and every element (as `f64`) of a result.
-#[derive(Clone, Debug, PartialEq)]
-struct Got {
-    dims: Vec<usize>,
-    dtype: DType,
-    values: Vec<f64>,
-}
-
-fn got(t: &Tensor) -> Got {
-    Got { dims: t.dims().to_vec(), dtype: t.dtype(), values: t.to_f64_vec().unwrap() }
-}
-
-impl Got {
-    /// The exact bits, for comparisons that must be bit for bit (`-0.0`
-    /// and NaN payloads included).
-    fn bits(&self) -> Vec<u64> {
-        self.values.iter().map(|v| v.to_bits()).collect()
-    }
-}
-
-/// Runs `program` on `comm` as rank `rank` of `n` and returns what every
-/// call gave this rank (inputs replaced by their absolute values with `abs`).
-fn execute(comm: &dyn Communicator, program: &[Call], rank: usize, n: usize, abs: bool, dev: &Device) -> Vec<Vec<Got>> {
-    program
-        .iter()
-        .enumerate()
-        .map(|(i, call)| match call {
-            Call::AllReduce { dims, dtype, asynchronous } => {
-                let x = input(rank, i, dims, *dtype, abs, dev);
-                let y = if *asynchronous { comm.all_reduce_sum_async(&x).unwrap().wait() } else { comm.all_reduce_sum(&x) };
-                vec![got(&y.unwrap())]
-            }
-            Call::AllGather { dims, dim, dtype, asynchronous } => {
-                let x = input(rank, i, dims, *dtype, abs, dev);
-                let y = if *asynchronous { comm.all_gather_async(&x, *dim).unwrap().wait() } else { comm.all_gather(&x, *dim) };
-                vec![got(&y.unwrap())]
-            }
-            Call::ReduceScatter { dims, dim, dtype, asynchronous } => {
-                let x = input(rank, i, dims, *dtype, abs, dev);
-                let y = if *asynchronous { comm.reduce_scatter_sum_async(&x, *dim).unwrap().wait() } else { comm.reduce_scatter_sum(&x, *dim) };
-                vec![got(&y.unwrap())]
-            }
-            Call::Broadcast { dims, root, dtype } => vec![got(&comm.broadcast(&input(rank, i, dims, *dtype, abs, dev), *root).unwrap())],
-            Call::AllToAll { rows } => {
-                let parts: Vec<Tensor> = (0..n).map(|to| input(rank * n + to, i, &[rows[rank][to], 2], DType::F32, abs, dev)).collect();
-                comm.all_to_all(parts).unwrap().iter().map(got).collect()
-            }
-            Call::SendRecv { len } => {
-                // A ring: everyone sends first (sends never wait), then receives.
-                let x = input(rank, i, &[*len], DType::BF16, abs, dev);
-                comm.send(&x, (rank + 1) % n).unwrap();
-                vec![got(&comm.recv((rank + n - 1) % n).unwrap())]
-            }
-            Call::Barrier => {
-                comm.barrier().unwrap();
-                Vec::new()
-            }
-        })
-        .collect()
-}
-
-/// What rank `rank` of an in-process world of `n` gets from `program`.
-fn in_process(program: &[Call], rank: usize, n: usize, abs: bool) -> Vec<Vec<Got>> {
-    let world = InProcess::new(n).unwrap();
-    threads(n, |r| {
-        let dev = Device::cpu();
-        let comm = world.communicator(r, &dev).unwrap();
-        execute(&comm, program, r, n, abs, &dev)
-    })
-    .swap_remove(rank)
-}
+/// The programs here: every dtype, all-gathers asynchronous too.
+const PROGRAMS: ProgramSpace =
+    ProgramSpace { dtypes: &[DType::F32, DType::BF16, DType::F16, DType::F64, DType::I32, DType::U32], async_all_gather: true, large_calls: false };
 
 fn all_ranks(n: usize) -> Vec<usize> {
     (0..n).collect()
@@ -466,17 +314,15 @@ fn check_programs(cx: &Ctx, world: &MpiWorld, tag: &str, exact: bool) {
     let n = cx.n;
     for case in 0..3u64 {
         let seed = 0x9E37_79B9 + case * 101 + n as u64;
-        let prog = program(seed, n, 40);
+        let prog = PROGRAMS.generate(seed, n, 40);
         let comm = world.tagged_group(&format!("{tag}-{case}"), &all_ranks(n)).unwrap();
-        let have = execute(&comm, &prog, cx.rank, n, false, &cx.dev);
-        let want = in_process(&prog, cx.rank, n, false);
-        let abs = (!exact).then(|| in_process(&prog, cx.rank, n, true));
+        let have = execute(&comm, &prog, cx.rank, n, &cx.dev);
+        let want = in_process(&prog, n).swap_remove(cx.rank);
+        let abs = (!exact).then(|| in_process_of_magnitudes(&prog, n).swap_remove(cx.rank));
         for (i, call) in prog.iter().enumerate() {
             let at = format!("program {case}, rank {}, call {i}: {call:?}", cx.rank);
             if exact || !call.sums() {
-                let same =
-                    have[i].len() == want[i].len() && have[i].iter().zip(&want[i]).all(|(a, b)| a.dims == b.dims && a.dtype == b.dtype && a.bits() == b.bits());
-                assert!(same, "{at}: got {:?}, the in-process communicator gave {:?}", have[i], want[i]);
+                assert_same_bits(&have[i], &want[i], &at);
                 continue;
             }
             let (a, b, s) = (&have[i][0], &want[i][0], &abs.as_ref().expect("native")[i][0]);
@@ -493,10 +339,10 @@ fn check_programs(cx: &Ctx, world: &MpiWorld, tag: &str, exact: bool) {
 
 /// `|a − b| ≤ 2(n−1)·u·Σ|x| + one unit in the last place of a half-precision
 /// result`, elementwise; integers exactly.
-fn within_bound(a: &Got, b: &Got, sum_abs: &Got, n: usize, at: &str) {
+fn within_bound(a: &Outcome, b: &Outcome, sum_abs: &Outcome, n: usize, at: &str) {
     let (u, last_place) = match a.dtype {
         DType::I32 | DType::U32 => {
-            assert_eq!(a.values, b.values, "{at}: integer sums are exact");
+            assert_eq!(a.values(), b.values(), "{at}: integer sums are exact");
             return;
         }
         DType::F64 => (2f64.powi(-53), 0.0),
@@ -504,7 +350,7 @@ fn within_bound(a: &Got, b: &Got, sum_abs: &Got, n: usize, at: &str) {
         DType::BF16 => (2f64.powi(-24), 2f64.powi(-7)),
         DType::F16 => (2f64.powi(-24), 2f64.powi(-10)),
     };
-    for (k, ((x, y), s)) in a.values.iter().zip(&b.values).zip(&sum_abs.values).enumerate() {
+    for (k, ((x, y), s)) in a.values().iter().zip(&b.values()).zip(&sum_abs.values()).enumerate() {
         // A little slack for Σ|x| itself being rounded to the dtype.
         let bound = 2.0 * (n - 1) as f64 * u * s * 1.01 + last_place * x.abs().max(y.abs());
         assert!((x - y).abs() <= bound, "{at}: element {k} is {x} natively but {y} in process, beyond the bound {bound} (Σ|x| = {s})");
@@ -512,13 +358,13 @@ fn within_bound(a: &Got, b: &Got, sum_abs: &Got, n: usize, at: &str) {
 }
 
 /// Every rank got the same bits from every all-reduce of a program.
-fn agree_across_ranks(cx: &Ctx, program: &[Call], results: &[Vec<Got>], tag: &str) {
+fn agree_across_ranks(cx: &Ctx, program: &[Call], results: &[Vec<Outcome>], tag: &str) {
     let mine: Vec<u32> = program
         .iter()
         .zip(results)
         .filter(|(c, _)| matches!(c, Call::AllReduce { .. }))
-        .flat_map(|(_, r)| r[0].bits())
-        .flat_map(|b| [b as u32, (b >> 32) as u32])
+        .flat_map(|(_, r)| &r[0].bits)
+        .flat_map(|&b| [b as u32, (b >> 32) as u32])
         .collect();
     let len = mine.len();
     let comm = cx.world.with_reduction(Reduction::Exact).tagged_group(&format!("{tag}-agree"), &all_ranks(cx.n)).unwrap();
@@ -559,15 +405,7 @@ fn async_order(cx: &Ctx) {
     let g = p2.wait().unwrap().to_vec::<f32>().unwrap();
     assert_eq!(g, (0..n).flat_map(|q| vec![q as f32 + 1.0; 6]).collect::<Vec<_>>());
     p3.wait().unwrap();
-    // Two groups with the same members, used in opposite orders on even and
-    // odd ranks: each group's own order is what matters.
-    let (pa, pb) = if r % 2 == 0 {
-        let pa = a.all_reduce_sum_async(&x).unwrap();
-        (pa, b.all_gather_async(&x, 0).unwrap())
-    } else {
-        let pb = b.all_gather_async(&x, 0).unwrap();
-        (a.all_reduce_sum_async(&x).unwrap(), pb)
-    };
+    let (pa, pb) = start_in_opposite_orders(&a, &b, &x, r);
     // A group over some ranks works while the others do something else.
     let pair: Vec<usize> = if r / 2 * 2 + 1 < n { vec![r / 2 * 2, r / 2 * 2 + 1] } else { vec![r] };
     let p = cx.world.tagged_group("order-pair", &pair).unwrap();
@@ -595,13 +433,13 @@ fn mesh(cx: &Ctx) {
     let groups = mpi::mesh_groups(&cx.world.with_reduction(Reduction::Exact), &m).unwrap();
     let x = |r: usize, dev: &Device| Tensor::rand(Init::Uniform { lo: -1.0, hi: 1.0 }, RngKey::new(5, r as u64), [4, 6], DType::F32, dev).unwrap();
     let world = InProcess::new(n).unwrap();
-    let want = threads(n, |r| {
+    let want = on_threads(n, |r| {
         let dev = Device::cpu();
         let g = inproc::mesh_groups(&world, &m, r, &dev).unwrap();
-        g.all().map(|c| got(&c.all_reduce_sum(&x(r, &dev)).unwrap()).bits())
+        g.all().map(|c| Outcome::of(&c.all_reduce_sum(&x(r, &dev)).unwrap()).bits)
     })
     .swap_remove(cx.rank);
-    let have = groups.all().map(|c| got(&c.all_reduce_sum(&x(cx.rank, &cx.dev)).unwrap()).bits());
+    let have = groups.all().map(|c| Outcome::of(&c.all_reduce_sum(&x(cx.rank, &cx.dev)).unwrap()).bits);
     assert_eq!(have, want);
     assert_eq!(groups.tp.size() * groups.dp.size(), n);
     assert!(mpi::mesh_groups(cx.world, &Mesh::parse("dp1", 1, 1).unwrap()).is_err(), "a mesh of another size is refused");
@@ -616,11 +454,11 @@ fn send_recv(cx: &Ctx) {
     // empty, one far above any eager limit), all sent before any is received.
     let msgs = |from: usize| -> Vec<Tensor> {
         vec![
-            input(from, 1, &[3, 5], DType::F32, false, dev),
-            input(from, 2, &[0, 4], DType::BF16, false, dev),
-            input(from, 3, &[2_000_000], DType::F32, false, dev),
+            input(from, 1, &[3, 5], DType::F32, dev),
+            input(from, 2, &[0, 4], DType::BF16, dev),
+            input(from, 3, &[2_000_000], DType::F32, dev),
             Tensor::from_vec(vec![from as i32, -7], [2], dev).unwrap(),
-            input(from, 4, &[3, 4], DType::F64, false, dev).t().unwrap(),
+            input(from, 4, &[3, 4], DType::F64, dev).t().unwrap(),
         ]
     };
     let mut mine = msgs(r);
@@ -632,7 +470,7 @@ fn send_recv(cx: &Ctx) {
     let want = msgs(prev);
     for w in &want {
         let m = comm.recv(prev).unwrap();
-        assert_eq!(got(&m).bits(), got(w).bits());
+        assert_eq!(Outcome::of(&m).bits, Outcome::of(w).bits);
         assert_eq!((m.dims(), m.dtype()), (w.dims(), w.dtype()));
     }
     // Errors before anything is sent.
@@ -648,38 +486,38 @@ fn uneven_all_to_all(cx: &Ctx) {
     // Part `to` of rank `from`: a dtype and shape of its own (some empty).
     let part = |from: usize, to: usize| {
         let rows = (from * 3 + to * 5) % 4;
-        input(from * n + to, 9, &[rows, 1 + to], dtypes[(from + 2 * to) % dtypes.len()], false, dev)
+        input(from * n + to, 9, &[rows, 1 + to], dtypes[(from + 2 * to) % dtypes.len()], dev)
     };
     let got_parts = comm.all_to_all((0..n).map(|to| part(r, to)).collect()).unwrap();
     assert_eq!(got_parts.len(), n);
     for (from, t) in got_parts.iter().enumerate() {
         let w = part(from, r);
         assert_eq!((t.dims(), t.dtype()), (w.dims(), w.dtype()), "part from rank {from}");
-        assert_eq!(got(t).bits(), got(&w).bits(), "part from rank {from}");
+        assert_eq!(Outcome::of(t).bits, Outcome::of(&w).bits, "part from rank {from}");
     }
     // Non-contiguous parts are sent as their logical contents.
-    let parts: Vec<Tensor> = (0..n).map(|to| input(r * n + to, 10, &[3, 2], DType::F32, false, dev).t().unwrap()).collect();
+    let parts: Vec<Tensor> = (0..n).map(|to| input(r * n + to, 10, &[3, 2], DType::F32, dev).t().unwrap()).collect();
     let got_parts = comm.all_to_all(parts).unwrap();
     for (from, t) in got_parts.iter().enumerate() {
-        let w = input(from * n + r, 10, &[3, 2], DType::F32, false, dev).t().unwrap();
-        assert_eq!(got(t), got(&w));
+        let w = input(from * n + r, 10, &[3, 2], DType::F32, dev).t().unwrap();
+        assert_eq!(Outcome::of(t), Outcome::of(&w));
     }
 }
 
 fn mismatches(cx: &Ctx) {
     let (n, rank, dev) = (cx.n, cx.rank, &cx.dev);
     let comm = cx.world.tagged_group("mismatch", &all_ranks(n)).unwrap();
-    let x = input(rank, 0, &[6, 4], DType::F32, false, dev);
+    let x = input(rank, 0, &[6, 4], DType::F32, dev);
     let is_mismatch = |e: &Error| matches!(e, Error::CollectiveMismatch { .. });
     // Different collectives.
     let e = if rank == 0 { comm.all_reduce_sum(&x) } else { comm.all_gather(&x, 0) }.unwrap_err();
     assert!(is_mismatch(&e), "{e}");
     assert!(e.to_string().contains("all_reduce_sum") && e.to_string().contains("all_gather"), "{e}");
     // Different shapes.
-    let y = input(rank, 0, &[6, 4 + rank], DType::F32, false, dev);
+    let y = input(rank, 0, &[6, 4 + rank], DType::F32, dev);
     assert!(matches!(comm.all_reduce_sum(&y), Err(e) if is_mismatch(&e)));
     // Different dtypes.
-    let z = input(rank, 0, &[6, 4], if rank == 1 { DType::BF16 } else { DType::F32 }, false, dev);
+    let z = input(rank, 0, &[6, 4], if rank == 1 { DType::BF16 } else { DType::F32 }, dev);
     assert!(matches!(comm.all_reduce_sum(&z), Err(e) if is_mismatch(&e)));
     // Different roots (the calls differ, so that is what every rank hears
     // first), and a root that does not exist (each rank's own error).
@@ -687,7 +525,7 @@ fn mismatches(cx: &Ctx) {
     assert!(matches!(comm.broadcast(&x, if rank == 0 { n } else { 0 }), Err(e) if is_mismatch(&e)));
     assert!(matches!(comm.broadcast(&x, n), Err(Error::NoSuchRank { .. })));
     // A shape one rank cannot split: its own error there, a mismatch elsewhere.
-    let w = input(rank, 0, &[if rank == 0 { n + 1 } else { n }, 2], DType::F32, false, dev);
+    let w = input(rank, 0, &[if rank == 0 { n + 1 } else { n }, 2], DType::F32, dev);
     match (rank, comm.reduce_scatter_sum(&w, 0)) {
         (0, Err(Error::Shape { .. })) => {}
         (r, Err(e)) if r > 0 && is_mismatch(&e) => {}
@@ -713,15 +551,15 @@ fn large(cx: &Ctx) {
     let dims = [len];
     let exact = cx.world.with_reduction(Reduction::Exact).tagged_group("large", &all_ranks(n)).unwrap();
     for dtype in [DType::F32, DType::BF16] {
-        let x = input(cx.rank, 11, &dims, dtype, false, &cx.dev);
-        let have = got(&exact.all_reduce_sum(&x).unwrap());
+        let x = input(cx.rank, 11, &dims, dtype, &cx.dev);
+        let have = Outcome::of(&exact.all_reduce_sum(&x).unwrap());
         let world = InProcess::new(n).unwrap();
-        let want = threads(n, |r| {
+        let want = on_threads(n, |r| {
             let dev = Device::cpu();
-            got(&world.communicator(r, &dev).unwrap().all_reduce_sum(&input(r, 11, &dims, dtype, false, &dev)).unwrap())
+            Outcome::of(&world.communicator(r, &dev).unwrap().all_reduce_sum(&input(r, 11, &dims, dtype, &dev)).unwrap())
         })
         .swap_remove(cx.rank);
-        assert!(have.bits() == want.bits(), "{dtype:?}: the exact all-reduce of {len} elements differs from the in-process one");
+        assert!(have.bits == want.bits, "{dtype:?}: the exact all-reduce of {len} elements differs from the in-process one");
     }
 }
 

@@ -7,22 +7,23 @@
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
-use tessera::dist::inproc::InProcess;
+use tessera::dist::inproc::{InProcess, InProcessComm};
 use tessera::dist::{Communicator, SingleRank};
 use tessera::prelude::*;
 use tessera::Error;
+use tessera_comm_harness::on_threads;
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F64, DType::BF16];
 const LENS: [usize; 4] = [1, 3, 17, 129];
 const WORLDS: [usize; 4] = [2, 3, 4, 8];
 
-/// Runs `f(rank, world)` on `n` threads of one world and returns their
-/// results in rank order; a panicking rank fails the test.
-fn run<R: Send>(world: &InProcess, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
-    thread::scope(|s| {
-        let f = &f;
-        let handles: Vec<_> = (0..world.world_size()).map(|r| s.spawn(move || f(r))).collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+/// Runs `f(rank, communicator, device)` for every rank of `world`, each on
+/// its own thread with its own CPU device, and returns the results in rank
+/// order; a panicking rank fails the test.
+fn on_every_rank<R: Send>(world: &InProcess, f: impl Fn(usize, InProcessComm, &Device) -> R + Sync) -> Vec<R> {
+    on_threads(world.world_size(), |rank| {
+        let dev = Device::cpu();
+        f(rank, world.communicator(rank, &dev).unwrap(), &dev)
     })
 }
 
@@ -67,16 +68,14 @@ fn concat_ref(parts: &[Vec<f64>], dims: &[usize], dim: usize) -> Vec<f64> {
 fn all_reduce_matches_the_rank_order_sum_bit_for_bit() {
     for n in WORLDS {
         let world = InProcess::new(n).unwrap();
-        let outs = run(&world, |rank| {
-            let dev = Device::cpu();
-            let comm = world.communicator(rank, &dev).unwrap();
+        let outs = on_every_rank(&world, |rank, comm, dev| {
             assert_eq!((comm.rank(), comm.size()), (rank, n));
             let mut outs = Vec::new();
             for (c, (dtype, len)) in DTYPES.iter().flat_map(|&d| LENS.iter().map(move |&l| (d, l))).enumerate() {
-                let x = input(rank, c as u64, &[len], dtype, &dev);
+                let x = input(rank, c as u64, &[len], dtype, dev);
                 let y = comm.all_reduce_sum(&x).unwrap();
                 assert_eq!((y.dtype(), y.dims()), (dtype, &[len][..]));
-                assert!(y.device().same(&dev), "the result lives on the rank's own device");
+                assert!(y.device().same(dev), "the result lives on the rank's own device");
                 outs.push(y);
             }
             outs
@@ -95,11 +94,9 @@ fn all_reduce_matches_the_rank_order_sum_bit_for_bit() {
 #[test]
 fn all_reduce_of_a_strided_view_and_of_integers() {
     let world = InProcess::new(3).unwrap();
-    let outs = run(&world, |rank| {
-        let dev = Device::cpu();
-        let comm = world.communicator(rank, &dev).unwrap();
-        let x = input(rank, 7, &[5, 4], DType::F32, &dev).t().unwrap();
-        let ids = Tensor::from_vec(vec![rank as i32 - 1, 7, i32::MAX], [3], &dev).unwrap();
+    let outs = on_every_rank(&world, |rank, comm, dev| {
+        let x = input(rank, 7, &[5, 4], DType::F32, dev).t().unwrap();
+        let ids = Tensor::from_vec(vec![rank as i32 - 1, 7, i32::MAX], [3], dev).unwrap();
         (comm.all_reduce_sum(&x).unwrap(), comm.all_reduce_sum(&ids).unwrap().to_vec::<i32>().unwrap())
     });
     let dev = Device::cpu();
@@ -112,21 +109,25 @@ fn all_reduce_of_a_strided_view_and_of_integers() {
     }
 }
 
+/// What every rank gets, in rank order, from `op` on its input of each case
+/// `(dtype, dims, dim)` (case `c`'s input is `input(rank, c, dims, dtype)`).
+fn on_every_case(
+    world: &InProcess,
+    cases: &[(DType, Vec<usize>, usize)],
+    op: impl Fn(&InProcessComm, &Tensor, usize) -> tessera::Result<Tensor> + Sync,
+) -> Vec<Vec<Tensor>> {
+    on_every_rank(world, |rank, comm, dev| {
+        cases.iter().enumerate().map(|(c, (dtype, dims, dim))| op(&comm, &input(rank, c as u64, dims, *dtype, dev), *dim).unwrap()).collect()
+    })
+}
+
 #[test]
 fn all_gather_concatenates_in_rank_order() {
     for n in WORLDS {
         let world = InProcess::new(n).unwrap();
         let cases: Vec<(DType, Vec<usize>, usize)> =
             DTYPES.iter().flat_map(|&d| [(d, vec![1], 0), (d, vec![3, 17], 0), (d, vec![3, 17], 1), (d, vec![2, 3, 5], 1), (d, vec![129], 0)]).collect();
-        let outs = run(&world, |rank| {
-            let dev = Device::cpu();
-            let comm = world.communicator(rank, &dev).unwrap();
-            cases
-                .iter()
-                .enumerate()
-                .map(|(c, (dtype, dims, dim))| comm.all_gather(&input(rank, c as u64, dims, *dtype, &dev), *dim).unwrap())
-                .collect::<Vec<_>>()
-        });
+        let outs = on_every_case(&world, &cases, |comm, x, dim| comm.all_gather(x, dim));
         let dev = Device::cpu();
         for (c, (dtype, dims, dim)) in cases.iter().enumerate() {
             let parts: Vec<Vec<f64>> = (0..n).map(|r| input(r, c as u64, dims, *dtype, &dev).to_f64_vec().unwrap()).collect();
@@ -149,15 +150,7 @@ fn reduce_scatter_gives_each_rank_its_part_of_the_sum() {
         // (dtype, dims, dim): parts of 1, 3 and 17 rows, and splits of an inner dimension.
         let cases: Vec<(DType, Vec<usize>, usize)> =
             DTYPES.iter().flat_map(|&d| [(d, vec![n], 0), (d, vec![3 * n, 3], 0), (d, vec![17 * n], 0), (d, vec![3, 2 * n, 5], 1)]).collect();
-        let outs = run(&world, |rank| {
-            let dev = Device::cpu();
-            let comm = world.communicator(rank, &dev).unwrap();
-            cases
-                .iter()
-                .enumerate()
-                .map(|(c, (dtype, dims, dim))| comm.reduce_scatter_sum(&input(rank, c as u64, dims, *dtype, &dev), *dim).unwrap())
-                .collect::<Vec<_>>()
-        });
+        let outs = on_every_case(&world, &cases, |comm, x, dim| comm.reduce_scatter_sum(x, dim));
         let dev = Device::cpu();
         for (c, (dtype, dims, dim)) in cases.iter().enumerate() {
             let inputs: Vec<Tensor> = (0..n).map(|r| input(r, c as u64, dims, *dtype, &dev)).collect();
@@ -177,14 +170,12 @@ fn reduce_scatter_gives_each_rank_its_part_of_the_sum() {
 fn broadcast_copies_the_roots_tensor_to_every_rank() {
     for n in WORLDS {
         let world = InProcess::new(n).unwrap();
-        let outs = run(&world, |rank| {
-            let dev = Device::cpu();
-            let comm = world.communicator(rank, &dev).unwrap();
+        let outs = on_every_rank(&world, |rank, comm, dev| {
             let mut outs = Vec::new();
             for (c, &dtype) in DTYPES.iter().enumerate() {
                 for root in [0, n - 1] {
-                    let y = comm.broadcast(&input(rank, c as u64, &[17, 3], dtype, &dev), root).unwrap();
-                    assert!(y.device().same(&dev));
+                    let y = comm.broadcast(&input(rank, c as u64, &[17, 3], dtype, dev), root).unwrap();
+                    assert!(y.device().same(dev));
                     outs.push(y);
                 }
             }
@@ -214,17 +205,15 @@ fn a2a_part(from: usize, to: usize, dev: &Device) -> Tensor {
 fn uneven_all_to_all_delivers_every_part_with_its_shape() {
     for n in WORLDS {
         let world = InProcess::new(n).unwrap();
-        run(&world, |rank| {
-            let dev = Device::cpu();
-            let comm = world.communicator(rank, &dev).unwrap();
-            let parts: Vec<Tensor> = (0..n).map(|to| a2a_part(rank, to, &dev)).collect();
+        on_every_rank(&world, |rank, comm, dev| {
+            let parts: Vec<Tensor> = (0..n).map(|to| a2a_part(rank, to, dev)).collect();
             let got = comm.all_to_all(parts.clone()).unwrap();
             assert_eq!(got.len(), n);
             for (from, t) in got.iter().enumerate() {
-                let want = a2a_part(from, rank, &dev);
+                let want = a2a_part(from, rank, dev);
                 assert_eq!(t.dims(), want.dims(), "n={n}: part from {from} to {rank}");
                 assert_eq!(t.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
-                assert!(t.device().same(&dev));
+                assert!(t.device().same(dev));
             }
             // The async form agrees.
             let again = comm.all_to_all_async(parts).unwrap().wait().unwrap();
@@ -238,19 +227,17 @@ fn uneven_all_to_all_delivers_every_part_with_its_shape() {
 #[test]
 fn send_and_recv_ping_pong_with_shape_and_dtype() {
     let world = InProcess::new(2).unwrap();
-    run(&world, |rank| {
-        let dev = Device::cpu();
-        let comm = world.communicator(rank, &dev).unwrap();
+    on_every_rank(&world, |rank, comm, dev| {
         let peer = 1 - rank;
         // Both send before receiving: sends are buffered, nothing deadlocks.
-        let mine = Tensor::from_vec(vec![rank as u32; 7], [7], &dev).unwrap();
+        let mine = Tensor::from_vec(vec![rank as u32; 7], [7], dev).unwrap();
         comm.send(&mine, peer).unwrap();
         let theirs = comm.recv(peer).unwrap();
         assert_eq!((theirs.dtype(), theirs.dims()), (DType::U32, &[7][..]));
         assert_eq!(theirs.to_vec::<u32>().unwrap(), vec![peer as u32; 7]);
-        assert!(theirs.device().same(&dev), "received on the receiver's device");
+        assert!(theirs.device().same(dev), "received on the receiver's device");
         // Ping-pong: rank 0 serves a bf16 matrix, rank 1 adds one and returns it.
-        let mut x = Tensor::full(0.0, [3, 5], DType::BF16, &dev).unwrap();
+        let mut x = Tensor::full(0.0, [3, 5], DType::BF16, dev).unwrap();
         for round in 0..50 {
             if rank == 0 {
                 comm.send(&x, 1).unwrap();
@@ -259,15 +246,15 @@ fn send_and_recv_ping_pong_with_shape_and_dtype() {
                 assert_eq!(x.to_f64_vec().unwrap(), vec![round as f64 + 1.0; 15]);
             } else {
                 let y = comm.recv(0).unwrap();
-                let one = Tensor::full(1.0, [3, 5], DType::BF16, &dev).unwrap();
+                let one = Tensor::full(1.0, [3, 5], DType::BF16, dev).unwrap();
                 comm.send(&tessera::ops::add(&y, &one).unwrap(), 0).unwrap();
             }
         }
         // Messages keep their order per pair, and a strided tensor travels as its values.
         if rank == 0 {
-            let m = Tensor::from_vec((0..6).map(|v| v as f64).collect(), [2, 3], &dev).unwrap();
+            let m = Tensor::from_vec((0..6).map(|v| v as f64).collect(), [2, 3], dev).unwrap();
             comm.send(&m.t().unwrap(), 1).unwrap();
-            comm.send(&Tensor::from_vec(vec![9.0f32], [1], &dev).unwrap(), 1).unwrap();
+            comm.send(&Tensor::from_vec(vec![9.0f32], [1], dev).unwrap(), 1).unwrap();
         } else {
             let a = comm.recv(0).unwrap();
             assert_eq!(a.dims(), &[3, 2]);
@@ -285,7 +272,7 @@ fn sub_groups_run_concurrently_without_interfering() {
     let world = InProcess::new(8).unwrap();
     let tp_of = |r: usize| vec![r / 2 * 2, r / 2 * 2 + 1];
     let dp_of = |r: usize| (0..4).map(|i| r % 2 + 2 * i).collect::<Vec<_>>();
-    let outs = run(&world, |rank| {
+    let outs = on_threads(world.world_size(), |rank| {
         let dev = Device::cpu();
         let tp = world.tagged_group("tp", &tp_of(rank)).unwrap().communicator(rank, &dev).unwrap();
         let dp = world.tagged_group("dp", &dp_of(rank)).unwrap().communicator(rank, &dev).unwrap();
@@ -334,10 +321,8 @@ fn groups_are_validated() {
 fn async_collectives_run_in_the_background_and_match_sync() {
     let n = 4;
     let world = InProcess::new(n).unwrap();
-    run(&world, |rank| {
-        let dev = Device::cpu();
-        let comm = world.communicator(rank, &dev).unwrap();
-        let buckets: Vec<Tensor> = (0..3).map(|b| input(rank, 50 + b, &[4096 + b as usize], DType::F32, &dev)).collect();
+    on_every_rank(&world, |rank, comm, dev| {
+        let buckets: Vec<Tensor> = (0..3).map(|b| input(rank, 50 + b, &[4096 + b as usize], DType::F32, dev)).collect();
         let sync: Vec<Tensor> = buckets.iter().map(|b| comm.all_reduce_sum(b).unwrap()).collect();
         let gathered = comm.all_gather(&buckets[0], 0).unwrap();
         let scattered = comm.reduce_scatter_sum(&buckets[0], 0).unwrap();
@@ -347,7 +332,7 @@ fn async_collectives_run_in_the_background_and_match_sync() {
         // the backward") before waiting; a sync call queues behind them.
         let pending: Vec<_> = buckets.iter().map(|b| comm.all_reduce_sum_async(b).unwrap()).collect();
         let g2 = comm.all_gather_async(&buckets[0], 0).unwrap();
-        let a = Tensor::full(0.5, [64, 64], DType::F32, &dev).unwrap();
+        let a = Tensor::full(0.5, [64, 64], DType::F32, dev).unwrap();
         let mut acc = a.clone();
         for _ in 0..8 {
             acc = tessera::ops::matmul(&acc, &a).unwrap();
@@ -371,10 +356,8 @@ fn an_async_collective_progresses_while_its_caller_never_calls_in() {
     // Rank 0 starts an all-reduce and only polls `is_done`: the collective
     // can only complete if it really runs on a background thread.
     let world = InProcess::new(2).unwrap();
-    let outs = run(&world, |rank| {
-        let dev = Device::cpu();
-        let comm = world.communicator(rank, &dev).unwrap();
-        let x = input(rank, 60, &[1000], DType::F32, &dev);
+    let outs = on_every_rank(&world, |rank, comm, dev| {
+        let x = input(rank, 60, &[1000], DType::F32, dev);
         if rank == 0 {
             let p = comm.all_reduce_sum_async(&x).unwrap();
             let start = Instant::now();
@@ -398,10 +381,8 @@ fn an_async_collective_progresses_while_its_caller_never_calls_in() {
 #[test]
 fn received_tensors_are_counted_on_the_receivers_device() {
     let world = InProcess::new(2).unwrap();
-    run(&world, |rank| {
-        let dev = Device::cpu();
-        let comm = world.communicator(rank, &dev).unwrap();
-        let x = input(rank, 70, &[1000], DType::F32, &dev);
+    on_every_rank(&world, |rank, comm, dev| {
+        let x = input(rank, 70, &[1000], DType::F32, dev);
         comm.barrier().unwrap();
         let base = dev.memory_stats().in_use;
         let y = comm.all_reduce_sum(&x).unwrap();
@@ -429,11 +410,19 @@ fn received_tensors_are_counted_on_the_receivers_device() {
     });
 }
 
-/// Joins every rank thread; returns each rank's result, or `None` where the thread panicked.
-fn run_fallible<R: Send>(world: &InProcess, f: impl Fn(usize) -> R + Sync) -> Vec<Option<R>> {
+/// [`on_every_rank`] where ranks may panic: each rank's result, or `None`
+/// where its thread panicked.
+fn on_every_rank_fallible<R: Send>(world: &InProcess, f: impl Fn(usize, InProcessComm, &Device) -> R + Sync) -> Vec<Option<R>> {
     thread::scope(|s| {
         let f = &f;
-        let handles: Vec<_> = (0..world.world_size()).map(|r| s.spawn(move || f(r))).collect();
+        let handles: Vec<_> = (0..world.world_size())
+            .map(|rank| {
+                s.spawn(move || {
+                    let dev = Device::cpu();
+                    f(rank, world.communicator(rank, &dev).unwrap(), &dev)
+                })
+            })
+            .collect();
         handles.into_iter().map(|h| h.join().ok()).collect()
     })
 }
@@ -442,10 +431,8 @@ fn run_fallible<R: Send>(world: &InProcess, f: impl Fn(usize) -> R + Sync) -> Ve
 fn a_rank_that_panics_mid_step_fails_its_peers_fast() {
     let world = InProcess::new(4).unwrap(); // the default 60 s timeout
     let start = Instant::now();
-    let outs = run_fallible(&world, |rank| {
-        let dev = Device::cpu();
-        let comm = world.communicator(rank, &dev).unwrap();
-        let x = input(rank, 80, &[64], DType::F32, &dev);
+    let outs = on_every_rank_fallible(&world, |rank, comm, dev| {
+        let x = input(rank, 80, &[64], DType::F32, dev);
         for step in 0..100 {
             if rank == 3 && step == 2 {
                 panic!("rank 3 fails on purpose in step 2");
@@ -474,10 +461,8 @@ fn a_rank_that_panics_mid_step_fails_its_peers_fast() {
 fn abort_stops_pending_and_later_calls_on_every_rank() {
     let world = InProcess::new(3).unwrap();
     let start = Instant::now();
-    let outs = run(&world, |rank| {
-        let dev = Device::cpu();
-        let comm = world.communicator(rank, &dev).unwrap();
-        let x = input(rank, 90, &[8], DType::F32, &dev);
+    let outs = on_every_rank(&world, |rank, comm, dev| {
+        let x = input(rank, 90, &[8], DType::F32, dev);
         if rank == 1 {
             thread::sleep(Duration::from_millis(30));
             comm.abort("out of memory in the optimizer step");
@@ -502,10 +487,8 @@ fn a_rank_that_never_arrives_times_out() {
     let world = InProcess::with_timeout(2, Duration::from_millis(300)).unwrap();
     let (tx, rx) = mpsc::channel::<()>();
     let rx = std::sync::Mutex::new(rx);
-    let outs = run(&world, |rank| {
-        let dev = Device::cpu();
-        let comm = world.communicator(rank, &dev).unwrap();
-        let x = input(rank, 100, &[8], DType::F32, &dev);
+    let outs = on_every_rank(&world, |rank, comm, dev| {
+        let x = input(rank, 100, &[8], DType::F32, dev);
         if rank == 0 {
             let start = Instant::now();
             let e = comm.all_reduce_sum(&x).unwrap_err();
@@ -537,9 +520,7 @@ fn a_rank_that_never_arrives_times_out() {
 #[test]
 fn recv_from_a_silent_peer_times_out() {
     let world = InProcess::with_timeout(2, Duration::from_millis(200)).unwrap();
-    let outs = run(&world, |rank| {
-        let dev = Device::cpu();
-        let comm = world.communicator(rank, &dev).unwrap();
+    let outs = on_every_rank(&world, |rank, comm, _| {
         if rank == 0 {
             Some(comm.recv(1).unwrap_err())
         } else {
@@ -554,10 +535,8 @@ fn recv_from_a_silent_peer_times_out() {
 fn a_dropped_communicator_fails_the_peers_waiting_for_it() {
     let world = InProcess::new(3).unwrap();
     let start = Instant::now();
-    let outs = run(&world, |rank| {
-        let dev = Device::cpu();
-        let comm = world.communicator(rank, &dev).unwrap();
-        let x = input(rank, 110, &[8], DType::F32, &dev);
+    let outs = on_every_rank(&world, |rank, comm, dev| {
+        let x = input(rank, 110, &[8], DType::F32, dev);
         comm.all_reduce_sum(&x).unwrap();
         if rank == 2 {
             drop(comm);
@@ -575,24 +554,22 @@ fn a_dropped_communicator_fails_the_peers_waiting_for_it() {
 fn mismatched_calls_are_errors_on_every_rank_not_hangs() {
     let world = InProcess::new(2).unwrap();
     let start = Instant::now();
-    run(&world, |rank| {
-        let dev = Device::cpu();
-        let comm = world.communicator(rank, &dev).unwrap();
-        let x = input(rank, 120, &[4, 6], DType::F32, &dev);
+    on_every_rank(&world, |rank, comm, dev| {
+        let x = input(rank, 120, &[4, 6], DType::F32, dev);
         // Different collectives.
         let e = if rank == 0 { comm.all_reduce_sum(&x) } else { comm.all_gather(&x, 0) }.unwrap_err();
         let msg = e.to_string();
         assert!(matches!(e, Error::CollectiveMismatch { .. }), "{msg}");
         assert!(msg.contains("all_reduce_sum") && msg.contains("all_gather"), "{msg}");
         // Same collective, different shapes, dtypes or arguments.
-        let y = input(rank, 120, &[4, 6 + rank], DType::F32, &dev);
+        let y = input(rank, 120, &[4, 6 + rank], DType::F32, dev);
         assert!(matches!(comm.all_reduce_sum(&y), Err(Error::CollectiveMismatch { .. })));
-        let z = input(rank, 120, &[4, 6], if rank == 0 { DType::F32 } else { DType::BF16 }, &dev);
+        let z = input(rank, 120, &[4, 6], if rank == 0 { DType::F32 } else { DType::BF16 }, dev);
         assert!(matches!(comm.all_gather(&z, 1), Err(Error::CollectiveMismatch { .. })));
         assert!(matches!(comm.all_gather(&x, rank), Err(Error::CollectiveMismatch { .. })));
         assert!(matches!(comm.broadcast(&x, rank), Err(Error::CollectiveMismatch { .. })));
         // One rank's invalid arguments: its own error there, a mismatch on the peer.
-        let w = input(rank, 120, &[3 + rank, 2], DType::F32, &dev);
+        let w = input(rank, 120, &[3 + rank, 2], DType::F32, dev);
         match (rank, comm.reduce_scatter_sum(&w, 0)) {
             (0, Err(Error::Shape { .. })) | (1, Err(Error::CollectiveMismatch { .. })) => {}
             (r, other) => panic!("rank {r}: unexpected {other:?}"),

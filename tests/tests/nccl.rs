@@ -14,7 +14,6 @@ mod common;
 use common::models::GptBlock;
 use common::{assert_close, rand_vec};
 use std::sync::Arc;
-use std::thread;
 use tessera::backend::cuda::report_skip;
 use tessera::dist::inproc::InProcess;
 use tessera::dist::mesh::Mesh;
@@ -23,6 +22,7 @@ use tessera::dist::Communicator;
 use tessera::module::{self, Act, Cx, Groups, Module};
 use tessera::parallel::data::{DataParallel, SyncStats};
 use tessera::{bf16, f16, ops, DType, Device, Error, Init, Result, RngKey, Tensor};
+use tessera_comm_harness::on_threads;
 
 const DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
 
@@ -51,15 +51,6 @@ fn group_or_skip(test: &str, n: usize) -> Option<(Vec<Device>, Vec<NcclCommunica
         }
         Err(e) => panic!("creating the NCCL group failed: {e}"),
     }
-}
-
-/// Runs `f(rank)` on one thread per rank and returns the results in rank order.
-fn per_rank<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
-    thread::scope(|s| {
-        let f = &f;
-        let handles: Vec<_> = (0..n).map(|r| s.spawn(move || f(r))).collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
-    })
 }
 
 /// Rank `rank`'s input for case `case`, on the CPU: reproducible values in
@@ -98,7 +89,7 @@ type Got = (Vec<usize>, Vec<f64>);
 fn reference(inputs: &[Tensor], call: &(dyn Fn(&dyn Communicator, &Tensor) -> Result<Tensor> + Sync)) -> Vec<Got> {
     let world = InProcess::new(inputs.len()).unwrap();
     let cpu = Device::cpu();
-    per_rank(inputs.len(), |r| {
+    on_threads(inputs.len(), |r| {
         let comm = world.communicator(r, &cpu).unwrap();
         let out = call(&comm, &inputs[r]).unwrap();
         (out.dims().to_vec(), host(&out))
@@ -112,7 +103,7 @@ fn on_devices<C: Communicator>(
     inputs: &[Tensor],
     call: &(dyn Fn(&dyn Communicator, &Tensor) -> Result<Tensor> + Sync),
 ) -> Vec<Got> {
-    per_rank(devices.len(), |r| {
+    on_threads(devices.len(), |r| {
         let x = to_device(&inputs[r], &devices[r]);
         let out = call(&comms[r], &x).unwrap();
         assert_eq!(out.device().to_string(), devices[r].to_string(), "a rank's result lives on its own device");
@@ -175,8 +166,8 @@ fn check_every_collective<C: Communicator>(devices: &[Device], comms: &[C]) {
         let parts_of = |r: usize| -> Vec<Tensor> { (0..n).map(|p| input(r, case + 50 + p as u64, &[r + 1, p + 2], dtype)).collect() };
         let world = InProcess::new(n).unwrap();
         let cpu = Device::cpu();
-        let want = per_rank(n, |r| world.communicator(r, &cpu).unwrap().all_to_all(parts_of(r)).unwrap());
-        let got = per_rank(n, |r| comms[r].all_to_all(parts_of(r).iter().map(|t| to_device(t, &devices[r])).collect()).unwrap());
+        let want = on_threads(n, |r| world.communicator(r, &cpu).unwrap().all_to_all(parts_of(r)).unwrap());
+        let got = on_threads(n, |r| comms[r].all_to_all(parts_of(r).iter().map(|t| to_device(t, &devices[r])).collect()).unwrap());
         for (r, (got, want)) in got.iter().zip(&want).enumerate() {
             assert_eq!(got.len(), n, "all_to_all: rank {r} receives one part per rank");
             for (s, (g, w)) in got.iter().zip(want).enumerate() {
@@ -185,7 +176,7 @@ fn check_every_collective<C: Communicator>(devices: &[Device], comms: &[C]) {
             }
         }
     }
-    per_rank(n, |r| comms[r].barrier().unwrap());
+    on_threads(n, |r| comms[r].barrier().unwrap());
 }
 
 /// The comparison itself, checked where there is no GPU: the in-process
@@ -251,7 +242,7 @@ fn mesh_groups_on_two_gpus_reduce_along_each_axis() {
     for (spec, dp, tp) in [("dp2", 2, 1), ("tp2", 1, 2)] {
         let mesh = Mesh::parse(spec, 2, 2).unwrap();
         let groups = nccl::mesh_groups(&mesh, &devices).unwrap();
-        let sums = per_rank(2, |r| {
+        let sums = on_threads(2, |r| {
             let g = &groups[r];
             assert_eq!((g.dp.size(), g.tp.size(), g.pp.size(), g.ep.size()), (dp, tp, 1, 1), "{spec}");
             let x = Tensor::from_vec(vec![r as f32 + 1.0; 4], [4], &devices[r]).unwrap();
@@ -311,7 +302,7 @@ fn dp_step(devices: &[Device], comms: &[Arc<dyn Communicator>]) -> Vec<(Vec<Vec<
     let (per, t, d) = (2, 3, 8);
     let x = rand_vec(1, n * per * t * d);
     let dy = rand_vec(2, n * per * t * d);
-    per_rank(n, |r| {
+    on_threads(n, |r| {
         let dev = &devices[r];
         let mut groups = Groups::single();
         groups.dp = comms[r].clone();
@@ -391,7 +382,7 @@ fn data_parallel_on_two_gpus_matches_cpu_ranks() {
 #[test]
 fn send_and_recv_between_two_gpus_are_buffered_and_ordered() {
     let Some((devices, comms)) = group_or_skip("send_and_recv_between_two_gpus_are_buffered_and_ordered", 2) else { return };
-    let got = per_rank(2, |r| {
+    let got = on_threads(2, |r| {
         let peer = 1 - r;
         let dev = &devices[r];
         let first = to_device(&input(r, 900, &[3, 5], DType::BF16), dev);
@@ -411,7 +402,7 @@ fn send_and_recv_between_two_gpus_are_buffered_and_ordered() {
         assert_eq!(b, (DType::F32, vec![7], host(&input(peer, 901, &[7], DType::F32))), "rank {r}: second message");
     }
     // A receiver waiting for a message that never comes is released by an abort.
-    let e = per_rank(2, |r| {
+    let e = on_threads(2, |r| {
         if r == 0 {
             comms[0].recv(1).unwrap_err().to_string()
         } else {
@@ -429,7 +420,7 @@ fn send_and_recv_between_two_gpus_are_buffered_and_ordered() {
 fn process_ranks(n: usize, timeout: std::time::Duration) -> Vec<(tessera::dist::store::Rendezvous, tessera::dist::process::ProcessWorld)> {
     use tessera::dist::env::{Launcher, ProcessEnv};
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    per_rank(n, |rank| {
+    on_threads(n, |rank| {
         let env = ProcessEnv {
             rank,
             world_size: n,
@@ -465,7 +456,7 @@ fn processes_with_a_gpu_each_join_nccl_groups_through_the_store() {
     }
     let ranks = process_ranks(n, std::time::Duration::from_secs(60));
     let mesh = Mesh::parse(&format!("dp{n}"), n, n).unwrap();
-    let results = per_rank(n, |r| {
+    let results = on_threads(n, |r| {
         let (rdzv, world) = &ranks[r];
         let dev = Device::cuda(r).unwrap();
         let groups = match nccl::process_mesh_groups(world, rdzv, &mesh, &dev) {
@@ -498,7 +489,7 @@ fn processes_with_a_gpu_each_join_nccl_groups_through_the_store() {
 fn nccl_groups_of_processes_refuse_a_cpu_device() {
     let ranks = process_ranks(2, std::time::Duration::from_secs(30));
     let mesh = Mesh::parse("dp2", 2, 2).unwrap();
-    let errors = per_rank(2, |r| nccl::process_mesh_groups(&ranks[r].1, &ranks[r].0, &mesh, &Device::cpu()).unwrap_err().to_string());
+    let errors = on_threads(2, |r| nccl::process_mesh_groups(&ranks[r].1, &ranks[r].0, &mesh, &Device::cpu()).unwrap_err().to_string());
     for e in errors {
         assert!(e.contains("NCCL connects CUDA devices"), "{e}");
     }

@@ -19,7 +19,6 @@ use std::sync::{mpsc, Barrier};
 use std::thread;
 use std::time::{Duration, Instant};
 use tessera::dist::env::{Launcher, ProcessEnv};
-use tessera::dist::inproc::InProcess;
 use tessera::dist::mesh::Mesh;
 use tessera::dist::process::{mesh_groups, ProcessWorld, Transport};
 use tessera::dist::shm::ShmWorld;
@@ -27,6 +26,10 @@ use tessera::dist::store::Rendezvous;
 use tessera::dist::Communicator;
 use tessera::prelude::*;
 use tessera::Error;
+use tessera_comm_harness::{
+    assert_in_process_bits, assert_mismatched_calls_are_errors, assert_same_results, execute, in_process, input, names_lost_rank, on_threads,
+    start_in_opposite_orders, Call, Outcome, ProgramSpace,
+};
 
 const LONG: Duration = Duration::from_secs(30);
 
@@ -67,183 +70,38 @@ fn job<R: Send>(n: usize, f: impl Fn(usize, &Rendezvous) -> R + Sync) -> Vec<R> 
 fn job_on_nodes<R: Send>(n: usize, per_node: usize, f: impl Fn(usize, &Rendezvous) -> R + Sync) -> Vec<R> {
     let port = free_port();
     let done = Barrier::new(n);
-    thread::scope(|s| {
-        let (f, done) = (&f, &done);
-        let handles: Vec<_> = (0..n)
-            .map(|r| {
-                s.spawn(move || {
-                    let rdzv = Rendezvous::join(&process_env(r, n, per_node, port), LONG).unwrap();
-                    let out = f(r, &rdzv);
-                    done.wait();
-                    out
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+    on_threads(n, |r| {
+        let rdzv = Rendezvous::join(&process_env(r, n, per_node, port), LONG).unwrap();
+        let out = f(r, &rdzv);
+        done.wait();
+        out
     })
 }
 
-/// A deterministic generator of test cases.
-struct Gen(u64);
+/// The programs here: one call in eight large, all-gathers synchronous.
+const PROGRAMS: ProgramSpace =
+    ProgramSpace { dtypes: &[DType::F32, DType::BF16, DType::F16, DType::F64, DType::I32], async_all_gather: false, large_calls: true };
 
-impl Gen {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
-/// One call of a generated program, the same on every rank.
-#[derive(Clone, Debug)]
-enum Call {
-    AllReduce { dims: Vec<usize>, dtype: DType, asynchronous: bool },
-    AllGather { dims: Vec<usize>, dim: usize, dtype: DType },
-    ReduceScatter { dims: Vec<usize>, dim: usize, dtype: DType, asynchronous: bool },
-    Broadcast { dims: Vec<usize>, root: usize, dtype: DType },
-    AllToAll { rows: Vec<Vec<usize>> },
-    SendRecv { len: usize },
-    Barrier,
-}
-
-/// A program of `calls` calls for `n` ranks. One call in eight is large
-/// enough to take several rounds of a staging half (a megabyte), or, for
-/// messages, to overflow a ring into a file of its own.
-fn program(seed: u64, n: usize, calls: usize) -> Vec<Call> {
-    let mut g = Gen(seed);
-    let dtypes = [DType::F32, DType::BF16, DType::F16, DType::F64, DType::I32];
-    (0..calls)
-        .map(|_| {
-            let dtype = dtypes[g.below(dtypes.len())];
-            let big = g.below(8) == 0;
-            let rank_count = 1 + g.below(3);
-            let mut dims: Vec<usize> = (0..rank_count).map(|_| 1 + g.below(9)).collect();
-            if big {
-                // 2 to 4 rounds of a 1 MiB half for every dtype (a few
-                // hundred thousand elements).
-                dims = vec![1 + g.below(3), 150_000 + g.below(150_000)];
-            }
-            match g.below(7) {
-                0 => Call::AllReduce { dims, dtype, asynchronous: g.below(2) == 0 },
-                1 => {
-                    let dim = g.below(dims.len());
-                    Call::AllGather { dims, dim, dtype }
-                }
-                2 => {
-                    let dim = g.below(dims.len());
-                    dims[dim] *= n;
-                    Call::ReduceScatter { dims, dim, dtype, asynchronous: g.below(2) == 0 }
-                }
-                3 => Call::Broadcast { dims, root: g.below(n), dtype },
-                4 => {
-                    let most = if big { 200_000 } else { 5 };
-                    Call::AllToAll { rows: (0..n).map(|_| (0..n).map(|_| g.below(most)).collect()).collect() }
-                }
-                5 => Call::SendRecv { len: if big { 300_000 + g.below(100_000) } else { 1 + g.below(300) } },
-                _ => Call::Barrier,
-            }
-        })
-        .collect()
-}
-
-/// Rank `rank`'s input of call `i`.
-fn input(rank: usize, i: usize, dims: &[usize], dtype: DType, dev: &Device) -> Tensor {
-    let key = RngKey::new(77 + rank as u64, i as u64);
-    match dtype {
-        DType::I32 => {
-            let len: usize = dims.iter().product();
-            let v: Vec<i32> = (0..len).map(|j| (j as i32 % 7919 * 13 + rank as i32 * 31 + i as i32) % 1000 - 500).collect();
-            Tensor::from_vec(v, dims, dev).unwrap()
-        }
-        _ => Tensor::rand(Init::Uniform { lo: -3.0, hi: 3.0 }, key, dims, dtype, dev).unwrap(),
-    }
-}
-
-/// A digest of the bits of every element, the shape and the dtype of `t`.
-fn fingerprint(t: &Tensor) -> u64 {
+/// A digest of what every call of a program gave a rank, which a rank
+/// process prints for the test to compare.
+fn digest(results: &[Vec<Outcome>]) -> u64 {
     let mut h = DefaultHasher::new();
-    (t.dims(), format!("{:?}", t.dtype())).hash(&mut h);
-    for v in t.to_f64_vec().unwrap() {
-        v.to_bits().hash(&mut h);
-    }
+    results.hash(&mut h);
     h.finish()
-}
-
-/// Runs `program` on `comm` as rank `rank` of `n` and returns the digest of
-/// what every call gave this rank.
-fn execute(comm: &dyn Communicator, program: &[Call], rank: usize, n: usize, dev: &Device) -> Vec<Vec<u64>> {
-    program
-        .iter()
-        .enumerate()
-        .map(|(i, call)| match call {
-            Call::AllReduce { dims, dtype, asynchronous } => {
-                let x = input(rank, i, dims, *dtype, dev);
-                let y = if *asynchronous { comm.all_reduce_sum_async(&x).unwrap().wait() } else { comm.all_reduce_sum(&x) };
-                vec![fingerprint(&y.unwrap())]
-            }
-            Call::AllGather { dims, dim, dtype } => vec![fingerprint(&comm.all_gather(&input(rank, i, dims, *dtype, dev), *dim).unwrap())],
-            Call::ReduceScatter { dims, dim, dtype, asynchronous } => {
-                let x = input(rank, i, dims, *dtype, dev);
-                let y = if *asynchronous { comm.reduce_scatter_sum_async(&x, *dim).unwrap().wait() } else { comm.reduce_scatter_sum(&x, *dim) };
-                vec![fingerprint(&y.unwrap())]
-            }
-            Call::Broadcast { dims, root, dtype } => vec![fingerprint(&comm.broadcast(&input(rank, i, dims, *dtype, dev), *root).unwrap())],
-            Call::AllToAll { rows } => {
-                let parts: Vec<Tensor> = (0..n).map(|to| input(rank * n + to, i, &[rows[rank][to], 2], DType::F32, dev)).collect();
-                comm.all_to_all(parts).unwrap().iter().map(fingerprint).collect()
-            }
-            Call::SendRecv { len } => {
-                // A ring: everyone sends first (sends never wait), then receives.
-                let x = input(rank, i, &[*len], DType::BF16, dev);
-                comm.send(&x, (rank + 1) % n).unwrap();
-                vec![fingerprint(&comm.recv((rank + n - 1) % n).unwrap())]
-            }
-            Call::Barrier => {
-                comm.barrier().unwrap();
-                Vec::new()
-            }
-        })
-        .collect()
-}
-
-/// What the in-process communicator gives every rank for `prog`.
-fn in_process(prog: &[Call], n: usize) -> Vec<Vec<Vec<u64>>> {
-    let world = InProcess::new(n).unwrap();
-    thread::scope(|s| {
-        let world = &world;
-        let handles: Vec<_> = (0..n)
-            .map(|r| {
-                s.spawn(move || {
-                    let dev = Device::cpu();
-                    execute(&world.communicator(r, &dev).unwrap(), prog, r, n, &dev)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
 }
 
 #[test]
 fn generated_programs_give_the_in_process_bits_with_ranks_as_threads() {
     for (case, n) in [2usize, 3, 4, 2].into_iter().enumerate() {
         let seed = 0x5EED_0000 + case as u64;
-        let prog = program(seed, n, 32);
-        let want = in_process(&prog, n);
+        let prog = PROGRAMS.generate(seed, n, 32);
         let got = job(n, |r, rdzv| {
             let dev = Device::cpu();
             let world = ShmWorld::join(rdzv, &dev, LONG).unwrap();
             assert_eq!(world.local_ranks(), (0..n).collect::<Vec<_>>());
             execute(&world.communicator().unwrap(), &prog, r, n, &dev)
         });
-        for r in 0..n {
-            for (i, call) in prog.iter().enumerate() {
-                assert_eq!(got[r][i], want[r][i], "case {case} (world {n}), rank {r}, call {i}: {call:?}");
-            }
-        }
+        assert_in_process_bits(&prog, &got, &format!("case {case} (world {n})"));
     }
 }
 
@@ -263,17 +121,12 @@ fn sums_are_the_in_process_bits_for_every_dtype_size_and_world() {
                 ]
             })
             .collect();
-        let want = in_process(&prog, n);
         let got = job(n, |r, rdzv| {
             let dev = Device::cpu();
             let world = ShmWorld::join(rdzv, &dev, LONG).unwrap();
             execute(&world.communicator().unwrap(), &prog, r, n, &dev)
         });
-        for r in 0..n {
-            for (i, call) in prog.iter().enumerate() {
-                assert_eq!(got[r][i], want[r][i], "world {n}, rank {r}: {call:?}");
-            }
-        }
+        assert_in_process_bits(&prog, &got, &format!("world {n}"));
     }
 }
 
@@ -290,15 +143,7 @@ fn a_process_world_chooses_shared_memory_for_groups_within_the_node() {
             let a = world.tagged_group("a", &[0, 1, 2, 3]).unwrap();
             let b = world.tagged_group("b", &[0, 1, 2, 3]).unwrap();
             let x = Tensor::from_vec(vec![r as f32; 4], [4], &dev).unwrap();
-            // Issued in opposite orders on even and odd ranks: each group's
-            // own order is what matters.
-            let (pa, pb) = if r % 2 == 0 {
-                let pa = a.all_reduce_sum_async(&x).unwrap();
-                (pa, b.all_gather_async(&x, 0).unwrap())
-            } else {
-                let pb = b.all_gather_async(&x, 0).unwrap();
-                (a.all_reduce_sum_async(&x).unwrap(), pb)
-            };
+            let (pa, pb) = start_in_opposite_orders(&a, &b, &x, r);
             assert_eq!(pa.wait().unwrap().to_vec::<f32>().unwrap(), vec![6.0; 4]);
             assert_eq!(pb.wait().unwrap().dims(), &[16]);
             assert!(world.tagged_group("a", &[0, 1, 2, 3]).is_err(), "a second communicator for the same group");
@@ -319,7 +164,7 @@ fn a_process_world_chooses_shared_memory_for_groups_within_the_node() {
 /// the waits of the other.
 #[test]
 fn groups_within_a_node_use_shared_memory_and_the_others_tcp() {
-    let prog = program(0xAB, 2, 16);
+    let prog = PROGRAMS.generate(0xAB, 2, 16);
     let want = in_process(&prog, 2);
     let kinds = job_on_nodes(4, 2, |r, rdzv| {
         let dev = Device::cpu();
@@ -327,8 +172,8 @@ fn groups_within_a_node_use_shared_memory_and_the_others_tcp() {
         assert_eq!((world.is_local(r ^ 1), world.is_local(r ^ 2)), (true, false));
         let groups = mesh_groups(&world, &Mesh::parse("dp2,tp2", 4, 2).unwrap()).unwrap();
         let (tp, dp) = (&groups.tp, &groups.dp);
-        assert_eq!(execute(tp.as_ref(), &prog, r % 2, 2, &dev), want[r % 2], "rank {r}: the shared-memory group");
-        assert_eq!(execute(dp.as_ref(), &prog, r / 2, 2, &dev), want[r / 2], "rank {r}: the TCP group");
+        assert_same_results(&prog, &execute(tp.as_ref(), &prog, r % 2, 2, &dev), &want[r % 2], &format!("rank {r}: the shared-memory group"));
+        assert_same_results(&prog, &execute(dp.as_ref(), &prog, r / 2, 2, &dev), &want[r / 2], &format!("rank {r}: the TCP group"));
         let all = world.communicator().unwrap();
         let e = world.tagged_group("forced", &[r % 2, r % 2 + 2]).map(drop);
         // An abort through shared memory on node 1 reaches node 0's ranks
@@ -367,33 +212,18 @@ fn mismatched_calls_are_errors_on_every_rank_and_the_group_stays_usable() {
         let dev = Device::cpu();
         let world = ShmWorld::join(rdzv, &dev, LONG).unwrap();
         let comm = world.communicator().unwrap();
+        assert_mismatched_calls_are_errors(&comm, rank, 3, &dev);
         let x = input(rank, 0, &[6, 4], DType::F32, &dev);
-        let e = if rank == 0 { comm.all_reduce_sum(&x) } else { comm.all_gather(&x, 0) }.unwrap_err();
-        assert!(matches!(e, Error::CollectiveMismatch { .. }), "{e}");
-        assert!(e.to_string().contains("all_reduce_sum") && e.to_string().contains("all_gather"), "{e}");
-        let y = input(rank, 0, &[6, 4 + rank], DType::F32, &dev);
-        assert!(matches!(comm.all_reduce_sum(&y), Err(Error::CollectiveMismatch { .. })));
-        assert!(matches!(comm.broadcast(&x, rank), Err(Error::CollectiveMismatch { .. })));
-        let w = input(rank, 0, &[if rank == 0 { 4 } else { 3 }, 2], DType::F32, &dev);
-        match (rank, comm.reduce_scatter_sum(&w, 0)) {
-            (0, Err(Error::Shape { .. })) | (1 | 2, Err(Error::CollectiveMismatch { .. })) => {}
-            (r, other) => panic!("rank {r}: unexpected {other:?}"),
-        }
-        let s = comm.all_reduce_sum(&x).unwrap();
-        assert_eq!(s.dims(), &[6, 4]);
         assert!(comm.send(&x, rank).is_err() && comm.recv(7).is_err(), "no message to oneself or to a rank outside the group");
     });
     assert!(start.elapsed() < Duration::from_secs(10));
 }
 
-/// The error a rank's pending call returns when a peer is lost names that
-/// peer, whoever noticed it first.
+/// Whether `e` names the lost rank `lost`: as [`names_lost_rank`], or in a
+/// timeout's list of the ranks that did not arrive (`[2]`), as the
+/// shared-memory waits name them.
 fn names_rank(e: &Error, lost: usize) -> bool {
-    match e {
-        Error::PeerFailed { rank, .. } => *rank == lost,
-        Error::Timeout { detail, .. } => detail.contains(&format!("rank {lost}")) || detail.contains(&format!("[{lost}]")),
-        _ => false,
-    }
+    names_lost_rank(e, lost) || matches!(e, Error::Timeout { detail, .. } if detail.contains(&format!("[{lost}]")))
 }
 
 #[test]
@@ -502,7 +332,7 @@ fn messages_are_buffered_in_order_whatever_their_size() {
             let got = comm.recv(peer).unwrap();
             let want = input(peer, i, &[n], if i % 2 == 0 { DType::BF16 } else { DType::F32 }, &dev);
             assert_eq!((got.dims(), got.dtype()), (want.dims(), want.dtype()));
-            assert_eq!(fingerprint(&got), fingerprint(&want), "message {i} of {n} elements");
+            assert!(Outcome::of(&got) == Outcome::of(&want), "message {i} of {n} elements");
         }
     });
 }
@@ -631,10 +461,8 @@ fn rank_process() {
             let world = ProcessWorld::join_with(&rdzv, &dev, LONG, Transport::Shm).unwrap();
             let comm = world.communicator().unwrap();
             assert_eq!(comm.transport(), Transport::Shm);
-            let out = execute(&comm, &program(seed, n, calls), rank, n, &dev);
-            let mut h = DefaultHasher::new();
-            out.hash(&mut h);
-            println!("{MARK}{}", h.finish());
+            let out = execute(&comm, &PROGRAMS.generate(seed, n, calls), rank, n, &dev);
+            println!("{MARK}{}", digest(&out));
             comm.barrier().unwrap();
         }
         // Waits in an all-reduce that rank 1 never joins; the test kills
@@ -676,15 +504,8 @@ fn generated_programs_give_the_in_process_bits_with_ranks_as_processes() {
     let dir = &scratch.0;
     for (case, n) in [(0u64, 3usize), (1, 2)] {
         let seed = 0xC0FFEE + case;
-        let prog = program(seed, n, 24);
-        let want: Vec<u64> = in_process(&prog, n)
-            .iter()
-            .map(|out| {
-                let mut h = DefaultHasher::new();
-                out.hash(&mut h);
-                h.finish()
-            })
-            .collect();
+        let prog = PROGRAMS.generate(seed, n, 24);
+        let want: Vec<u64> = in_process(&prog, n).iter().map(|out| digest(out)).collect();
         let port = free_port();
         let mut ranks = Ranks((0..n).map(|r| spawn_rank(r, n, port, &format!("program:{seed}:24"), dir)).collect());
         let rx = reports(&mut ranks);
