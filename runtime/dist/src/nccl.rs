@@ -88,7 +88,10 @@
 //! joins with `ncclCommInitRank`, and a watchdog aborts the groups when the
 //! connections between the processes see a rank fail (a killed process, a
 //! hang past the timeout), so that no collective queued on a GPU waits for a
-//! rank that is gone.
+//! rank that is gone. Under MPI (features `cuda` and `mpi`),
+//! [`mpi_mesh_groups`] does the same with each group's id broadcast from its
+//! first rank over the MPI communicator of the same members
+//! (`MPI_Bcast`); a failed rank ends the MPI job, which needs no watchdog.
 
 mod all_to_all;
 mod p2p;
@@ -681,6 +684,48 @@ pub fn process_mesh_groups(world: &crate::process::ProcessWorld, rendezvous: &cr
     Ok(groups)
 }
 
+/// This process's NCCL communicators for every axis of `mesh` and its data
+/// replicas, in an MPI job of processes with a GPU each (`device`): every
+/// group of more than one rank gets its NCCL id from its first rank by a
+/// broadcast over the MPI communicator of the same members, which also
+/// carries its point-to-point messages. Every rank of the job calls it.
+#[cfg(feature = "mpi")]
+pub fn mpi_mesh_groups(world: &crate::mpi::MpiWorld, mesh: &Mesh, device: &Device) -> Result<Groups> {
+    let me = world.rank();
+    let n = world.world_size();
+    let world_is = format!("the MPI job has {n} processes");
+    let fix = format!("start as many processes as the mesh has ranks (`mpirun -np {}`)", mesh.world());
+    Groups::of_mesh(mesh, me, (n, &world_is, &fix), |tag, members| {
+        if members.len() == 1 {
+            return Ok(Arc::new(super::SingleRank));
+        }
+        let host: Arc<dyn Communicator> = Arc::new(world.tagged_group(&format!("nccl-{tag}"), members)?);
+        let exchange = |id| id_from_first_rank(host.as_ref(), id);
+        Ok(Arc::new(NcclCommunicator::join(members.to_vec(), me, device, host.clone(), exchange)?))
+    })
+}
+
+/// The NCCL id the group's first rank made (`id`, `None` on the others),
+/// broadcast over the group's host communicator.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+fn id_from_first_rank(host: &dyn Communicator, id: Option<[u8; 128]>) -> Result<[u8; 128]> {
+    let op = "sharing a group's NCCL id";
+    if id.is_some() != (host.rank() == 0) {
+        return Err(Error::state_mismatch(
+            op,
+            format!("rank {} of the group {} an id; the first rank alone makes it", host.rank(), if id.is_some() { "made" } else { "did not make" }),
+        ));
+    }
+    let words: Vec<u32> = id.unwrap_or([0; 128]).chunks_exact(4).map(|w| u32::from_le_bytes(w.try_into().expect("4 bytes"))).collect();
+    let cpu = Device::cpu();
+    let got = host.broadcast(&Tensor::from_vec(words, [32], &cpu)?, 0)?.to_vec::<u32>()?;
+    let mut out = [0u8; 128];
+    for (o, w) in out.chunks_exact_mut(4).zip(&got) {
+        o.copy_from_slice(&w.to_le_bytes());
+    }
+    Ok(out)
+}
+
 /// Aborts `groups` once `failed` reports a failure of the job, polling every
 /// 100 ms; ends when the groups are dropped.
 fn watch(failed: impl Fn() -> Option<Error> + Send + 'static, groups: &Groups) -> Result<()> {
@@ -702,4 +747,39 @@ fn watch(failed: impl Fn() -> Option<Error> + Send + 'static, groups: &Groups) -
         })
         .map_err(|source| Error::Thread { what: "watching NCCL groups", source })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inproc::InProcess;
+
+    #[test]
+    fn a_groups_id_reaches_every_member_from_the_first() {
+        let world = InProcess::new(3).unwrap();
+        let id: [u8; 128] = std::array::from_fn(|i| (i * 37 + 11) as u8);
+        let got: Vec<Result<[u8; 128]>> = std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..3)
+                .map(|r| {
+                    let world = world.clone();
+                    s.spawn(move || {
+                        let comm = world.communicator(r, &Device::cpu())?;
+                        id_from_first_rank(&comm, (r == 0).then_some(id))
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        for g in got {
+            assert_eq!(g.unwrap(), id);
+        }
+    }
+
+    #[test]
+    fn an_id_made_by_another_rank_than_the_first_is_refused() {
+        let world = InProcess::new(1).unwrap();
+        let comm = world.communicator(0, &Device::cpu()).unwrap();
+        let e = id_from_first_rank(&comm, None).unwrap_err();
+        assert!(e.to_string().contains("first rank alone"), "{e}");
+    }
 }

@@ -168,13 +168,8 @@ impl Job {
             #[cfg(feature = "mpi")]
             ProcessComms::Mpi => {
                 use tessera_dist::mpi::{MpiOptions, MpiWorld};
-                if matches!(device, Device::Cuda(_)) {
-                    return Err(Error::config(
-                        "mesh.comm",
-                        "GPU ranks of a job of processes form their NCCL groups through the rendezvous store: use mesh.comm = \"tcp\" with mesh.device = \"cuda\"",
-                    ));
-                }
-                // MPI finds the peers itself: no rendezvous store.
+                // MPI finds the peers itself: no rendezvous store (GPU ranks
+                // share their NCCL ids by MPI_Bcast).
                 let options = MpiOptions { timeout: Some(timeout), ..MpiOptions::from_env()? };
                 let world = MpiWorld::init_with(&host, options)?;
                 if world.rank() != env.rank || world.world_size() != env.world_size {

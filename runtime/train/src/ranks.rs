@@ -120,6 +120,8 @@ fn nccl_groups(mesh: &Mesh, devices: &[Device]) -> Result<Vec<Groups>> {
 fn nccl_process_groups(p: &ProcessJob, mesh: &Mesh) -> Result<Groups> {
     match (&p.world, &p.rendezvous) {
         (crate::job::JobWorld::Tcp(world), Some(rendezvous)) => tessera_dist::nccl::process_mesh_groups(world, rendezvous, mesh, &p.device),
+        #[cfg(feature = "mpi")]
+        (crate::job::JobWorld::Mpi(world), _) => tessera_dist::nccl::mpi_mesh_groups(world, mesh, &p.device),
         _ => Err(Error::config("mesh.comm", "GPU ranks of a job of processes form their NCCL groups through the rendezvous store: use mesh.comm = \"tcp\"")),
     }
 }
