@@ -43,6 +43,19 @@ pub(crate) fn chunk(len: usize, n: usize, i: usize) -> Range<usize> {
     i * len / n..(i + 1) * len / n
 }
 
+/// Why a reduce-scatter over `n` ranks cannot split `t` along `dim`, if it
+/// cannot: the dimension must exist and be a multiple of `n`.
+pub(crate) fn check_split(op: &'static str, t: &Tensor, dim: usize, n: usize) -> tessera_core::Result<()> {
+    let d = t.shape().dim(op, dim)?;
+    if !d.is_multiple_of(n) {
+        return Err(tessera_core::Error::shape(
+            op,
+            format!("dimension {dim} of shape {} has size {d}, which does not split into {n} equal parts; pad it to a multiple of {n}", t.shape()),
+        ));
+    }
+    Ok(())
+}
+
 /// The storage range a contiguous tensor occupies.
 fn range_of(t: &Tensor) -> Range<usize> {
     t.layout().contiguous_range().expect("collectives post contiguous tensors")

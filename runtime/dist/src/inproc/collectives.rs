@@ -4,7 +4,7 @@
 use super::landing::Landing;
 use super::state::{GroupState, Payload, Post, World};
 use crate::call::{meta, Call, Op};
-use crate::host::{chunk, concat, cpu_device, elements, reduce, streams, sum_blocks, wrap, Summand};
+use crate::host::{check_split, chunk, concat, cpu_device, elements, reduce, streams, sum_blocks, wrap, Summand};
 use crate::host_comm::HostCore;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -207,17 +207,7 @@ impl HostCore for Core {
     fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
         const OP: &str = "reduce_scatter_sum";
         let n = self.size();
-        let local = t
-            .shape()
-            .dim(OP, dim)
-            .and_then(|d| match d % n {
-                0 => t.contiguous(),
-                _ => Err(Error::shape(
-                    OP,
-                    format!("dimension {dim} of shape {} has size {d}, which does not split into {n} equal parts; pad it to a multiple of {n}", t.shape()),
-                )),
-            })
-            .map(Payload::One);
+        let local = check_split(OP, t, dim, n).and_then(|_| t.contiguous()).map(Payload::One);
         let posts = self.open(OP, Op::ReduceScatter { dim }, Some(t), local)?;
         let dev = cpu_device(t.device());
         let dims = t.dims();

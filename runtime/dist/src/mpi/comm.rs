@@ -28,7 +28,7 @@ use super::watchdog::Watched;
 use super::wire::{self, bits, bits_mut, Bits, BitsMut, Comm, Request, Summand};
 use super::{abort_job, Reduction, Shared};
 use crate::call::{meta, Meta};
-use crate::host::{chunk, concat, cpu_device, host_device, reduce, wrap};
+use crate::host::{check_split, chunk, concat, cpu_device, host_device, reduce, wrap};
 use crate::host_comm::{HostComm, HostCore};
 use ::mpi::topology::SimpleCommunicator;
 use ::mpi::traits::AsRaw;
@@ -349,17 +349,7 @@ impl HostCore for MpiCore {
         const OP: &str = "reduce_scatter_sum";
         let n = self.size();
         let call = Call::on(Op::ReduceScatter { dim }, t);
-        let local = t
-            .shape()
-            .dim(OP, dim)
-            .and_then(|d| match d % n {
-                0 => t.contiguous(),
-                _ => Err(Error::shape(
-                    OP,
-                    format!("dimension {dim} of shape {} has size {d}, which does not split into {n} equal parts; pad it to a multiple of {n}", t.shape()),
-                )),
-            })
-            .and_then(|t| host(OP, t));
+        let local = check_split(OP, t, dim, n).and_then(|_| t.contiguous()).and_then(|t| host(OP, t));
         let t = self.open(call, local)?;
         let dev = cpu(&t)?;
         let dtype = t.dtype();

@@ -22,7 +22,7 @@
 use super::link::{Links, Message};
 use super::wire::{Channel, Header};
 use crate::call::{Call, Meta, Op};
-use crate::host::{chunk, concat, host_device, reduce, wrap};
+use crate::host::{check_split, chunk, concat, host_device, reduce, wrap};
 use crate::host_comm::HostCore;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -212,17 +212,7 @@ impl HostCore for TcpCore {
         const OP: &str = "reduce_scatter_sum";
         let n = self.size();
         let call = Call::on(Op::ReduceScatter { dim }, t);
-        let local = t
-            .shape()
-            .dim(OP, dim)
-            .and_then(|d| match d % n {
-                0 => t.contiguous(),
-                _ => Err(Error::shape(
-                    OP,
-                    format!("dimension {dim} of shape {} has size {d}, which does not split into {n} equal parts; pad it to a multiple of {n}", t.shape()),
-                )),
-            })
-            .and_then(host);
+        let local = check_split(OP, t, dim, n).and_then(|_| t.contiguous()).and_then(host);
         let tc = local.as_ref().ok().cloned();
         let (outer, block) = match &tc {
             Some(t) => (t.dims()[..dim].iter().product::<usize>(), t.dims()[dim..].iter().product::<usize>()),

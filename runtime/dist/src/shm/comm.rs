@@ -29,7 +29,7 @@
 use super::call::{describable, Record};
 use super::group::Group;
 use crate::call::{meta, Call, Meta, Op};
-use crate::host::{chunk, elements, host_device, store, streams, sum_blocks, sum_into, wrap, Summand};
+use crate::host::{check_split, chunk, elements, host_device, store, streams, sum_blocks, sum_into, wrap, Summand};
 use crate::host_comm::{HostComm, HostCore};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -489,13 +489,7 @@ impl HostCore for ShmCore {
     fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
         const OP: &str = "reduce_scatter_sum";
         let n = self.n();
-        let local = t.shape().dim(OP, dim).and_then(|d| match d % n {
-            0 => host(OP, t),
-            _ => Err(Error::shape(
-                OP,
-                format!("dimension {dim} of shape {} has size {d}, which does not split into {n} equal parts; pad it to a multiple of {n}", t.shape()),
-            )),
-        });
+        let local = check_split(OP, t, dim, n).and_then(|_| host(OP, t));
         let record = Self::record(Op::ReduceScatter { dim }, Some(t), &local);
         with_elem!(t.dtype(), T => self.reduce_scatter_typed::<T>(t, dim, local, record))
     }

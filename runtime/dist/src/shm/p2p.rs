@@ -20,37 +20,15 @@
 use super::group::{ring, Awaited, Group, RING_BELL, RING_CONTROL, RING_HEAD, RING_TAIL, RING_WAITERS};
 use super::node::shm_error;
 use super::segment::{align_up, Segment};
+use crate::call::{dtype_code, dtype_of_code};
 use crate::host::elements;
 use std::sync::atomic::Ordering;
 use tessera_core::backend::{CpuDevice, CpuStorage};
-use tessera_core::tensor::{with_elem, DType, Tensor};
+use tessera_core::tensor::{with_elem, Tensor};
 use tessera_core::{Error, Result};
 
 const INLINE: u8 = 0;
 const FILE: u8 = 1;
-
-fn dtype_code(d: DType) -> u8 {
-    match d {
-        DType::F32 => 1,
-        DType::F64 => 2,
-        DType::BF16 => 3,
-        DType::F16 => 4,
-        DType::I32 => 5,
-        DType::U32 => 6,
-    }
-}
-
-fn dtype_of(code: u8) -> Option<DType> {
-    Some(match code {
-        1 => DType::F32,
-        2 => DType::F64,
-        3 => DType::BF16,
-        4 => DType::F16,
-        5 => DType::I32,
-        6 => DType::U32,
-        _ => return None,
-    })
-}
 
 impl Group {
     fn ring_data(&self, from: usize, to: usize) -> usize {
@@ -157,7 +135,7 @@ impl Group {
         let mut fixed = [0u8; 16];
         self.ring_read(from, t, &mut fixed);
         let len = u64::from_le_bytes(fixed[..8].try_into().expect("8 bytes"));
-        let (kind, dtype, rank) = (fixed[8], dtype_of(fixed[9]).ok_or_else(|| corrupt("dtype"))?, fixed[10] as usize);
+        let (kind, dtype, rank) = (fixed[8], dtype_of_code(fixed[9]).ok_or_else(|| corrupt("dtype"))?, fixed[10] as usize);
         let mut dims_bytes = vec![0u8; 8 * rank + 8];
         self.ring_read(from, t + 16, &mut dims_bytes);
         let word = |i: usize| u64::from_le_bytes(dims_bytes[8 * i..8 * i + 8].try_into().expect("8 bytes"));
