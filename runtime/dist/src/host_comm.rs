@@ -70,6 +70,26 @@ pub trait HostCore: Send + Sync + 'static {
         }
         Ok(())
     }
+
+    /// An error unless `root` is a group rank (the check of
+    /// [`Communicator::broadcast`]).
+    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        let n = self.group_ranks().len();
+        if root >= n {
+            return Err(Error::no_such_rank(op, format!("root {root} is not a rank of this group of {n} ranks")));
+        }
+        Ok(())
+    }
+
+    /// An error unless `parts` holds one tensor per group rank (the check of
+    /// [`Communicator::all_to_all`]).
+    fn check_parts(&self, op: &'static str, parts: &[Tensor]) -> Result<()> {
+        let n = self.group_ranks().len();
+        if parts.len() != n {
+            return Err(Error::invalid(op, format!("{} parts given; pass exactly one per rank of the group ({n})", parts.len())));
+        }
+        Ok(())
+    }
 }
 
 /// One rank's communicator in a group whose collectives run on host threads;

@@ -227,9 +227,8 @@ impl HostCore for Core {
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         const OP: &str = "broadcast";
-        let n = self.size();
-        let local = if root >= n {
-            Err(Error::no_such_rank(OP, format!("root {root} is not a rank of this group of {n} ranks")))
+        let local = if let Err(e) = self.check_root(OP, root) {
+            Err(e)
         } else if root == self.me {
             t.contiguous().map(Payload::One)
         } else {
@@ -250,12 +249,7 @@ impl HostCore for Core {
 
     fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
         const OP: &str = "all_to_all";
-        let n = self.size();
-        let local = if parts.len() != n {
-            Err(Error::invalid(OP, format!("{} parts given; pass exactly one per rank of the group ({n})", parts.len())))
-        } else {
-            parts.iter().map(Tensor::contiguous).collect::<Result<Vec<_>>>().map(Payload::Many)
-        };
+        let local = self.check_parts(OP, &parts).and_then(|_| parts.iter().map(Tensor::contiguous).collect::<Result<Vec<_>>>().map(Payload::Many));
         let posts = self.open(OP, Op::AllToAll, None, local)?;
         let mine = &parts[self.me];
         let dev = cpu_device(mine.device());

@@ -392,10 +392,9 @@ impl HostCore for MpiCore {
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         const OP: &str = "broadcast";
-        let n = self.size();
         let call = Call::on(Op::Broadcast { root }, t);
-        let local = if root >= n {
-            Err(Error::no_such_rank(OP, format!("root {root} is not a rank of this group of {n} ranks")))
+        let local = if let Err(e) = self.check_root(OP, root) {
+            Err(e)
         } else if root == self.me {
             t.contiguous().and_then(|t| host(OP, t))
         } else {
@@ -417,11 +416,7 @@ impl HostCore for MpiCore {
     fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
         const OP: &str = "all_to_all";
         let n = self.size();
-        let local = if parts.len() != n {
-            Err(Error::invalid(OP, format!("{} parts given; pass exactly one per rank of the group ({n})", parts.len())))
-        } else {
-            parts.iter().map(|p| p.contiguous().and_then(|p| host(OP, p))).collect::<Result<Vec<_>>>()
-        };
+        let local = self.check_parts(OP, &parts).and_then(|_| parts.iter().map(|p| p.contiguous().and_then(|p| host(OP, p))).collect::<Result<Vec<_>>>());
         // The check looks at the call only: the parts' shapes may differ.
         let contiguous = self.open(Call::bare(Op::AllToAll), local)?;
         let dev = cpu_device(parts[self.me].device());

@@ -236,13 +236,8 @@ impl HostCore for TcpCore {
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        let n = self.size();
         let call = Call::on(Op::Broadcast { root }, t);
-        let local = if root >= n {
-            Err(Error::no_such_rank("broadcast", format!("root {root} is not a rank of this group of {n} ranks")))
-        } else {
-            t.contiguous().and_then(host)
-        };
+        let local = self.check_root("broadcast", root).and_then(|_| t.contiguous()).and_then(host);
         let tc = local.as_ref().ok().cloned();
         let me = self.me;
         let mut got =
@@ -257,13 +252,8 @@ impl HostCore for TcpCore {
     }
 
     fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        let n = self.size();
         let call = Call::bare(Op::AllToAll);
-        let local = if parts.len() != n {
-            Err(Error::invalid("all_to_all", format!("{} parts given; pass exactly one per rank of the group ({n})", parts.len())))
-        } else {
-            parts.iter().map(|p| p.contiguous().and_then(host)).collect::<Result<Vec<_>>>()
-        };
+        let local = self.check_parts("all_to_all", &parts).and_then(|_| parts.iter().map(|p| p.contiguous().and_then(host)).collect::<Result<Vec<_>>>());
         let contiguous = local.as_ref().ok().cloned();
         let got = self.exchange(&call, 0, local.map(drop), |j| Outgoing::whole(&contiguous.as_ref().expect("valid")[j]))?;
         let mine = &parts[self.me];

@@ -496,11 +496,7 @@ impl HostCore for ShmCore {
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         const OP: &str = "broadcast";
-        let n = self.n();
-        let local = match root < n {
-            true => host(OP, t),
-            false => Err(Error::no_such_rank(OP, format!("root {root} is not a rank of this group of {n} ranks"))),
-        };
+        let local = self.check_root(OP, root).and_then(|_| host(OP, t));
         let record = Self::record(Op::Broadcast { root }, Some(t), &local);
         with_elem!(t.dtype(), T => self.broadcast_typed::<T>(t, root, local, record))
     }
@@ -508,10 +504,7 @@ impl HostCore for ShmCore {
     fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
         const OP: &str = "all_to_all";
         let (n, me) = (self.n(), self.me());
-        let local = match parts.len() == n {
-            true => parts.iter().map(|p| host(OP, p)).collect::<Result<Vec<_>>>(),
-            false => Err(Error::invalid(OP, format!("{} parts given; pass exactly one per rank of the group ({n})", parts.len()))),
-        };
+        let local = self.check_parts(OP, &parts).and_then(|_| parts.iter().map(|p| host(OP, p)).collect::<Result<Vec<_>>>());
         let mut record = Self::record(Op::AllToAll, None, &local);
         let (ps, own) = match local {
             Ok(ps) => {
