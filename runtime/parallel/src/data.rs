@@ -283,8 +283,11 @@ impl DataParallel {
             Some(experts) if self.expert_bucket[b] => experts,
             _ => &self.replicas,
         };
+        // Stamped before the call: the last rank in may finish the
+        // collective inside it, and its span must still cover that work.
+        let launched = Instant::now();
         let pending = group.all_reduce_sum_async(&wire)?;
-        s.inflight.push(Inflight { bucket: b, pending, launched: Instant::now(), done_at: None });
+        s.inflight.push(Inflight { bucket: b, pending, launched, done_at: None });
         Ok(())
     }
 

@@ -181,11 +181,13 @@ impl Zero {
             s.packed[i] = true;
         }
         let packed_bytes = packed.elem_count() * packed.dtype().size_in_bytes();
+        // Stamped before the call, which may finish the collective (see DataParallel).
+        let launched = std::time::Instant::now();
         let pending = if scatter { self.dp.reduce_scatter_sum_async(&packed, 0)? } else { self.dp.all_reduce_sum_async(&packed)? };
         s.stats.grad_buckets += 1;
         s.sync.buckets += 1;
         s.sync.bytes += packed_bytes;
-        s.inflight.push(Bucket { rows, my_start, pending, launched: std::time::Instant::now() });
+        s.inflight.push(Bucket { rows, my_start, pending, launched });
         Ok(())
     }
 }
