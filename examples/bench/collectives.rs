@@ -148,7 +148,7 @@ fn threads(args: &CollectivesArgs, n: usize) -> Result<Vec<serde_json::Value>> {
                 s.spawn(move || -> Result<Vec<Record>> {
                     let dev = Device::cpu();
                     let comm = world.communicator(rank, &dev)?;
-                    measure_all(&comm, args)
+                    measure_all(&comm, args, &dev)
                 })
             })
             .collect();
@@ -222,7 +222,7 @@ fn rank_process(args: &CollectivesArgs, env: &ProcessEnv) -> Result<()> {
     if env.rank == 0 && !to_parent {
         header();
     }
-    let records = measure_all(&comm, args)?;
+    let records = measure_all(&comm, args, &dev)?;
     if env.rank == 0 {
         let lines: Vec<_> = records.iter().map(|r| r.json(args.backend)).collect();
         for l in &lines {
@@ -243,9 +243,10 @@ fn rank_process(args: &CollectivesArgs, env: &ProcessEnv) -> Result<()> {
     Ok(())
 }
 
-/// Every case of the run on this rank's communicator (every rank calls it);
-/// rank 0's records, empty elsewhere.
-fn measure_all(comm: &dyn Communicator, args: &CollectivesArgs) -> Result<Vec<Record>> {
+/// Every case of the run on this rank's communicator (every rank calls it),
+/// with tensors on `dev`, the rank's device; rank 0's records, empty
+/// elsewhere.
+fn measure_all(comm: &dyn Communicator, args: &CollectivesArgs, dev: &Device) -> Result<Vec<Record>> {
     let n = comm.size();
     let mut out = Vec::new();
     for &op in &args.ops {
@@ -255,13 +256,17 @@ fn measure_all(comm: &dyn Communicator, args: &CollectivesArgs) -> Result<Vec<Re
             if bytes == 0 {
                 continue;
             }
-            // A device of its own per case: its buffer pool then holds the
-            // previous call's result, as in a training step, which asks for
-            // the same sizes every time (a pool that still held the results
-            // of the smaller cases would have no room left under the
-            // device's high-water mark, and every call would fault in fresh
-            // pages).
-            if let Some(r) = measure(comm, op, bytes, args, &Device::cpu())? {
+            // The rank's device, as in a training step (a rank of processes
+            // keeps its tensors in its shared-memory arena), with its cache
+            // of freed buffers emptied: it then holds the previous call's
+            // result, which a training step asks for again every time, and
+            // not the results of the smaller cases, which would leave no
+            // room under the device's high-water mark (every call would
+            // fault in fresh pages).
+            if let Device::Cpu(d) = dev {
+                d.empty_cache();
+            }
+            if let Some(r) = measure(comm, op, bytes, args, dev)? {
                 out.push(r);
             }
         }
@@ -277,7 +282,9 @@ fn measure(comm: &dyn Communicator, op: Coll, bytes: usize, args: &CollectivesAr
     let (n, rank) = (comm.size(), comm.rank());
     let elems = bytes / 4;
     let len = if op == Coll::Allgather { elems / n } else { elems };
-    let x = Tensor::from_vec(vec![rank as f32 + 1.0; len], [len], dev)?;
+    // Allocated by the device, as an op's output is (a rank of processes
+    // keeps it in its shared-memory arena).
+    let x = Tensor::from_slice(&vec![rank as f32 + 1.0; len], [len], dev)?;
     let call = || -> Result<Tensor> {
         Ok(match op {
             Coll::Allreduce => comm.all_reduce_sum(&x)?,

@@ -130,6 +130,65 @@ fn sums_are_the_in_process_bits_for_every_dtype_size_and_world() {
     }
 }
 
+/// A copy of `x` in a vector of the process's heap, outside any arena.
+fn on_heap(x: &Tensor) -> Tensor {
+    tessera::tensor::with_elem!(x.dtype(), T => Tensor::from_vec(x.to_vec::<T>().unwrap(), x.shape().clone(), x.device()).unwrap())
+}
+
+/// Large tensors a rank's device allocates live in its shared-memory arena,
+/// and the all-reduce, all-gather and reduce-scatter work on them in place;
+/// a tensor outside the arena on any rank (built from a `Vec`) makes the
+/// whole group stage instead. Every mix gives the exact results, in every
+/// float dtype, for lengths on both sides of the arena's threshold, of one
+/// round and of several.
+#[test]
+fn collectives_in_place_and_staged_mix_on_any_rank_with_exact_results() {
+    // Small integers: every partial sum is exact in every dtype, whatever the order.
+    let value = |r: usize, j: usize| ((j * 7 + r * 3) % 16) as f64;
+    let cases: [(usize, DType); 7] = [
+        (16_383, DType::F32),
+        (16_384, DType::F32),
+        (300_001, DType::F32),
+        (1 << 20, DType::F32),
+        (300_001, DType::BF16),
+        (40_000, DType::F16),
+        (300_001, DType::F64),
+    ];
+    for n in [2usize, 3, 4] {
+        let got = job(n, |r, rdzv| {
+            let dev = Device::cpu();
+            let world = ShmWorld::join(rdzv, &dev, LONG).unwrap();
+            let comm = world.communicator().unwrap();
+            let mut results = Vec::new();
+            for (case, &(len, dtype)) in cases.iter().enumerate() {
+                let len = len.div_ceil(n) * n;
+                let v: Vec<f64> = (0..len).map(|j| value(r, j)).collect();
+                let x = Tensor::from_slice(&v, [len], &dev).unwrap().to_dtype(dtype).unwrap();
+                // Outside the arena: nowhere, on one rank (which one turns
+                // with the case), or everywhere.
+                for heap_on in [None, Some(case % n), Some(usize::MAX)] {
+                    let x = if heap_on == Some(r) || heap_on == Some(usize::MAX) { on_heap(&x) } else { x.clone() };
+                    let sum = comm.all_reduce_sum(&x).unwrap().to_f64_vec().unwrap();
+                    let gathered = comm.all_gather(&x, 0).unwrap().to_f64_vec().unwrap();
+                    let part = comm.reduce_scatter_sum(&x, 0).unwrap().to_f64_vec().unwrap();
+                    results.push((len, dtype, heap_on, [sum, gathered, part]));
+                }
+            }
+            results
+        });
+        for (r, results) in got.iter().enumerate() {
+            for (len, dtype, heap_on, [sum, gathered, part]) in results {
+                let what = format!("world {n}, rank {r}: {len} {dtype}, heap on {heap_on:?}");
+                let total = |j: usize| (0..n).map(|q| value(q, j)).sum::<f64>();
+                assert_eq!((0..*len).find(|&j| sum[j] != total(j)), None, "all-reduce, {what}");
+                assert_eq!((0..n * len).find(|&g| gathered[g] != value(g / len, g % len)), None, "all-gather, {what}");
+                let share = len / n;
+                assert_eq!((0..share).find(|&j| part[j] != total(r * share + j)), None, "reduce-scatter, {what}");
+            }
+        }
+    }
+}
+
 /// Within one node, a process world gives every group of a mesh shared
 /// memory; `tcp` keeps them all on TCP; groups with the same members stay
 /// independent either way.

@@ -60,6 +60,7 @@
 //! left behind are removed by the next job on the node (see the
 //! `segment` module for names).
 
+mod arena;
 mod call;
 mod comm;
 mod group;
@@ -74,6 +75,7 @@ pub(crate) use comm::ShmCore;
 use crate::groups::check_group;
 use crate::host_comm::HostComm;
 use crate::store::Rendezvous;
+use arena::ShmArena;
 use group::Group;
 use node::{Found, Node};
 use parking_lot::Mutex;
@@ -110,6 +112,20 @@ impl std::fmt::Debug for ShmWorld {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShmWorld").field("rank", &self.rank()).field("local", &self.node.local).finish()
     }
+}
+
+/// A rank's node entry: `<node identity, hex> <process id> <arena
+/// descriptor> <arena bytes>` (descriptor -1 and size 0: no arena).
+fn parse_node_entry(text: &str) -> Option<(u64, u32, Option<arena::Published>)> {
+    let mut f = text.split(' ');
+    let node = u64::from_str_radix(f.next()?, 16).ok()?;
+    let pid = f.next()?.parse().ok()?;
+    let fd: i32 = f.next()?.parse().ok()?;
+    let len: usize = f.next()?.parse().ok()?;
+    if f.next().is_some() {
+        return None;
+    }
+    Some((node, pid, (fd >= 0 && len > 0).then_some((fd, len))))
 }
 
 fn hash(text: &str) -> u64 {
@@ -158,24 +174,31 @@ impl ShmWorld {
         // machine (two launchers on one host, trying a multi-node job).
         let ident = hash(&format!("{}|{}", env.node_rank, sys::node_identity(&dir)));
         let pid = std::process::id();
-        store.set(&rendezvous.key(&format!("shm/node/{}", env.rank)), format!("{ident:016x} {pid}").as_bytes())?;
+        // The arena this rank's large tensors will live in, which its peers
+        // map (see `arena`): published as its descriptor and size.
+        let arena = ShmArena::of(&device);
+        let (fd, len) = arena.as_ref().map_or((-1, 0), |a| (a.fd(), a.len()));
+        store.set(&rendezvous.key(&format!("shm/node/{}", env.rank)), format!("{ident:016x} {pid} {fd} {len}").as_bytes())?;
         let mut nodes = Vec::with_capacity(env.world_size);
         let mut pids = Vec::with_capacity(env.world_size);
+        let mut arenas = Vec::with_capacity(env.world_size);
         for r in 0..env.world_size {
             let text = store.get(&rendezvous.key(&format!("shm/node/{r}")), timeout)?;
             let text = String::from_utf8_lossy(&text);
-            let parsed = text.split_once(' ').and_then(|(n, p)| Some((u64::from_str_radix(n, 16).ok()?, p.parse::<u32>().ok()?)));
-            let (n, p) = parsed.ok_or_else(|| Error::rendezvous(store.addr(), format!("rank {r} published a node entry that does not parse ({text:?})")))?;
+            let parsed = parse_node_entry(&text);
+            let (n, p, a) = parsed.ok_or_else(|| Error::rendezvous(store.addr(), format!("rank {r} published a node entry that does not parse ({text:?})")))?;
             nodes.push(n);
             pids.push(p);
+            arenas.push(a);
         }
         let local: Vec<usize> = (0..env.world_size).filter(|&r| nodes[r] == ident).collect();
         let pids: Vec<u32> = (0..env.world_size).map(|r| if nodes[r] == ident { pids[r] } else { 0 }).collect();
+        let arenas = (0..env.world_size).map(|r| arenas[r].filter(|_| nodes[r] == ident)).collect();
         let ns = hash(&sys::pid_namespace()) as u32;
         if local[0] == env.rank {
             segment::remove_stale(&dir, ns);
         }
-        let node = Node::attach(Found { dir, ns, me: env.rank, local, pids, job, timeout })?;
+        let node = Node::attach(Found { dir, ns, me: env.rank, local, pids, job, timeout, arena, arenas })?;
         Ok(ShmWorld { node: Arc::new(node), device, nodes, taken: Mutex::default() })
     }
 

@@ -15,7 +15,7 @@ pub(crate) mod kernel;
 /// Memory accounting: the bytes each device holds and its peak.
 pub mod memory;
 
-pub use cpu::{CpuDevice, CpuStorage};
+pub use cpu::{CpuDevice, CpuStorage, HostArena, MIN_ARENA_BYTES};
 pub use cuda::{CudaDevice, CudaStorage};
 pub use memory::{MemoryStats, MemoryTracker};
 

@@ -52,9 +52,20 @@ impl Tensor {
         }
     }
 
-    /// A tensor holding a copy of `data`.
+    /// A tensor holding a copy of `data`. On a CPU device the copy is one
+    /// the device allocates, so a large one lives in the device's arena if
+    /// it has one (see [`CpuDevice::use_arena`]); [`from_vec`](Self::from_vec)
+    /// keeps the vector's own allocation instead.
     pub fn from_slice<T: Element>(data: &[T], shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
-        Self::from_vec(data.to_vec(), shape, device)
+        let shape = shape.into();
+        match device {
+            Device::Cpu(dev) if data.len() == shape.elem_count() => {
+                let mut b = dev.buffer_for_overwrite::<T>(data.len());
+                b.copy_from_slice(data);
+                Ok(Tensor::from_cpu(CpuStorage::from_buffer(b), shape, dev))
+            }
+            _ => Self::from_vec(data.to_vec(), shape, device),
+        }
     }
 
     /// A tensor whose every element is `value` (converted to `dtype`).
@@ -123,7 +134,7 @@ fn check_block(global: &Shape, starts: &[usize], local: &Shape) -> Result<()> {
     Ok(())
 }
 
-fn draw_block<T: tessera_kernels::Real>(
+fn draw_block<T: tessera_kernels::Real + bytemuck::Pod>(
     dev: &CpuDevice,
     init: Init,
     key: RngKey,

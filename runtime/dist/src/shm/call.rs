@@ -6,13 +6,23 @@ use super::group::{CALL_FIXED, CALL_PART, CALL_TEXT};
 use crate::call::{dtype_code, dtype_of_code, Call, Meta, Op, MAX_DIMS};
 
 /// A member's call as its peers read it: the call, why the caller found
-/// its own arguments invalid (if it did), and an all-to-all's parts by
-/// destination.
+/// its own arguments invalid (if it did), an all-to-all's parts by
+/// destination, and where the caller's tensors lie in its arena when it
+/// offers to work in place.
 #[derive(Clone, Debug, PartialEq)]
 pub(super) struct Record {
     pub call: Call,
     pub invalid: Option<String>,
     pub parts: Vec<Meta>,
+    pub place: Option<Place>,
+}
+
+/// Where a member's input and result lie in its arena (byte offsets), for
+/// its peers to read and write in place (see `arena`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Place {
+    pub input: u64,
+    pub result: u64,
 }
 
 /// Why a shape cannot be described in a call record, if it cannot.
@@ -60,6 +70,12 @@ impl Record {
         b[at..at + 8].copy_from_slice(&(if self.invalid.is_some() { text.len() as u64 + 1 } else { 0 }).to_le_bytes());
         b[at + 8..at + 8 + text.len()].copy_from_slice(text);
         b[16..24].copy_from_slice(&(self.parts.len() as u64).to_le_bytes());
+        b[24..48].fill(0);
+        if let Some(p) = self.place {
+            b[24] = 1;
+            b[32..40].copy_from_slice(&p.input.to_le_bytes());
+            b[40..48].copy_from_slice(&p.result.to_le_bytes());
+        }
         for (i, p) in self.parts.iter().enumerate() {
             let at = CALL_FIXED + CALL_TEXT + i * CALL_PART;
             put_meta(&mut b[at..at + CALL_PART], Some(p));
@@ -88,6 +104,68 @@ impl Record {
                 get_meta(&b[at..at + CALL_PART]).flatten()
             })
             .collect::<Option<Vec<_>>>()?;
-        Some(Record { call: Call { op, meta }, invalid, parts })
+        let word = |at: usize| b[at..at + 8].try_into().ok().map(u64::from_le_bytes);
+        let place = match b[24] {
+            0 => None,
+            1 => Some(Place { input: word(32)?, result: word(40)? }),
+            _ => return None,
+        };
+        Some(Record { call: Call { op, meta }, invalid, parts, place })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shm::group::Layout;
+    use tessera_core::DType;
+
+    fn records(n: usize) -> Vec<Record> {
+        let meta = Some((DType::BF16, vec![3, 5]));
+        vec![
+            Record {
+                call: Call { op: Op::AllReduce, meta: meta.clone() },
+                invalid: None,
+                parts: Vec::new(),
+                place: Some(Place { input: 4096, result: u64::MAX - 7 }),
+            },
+            Record { call: Call { op: Op::ReduceScatter { dim: 1 }, meta }, invalid: Some("bad dim".into()), parts: Vec::new(), place: None },
+            Record { call: Call::bare(Op::AllToAll), invalid: None, parts: (0..n).map(|i| (DType::F32, vec![i, 2])).collect(), place: None },
+        ]
+    }
+
+    #[test]
+    fn records_round_trip_with_their_places() {
+        let n = 4;
+        let mut b = vec![0xAB; Layout::new(n).call];
+        for r in records(n) {
+            r.write(&mut b);
+            assert_eq!(Record::read(&b, n), Some(r));
+        }
+    }
+
+    /// A damaged record (a rank of another version, a stray write) reads
+    /// as `None` or as some record, never a panic; a place flag other than
+    /// 0 or 1 is refused.
+    #[test]
+    fn damaged_records_never_panic() {
+        let n = 3;
+        let mut b = vec![0; Layout::new(n).call];
+        records(n)[0].write(&mut b);
+        let mut bad = b.clone();
+        bad[24] = 2;
+        assert_eq!(Record::read(&bad, n), None);
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..20_000 {
+            let mut d = b.clone();
+            for _ in 0..1 + (x % 8) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let at = (x as usize / 7) % d.len();
+                d[at] = (x >> 56) as u8;
+            }
+            let _ = Record::read(&d, n);
+        }
     }
 }

@@ -26,7 +26,7 @@
 //!
 //! [`host::Summand`]: crate::host
 
-use super::call::{describable, Record};
+use super::call::{describable, Place, Record};
 use super::group::Group;
 use crate::call::{meta, Call, Meta, Op};
 use crate::host::{check_split, chunk, elements, host_device, store, streams, sum_blocks, sum_into, wrap, Summand};
@@ -34,6 +34,7 @@ use crate::host_comm::{HostComm, HostCore};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use tessera_core::backend::cpu::Buffer;
 use tessera_core::backend::{CpuDevice, CpuStorage};
 use tessera_core::tensor::{with_elem, Element, Tensor};
 use tessera_core::{Error, Result};
@@ -80,6 +81,30 @@ fn typed<T: Element>(b: &[u8]) -> &[T] {
 
 fn typed_mut<T: Element>(b: &mut [u8]) -> &mut [T] {
     bytemuck::cast_slice_mut(b)
+}
+
+/// A result buffer this member offered its peers to write into. If the
+/// collective fails once the offer is out, a peer may still be writing, so
+/// the buffer is leaked rather than freed for reuse (the job is stopping).
+struct Lent<T: Send + 'static>(Option<Buffer<T>>);
+
+impl<T: Send + 'static> Lent<T> {
+    fn buffer(&mut self) -> &mut Buffer<T> {
+        self.0.as_mut().expect("not reclaimed yet")
+    }
+
+    /// The buffer, once no peer writes into it any more.
+    fn reclaim(mut self) -> Buffer<T> {
+        self.0.take().expect("not reclaimed yet")
+    }
+}
+
+impl<T: Send + 'static> Drop for Lent<T> {
+    fn drop(&mut self) {
+        if let Some(b) = self.0.take() {
+            std::mem::forget(b);
+        }
+    }
 }
 
 /// A step's tag: the collective's number and the step's place in it.
@@ -164,10 +189,10 @@ impl ShmCore {
     /// This member's record of `op` on `t`, given its verdict on its own
     /// arguments.
     fn record(op: Op, t: Option<&Tensor>, local: &Result<impl Sized>) -> Record {
-        Record { call: Call { op, meta: t.map(meta) }, invalid: local.as_ref().err().map(|e| e.to_string()), parts: Vec::new() }
+        Record { call: Call { op, meta: t.map(meta) }, invalid: local.as_ref().err().map(|e| e.to_string()), parts: Vec::new(), place: None }
     }
 
-    fn all_reduce_typed<T: Summand>(&self, t: &Tensor, local: Result<Tensor>, record: Record) -> Result<Tensor> {
+    fn all_reduce_typed<T: Summand>(&self, t: &Tensor, local: Result<Tensor>, mut record: Record) -> Result<Tensor> {
         const OP: &str = "all_reduce_sum";
         let (n, me) = (self.n(), self.me());
         let e = std::mem::size_of::<T>();
@@ -184,6 +209,16 @@ impl ShmCore {
             (Some(c), Some(g)) => elements::<T>(c, g),
             _ => &[],
         };
+        // In place when this member's input and result lie in its arena and
+        // it maps every peer's (see `arena`): the offer goes in its record.
+        let lent = match &local {
+            Ok(_) if n > 1 => self.lend::<T>(x, cpu(t)?).map(|(place, out)| {
+                record.place = Some(place);
+                Lent(Some(out))
+            }),
+            _ => None,
+        };
+        let offered = lent.is_some();
         // Round `k` of the input, but for this member's own part, which it
         // reads in place.
         let stage = |s: u64, k: usize| {
@@ -195,14 +230,32 @@ impl ShmCore {
             dst[..mine.start].copy_from_slice(&x[r.start..r.start + mine.start]);
             dst[mine.end..].copy_from_slice(&x[r.start + mine.end..r.end]);
         };
-        let (mut s, coll, _) = self.open(OP, record, local.map(drop), |s| {
-            if rounds > 0 {
+        let (mut s, coll, records) = self.open(OP, record, local.map(drop), |s| {
+            if rounds > 0 && !offered {
                 stage(s, 0)
             }
         })?;
         let dev = cpu(t)?;
-        let mut out = dev.buffer_for_overwrite::<T>(len);
         let stream = streams(len * e);
+        if let Some(mut lent) = lent {
+            if records.iter().all(|r| r.place.is_some()) {
+                self.all_reduce_in_place(x, lent.buffer(), &records)?;
+                s = self.next();
+                self.step(OP, s, coll, 1)?;
+                return Ok(wrap(CpuStorage::from_buffer(lent.reclaim()), t.shape().clone(), dev));
+            }
+            // Every member saw the same records: no peer writes into it.
+            drop(lent.reclaim());
+        }
+        // Staged. Members that offered to work in place staged nothing at
+        // the first step: then every member stages the first round again.
+        let extra = usize::from(records.iter().any(|r| r.place.is_some()));
+        if extra == 1 && rounds > 0 {
+            s = self.next();
+            stage(s, 0);
+            self.step(OP, s, coll, 1)?;
+        }
+        let mut out = dev.buffer_for_overwrite::<T>(len);
         // Step `k` (after the first) carries this member's part of round
         // `k - 1`'s sum and its staging of round `k`: one step per round.
         for k in 1..=rounds {
@@ -237,7 +290,7 @@ impl ShmCore {
                 stage(s + 1, k);
             }
             s += 1;
-            self.step(OP, s, coll, k)?;
+            self.step(OP, s, coll, k + extra)?;
             for j in (0..n).filter(|&j| j != me) {
                 let theirs = chunk(r.len(), n, j);
                 // SAFETY: `j` posted step `s`, and this member posts `s + 1`
@@ -250,7 +303,108 @@ impl ShmCore {
         Ok(wrap(CpuStorage::from_buffer(out), t.shape().clone(), dev))
     }
 
-    fn all_gather_typed<T: Element + Default>(&self, t: &Tensor, dim: usize, local: Result<Tensor>, record: Record) -> Result<Tensor> {
+    /// Where this member's input `x` lies in its arena, if the group can
+    /// work in place (see `arena`) and it does.
+    fn offer<T: Element>(&self, x: &[T]) -> Option<u64> {
+        let arena = self.group.node.arena.as_ref()?;
+        self.group.arenas()?;
+        arena.offset_of(x.as_ptr().cast(), std::mem::size_of_val(x))
+    }
+
+    /// Where this member's input `x` lies in its arena, and a result buffer
+    /// there for the peers to write into: `None` unless the group can work
+    /// in place and both lie in the arena (a result on `dev`, the input's
+    /// device, which must be the device the arena belongs to).
+    fn lend<T: Element>(&self, x: &[T], dev: &CpuDevice) -> Option<(Place, Buffer<T>)> {
+        if !dev.same(&self.device) {
+            return None;
+        }
+        let input = self.offer(x)?;
+        let out = dev.buffer_for_overwrite::<T>(x.len());
+        let result = self.group.node.arena.as_ref()?.offset_of(out.as_ptr().cast(), std::mem::size_of_val(x))?;
+        Some((Place { input, result }, out))
+    }
+
+    /// Every member's input, read where it lies (this member's own is `x`),
+    /// once every member offered its own and all lie within their arenas
+    /// (which every member checks alike, so all reach the same verdict).
+    ///
+    /// # Safety
+    ///
+    /// The collective must end with a step every member posts only after
+    /// its last read of the peers' inputs, and no member may change its
+    /// input before that step.
+    unsafe fn inputs_in_place<'a, T: Element>(&'a self, op: &'static str, x: &'a [T], records: &[Record]) -> Result<Vec<&'a [T]>> {
+        self.check_places(op, records, std::mem::size_of_val(x), 0, std::mem::align_of::<T>())?;
+        let arenas = self.group.arenas().expect("this member offered to work in place");
+        Ok(records
+            .iter()
+            .zip(arenas)
+            .map(|(r, a)| match a {
+                None => x,
+                // SAFETY: within the arena (checked above), and unchanged
+                // until the last step, by the caller's contract.
+                Some(a) => unsafe { a.slice::<T>(r.place.expect("checked").input, x.len()) }.expect("checked"),
+            })
+            .collect())
+    }
+
+    /// Checks that every member's place lies within its arena, for an
+    /// input of `input` bytes and a result of `result` bytes (0: the peers
+    /// do not write it) of elements aligned to `align`: every member checks
+    /// every place against the sizes the arenas were published with, so all
+    /// reach the same verdict before any touches a peer's memory.
+    fn check_places(&self, op: &'static str, records: &[Record], input: usize, result: usize, align: usize) -> Result<()> {
+        for (m, r) in records.iter().enumerate() {
+            let rank = self.group.ranks[m];
+            let size = self.group.node.arenas[rank].map_or(0, |a| a.1) as u64;
+            let fits = |off: u64, bytes: usize| off.is_multiple_of(align as u64) && off.checked_add(bytes as u64).is_some_and(|end| end <= size);
+            if !r.place.is_some_and(|p| fits(p.input, input) && (result == 0 || fits(p.result, result))) {
+                return Err(Error::CollectiveMismatch { op, detail: format!("rank {rank}'s tensors lie outside its arena (a rank of another version?)") });
+            }
+        }
+        Ok(())
+    }
+
+    /// This member's part of an all-reduce in place: it sums part `me` of
+    /// every member's input, read where it lies, and writes the sum into
+    /// every member's result while it is in the cache. Each member reads
+    /// its share of the inputs once and writes `S` bytes in all, as the
+    /// in-process communicator does.
+    fn all_reduce_in_place<T: Summand>(&self, x: &[T], out: &mut [T], records: &[Record]) -> Result<()> {
+        let bytes = std::mem::size_of_val(x);
+        self.check_places("all_reduce_sum", records, bytes, bytes, std::mem::align_of::<T>())?;
+        let (n, me) = (self.n(), self.me());
+        let arenas = self.group.arenas().expect("this member offered to work in place");
+        let mine = chunk(x.len(), n, me);
+        let skip = (mine.start * std::mem::size_of::<T>()) as u64;
+        let mut srcs: Vec<&[T]> = Vec::with_capacity(n);
+        let mut outs: Vec<&mut [T]> = Vec::with_capacity(n);
+        for (r, a) in records.iter().zip(arenas) {
+            let place = r.place.expect("checked");
+            match a {
+                None => srcs.push(&x[mine.clone()]),
+                // SAFETY: within the arena (checked above); member `m` keeps
+                // its input unchanged and its result allocated until it sees
+                // this member post the collective's last step, and reads its
+                // result only then; this member writes part `me` of it alone.
+                Some(a) => unsafe {
+                    srcs.push(a.slice::<T>(place.input + skip, mine.len()).expect("checked"));
+                    outs.push(a.slice_mut::<T>(place.result + skip, mine.len()).expect("checked"));
+                },
+            }
+        }
+        outs.push(&mut out[mine]);
+        let stream = streams(std::mem::size_of_val(x));
+        sum_blocks(&srcs, |at, block| {
+            for o in outs.iter_mut() {
+                store(block, &mut o[at..at + block.len()], stream);
+            }
+        });
+        Ok(())
+    }
+
+    fn all_gather_typed<T: Element + Default>(&self, t: &Tensor, dim: usize, local: Result<Tensor>, mut record: Record) -> Result<Tensor> {
         const OP: &str = "all_gather";
         let (n, me) = (self.n(), self.me());
         let e = std::mem::size_of::<T>();
@@ -264,6 +418,9 @@ impl ShmCore {
             (Some(c), Some(g)) => elements::<T>(c, g),
             _ => &[],
         };
+        // In place when every member's input lies in its arena: each reads
+        // the others' where they are.
+        let offered = local.is_ok() && n > 1 && self.offer(x).map(|input| record.place = Some(Place { input, result: 0 })).is_some();
         let stage = |s: u64, k: usize| {
             if n > 1 {
                 let r = round(k);
@@ -271,8 +428,8 @@ impl ShmCore {
                 typed_mut::<T>(unsafe { self.group.stage(s, 0, r.len() * e) }).copy_from_slice(&x[r]);
             }
         };
-        let (mut s, coll, _) = self.open(OP, record, local.map(drop), |s| {
-            if rounds > 0 {
+        let (mut s, coll, records) = self.open(OP, record, local.map(drop), |s| {
+            if rounds > 0 && !offered {
                 stage(s, 0)
             }
         })?;
@@ -281,29 +438,46 @@ impl ShmCore {
         let block: usize = dims[dim..].iter().product();
         let mut out = dev.buffer_for_overwrite::<T>(n * len);
         let stream = streams(n * len * e);
-        for k in 0..rounds {
-            if k > 0 {
-                s = self.next();
-                stage(s, k);
-                self.step(OP, s, coll, k)?;
+        // Element `i` of rank `j`'s input lands in block `i / block` of the
+        // output, after the `j` blocks of the ranks before it; `src` holds
+        // the input's elements `r`.
+        let mut place = |j: usize, src: &[T], r: Range<usize>| {
+            let mut i = r.start;
+            while i < r.end {
+                let (o, w) = (i / block, i % block);
+                let run = (block - w).min(r.end - i);
+                let at = o * n * block + j * block + w;
+                store(&src[i - r.start..i - r.start + run], &mut out[at..at + run], stream);
+                i += run;
             }
-            let r = round(k);
-            for j in 0..n {
-                let src: &[T] = match j == me {
-                    true => &x[r.clone()],
-                    // SAFETY: `j` posted step `s`; this member posts `s + 1`
-                    // only after reading.
-                    false => typed(unsafe { self.group.staged(j, s, 0, r.len() * e) }),
-                };
-                // Element `i` of rank `j`'s input lands in block `i / block`
-                // of the output, after the `j` blocks of the ranks before it.
-                let mut i = r.start;
-                while i < r.end {
-                    let (o, w) = (i / block, i % block);
-                    let run = (block - w).min(r.end - i);
-                    let at = o * n * block + j * block + w;
-                    store(&src[i - r.start..i - r.start + run], &mut out[at..at + run], stream);
-                    i += run;
+        };
+        if offered && records.iter().all(|r| r.place.is_some()) {
+            // SAFETY: the step below ends the collective, and every member
+            // posts it after its last read.
+            for (j, src) in unsafe { self.inputs_in_place(OP, x, &records) }?.into_iter().enumerate() {
+                place(j, src, 0..len);
+            }
+            s = self.next();
+            self.step(OP, s, coll, 1)?;
+        } else {
+            // Members that offered to work in place staged nothing at the
+            // first step: then every member stages the first round again.
+            let extra = usize::from(records.iter().any(|r| r.place.is_some()));
+            for k in 0..rounds {
+                if k > 0 || extra == 1 {
+                    s = self.next();
+                    stage(s, k);
+                    self.step(OP, s, coll, k + extra)?;
+                }
+                let r = round(k);
+                for j in 0..n {
+                    let src: &[T] = match j == me {
+                        true => &x[r.clone()],
+                        // SAFETY: `j` posted step `s`; this member posts `s + 1`
+                        // only after reading.
+                        false => typed(unsafe { self.group.staged(j, s, 0, r.len() * e) }),
+                    };
+                    place(j, src, r.clone());
                 }
             }
         }
@@ -313,7 +487,7 @@ impl ShmCore {
         Ok(wrap(CpuStorage::from_buffer(out), out_dims, dev))
     }
 
-    fn reduce_scatter_typed<T: Summand>(&self, t: &Tensor, dim: usize, local: Result<Tensor>, record: Record) -> Result<Tensor> {
+    fn reduce_scatter_typed<T: Summand>(&self, t: &Tensor, dim: usize, local: Result<Tensor>, mut record: Record) -> Result<Tensor> {
         const OP: &str = "reduce_scatter_sum";
         let (n, me) = (self.n(), self.me());
         let e = std::mem::size_of::<T>();
@@ -335,6 +509,9 @@ impl ShmCore {
             (Some(c), Some(g)) => elements::<T>(c, g),
             _ => &[],
         };
+        // In place when every member's input lies in its arena: each sums
+        // its part of the others' where they are.
+        let offered = local.is_ok() && n > 1 && self.offer(x).map(|input| record.place = Some(Place { input, result: 0 })).is_some();
         // Calls `f(g, input range)` for the runs of gathered elements `r` of
         // rank `j`'s part that are contiguous in the input.
         let runs = |j: usize, r: Range<usize>, f: &mut dyn FnMut(usize, Range<usize>)| {
@@ -355,37 +532,54 @@ impl ShmCore {
                 runs(j, r.clone(), &mut |g, src| dst[g - r.start..g - r.start + src.len()].copy_from_slice(&x[src]));
             }
         };
-        let (mut s, coll, _) = self.open(OP, record, local.map(drop), |s| {
-            if rounds > 0 {
+        let (mut s, coll, records) = self.open(OP, record, local.map(drop), |s| {
+            if rounds > 0 && !offered {
                 stage(s, 0)
             }
         })?;
         let dev = cpu(t)?;
         let mut out = dev.buffer_for_overwrite::<T>(q);
         let stream = streams(q * e);
-        for k in 0..rounds {
-            if k > 0 {
-                s = self.next();
-                stage(s, k);
-                self.step(OP, s, coll, k)?;
+        let sum = |srcs: &[&[T]], dst: &mut [T]| {
+            if stream {
+                sum_blocks(srcs, |off, block| store(block, &mut dst[off..off + block.len()], true));
+            } else {
+                sum_into(srcs, dst);
             }
-            let r = round(k);
-            runs(me, r.clone(), &mut |g, own| {
-                let srcs: Vec<&[T]> = (0..n)
-                    .map(|i| match i == me {
-                        true => &x[own.clone()],
-                        // SAFETY: `i` posted step `s`; this member posts
-                        // `s + 1` only after reading.
-                        false => typed(unsafe { self.group.staged(i, s, (me * area + g - r.start) * e, own.len() * e) }),
-                    })
-                    .collect();
-                let dst = &mut out[g..g + own.len()];
-                if stream {
-                    sum_blocks(&srcs, |off, block| store(block, &mut dst[off..off + block.len()], true));
-                } else {
-                    sum_into(&srcs, dst);
-                }
+        };
+        if offered && records.iter().all(|r| r.place.is_some()) {
+            // SAFETY: the step below ends the collective, and every member
+            // posts it after its last read.
+            let inputs = unsafe { self.inputs_in_place(OP, x, &records) }?;
+            runs(me, 0..q, &mut |g, own| {
+                let srcs: Vec<&[T]> = inputs.iter().map(|i| &i[own.clone()]).collect();
+                sum(&srcs, &mut out[g..g + own.len()]);
             });
+            s = self.next();
+            self.step(OP, s, coll, 1)?;
+        } else {
+            // As for the all-gather: a first round staged again when a member
+            // offered to work in place.
+            let extra = usize::from(records.iter().any(|r| r.place.is_some()));
+            for k in 0..rounds {
+                if k > 0 || extra == 1 {
+                    s = self.next();
+                    stage(s, k);
+                    self.step(OP, s, coll, k + extra)?;
+                }
+                let r = round(k);
+                runs(me, r.clone(), &mut |g, own| {
+                    let srcs: Vec<&[T]> = (0..n)
+                        .map(|i| match i == me {
+                            true => &x[own.clone()],
+                            // SAFETY: `i` posted step `s`; this member posts
+                            // `s + 1` only after reading.
+                            false => typed(unsafe { self.group.staged(i, s, (me * area + g - r.start) * e, own.len() * e) }),
+                        })
+                        .collect();
+                    sum(&srcs, &mut out[g..g + own.len()]);
+                });
+            }
         }
         drop(guard);
         let mut out_dims = t.dims().to_vec();
@@ -564,7 +758,7 @@ impl HostCore for ShmCore {
     }
 
     fn barrier(&self) -> Result<()> {
-        let record = Record { call: Call::bare(Op::Barrier), invalid: None, parts: Vec::new() };
+        let record = Record { call: Call::bare(Op::Barrier), invalid: None, parts: Vec::new(), place: None };
         self.open("barrier", record, Ok(()), |_| {}).map(drop)
     }
 

@@ -32,12 +32,13 @@
 //! for having left the group, and every few slices for their processes
 //! having died; past the timeout it declares the missing peer failed.
 
+use super::arena::PeerArena;
 use super::node::{shm_error, Bell, Node};
 use super::segment::{align_up, Segment};
 use super::sys;
 use crate::call::MAX_DIMS;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use tessera_core::{Error, Result};
 
@@ -156,6 +157,9 @@ pub(super) struct Group {
     pub me: usize,
     /// Spin before sleeping: the machine has a core for every member.
     spin: bool,
+    /// Every member's arena, mapped (this member's own as `None`), once
+    /// known; `None` if a member has none or one cannot be mapped.
+    arenas: OnceLock<Option<Vec<Option<Arc<PeerArena>>>>>,
 }
 
 impl std::fmt::Debug for Group {
@@ -197,6 +201,18 @@ pub(super) enum Awaited {
 }
 
 impl Group {
+    /// The peers' arenas by member (this member's own as `None`), if this
+    /// member has an arena and can map every peer's: then the group may
+    /// work in place (see `arena`).
+    pub(super) fn arenas(&self) -> Option<&[Option<Arc<PeerArena>>]> {
+        self.arenas
+            .get_or_init(|| {
+                self.node.arena.as_ref()?;
+                self.ranks.iter().enumerate().map(|(m, &r)| if m == self.me { Some(None) } else { self.node.peer_arena(r).map(Some) }).collect()
+            })
+            .as_deref()
+    }
+
     /// Maps (creating it if no member has yet) the segment of group `id`
     /// whose members are the world ranks `ranks`, as member `me`; the last
     /// member to map it removes its name.
@@ -237,7 +253,7 @@ impl Group {
             seg.unlink();
         }
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-        let g = Arc::new(Group { seg, id, lay, node: node.clone(), ranks, me, spin: cores >= n && n > 1 });
+        let g = Arc::new(Group { seg, id, lay, node: node.clone(), ranks, me, spin: cores >= n && n > 1, arenas: OnceLock::new() });
         let weak: std::sync::Weak<dyn Bell> = Arc::downgrade(&(g.clone() as Arc<dyn Bell>));
         node.add_bell(weak);
         Ok(g)

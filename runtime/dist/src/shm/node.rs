@@ -2,12 +2,14 @@
 //! stops every rank of the node, and what every group of the node needs to
 //! know (the ranks here and their processes, the job's file names).
 
+use super::arena::{PeerArena, Published, ShmArena};
 use super::segment::{job_prefix, Segment};
 use super::sys;
 use parking_lot::Mutex;
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{OnceLock, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 use tessera_core::{Error, Result};
 
@@ -51,6 +53,13 @@ pub(crate) struct Node {
     pub pids: Vec<u32>,
     pub job: u64,
     pub timeout: Duration,
+    /// This process's arena, if it has one.
+    pub arena: Option<Arc<ShmArena>>,
+    /// Each world rank's arena as published (descriptor, size); `None` for
+    /// ranks without one and ranks on other nodes.
+    pub arenas: Vec<Option<Published>>,
+    /// The peers' arenas mapped so far (`None`: this process cannot map it).
+    mapped: Mutex<HashMap<usize, Option<Arc<PeerArena>>>>,
     linked: OnceLock<Linked>,
     /// The futex words of this process's groups, rung when a failure is
     /// recorded so that their waiters notice at once.
@@ -77,6 +86,8 @@ pub(super) struct Found {
     pub pids: Vec<u32>,
     pub job: u64,
     pub timeout: Duration,
+    pub arena: Option<Arc<ShmArena>>,
+    pub arenas: Vec<Option<Published>>,
 }
 
 impl Node {
@@ -108,6 +119,9 @@ impl Node {
             pids: f.pids,
             job,
             timeout: f.timeout,
+            arena: f.arena,
+            arenas: f.arenas,
+            mapped: Mutex::default(),
             linked: OnceLock::new(),
             bells: Mutex::default(),
         })
@@ -161,6 +175,19 @@ impl Node {
         if let Some(l) = self.linked.get() {
             (l.fail)(rank, reason);
         }
+    }
+
+    /// World rank `rank`'s arena, mapped into this process (once), if it
+    /// published one and this process may map it.
+    pub(super) fn peer_arena(&self, rank: usize) -> Option<Arc<PeerArena>> {
+        let mut mapped = self.mapped.lock();
+        mapped
+            .entry(rank)
+            .or_insert_with(|| {
+                let (fd, len) = self.arenas.get(rank).copied().flatten()?;
+                PeerArena::open(self.pids[rank], fd, len).map(Arc::new)
+            })
+            .clone()
     }
 
     /// Whether world rank `rank`'s process still runs.

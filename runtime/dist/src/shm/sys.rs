@@ -105,3 +105,38 @@ pub(super) fn node_identity(dir: &std::path::Path) -> String {
 pub(super) fn pid_namespace() -> String {
     std::fs::read_link("/proc/self/ns/pid").map(|p| p.display().to_string()).unwrap_or_default()
 }
+
+/// A new anonymous shared-memory file of `len` bytes (none of them in
+/// memory yet), which other processes of the same user open through
+/// `/proc/<pid>/fd/<fd>`.
+#[cfg(target_os = "linux")]
+pub(super) fn memfd(name: &std::ffi::CStr, len: u64) -> io::Result<File> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: `name` is a valid C string; the call creates a descriptor and
+    // touches nothing else.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and is owned by nothing else.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(len)?;
+    Ok(file)
+}
+
+/// Gives the memory behind bytes `off..off + len` of `file` back to the
+/// operating system; they read as zeros afterwards, and take memory again
+/// when written.
+#[cfg(target_os = "linux")]
+pub(super) fn punch(file: &File, off: u64, len: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let (off, len) = (off as libc::off_t, len as libc::off_t);
+    // SAFETY: the descriptor is open for writing for the duration of the
+    // call; the kernel frees the file's pages in the range, which mappings
+    // then see as zero pages, and touches nothing else of this process.
+    let r = unsafe { libc::fallocate(file.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, off, len) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}

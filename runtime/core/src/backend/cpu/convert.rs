@@ -34,7 +34,7 @@ pub(crate) fn convert(dev: &CpuDevice, src: &CpuStorage, range: Range<usize>, to
 
 /// A tracked copy of `src`, in a buffer the pool may supply (every element
 /// is overwritten, so a reused buffer needs no zeroing).
-fn copied<T: Copy + Default + Send + 'static>(dev: &CpuDevice, src: &[T]) -> super::Buffer<T> {
+fn copied<T: bytemuck::Pod + Send>(dev: &CpuDevice, src: &[T]) -> super::Buffer<T> {
     let mut out = dev.buffer_for_overwrite(src.len());
     out.copy_from_slice(src);
     out

@@ -3,12 +3,14 @@
 //! Work runs synchronously on the calling thread and rayon's pool, so a CPU
 //! device has nothing to synchronise; reading to host is a copy.
 
+mod arena;
 mod buffer;
 mod convert;
 mod exec;
 mod pool;
 mod storage;
 
+pub use arena::{HostArena, MIN_ARENA_BYTES};
 pub use buffer::Buffer;
 use buffer::HostMemory;
 pub(crate) use convert::convert;
@@ -50,7 +52,7 @@ impl CpuDevice {
     }
 
     /// A tracked buffer of `len` zeros.
-    pub fn buffer_zeros<T: Copy + Default + Send + 'static>(&self, len: usize) -> Buffer<T> {
+    pub fn buffer_zeros<T: bytemuck::Pod + Send>(&self, len: usize) -> Buffer<T> {
         Buffer::zeros(len, &self.host)
     }
 
@@ -59,14 +61,30 @@ impl CpuDevice {
     /// length freed earlier comes back from the device's pool as it is,
     /// without the zero-fill (or, for a new allocation, the page faults) a
     /// fresh buffer costs.
-    pub fn buffer_for_overwrite<T: Copy + Default + Send + 'static>(&self, len: usize) -> Buffer<T> {
+    pub fn buffer_for_overwrite<T: bytemuck::Pod + Send>(&self, len: usize) -> Buffer<T> {
         Buffer::for_overwrite(len, &self.host)
     }
 
     /// Frees the buffers kept for reuse (they count in
     /// [`MemoryStats::cached`], not in `in_use`).
     pub fn empty_cache(&self) {
-        self.host.pool.clear()
+        self.host.pool.clear();
+        if let Some(a) = self.host.arena.get() {
+            a.release_cached();
+        }
+    }
+
+    /// Makes `arena` the source of this device's (and its clones') buffers
+    /// of at least [`MIN_ARENA_BYTES`] from now on; buffers allocated
+    /// before stay where they are. A device takes one arena for its
+    /// lifetime: returns `false`, changing nothing, if it already has one.
+    pub fn use_arena(&self, arena: Arc<dyn HostArena>) -> bool {
+        self.host.arena.set(arena).is_ok()
+    }
+
+    /// The arena this device's large buffers come from, if it has one.
+    pub fn arena(&self) -> Option<&Arc<dyn HostArena>> {
+        self.host.arena.get()
     }
 
     /// Moves `data` into a tracked buffer.
@@ -83,7 +101,7 @@ impl super::BackendDevice for CpuDevice {
     }
 
     fn memory_stats(&self) -> MemoryStats {
-        MemoryStats { cached: self.host.pool.cached_bytes(), ..self.host.tracker.stats() }
+        MemoryStats { cached: self.host.cached_bytes(), ..self.host.tracker.stats() }
     }
 
     fn reset_peak(&self) {
