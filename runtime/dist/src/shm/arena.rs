@@ -29,9 +29,12 @@ use tessera_core::backend::{CpuDevice, HostArena};
 
 const PAGE: usize = 4096;
 
-/// The size of the arena's file, which bounds the bytes of large buffers a
-/// rank can hold in shared memory at once (those past it come from the C
-/// allocator). Only written pages take memory.
+/// The most bytes an arena's file spans. The file is as large as the
+/// machine's memory (a power of two, at most this): what a rank can hold in
+/// shared memory at once (buffers past it come from the C allocator). Only
+/// written pages take memory, but every peer maps every arena of the node,
+/// so the size is kept to what can be used: 128 ranks on a 512 GiB machine
+/// map 64 TiB of the 128 TiB address space.
 const ARENA_BYTES: usize = 1 << 40;
 
 /// An arena as its owner publishes it to its peers: the descriptor the file
@@ -129,7 +132,7 @@ impl ShmArena {
     fn create() -> Option<ShmArena> {
         #[cfg(target_os = "linux")]
         {
-            let mut len = ARENA_BYTES;
+            let mut len = sys::physical_memory().max(1).next_power_of_two().clamp(1 << 30, ARENA_BYTES);
             // A smaller file where the address space is limited (`ulimit -v`).
             while len >= 1 << 30 {
                 if let Ok(file) = sys::memfd(c"tessera-arena", len as u64) {

@@ -140,3 +140,11 @@ pub(super) fn punch(file: &File, off: u64, len: u64) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// Bytes of physical memory of the machine (0 if unknown).
+#[cfg(target_os = "linux")]
+pub(super) fn physical_memory() -> usize {
+    // SAFETY: sysconf only reads system constants.
+    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    usize::try_from(pages).unwrap_or(0).saturating_mul(usize::try_from(page).unwrap_or(0))
+}
