@@ -107,6 +107,19 @@ impl<T: Send + 'static> Drop for Lent<T> {
     }
 }
 
+/// Where a collective stands after its first step, for
+/// [`ShmCore::staged_or_in_place`]: the step and the collective's numbers,
+/// every member's record, whether this member offered to work in place,
+/// and the number of staged rounds.
+struct Rounds<'a> {
+    op: &'static str,
+    s: u64,
+    coll: u64,
+    records: &'a [Record],
+    offered: bool,
+    rounds: usize,
+}
+
 /// A step's tag: the collective's number and the step's place in it.
 fn tag(coll: u64, k: usize) -> u64 {
     (coll << 32) | (k as u64 & 0xffff_ffff)
@@ -303,6 +316,39 @@ impl ShmCore {
         Ok(wrap(CpuStorage::from_buffer(out), t.shape().clone(), dev))
     }
 
+    /// The data steps of a collective whose members stage its first round
+    /// at the first step unless they offered to work in place: `in_place`
+    /// when every member offered, then the collective's last step;
+    /// otherwise `plan.rounds` rounds, round `k` staged by `stage(step, k)`
+    /// (the first one again, at a step of its own, when some member offered
+    /// and so staged nothing) and read by `read(out, step, k)` at the step
+    /// that carries it.
+    fn staged_or_in_place<O: ?Sized>(
+        &self,
+        plan: Rounds<'_>,
+        out: &mut O,
+        stage: impl Fn(u64, usize),
+        in_place: impl FnOnce(&mut O) -> Result<()>,
+        mut read: impl FnMut(&mut O, u64, usize),
+    ) -> Result<()> {
+        let Rounds { op, mut s, coll, records, offered, rounds } = plan;
+        if offered && records.iter().all(|r| r.place.is_some()) {
+            in_place(out)?;
+            s = self.next();
+            return self.step(op, s, coll, 1);
+        }
+        let extra = usize::from(records.iter().any(|r| r.place.is_some()));
+        for k in 0..rounds {
+            if k > 0 || extra == 1 {
+                s = self.next();
+                stage(s, k);
+                self.step(op, s, coll, k + extra)?;
+            }
+            read(out, s, k);
+        }
+        Ok(())
+    }
+
     /// Where this member's input `x` lies in its arena, if the group can
     /// work in place (see `arena`) and it does.
     fn offer<T: Element>(&self, x: &[T]) -> Option<u64> {
@@ -428,7 +474,7 @@ impl ShmCore {
                 typed_mut::<T>(unsafe { self.group.stage(s, 0, r.len() * e) }).copy_from_slice(&x[r]);
             }
         };
-        let (mut s, coll, records) = self.open(OP, record, local.map(drop), |s| {
+        let (s, coll, records) = self.open(OP, record, local.map(drop), |s| {
             if rounds > 0 && !offered {
                 stage(s, 0)
             }
@@ -441,7 +487,7 @@ impl ShmCore {
         // Element `i` of rank `j`'s input lands in block `i / block` of the
         // output, after the `j` blocks of the ranks before it; `src` holds
         // the input's elements `r`.
-        let mut place = |j: usize, src: &[T], r: Range<usize>| {
+        let place = |out: &mut [T], j: usize, src: &[T], r: Range<usize>| {
             let mut i = r.start;
             while i < r.end {
                 let (o, w) = (i / block, i % block);
@@ -451,24 +497,20 @@ impl ShmCore {
                 i += run;
             }
         };
-        if offered && records.iter().all(|r| r.place.is_some()) {
-            // SAFETY: the step below ends the collective, and every member
-            // posts it after its last read.
-            for (j, src) in unsafe { self.inputs_in_place(OP, x, &records) }?.into_iter().enumerate() {
-                place(j, src, 0..len);
-            }
-            s = self.next();
-            self.step(OP, s, coll, 1)?;
-        } else {
-            // Members that offered to work in place staged nothing at the
-            // first step: then every member stages the first round again.
-            let extra = usize::from(records.iter().any(|r| r.place.is_some()));
-            for k in 0..rounds {
-                if k > 0 || extra == 1 {
-                    s = self.next();
-                    stage(s, k);
-                    self.step(OP, s, coll, k + extra)?;
+        let plan = Rounds { op: OP, s, coll, records: &records, offered, rounds };
+        self.staged_or_in_place(
+            plan,
+            &mut out[..],
+            stage,
+            |out| {
+                // SAFETY: the collective's last step follows, and every
+                // member posts it after its last read.
+                for (j, src) in unsafe { self.inputs_in_place(OP, x, &records) }?.into_iter().enumerate() {
+                    place(out, j, src, 0..len);
                 }
+                Ok(())
+            },
+            |out, s, k| {
                 let r = round(k);
                 for j in 0..n {
                     let src: &[T] = match j == me {
@@ -477,10 +519,10 @@ impl ShmCore {
                         // only after reading.
                         false => typed(unsafe { self.group.staged(j, s, 0, r.len() * e) }),
                     };
-                    place(j, src, r.clone());
+                    place(out, j, src, r.clone());
                 }
-            }
-        }
+            },
+        )?;
         drop(guard);
         let mut out_dims = dims.to_vec();
         out_dims[dim] *= n;
@@ -532,7 +574,7 @@ impl ShmCore {
                 runs(j, r.clone(), &mut |g, src| dst[g - r.start..g - r.start + src.len()].copy_from_slice(&x[src]));
             }
         };
-        let (mut s, coll, records) = self.open(OP, record, local.map(drop), |s| {
+        let (s, coll, records) = self.open(OP, record, local.map(drop), |s| {
             if rounds > 0 && !offered {
                 stage(s, 0)
             }
@@ -547,26 +589,22 @@ impl ShmCore {
                 sum_into(srcs, dst);
             }
         };
-        if offered && records.iter().all(|r| r.place.is_some()) {
-            // SAFETY: the step below ends the collective, and every member
-            // posts it after its last read.
-            let inputs = unsafe { self.inputs_in_place(OP, x, &records) }?;
-            runs(me, 0..q, &mut |g, own| {
-                let srcs: Vec<&[T]> = inputs.iter().map(|i| &i[own.clone()]).collect();
-                sum(&srcs, &mut out[g..g + own.len()]);
-            });
-            s = self.next();
-            self.step(OP, s, coll, 1)?;
-        } else {
-            // As for the all-gather: a first round staged again when a member
-            // offered to work in place.
-            let extra = usize::from(records.iter().any(|r| r.place.is_some()));
-            for k in 0..rounds {
-                if k > 0 || extra == 1 {
-                    s = self.next();
-                    stage(s, k);
-                    self.step(OP, s, coll, k + extra)?;
-                }
+        let plan = Rounds { op: OP, s, coll, records: &records, offered, rounds };
+        self.staged_or_in_place(
+            plan,
+            &mut out[..],
+            stage,
+            |out| {
+                // SAFETY: the collective's last step follows, and every
+                // member posts it after its last read.
+                let inputs = unsafe { self.inputs_in_place(OP, x, &records) }?;
+                runs(me, 0..q, &mut |g, own| {
+                    let srcs: Vec<&[T]> = inputs.iter().map(|i| &i[own.clone()]).collect();
+                    sum(&srcs, &mut out[g..g + own.len()]);
+                });
+                Ok(())
+            },
+            |out, s, k| {
                 let r = round(k);
                 runs(me, r.clone(), &mut |g, own| {
                     let srcs: Vec<&[T]> = (0..n)
@@ -579,8 +617,8 @@ impl ShmCore {
                         .collect();
                     sum(&srcs, &mut out[g..g + own.len()]);
                 });
-            }
-        }
+            },
+        )?;
         drop(guard);
         let mut out_dims = t.dims().to_vec();
         out_dims[dim] /= n;
