@@ -17,6 +17,7 @@ const MAP: &[(&str, &[&str])] = &[
     ("runtime/observe", &["tessera-core"]),
     ("runtime/train", &["tessera-core", "tessera-dist", "tessera-nn", "tessera-optim", "tessera-parallel", "tessera-data", "tessera-observe"]),
     ("runtime/testing", &["tessera-core", "tessera-dist", "tessera-nn", "tessera-parallel"]),
+    ("runtime/serve", &["tessera-core", "tessera-dist", "tessera-nn", "tessera-data"]),
     ("macros", &[]),
 ];
 

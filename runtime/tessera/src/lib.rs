@@ -7,8 +7,8 @@
 //! in. The tensor runtime ([`Tensor`], [`Device`], [`ops`]) comes from
 //! `tessera-core`; the module system ([`module`]) and layers ([`nn`]) from
 //! `tessera-nn`; then [`dist`], [`optim`], [`parallel`], [`data`],
-//! [`observe`], [`train`] with [`ckpt`], and [`testing`], each a crate of its
-//! own (docs/design.md has the map and what each may import).
+//! [`observe`], [`train`] with [`ckpt`], [`serve`] and [`testing`], each a
+//! crate of its own (docs/design.md has the map and what each may import).
 
 pub use tessera_core::{backend, error, file, ops, tensor};
 pub use tessera_data as data;
@@ -18,6 +18,7 @@ pub use tessera_nn::module;
 pub use tessera_observe as observe;
 pub use tessera_optim as optim;
 pub use tessera_parallel as parallel;
+pub use tessera_serve as serve;
 pub use tessera_testing as testing;
 pub use tessera_train as train;
 pub use tessera_train::ckpt;
