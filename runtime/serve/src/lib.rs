@@ -2,3 +2,5 @@
 //! generator.
 //!
 //! It is being built in pieces; docs/serving.md says what exists.
+
+pub mod kv;
