@@ -1,6 +1,12 @@
 //! Tessera's inference engine: what turns a trained or imported model into a
 //! generator.
 //!
-//! It is being built in pieces; docs/serving.md says what exists.
+//! It is being built in pieces; docs/serving.md says what exists:
+//!
+//! - [`sampling`]: choosing each next token from a step's logits, and when
+//!   a request stops;
+//! - [`kv`]: the paged KV cache's blocks: which physical block holds each
+//!   token of each sequence, shared between sequences with a common prefix.
 
+pub mod kv;
 pub mod sampling;
