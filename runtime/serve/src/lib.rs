@@ -10,3 +10,5 @@
 
 pub mod kv;
 pub mod sampling;
+#[cfg(test)]
+mod test_data;

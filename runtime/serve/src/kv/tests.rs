@@ -5,24 +5,7 @@ use tessera_core::Error;
 
 use super::pool::BlockState;
 use super::{BlockId, BlockManager, BlockTable, KvBudget};
-
-/// A small deterministic generator (splitmix64): no dependency, and a failing
-/// seed reproduces.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
+use crate::test_data::Gen;
 
 /// A live sequence of the model: its table and what its tokens are.
 struct Seq {
@@ -158,7 +141,7 @@ impl Model {
 
 /// A prompt that often shares a prefix with others: one of a few "system
 /// prompts" and a short suffix over a two-token alphabet.
-fn prompt(rng: &mut Rng, bs: usize) -> Vec<u32> {
+fn prompt(rng: &mut Gen, bs: usize) -> Vec<u32> {
     let systems: [&[u32]; 3] = [&[7, 7, 7, 7, 7, 7, 7, 7, 7], &[7, 7, 7, 7, 8, 8], &[]];
     let mut p = systems[rng.below(3)].to_vec();
     let suffix = rng.below(2 * bs + 1);
@@ -172,7 +155,7 @@ fn prompt(rng: &mut Rng, bs: usize) -> Vec<u32> {
 #[test]
 fn random_operations_agree_with_the_model() {
     for seed in 0..300u64 {
-        let mut rng = Rng(seed);
+        let mut rng = Gen::new(seed);
         let bs = 1 + rng.below(4);
         let num_blocks = 4 + rng.below(12);
         let watermark = rng.below(2);

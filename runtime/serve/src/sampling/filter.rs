@@ -63,7 +63,7 @@ pub(crate) fn truncate(ranked: &mut Vec<(u32, f64)>, top_p: f32, min_p: f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sampling::test_data::Gen;
+    use crate::test_data::Gen;
 
     #[test]
     fn rank_with_a_limit_is_the_prefix_of_the_full_ranking() {

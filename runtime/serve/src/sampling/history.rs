@@ -87,7 +87,7 @@ impl History {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sampling::test_data::Gen;
+    use crate::test_data::Gen;
 
     /// The penalties as the papers and vLLM's docs state them, recounted from
     /// the raw token lists for each logit.

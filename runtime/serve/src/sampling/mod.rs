@@ -13,8 +13,6 @@ mod history;
 mod params;
 mod sampler;
 mod stop;
-#[cfg(test)]
-mod test_data;
 
 pub use history::History;
 pub use params::{SamplingParams, MAX_LOGPROBS};

@@ -145,7 +145,7 @@ fn bad(field: &str, value: impl std::fmt::Display, range: &str) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sampling::test_data::Gen;
+    use crate::test_data::Gen;
 
     const VOCAB: usize = 100;
 

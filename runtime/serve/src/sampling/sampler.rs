@@ -156,7 +156,7 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sampling::test_data::Gen;
+    use crate::test_data::Gen;
 
     /// The distribution the filters should leave, computed the slow, obvious
     /// way in f64: for each token, count and sum over all the others.

@@ -130,7 +130,7 @@ impl StopChecker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sampling::test_data::Gen;
+    use crate::test_data::Gen;
 
     /// Characters of one to four bytes, so that cuts land between the bytes of
     /// a character if the code gets byte offsets wrong.

@@ -1,4 +1,4 @@
-//! Generated inputs for the sampling tests: a small seeded generator, so a
+//! Generated inputs for the crate's tests: a small seeded generator, so a
 //! failing case can be replayed from its seed.
 
 use tessera_core::RngKey;
