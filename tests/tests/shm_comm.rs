@@ -160,6 +160,7 @@ fn collectives_in_place_and_staged_mix_on_any_rank_with_exact_results() {
             let world = ShmWorld::join(rdzv, &dev, LONG).unwrap();
             let comm = world.communicator().unwrap();
             let mut results = Vec::new();
+            let mut done = 0;
             for (case, &(len, dtype)) in cases.iter().enumerate() {
                 let len = len.div_ceil(n) * n;
                 let v: Vec<f64> = (0..len).map(|j| value(r, j)).collect();
@@ -172,6 +173,11 @@ fn collectives_in_place_and_staged_mix_on_any_rank_with_exact_results() {
                     let gathered = comm.all_gather(&x, 0).unwrap().to_f64_vec().unwrap();
                     let part = comm.reduce_scatter_sum(&x, 0).unwrap().to_f64_vec().unwrap();
                     results.push((len, dtype, heap_on, [sum, gathered, part]));
+                    // In place exactly when every rank's input lies in its
+                    // arena (large enough, and not built from a `Vec`).
+                    let in_arena = heap_on.is_none() && len * dtype.size_in_bytes() >= 64 << 10;
+                    assert_eq!(comm.in_place_collectives() - done, if in_arena { 3 } else { 0 }, "world {n}, rank {r}: {len} {dtype}, heap on {heap_on:?}");
+                    done = comm.in_place_collectives();
                 }
             }
             results

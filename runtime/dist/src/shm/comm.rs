@@ -60,6 +60,8 @@ pub struct ShmCore {
     colls: AtomicU64,
     /// Numbers the files of messages too large for a ring.
     files: AtomicU64,
+    /// Collectives that worked in place in the members' arenas.
+    in_place: AtomicU64,
 }
 
 fn cpu(t: &Tensor) -> Result<&CpuDevice> {
@@ -81,6 +83,16 @@ fn typed<T: Element>(b: &[u8]) -> &[T] {
 
 fn typed_mut<T: Element>(b: &mut [u8]) -> &mut [T] {
     bytemuck::cast_slice_mut(b)
+}
+
+impl ShmComm {
+    /// How many of this rank's collectives on this communicator read and
+    /// wrote the members' tensors in place in their arenas, rather than
+    /// staging them (see the module `arena`): what tells a job, or a test,
+    /// that its tensors are where the fast path needs them.
+    pub fn in_place_collectives(&self) -> u64 {
+        self.core().in_place.load(Ordering::Relaxed)
+    }
 }
 
 /// A result buffer this member offered its peers to write into. If the
@@ -127,7 +139,7 @@ fn tag(coll: u64, k: usize) -> u64 {
 
 impl ShmCore {
     pub(super) fn new(group: Arc<Group>, device: CpuDevice) -> ShmCore {
-        ShmCore { group, device, steps: AtomicU64::new(0), colls: AtomicU64::new(0), files: AtomicU64::new(0) }
+        ShmCore { group, device, steps: AtomicU64::new(0), colls: AtomicU64::new(0), files: AtomicU64::new(0), in_place: AtomicU64::new(0) }
     }
 
     fn n(&self) -> usize {
@@ -253,6 +265,7 @@ impl ShmCore {
         if let Some(mut lent) = lent {
             if records.iter().all(|r| r.place.is_some()) {
                 self.all_reduce_in_place(x, lent.buffer(), &records)?;
+                self.in_place.fetch_add(1, Ordering::Relaxed);
                 s = self.next();
                 self.step(OP, s, coll, 1)?;
                 return Ok(wrap(CpuStorage::from_buffer(lent.reclaim()), t.shape().clone(), dev));
@@ -334,6 +347,7 @@ impl ShmCore {
         let Rounds { op, mut s, coll, records, offered, rounds } = plan;
         if offered && records.iter().all(|r| r.place.is_some()) {
             in_place(out)?;
+            self.in_place.fetch_add(1, Ordering::Relaxed);
             s = self.next();
             return self.step(op, s, coll, 1);
         }
