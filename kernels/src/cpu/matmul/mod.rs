@@ -19,6 +19,9 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 use std::any::TypeId;
 
+mod rows;
+pub use rows::{dot_canonical, matmul_rows};
+
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]

@@ -7,7 +7,9 @@ use crate::error::{Error, Result};
 use crate::tensor::check_device;
 use crate::tensor::DType;
 use crate::tensor::{Shape, Tensor};
-use tessera_kernels::cpu::matmul::{bf16_native, matmul as gemm, matmul_bf16 as gemm_bf16, matmul_bias as gemm_bias, matmul_bias_bf16 as gemm_bias_bf16};
+use tessera_kernels::cpu::matmul::{
+    bf16_native, matmul as gemm, matmul_bf16 as gemm_bf16, matmul_bias as gemm_bias, matmul_bias_bf16 as gemm_bias_bf16, matmul_rows,
+};
 use tessera_kernels::desc::Gemm;
 
 float_kernel!(writes_all MatMul { g: Gemm } |s, i, o| gemm(&s.g, i[0], i[1], o[0]); cuda |s, c| c.gemm(&s.g);
@@ -126,4 +128,46 @@ pub fn matmul_backward(a: &Tensor, b: &Tensor, dc: &Tensor) -> Result<(Tensor, T
         matmul(&a.t()?, dc)?
     };
     Ok((da, db))
+}
+
+float_kernel!(writes_all MatRows { m: usize, k: usize, n: usize } |s, i, o| matmul_rows(s.m, s.k, s.n, i[0], i[1], i.get(2).copied(), o[0]));
+
+/// `x · wᵀ (+ bias)` for a linear layer's weight `w` `[n, k]` and `x`
+/// `[..., k]`, computed so that every row of the result depends on its row
+/// of `x` alone: the same bits whether the row is multiplied alone or among
+/// any number of others (see [`tessera_kernels::cpu::matmul::matmul_rows`]).
+/// Serving uses it so a request decodes the same tokens alone or in a
+/// batch; with few rows it is also the faster product (it streams `w` once).
+///
+/// On the CPU in f32 and f64 (bf16 and f16 operands are widened to f32 and
+/// the result rounded back). On a GPU it is the ordinary product, which
+/// cuBLAS does not make batch-invariant.
+pub fn matmul_rows_nt(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    const OP: &str = "matmul_rows_nt";
+    check_device(OP, x, w)?;
+    let (Some(&k), &[n, wk]) = (x.dims().last(), w.dims()) else {
+        return Err(Error::shape(OP, format!("operands {} and {}; pass x [..., k] and a weight [n, k]", x.shape(), w.shape())));
+    };
+    if k != wk || x.rank() < 2 {
+        return Err(Error::shape(OP, format!("x {} against a weight {}: x needs rank 2 or more and last dimension {wk}", x.shape(), w.shape())));
+    }
+    if let Some(b) = bias {
+        check_device(OP, x, b)?;
+        if b.dims() != [n] {
+            return Err(Error::shape(OP, format!("bias has shape {} but the weight has {n} rows; the bias must be [{n}]", b.shape())));
+        }
+    }
+    if matches!(x.device(), crate::Device::Cuda(_)) {
+        let wt = w.t()?;
+        return match bias {
+            Some(b) => matmul_bias(x, &wt, b),
+            None => matmul(x, &wt),
+        };
+    }
+    let m = x.elem_count() / k.max(1);
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().expect("rank 2 or more") = n;
+    let mut inputs = vec![x, w];
+    inputs.extend(bias);
+    run1(OP, &MatRows { m, k, n }, &inputs, Shape::from(dims), Out::Primary)
 }
