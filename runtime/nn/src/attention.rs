@@ -23,6 +23,11 @@ use tessera_core::{Error, Result};
 /// head `h` reads key/value head `h / (q_heads / kv_heads)`. With RoPE,
 /// positions are `0..seq`.
 ///
+/// In a serving step ([`Cx::decode`]) the input is the step's tokens as one
+/// row `[1, tokens, ..]`: their keys and values go to the paged cache and
+/// each token attends its own sequence's cached positions (RoPE at the
+/// tokens' positions); such a forward has no backward.
+///
 /// Under selective recompute ([`Cx::selective_recompute`]) the forward keeps
 /// only its packed input and the backward recomputes the attention core;
 /// otherwise it keeps what the backward reads (see [`AttentionSaved`]).
@@ -81,6 +86,8 @@ pub struct AttentionSaved(Kept);
 enum Kept {
     Core(Box<Core>),
     Input(Tensor),
+    /// A decoding step's forward, which has no backward.
+    Decode,
 }
 
 struct Core {
@@ -97,6 +104,7 @@ impl AttentionSaved {
         match &self.0 {
             Kept::Core(c) => [&c.qkv, &c.out, &c.lse].into_iter().map(bytes_of).sum(),
             Kept::Input(x) => bytes_of(x),
+            Kept::Decode => 0,
         }
     }
 
@@ -217,6 +225,38 @@ impl CausalAttention {
     }
 }
 
+impl CausalAttention {
+    /// A serving step (see [`Decode`](crate::module::Decode)): RoPE at the
+    /// tokens' positions, their keys and values written to their cache
+    /// slots, then each token attends its own sequence's cached positions.
+    fn decode_step(&self, cx: &Cx, h: Heads, x: &Tensor) -> Result<Tensor> {
+        let dec = cx.decode().expect("called in a decoding step");
+        dec.check_tokens("CausalAttention", x)?;
+        if x.dims().last() != Some(&(h.total() * h.d)) {
+            return Err(Error::shape(
+                "CausalAttention",
+                format!("input of shape {} for {} query and {} key/value heads of {} on this rank", x.shape(), h.q, h.kv, h.d),
+            ));
+        }
+        let positions = &dec.batch.positions;
+        let qkv = match &self.rope {
+            Some(r) => {
+                if let Some(p) = positions.iter().find(|&&p| p as usize >= r.max_position) {
+                    return Err(Error::invalid(
+                        "CausalAttention",
+                        format!("position {p} is past the {} positions RoPE was built for; keep prompt and output within the model's context", r.max_position),
+                    ));
+                }
+                ops::rope_packed(x, &r.table, positions, h.packed())?
+            }
+            None => x.clone(),
+        };
+        let cache = dec.cache.layer(&cx.path(), h.kv, h.d)?;
+        ops::kv_cache_write(&qkv, h.packed(), &cache.k, &cache.v, &dec.batch)?;
+        ops::paged_attention(&qkv, h.packed(), &cache.k, &cache.v, &dec.batch)
+    }
+}
+
 impl Module<Plain> for CausalAttention {
     type In = SplitHidden;
     type Out = SplitHidden;
@@ -231,6 +271,9 @@ impl Module<Plain> for CausalAttention {
     fn forward(&self, cx: &mut Cx, x: Act<SplitHidden>) -> Result<(Act<SplitHidden>, AttentionSaved)> {
         let h = self.local(cx.tp().size())?;
         let x = x.into_tensor();
+        if cx.decode().is_some() {
+            return Ok((Act::new(self.decode_step(cx, h, &x)?), AttentionSaved(Kept::Decode)));
+        }
         let c = self.core(h, &x)?;
         let y = c.out.clone();
         let kept = if cx.selective_recompute() { Kept::Input(x) } else { Kept::Core(Box::new(c)) };
@@ -242,6 +285,12 @@ impl Module<Plain> for CausalAttention {
         let c = match saved.0 {
             Kept::Core(c) => *c,
             Kept::Input(x) => self.core(h, &x)?,
+            Kept::Decode => {
+                return Err(Error::invalid(
+                    "CausalAttention::backward",
+                    "the forward was a decoding step, which has no backward; train without a decoding state in the context",
+                ))
+            }
         };
         let dy = dy.into_tensor();
         if dy.shape() != c.out.shape() {

@@ -175,9 +175,15 @@ impl Linear {
         let x = if x.dtype() == w.dtype() { x } else { x.to_dtype(w.dtype())? };
         // Every rank reads the bias so every rank's backward delivers its gradient.
         let bias = self.bias.as_ref().map(|b| cx.param(b)).transpose()?;
-        let y = match bias.filter(|_| with_bias) {
-            Some(b) => ops::matmul_bias(&x, &w.t()?, &b)?,
-            None => ops::matmul(&x, &w.t()?)?,
+        let bias = bias.filter(|_| with_bias);
+        let y = if cx.decode().is_some() {
+            // Serving: each row's bits independent of the step's other rows.
+            ops::matmul_rows_nt(&x, &w, bias.as_ref())?
+        } else {
+            match bias {
+                Some(b) => ops::matmul_bias(&x, &w.t()?, &b)?,
+                None => ops::matmul(&x, &w.t()?)?,
+            }
         };
         Ok((y, LinearSaved { x }))
     }
@@ -288,7 +294,21 @@ impl Module<Vocab> for Linear {
     type Saved = LinearSaved;
     const SEQ_IN: Seq = Seq::Split;
 
+    /// In a serving step whose state names the rows to sample
+    /// ([`Decode::logit_rows`](crate::module::Decode)), only those rows'
+    /// logits are computed, `[1, rows, vocab]`.
     fn forward(&self, cx: &mut Cx, x: Act<Replicated>) -> Result<(Act<SplitHidden>, LinearSaved)> {
+        let x = match cx.decode().and_then(|d| d.logit_rows.as_ref().map(|r| (d, r))) {
+            Some((d, rows)) => {
+                d.check_tokens("Linear (vocabulary head)", x.tensor())?;
+                let x = x.into_tensor();
+                let width = *x.dims().last().expect("checked rank");
+                let table = x.reshape([d.batch.tokens(), width])?;
+                let ids = Tensor::from_vec(rows.clone(), [1, rows.len()], cx.device())?;
+                Act::new(ops::embedding(&table, &ids)?)
+            }
+            None => x,
+        };
         let (y, saved) = <Self as Module<Column>>::forward(self, cx, x)?;
         let y = y.into_tensor();
         let first = cx.tp().rank() * y.dims().last().copied().unwrap_or(0);

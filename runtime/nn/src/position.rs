@@ -88,6 +88,22 @@ impl PositionEmbedding {
         &self.weight
     }
 
+    /// A serving step (see [`Decode`](crate::module::Decode)): the rows of the tokens' positions.
+    fn decode_step(&self, cx: &Cx, dec: &crate::module::Decode, x: Tensor) -> Result<Tensor> {
+        dec.check_tokens("PositionEmbedding", &x)?;
+        let positions = &dec.batch.positions;
+        if let Some(p) = positions.iter().find(|&&p| p as usize >= self.max_positions) {
+            return Err(Error::invalid(
+                "PositionEmbedding",
+                format!("position {p} is past a table of {} positions; keep prompt and output within the model's context", self.max_positions),
+            ));
+        }
+        let ids = Tensor::from_vec(positions.clone(), [1, positions.len()], cx.device())?;
+        let rows = ops::embedding(&cx.param(&self.weight)?, &ids)?;
+        let x = if x.dtype() == rows.dtype() { x } else { x.to_dtype(rows.dtype())? };
+        ops::add(&x, &rows)
+    }
+
     /// The position of every token, `[batch, seq]` as u32 row indices.
     fn positions(&self, s: &PositionEmbeddingSaved, cx: &Cx) -> Result<Tensor> {
         let row: Vec<u32> = (s.start..s.start + s.seq).map(|p| p as u32).collect();
@@ -112,6 +128,9 @@ impl Module<Plain> for PositionEmbedding {
         };
         if dim != self.dim {
             return Err(Error::shape(OP, format!("input of shape {} for rows of width {}; the last dimension must be {}", x.shape(), self.dim, self.dim)));
+        }
+        if let Some(dec) = cx.decode() {
+            return self.decode_step(cx, dec, x).map(|y| (Act::new(y), PositionEmbeddingSaved { batch: 0, seq: 0, start: 0 }));
         }
         // Under sequence parallelism this rank holds the `rank`-th slice of the sequence.
         let start = if cx.sequence_split() { cx.tp().rank() * seq } else { 0 };

@@ -3,11 +3,14 @@
 //!
 //! It is being built in pieces; docs/serving.md says what exists:
 //!
+//! - [`engine`]: the [`Engine`](engine::Engine): requests in, tokens out,
+//!   continuous batching over the paged cache;
 //! - [`sampling`]: choosing each next token from a step's logits, and when
 //!   a request stops;
 //! - [`kv`]: the paged KV cache's blocks: which physical block holds each
 //!   token of each sequence, shared between sequences with a common prefix.
 
+pub mod engine;
 pub mod kv;
 pub mod sampling;
 #[cfg(test)]

@@ -230,3 +230,39 @@ pub fn paged_attention(qkv: &Tensor, h: QkvHeads, k_cache: &Tensor, v_cache: &Te
         other => Err(Error::DType { op: OP, expected: "f32, f64 or bf16".into(), got: other, hint: "; serve in f32 or bf16" }),
     }
 }
+
+/// Copies rows `from·rows..(from+1)·rows` of `cache` onto rows
+/// `to·rows..(to+1)·rows`, for each `(from, to)` in `pairs`, in place: a
+/// paged cache's copy-on-write, block by block (`rows` = the block size).
+pub fn copy_blocks(cache: &Tensor, rows: usize, pairs: &[(usize, usize)]) -> Result<()> {
+    const OP: &str = "copy_blocks";
+    host_only(OP, cache.device())?;
+    let total = cache.dims().first().copied().unwrap_or(0);
+    if rows == 0 || !total.is_multiple_of(rows) || !cache.is_contiguous() {
+        return Err(Error::invalid(OP, format!("a cache {} in blocks of {rows} rows; it must be contiguous and whole blocks", cache.shape())));
+    }
+    let blocks = total / rows;
+    if let Some((a, b)) = pairs.iter().find(|(a, b)| *a >= blocks || *b >= blocks || a == b) {
+        return Err(Error::invalid(OP, format!("block copy {a} → {b} in a cache of {blocks} blocks; copy between two distinct blocks of the cache")));
+    }
+    let row = cache.elem_count() / total.max(1) * rows;
+    let range = cache.layout().contiguous_range().expect("checked");
+    let mut g = cache.write();
+    let Storage::Cpu(s) = &mut *g else { unreachable!("host device checked") };
+    macro_rules! go {
+        ($t:ty) => {{
+            let data = &mut s.as_mut_slice::<$t>().expect("dtype")[range];
+            for &(a, b) in pairs {
+                data.copy_within(a * row..(a + 1) * row, b * row);
+            }
+        }};
+    }
+    match cache.dtype() {
+        DType::F32 => go!(f32),
+        DType::F64 => go!(f64),
+        DType::BF16 => go!(bf16),
+        DType::F16 => go!(half::f16),
+        other => return Err(Error::DType { op: OP, expected: "a float cache".into(), got: other, hint: "" }),
+    }
+    Ok(())
+}

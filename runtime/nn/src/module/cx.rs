@@ -66,6 +66,7 @@ pub struct Cx {
     announce_grads: bool,
     path: Vec<String>,
     hooks: Vec<Arc<dyn Hooks>>,
+    decode: Option<Arc<super::Decode>>,
 }
 
 impl Cx {
@@ -91,6 +92,7 @@ impl Cx {
             announce_grads: true,
             path: Vec::new(),
             hooks: Vec::new(),
+            decode: None,
         }
     }
 
@@ -110,6 +112,18 @@ impl Cx {
     pub fn with_hooks(mut self, hooks: Arc<dyn Hooks>) -> Self {
         self.hooks.push(hooks);
         self
+    }
+
+    /// The decoding state of the serving step running now, if any (see
+    /// [`Decode`](super::Decode)): the layers that look across tokens read it.
+    pub fn decode(&self) -> Option<&super::Decode> {
+        self.decode.as_deref()
+    }
+
+    /// Sets (or clears) the decoding state; returns the previous one. A
+    /// serving engine sets it around each step's forward.
+    pub fn set_decode(&mut self, d: Option<Arc<super::Decode>>) -> Option<Arc<super::Decode>> {
+        std::mem::replace(&mut self.decode, d)
     }
 
     /// The device this rank computes on.

@@ -7,6 +7,7 @@
 
 mod call;
 mod cx;
+mod decode;
 pub mod dsl;
 mod layout;
 mod param;
@@ -18,6 +19,7 @@ mod visit;
 
 pub use call::{call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, fed, Feeds, Kept, KeptCall, Recompute};
 pub use cx::{Cx, Hooks, RecomputeOverride};
+pub use decode::{Decode, KvCache, KvLayer};
 pub use layout::{Act, Dispatched, Layout, PartialSum, Pointwise, Replicated, SameLayout, Seq, SplitHidden, SplitSeq};
 pub use seq::{seq_convert, seq_convert_backward};
 #[doc(hidden)]

@@ -357,8 +357,13 @@ impl Moe {
     }
 }
 
-/// `a · bᵀ` for a weight `b` stored `[out, in]`.
-fn linear(a: &Tensor, w: &Tensor) -> Result<Tensor> {
+/// `a · bᵀ` for a weight `b` stored `[out, in]`; batch-invariant in a
+/// serving step (a token's expert output does not depend on how many other
+/// tokens the expert got), as [`Linear`](crate::Linear) is.
+fn linear(cx: &Cx, a: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if cx.decode().is_some() {
+        return ops::matmul_rows_nt(a, w, None);
+    }
     ops::matmul(a, &w.t()?)
 }
 
@@ -404,7 +409,7 @@ impl Module<Plain> for Moe {
         let wr = cx.param(&self.router)?;
         let xf = x.reshape([n, d])?;
         let xf = if xf.dtype() == wr.dtype() { xf } else { xf.to_dtype(wr.dtype())? };
-        let logits = linear(&xf, &wr)?;
+        let logits = linear(cx, &xf, &wr)?;
         let (top, idx) = ops::topk(&logits, k)?;
         let weights = ops::softmax(&top)?;
         let probs = ops::softmax(&logits)?;
@@ -445,10 +450,10 @@ impl Module<Plain> for Moe {
                 continue;
             };
             let xe = all.narrow(0, start, m)?;
-            let gate = linear(&xe, &wg)?;
-            let up = linear(&xe, &wu)?;
+            let gate = linear(cx, &xe, &wg)?;
+            let up = linear(cx, &xe, &wu)?;
             let h = ops::swiglu(&gate, &up)?;
-            outs.push(linear(&h, &wd)?);
+            outs.push(linear(cx, &h, &wd)?);
             per_expert.push(Some(ExpertSaved { start, xe, gate, up, h }));
             start += m;
         }
