@@ -228,3 +228,38 @@ fn a_request_stops_at_the_context_length() {
     let out = run(&mut e, &[vec![3; CTX - 4]], &[greedy(50)]);
     assert_eq!(out[0].0.len(), 4);
 }
+
+#[test]
+fn two_tensor_parallel_ranks_decode_the_tokens_of_one() {
+    use tessera::dist::inproc::{mesh_groups, InProcess};
+    use tessera::dist::mesh::Mesh;
+    let ps = prompts(5, 1..30, 6);
+    let params = vec![greedy(10); ps.len()];
+    let mut one = engine(llama, config(64, 8, 32));
+    let want = run(&mut one, &ps, &params);
+    let mesh = Mesh::parse("tp2", 2, 2).unwrap();
+    let world = InProcess::new(2).unwrap();
+    let got: Vec<Vec<(Vec<u32>, Vec<f32>)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let (world, mesh, ps, params) = (&world, &mesh, &ps, &params);
+                s.spawn(move || {
+                    let dev = Device::cpu();
+                    let cx = Cx::new(dev.clone()).with_groups(mesh_groups(world, mesh, rank, &dev).unwrap());
+                    let model = llama(&cx);
+                    let mut e = Engine::new(model, cx, config(64, 8, 32)).unwrap();
+                    run(&mut e, ps, params)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, outs) in got.iter().enumerate() {
+        for (i, ((t, lp), (wt, wlp))) in outs.iter().zip(&want).enumerate() {
+            assert_eq!(t, wt, "rank {rank}, request {i}: tokens differ from one rank's");
+            for (a, b) in lp.iter().zip(wlp) {
+                assert!((a - b).abs() < 1e-4, "rank {rank}, request {i}: logprob {a} vs {b}");
+            }
+        }
+    }
+}

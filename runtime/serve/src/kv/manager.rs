@@ -179,7 +179,8 @@ impl BlockManager {
 
     /// Appends `token` to the sequence, allocating a block when the last is
     /// full. When the last block is shared with another sequence (after a
-    /// [`fork`](Self::fork)), the sequence gets a private copy first: the
+    /// [`fork`](Self::fork)) or cached whole (cut back into by
+    /// [`truncate`](Self::truncate)), the sequence gets a private copy first: the
     /// returned [`BlockCopy`] says which K/V the engine must copy before it
     /// writes the new token's at [`BlockTable::slot`].
     ///
@@ -202,7 +203,7 @@ impl BlockManager {
         } else {
             let last = table.blocks.len() - 1;
             let src = table.blocks[last];
-            if self.pool.refcount(src) > 1 {
+            if self.must_copy(src) {
                 let dst = self.pool.allocate().expect("checked a block is available");
                 self.pool.release(src);
                 table.blocks[last] = dst;
@@ -259,8 +260,40 @@ impl BlockManager {
         }
     }
 
+    /// Drops the tokens of `table` from `len` on (speculative tokens the
+    /// target rejected), giving back the blocks no longer needed. Tokens of
+    /// committed blocks cannot be dropped: `len` must not cut into a block
+    /// whose K/V was offered to other sequences (those are final).
+    pub fn truncate(&mut self, table: &mut BlockTable, len: usize) -> Result<()> {
+        if len > table.len() || len < table.hashes.len() * self.block_size || len == 0 {
+            return Err(Error::invalid(
+                "BlockManager::truncate",
+                format!(
+                    "cannot cut a sequence of {} tokens ({} committed) to {len}; keep every committed token and at least one",
+                    table.len(),
+                    table.hashes.len() * self.block_size
+                ),
+            ));
+        }
+        table.tokens.truncate(len);
+        let keep = len.div_ceil(self.block_size);
+        for block in table.blocks.drain(keep..).rev() {
+            self.pool.release(block);
+        }
+        Ok(())
+    }
+
     fn append_needs_block(&self, table: &BlockTable) -> bool {
-        table.last_block_full() || table.blocks.last().is_some_and(|&last| self.pool.refcount(last) > 1)
+        table.last_block_full() || table.blocks.last().is_some_and(|&last| self.must_copy(last))
+    }
+
+    /// Whether writing into the partly filled last block `block` of a table
+    /// needs a private copy: another table shares it, or it is cached whole
+    /// (it was filled and committed by a sequence this one was forked from,
+    /// and this one was cut back into it by [`truncate`](Self::truncate)):
+    /// its K/V must stay what its hash says.
+    fn must_copy(&self, block: BlockId) -> bool {
+        self.pool.refcount(block) > 1 || self.pool.is_cached(block)
     }
 
     fn plan(&self, prompt: &[u32]) -> AdmissionPlan {

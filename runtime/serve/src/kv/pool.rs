@@ -123,6 +123,12 @@ impl BlockPool {
         }
     }
 
+    /// Whether `block` is cached under a prefix hash (so its K/V are final:
+    /// other sequences may find and read them).
+    pub(crate) fn is_cached(&self, block: BlockId) -> bool {
+        self.hashes[block as usize].is_some()
+    }
+
     /// The cached block holding the prefix block `hash`, in use or evictable.
     pub(crate) fn lookup(&self, hash: BlockHash) -> Option<BlockId> {
         self.index.get(&hash).copied()

@@ -162,7 +162,7 @@ fn random_operations_agree_with_the_model() {
         let mut m = Model::new(num_blocks, bs, watermark);
         for _ in 0..200 {
             let live = m.seqs.len();
-            match rng.below(10) {
+            match rng.below(11) {
                 0..=2 => m.admit(prompt(&mut rng, bs)),
                 3..=5 if live > 0 => m.append(rng.below(live), rng.below(2) as u32),
                 6 if live > 0 => {
@@ -185,6 +185,19 @@ fn random_operations_agree_with_the_model() {
                     let len = m.seqs[i].tokens.len();
                     m.manager.commit(&mut m.seqs[i].table, len);
                     m.preempt_and_readmit(i, len / bs);
+                }
+                10 if live > 0 => {
+                    // Speculative tokens rejected: cut back to a random length above the committed blocks.
+                    let i = rng.below(live);
+                    let committed = m.seqs[i].table.hashes.len() * bs;
+                    let len = m.seqs[i].tokens.len();
+                    let to = committed.max(1) + rng.below(len - committed.max(1) + 1);
+                    m.manager.truncate(&mut m.seqs[i].table, to).unwrap();
+                    m.seqs[i].tokens.truncate(to);
+                    assert!(m.manager.truncate(&mut m.seqs[i].table, to + 1).is_err(), "cannot grow by truncating");
+                    if committed > 0 {
+                        assert!(m.manager.truncate(&mut m.seqs[i].table, committed - 1).is_err(), "cannot cut a committed block");
+                    }
                 }
                 _ => {}
             }

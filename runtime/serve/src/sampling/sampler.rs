@@ -11,6 +11,21 @@ const OP: &str = "Sampler::sample";
 /// The random stream of token draws, so a request's seed used elsewhere (say
 /// for a draft model) gives independent values.
 const SAMPLING_STREAM: u64 = 0x5a4d_706c_6500;
+/// The stream of speculative decoding's acceptance tests and residual draws.
+const SPECULATIVE_STREAM: u64 = 0x5a4d_706c_6501;
+
+/// The token at which the cumulative distribution of `dist` passes `u`.
+fn invert(dist: &[(u32, f64)], u: f64) -> u32 {
+    let mut cumulative = 0.0;
+    for &(token, p) in dist {
+        cumulative += p;
+        if u < cumulative {
+            return token;
+        }
+    }
+    // Rounding left the sum a hair under u: the last token that can be drawn.
+    dist.iter().rev().find(|&&(_, p)| p > 0.0).map_or(dist[0].0, |&(t, _)| t)
+}
 
 /// One sampled token.
 #[derive(Clone, Debug, PartialEq)]
@@ -41,6 +56,8 @@ pub struct Sampler {
     params: SamplingParams,
     vocab: usize,
     key: RngKey,
+    /// The seed the key was made from.
+    seed: u64,
     /// The penalised logits, then divided by the temperature.
     scaled: Vec<f64>,
     ranked: Vec<u32>,
@@ -54,8 +71,9 @@ impl Sampler {
     /// unseeded requests differ from one another but a rerun repeats.
     pub fn new(params: SamplingParams, vocab: usize, default_seed: u64) -> Result<Self> {
         params.validate(vocab)?;
-        let key = RngKey::new(params.seed.unwrap_or(default_seed), SAMPLING_STREAM);
-        Ok(Self { params, vocab, key, scaled: Vec::with_capacity(vocab), ranked: Vec::new(), kept: Vec::new() })
+        let seed = params.seed.unwrap_or(default_seed);
+        let key = RngKey::new(seed, SAMPLING_STREAM);
+        Ok(Self { params, vocab, key, seed, scaled: Vec::with_capacity(vocab), ranked: Vec::new(), kept: Vec::new() })
     }
 
     /// The request's parameters.
@@ -78,6 +96,78 @@ impl Sampler {
             top.extend(self.ranked.iter().map(|&t| (t, (self.scaled[t as usize] - log_normaliser) as f32)));
         }
         Ok(Sampled { token, logprob, top })
+    }
+
+    /// The distribution a draw would come from after `history`: the tokens
+    /// that survive the filters with their renormalised probabilities, most
+    /// likely first (for greedy, the argmax with probability 1). A draft
+    /// model's sampler gives it with each proposal, for [`verify`](Self::verify).
+    pub fn distribution(&mut self, logits: &[f32], history: &History) -> Result<Vec<(u32, f64)>> {
+        let lse = self.prepare(logits, history)?;
+        if self.params.is_greedy() {
+            return Ok(vec![(self.argmax(), 1.0)]);
+        }
+        Ok(self.kept(lse).to_vec())
+    }
+
+    /// Draws from a distribution `(token, probability)` with this request's
+    /// stream at `step` (a draft model's proposal).
+    pub fn draw_from(&self, dist: &[(u32, f64)], step: u64) -> u32 {
+        invert(dist, self.uniform(step))
+    }
+
+    /// Speculative decoding's check of a proposed token, with the rule of
+    /// Leviathan et al. (2023) and Chen et al. (2023), so that what comes
+    /// out is distributed exactly as [`sample`](Self::sample) would draw.
+    ///
+    /// `draft` was proposed with probability `q[draft]` under the proposer's
+    /// distribution `q` (`None`: a deterministic proposal, as prompt
+    /// lookup's, `q = δ_draft`). Greedy: accepted when it is the argmax,
+    /// and the result is the argmax either way. Sampling: accepted with
+    /// probability `min(1, p(draft) / q(draft))`, `p` this sampler's
+    /// distribution after `history`; when rejected the result is drawn from
+    /// `max(0, p − q)` renormalised. Returns the token and whether it is the
+    /// draft. The uniforms come from a stream apart from [`sample`]'s,
+    /// indexed by the tokens generated so far.
+    pub fn verify(&mut self, logits: &[f32], history: &History, draft: u32, q: Option<&[(u32, f64)]>) -> Result<(Sampled, bool)> {
+        let lse = self.prepare(logits, history)?;
+        let step = history.generated().len() as u64;
+        let token = if self.params.is_greedy() {
+            self.argmax()
+        } else {
+            let q_of = |t: u32| q.map_or(if t == draft { 1.0 } else { 0.0 }, |q| q.iter().find(|e| e.0 == t).map_or(0.0, |e| e.1));
+            let kept = self.kept(lse).to_vec();
+            let p_draft = kept.iter().find(|e| e.0 == draft).map_or(0.0, |e| e.1);
+            let q_draft = q_of(draft);
+            if q_draft > 0.0 && self.spec_uniform(2 * step) * q_draft < p_draft {
+                draft
+            } else {
+                let residual: Vec<(u32, f64)> = kept.iter().map(|&(t, p)| (t, (p - q_of(t)).max(0.0))).filter(|e| e.1 > 0.0).collect();
+                let mass: f64 = residual.iter().map(|e| e.1).sum();
+                let u = self.spec_uniform(2 * step + 1);
+                if mass > 0.0 {
+                    invert(&residual.iter().map(|&(t, r)| (t, r / mass)).collect::<Vec<_>>(), u)
+                } else {
+                    // p equals q to rounding: p itself is the residual's limit.
+                    invert(&kept, u)
+                }
+            }
+        };
+        let logprob = (self.scaled[token as usize] - lse) as f32;
+        let mut top = Vec::new();
+        if let Some(n) = self.params.logprobs.filter(|&n| n > 0) {
+            rank(&self.scaled, n, &mut self.ranked);
+            top.extend(self.ranked.iter().map(|&t| (t, (self.scaled[t as usize] - lse) as f32)));
+        }
+        Ok((Sampled { token, logprob, top }, token == draft))
+    }
+
+    /// A uniform of the speculative stream (see [`uniform`](Self::uniform)).
+    fn spec_uniform(&self, i: u64) -> f64 {
+        let key = RngKey::new(self.seed, SPECULATIVE_STREAM);
+        let hi = u64::from(key.bits_at(2 * i));
+        let lo = u64::from(key.bits_at(2 * i + 1));
+        ((hi << 21) | (lo >> 11)) as f64 / (1u64 << 53) as f64
     }
 
     /// Checks the logits, fills `scaled` with the penalised logits over the
@@ -132,16 +222,7 @@ impl Sampler {
     /// at one uniform value of the request's stream.
     fn draw(&mut self, step: u64, log_normaliser: f64) -> u32 {
         let u = self.uniform(step);
-        let kept = self.kept(log_normaliser);
-        let mut cumulative = 0.0;
-        for &(token, p) in kept {
-            cumulative += p;
-            if u < cumulative {
-                return token;
-            }
-        }
-        // Rounding left the sum a hair under u: the last token that can be drawn.
-        kept.iter().rev().find(|&&(_, p)| p > 0.0).map_or(kept[0].0, |&(t, _)| t)
+        invert(self.kept(log_normaliser), u)
     }
 
     /// A uniform value in [0, 1) with 53 random bits: the generator's own
@@ -271,6 +352,68 @@ mod tests {
             checked += 1;
         }
         assert!(checked >= 6, "too many cases skipped as too close to call: {checked} checked");
+    }
+
+    #[test]
+    fn speculative_verification_keeps_the_target_distribution() {
+        let mut g = Gen::new(8);
+        const DRAWS: usize = 20_000;
+        let mut checked = 0;
+        for case in 0..8 {
+            let vocab = 2 + g.below(12);
+            let logits = g.logits(vocab);
+            let params = random_params(&mut g, vocab);
+            let Some(want) = reference(&logits, &params) else { continue };
+            // A draft distribution unlike the target's (half the cases a
+            // deterministic proposal of a fixed token, as prompt lookup makes).
+            let deterministic = case % 2 == 0;
+            let q: Vec<(u32, f64)> = {
+                let w: Vec<f64> = (0..vocab).map(|_| g.uniform() + 0.05).collect();
+                let sum: f64 = w.iter().sum();
+                w.iter().enumerate().map(|(t, x)| (t as u32, x / sum)).collect()
+            };
+            let history = History::new(&[]);
+            let mut counts = vec![0usize; vocab];
+            let mut accepted = 0;
+            for seed in 0..DRAWS as u64 {
+                let mut sampler = Sampler::new(SamplingParams { seed: Some(seed), ..params.clone() }, vocab, 0).unwrap();
+                let (draft, dist) = if deterministic { ((case % vocab) as u32, None) } else { (invert(&q, g.uniform()), Some(&q[..])) };
+                let (s, ok) = sampler.verify(&logits, &history, draft, dist).unwrap();
+                counts[s.token as usize] += 1;
+                accepted += ok as usize;
+            }
+            let mut chi2 = 0.0;
+            for i in 0..vocab {
+                let expected = want[i] * DRAWS as f64;
+                if want[i] == 0.0 {
+                    assert_eq!(counts[i], 0, "case {case}: token {i} came out but the target gives it no probability");
+                } else {
+                    chi2 += (counts[i] as f64 - expected).powi(2) / expected;
+                }
+            }
+            let dof = (want.iter().filter(|&&p| p > 0.0).count() as f64 - 1.0).max(1.0);
+            assert!(chi2 < dof + 6.0 * (2.0 * dof).sqrt(), "case {case}: chi-square {chi2} over {dof} degrees of freedom");
+            // The acceptance rate is Σ min(p, q) (one for a deterministic draft: p of it).
+            let rate: f64 = if deterministic { want[case % vocab] } else { (0..vocab).map(|i| want[i].min(q[i].1)).sum() };
+            let got = accepted as f64 / DRAWS as f64;
+            assert!((got - rate).abs() < 6.0 * (rate * (1.0 - rate) / DRAWS as f64).sqrt() + 1e-9, "case {case}: accepted {got}, expected {rate}");
+            checked += 1;
+        }
+        assert!(checked >= 6, "{checked} cases checked");
+    }
+
+    #[test]
+    fn greedy_verification_accepts_exactly_the_argmax() {
+        let mut g = Gen::new(9);
+        for _ in 0..200 {
+            let vocab = 2 + g.below(30);
+            let logits = g.logits(vocab);
+            let mut s = Sampler::new(SamplingParams::greedy(), vocab, 0).unwrap();
+            let best = s.sample(&logits, &History::new(&[])).unwrap().token;
+            let draft = g.below(vocab) as u32;
+            let (out, ok) = s.verify(&logits, &History::new(&[]), draft, None).unwrap();
+            assert_eq!((out.token, ok), (best, draft == best));
+        }
     }
 
     #[test]
