@@ -263,3 +263,49 @@ fn two_tensor_parallel_ranks_decode_the_tokens_of_one() {
         }
     }
 }
+
+#[test]
+fn speculative_greedy_decoding_gives_the_plain_tokens_with_any_drafter() {
+    use tessera::serve::engine::{DraftModel, PromptLookup};
+    // Prompts that repeat themselves, so prompt lookup finds matches.
+    let ps: Vec<Vec<u32>> = prompts(6, 4..12, 7).into_iter().map(|p| p.iter().chain(&p).chain(&p).copied().collect()).collect();
+    let mut params = vec![greedy(24); ps.len()];
+    // Seeded sampling too: its tokens differ from plain decoding's (another
+    // stream decides), but it must run and stay within the vocabulary.
+    params[5] = SamplingParams { temperature: 0.7, seed: Some(3), max_tokens: 24, ..SamplingParams::default() };
+    let mut plain = engine(llama, config(128, 8, 64));
+    let want = run(&mut plain, &ps, &params);
+
+    let mut lookup = engine(llama, config(128, 8, 64)).with_speculation(4, Box::new(PromptLookup::default())).unwrap();
+    let got = run(&mut lookup, &ps, &params);
+    let s = lookup.stats().clone();
+    assert!(s.draft_proposed > 0, "{s:?}");
+    for i in 0..5 {
+        assert_eq!(got[i], want[i], "request {i}: prompt lookup changed greedy output");
+    }
+    assert_eq!(got[5].0.len(), 24);
+
+    // The target itself as the draft: everything is accepted, k + 1 tokens per forward.
+    let draft_cx = Cx::new(Device::cpu());
+    let draft = DraftModel::new(llama(&draft_cx), draft_cx, 128, 8).unwrap();
+    let mut same = engine(llama, config(128, 8, 64)).with_speculation(3, Box::new(draft)).unwrap();
+    let got = run(&mut same, &ps[..5], &params[..5]);
+    assert_eq!(got, want[..5].to_vec(), "a perfect draft changed greedy output");
+    let s = same.stats().clone();
+    assert_eq!(s.draft_accepted, s.draft_proposed, "{s:?}");
+    assert!(s.tokens_per_step() > 2.0, "{s:?}");
+
+    // A draft that disagrees (another model): output unchanged, fewer accepted.
+    let other_cx = Cx::new(Device::cpu()).with_seed(99);
+    let other = DraftModel::new(gpt2(&other_cx), other_cx, 128, 8).unwrap();
+    let mut wrong = engine(llama, config(128, 8, 64)).with_speculation(3, Box::new(other)).unwrap();
+    assert_eq!(run(&mut wrong, &ps[..5], &params[..5]), want[..5].to_vec(), "a poor draft changed greedy output");
+    assert!(wrong.stats().acceptance_rate() < 0.9, "{:?}", wrong.stats());
+    assert_eq!(wrong.blocks().free_blocks() + wrong.blocks().evictable_blocks(), wrong.blocks().num_blocks());
+
+    // A draft of another vocabulary is refused by name.
+    let bad_cx = Cx::new(Device::cpu());
+    let bad = DraftModel::new(module::build(Gpt2::new(&Gpt2Config::tiny(VOCAB + 4, 32, 4, 1, CTX)).unwrap(), &bad_cx).unwrap(), bad_cx, 16, 8).unwrap();
+    let err = engine(llama, config(128, 8, 64)).with_speculation(3, Box::new(bad)).err().unwrap().to_string();
+    assert!(err.contains("vocabulary"), "{err}");
+}

@@ -18,10 +18,12 @@ mod config;
 mod output;
 mod request;
 mod schedule;
+mod speculate;
 
 pub use config::{EngineConfig, KvMemory};
 pub use output::{FinishReason, RequestId, RequestOutput, TokenOut};
 pub use request::PieceDecoder;
+pub use speculate::{DraftInput, DraftModel, Drafter, PromptLookup, Proposal};
 
 use crate::kv::BlockManager;
 use crate::sampling::{History, Sampler, SamplingParams, StopChecker};
@@ -46,6 +48,30 @@ pub struct EngineStats {
     pub tokens_generated: u64,
     /// Preemptions (each a later recomputation).
     pub preemptions: u64,
+    /// Tokens proposed by the speculative drafter.
+    pub draft_proposed: u64,
+    /// Proposed tokens the target accepted.
+    pub draft_accepted: u64,
+}
+
+impl EngineStats {
+    /// The fraction of proposed tokens accepted (0 without speculation).
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.draft_proposed == 0 {
+            0.0
+        } else {
+            self.draft_accepted as f64 / self.draft_proposed as f64
+        }
+    }
+
+    /// Tokens generated per model forward.
+    pub fn tokens_per_step(&self) -> f64 {
+        if self.steps == 0 {
+            0.0
+        } else {
+            self.tokens_generated as f64 / self.steps as f64
+        }
+    }
 }
 
 /// The serving engine over a model `M` (any model from token ids to
@@ -85,6 +111,7 @@ pub struct Engine<M> {
     next_id: RequestId,
     vocab: usize,
     text: Option<Arc<dyn Fn() -> PieceDecoder + Send + Sync>>,
+    speculation: Option<(usize, Box<dyn Drafter>)>,
     stats: EngineStats,
 }
 
@@ -99,24 +126,7 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Engine<M> {
     pub fn new(model: M, mut cx: Cx, config: EngineConfig) -> Result<Engine<M>> {
         config.validate()?;
         cx.set_training(false);
-        let dtype = if cx.compute_dtype().is_float() { cx.compute_dtype() } else { DType::F32 };
-        let probe = Arc::new(KvCache::new(cx.device().clone(), dtype, 1, config.block_size)?);
-        let logits = run_forward(
-            &model,
-            &mut cx,
-            &probe,
-            &[0],
-            PagedBatch { block_size: config.block_size, positions: vec![0], token_seq: vec![0], slots: vec![0], block_tables: vec![0], table_width: 1 },
-            vec![0],
-        )?;
-        let vocab = logits.len();
-        if probe.layers() == 0 {
-            return Err(Error::invalid(
-                "Engine::new",
-                "the model has no attention layer that reads the decoding state; serve models built from tessera::nn::CausalAttention",
-            ));
-        }
-        let slot_bytes = probe.bytes_per_slot();
+        let (dtype, vocab, slot_bytes) = probe_slots(&model, &mut cx, config.block_size)?;
         let blocks = match config.kv_memory {
             KvMemory::Blocks(n) => n,
             KvMemory::Bytes(b) => b / (slot_bytes * config.block_size).max(1),
@@ -146,6 +156,7 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Engine<M> {
             next_id: 0,
             vocab,
             text: None,
+            speculation: None,
             stats: EngineStats::default(),
         })
     }
@@ -155,6 +166,25 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Engine<M> {
     pub fn with_detokenizer(mut self, make: Arc<dyn Fn() -> PieceDecoder + Send + Sync>) -> Engine<M> {
         self.text = Some(make);
         self
+    }
+
+    /// Decodes speculatively: each step, `drafter` proposes up to `k` tokens
+    /// per decoding request and the model verifies them in the same forward
+    /// ([`Sampler::verify`]): the same output distribution (greedy: the same
+    /// tokens), more tokens per forward when the proposals are good. An
+    /// error if `k` is 0 or the drafter's vocabulary is not the model's.
+    pub fn with_speculation(mut self, k: usize, drafter: Box<dyn Drafter>) -> Result<Engine<M>> {
+        if k == 0 {
+            return Err(Error::invalid("Engine::with_speculation", "k is 0; propose at least one token per step (4 is common)"));
+        }
+        if let Some(v) = drafter.vocab().filter(|&v| v != self.vocab) {
+            return Err(Error::invalid(
+                "Engine::with_speculation",
+                format!("the draft model has a vocabulary of {v} and the target {}; a draft must share the target's tokenizer", self.vocab),
+            ));
+        }
+        self.speculation = Some((k, drafter));
+        Ok(self)
     }
 
     /// The model served.
@@ -234,6 +264,8 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Engine<M> {
             table: None,
             computed: 0,
             preemptions: 0,
+            draft: Vec::new(),
+            draft_dists: None,
         });
         Ok(id)
     }
@@ -251,6 +283,9 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Engine<M> {
             Some(mut r) => {
                 if let Some(t) = r.table.take() {
                     self.blocks.free(t);
+                }
+                if let Some((_, d)) = self.speculation.as_mut() {
+                    d.finished(id);
                 }
                 self.ended.push(r.end(FinishReason::Aborted));
                 true
@@ -279,10 +314,13 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Engine<M> {
     /// token or finished.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
         let mut outputs = std::mem::take(&mut self.ended);
-        let plan = schedule::schedule(self)?;
+        let mut plan = schedule::schedule(self)?;
         outputs.append(&mut std::mem::take(&mut self.ended));
         if plan.is_empty() {
             return Ok(outputs);
+        }
+        if self.speculation.is_some() {
+            self.draft(&mut plan)?;
         }
         let (ids, batch, rows, samples) = self.lay_out(&plan);
         let logits = run_forward(&self.model, &mut self.cx, &self.cache, &ids, batch, rows)?;
@@ -290,22 +328,19 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Engine<M> {
         self.stats.tokens_computed += ids.len() as u64;
         let vocab = self.vocab;
         let mut finished = Vec::new();
-        let mut sampled = 0;
+        let mut row = 0;
         for p in &plan {
             let r = &mut self.running[p.index];
             r.computed += p.tokens;
-            if let Some(t) = r.table.as_mut() {
-                self.blocks.commit(t, r.computed);
-            }
-            if !samples.contains(&p.index) {
+            let Some(&(_, n_rows)) = samples.iter().find(|s| s.0 == p.index) else {
+                if let Some(t) = r.table.as_mut() {
+                    self.blocks.commit(t, r.computed);
+                }
                 continue;
-            }
-            let row = &logits[sampled * vocab..(sampled + 1) * vocab];
-            sampled += 1;
-            let out = match r.sampler.sample(row, &r.history) {
-                Ok(s) => r.accept(s, self.config.max_model_len),
-                Err(e) => r.end(FinishReason::Error(e.to_string())),
             };
+            let rows = &logits[row * vocab..(row + n_rows) * vocab];
+            row += n_rows;
+            let out = self.decide(p.index, rows)?;
             self.stats.tokens_generated += out.tokens.len() as u64;
             if out.finished.is_some() {
                 finished.push(p.index);
@@ -318,8 +353,118 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Engine<M> {
             if let Some(t) = r.table.take() {
                 self.blocks.free(t);
             }
+            if let Some((_, d)) = self.speculation.as_mut() {
+                d.finished(r.id);
+            }
         }
         Ok(outputs)
+    }
+
+    /// Turns running request `i`'s logits rows into its next tokens: one
+    /// sample, or with drafts the verification of each then one more.
+    /// Leaves its table holding exactly the tokens whose K/V are valid.
+    fn decide(&mut self, i: usize, rows: &[f32]) -> Result<RequestOutput> {
+        let (vocab, max_len) = (self.vocab, self.config.max_model_len);
+        let r = &mut self.running[i];
+        let drafts = std::mem::take(&mut r.draft);
+        let dists = r.draft_dists.take();
+        // The tokens before the drafts, all computed now; the drafts are re-added as accepted.
+        let base = r.tokens.len() - drafts.len();
+        r.tokens.truncate(base);
+        let mut out = RequestOutput { id: r.id, tokens: Vec::new(), text: String::new(), finished: None };
+        let mut accepted = 0;
+        for (j, &d) in drafts.iter().enumerate() {
+            let q = dists.as_ref().map(|q| &q[j][..]);
+            let step = match r.sampler.verify(&rows[j * vocab..(j + 1) * vocab], &r.history, d, q) {
+                Ok((s, ok)) => {
+                    accepted += ok as usize;
+                    let o = r.accept(s, max_len);
+                    (o, ok)
+                }
+                Err(e) => (r.end(FinishReason::Error(e.to_string())), false),
+            };
+            merge(&mut out, step.0);
+            if out.finished.is_some() || !step.1 {
+                break;
+            }
+        }
+        if out.finished.is_none() && accepted == drafts.len() {
+            let row = &rows[drafts.len() * vocab..(drafts.len() + 1) * vocab];
+            let o = match r.sampler.sample(row, &r.history) {
+                Ok(s) => r.accept(s, max_len),
+                Err(e) => r.end(FinishReason::Error(e.to_string())),
+            };
+            merge(&mut out, o);
+        }
+        // Valid K/V: the tokens before the drafts and the accepted drafts.
+        r.computed = base + accepted;
+        if let Some(t) = r.table.as_mut() {
+            if t.len() > r.computed {
+                self.blocks.truncate(t, r.computed.max(1))?;
+            }
+            self.blocks.commit(t, r.computed);
+        }
+        if !drafts.is_empty() {
+            self.stats.draft_proposed += drafts.len() as u64;
+            self.stats.draft_accepted += accepted as u64;
+            if let Some((_, d)) = self.speculation.as_mut() {
+                d.accepted(r.id, r.computed);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Asks the drafter for proposals for the decoding requests of `plan`
+    /// and adds those that get cache slots to the step.
+    fn draft(&mut self, plan: &mut [Planned]) -> Result<()> {
+        let (k, _) = self.speculation.as_ref().expect("speculating");
+        let k = *k;
+        let max_len = self.config.max_model_len;
+        let mut chosen = Vec::new();
+        for (pi, p) in plan.iter().enumerate() {
+            let r = &self.running[p.index];
+            let left = r.sampler.params().max_tokens.saturating_sub(r.history.generated().len() + 1);
+            let room = max_len.saturating_sub(r.tokens.len() + 1);
+            let k = k.min(left).min(room);
+            if p.tokens == 1 && r.pending() == 1 && k > 0 {
+                chosen.push((pi, k));
+            }
+        }
+        if chosen.is_empty() {
+            return Ok(());
+        }
+        let inputs: Vec<DraftInput<'_>> = chosen
+            .iter()
+            .map(|&(pi, k)| {
+                let r = &self.running[plan[pi].index];
+                DraftInput { id: r.id, tokens: &r.tokens, k, params: r.sampler.params(), history: &r.history, seed: r.sampler.seed() }
+            })
+            .collect();
+        let proposals = self.speculation.as_mut().expect("speculating").1.propose(&inputs)?;
+        drop(inputs);
+        let mut copies = Vec::new();
+        for ((pi, k), prop) in chosen.into_iter().zip(proposals) {
+            let r = &mut self.running[plan[pi].index];
+            let table = r.table.as_mut().expect("running requests are admitted");
+            let mut taken = 0;
+            for &t in prop.tokens.iter().take(k) {
+                if t as usize >= self.vocab || !self.blocks.can_append(table) {
+                    break;
+                }
+                if let Some(c) = self.blocks.append(table, t)? {
+                    copies.push((c.src as usize, c.dst as usize));
+                }
+                r.tokens.push(t);
+                taken += 1;
+            }
+            r.draft = r.tokens[r.tokens.len() - taken..].to_vec();
+            r.draft_dists = prop.dists.map(|d| d.into_iter().take(taken).collect());
+            plan[pi].tokens += taken;
+        }
+        if !copies.is_empty() {
+            self.cache.copy_blocks(&copies)?;
+        }
+        Ok(())
     }
 
     /// Runs every request to completion; returns each request's generated
@@ -339,8 +484,9 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Engine<M> {
     }
 
     /// The step's flattened token ids, its paged batch, the rows to take
-    /// logits from and which running requests those rows belong to.
-    fn lay_out(&self, plan: &[Planned]) -> (Vec<u32>, PagedBatch, Vec<u32>, Vec<usize>) {
+    /// logits from, and which running requests those rows belong to (with
+    /// how many rows each).
+    fn lay_out(&self, plan: &[Planned]) -> StepLayout {
         let bs = self.config.block_size;
         let width = plan.iter().map(|p| self.running[p.index].table.as_ref().map_or(0, |t| t.blocks().len())).max().unwrap_or(1).max(1);
         let mut batch = PagedBatch { block_size: bs, table_width: width, ..PagedBatch::default() };
@@ -358,11 +504,47 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Engine<M> {
                 batch.slots.push(table.slot(pos).expect("the table holds every known token").flat(bs) as u32);
             }
             if r.computed + p.tokens == r.tokens.len() {
-                rows.push(ids.len() as u32 - 1);
-                samples.push(p.index);
+                // The last token's logits, and each draft's predecessor's.
+                let n = 1 + r.draft.len();
+                rows.extend((ids.len() - n..ids.len()).map(|x| x as u32));
+                samples.push((p.index, n));
             }
         }
         (ids, batch, rows, samples)
+    }
+}
+
+/// Runs one token through `model` with a one-block cache: checks it serves,
+/// and measures its cache dtype, vocabulary and the cache bytes of one token.
+fn probe_slots<M: Module<In = Replicated, Out = SplitHidden>>(model: &M, cx: &mut Cx, block_size: usize) -> Result<(DType, usize, usize)> {
+    let dtype = if cx.compute_dtype().is_float() { cx.compute_dtype() } else { DType::F32 };
+    let cache = Arc::new(KvCache::new(cx.device().clone(), dtype, 1, block_size)?);
+    let batch = PagedBatch { block_size, positions: vec![0], token_seq: vec![0], slots: vec![0], block_tables: vec![0], table_width: 1 };
+    let vocab = run_forward(model, cx, &cache, &[0], batch, vec![0])?.len();
+    if cache.layers() == 0 {
+        return Err(Error::invalid(
+            "Engine",
+            "the model has no attention layer that reads the decoding state; serve models built from tessera::nn::CausalAttention",
+        ));
+    }
+    Ok((dtype, vocab, cache.bytes_per_slot()))
+}
+
+/// [`probe_slots`] without the bytes: the cache dtype and the vocabulary.
+fn probe<M: Module<In = Replicated, Out = SplitHidden>>(model: &M, cx: &mut Cx, block_size: usize) -> Result<(DType, usize)> {
+    probe_slots(model, cx, block_size).map(|(d, v, _)| (d, v))
+}
+
+/// A step's flattened token ids, paged batch, logit rows, and (running
+/// index, rows) of each request sampled.
+type StepLayout = (Vec<u32>, PagedBatch, Vec<u32>, Vec<(usize, usize)>);
+
+/// Appends a step's output for a request to the outputs of earlier tokens of the same step.
+fn merge(into: &mut RequestOutput, o: RequestOutput) {
+    into.tokens.extend(o.tokens);
+    into.text.push_str(&o.text);
+    if o.finished.is_some() {
+        into.finished = o.finished;
     }
 }
 

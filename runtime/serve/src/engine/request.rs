@@ -23,6 +23,10 @@ pub(crate) struct Request {
     pub computed: usize,
     /// Times it was preempted.
     pub preemptions: usize,
+    /// Speculative tokens at the end of `tokens`, to be verified this step.
+    pub draft: Vec<u32>,
+    /// The distributions they were drawn from (`None`: deterministic proposals).
+    pub draft_dists: Option<Vec<Vec<(u32, f64)>>>,
 }
 
 impl Request {

@@ -120,6 +120,9 @@ fn preempt<M>(e: &mut Engine<M>, i: usize) {
     }
     r.computed = 0;
     r.preemptions += 1;
+    if let Some((_, d)) = e.speculation.as_mut() {
+        d.finished(r.id);
+    }
     e.stats.preemptions += 1;
     e.waiting.push_front(r);
 }

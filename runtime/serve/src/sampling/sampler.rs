@@ -76,6 +76,11 @@ impl Sampler {
         Ok(Self { params, vocab, key, seed, scaled: Vec::with_capacity(vocab), ranked: Vec::new(), kept: Vec::new() })
     }
 
+    /// The seed of the request's draws (its own, or the engine's default).
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
     /// The request's parameters.
     pub fn params(&self) -> &SamplingParams {
         &self.params
