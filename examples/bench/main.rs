@@ -13,6 +13,7 @@
 //! cargo run --release --example bench -- gpt
 //! cargo run --release --example bench -- elementwise
 //! cargo run --release --example bench -- attention
+//! cargo run --release --example bench -- serve
 //! ```
 
 mod attention;
@@ -21,6 +22,7 @@ mod collectives_mpi;
 mod cuda;
 mod elementwise;
 mod gpt;
+mod serve;
 
 use anyhow::{ensure, Result};
 use clap::{Parser, Subcommand};
@@ -54,6 +56,9 @@ enum Bench {
     /// GFLOP/s of the fused f32 attention forward and backward (gpt-tiny's
     /// layer shape by default) on the thread pool.
     Attention(attention::Args),
+    /// The serving engine: continuous vs static batching, speculative vs
+    /// plain decoding, paged vs reserved KV memory (ratios from one run).
+    Serve(serve::Args),
     /// GPU figures (bf16 GEMM, attention, GPT-2 124M training) on a CUDA
     /// device; needs a build with `--features cuda` and a GPU.
     Cuda(cuda::Args),
@@ -171,6 +176,7 @@ fn main() -> Result<()> {
         Bench::Gpt(args) => gpt::run(&args),
         Bench::Elementwise(args) => elementwise::run(&args),
         Bench::Attention(args) => attention::run(&args),
+        Bench::Serve(args) => serve::run(&args),
         Bench::Cuda(args) => cuda::run(&args),
     }
 }
