@@ -9,6 +9,7 @@
 //!   token of each sequence, shared between sequences with a common prefix.
 
 pub mod kv;
+pub mod prompt;
 pub mod sampling;
 #[cfg(test)]
 mod test_data;
