@@ -224,9 +224,10 @@ fn wrong_files_are_errors_that_name_the_file_the_field_and_the_fix() {
 }
 
 #[test]
-fn the_tokenizer_can_cross_threads() {
+fn the_tokenizer_and_detokenizer_can_cross_threads() {
     // A server shares one tokenizer between its request threads.
     fn shared<T: Send + Sync>() {}
     shared::<ModelTokenizer>();
+    shared::<super::super::Detokenizer>();
     shared::<super::super::ChatTemplate>();
 }

@@ -3,6 +3,7 @@
 //! SentencePiece BPE with byte fallback as Llama 2 and Mistral) and on real
 //! chat templates copied from the models' `tokenizer_config.json`.
 
+mod detokenizer;
 mod fuzz;
 mod loading;
 mod templates;
