@@ -171,15 +171,52 @@ impl Tokenizer {
 
     /// The text of `ids`; every id must be below [`Tokenizer::vocab_size`].
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        let vocab = self.vocab_size();
-        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+        self.decode_with(ids, SpecialTokens::Added)
+    }
+
+    /// The text of `ids`, with the special tokens' text or without it
+    /// (`Omitted`: Hugging Face's `skip_special_tokens`, what a generated
+    /// answer is shown with); every id must be below [`Tokenizer::vocab_size`].
+    pub fn decode_with(&self, ids: &[u32], special: SpecialTokens) -> Result<String> {
+        // Each id is looked up rather than compared with `vocab_size`: a
+        // Hugging Face tokenizer counts its vocabulary by building the whole
+        // map, too slow for a server that decodes a few ids per token.
+        let unknown = |id: u32| match self {
+            Tokenizer::Chars(c) => id as usize >= c.vocab_size(),
+            Tokenizer::Bpe(b) => b.id_to_token(id).is_none(),
+        };
+        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| unknown(id)) {
             return Err(Error::Data(format!(
-                "token id {id} at position {i} is outside the tokenizer's vocabulary of {vocab} ids; decode only ids this tokenizer produced"
+                "token id {id} at position {i} is outside the tokenizer's vocabulary of {} ids; decode only ids this tokenizer produced",
+                self.vocab_size()
             )));
         }
         match self {
             Tokenizer::Chars(c) => c.decode(ids),
-            Tokenizer::Bpe(b) => b.decode(ids, false).map_err(|e| Error::Data(format!("the BPE tokenizer cannot decode: {e}"))),
+            Tokenizer::Bpe(b) => b.decode(ids, special == SpecialTokens::Omitted).map_err(|e| Error::Data(format!("the BPE tokenizer cannot decode: {e}"))),
+        }
+    }
+
+    /// The id of the token spelt `token` (a special token such as `<s>`, or
+    /// a vocabulary entry in the tokenizer's own spelling), if there is one.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        match self {
+            Tokenizer::Chars(c) => {
+                let mut chars = token.chars();
+                match (chars.next(), chars.next()) {
+                    (Some(ch), None) => c.id(ch),
+                    _ => None,
+                }
+            }
+            Tokenizer::Bpe(b) => b.token_to_id(token),
+        }
+    }
+
+    /// The spelling of token `id` (the inverse of [`token_id`](Self::token_id)).
+    pub fn token(&self, id: u32) -> Option<String> {
+        match self {
+            Tokenizer::Chars(c) => c.chars.get(id as usize).map(|ch| ch.to_string()),
+            Tokenizer::Bpe(b) => b.id_to_token(id),
         }
     }
 

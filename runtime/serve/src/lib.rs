@@ -12,6 +12,7 @@
 
 pub mod engine;
 pub mod kv;
+pub mod prompt;
 pub mod sampling;
 #[cfg(test)]
 mod test_data;
