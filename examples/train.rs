@@ -25,9 +25,10 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tessera::data::{arith, AnswerTargets, Dataset, Sampler};
 use tessera::module::Cx;
+use tessera::serve::engine::{Engine, EngineConfig};
+use tessera::serve::sampling::SamplingParams;
 use tessera::train::{Batches, Job, RunLock, TrainConfig, Trainer};
 use tessera::Device;
-use tessera_models::generate::greedy;
 use tessera_models::kinds::{self, KindModel, ModelJob, ModelSpec};
 
 /// Prints a line to stdout; when the reader has gone (`train | head`), the
@@ -189,12 +190,15 @@ fn train<M: KindModel>(args: &Args, cfg: &TrainConfig, task: &arith::Task, spec:
         return Ok(());
     }
 
-    // Evaluation on one rank, from the final checkpoint (resharded from the training mesh).
+    // Evaluation on one rank, from the final checkpoint (resharded from the
+    // training mesh), served by the inference engine: the trained model
+    // struct itself, with a paged KV cache and continuous batching.
     let started = Instant::now();
-    let mut cx = Cx::new(Device::cpu());
-    cx.set_training(false);
+    let cx = Cx::new(Device::cpu());
     let model = spec.load_checkpoint(&summary.checkpoint, &cx)?;
-    let report = task.eval_batched(args.eval, 100, |prompts| greedy(&model, &mut cx, prompts, arith::ANSWER_LEN))?;
+    let mut engine = Engine::new(model, cx, EngineConfig { max_num_seqs: 128, ..EngineConfig::new(cfg.batch.seq_len) })?;
+    let greedy = SamplingParams { max_tokens: arith::ANSWER_LEN, ..SamplingParams::greedy() };
+    let report = task.eval_batched(args.eval, 100, |prompts| engine.generate(prompts, &greedy))?;
     say!(
         "\nexact match on {} held-out problems: {:.1}% ({} right), evaluated in {:.1}s",
         report.total,

@@ -4,6 +4,8 @@
 //! - `tessera train`: run a training configuration (any model kind, from
 //!   scratch or from a Hugging Face directory, on any mesh);
 //! - `tessera export`: write a run's checkpoint as a Hugging Face directory;
+//! - `tessera generate`: text from a Hugging Face model or a trained run,
+//!   through the serving engine;
 //! - `tessera ckpt inspect` / `tessera ckpt reshard`: look into a checkpoint,
 //!   and rewrite it for another mesh;
 //! - `tessera launch`: start one process per rank on this node with
@@ -22,6 +24,7 @@ macro_rules! say {
 
 mod ckpt;
 mod export;
+mod generate;
 mod launch;
 mod prepare;
 mod train;
@@ -46,6 +49,8 @@ enum Command {
     /// Inspect or reshard a checkpoint.
     #[command(subcommand)]
     Ckpt(ckpt::Command),
+    /// Generate text with a Hugging Face model or a trained run, through the serving engine (see docs/serving.md).
+    Generate(generate::Args),
     /// Start one process per rank on this node, torchrun-style, and supervise them (see docs/launch.md).
     Launch(launch::Args),
 }
@@ -55,6 +60,7 @@ fn main() -> anyhow::Result<()> {
         Command::Prepare(args) => prepare::run(args),
         Command::Train(args) => train::run(args),
         Command::Export(args) => export::run(args),
+        Command::Generate(args) => generate::run(args),
         Command::Ckpt(cmd) => ckpt::run(cmd),
         Command::Launch(args) => launch::run(args),
     };

@@ -7,6 +7,8 @@
 //!   continuous batching over the paged cache;
 //! - [`sampling`]: choosing each next token from a step's logits, and when
 //!   a request stops;
+//! - [`prompt`]: a model directory's tokenizer and chat template, and
+//!   streaming generated tokens back to text;
 //! - [`kv`]: the paged KV cache's blocks: which physical block holds each
 //!   token of each sequence, shared between sequences with a common prefix.
 

@@ -35,6 +35,9 @@ use tessera_core::ops::PagedBatch;
 use tessera_core::{DType, Error, Result, Tensor};
 use tessera_nn::module::{Act, Cx, Decode, KvCache, Module, Replicated, SplitHidden};
 
+/// Makes a request's [`PieceDecoder`] from its prompt.
+pub type TextFactory = Arc<dyn Fn(&[u32]) -> PieceDecoder + Send + Sync>;
+
 /// Counts of what the engine has done, for benchmarks and tests.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EngineStats {
@@ -110,7 +113,7 @@ pub struct Engine<M> {
     ended: Vec<RequestOutput>,
     next_id: RequestId,
     vocab: usize,
-    text: Option<Arc<dyn Fn() -> PieceDecoder + Send + Sync>>,
+    text: Option<TextFactory>,
     speculation: Option<(usize, Box<dyn Drafter>)>,
     stats: EngineStats,
 }
@@ -161,9 +164,9 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Engine<M> {
         })
     }
 
-    /// Decodes generated tokens into text with decoders this makes, one per
-    /// request; stop strings need it.
-    pub fn with_detokenizer(mut self, make: Arc<dyn Fn() -> PieceDecoder + Send + Sync>) -> Engine<M> {
+    /// Decodes generated tokens into text with decoders `make` builds, one
+    /// per request from its prompt; stop strings need it.
+    pub fn with_detokenizer(mut self, make: TextFactory) -> Engine<M> {
         self.text = Some(make);
         self
     }
@@ -254,13 +257,14 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Engine<M> {
         let sampler = Sampler::new(params, self.vocab, default_seed)?;
         self.next_id += 1;
         let stop = StopChecker::new(sampler.params());
+        let text = self.text.as_ref().map(|f| f(&prompt));
         self.waiting.push_back(Request {
             id,
             history: History::new(&prompt),
             tokens: prompt,
             sampler,
             stop,
-            text: self.text.as_ref().map(|f| f()),
+            text,
             table: None,
             computed: 0,
             preemptions: 0,

@@ -1,0 +1,130 @@
+//! `tessera generate`, run as a program on the Llama fixture with a small
+//! word-level tokenizer: batched prompts equal single ones, the chat
+//! template, stop strings, token-id prompts, and the errors on bad input.
+
+use std::path::Path;
+use std::process::{Command, Output};
+use tessera::testing::Scratch;
+
+const WORDS: &[&str] = &["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "to", "park", "and", "then", "it", "was", "good", "user", "assistant", "system"];
+const SPECIAL: &[&str] = &["<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"];
+
+/// A copy of the Llama fixture (vocabulary 64, context 64), with a
+/// tokenizer and a chat template when `tokenizer` is set.
+fn model(name: &str, tokenizer: bool) -> Scratch {
+    let dir = Scratch::new(&format!("cli-generate-{name}"));
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/llama");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(f), dir.path().join(f)).unwrap();
+    }
+    if tokenizer {
+        let mut vocab = serde_json::Map::new();
+        for w in SPECIAL.iter().chain(WORDS) {
+            vocab.insert(w.to_string(), vocab.len().into());
+        }
+        while vocab.len() < 64 {
+            vocab.insert(format!("w{}", vocab.len()), vocab.len().into());
+        }
+        let added: Vec<_> = SPECIAL
+            .iter()
+            .enumerate()
+            .map(|(id, t)| serde_json::json!({"id": id, "content": t, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
+            .collect();
+        let tok = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
+            "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+            "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": false},
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+        });
+        std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).unwrap();
+        let cfg = serde_json::json!({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+            "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"});
+        std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    }
+    dir
+}
+
+fn generate(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tessera")).arg("generate").arg("--model").arg(dir).args(args).output().unwrap()
+}
+
+/// The JSON lines of a successful run.
+fn json(dir: &Path, args: &[&str]) -> Vec<serde_json::Value> {
+    let out = generate(dir, &[args, &["--json"]].concat());
+    assert!(out.status.success(), "tessera generate {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn fails(dir: &Path, args: &[&str], needles: &[&str]) {
+    let out = generate(dir, args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "tessera generate {args:?} should fail");
+    for n in needles {
+        assert!(stderr.contains(n), "{stderr:?} should mention {n:?}");
+    }
+}
+
+#[test]
+fn batched_prompts_give_what_each_gives_alone() {
+    let dir = model("batch", true);
+    let prompts = ["the cat sat on the", "a dog ran to the park and then", "it"];
+    let mut args = vec!["--max-tokens", "10"];
+    for p in &prompts {
+        args.extend(["--prompt", p]);
+    }
+    let together = json(dir.path(), &args);
+    assert_eq!(together.len(), 3);
+    for (p, t) in prompts.iter().zip(&together) {
+        let alone = json(dir.path(), &["--max-tokens", "10", "--prompt", p]);
+        assert_eq!(alone[0]["tokens"], t["tokens"], "prompt {p:?}");
+        assert_eq!(alone[0]["text"], t["text"]);
+        assert_eq!(t["tokens"].as_array().unwrap().len(), 10);
+        assert_eq!(t["finish"], "Stop(MaxTokens)");
+    }
+    // Speculation by prompt lookup leaves greedy text as it is.
+    let spec = json(dir.path(), &[&args[..], &["--speculate", "3"]].concat());
+    assert_eq!(spec, together);
+    // The same seed repeats a sampled text.
+    let sampled = |seed: &str| json(dir.path(), &["--max-tokens", "12", "--temperature", "1.0", "--seed", seed, "--prompt", "the cat"]);
+    assert_eq!(sampled("7"), sampled("7"));
+}
+
+#[test]
+fn chat_prompts_go_through_the_template_and_stop_strings_cut_the_text() {
+    let dir = model("chat", true);
+    let chat = json(dir.path(), &["--chat", "--system", "be good", "--prompt", "the dog", "--max-tokens", "6"]);
+    let plain = json(dir.path(), &["--prompt", "the dog", "--max-tokens", "6"]);
+    assert_ne!(chat[0]["tokens"], plain[0]["tokens"], "the template changes the prompt");
+    // Cut at the first word the greedy text has beyond its first.
+    let text = plain[0]["text"].as_str().unwrap().to_string();
+    let second = text.split_whitespace().nth(1).unwrap();
+    let stopped = json(dir.path(), &["--prompt", "the dog", "--max-tokens", "6", "--stop", second]);
+    let cut = stopped[0]["text"].as_str().unwrap();
+    assert!(text.starts_with(cut) && !cut.contains(second), "{cut:?} should be {text:?} cut before {second:?}");
+    assert!(stopped[0]["finish"].as_str().unwrap().contains("StopString"));
+}
+
+#[test]
+fn token_ids_serve_a_model_without_a_tokenizer() {
+    let dir = model("ids", false);
+    let out = json(dir.path(), &["--ids", "1,5,9;3", "--max-tokens", "4"]);
+    assert_eq!(out.len(), 2);
+    assert!(out.iter().all(|o| o["tokens"].as_array().unwrap().len() == 4));
+    fails(dir.path(), &["--prompt", "the cat"], &["tokenizer.json", "--ids"]);
+}
+
+#[test]
+fn bad_input_is_named() {
+    let dir = model("errors", true);
+    fails(Path::new("/nonexistent/model"), &["--prompt", "x"], &["not a directory"]);
+    let empty = Scratch::new("cli-generate-empty");
+    fails(empty.path(), &["--prompt", "x"], &["config.json", "tessera train"]);
+    fails(dir.path(), &["--prompt", "the", "--top-p", "0"], &["top_p"]);
+    fails(dir.path(), &["--ids", "1,999"], &["999", "vocabulary"]);
+    let long: Vec<String> = (0..70).map(|i| (i % 60).to_string()).collect();
+    fails(dir.path(), &["--ids", &long.join(",")], &["context"]);
+    fails(dir.path(), &["--ids", "1,x"], &["token ids"]);
+    let no_template = model("no-template", true);
+    std::fs::write(no_template.path().join("tokenizer_config.json"), r#"{"eos_token": "</s>"}"#).unwrap();
+    fails(no_template.path(), &["--chat", "--prompt", "the"], &["template"]);
+}
