@@ -226,7 +226,7 @@ fn serve<M: Module<In = Replicated, Out = SplitHidden>>(args: &Args, model: M, c
     for p in &prompts {
         ids.push(engine.add_request(p.clone(), params.clone()).with_context(|| format!("prompt {}", ids.len() + 1))?);
     }
-    let stream = prompts.len() == 1 && !args.json;
+    let stream = prompts.len() == 1 && !args.json && tokenizer.is_some();
     let started = Instant::now();
     let mut results: Vec<(Vec<u32>, String, Option<FinishReason>)> = vec![(Vec::new(), String::new(), None); ids.len()];
     while engine.has_unfinished() {
@@ -257,9 +257,12 @@ fn serve<M: Module<In = Replicated, Out = SplitHidden>>(args: &Args, model: M, c
         if args.json {
             say!("{}", serde_json::json!({"prompt": i, "tokens": tokens, "text": text, "finish": reason}));
         } else if !stream {
-            say!("[{}] {}", i + 1, if tokenizer.is_some() { text.clone() } else { format!("{tokens:?}") });
-        } else if tokenizer.is_none() {
-            say!("{tokens:?}");
+            let shown = if tokenizer.is_some() { text.clone() } else { format!("{tokens:?}") };
+            if results.len() == 1 {
+                say!("{shown}");
+            } else {
+                say!("[{}] {shown}", i + 1);
+            }
         }
     }
     let s = engine.stats();

@@ -44,20 +44,24 @@ pub struct Args {
     #[arg(long, default_value_t = 6)]
     layers: usize,
     /// Vocabulary of the model.
-    #[arg(long, default_value_t = 8192)]
+    #[arg(long, default_value_t = 4096)]
     vocab: usize,
     /// Context length.
     #[arg(long, default_value_t = 512)]
     ctx: usize,
+    /// Layers of the speculative case's target (deeper than the others':
+    /// the draft's share of the work is what speculation saves against).
+    #[arg(long, default_value_t = 12)]
+    spec_layers: usize,
     /// Speculative tokens per step.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 5)]
     k: usize,
     /// Layers of the self-speculative draft.
     #[arg(long, default_value_t = 1)]
     draft_layers: usize,
     /// Scale of the output projections of the target's blocks past the
     /// draft's (see `refined`): how much its later layers change.
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.03)]
     refine_scale: f32,
     /// Output tokens of the speculative case.
     #[arg(long, default_value_t = 128)]
@@ -175,7 +179,7 @@ pub fn run(args: &Args) -> Result<()> {
             }
             "speculative" => {
                 let prompt = jobs[0].prompt.clone();
-                let mut plain = refined(engine(args, args.layers, base.clone())?, args)?;
+                let mut plain = refined(engine(args, args.spec_layers, base.clone())?, args)?;
                 plain.add_request(prompt.clone(), greedy(args.spec_tokens))?;
                 let mut want = Vec::new();
                 let t = Instant::now();
@@ -187,7 +191,7 @@ pub fn run(args: &Args) -> Result<()> {
                 // same seed draws the same values for the parameters the two share).
                 let cx = Cx::new(Device::cpu());
                 let draft = DraftModel::new(module::build(Gpt2::new(&config(args, args.draft_layers))?, &cx)?, cx, 256, 16)?;
-                let mut spec = refined(engine(args, args.layers, base.clone())?, args)?.with_speculation(args.k, Box::new(draft))?;
+                let mut spec = refined(engine(args, args.spec_layers, base.clone())?, args)?.with_speculation(args.k, Box::new(draft))?;
                 spec.add_request(prompt, greedy(args.spec_tokens))?;
                 let mut got = Vec::new();
                 let t = Instant::now();
@@ -199,7 +203,7 @@ pub fn run(args: &Args) -> Result<()> {
                 let s = spec.stats();
                 println!(
                     "{}",
-                    serde_json::json!({"bench": "serve", "case": "speculative", "k": args.k, "draft_layers": args.draft_layers, "layers": args.layers,
+                    serde_json::json!({"bench": "serve", "case": "speculative", "k": args.k, "draft_layers": args.draft_layers, "layers": args.spec_layers,
                         "tokens": want.len(), "plain_tok_s": want.len() as f64 / plain_s, "spec_tok_s": got.len() as f64 / spec_s,
                         "ratio": plain_s / spec_s, "acceptance": s.acceptance_rate(), "tokens_per_forward": s.tokens_per_step(), "identical": true})
                 );

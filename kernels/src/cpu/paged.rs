@@ -187,9 +187,9 @@ fn attend_group<T: Real, S: Stored<T>>(d: &PagedDims, g: usize, q: &[S], k_cache
         assert!((block + 1) * bs <= d.slots, "paged_attention: block {block} past a cache of {} slots", d.slots);
         for j in 0..n {
             let at = d.cache_at(block * bs + j, g);
-            load_into(&k_cache[at..at + hd], &mut key);
+            let k = row(&k_cache[at..at + hd], &mut key);
             for h in 0..r {
-                scores[h * bs + j] = dot(&q[h * hd..(h + 1) * hd], &key) * scale;
+                scores[h * bs + j] = dot(&q[h * hd..(h + 1) * hd], k) * scale;
             }
         }
         // Online softmax, one rescale per block.
@@ -208,10 +208,10 @@ fn attend_group<T: Real, S: Stored<T>>(d: &PagedDims, g: usize, q: &[S], k_cache
         }
         for j in 0..n {
             let at = d.cache_at(block * bs + j, g);
-            load_into(&v_cache[at..at + hd], &mut key);
+            let v_row = row(&v_cache[at..at + hd], &mut key);
             for h in 0..r {
                 let p = scores[h * bs + j];
-                for (a, &v) in acc[h * hd..(h + 1) * hd].iter_mut().zip(&key) {
+                for (a, &v) in acc[h * hd..(h + 1) * hd].iter_mut().zip(v_row) {
                     *a += p * v;
                 }
             }
@@ -225,10 +225,14 @@ fn attend_group<T: Real, S: Stored<T>>(d: &PagedDims, g: usize, q: &[S], k_cache
     }
 }
 
-fn load_into<T: Real, S: Stored<T>>(src: &[S], dst: &mut [T]) {
+/// A cache row in the compute type: the row itself when stored so, else widened into `buf`.
+fn row<'a, T: Real, S: Stored<T>>(src: &'a [S], buf: &'a mut [T]) -> &'a [T] {
     match S::as_compute(src) {
-        Some(x) => dst.copy_from_slice(x),
-        None => dst.iter_mut().zip(src).for_each(|(d, &s)| *d = s.load()),
+        Some(x) => x,
+        None => {
+            buf.iter_mut().zip(src).for_each(|(d, &s)| *d = s.load());
+            buf
+        }
     }
 }
 
