@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Checks the logic of the CUDA kernels on the CPU: the attention kernels
-# (CUDA-core and tensor-core), softmax, cross-entropy, embedding, RoPE,
-# max_abs, top-k, the norms, AdamW, the element-wise kernels and the strided
-# copy. Compiles their sources as C++ against a host emulation of the CUDA
-# features they use (kernels/cuda/host_check/shim.h, shim_mma.h) and compares
-# their results with double-precision references (top-k with an exact one).
+# (CUDA-core and tensor-core), paged attention and the KV-cache write,
+# softmax, cross-entropy, embedding, RoPE, max_abs, top-k, the norms, AdamW,
+# the element-wise kernels and the strided copy. Compiles their sources as
+# C++ against a host emulation of the CUDA features they use
+# (kernels/cuda/host_check/shim.h, shim_mma.h) and compares their results
+# with double-precision references (top-k with an exact one).
 # Needs g++ with C++20; no GPU, no CUDA.
 #
 #   scripts/cuda-host-check.sh
@@ -43,6 +44,20 @@ fi
 cp kernels/cuda/host_check/shim_mma.h kernels/cuda/host_check/attention_case.h kernels/cuda/host_check/attention_tc.cpp "$dir/"
 g++ -std=c++20 -O1 -pthread -w -fno-strict-aliasing "$dir/attention_tc.cpp" -o "$dir/attention_tc"
 "$dir/attention_tc"
+
+# Paged attention keeps its shared arrays (of every type) in its entry
+# points; the emulation runs one block at a time, so function-static arrays
+# stand in for them. paged.cpp: the cache write, the attention against a
+# double-precision reference, and a token alone against the same token in a
+# batch, in f32, bf16 and f16.
+sed -e 's/extern "C" //' -e 's/__shared__ /static /' kernels/cuda/paged_attention.cu >"$dir/paged_attention.inc"
+if grep -q '__shared__\|asm(' "$dir/paged_attention.inc"; then
+    echo "cuda-host-check: kernels/cuda/paged_attention.cu has device-only code the emulation does not replace" >&2
+    exit 1
+fi
+cp kernels/cuda/host_check/shim.h kernels/cuda/host_check/rows.h kernels/cuda/host_check/paged.cpp "$dir/"
+g++ -std=c++20 -O1 -pthread -w "$dir/paged.cpp" -o "$dir/paged"
+"$dir/paged"
 
 # The other kernels keep their block's partials in static __shared__ arrays
 # (the block reduction's scratch, top-k's best entries); the emulation runs

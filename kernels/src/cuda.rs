@@ -9,6 +9,7 @@
 
 pub mod attention;
 pub mod attention_tc;
+pub mod paged;
 pub mod signature;
 
 /// One compilation unit: its name, its full source, and the kernels whose
@@ -98,6 +99,10 @@ pub const SOURCES: &[Source] = &[
     source!("dropout", ["dropout_f32", "dropout_bf16"]),
     source!("embedding", ["embedding_f32", "embedding_bf16", "embedding_backward_f32", "embedding_backward_bf16"]),
     source!("topk", ["topk_f32", "topk_bf16", "topk_backward_f32", "topk_backward_bf16"]),
+    source!(
+        "paged_attention",
+        ["paged_attention_f32", "paged_attention_bf16", "paged_attention_f16", "kv_cache_write_f32", "kv_cache_write_bf16", "kv_cache_write_f16",]
+    ),
 ];
 
 /// The source named `name`, if there is one.

@@ -511,3 +511,112 @@ device_test! {
         }
     }
 }
+
+/// A random paged step: per sequence `cached[s]` tokens already in the cache
+/// and `new[s]` in this step, blocks handed out in a shuffled order, and the
+/// step's tokens in a shuffled order (prefill chunks and decode tokens
+/// interleaved). Returns the batch and the cache slots some sequence owns.
+fn paged_step(cached: &[usize], new: &[usize], block_size: usize, seed: u64) -> (tessera::ops::PagedBatch, Vec<bool>, usize) {
+    let seqs = cached.len();
+    let width = cached.iter().zip(new).map(|(a, b)| (a + b).div_ceil(block_size)).max().unwrap_or(0).max(1);
+    let blocks = seqs * width + 3;
+    let noise = values(blocks, seed);
+    let mut order: Vec<u32> = (0..blocks as u32).collect();
+    order.sort_by(|a, b| noise[*a as usize].total_cmp(&noise[*b as usize]));
+    let block_tables: Vec<u32> = order[..seqs * width].to_vec();
+    let slot = |s: usize, p: usize| block_tables[s * width + p / block_size] as usize * block_size + p % block_size;
+    let mut tokens: Vec<(u32, u32)> = (0..seqs).flat_map(|s| (cached[s]..cached[s] + new[s]).map(move |p| (p as u32, s as u32))).collect();
+    let shuffle = values(tokens.len(), seed + 1);
+    let mut idx: Vec<usize> = (0..tokens.len()).collect();
+    idx.sort_by(|a, b| shuffle[*a].total_cmp(&shuffle[*b]));
+    tokens = idx.iter().map(|&i| tokens[i]).collect();
+    let mut owned = vec![false; blocks * block_size];
+    for s in 0..seqs {
+        for p in 0..cached[s] + new[s] {
+            owned[slot(s, p)] = true;
+        }
+    }
+    let batch = tessera::ops::PagedBatch {
+        block_size,
+        positions: tokens.iter().map(|t| t.0).collect(),
+        token_seq: tokens.iter().map(|t| t.1).collect(),
+        slots: tokens.iter().map(|&(p, s)| slot(s as usize, p as usize) as u32).collect(),
+        block_tables,
+        table_width: width,
+    };
+    (batch, owned, blocks * block_size)
+}
+
+/// `(q_heads, kv_heads, head_dim, block_size, cached, new)`: tokens already
+/// cached and tokens of the step, per sequence.
+type PagedCase = (usize, usize, usize, usize, &'static [usize], &'static [usize]);
+
+device_test! {
+    fn paged_attention_and_the_cache_write_match_the_cpu(dev: &Device) {
+        use ops::{PagedBatch, QkvHeads};
+        let on_gpu = matches!(dev, Device::Cuda(_));
+        for dtype in FLOATS {
+            // Sums over up to 250 positions in another order than the CPU's.
+            let tol = tolerance(dtype).max(1e-4);
+            // Groups of 1, 2 and 4; every head-dim instantiation (64, 128, 256, with and
+            // without padding); block sizes 1, 5 and 16; decode tokens beside prefill
+            // chunks, first ones and ones after cached tokens.
+            let cases: [PagedCase; 5] = [
+                (4, 4, 8, 1, &[0, 5, 17], &[9, 1, 1]),
+                (8, 4, 64, 16, &[40, 0, 3], &[1, 20, 1]),
+                (8, 2, 128, 16, &[70, 33, 240], &[1, 12, 1]),
+                (4, 1, 256, 16, &[50], &[3]),
+                (6, 3, 33, 5, &[10, 0], &[1, 7]),
+            ];
+            for (i, &(q_heads, kv_heads, head_dim, block_size, cached, new)) in cases.iter().enumerate() {
+                let heads = QkvHeads { q_heads, kv_heads, head_dim };
+                let what = |part: &str| format!("paged {dtype} {q_heads}/{kv_heads} heads of {head_dim}, blocks of {block_size}: {part}");
+                let (batch, owned, slots) = paged_step(cached, new, block_size, 80 + i as u64);
+                let tokens = batch.tokens();
+                let (qkv, dqkv) = pair(dev, &[tokens, heads.width()], dtype, 81 + i as u64);
+                // Slots no sequence owns hold NaN, so a read of a wrong slot shows.
+                let row = kv_heads * head_dim;
+                let cache = |seed| {
+                    let mut v = values(slots * row, seed);
+                    for (s, _) in owned.iter().enumerate().filter(|(_, o)| !**o) {
+                        v[s * row..(s + 1) * row].fill(f32::NAN);
+                    }
+                    let c = Tensor::from_vec(v, [slots, kv_heads, head_dim], reference()).unwrap().to_dtype(dtype).unwrap();
+                    (c.clone(), to_device(&c, dev))
+                };
+                let ((k, dk), (v, dv)) = (cache(90 + i as u64), cache(100 + i as u64));
+                ops::kv_cache_write(&qkv, heads, &k, &v, &batch).unwrap();
+                ops::kv_cache_write(&dqkv, heads, &dk, &dv, &batch).unwrap();
+                assert_eq!(float_bits(&dk), float_bits(&k), "{}", what("key cache after the write"));
+                assert_eq!(float_bits(&dv), float_bits(&v), "{}", what("value cache after the write"));
+                let want = ops::paged_attention(&qkv, heads, &k, &v, &batch).unwrap();
+                let got = ops::paged_attention(&dqkv, heads, &dk, &dv, &batch).unwrap();
+                assert_close(&what("out"), &want, &got, dev, tol);
+                // A token alone gives the bits it gets in the batch.
+                let t = tokens - 1;
+                let alone = PagedBatch {
+                    positions: vec![batch.positions[t]],
+                    token_seq: vec![batch.token_seq[t]],
+                    slots: vec![batch.slots[t]],
+                    ..batch.clone()
+                };
+                let solo = ops::paged_attention(&dqkv.narrow(0, t, 1).unwrap(), heads, &dk, &dv, &alone).unwrap();
+                assert_eq!(float_bits(&solo), float_bits(&got.narrow(0, t, 1).unwrap()), "{}", what("a token alone"));
+            }
+            // Above the kernels' head-dim limit a GPU says so (the CPU runs it).
+            let heads = QkvHeads { q_heads: 2, kv_heads: 1, head_dim: 320 };
+            let (batch, _, slots) = paged_step(&[3], &[1], 4, 110);
+            let (qkv, dqkv) = pair(dev, &[1, heads.width()], dtype, 111);
+            let (k, dk) = pair(dev, &[slots, 1, 320], dtype, 112);
+            let (v, dv) = pair(dev, &[slots, 1, 320], dtype, 113);
+            assert!(ops::paged_attention(&qkv, heads, &k, &v, &batch).is_ok());
+            let r = ops::paged_attention(&dqkv, heads, &dk, &dv, &batch);
+            if on_gpu {
+                let e = r.unwrap_err().to_string();
+                assert!(e.contains("head_dim 320") && e.contains("1..=256"), "{e}");
+            } else {
+                assert!(r.is_ok());
+            }
+        }
+    }
+}

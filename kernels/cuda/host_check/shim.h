@@ -1,8 +1,9 @@
 // A host emulation of the CUDA subset that attention.cu uses, so its logic
 // (indexing, masking, online softmax, barriers, shuffles) can be checked
 // against a reference on a machine with no GPU. One block runs at a time, as
-// one std::thread per CUDA thread; __syncthreads is a block-wide barrier and a
-// shuffle is a store, a warp-wide barrier, a load and a second barrier.
+// one std::thread per CUDA thread; __syncthreads is a block-wide barrier,
+// __syncwarp a warp-wide one, and a shuffle is a store, a warp-wide barrier,
+// a load and a second barrier.
 // It says nothing about speed, occupancy or the memory model of a real GPU.
 #include <barrier>
 #include <thread>
@@ -29,6 +30,7 @@ std::barrier<>* emu_block_barrier;
 std::barrier<>* emu_warp_barrier[32];
 float emu_shfl[1024];
 inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp_barrier[threadIdx.x / 32]->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int o) {
     unsigned t = threadIdx.x, w = t / 32;
     emu_shfl[t] = v; emu_warp_barrier[w]->arrive_and_wait();

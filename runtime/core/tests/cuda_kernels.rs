@@ -140,6 +140,29 @@ fn check_signatures(source: &str, ptx: &str, compiled: &[(String, EntryReport)],
         "elementwise" => &[("add_f32", &[Param::B64; 4]), ("scale_bf16", &[Param::B64, Param::F32, Param::B64, Param::B64])],
         "attention" => &[("attention_fwd_f32", &[Param::B64, Param::B64, Param::B64, Param::B64, Param::B64, attn])],
         "adamw" => &[("adamw_f32", &[Param::B64])],
+        // Seven pointers, six sizes and the scale; the write: four pointers and five sizes.
+        "paged_attention" => &[
+            (
+                "paged_attention_bf16",
+                &[
+                    Param::B64,
+                    Param::B64,
+                    Param::B64,
+                    Param::B64,
+                    Param::B64,
+                    Param::B64,
+                    Param::B64,
+                    Param::B64,
+                    Param::B64,
+                    Param::B64,
+                    Param::B64,
+                    Param::B64,
+                    Param::B64,
+                    Param::F32,
+                ],
+            ),
+            ("kv_cache_write_f16", &[Param::B64; 9]),
+        ],
         _ => &[],
     };
     for (name, params) in expect {

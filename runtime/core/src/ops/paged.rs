@@ -6,13 +6,24 @@
 //! tensor `[slots, kv_heads, head_dim]`, slots grouped in blocks of
 //! `block_size`, and a step's tokens come flattened with their sequence and
 //! position (a [`PagedBatch`]).
+//!
+//! On a CUDA device both run the kernels of `kernels/cuda/paged_attention.cu`
+//! (geometry in [`tessera_kernels::cuda::paged`]): the host checks every
+//! index first, then uploads the step's positions, sequences, slots and
+//! block tables for the call (a few kilobytes: one `u32` per token, and the
+//! tables), so a bad index is an error here, never a fault in a kernel.
 
 use super::QkvHeads;
+use crate::backend::cuda::args::{Arg, Grid};
+use crate::backend::cuda::{self, CudaDevice, CudaStorage};
+use crate::backend::kernel::Out;
 use crate::backend::{Device, Storage};
 use crate::error::{Error, Result};
-use crate::tensor::{check_device, DType, Tensor};
-use half::bf16;
+use crate::tensor::{check_device, DType, Shape, Tensor};
+use half::{bf16, f16};
+use std::ops::Range;
 use tessera_kernels::cpu::paged::{kv_cache_write as write_kernel, paged_attention as attend_kernel, PagedDims};
+use tessera_kernels::cuda::paged as gpu;
 
 /// Where a step's tokens sit: the host-side indices every paged attention
 /// layer of one forward reads (built once per step by the scheduler).
@@ -140,14 +151,28 @@ fn check(op: &'static str, qkv: &Tensor, h: QkvHeads, k_cache: &Tensor, v_cache:
     if k_cache.shares_storage(v_cache) {
         return Err(Error::Aliased { op, a: "k_cache", b: "v_cache" });
     }
+    // The caches are written (or read) under their own locks while the input is read.
+    for (name, c) in [("k_cache", k_cache), ("v_cache", v_cache)] {
+        if qkv.shares_storage(c) {
+            return Err(Error::Aliased { op, a: "qkv", b: name });
+        }
+    }
     batch.check(op, slots)?;
     Ok(slots)
 }
 
-fn host_only(op: &'static str, device: &Device) -> Result<()> {
-    match device {
-        Device::Cpu(_) => Ok(()),
-        Device::Cuda(_) => Err(Error::NotImplementedOnCuda { op }),
+/// A size the CUDA kernels do not support (a `head_dim` above 256): an
+/// error naming the limit; the CPU runs it.
+fn unsupported(op: &'static str, e: gpu::PagedLaunchError) -> Error {
+    let e = e.to_string();
+    Error::unsupported(op, format!("{}; the CPU backend runs any size", e.trim_start_matches("paged attention: ")))
+}
+
+/// The CUDA storage of a tensor on a CUDA device (its guard holds it).
+fn on_cuda<'a>(op: &'static str, s: &'a Storage, device: &Device) -> Result<&'a CudaStorage> {
+    match s {
+        Storage::Cuda(s) => Ok(s),
+        Storage::Cpu(_) => Err(Error::DeviceMismatch { op, lhs: device.to_string(), rhs: "cpu".into() }),
     }
 }
 
@@ -157,13 +182,16 @@ fn host_only(op: &'static str, device: &Device) -> Result<()> {
 pub fn kv_cache_write(qkv: &Tensor, h: QkvHeads, k_cache: &Tensor, v_cache: &Tensor, batch: &PagedBatch) -> Result<()> {
     const OP: &str = "kv_cache_write";
     let slots = check(OP, qkv, h, k_cache, v_cache, batch)?;
-    host_only(OP, qkv.device())?;
     let d = batch.dims(h, slots);
     let qkv = qkv.contiguous()?;
     let range = qkv.layout().contiguous_range().expect("contiguous");
     let (kr, vr) = (k_cache.layout().contiguous_range().expect("checked"), v_cache.layout().contiguous_range().expect("checked"));
     let g = qkv.read();
     let (mut kg, mut vg) = (k_cache.write(), v_cache.write());
+    if let Device::Cuda(dev) = qkv.device() {
+        let (x, k, v) = (on_cuda(OP, &g, qkv.device())?, on_cuda(OP, &kg, qkv.device())?, on_cuda(OP, &vg, qkv.device())?);
+        return write_cuda(dev, qkv.dtype(), &d, batch, (x, range), (k, kr), (v, vr));
+    }
     let (Storage::Cpu(x), Storage::Cpu(k), Storage::Cpu(v)) = (&*g, &mut *kg, &mut *vg) else { unreachable!("host devices checked") };
     macro_rules! go {
         ($t:ty) => {
@@ -194,11 +222,12 @@ pub fn kv_cache_write(qkv: &Tensor, h: QkvHeads, k_cache: &Tensor, v_cache: &Ten
 ///
 /// Every output row depends on its token and its sequence's cache alone
 /// (not on the rest of the batch, the chunking of a prompt, or the threads).
-/// f32, f64 and bf16 (computed in f32) on the CPU.
+/// f32, f64, bf16 and f16 (the last two computed in f32) on the CPU; f32,
+/// bf16 and f16 with `head_dim` up to 256 on a GPU (the same semantics,
+/// sums in another order).
 pub fn paged_attention(qkv: &Tensor, h: QkvHeads, k_cache: &Tensor, v_cache: &Tensor, batch: &PagedBatch) -> Result<Tensor> {
     const OP: &str = "paged_attention";
     let slots = check(OP, qkv, h, k_cache, v_cache, batch)?;
-    host_only(OP, qkv.device())?;
     let d = batch.dims(h, slots);
     let mut dims = qkv.dims().to_vec();
     *dims.last_mut().expect("checked rank") = h.q_heads * h.head_dim;
@@ -206,6 +235,10 @@ pub fn paged_attention(qkv: &Tensor, h: QkvHeads, k_cache: &Tensor, v_cache: &Te
     let range = qkv.layout().contiguous_range().expect("contiguous");
     let (kr, vr) = (k_cache.layout().contiguous_range().expect("checked"), v_cache.layout().contiguous_range().expect("checked"));
     let (g, kg, vg) = (qkv.read(), k_cache.read(), v_cache.read());
+    if let Device::Cuda(dev) = qkv.device() {
+        let (x, k, v) = (on_cuda(OP, &g, qkv.device())?, on_cuda(OP, &kg, qkv.device())?, on_cuda(OP, &vg, qkv.device())?);
+        return attend_cuda(dev, qkv.dtype(), &d, batch, (x, range), (k, kr), (v, vr), (Shape::new(dims), qkv.device()));
+    }
     let (Storage::Cpu(x), Storage::Cpu(k), Storage::Cpu(v)) = (&*g, &*kg, &*vg) else { unreachable!("host devices checked") };
     macro_rules! go {
         ($c:ty, $s:ty) => {{
@@ -227,7 +260,19 @@ pub fn paged_attention(qkv: &Tensor, h: QkvHeads, k_cache: &Tensor, v_cache: &Te
         DType::F32 => go!(f32, f32),
         DType::F64 => go!(f64, f64),
         DType::BF16 => go!(f32, bf16),
-        other => Err(Error::DType { op: OP, expected: "f32, f64 or bf16".into(), got: other, hint: "; serve in f32 or bf16" }),
+        DType::F16 => {
+            // The CPU kernels have no f16 storage form (`Stored<f32>` is f32
+            // and bf16): widen the operands, which is exact, and round the
+            // f32 result once, as the bf16 form would. It copies the whole
+            // caches per call, so serve f32 or bf16 on a CPU; a GPU runs f16
+            // natively.
+            let widen = |x: &[f16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+            let (x, k, v) = (x.as_slice::<f16>().expect("dtype"), k.as_slice::<f16>().expect("dtype"), v.as_slice::<f16>().expect("dtype"));
+            let mut out = vec![0f32; d.out_len()];
+            attend_kernel::<f32, f32>(&d, &widen(&x[range]), &widen(&k[kr]), &widen(&v[vr]), &batch.positions, &batch.token_seq, &batch.block_tables, &mut out);
+            Tensor::from_vec(out.into_iter().map(f16::from_f32).collect(), dims, qkv.device())
+        }
+        other => Err(Error::DType { op: OP, expected: "f32, f64, bf16 or f16".into(), got: other, hint: "; serve in f32 or bf16" }),
     }
 }
 
@@ -236,7 +281,11 @@ pub fn paged_attention(qkv: &Tensor, h: QkvHeads, k_cache: &Tensor, v_cache: &Te
 /// paged cache's copy-on-write, block by block (`rows` = the block size).
 pub fn copy_blocks(cache: &Tensor, rows: usize, pairs: &[(usize, usize)]) -> Result<()> {
     const OP: &str = "copy_blocks";
-    host_only(OP, cache.device())?;
+    if matches!(cache.device(), Device::Cuda(_)) {
+        // Copy-on-write happens only after a fork or a cut-back speculative
+        // sequence; the device-to-device copy is not written yet.
+        return Err(Error::NotImplementedOnCuda { op: OP });
+    }
     let total = cache.dims().first().copied().unwrap_or(0);
     if rows == 0 || !total.is_multiple_of(rows) || !cache.is_contiguous() {
         return Err(Error::invalid(OP, format!("a cache {} in blocks of {rows} rows; it must be contiguous and whole blocks", cache.shape())));
@@ -265,4 +314,82 @@ pub fn copy_blocks(cache: &Tensor, rows: usize, pairs: &[(usize, usize)]) -> Res
         other => return Err(Error::DType { op: OP, expected: "a float cache".into(), got: other, hint: "" }),
     }
     Ok(())
+}
+
+/// The cache write on a GPU: `kv_cache_write_{dtype}` over every element of
+/// the step's keys, with the slots uploaded for the call. The caches come as
+/// the call's operands only for their device pointers: the caller holds
+/// their write guards, so nothing else touches them while the copy is
+/// queued, and the compute stream orders it before any later use.
+fn write_cuda(
+    dev: &CudaDevice,
+    dtype: DType,
+    d: &PagedDims,
+    batch: &PagedBatch,
+    x: (&CudaStorage, Range<usize>),
+    k: (&CudaStorage, Range<usize>),
+    v: (&CudaStorage, Range<usize>),
+) -> Result<()> {
+    const OP: &str = "kv_cache_write";
+    let (op, items) = gpu::write(d).map_err(|e| unsupported(OP, e))?;
+    cuda::run_op(OP, dev, dtype, &[x, k, v], &[], true, |c| {
+        let slots = Arg::Scratch(c.upload_u32(&batch.slots)?);
+        c.at_least(Arg::Input(0), d.qkv_len())?;
+        c.at_least(Arg::Input(1), d.cache_len())?;
+        c.at_least(Arg::Input(2), d.cache_len())?;
+        c.at_least(slots, d.tokens)?;
+        let (tokens, group) = (Arg::U64(d.tokens), Arg::U64(d.group()));
+        let args = [Arg::Input(0), slots, Arg::Input(1), Arg::Input(2), tokens, Arg::U64(d.kv_heads), group, Arg::U64(d.head_dim), Arg::U64(d.slots)];
+        // SAFETY: the kernel reads `tokens · (q_heads + 2·kv_heads) · head_dim` elements of
+        // qkv (its length, checked) and `tokens` slots (uploaded), and writes rows `slot` of
+        // the `[slots, kv_heads, head_dim]` caches (their lengths, checked), where every slot
+        // is below `slots` (`PagedBatch::check`; the kernel also skips one that is not).
+        unsafe { c.launch(gpu::SOURCE, op, Grid::Items(items), &args) }
+    })?;
+    Ok(())
+}
+
+/// The attention on a GPU: one block per (token, query head) of
+/// `paged_attention_{dtype}`, with the positions, sequences and block tables
+/// uploaded for the call. Returns `out` (`tokens · q_heads · head_dim`
+/// elements) as a tensor of `shape` on `device`.
+#[allow(clippy::too_many_arguments)]
+fn attend_cuda(
+    dev: &CudaDevice,
+    dtype: DType,
+    d: &PagedDims,
+    batch: &PagedBatch,
+    x: (&CudaStorage, Range<usize>),
+    k: (&CudaStorage, Range<usize>),
+    v: (&CudaStorage, Range<usize>),
+    (shape, device): (Shape, &Device),
+) -> Result<Tensor> {
+    const OP: &str = "paged_attention";
+    let l = gpu::attention(d).map_err(|e| unsupported(OP, e))?;
+    let out = cuda::run_op(OP, dev, dtype, &[x, k, v], &[(d.out_len(), Out::Primary)], true, |c| {
+        let positions = Arg::Scratch(c.upload_u32(&batch.positions)?);
+        let token_seq = Arg::Scratch(c.upload_u32(&batch.token_seq)?);
+        let tables = Arg::Scratch(c.upload_u32(&batch.block_tables)?);
+        c.at_least(Arg::Input(0), d.qkv_len())?;
+        c.at_least(Arg::Input(1), d.cache_len())?;
+        c.at_least(Arg::Input(2), d.cache_len())?;
+        c.at_least(Arg::Output(0), d.out_len())?;
+        c.at_least(positions, d.tokens)?;
+        c.at_least(token_seq, d.tokens)?;
+        c.at_least(tables, d.seqs * d.table_width)?;
+        let sizes = [d.tokens, d.q_heads, d.kv_heads, d.head_dim, d.block_size, d.table_width].map(Arg::U64);
+        let mut args = vec![Arg::Input(0), Arg::Input(1), Arg::Input(2), positions, token_seq, tables, Arg::Output(0)];
+        args.extend(sizes);
+        args.push(Arg::F32(d.scale as f32));
+        // SAFETY: a block reads the packed row of its token (qkv holds `tokens` rows, checked)
+        // and the cache rows of positions `0..=positions[t]` of sequence `token_seq[t]`
+        // through its row of the block tables (`seqs · table_width` entries, checked), and
+        // `PagedBatch::check` proved every sequence below `seqs`, every position inside its
+        // table and every block inside the cache (whose lengths are checked); it writes its
+        // `head_dim` elements of `out` (`tokens · q_heads · head_dim`, checked).
+        unsafe { c.launch(gpu::SOURCE, l.op, Grid::Fixed { blocks: l.grid, threads: l.block, shared_bytes: l.shared_bytes }, &args) }
+    })?;
+    // Mapped rather than popped: without the CUDA backend the storage type is
+    // uninhabited, and a value of it would make what follows unreachable.
+    Ok(out.into_iter().map(|s| Tensor::from_storage(Storage::Cuda(s), shape.clone(), device.clone())).next().expect("one output"))
 }

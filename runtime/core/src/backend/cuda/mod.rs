@@ -14,7 +14,9 @@
 //! strided copies, and the ops whose kernel struct has a CUDA implementation
 //! (`FloatKernel::cuda`: elementwise arithmetic, activations, norms, sums,
 //! matrix products through cuBLAS, fused attention, softmax, cross-entropy,
-//! embedding, RoPE, dropout), top-k and its backward, and the AdamW step.
+//! embedding, RoPE, dropout), top-k and its backward, the AdamW step, and
+//! paged attention with its KV-cache write (`ops::paged_attention`,
+//! `ops::kv_cache_write`).
 //! Every other operation returns
 //! [`Error::NotImplementedOnCuda`](crate::Error::NotImplementedOnCuda)
 //! naming the operation. docs/cuda.md says what is next.
