@@ -258,17 +258,11 @@ fn dot<T: Real>(a: &[T], b: &[T]) -> T {
 mod tests {
     use super::*;
 
-    /// A deterministic stream of values in [-1, 1).
+    use crate::testing::rand_vec;
+
+    /// `n` deterministic values in [-1, 1).
     fn values(n: usize, seed: u64) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 11) as f64 / (1u64 << 52) as f64 - 1.0
-            })
-            .collect()
+        rand_vec(seed, n)
     }
 
     /// A random call: `lens[s]` tokens already cached per sequence, `new[s]`

@@ -216,16 +216,10 @@ mod avx2 {
 mod tests {
     use super::*;
 
+    use crate::testing::rand_vec;
+
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 11) as f64 / (1u64 << 52) as f64 - 1.0) as f32
-            })
-            .collect()
+        rand_vec(seed, n).into_iter().map(|v| v as f32).collect()
     }
 
     #[test]
