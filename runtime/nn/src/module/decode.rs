@@ -28,7 +28,11 @@ use tessera_core::ops::{self, PagedBatch};
 use tessera_core::tensor::{DType, Tensor};
 use tessera_core::{Device, Error, Result};
 
-/// One decoding step's state (see the [module docs](self)).
+/// One decoding step's state: where the step's tokens (fed as one row
+/// `[1, tokens]`) sit and the cache they read and extend. `CausalAttention`
+/// writes and attends through it, `PositionEmbedding` adds the tokens'
+/// positions, a vocabulary head computes only `logit_rows`, and `Linear`
+/// runs batch-invariant; every other layer works token by token.
 #[derive(Clone, Debug)]
 pub struct Decode {
     /// Where each token sits: sequence, position, slot, block tables.

@@ -1,7 +1,7 @@
 //! The engine: requests in, tokens out, one model forward per step over
 //! every request that has work, with continuous batching.
 //!
-//! Each [`step`](Engine::step) schedules (see [`schedule`]), runs the
+//! Each [`step`](Engine::step) schedules (see the scheduling policy in docs/serving.md), runs the
 //! model's own forward on the scheduled tokens flattened into one row with
 //! the decoding state in the context ([`Decode`]), and samples the requests
 //! whose last known token was computed. Requests join between any two

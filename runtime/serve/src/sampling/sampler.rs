@@ -132,7 +132,7 @@ impl Sampler {
     /// probability `min(1, p(draft) / q(draft))`, `p` this sampler's
     /// distribution after `history`; when rejected the result is drawn from
     /// `max(0, p − q)` renormalised. Returns the token and whether it is the
-    /// draft. The uniforms come from a stream apart from [`sample`]'s,
+    /// draft. The uniforms come from a stream apart from [`sample`](Self::sample)'s,
     /// indexed by the tokens generated so far.
     pub fn verify(&mut self, logits: &[f32], history: &History, draft: u32, q: Option<&[(u32, f64)]>) -> Result<(Sampled, bool)> {
         let lse = self.prepare(logits, history)?;
