@@ -98,6 +98,19 @@ pub const SOURCES: &[Source] = &[
     source!("dropout", ["dropout_f32", "dropout_bf16"]),
     source!("embedding", ["embedding_f32", "embedding_bf16", "embedding_backward_f32", "embedding_backward_bf16"]),
     source!("topk", ["topk_f32", "topk_bf16", "topk_backward_f32", "topk_backward_bf16"]),
+    source!(
+        "quant",
+        [
+            "quant_matmul_int8_f32",
+            "quant_matmul_int8_bf16",
+            "quant_matmul_int4_f32",
+            "quant_matmul_int4_bf16",
+            "quant_matmul_w8a8_f32",
+            "quant_matmul_w8a8_bf16",
+            "quantize_rows_f32",
+            "quantize_rows_bf16"
+        ]
+    ),
 ];
 
 /// The source named `name`, if there is one.

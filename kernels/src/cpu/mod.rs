@@ -13,6 +13,7 @@ pub(crate) mod exp;
 pub mod matmul;
 pub mod mixed;
 pub mod norm;
+pub mod quant;
 pub mod reduce;
 pub mod rope;
 pub mod softmax;
