@@ -14,7 +14,8 @@
 //! strided copies, and the ops whose kernel struct has a CUDA implementation
 //! (`FloatKernel::cuda`: elementwise arithmetic, activations, norms, sums,
 //! matrix products through cuBLAS, fused attention, softmax, cross-entropy,
-//! embedding, RoPE, dropout), top-k and its backward, and the AdamW step.
+//! embedding, RoPE, dropout), top-k and its backward, the quantized
+//! products (int8, int4, W8A8) and the AdamW step.
 //! Every other operation returns
 //! [`Error::NotImplementedOnCuda`](crate::Error::NotImplementedOnCuda)
 //! naming the operation. docs/cuda.md says what is next.
@@ -42,6 +43,8 @@ mod launch;
 mod module;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
+#[cfg(feature = "cuda")]
+mod quant;
 #[cfg(feature = "cuda")]
 mod storage;
 #[cfg(not(feature = "cuda"))]
