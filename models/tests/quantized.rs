@@ -17,14 +17,15 @@ const VOCAB: usize = 96;
 const SEQ: usize = 24;
 
 /// Token ids, the same in every test: `[2, SEQ]` (48 rows of activations
-/// per product: the prefill path, which multiplies a dequantized tile) and
-/// `[1, 5]` (5 rows: the decode path, which multiplies from the codes).
-fn inputs(dev: &Device) -> [Tensor; 2] {
+/// per product: the prefill path, which multiplies a dequantized tile),
+/// `[1, 5]` (5 rows: products from the codes, a few rows at a time) and
+/// `[1, 1]` (one row: the decode loop proper).
+fn inputs(dev: &Device) -> [Tensor; 3] {
     let ids = |batch: usize, len: usize| {
         let v: Vec<u32> = (0..(batch * len) as u32).map(|i| (i * 37 + 11) % VOCAB as u32).collect();
         Tensor::from_vec(v, [batch, len], dev).unwrap()
     };
-    [ids(2, SEQ), ids(1, 5)]
+    [ids(2, SEQ), ids(1, 5), ids(1, 1)]
 }
 
 /// What quantizing changed: the largest logit difference as a fraction of

@@ -138,26 +138,51 @@ pub(crate) fn matmul_on(isa: Isa, x: &[f32], m: usize, w: &Int4Weight<'_>, bias:
     if w.k == 0 {
         for_output_blocks(frame, bias, y, |_, out| out.fill(0.0));
     } else if m >= TILE_MIN_ROWS {
-        for_output_blocks(frame, bias, y, |rows, out| tile(x, m, w, rows, out));
+        for_output_blocks(Frame { rows_multiple: super::TILE_ROWS, ..frame }, bias, y, |rows, out| tile(x, m, w, rows, out));
     } else {
         for_output_blocks(frame, bias, y, |rows, out| fused(isa, x, m, w, rows, out));
     }
 }
 
-/// Channels `rows` for every row of `x`, straight from the packed codes.
+/// Channels `rows` for every row of `x`, straight from the packed codes;
+/// with several rows of `x`, each sixteen bytes are unpacked once for up to
+/// four of them.
 fn fused(isa: Isa, x: &[f32], m: usize, w: &Int4Weight<'_>, rows: Range<usize>, out: &mut [f32]) {
-    for (r, j) in rows.enumerate() {
+    let xs: Vec<&[f32]> = x.chunks_exact(w.k).collect();
+    for (j, out) in rows.zip(out.chunks_exact_mut(m)) {
         let (bytes, scales) = (w.row(j), w.row_scales(j));
-        for (i, xr) in x.chunks_exact(w.k).enumerate() {
-            out[r * m + i] = match isa {
-                Isa::Portable => portable::dot_i4(xr, bytes, scales, w.group),
-                // SAFETY: `Isa::Avx2` is only made after `x86::available()`
-                // found AVX2 and FMA; the group suits its loop (checked by the caller).
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => unsafe { super::x86::dot_i4(xr, bytes, scales, w.group) },
+        let mut i = 0;
+        while i < m {
+            i += match m - i {
+                4.. => channel_rows::<4>(isa, &xs, i, bytes, scales, w.group, out),
+                2 | 3 => channel_rows::<2>(isa, &xs, i, bytes, scales, w.group, out),
+                _ => channel_rows::<1>(isa, &xs, i, bytes, scales, w.group, out),
             };
         }
     }
+}
+
+/// Rows `i..i + M` of `x` against one channel (its packed codes and
+/// scales), written to `out[i..i + M]`; returns `M`.
+fn channel_rows<const M: usize>(isa: Isa, xs: &[&[f32]], i: usize, bytes: &[u8], scales: &[f32], group: usize, out: &mut [f32]) -> usize {
+    let x: [&[f32]; M] = std::array::from_fn(|t| xs[i + t]);
+    let d = match isa {
+        Isa::Portable => portable::dot_i4_rows(&x, bytes, scales, group),
+        // One row keeps four independent sums in flight (`dot_i4`); several
+        // share each unpacked chunk (`dot_i4_rows`).
+        // SAFETY: `Isa::Avx2` is only made after `x86::available()` found
+        // AVX2 and FMA; the group suits its loop (checked by `matmul_on`).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if M == 1 => {
+            let v = unsafe { super::x86::dot_i4(x[0], bytes, scales, group) };
+            std::array::from_fn(|_| v)
+        }
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { super::x86::dot_i4_rows(&x, bytes, scales, group) },
+    };
+    out[i..i + M].copy_from_slice(&d);
+    M
 }
 
 /// Channels `rows` for every row of `x` by an f32 tile of the block's

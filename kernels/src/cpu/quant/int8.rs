@@ -97,32 +97,60 @@ pub(crate) fn matmul_on(isa: Isa, x: &[f32], m: usize, w: &Int8Weight<'_>, bias:
     if w.k == 0 {
         for_output_blocks(frame, bias, y, |_, out| out.fill(0.0));
     } else if m >= TILE_MIN_ROWS {
-        for_output_blocks(frame, bias, y, |rows, out| tile(x, m, w, rows, out));
+        for_output_blocks(Frame { rows_multiple: super::TILE_ROWS, ..frame }, bias, y, |rows, out| tile(x, m, w, rows, out));
     } else {
         for_output_blocks(frame, bias, y, |rows, out| fused(isa, x, m, w, rows, out));
     }
 }
 
-/// Channels `rows` for every row of `x`, straight from the codes: four
-/// channels at a time share each load of `x`.
+/// Channels `rows` for every row of `x`, straight from the codes. One row
+/// of `x` (decode): four channels at a time share each load of `x`. More
+/// rows: each channel's codes are widened once for up to four rows of `x`.
 fn fused(isa: Isa, x: &[f32], m: usize, w: &Int8Weight<'_>, rows: Range<usize>, out: &mut [f32]) {
     let first = rows.start;
+    if m > 1 {
+        let xs: Vec<&[f32]> = x.chunks_exact(w.k).collect();
+        for (j, out) in rows.zip(out.chunks_exact_mut(m)) {
+            let (row, s) = (w.row(j), w.scales[j]);
+            let mut i = 0;
+            while i < m {
+                i += match m - i {
+                    4.. => channel_rows::<4>(isa, &xs, i, row, s, out),
+                    2 | 3 => channel_rows::<2>(isa, &xs, i, row, s, out),
+                    _ => channel_rows::<1>(isa, &xs, i, row, s, out),
+                };
+            }
+        }
+        return;
+    }
     let mut j = rows.start;
     while j + 4 <= rows.end {
         let r = [w.row(j), w.row(j + 1), w.row(j + 2), w.row(j + 3)];
-        for (i, xr) in x.chunks_exact(w.k).enumerate() {
-            let d = dot_i8(isa, xr, &r);
-            for (t, v) in d.into_iter().enumerate() {
-                out[(j - first + t) * m + i] = v * w.scales[j + t];
-            }
+        let d = dot_i8(isa, x, &r);
+        for (t, v) in d.into_iter().enumerate() {
+            out[j - first + t] = v * w.scales[j + t];
         }
         j += 4;
     }
     for j in j..rows.end {
-        for (i, xr) in x.chunks_exact(w.k).enumerate() {
-            out[(j - first) * m + i] = dot_i8(isa, xr, &[w.row(j)])[0] * w.scales[j];
-        }
+        out[j - first] = dot_i8(isa, x, &[w.row(j)])[0] * w.scales[j];
     }
+}
+
+/// Rows `i..i + M` of `x` against one channel (codes `row`, scale `s`),
+/// written to `out[i..i + M]`; returns `M`.
+fn channel_rows<const M: usize>(isa: Isa, xs: &[&[f32]], i: usize, row: &[i8], s: f32, out: &mut [f32]) -> usize {
+    let x: [&[f32]; M] = std::array::from_fn(|t| xs[i + t]);
+    let d = match isa {
+        Isa::Portable => portable::dot_i8_rows(&x, row),
+        // SAFETY: `Isa::Avx2` is only made after `x86::available()` found AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { super::x86::dot_i8_rows(&x, row) },
+    };
+    for (o, v) in out[i..i + M].iter_mut().zip(d) {
+        *o = v * s;
+    }
+    M
 }
 
 /// Channels `rows` for every row of `x` by an f32 tile of the block's

@@ -54,10 +54,11 @@ fn within(what: &str, got: &[f32], want: &[f64], bound: &[f64]) {
 }
 
 /// The shapes `(m, n, k)` of the weight-only and W8A8 products: decode
-/// (1 to 7 rows, fused loops) and prefill (8 rows and more, the tile),
-/// depths around every vector width, channel counts around the four-channel
-/// step, and one large enough to run on the thread pool.
-const SHAPES: [(usize, usize, usize); 13] = [
+/// (1 to 15 rows, from the codes, one to four rows at a time) and prefill
+/// (16 rows and more, the tile), depths around every vector width, channel
+/// counts around the four-channel step, and some large enough to run on
+/// the thread pool.
+const SHAPES: [(usize, usize, usize); 16] = [
     (1, 1, 1),
     (1, 5, 7),
     (2, 3, 8),
@@ -71,6 +72,9 @@ const SHAPES: [(usize, usize, usize); 13] = [
     (13, 21, 300),
     (3, 300, 4100),
     (1, 600, 2048),
+    (16, 70, 130),
+    (21, 9, 64),
+    (24, 200, 512),
 ];
 
 #[test]
@@ -113,6 +117,8 @@ fn int4_matches_its_dequantized_weight_and_the_error_bound() {
         (5, 33, 384, 128),
         (8, 10, 256, 64),
         (11, 21, 384, 128),
+        (16, 10, 256, 64),
+        (19, 150, 384, 128),
         (1, 300, 4096, 128),
         (2, 70, 1024, 64),
     ];

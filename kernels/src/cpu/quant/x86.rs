@@ -171,3 +171,85 @@ pub(super) fn dot_i8i8<const R: usize>(x: &[i8], rows: &[&[i8]; R]) -> [i32; R] 
     }
     out
 }
+
+/// `Σ_i xs[r][i] · row[i]` for each of the `M` rows of x against one int8
+/// channel (`row` at least as long as each row of x): each step widens
+/// sixteen codes once for all `M` rows, the shape of a few decoding
+/// sequences (or a short prefill) sharing one pass over the weight.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn dot_i8_rows<const M: usize>(xs: &[&[f32]; M], row: &[i8]) -> [f32; M] {
+    let k = xs.first().map_or(0, |x| x.len());
+    assert!(xs.iter().all(|x| x.len() == k) && row.len() >= k, "dot_i8_rows: rows of x of different lengths, or a short channel");
+    let mut acc = [[_mm256_setzero_ps(); 2]; M];
+    let mut i = 0;
+    while i + 16 <= k {
+        // SAFETY: i + 16 <= k, and the channel and every row of x hold at least k elements.
+        unsafe {
+            let p = row.as_ptr().add(i);
+            let q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)));
+            let q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8) as *const __m128i)));
+            for (a, x) in acc.iter_mut().zip(xs) {
+                a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i)), q0, a[0]);
+                a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i + 8)), q1, a[1]);
+            }
+        }
+        i += 16;
+    }
+    let mut out = [0f32; M];
+    for ((o, a), x) in out.iter_mut().zip(&acc).zip(xs) {
+        let mut s = hsum(_mm256_add_ps(a[0], a[1]));
+        for t in i..k {
+            s += x[t] * row[t] as f32;
+        }
+        *o = s;
+    }
+    out
+}
+
+/// [`dot_i4`] for each of the `M` rows of x against one int4 channel: each
+/// sixteen bytes are unpacked once for all `M` rows.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn dot_i4_rows<const M: usize>(xs: &[&[f32]; M], packed: &[u8], scales: &[f32], group: usize) -> [f32; M] {
+    let half = group / 2;
+    assert!(half.is_multiple_of(16), "dot_i4_rows: the AVX2 loop takes groups of a multiple of 32 weights");
+    let k = scales.len() * group;
+    assert!(xs.iter().all(|x| x.len() >= k) && packed.len() >= scales.len() * half, "dot_i4_rows: x or the row is shorter than its groups");
+    let mask = _mm_set1_epi8(0x0F);
+    let eight = _mm_set1_epi8(8);
+    let mut total = [_mm256_setzero_ps(); M];
+    for (g, &s) in scales.iter().enumerate() {
+        let mut a = [[_mm256_setzero_ps(); 2]; M];
+        let mut c = 0;
+        while c < half {
+            // SAFETY: c + 16 <= half, so the 16 bytes at g*half + c and the
+            // floats at g*group + c + 16 and g*group + half + c + 16 are
+            // inside `packed` and every row of x (asserted above).
+            unsafe {
+                let b = _mm_loadu_si128(packed.as_ptr().add(g * half + c) as *const __m128i);
+                let lo = _mm_sub_epi8(_mm_and_si128(b, mask), eight);
+                let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16::<4>(b), mask), eight);
+                let w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+                let w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+                let w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+                let w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+                for (a, x) in a.iter_mut().zip(xs) {
+                    let xg = x.as_ptr().add(g * group + c);
+                    a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg), w0, a[0]);
+                    a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(8)), w1, a[1]);
+                    a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(half)), w2, a[0]);
+                    a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(half + 8)), w3, a[1]);
+                }
+            }
+            c += 16;
+        }
+        let sv = _mm256_set1_ps(s);
+        for (t, a) in total.iter_mut().zip(&a) {
+            *t = _mm256_fmadd_ps(sv, _mm256_add_ps(a[0], a[1]), *t);
+        }
+    }
+    let mut out = [0f32; M];
+    for (o, t) in out.iter_mut().zip(&total) {
+        *o = hsum(*t);
+    }
+    out
+}
