@@ -15,8 +15,11 @@
 //! the same moment. A `stream` line gives the machine's read bandwidth (a
 //! parallel sum over 512 MiB of f32) for scale.
 //!
+//! With `--cpu-time` the process's on-CPU time replaces wall time (with
+//! `RAYON_NUM_THREADS=1`, what one core does, whatever else runs).
+//!
 //! Output: one JSON line per case, rows and format, e.g.
-//! `{"bench":"quant_gemv","case":"6x4096x4096","rows":1,"format":"int8","ms_per_token":4.1,"tokens_per_s":244,"bytes":101187584,"gb_per_s":24.6,"vs_f32":3.7}`.
+//! `{"bench":"quant_gemv","case":"6x4096x4096","clock":"wall","threads":2,"rows":1,"format":"int8","ms_per_token":13.1,"tokens_per_s":76.3,"bytes":100761600,"gb_per_s":7.7,"vs_f32":4.06}`.
 
 use anyhow::{ensure, Result};
 use rayon::prelude::*;
@@ -46,6 +49,11 @@ pub struct Args {
     /// int4 group size.
     #[arg(long, default_value_t = 128)]
     group: usize,
+    /// Time with the process's on-CPU time (all threads) instead of wall
+    /// time: other load on the machine then disturbs the figures much less
+    /// (a thread stalled on memory is still on the CPU).
+    #[arg(long)]
+    cpu_time: bool,
 }
 
 /// One format's weights for every layer.
@@ -71,17 +79,19 @@ impl Weights {
     }
 }
 
-/// Seconds per call of `run`, the calls repeated to last `min_time`.
-fn seconds_per_call(min_time: f64, run: &mut dyn FnMut()) -> f64 {
+/// Seconds per call of `run`, the calls repeated to last `min_time`; on-CPU
+/// seconds of the whole process when `cpu`.
+fn seconds_per_call(min_time: f64, cpu: bool, run: &mut dyn FnMut()) -> f64 {
     let t0 = Instant::now();
     run();
     let once = t0.elapsed().as_secs_f64().max(1e-7);
     let iters = ((min_time / once).ceil() as usize).clamp(1, 100_000);
-    let t = Instant::now();
+    let (t, c) = (Instant::now(), if cpu { super::process_cpu_time() } else { Default::default() });
     for _ in 0..iters {
         run();
     }
-    t.elapsed().as_secs_f64() / iters as f64
+    let secs = if cpu { (super::process_cpu_time() - c).as_secs_f64() } else { t.elapsed().as_secs_f64() };
+    secs / iters as f64
 }
 
 /// The machine's read bandwidth: a parallel wrapping sum over 512 MiB of
@@ -90,7 +100,7 @@ fn seconds_per_call(min_time: f64, run: &mut dyn FnMut()) -> f64 {
 fn stream_gb_per_s(min_time: f64, reps: usize) -> f64 {
     let v = vec![1u32; 128 << 20];
     let sum = || v.par_chunks(1 << 16).map(|c| c.iter().fold(0u32, |a, &b| a.wrapping_add(b))).reduce(|| 0, u32::wrapping_add);
-    let best = (0..reps).map(|_| seconds_per_call(min_time, &mut || _ = black_box(sum()))).fold(f64::INFINITY, f64::min);
+    let best = (0..reps).map(|_| seconds_per_call(min_time, false, &mut || _ = black_box(sum()))).fold(f64::INFINITY, f64::min);
     (v.len() * 4) as f64 / best / 1e9
 }
 
@@ -121,7 +131,7 @@ pub fn run(args: &Args) -> Result<()> {
             let mut best = vec![f64::INFINITY; all.len()];
             for _ in 0..args.reps {
                 for (b, (_, w)) in best.iter_mut().zip(&all) {
-                    let s = seconds_per_call(args.min_time, &mut || w.token(&x).expect("the product ran once before"));
+                    let s = seconds_per_call(args.min_time, args.cpu_time, &mut || w.token(&x).expect("the product ran once before"));
                     *b = b.min(s);
                 }
             }
@@ -132,6 +142,8 @@ pub fn run(args: &Args) -> Result<()> {
                 lines.push(serde_json::json!({
                     "bench": "quant_gemv",
                     "case": case,
+                    "clock": if args.cpu_time { "cpu" } else { "wall" },
+                    "threads": rayon::current_num_threads(),
                     "rows": rows,
                     "format": name,
                     "ms_per_token": (secs * 1e6).round() / 1e3,

@@ -237,7 +237,7 @@ pub fn quantize(w: &Tensor, format: QuantFormat) -> Result<QuantizedWeight> {
 /// On a CPU the activations are widened to f32 (one copy of `x`, small
 /// next to the weight when decoding) and the result rounded back to `x`'s
 /// dtype; on a GPU the kernels read and write `x`'s dtype and take the bias
-/// in it (converted if it differs). See [the module](self) for the error
+/// in it (converted if it differs). See [`tessera_kernels::cpu::quant`] for the error
 /// bounds. There is no backward: the op is for inference.
 pub fn quant_matmul(x: &Tensor, w: &QuantizedWeight, bias: Option<&Tensor>) -> Result<Tensor> {
     const OP: &str = "quant_matmul";
