@@ -2,10 +2,11 @@
 # Checks the logic of the CUDA kernels on the CPU: the attention kernels
 # (CUDA-core and tensor-core), paged attention and the KV-cache write,
 # softmax, cross-entropy, embedding, RoPE, max_abs, top-k, the norms, AdamW,
-# the element-wise kernels and the strided copy. Compiles their sources as
-# C++ against a host emulation of the CUDA features they use
-# (kernels/cuda/host_check/shim.h, shim_mma.h) and compares their results
-# with double-precision references (top-k with an exact one).
+# the element-wise kernels, the strided copy and the quantized products
+# (int8, int4, W8A8). Compiles their sources as C++ against a host emulation
+# of the CUDA features they use (kernels/cuda/host_check/shim.h, shim_mma.h)
+# and compares their results with double-precision references (top-k with an
+# exact one).
 # Needs g++ with C++20; no GPU, no CUDA.
 #
 #   scripts/cuda-host-check.sh
@@ -77,3 +78,16 @@ for check in ops norm elementwise; do
     g++ -std=c++20 -O1 -pthread -w "$dir/$check.cpp" -o "$dir/$check"
     "$dir/$check"
 done
+
+# The quantized products keep dp4a (inline PTX) in a block only a CUDA
+# compiler sees; quant.cpp supplies its host version. The row quantization's
+# block reduction uses a static __shared__ array, as the row kernels above.
+src=kernels/cuda/quant.cu
+sed -e 's/extern "C" //' -e 's/__shared__ float /static float /' "$src" >"$dir/quant.inc"
+if g++ -std=c++20 -E -P -x c++ "$dir/quant.inc" | grep -q 'asm\|__shared__'; then
+    echo "cuda-host-check: $src has device-only code outside the block the emulation replaces" >&2
+    exit 1
+fi
+cp kernels/cuda/host_check/quant.cpp "$dir/"
+g++ -std=c++20 -O1 -pthread -w "$dir/quant.cpp" -o "$dir/quant"
+"$dir/quant"

@@ -14,6 +14,7 @@
 //! cargo run --release --example bench -- elementwise
 //! cargo run --release --example bench -- attention
 //! cargo run --release --example bench -- serve
+//! cargo run --release --example bench -- quant_gemv --rows 1,4
 //! ```
 
 mod attention;
@@ -22,6 +23,7 @@ mod collectives_mpi;
 mod cuda;
 mod elementwise;
 mod gpt;
+mod quant;
 mod serve;
 
 use anyhow::{ensure, Result};
@@ -62,6 +64,11 @@ enum Bench {
     /// GPU figures (bf16 GEMM, attention, GPT-2 124M training) on a CUDA
     /// device; needs a build with `--features cuda` and a GPU.
     Cuda(cuda::Args),
+    /// Decode-shaped products (a row of activations by a weight) with f32,
+    /// int8, int4 and W8A8 weights: time per token, GB/s and the ratios to
+    /// f32, one layer and a 100M-parameter stack that fits no cache.
+    #[command(name = "quant_gemv")]
+    QuantGemv(quant::Args),
 }
 
 #[derive(clap::Args)]
@@ -178,6 +185,7 @@ fn main() -> Result<()> {
         Bench::Attention(args) => attention::run(&args),
         Bench::Serve(args) => serve::run(&args),
         Bench::Cuda(args) => cuda::run(&args),
+        Bench::QuantGemv(args) => quant::run(&args),
     }
 }
 

@@ -103,6 +103,19 @@ pub const SOURCES: &[Source] = &[
         "paged_attention",
         ["paged_attention_f32", "paged_attention_bf16", "paged_attention_f16", "kv_cache_write_f32", "kv_cache_write_bf16", "kv_cache_write_f16",]
     ),
+    source!(
+        "quant",
+        [
+            "quant_matmul_int8_f32",
+            "quant_matmul_int8_bf16",
+            "quant_matmul_int4_f32",
+            "quant_matmul_int4_bf16",
+            "quant_matmul_w8a8_f32",
+            "quant_matmul_w8a8_bf16",
+            "quantize_rows_f32",
+            "quantize_rows_bf16"
+        ]
+    ),
 ];
 
 /// The source named `name`, if there is one.

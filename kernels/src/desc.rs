@@ -114,3 +114,77 @@ pub struct AdamWStep {
     /// Multiply grads by this first (un-scaling, clipping); 1.0 = none.
     pub grad_scale: f64,
 }
+
+/// How a linear layer's weight is quantized for inference (see
+/// [`cpu::quant`](crate::cpu::quant) for the formats, their layouts and
+/// their error bounds). The CPU kernels and the CUDA launches read the same
+/// description.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuantFormat {
+    /// int8 weights, one f32 scale per output channel; activations stay
+    /// in their float dtype.
+    Int8,
+    /// int4 weights, one f32 scale per `group_size` consecutive weights of
+    /// an output channel (even, dividing the input features); activations
+    /// stay in their float dtype.
+    Int4 {
+        /// Weights per scale along the input dimension ([`QuantFormat::INT4_GROUP`] by default).
+        group_size: usize,
+    },
+    /// int8 weights as [`Int8`](Self::Int8), and activations quantized to
+    /// int8 per row when the product runs; the products sum in i32.
+    W8A8,
+}
+
+impl QuantFormat {
+    /// The int4 group size used when none is chosen.
+    pub const INT4_GROUP: usize = crate::cpu::quant::int4::DEFAULT_GROUP;
+
+    /// int4 with groups of [`INT4_GROUP`](Self::INT4_GROUP) weights.
+    pub const fn int4() -> QuantFormat {
+        QuantFormat::Int4 { group_size: Self::INT4_GROUP }
+    }
+
+    /// Bits per stored weight code.
+    pub fn bits(self) -> usize {
+        match self {
+            QuantFormat::Int4 { .. } => 4,
+            QuantFormat::Int8 | QuantFormat::W8A8 => 8,
+        }
+    }
+
+    /// The format's short name: `int8`, `int4` or `w8a8`.
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantFormat::Int8 => "int8",
+            QuantFormat::Int4 { .. } => "int4",
+            QuantFormat::W8A8 => "w8a8",
+        }
+    }
+
+    /// Bytes of codes a weight of `n` rows and `k` columns holds.
+    pub fn code_bytes(self, n: usize, k: usize) -> usize {
+        match self {
+            QuantFormat::Int4 { .. } => n * k / 2,
+            QuantFormat::Int8 | QuantFormat::W8A8 => n * k,
+        }
+    }
+
+    /// Scales a weight of `n` rows and `k` columns holds: one per row, or
+    /// one per group for int4.
+    pub fn scale_count(self, n: usize, k: usize) -> usize {
+        match self {
+            QuantFormat::Int4 { group_size } => n * (k / group_size.max(1)),
+            QuantFormat::Int8 | QuantFormat::W8A8 => n,
+        }
+    }
+}
+
+impl std::fmt::Display for QuantFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            QuantFormat::Int4 { group_size } => write!(f, "int4 (groups of {group_size})"),
+            other => f.write_str(other.name()),
+        }
+    }
+}

@@ -620,3 +620,31 @@ device_test! {
         }
     }
 }
+
+device_test! {
+    fn quantized_products_match_the_cpu(dev: &Device) {
+        // Decode-shaped (1 and 3 rows) and more rows than the GPU kernel
+        // takes per pass (11); a depth the 4-byte loads take (256) and one
+        // they do not (66, int4 with groups of 6: the byte loop).
+        for dtype in FLOATS {
+            for (rows, k, group) in [(1, 256, 128), (3, 256, 32), (11, 256, 64), (2, 66, 6)] {
+                let n = 37;
+                let (w, _) = pair(dev, &[n, k], DType::F32, 40);
+                let (x, dx) = pair(dev, &[rows, k], dtype, 41);
+                let (bias, dbias) = pair(dev, &[n], dtype, 42);
+                for format in [ops::QuantFormat::Int8, ops::QuantFormat::Int4 { group_size: group }, ops::QuantFormat::W8A8] {
+                    // Quantized on the host either way: the same codes on both devices.
+                    let q = ops::quantize(&w, format).unwrap();
+                    let dq = q.to_device(dev).unwrap();
+                    let what = format!("quant_matmul {format} {dtype} rows {rows} k {k}");
+                    let want = ops::quant_matmul(&x, &q, Some(&bias)).unwrap();
+                    let got = ops::quant_matmul(&dx, &dq, Some(&dbias)).unwrap();
+                    // W8A8 rounds the activations to codes, and one rounding of an
+                    // activation across a tie flips a code on one device only.
+                    let tol = if format == ops::QuantFormat::W8A8 { 2e-2 } else { tolerance(dtype).max(1e-4) };
+                    assert_close(&what, &want, &got, dev, tol);
+                }
+            }
+        }
+    }
+}

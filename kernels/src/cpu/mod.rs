@@ -14,6 +14,7 @@ pub mod matmul;
 pub mod mixed;
 pub mod norm;
 pub mod paged;
+pub mod quant;
 pub mod reduce;
 pub mod rope;
 pub mod softmax;

@@ -18,6 +18,10 @@
 //! | [`Stack`] | `Plain` | the layer's own layout |
 //! | [`PositionEmbedding`] | `Plain` | `Replicated → Replicated` (adds learned position rows) |
 //!
+//! For inference, [`quantize_linears`] replaces every linear layer's weight
+//! of a materialised model by an int8, int4 or W8A8 form in place; the
+//! layers then multiply from the codes ([`tessera_core::ops::quant_matmul`]).
+//!
 //! Forwards read parameters with [`Cx::param`](crate::module::Cx::param)
 //! (which counts the use and casts to the compute dtype); backwards re-read
 //! them without counting (so a ZeRO-3 gather before the backward is honoured
@@ -34,6 +38,7 @@ mod loss;
 mod moe;
 mod norm;
 mod position;
+mod quant;
 mod rows;
 mod stack;
 
@@ -45,6 +50,7 @@ pub use loss::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backwa
 pub use moe::{Moe, MoeSaved, MoeStats};
 pub use norm::{LayerNorm, NormState, RmsNorm};
 pub use position::{PositionEmbedding, PositionEmbeddingSaved};
+pub use quant::{quantize_linears, QuantizeReport};
 pub use stack::Stack;
 
 use crate::module::{Cx, Param};

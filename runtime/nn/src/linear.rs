@@ -3,7 +3,7 @@
 use super::param_value;
 use crate::module::Param;
 use crate::module::{Act, Column, Cx, Module, PartialSum, Plain, Replicated, Row, Seq, SplitHidden, Visitor, Vocab};
-use tessera_core::ops;
+use tessera_core::ops::{self, QuantizedWeight};
 use tessera_core::tensor::{Init, Tensor};
 use tessera_core::{Error, Result};
 
@@ -28,6 +28,12 @@ use tessera_core::{Error, Result};
 /// * `Vocab`: the vocab-parallel output head, `Replicated → SplitHidden` with
 ///   the logits split over the vocabulary; sharded and differentiated like
 ///   `Column`.
+///
+/// For inference the weight may be replaced by a quantized form (int8,
+/// int4, W8A8; see [`quantize_linears`](crate::quantize_linears) and
+/// [`Param::set_quantized`]): the forward then multiplies with
+/// [`ops::quant_matmul`] in the activations' dtype, in every role and with
+/// the vocab head's padding mask as before, and the backward is an error.
 ///
 /// ```
 /// use tessera::module::{materialize, Act, Cx, Module};
@@ -81,7 +87,7 @@ impl Linear {
             in_features,
             out_features,
             valid_outputs: out_features,
-            weight: Param::new([out_features, in_features], Init::Normal { mean: 0.0, std: 0.02 }),
+            weight: Param::new_quantizable([out_features, in_features], Init::Normal { mean: 0.0, std: 0.02 }),
             bias: bias.then(|| Param::new([out_features], Init::Normal { mean: 0.0, std: 0.0 })),
         })
     }
@@ -160,18 +166,11 @@ impl Linear {
 
     /// `x·Wᵀ (+ b when `with_bias`)`, keeping the input.
     fn fwd(&self, cx: &Cx, x: Tensor, with_bias: bool) -> Result<(Tensor, LinearSaved)> {
-        let w = cx.param(&self.weight)?;
-        let in_local = w.dims()[1];
-        if x.rank() < 2 || x.dims().last() != Some(&in_local) {
-            return Err(Error::shape(
-                "Linear",
-                format!(
-                    "input of shape {} for a layer taking {in_local} input features on this rank ({} in total); pass a tensor of rank 2 or more whose last dimension is {in_local}",
-                    x.shape(),
-                    self.in_features
-                ),
-            ));
+        if let Some(q) = self.weight.quantized() {
+            return self.fwd_quantized(cx, x, &q, with_bias);
         }
+        let w = cx.param(&self.weight)?;
+        self.check_input(&x, w.dims()[1])?;
         let x = if x.dtype() == w.dtype() { x } else { x.to_dtype(w.dtype())? };
         // Every rank reads the bias so every rank's backward delivers its gradient.
         let bias = self.bias.as_ref().map(|b| cx.param(b)).transpose()?;
@@ -188,8 +187,43 @@ impl Linear {
         Ok((y, LinearSaved { x }))
     }
 
+    /// The forward with a quantized weight (inference): `x·dequant(W)ᵀ (+ b)`
+    /// in the compute dtype, from the codes. The weight records no use, as
+    /// no gradient will come back for it.
+    fn fwd_quantized(&self, cx: &Cx, x: Tensor, q: &QuantizedWeight, with_bias: bool) -> Result<(Tensor, LinearSaved)> {
+        self.check_input(&x, q.in_features())?;
+        let x = if x.dtype() == cx.compute_dtype() { x } else { x.to_dtype(cx.compute_dtype())? };
+        let bias = self.bias.as_ref().map(|b| cx.param(b)).transpose()?;
+        let y = ops::quant_matmul(&x, q, bias.filter(|_| with_bias).as_ref())?;
+        Ok((y, LinearSaved { x }))
+    }
+
+    fn check_input(&self, x: &Tensor, in_local: usize) -> Result<()> {
+        if x.rank() < 2 || x.dims().last() != Some(&in_local) {
+            return Err(Error::shape(
+                "Linear",
+                format!(
+                    "input of shape {} for a layer taking {in_local} input features on this rank ({} in total); pass a tensor of rank 2 or more whose last dimension is {in_local}",
+                    x.shape(),
+                    self.in_features
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Delivers `dW` (and `db`) and returns this rank's `dX` (before any reduction).
     fn bwd(&self, cx: &Cx, saved: LinearSaved, dy: &Tensor) -> Result<Tensor> {
+        if let Some(q) = self.weight.quantized() {
+            return Err(Error::unsupported(
+                "Linear",
+                format!(
+                    "`{}` holds a {} quantized weight, which is for inference only: its backward needs the float weight; train the model unquantized and quantize it afterwards",
+                    self.weight.name().as_deref().unwrap_or("weight"),
+                    q.format()
+                ),
+            ));
+        }
         let x = saved.x;
         let w = param_value(cx, &self.weight)?;
         let (n_in, n_out) = (w.dims()[1], w.dims()[0]);

@@ -5,7 +5,7 @@ use parking_lot::{Mutex, MutexGuard};
 use std::fmt;
 use std::hash::Hasher;
 use std::sync::Arc;
-use tessera_core::ops;
+use tessera_core::ops::{self, QuantizedWeight};
 use tessera_core::tensor::{DType, Init, Shape, Tensor};
 use tessera_core::{Error, Result};
 
@@ -52,6 +52,9 @@ pub struct Param(Arc<Inner>);
 struct Inner {
     global: Shape,
     init: Init,
+    /// A matrix that may be replaced by a quantized form for inference (a
+    /// linear layer's weight; see [`Param::new_quantizable`]).
+    quantizable: bool,
     state: Mutex<State>,
 }
 
@@ -62,6 +65,9 @@ struct State {
     source: Option<Arc<dyn InitialValues>>,
     shard: Shard,
     value: Option<Tensor>,
+    /// The quantized form that replaced the value for inference (see
+    /// [`Param::set_quantized`]).
+    quantized: Option<QuantizedWeight>,
     /// The dtype of the last value held (kept when a sharding engine frees
     /// the value): the dtype gradients are accumulated in.
     held: Option<DType>,
@@ -75,11 +81,23 @@ struct State {
 impl Param {
     /// A parameter of global shape `shape`, to be drawn from `init`.
     pub fn new(shape: impl Into<Shape>, init: Init) -> Param {
-        Param(Arc::new(Inner {
-            global: shape.into(),
-            init,
-            state: Mutex::new(State { name: None, source: None, shard: Shard::Full, value: None, held: None, grad: None, pending: 0, remote: false }),
-        }))
+        Self::with_kind(shape.into(), init, false)
+    }
+
+    /// A parameter like [`new`](Self::new) that inference may replace by a
+    /// quantized form ([`set_quantized`](Self::set_quantized)): the weight
+    /// matrix of a layer whose forward multiplies by it with
+    /// [`quant_matmul`](tessera_core::ops::quant_matmul) when it holds one
+    /// ([`Linear`](crate::Linear)'s). Other layers' parameters are never
+    /// quantized by [`quantize_linears`](crate::quantize_linears), since
+    /// they would have nothing to read.
+    pub fn new_quantizable(shape: impl Into<Shape>, init: Init) -> Param {
+        Self::with_kind(shape.into(), init, true)
+    }
+
+    fn with_kind(global: Shape, init: Init, quantizable: bool) -> Param {
+        let state = State { name: None, source: None, shard: Shard::Full, value: None, quantized: None, held: None, grad: None, pending: 0, remote: false };
+        Param(Arc::new(Inner { global, init, quantizable, state: Mutex::new(state) }))
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -130,12 +148,21 @@ impl Param {
         self.state().remote
     }
 
-    /// This rank's values; an error before the model is materialised.
+    /// This rank's values; an error before the model is materialised, and
+    /// once the values were replaced by a quantized form.
     pub fn value(&self) -> Result<Tensor> {
         let s = self.state();
         s.value.clone().ok_or_else(|| {
             let name = s.name.as_deref().unwrap_or("?");
-            if s.remote {
+            if let Some(q) = &s.quantized {
+                Error::param_unavailable(
+                    "param",
+                    format!(
+                        "parameter `{name}` holds only its {} quantized form, for inference: only a layer that multiplies by it reads it; load the model again to train it or to read its f32 values",
+                        q.format()
+                    ),
+                )
+            } else if s.remote {
                 Error::param_unavailable("param", format!("parameter `{name}` belongs to another pipeline stage; only the stages that run it hold its value"))
             } else {
                 Error::param_unavailable("param", format!("parameter `{name}` has no value yet; materialise the model for a rank first"))
@@ -143,7 +170,9 @@ impl Param {
         })
     }
 
-    /// Replaces this rank's values (loading a checkpoint, ZeRO-3 gathering).
+    /// Replaces this rank's values (loading a checkpoint, ZeRO-3 gathering);
+    /// a quantized form the parameter held is dropped, as it no longer
+    /// stands for these values.
     pub fn set_value(&self, t: Tensor) -> Result<()> {
         let expected = self.local_shape();
         if *t.shape() != expected {
@@ -152,7 +181,53 @@ impl Param {
         let mut s = self.state();
         s.held = Some(t.dtype());
         s.value = Some(t);
+        s.quantized = None;
         Ok(())
+    }
+
+    /// Whether inference may replace this parameter by a quantized form
+    /// (made with [`new_quantizable`](Self::new_quantizable)).
+    pub fn is_quantizable(&self) -> bool {
+        self.0.quantizable
+    }
+
+    /// Replaces this rank's values by their quantized form `q` for
+    /// inference, freeing the values: the layer's forward then multiplies
+    /// by `q`, its backward refuses to run, and [`value`](Self::value) is an
+    /// error that says so. `q` must have this rank's shard's shape (a
+    /// tensor-parallel layer quantizes its own shard) and the parameter must
+    /// be [quantizable](Self::is_quantizable). Most code calls
+    /// [`quantize_linears`](crate::quantize_linears) instead.
+    pub fn set_quantized(&self, q: QuantizedWeight) -> Result<()> {
+        let expected = self.local_shape();
+        let mut s = self.state();
+        let name = s.name.as_deref().unwrap_or("?");
+        if !self.0.quantizable {
+            return Err(Error::invalid(
+                "Param::set_quantized",
+                format!("parameter `{name}` is not a layer's weight matrix that multiplies by a quantized form (see `Param::new_quantizable`); quantize linear layers' weights only"),
+            ));
+        }
+        if q.shape() != expected {
+            return Err(Error::shape(
+                "Param::set_quantized",
+                format!("a quantized weight of shape {} for parameter `{name}`, whose shard is {expected}", q.shape()),
+            ));
+        }
+        s.value = None;
+        s.grad = None;
+        s.quantized = Some(q);
+        Ok(())
+    }
+
+    /// The quantized form that replaced this rank's values, if any.
+    pub fn quantized(&self) -> Option<QuantizedWeight> {
+        self.state().quantized.clone()
+    }
+
+    /// Whether the parameter holds a quantized form instead of its values.
+    pub fn is_quantized(&self) -> bool {
+        self.state().quantized.is_some()
     }
 
     /// Drops this rank's values (ZeRO-3 frees parameters between uses).
@@ -196,8 +271,9 @@ impl Param {
 
     pub(crate) fn materialise(&self, name: &str, shard: Shard, dtype: DType, key_seed: u64, device: &tessera_core::Device) -> Result<()> {
         let mut s = self.state();
-        if s.value.is_some() {
-            // A tied parameter is reached through each of its users; the first materialises it.
+        if s.value.is_some() || s.quantized.is_some() {
+            // A tied parameter is reached through each of its users; the
+            // first materialises it. A quantized one is already in place.
             return Ok(());
         }
         let local = local_shape(&self.0.global, shard);

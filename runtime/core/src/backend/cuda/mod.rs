@@ -14,9 +14,9 @@
 //! strided copies, and the ops whose kernel struct has a CUDA implementation
 //! (`FloatKernel::cuda`: elementwise arithmetic, activations, norms, sums,
 //! matrix products through cuBLAS, fused attention, softmax, cross-entropy,
-//! embedding, RoPE, dropout), top-k and its backward, the AdamW step, and
+//! embedding, RoPE, dropout), top-k and its backward, the AdamW step,
 //! paged attention with its KV-cache write (`ops::paged_attention`,
-//! `ops::kv_cache_write`).
+//! `ops::kv_cache_write`) and the quantized products (int8, int4, W8A8).
 //! Every other operation returns
 //! [`Error::NotImplementedOnCuda`](crate::Error::NotImplementedOnCuda)
 //! naming the operation. docs/cuda.md says what is next.
@@ -44,6 +44,8 @@ mod launch;
 mod module;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
+#[cfg(feature = "cuda")]
+mod quant;
 #[cfg(feature = "cuda")]
 mod storage;
 #[cfg(not(feature = "cuda"))]

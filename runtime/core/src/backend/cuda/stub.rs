@@ -164,6 +164,18 @@ impl CudaStorage {
         match *self {}
     }
 
+    pub(crate) fn quant_matmul(
+        &self,
+        _: std::ops::Range<usize>,
+        _: (&CudaStorage, std::ops::Range<usize>),
+        _: (&CudaStorage, std::ops::Range<usize>),
+        _: Option<(&CudaStorage, std::ops::Range<usize>)>,
+        _: tessera_kernels::desc::QuantFormat,
+        _: (usize, usize, usize),
+    ) -> Result<CudaStorage> {
+        match *self {}
+    }
+
     pub(crate) fn topk_backward(
         &self,
         _: std::ops::Range<usize>,

@@ -1,0 +1,314 @@
+//! The quantized products against references in f64, on generated shapes
+//! (odd sizes, depths that are not a multiple of any vector width, the
+//! fused decode loops and the prefill tile, every inner loop this CPU has).
+//!
+//! Two properties are checked per output:
+//! - the kernel computes `x · dequant(W)ᵀ (+ b)` up to f32 rounding: within
+//!   `(k + 4) · 2⁻²⁴ · (Σ_k |x_k · ŵ_nk| + |b_n|)` of the f64 sum, a bound
+//!   that holds for any summation order;
+//! - the quantization error against the f32 weight is within what the
+//!   format promises: `Σ_k |x_k| · s/2` (each `k` with its own scale) for
+//!   weight-only, plus `Σ_k (sx/2) · |ŵ_nk|` for W8A8.
+
+use super::int4::{self, Int4Weight};
+use super::int8::{self, Int8Weight};
+use super::{w8a8, Isa};
+use crate::testing::rand_vec;
+
+const U: f64 = 1.0 / (1u64 << 24) as f64;
+
+/// A weight `[n, k]` whose rows have different magnitudes (a row of zeros,
+/// tiny and large rows, one outlier per row) so that scales differ.
+fn weight(n: usize, k: usize, seed: u64) -> Vec<f32> {
+    let mut w: Vec<f32> = rand_vec(seed, n * k).into_iter().map(|v| v as f32).collect();
+    for (j, row) in w.chunks_mut(k.max(1)).enumerate() {
+        let mag = match j % 5 {
+            0 => 0.0,
+            1 => 1e-3,
+            2 => 1.0,
+            3 => 40.0,
+            _ => 0.02,
+        };
+        for v in row.iter_mut() {
+            *v *= mag;
+        }
+        if let Some(v) = row.get_mut((j * 7) % k.max(1)) {
+            *v *= 9.0;
+        }
+    }
+    w
+}
+
+fn f32s(seed: u64, n: usize, scale: f64) -> Vec<f32> {
+    rand_vec(seed, n).into_iter().map(|v| (v * scale) as f32).collect()
+}
+
+/// Asserts `|got − want| ≤ bound` for every output, naming the first that is not.
+#[track_caller]
+fn within(what: &str, got: &[f32], want: &[f64], bound: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, ((&g, &w), &b)) in got.iter().zip(want).zip(bound).enumerate() {
+        let err = (g as f64 - w).abs();
+        assert!(err <= b, "{what}: output {i} is {g}, expected {w} within {b:e} (error {err:e})");
+    }
+}
+
+/// The shapes `(m, n, k)` of the weight-only and W8A8 products: decode
+/// (1 to 15 rows, from the codes, one to four rows at a time) and prefill
+/// (16 rows and more, the tile), depths around every vector width, channel
+/// counts around the four-channel step, and some large enough to run on
+/// the thread pool.
+const SHAPES: [(usize, usize, usize); 16] = [
+    (1, 1, 1),
+    (1, 5, 7),
+    (2, 3, 8),
+    (1, 9, 15),
+    (3, 13, 16),
+    (1, 6, 33),
+    (5, 37, 100),
+    (7, 4, 257),
+    (1, 70, 1000),
+    (8, 11, 129),
+    (13, 21, 300),
+    (3, 300, 4100),
+    (1, 600, 2048),
+    (16, 70, 130),
+    (21, 9, 64),
+    (24, 200, 512),
+];
+
+#[test]
+fn int8_matches_its_dequantized_weight_and_the_error_bound() {
+    for (s, &(m, n, k)) in SHAPES.iter().enumerate() {
+        let seed = 100 + 10 * s as u64;
+        let (w, x, b) = (weight(n, k, seed), f32s(seed + 1, m * k, 2.0), f32s(seed + 2, n, 1.0));
+        let (mut q, mut scales) = (vec![0i8; n * k], vec![0f32; n]);
+        int8::quantize(&w, n, k, &mut q, &mut scales);
+        let qw = Int8Weight { q: &q, scales: &scales, n, k };
+        assert!(q.iter().all(|&c| (-127..=127).contains(&c)), "codes in -127..=127");
+        let mut deq = vec![0f32; n * k];
+        int8::dequantize(&qw, &mut deq);
+        for (i, (&d, &v)) in deq.iter().zip(&w).enumerate() {
+            let s = scales[i / k] as f64;
+            assert!((d as f64 - v as f64).abs() <= s / 2.0 * (1.0 + 1e-5), "weight {i}: {v} dequantizes to {d}, scale {s}");
+        }
+        let per_weight = |_: usize, j: usize| scales[j] as f64 / 2.0;
+        for isa in Isa::all() {
+            for bias in [None, Some(&b[..])] {
+                let mut y = vec![f32::NAN; m * n];
+                int8::matmul_on(isa, &x, m, &qw, bias, &mut y);
+                check_weight_only(&format!("int8 {isa:?} m={m} n={n} k={k} bias={}", bias.is_some()), &x, &w, &deq, bias, m, n, k, &y, per_weight);
+            }
+        }
+    }
+}
+
+#[test]
+fn int4_matches_its_dequantized_weight_and_the_error_bound() {
+    // (m, n, k, group): groups of 2 and 6 (portable loop only), 24, 32, 64
+    // and 128 (the SIMD loop from 32 on), several groups per row.
+    let cases = [
+        (1, 3, 2, 2),
+        (1, 5, 12, 6),
+        (2, 7, 48, 24),
+        (1, 6, 64, 32),
+        (3, 9, 96, 32),
+        (1, 13, 256, 128),
+        (5, 33, 384, 128),
+        (8, 10, 256, 64),
+        (11, 21, 384, 128),
+        (16, 10, 256, 64),
+        (19, 150, 384, 128),
+        (1, 300, 4096, 128),
+        (2, 70, 1024, 64),
+    ];
+    for (s, &(m, n, k, group)) in cases.iter().enumerate() {
+        let seed = 500 + 10 * s as u64;
+        let (w, x, b) = (weight(n, k, seed), f32s(seed + 1, m * k, 2.0), f32s(seed + 2, n, 1.0));
+        let groups = k / group;
+        let (mut packed, mut scales) = (vec![0u8; n * k / 2], vec![0f32; n * groups]);
+        int4::quantize(&w, n, k, group, &mut packed, &mut scales);
+        let qw = Int4Weight { packed: &packed, scales: &scales, n, k, group };
+        assert!(packed.iter().all(|&b| (1..=15).contains(&(b & 15)) && (1..=15).contains(&(b >> 4))), "nibbles are q + 8 with q in -7..=7");
+        let mut deq = vec![0f32; n * k];
+        int4::dequantize(&qw, &mut deq);
+        for (i, (&d, &v)) in deq.iter().zip(&w).enumerate() {
+            let s = scales[i / group] as f64;
+            assert!((d as f64 - v as f64).abs() <= s / 2.0 * (1.0 + 1e-5), "weight {i}: {v} dequantizes to {d}, scale {s}");
+        }
+        let per_weight = |kk: usize, j: usize| scales[j * groups + kk / group] as f64 / 2.0;
+        for isa in Isa::all() {
+            for bias in [None, Some(&b[..])] {
+                let mut y = vec![f32::NAN; m * n];
+                int4::matmul_on(isa, &x, m, &qw, bias, &mut y);
+                let what = format!("int4 {isa:?} m={m} n={n} k={k} group={group} bias={}", bias.is_some());
+                check_weight_only(&what, &x, &w, &deq, bias, m, n, k, &y, per_weight);
+            }
+        }
+    }
+}
+
+/// Checks a weight-only product `y` against the f64 product with the
+/// dequantized weight (rounding only) and with the f32 weight (the
+/// format's bound, `half_step(k, n)` being half the scale weight `[n, k]` has).
+#[allow(clippy::too_many_arguments)]
+fn check_weight_only(
+    what: &str,
+    x: &[f32],
+    w: &[f32],
+    deq: &[f32],
+    bias: Option<&[f32]>,
+    m: usize,
+    n: usize,
+    k: usize,
+    y: &[f32],
+    half_step: impl Fn(usize, usize) -> f64,
+) {
+    let (mut exact_deq, mut round_bound, mut exact_w, mut quant_bound) = (vec![], vec![], vec![], vec![]);
+    for r in 0..m {
+        for j in 0..n {
+            let b = bias.map_or(0.0, |b| b[j] as f64);
+            let (mut sd, mut mag, mut sw, mut err) = (b, b.abs(), b, 0.0);
+            for kk in 0..k {
+                let (xv, dv, wv) = (x[r * k + kk] as f64, deq[j * k + kk] as f64, w[j * k + kk] as f64);
+                sd += xv * dv;
+                mag += (xv * dv).abs();
+                sw += xv * wv;
+                err += xv.abs() * half_step(kk, j) * (1.0 + 1e-5);
+            }
+            let rounding = (k + 4) as f64 * U * mag + 1e-37;
+            exact_deq.push(sd);
+            round_bound.push(rounding);
+            exact_w.push(sw);
+            quant_bound.push(err + rounding + (k + 4) as f64 * U * err);
+        }
+    }
+    within(&format!("{what}: against x·dequant(W)"), y, &exact_deq, &round_bound);
+    within(&format!("{what}: against x·W"), y, &exact_w, &quant_bound);
+}
+
+#[test]
+fn w8a8_matches_its_integer_sum_and_the_error_bound() {
+    for (s, &(m, n, k)) in SHAPES.iter().enumerate() {
+        let seed = 900 + 10 * s as u64;
+        let (w, x, b) = (weight(n, k, seed), f32s(seed + 1, m * k, 3.0), f32s(seed + 2, n, 1.0));
+        let (mut q, mut scales) = (vec![0i8; n * k], vec![0f32; n]);
+        int8::quantize(&w, n, k, &mut q, &mut scales);
+        let qw = Int8Weight { q: &q, scales: &scales, n, k };
+        let (mut xq, mut sx) = (vec![0i8; m * k], vec![0f32; m]);
+        w8a8::quantize_rows(&x, m, k, &mut xq, &mut sx);
+        for isa in Isa::all() {
+            for bias in [None, Some(&b[..])] {
+                let mut y = vec![f32::NAN; m * n];
+                w8a8::matmul_on(isa, &x, m, &qw, bias, &mut y);
+                let what = format!("w8a8 {isa:?} m={m} n={n} k={k} bias={}", bias.is_some());
+                let (mut exact_int, mut round_bound, mut exact_w, mut quant_bound) = (vec![], vec![], vec![], vec![]);
+                for r in 0..m {
+                    for j in 0..n {
+                        let bj = bias.map_or(0.0, |b| b[j] as f64);
+                        let acc: i64 = (0..k).map(|kk| xq[r * k + kk] as i64 * q[j * k + kk] as i64).sum();
+                        let v = acc as f64 * sx[r] as f64 * scales[j] as f64;
+                        exact_int.push(v + bj);
+                        // acc to f32, the product of the scales, their product, the bias: four roundings.
+                        round_bound.push(5.0 * U * (v.abs() + bj.abs()) + 1e-37);
+                        let (mut sw, mut err) = (bj, 0.0);
+                        for kk in 0..k {
+                            let (xv, wv) = (x[r * k + kk] as f64, w[j * k + kk] as f64);
+                            let deq = q[j * k + kk] as f64 * scales[j] as f64;
+                            sw += xv * wv;
+                            err += (xv.abs() * scales[j] as f64 / 2.0 + sx[r] as f64 / 2.0 * deq.abs()) * (1.0 + 1e-5);
+                        }
+                        exact_w.push(sw);
+                        quant_bound.push(err + 5.0 * U * (v.abs() + bj.abs()) + 1e-37);
+                    }
+                }
+                within(&format!("{what}: against the integer sum"), &y, &exact_int, &round_bound);
+                within(&format!("{what}: against x·W"), &y, &exact_w, &quant_bound);
+            }
+        }
+    }
+}
+
+/// The same outputs on one thread as on the whole pool, bit for bit: each
+/// output is summed by one task in a fixed order.
+#[test]
+fn results_do_not_depend_on_the_thread_count() {
+    let (m, n, k) = (3, 520, 4096);
+    let (w, x) = (weight(n, k, 1), f32s(2, m * k, 1.0));
+    let (mut q, mut s8) = (vec![0i8; n * k], vec![0f32; n]);
+    int8::quantize(&w, n, k, &mut q, &mut s8);
+    let (mut p4, mut s4) = (vec![0u8; n * k / 2], vec![0f32; n * k / 128]);
+    int4::quantize(&w, n, k, 128, &mut p4, &mut s4);
+    let run = || {
+        let w8 = Int8Weight { q: &q, scales: &s8, n, k };
+        let w4 = Int4Weight { packed: &p4, scales: &s4, n, k, group: 128 };
+        let mut outs = Vec::new();
+        for rows in [1, m] {
+            let x = &x[..rows * k];
+            let mut y = vec![0f32; rows * n];
+            int8::matmul(x, rows, &w8, None, &mut y);
+            outs.push(y.clone());
+            int4::matmul(x, rows, &w4, None, &mut y);
+            outs.push(y.clone());
+            w8a8::matmul(x, rows, &w8, None, &mut y);
+            outs.push(y);
+        }
+        outs
+    };
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let one = pool.install(run);
+    let many = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap().install(run);
+    for (a, b) in one.iter().zip(&many) {
+        assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "one thread and three differ");
+    }
+}
+
+#[test]
+fn zero_weights_and_empty_depth_give_the_bias() {
+    let (m, n) = (2, 5);
+    let b = f32s(3, n, 1.0);
+    for k in [0, 64] {
+        let w = vec![0f32; n * k];
+        let (mut q, mut s8) = (vec![0i8; n * k], vec![0f32; n]);
+        int8::quantize(&w, n, k, &mut q, &mut s8);
+        let (mut p4, mut s4) = (vec![0u8; n * k / 2], vec![0f32; n * k / 32]);
+        int4::quantize(&w, n, k, 32, &mut p4, &mut s4);
+        let x = f32s(4, m * k, 1.0);
+        let want: Vec<f32> = (0..m).flat_map(|_| b.iter().copied()).collect();
+        for isa in Isa::all() {
+            let mut y = vec![f32::NAN; m * n];
+            int8::matmul_on(isa, &x, m, &Int8Weight { q: &q, scales: &s8, n, k }, Some(&b), &mut y);
+            assert_eq!(y, want, "int8 k={k}");
+            let mut y = vec![f32::NAN; m * n];
+            int4::matmul_on(isa, &x, m, &Int4Weight { packed: &p4, scales: &s4, n, k, group: 32 }, Some(&b), &mut y);
+            assert_eq!(y, want, "int4 k={k}");
+            let mut y = vec![f32::NAN; m * n];
+            w8a8::matmul_on(isa, &x, m, &Int8Weight { q: &q, scales: &s8, n, k }, Some(&b), &mut y);
+            assert_eq!(y, want, "w8a8 k={k}");
+        }
+    }
+}
+
+#[test]
+fn a_non_finite_activation_row_gives_non_finite_w8a8_outputs() {
+    let (n, k) = (4, 40);
+    let w = weight(n, k, 5);
+    let (mut q, mut s8) = (vec![0i8; n * k], vec![0f32; n]);
+    int8::quantize(&w, n, k, &mut q, &mut s8);
+    let mut x = f32s(6, 2 * k, 1.0);
+    x[3] = f32::NAN;
+    let mut y = vec![0f32; 2 * n];
+    w8a8::matmul(&x, 2, &Int8Weight { q: &q, scales: &s8, n, k }, None, &mut y);
+    assert!(y[..n].iter().all(|v| !v.is_finite()), "row 0 holds a NaN: {y:?}");
+    assert!(y[n..].iter().all(|v| v.is_finite()), "row 1 is finite: {y:?}");
+}
+
+#[test]
+fn the_int4_layout_pairs_each_weight_with_the_one_half_a_group_away() {
+    // One row, one group of 4: weights 0 and 2 share byte 0, 1 and 3 byte 1.
+    let w = [7.0f32, -7.0, 1.0, 0.0];
+    let (mut packed, mut scales) = ([0u8; 2], [0f32; 1]);
+    int4::quantize(&w, 1, 4, 4, &mut packed, &mut scales);
+    assert_eq!(scales, [1.0]);
+    assert_eq!(packed, [(7 + 8) | ((1 + 8) << 4), 8 << 4 | (8 - 7)]);
+}

@@ -1,0 +1,255 @@
+//! The inner loops of the quantized products on AVX2 with FMA.
+//!
+//! The build targets the x86-64 baseline, so these functions are compiled
+//! for AVX2 and FMA with `#[target_feature]` and only called after
+//! [`available`] said the running CPU has both. Codes are widened to f32
+//! lanes in registers (sign extension, or a nibble mask and an offset)
+//! and met with x in fused multiply-adds; W8A8 multiplies bytes with bytes
+//! (`vpmaddubsw`) and sums in i32 lanes.
+//!
+//! Every function takes slices and checks their lengths with assertions
+//! before the loads, so the pointer arithmetic stays inside them.
+
+use std::arch::x86_64::*;
+
+/// Whether the running CPU has AVX2 and FMA.
+pub(super) fn available() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
+/// The sum of the eight lanes of `v`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+    _mm_cvtss_f32(s)
+}
+
+/// The sum of the eight i32 lanes of `v`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<1>(s));
+    _mm_cvtsi128_si32(s)
+}
+
+/// `Σ_i x[i] · rows[r][i]` for each of the `R` rows (each at least `x.len()` long).
+///
+/// Sixteen depth steps per iteration in two accumulators per row: `R = 4`
+/// keeps eight FMA chains in flight, enough to hide their latency, and
+/// loads each vector of `x` once for four rows.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn dot_i8<const R: usize>(x: &[f32], rows: &[&[i8]; R]) -> [f32; R] {
+    let k = x.len();
+    for row in rows {
+        assert!(row.len() >= k, "dot_i8: a row is shorter than x");
+    }
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    let mut i = 0;
+    while i + 16 <= k {
+        // SAFETY: i + 16 <= k, and x and every row hold at least k elements
+        // (asserted above): the loads read inside the slices.
+        unsafe {
+            let x0 = _mm256_loadu_ps(x.as_ptr().add(i));
+            let x1 = _mm256_loadu_ps(x.as_ptr().add(i + 8));
+            for (a, row) in acc.iter_mut().zip(rows) {
+                let p = row.as_ptr().add(i);
+                let q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)));
+                let q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8) as *const __m128i)));
+                a[0] = _mm256_fmadd_ps(x0, q0, a[0]);
+                a[1] = _mm256_fmadd_ps(x1, q1, a[1]);
+            }
+        }
+        i += 16;
+    }
+    if i + 8 <= k {
+        // SAFETY: as above, with i + 8 <= k.
+        unsafe {
+            let x0 = _mm256_loadu_ps(x.as_ptr().add(i));
+            for (a, row) in acc.iter_mut().zip(rows) {
+                let q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(row.as_ptr().add(i) as *const __m128i)));
+                a[0] = _mm256_fmadd_ps(x0, q0, a[0]);
+            }
+        }
+        i += 8;
+    }
+    let mut out = [0f32; R];
+    for ((o, a), row) in out.iter_mut().zip(&acc).zip(rows) {
+        let mut s = hsum(_mm256_add_ps(a[0], a[1]));
+        for t in i..k {
+            s += x[t] * row[t] as f32;
+        }
+        *o = s;
+    }
+    out
+}
+
+/// `Σ_g scales[g] · Σ_{i in group g} x[i] · q[i]` for one int4 row (the
+/// layout of [`super::int4`]); `group / 2` must be a multiple of 16.
+///
+/// Sixteen bytes hold weights `c..c + 16` of a group in their low nibbles
+/// and `c + group/2..` in their high ones: one mask and one shift give both
+/// runs, 8 is subtracted from the bytes (exact codes in `-8..=7`), and each
+/// run of eight widens to f32 lanes for a fused multiply-add with `x`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn dot_i4(x: &[f32], packed: &[u8], scales: &[f32], group: usize) -> f32 {
+    let half = group / 2;
+    assert!(half.is_multiple_of(16), "dot_i4: the AVX2 loop takes groups of a multiple of 32 weights");
+    assert!(x.len() >= scales.len() * group && packed.len() >= scales.len() * half, "dot_i4: x or the row is shorter than its groups");
+    let mask = _mm_set1_epi8(0x0F);
+    let eight = _mm_set1_epi8(8);
+    let mut total = _mm256_setzero_ps();
+    for (g, &s) in scales.iter().enumerate() {
+        let mut a = [_mm256_setzero_ps(); 4];
+        let mut c = 0;
+        while c < half {
+            // SAFETY: c + 16 <= half, so the 16 bytes at g*half + c and the
+            // floats at g*group + c + 16 and g*group + half + c + 16 are
+            // inside `packed` and `x` (asserted above).
+            unsafe {
+                let xg = x.as_ptr().add(g * group + c);
+                let b = _mm_loadu_si128(packed.as_ptr().add(g * half + c) as *const __m128i);
+                let lo = _mm_sub_epi8(_mm_and_si128(b, mask), eight);
+                let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16::<4>(b), mask), eight);
+                let w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+                let w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+                let w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+                let w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+                a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg), w0, a[0]);
+                a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(8)), w1, a[1]);
+                a[2] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(half)), w2, a[2]);
+                a[3] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(half + 8)), w3, a[3]);
+            }
+            c += 16;
+        }
+        let sum = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+        total = _mm256_fmadd_ps(_mm256_set1_ps(s), sum, total);
+    }
+    hsum(total)
+}
+
+/// `Σ_i x[i] · rows[r][i]` in `i32` for each of the `R` rows (each at
+/// least `x.len()` long); exact while no sum leaves `i32` (the caller
+/// bounds the depth), and every code is in `-127..=127`.
+///
+/// `vpmaddubsw` multiplies unsigned by signed bytes, so the row's codes
+/// take the sign of x's (`vpsignb`) and meet `|x|`: the same products. Two
+/// neighbouring products sum to at most `2 · 127²`, inside `i16`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn dot_i8i8<const R: usize>(x: &[i8], rows: &[&[i8]; R]) -> [i32; R] {
+    let k = x.len();
+    for row in rows {
+        assert!(row.len() >= k, "dot_i8i8: a row is shorter than x");
+    }
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_si256(); R];
+    let mut i = 0;
+    while i + 32 <= k {
+        // SAFETY: i + 32 <= k, and x and every row hold at least k bytes.
+        unsafe {
+            let xv = _mm256_loadu_si256(x.as_ptr().add(i) as *const __m256i);
+            let ax = _mm256_abs_epi8(xv);
+            for (a, row) in acc.iter_mut().zip(rows) {
+                let q = _mm256_loadu_si256(row.as_ptr().add(i) as *const __m256i);
+                let pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(q, xv));
+                *a = _mm256_add_epi32(*a, _mm256_madd_epi16(pairs, ones));
+            }
+        }
+        i += 32;
+    }
+    let mut out = [0i32; R];
+    for ((o, a), row) in out.iter_mut().zip(&acc).zip(rows) {
+        let mut s = hsum_i32(*a);
+        for t in i..k {
+            s += x[t] as i32 * row[t] as i32;
+        }
+        *o = s;
+    }
+    out
+}
+
+/// `Σ_i xs[r][i] · row[i]` for each of the `M` rows of x against one int8
+/// channel (`row` at least as long as each row of x): each step widens
+/// sixteen codes once for all `M` rows, the shape of a few decoding
+/// sequences (or a short prefill) sharing one pass over the weight.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn dot_i8_rows<const M: usize>(xs: &[&[f32]; M], row: &[i8]) -> [f32; M] {
+    let k = xs.first().map_or(0, |x| x.len());
+    assert!(xs.iter().all(|x| x.len() == k) && row.len() >= k, "dot_i8_rows: rows of x of different lengths, or a short channel");
+    let mut acc = [[_mm256_setzero_ps(); 2]; M];
+    let mut i = 0;
+    while i + 16 <= k {
+        // SAFETY: i + 16 <= k, and the channel and every row of x hold at least k elements.
+        unsafe {
+            let p = row.as_ptr().add(i);
+            let q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)));
+            let q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8) as *const __m128i)));
+            for (a, x) in acc.iter_mut().zip(xs) {
+                a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i)), q0, a[0]);
+                a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i + 8)), q1, a[1]);
+            }
+        }
+        i += 16;
+    }
+    let mut out = [0f32; M];
+    for ((o, a), x) in out.iter_mut().zip(&acc).zip(xs) {
+        let mut s = hsum(_mm256_add_ps(a[0], a[1]));
+        for t in i..k {
+            s += x[t] * row[t] as f32;
+        }
+        *o = s;
+    }
+    out
+}
+
+/// [`dot_i4`] for each of the `M` rows of x against one int4 channel: each
+/// sixteen bytes are unpacked once for all `M` rows.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn dot_i4_rows<const M: usize>(xs: &[&[f32]; M], packed: &[u8], scales: &[f32], group: usize) -> [f32; M] {
+    let half = group / 2;
+    assert!(half.is_multiple_of(16), "dot_i4_rows: the AVX2 loop takes groups of a multiple of 32 weights");
+    let k = scales.len() * group;
+    assert!(xs.iter().all(|x| x.len() >= k) && packed.len() >= scales.len() * half, "dot_i4_rows: x or the row is shorter than its groups");
+    let mask = _mm_set1_epi8(0x0F);
+    let eight = _mm_set1_epi8(8);
+    let mut total = [_mm256_setzero_ps(); M];
+    for (g, &s) in scales.iter().enumerate() {
+        let mut a = [[_mm256_setzero_ps(); 2]; M];
+        let mut c = 0;
+        while c < half {
+            // SAFETY: c + 16 <= half, so the 16 bytes at g*half + c and the
+            // floats at g*group + c + 16 and g*group + half + c + 16 are
+            // inside `packed` and every row of x (asserted above).
+            unsafe {
+                let b = _mm_loadu_si128(packed.as_ptr().add(g * half + c) as *const __m128i);
+                let lo = _mm_sub_epi8(_mm_and_si128(b, mask), eight);
+                let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16::<4>(b), mask), eight);
+                let w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+                let w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+                let w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+                let w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+                for (a, x) in a.iter_mut().zip(xs) {
+                    let xg = x.as_ptr().add(g * group + c);
+                    a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg), w0, a[0]);
+                    a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(8)), w1, a[1]);
+                    a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(half)), w2, a[0]);
+                    a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(half + 8)), w3, a[1]);
+                }
+            }
+            c += 16;
+        }
+        let sv = _mm256_set1_ps(s);
+        for (t, a) in total.iter_mut().zip(&a) {
+            *t = _mm256_fmadd_ps(sv, _mm256_add_ps(a[0], a[1]), *t);
+        }
+    }
+    let mut out = [0f32; M];
+    for (o, t) in out.iter_mut().zip(&total) {
+        *o = hsum(*t);
+    }
+    out
+}
