@@ -194,7 +194,13 @@ impl Linear {
         self.check_input(&x, q.in_features())?;
         let x = if x.dtype() == cx.compute_dtype() { x } else { x.to_dtype(cx.compute_dtype())? };
         let bias = self.bias.as_ref().map(|b| cx.param(b)).transpose()?;
-        let y = ops::quant_matmul(&x, q, bias.filter(|_| with_bias).as_ref())?;
+        let bias = bias.filter(|_| with_bias);
+        let y = if cx.decode().is_some() {
+            // Serving: each row's bits independent of the step's other rows.
+            ops::quant_matmul_rows(&x, q, bias.as_ref())?
+        } else {
+            ops::quant_matmul(&x, q, bias.as_ref())?
+        };
         Ok((y, LinearSaved { x }))
     }
 

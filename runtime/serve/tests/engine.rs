@@ -3,6 +3,8 @@
 
 use std::collections::HashMap;
 use tessera::module::{self, Act, Cx, Module, Replicated, SplitHidden};
+use tessera::nn::quantize_linears;
+use tessera::ops::QuantFormat;
 use tessera::serve::engine::{Engine, EngineConfig, FinishReason, KvMemory, RequestId};
 use tessera::serve::sampling::SamplingParams;
 use tessera::{Device, Tensor};
@@ -161,6 +163,46 @@ fn a_request_gets_the_same_tokens_alone_or_among_32_others_with_chunking_and_pre
     }
     // Every block came back: nothing leaked.
     assert_eq!(e.blocks().free_blocks() + e.blocks().evictable_blocks(), e.blocks().num_blocks());
+}
+
+/// A quantized model keeps both properties: its greedy tokens are the
+/// argmax of its own full forward, and a request gets the same tokens and
+/// logprobs alone (whole prompts in one step, the row counts where the
+/// prefill product would take its faster tile) as among 16 others with
+/// chunked prefill and preemption. int4 in groups of 32 runs the SIMD loop
+/// where the CPU has one, groups of 16 the portable loop.
+#[test]
+fn a_quantized_model_decodes_its_own_forward_and_the_same_tokens_alone_or_batched() {
+    fn wide_llama(cx: &Cx) -> Llama {
+        module::build(Llama::new(&LlamaConfig::tiny(VOCAB, 64, 4, 2, 128, 2, CTX)).unwrap(), cx).unwrap()
+    }
+    let formats = [QuantFormat::Int8, QuantFormat::Int4 { group_size: 32 }, QuantFormat::Int4 { group_size: 16 }, QuantFormat::W8A8];
+    let ps = prompts(17, 1..60, 7);
+    let params: Vec<SamplingParams> = (0..17).map(|i| greedy(3 + i % 7)).collect();
+    for format in formats {
+        let quantized = |cfg: EngineConfig| {
+            let cx = Cx::new(Device::cpu());
+            let model = wide_llama(&cx);
+            let report = quantize_linears(&model, &cx, format).unwrap();
+            assert!(report.skipped.is_empty() && !report.quantized.is_empty(), "{format}: {report:?}");
+            Engine::new(model, cx, cfg).unwrap()
+        };
+        let mut e = quantized(config(256, 8, 512));
+        let alone: Vec<_> = ps.iter().zip(&params).map(|(p, sp)| run(&mut e, std::slice::from_ref(p), std::slice::from_ref(sp)).remove(0)).collect();
+        let mut e = quantized(config(12, 8, 24));
+        let together = run(&mut e, &ps, &params);
+        assert!(e.stats().preemptions > 0, "{format}: the small cache should have forced preemptions");
+        for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
+            assert_eq!(a.0, b.0, "{format}, request {i}: tokens differ alone and batched");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a.1), bits(&b.1), "{format}, request {i}: logprobs differ alone and batched");
+        }
+        let mut r = reference(wide_llama);
+        quantize_linears(&r.0, &r.1, format).unwrap();
+        for (p, (toks, _)) in ps.iter().zip(&alone).take(6) {
+            check_against_full_forward(&mut r, p, toks);
+        }
+    }
 }
 
 #[test]

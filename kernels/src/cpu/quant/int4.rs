@@ -15,7 +15,7 @@
 
 use super::driver::{for_output_blocks, with_tile, Frame};
 use super::portable::{high, low};
-use super::{check_out, check_x, code, max_abs, portable, Isa, TILE_MIN_ROWS};
+use super::{check_out, check_x, code, max_abs, portable, Isa, Rows};
 use crate::cpu::matmul::matmul as gemm;
 use crate::desc::Gemm;
 use rayon::prelude::*;
@@ -124,10 +124,18 @@ fn dequantize_row(w: &Int4Weight<'_>, j: usize, out: &mut [f32]) {
 /// `y = x · dequant(W)ᵀ (+ bias)`: `x` is `[m, k]` row-major f32, `y` is
 /// `[m, n]`, `bias` has `n` values. See [the module](super) for how it runs.
 pub fn matmul(x: &[f32], m: usize, w: &Int4Weight<'_>, bias: Option<&[f32]>, y: &mut [f32]) {
-    matmul_on(Isa::detect(), x, m, w, bias, y)
+    matmul_with(Isa::detect(), Rows::Fastest, x, m, w, bias, y)
 }
 
-pub(crate) fn matmul_on(isa: Isa, x: &[f32], m: usize, w: &Int4Weight<'_>, bias: Option<&[f32]>, y: &mut [f32]) {
+/// [`matmul`] with every row of `y` the bits that row of `x` gets alone,
+/// whatever the other rows are: the decode loops at any row count, never
+/// the prefill tile (slower from [`TILE_MIN_ROWS`](super::TILE_MIN_ROWS) rows on). For serving,
+/// where a request's outputs must not depend on its batch.
+pub fn matmul_rows(x: &[f32], m: usize, w: &Int4Weight<'_>, bias: Option<&[f32]>, y: &mut [f32]) {
+    matmul_with(Isa::detect(), Rows::Invariant, x, m, w, bias, y)
+}
+
+pub(crate) fn matmul_with(isa: Isa, order: Rows, x: &[f32], m: usize, w: &Int4Weight<'_>, bias: Option<&[f32]>, y: &mut [f32]) {
     const OP: &str = "int4::matmul";
     w.check(OP);
     check_x(OP, x, m, w.k);
@@ -137,52 +145,69 @@ pub(crate) fn matmul_on(isa: Isa, x: &[f32], m: usize, w: &Int4Weight<'_>, bias:
     let isa = if (w.group / 2).is_multiple_of(16) { isa } else { Isa::Portable };
     if w.k == 0 {
         for_output_blocks(frame, bias, y, |_, out| out.fill(0.0));
-    } else if m >= TILE_MIN_ROWS {
+    } else if order.tile(m) {
         for_output_blocks(Frame { rows_multiple: super::TILE_ROWS, ..frame }, bias, y, |rows, out| tile(x, m, w, rows, out));
     } else {
         for_output_blocks(frame, bias, y, |rows, out| fused(isa, x, m, w, rows, out));
     }
 }
 
-/// Channels `rows` for every row of `x`, straight from the packed codes;
-/// with several rows of `x`, each sixteen bytes are unpacked once for up to
-/// four of them.
+/// Channels `rows` for every row of `x`, straight from the packed codes.
+/// One row of `x` (decode): two channels at a time share each load of `x`.
+/// More rows: each sixteen bytes are unpacked once for up to four of them.
+/// Either way a row's outputs are the bits it gets alone (see
+/// [`dot_i4`](super::x86::dot_i4)).
 fn fused(isa: Isa, x: &[f32], m: usize, w: &Int4Weight<'_>, rows: Range<usize>, out: &mut [f32]) {
     let xs: Vec<&[f32]> = x.chunks_exact(w.k).collect();
+    let chan = |j: usize| (w.row(j), w.row_scales(j));
+    if m == 1 {
+        let (first, mut j) = (rows.start, rows.start);
+        while j + 2 <= rows.end {
+            let [d] = dot::<1, 2>(isa, &[xs[0]], &[chan(j), chan(j + 1)], w.group);
+            out[j - first..j - first + 2].copy_from_slice(&d);
+            j += 2;
+        }
+        for j in j..rows.end {
+            out[j - first] = dot::<1, 1>(isa, &[xs[0]], &[chan(j)], w.group)[0][0];
+        }
+        return;
+    }
     for (j, out) in rows.zip(out.chunks_exact_mut(m)) {
-        let (bytes, scales) = (w.row(j), w.row_scales(j));
         let mut i = 0;
         while i < m {
             i += match m - i {
-                4.. => channel_rows::<4>(isa, &xs, i, bytes, scales, w.group, out),
-                2 | 3 => channel_rows::<2>(isa, &xs, i, bytes, scales, w.group, out),
-                _ => channel_rows::<1>(isa, &xs, i, bytes, scales, w.group, out),
+                4.. => channel_rows::<4>(isa, &xs, i, chan(j), w.group, out),
+                2 | 3 => channel_rows::<2>(isa, &xs, i, chan(j), w.group, out),
+                _ => channel_rows::<1>(isa, &xs, i, chan(j), w.group, out),
             };
         }
     }
 }
 
-/// Rows `i..i + M` of `x` against one channel (its packed codes and
-/// scales), written to `out[i..i + M]`; returns `M`.
-fn channel_rows<const M: usize>(isa: Isa, xs: &[&[f32]], i: usize, bytes: &[u8], scales: &[f32], group: usize, out: &mut [f32]) -> usize {
+/// One int4 channel: its packed codes and its scales.
+type Channel<'a> = (&'a [u8], &'a [f32]);
+
+/// Rows `i..i + M` of `x` against one channel, written to `out[i..i + M]`;
+/// returns `M`.
+fn channel_rows<const M: usize>(isa: Isa, xs: &[&[f32]], i: usize, chan: Channel<'_>, group: usize, out: &mut [f32]) -> usize {
     let x: [&[f32]; M] = std::array::from_fn(|t| xs[i + t]);
-    let d = match isa {
-        Isa::Portable => portable::dot_i4_rows(&x, bytes, scales, group),
-        // One row keeps four independent sums in flight (`dot_i4`); several
-        // share each unpacked chunk (`dot_i4_rows`).
-        // SAFETY: `Isa::Avx2` is only made after `x86::available()` found
-        // AVX2 and FMA; the group suits its loop (checked by `matmul_on`).
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 if M == 1 => {
-            let v = unsafe { super::x86::dot_i4(x[0], bytes, scales, group) };
-            std::array::from_fn(|_| v)
-        }
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { super::x86::dot_i4_rows(&x, bytes, scales, group) },
-    };
-    out[i..i + M].copy_from_slice(&d);
+    let d = dot::<M, 1>(isa, &x, &[chan], group);
+    for (o, d) in out[i..i + M].iter_mut().zip(d) {
+        *o = d[0];
+    }
     M
+}
+
+/// `out[row][channel]` for `M` rows of `x` against `R` channels, on the
+/// portable loops or the SIMD ones.
+fn dot<const M: usize, const R: usize>(isa: Isa, xs: &[&[f32]; M], chans: &[Channel<'_>; R], group: usize) -> [[f32; R]; M] {
+    match isa {
+        Isa::Portable => std::array::from_fn(|r| std::array::from_fn(|c| portable::dot_i4(xs[r], chans[c].0, chans[c].1, group))),
+        // SAFETY: `Isa::Avx2` is only made after `x86::available()` found
+        // AVX2 and FMA; the group suits its loop (checked by `matmul_with`).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { super::x86::dot_i4(xs, chans, group) },
+    }
 }
 
 /// Channels `rows` for every row of `x` by an f32 tile of the block's

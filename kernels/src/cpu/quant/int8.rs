@@ -3,7 +3,7 @@
 //! row-major like the f32 weight.
 
 use super::driver::{for_output_blocks, with_tile, Frame};
-use super::{check_out, check_x, code, max_abs, portable, Isa, TILE_MIN_ROWS};
+use super::{check_out, check_x, code, max_abs, portable, Isa, Rows};
 use crate::cpu::matmul::matmul as gemm;
 use crate::desc::Gemm;
 use rayon::prelude::*;
@@ -85,10 +85,18 @@ fn dequantize_row(w: &Int8Weight<'_>, j: usize, out: &mut [f32]) {
 /// `y = x · dequant(W)ᵀ (+ bias)`: `x` is `[m, k]` row-major f32, `y` is
 /// `[m, n]`, `bias` has `n` values. See [the module](super) for how it runs.
 pub fn matmul(x: &[f32], m: usize, w: &Int8Weight<'_>, bias: Option<&[f32]>, y: &mut [f32]) {
-    matmul_on(Isa::detect(), x, m, w, bias, y)
+    matmul_with(Isa::detect(), Rows::Fastest, x, m, w, bias, y)
 }
 
-pub(crate) fn matmul_on(isa: Isa, x: &[f32], m: usize, w: &Int8Weight<'_>, bias: Option<&[f32]>, y: &mut [f32]) {
+/// [`matmul`] with every row of `y` the bits that row of `x` gets alone,
+/// whatever the other rows are: the decode loops at any row count, never
+/// the prefill tile (slower from [`TILE_MIN_ROWS`](super::TILE_MIN_ROWS) rows on). For serving,
+/// where a request's outputs must not depend on its batch.
+pub fn matmul_rows(x: &[f32], m: usize, w: &Int8Weight<'_>, bias: Option<&[f32]>, y: &mut [f32]) {
+    matmul_with(Isa::detect(), Rows::Invariant, x, m, w, bias, y)
+}
+
+pub(crate) fn matmul_with(isa: Isa, order: Rows, x: &[f32], m: usize, w: &Int8Weight<'_>, bias: Option<&[f32]>, y: &mut [f32]) {
     const OP: &str = "int8::matmul";
     w.check(OP);
     check_x(OP, x, m, w.k);
@@ -96,7 +104,7 @@ pub(crate) fn matmul_on(isa: Isa, x: &[f32], m: usize, w: &Int8Weight<'_>, bias:
     let frame = Frame { m, n: w.n, k: w.k, row_bytes: w.k + 4, rows_multiple: 4 };
     if w.k == 0 {
         for_output_blocks(frame, bias, y, |_, out| out.fill(0.0));
-    } else if m >= TILE_MIN_ROWS {
+    } else if order.tile(m) {
         for_output_blocks(Frame { rows_multiple: super::TILE_ROWS, ..frame }, bias, y, |rows, out| tile(x, m, w, rows, out));
     } else {
         for_output_blocks(frame, bias, y, |rows, out| fused(isa, x, m, w, rows, out));

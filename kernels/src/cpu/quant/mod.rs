@@ -38,7 +38,10 @@
 //! weight rather than once per row.
 //!
 //! Results do not depend on the number of threads: each output is summed
-//! by one task in a fixed order. They may differ in the last bits between a
+//! by one task in a fixed order. Below [`TILE_MIN_ROWS`] rows, and at any
+//! row count through `matmul_rows` ([`int8::matmul_rows`],
+//! [`int4::matmul_rows`]; W8A8 always), they do not depend on the other
+//! rows of `x` either: a row gets the bits it gets alone. They may differ in the last bits between a
 //! CPU with AVX2 and one without (fused multiply-adds, another order).
 
 mod driver;
@@ -95,6 +98,26 @@ pub fn simd_available() -> bool {
 /// 15.7 ms for the tile, 32.8 ms against 27.1 ms at 32 rows, 72.7 ms
 /// against 50.5 ms at 64.
 pub const TILE_MIN_ROWS: usize = 16;
+
+/// What a product promises about its rows of `x`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Rows {
+    /// The fastest loops for the number of rows: from [`TILE_MIN_ROWS`]
+    /// on, the dequantized tile and the matrix-product kernel.
+    Fastest,
+    /// Every row's outputs are the bits it gets when multiplied alone,
+    /// whatever the other rows are (serving: a request's tokens do not
+    /// depend on what it is batched with). Never the tile: the decode
+    /// loops, whose sums run one fixed order per (row, channel).
+    Invariant,
+}
+
+impl Rows {
+    /// Whether a product of `m` rows runs on the tile.
+    fn tile(self, m: usize) -> bool {
+        self == Rows::Fastest && m >= TILE_MIN_ROWS
+    }
+}
 
 /// Output channels per prefill task: the rows of its GEMM (64-row tiles ran
 /// 1.3× faster than the 8 rows of a decode task at 16 and 32 rows of `x`,

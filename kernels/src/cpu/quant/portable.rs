@@ -83,8 +83,3 @@ pub(super) fn dot_i8i8<const R: usize>(x: &[i8], rows: &[&[i8]; R]) -> [i32; R] 
 pub(super) fn dot_i8_rows<const M: usize>(xs: &[&[f32]; M], row: &[i8]) -> [f32; M] {
     std::array::from_fn(|r| dot_i8(xs[r], &[row])[0])
 }
-
-/// [`dot_i4`] of each of the `M` rows of x against one channel.
-pub(super) fn dot_i4_rows<const M: usize>(xs: &[&[f32]; M], packed: &[u8], scales: &[f32], group: usize) -> [f32; M] {
-    std::array::from_fn(|r| dot_i4(xs[r], packed, scales, group))
-}

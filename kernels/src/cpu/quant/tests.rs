@@ -12,7 +12,7 @@
 
 use super::int4::{self, Int4Weight};
 use super::int8::{self, Int8Weight};
-use super::{w8a8, Isa};
+use super::{w8a8, Isa, Rows};
 use crate::testing::rand_vec;
 
 const U: f64 = 1.0 / (1u64 << 24) as f64;
@@ -41,6 +41,11 @@ fn weight(n: usize, k: usize, seed: u64) -> Vec<f32> {
 
 fn f32s(seed: u64, n: usize, scale: f64) -> Vec<f32> {
     rand_vec(seed, n).into_iter().map(|v| (v * scale) as f32).collect()
+}
+
+/// Every inner loop this CPU has, with each row order.
+fn modes() -> Vec<(Isa, Rows)> {
+    Isa::all().into_iter().flat_map(|isa| [(isa, Rows::Fastest), (isa, Rows::Invariant)]).collect()
 }
 
 /// Asserts `|got − want| ≤ bound` for every output, naming the first that is not.
@@ -93,11 +98,11 @@ fn int8_matches_its_dequantized_weight_and_the_error_bound() {
             assert!((d as f64 - v as f64).abs() <= s / 2.0 * (1.0 + 1e-5), "weight {i}: {v} dequantizes to {d}, scale {s}");
         }
         let per_weight = |_: usize, j: usize| scales[j] as f64 / 2.0;
-        for isa in Isa::all() {
+        for (isa, order) in modes() {
             for bias in [None, Some(&b[..])] {
                 let mut y = vec![f32::NAN; m * n];
-                int8::matmul_on(isa, &x, m, &qw, bias, &mut y);
-                check_weight_only(&format!("int8 {isa:?} m={m} n={n} k={k} bias={}", bias.is_some()), &x, &w, &deq, bias, m, n, k, &y, per_weight);
+                int8::matmul_with(isa, order, &x, m, &qw, bias, &mut y);
+                check_weight_only(&format!("int8 {isa:?} {order:?} m={m} n={n} k={k} bias={}", bias.is_some()), &x, &w, &deq, bias, m, n, k, &y, per_weight);
             }
         }
     }
@@ -137,11 +142,11 @@ fn int4_matches_its_dequantized_weight_and_the_error_bound() {
             assert!((d as f64 - v as f64).abs() <= s / 2.0 * (1.0 + 1e-5), "weight {i}: {v} dequantizes to {d}, scale {s}");
         }
         let per_weight = |kk: usize, j: usize| scales[j * groups + kk / group] as f64 / 2.0;
-        for isa in Isa::all() {
+        for (isa, order) in modes() {
             for bias in [None, Some(&b[..])] {
                 let mut y = vec![f32::NAN; m * n];
-                int4::matmul_on(isa, &x, m, &qw, bias, &mut y);
-                let what = format!("int4 {isa:?} m={m} n={n} k={k} group={group} bias={}", bias.is_some());
+                int4::matmul_with(isa, order, &x, m, &qw, bias, &mut y);
+                let what = format!("int4 {isa:?} {order:?} m={m} n={n} k={k} group={group} bias={}", bias.is_some());
                 check_weight_only(&what, &x, &w, &deq, bias, m, n, k, &y, per_weight);
             }
         }
@@ -277,10 +282,10 @@ fn zero_weights_and_empty_depth_give_the_bias() {
         let want: Vec<f32> = (0..m).flat_map(|_| b.iter().copied()).collect();
         for isa in Isa::all() {
             let mut y = vec![f32::NAN; m * n];
-            int8::matmul_on(isa, &x, m, &Int8Weight { q: &q, scales: &s8, n, k }, Some(&b), &mut y);
+            int8::matmul_with(isa, Rows::Fastest, &x, m, &Int8Weight { q: &q, scales: &s8, n, k }, Some(&b), &mut y);
             assert_eq!(y, want, "int8 k={k}");
             let mut y = vec![f32::NAN; m * n];
-            int4::matmul_on(isa, &x, m, &Int4Weight { packed: &p4, scales: &s4, n, k, group: 32 }, Some(&b), &mut y);
+            int4::matmul_with(isa, Rows::Fastest, &x, m, &Int4Weight { packed: &p4, scales: &s4, n, k, group: 32 }, Some(&b), &mut y);
             assert_eq!(y, want, "int4 k={k}");
             let mut y = vec![f32::NAN; m * n];
             w8a8::matmul_on(isa, &x, m, &Int8Weight { q: &q, scales: &s8, n, k }, Some(&b), &mut y);
@@ -311,4 +316,47 @@ fn the_int4_layout_pairs_each_weight_with_the_one_half_a_group_away() {
     int4::quantize(&w, 1, 4, 4, &mut packed, &mut scales);
     assert_eq!(scales, [1.0]);
     assert_eq!(packed, [(7 + 8) | ((1 + 8) << 4), 8 << 4 | (8 - 7)]);
+}
+
+/// With the row-invariant order (and W8A8, and the fastest one below the
+/// tile), every row of a product is the bits that row gets alone: row
+/// counts across the one-row, few-row and tile thresholds, depths whose
+/// remainders take every tail of the SIMD loops, int4 groups on the SIMD
+/// loop (32, 64, 128) and off it (6), channel counts odd and even.
+#[test]
+fn a_row_gets_the_bits_it_gets_alone() {
+    let shapes = [(2, 5, 24, 24), (3, 7, 40, 8), (4, 9, 64, 32), (5, 6, 138, 6), (7, 33, 200, 8), (16, 11, 256, 64), (21, 20, 384, 128), (33, 9, 72, 24)];
+    for (s, &(m, n, k, group)) in shapes.iter().enumerate() {
+        let seed = 900 + 10 * s as u64;
+        let (w, x, b) = (weight(n, k, seed), f32s(seed + 1, m * k, 2.0), f32s(seed + 2, n, 1.0));
+        let (mut q, mut s8) = (vec![0i8; n * k], vec![0f32; n]);
+        int8::quantize(&w, n, k, &mut q, &mut s8);
+        let (mut p4, mut s4) = (vec![0u8; n * k / 2], vec![0f32; n * k / group]);
+        int4::quantize(&w, n, k, group, &mut p4, &mut s4);
+        let w8 = Int8Weight { q: &q, scales: &s8, n, k };
+        let w4 = Int4Weight { packed: &p4, scales: &s4, n, k, group };
+        for isa in Isa::all() {
+            type Product<'a> = Box<dyn Fn(&[f32], usize, &mut [f32]) + 'a>;
+            let mut products: Vec<(&str, Product<'_>)> = vec![
+                ("int8", Box::new(|x: &[f32], m: usize, y: &mut [f32]| int8::matmul_with(isa, Rows::Invariant, x, m, &w8, Some(&b), y))),
+                ("int4", Box::new(|x: &[f32], m: usize, y: &mut [f32]| int4::matmul_with(isa, Rows::Invariant, x, m, &w4, Some(&b), y))),
+                ("w8a8", Box::new(|x: &[f32], m: usize, y: &mut [f32]| w8a8::matmul_on(isa, x, m, &w8, Some(&b), y))),
+            ];
+            if m < super::TILE_MIN_ROWS {
+                products.push(("int8 fastest", Box::new(|x: &[f32], m: usize, y: &mut [f32]| int8::matmul_with(isa, Rows::Fastest, x, m, &w8, None, y))));
+                products.push(("int4 fastest", Box::new(|x: &[f32], m: usize, y: &mut [f32]| int4::matmul_with(isa, Rows::Fastest, x, m, &w4, None, y))));
+            }
+            for (name, product) in &products {
+                let mut y = vec![f32::NAN; m * n];
+                product(&x, m, &mut y);
+                for r in 0..m {
+                    let mut alone = vec![f32::NAN; n];
+                    product(&x[r * k..(r + 1) * k], 1, &mut alone);
+                    let batched = &y[r * n..(r + 1) * n];
+                    let same = alone.iter().zip(batched).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{name} {isa:?} m={m} n={n} k={k} group={group}: row {r} alone is {alone:?}, in the batch {batched:?}");
+                }
+            }
+        }
+    }
 }

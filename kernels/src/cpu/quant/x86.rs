@@ -88,50 +88,6 @@ pub(super) fn dot_i8<const R: usize>(x: &[f32], rows: &[&[i8]; R]) -> [f32; R] {
     out
 }
 
-/// `Σ_g scales[g] · Σ_{i in group g} x[i] · q[i]` for one int4 row (the
-/// layout of [`super::int4`]); `group / 2` must be a multiple of 16.
-///
-/// Sixteen bytes hold weights `c..c + 16` of a group in their low nibbles
-/// and `c + group/2..` in their high ones: one mask and one shift give both
-/// runs, 8 is subtracted from the bytes (exact codes in `-8..=7`), and each
-/// run of eight widens to f32 lanes for a fused multiply-add with `x`.
-#[target_feature(enable = "avx2,fma")]
-pub(super) fn dot_i4(x: &[f32], packed: &[u8], scales: &[f32], group: usize) -> f32 {
-    let half = group / 2;
-    assert!(half.is_multiple_of(16), "dot_i4: the AVX2 loop takes groups of a multiple of 32 weights");
-    assert!(x.len() >= scales.len() * group && packed.len() >= scales.len() * half, "dot_i4: x or the row is shorter than its groups");
-    let mask = _mm_set1_epi8(0x0F);
-    let eight = _mm_set1_epi8(8);
-    let mut total = _mm256_setzero_ps();
-    for (g, &s) in scales.iter().enumerate() {
-        let mut a = [_mm256_setzero_ps(); 4];
-        let mut c = 0;
-        while c < half {
-            // SAFETY: c + 16 <= half, so the 16 bytes at g*half + c and the
-            // floats at g*group + c + 16 and g*group + half + c + 16 are
-            // inside `packed` and `x` (asserted above).
-            unsafe {
-                let xg = x.as_ptr().add(g * group + c);
-                let b = _mm_loadu_si128(packed.as_ptr().add(g * half + c) as *const __m128i);
-                let lo = _mm_sub_epi8(_mm_and_si128(b, mask), eight);
-                let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16::<4>(b), mask), eight);
-                let w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-                let w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
-                let w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-                let w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
-                a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg), w0, a[0]);
-                a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(8)), w1, a[1]);
-                a[2] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(half)), w2, a[2]);
-                a[3] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(half + 8)), w3, a[3]);
-            }
-            c += 16;
-        }
-        let sum = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
-        total = _mm256_fmadd_ps(_mm256_set1_ps(s), sum, total);
-    }
-    hsum(total)
-}
-
 /// `Σ_i x[i] · rows[r][i]` in `i32` for each of the `R` rows (each at
 /// least `x.len()` long); exact while no sum leaves `i32` (the caller
 /// bounds the depth), and every code is in `-127..=127`.
@@ -175,7 +131,9 @@ pub(super) fn dot_i8i8<const R: usize>(x: &[i8], rows: &[&[i8]; R]) -> [i32; R] 
 /// `Σ_i xs[r][i] · row[i]` for each of the `M` rows of x against one int8
 /// channel (`row` at least as long as each row of x): each step widens
 /// sixteen codes once for all `M` rows, the shape of a few decoding
-/// sequences (or a short prefill) sharing one pass over the weight.
+/// sequences (or a short prefill) sharing one pass over the weight. Each
+/// row's sum runs the operations of [`dot_i8`] in its order, so a row gets
+/// the same bits here as alone.
 #[target_feature(enable = "avx2,fma")]
 pub(super) fn dot_i8_rows<const M: usize>(xs: &[&[f32]; M], row: &[i8]) -> [f32; M] {
     let k = xs.first().map_or(0, |x| x.len());
@@ -195,6 +153,16 @@ pub(super) fn dot_i8_rows<const M: usize>(xs: &[&[f32]; M], row: &[i8]) -> [f32;
         }
         i += 16;
     }
+    if i + 8 <= k {
+        // SAFETY: as above, with i + 8 <= k.
+        unsafe {
+            let q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(row.as_ptr().add(i) as *const __m128i)));
+            for (a, x) in acc.iter_mut().zip(xs) {
+                a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i)), q0, a[0]);
+            }
+        }
+        i += 8;
+    }
     let mut out = [0f32; M];
     for ((o, a), x) in out.iter_mut().zip(&acc).zip(xs) {
         let mut s = hsum(_mm256_add_ps(a[0], a[1]));
@@ -206,50 +174,73 @@ pub(super) fn dot_i8_rows<const M: usize>(xs: &[&[f32]; M], row: &[i8]) -> [f32;
     out
 }
 
-/// [`dot_i4`] for each of the `M` rows of x against one int4 channel: each
-/// sixteen bytes are unpacked once for all `M` rows.
+/// `Σ_g scales[g] · Σ_{i in group g} x[i] · q[i]` for each of the `M`
+/// rows of x against each of the `R` int4 channels (`(packed, scales)` in
+/// the layout of [`super::int4`]); `group / 2` must be a multiple of 16.
+/// Returns `out[row][channel]`.
+///
+/// Sixteen bytes hold weights `c..c + 16` of a group in their low nibbles
+/// and `c + group/2..` in their high ones: one mask and one shift give both
+/// runs, 8 is subtracted from the bytes (exact codes in `-8..=7`), and each
+/// run of eight widens to f32 lanes, unpacked once for all `M` rows.
+///
+/// Every (row, channel) pair runs the same operations in the same order
+/// whatever `M` and `R` are — two accumulators per group, the group's sum
+/// scaled into a running total, one horizontal sum — so a row gets the same
+/// bits alone as beside others. `M = 1, R = 2` (decode) keeps four
+/// multiply-add chains in flight, as `M = 2, R = 1` does.
 #[target_feature(enable = "avx2,fma")]
-pub(super) fn dot_i4_rows<const M: usize>(xs: &[&[f32]; M], packed: &[u8], scales: &[f32], group: usize) -> [f32; M] {
+pub(super) fn dot_i4<const M: usize, const R: usize>(xs: &[&[f32]; M], chans: &[(&[u8], &[f32]); R], group: usize) -> [[f32; R]; M] {
     let half = group / 2;
-    assert!(half.is_multiple_of(16), "dot_i4_rows: the AVX2 loop takes groups of a multiple of 32 weights");
-    let k = scales.len() * group;
-    assert!(xs.iter().all(|x| x.len() >= k) && packed.len() >= scales.len() * half, "dot_i4_rows: x or the row is shorter than its groups");
+    assert!(half.is_multiple_of(16), "dot_i4: the AVX2 loop takes groups of a multiple of 32 weights");
+    let groups = chans.first().map_or(0, |c| c.1.len());
+    let k = groups * group;
+    assert!(
+        xs.iter().all(|x| x.len() >= k) && chans.iter().all(|(p, s)| s.len() == groups && p.len() >= groups * half),
+        "dot_i4: x or a channel is shorter than its groups"
+    );
     let mask = _mm_set1_epi8(0x0F);
     let eight = _mm_set1_epi8(8);
-    let mut total = [_mm256_setzero_ps(); M];
-    for (g, &s) in scales.iter().enumerate() {
-        let mut a = [[_mm256_setzero_ps(); 2]; M];
+    let mut total = [[_mm256_setzero_ps(); R]; M];
+    for g in 0..groups {
+        let mut a = [[[_mm256_setzero_ps(); 2]; R]; M];
         let mut c = 0;
         while c < half {
-            // SAFETY: c + 16 <= half, so the 16 bytes at g*half + c and the
-            // floats at g*group + c + 16 and g*group + half + c + 16 are
-            // inside `packed` and every row of x (asserted above).
-            unsafe {
-                let b = _mm_loadu_si128(packed.as_ptr().add(g * half + c) as *const __m128i);
-                let lo = _mm_sub_epi8(_mm_and_si128(b, mask), eight);
-                let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16::<4>(b), mask), eight);
-                let w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-                let w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
-                let w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-                let w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
-                for (a, x) in a.iter_mut().zip(xs) {
-                    let xg = x.as_ptr().add(g * group + c);
-                    a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg), w0, a[0]);
-                    a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(8)), w1, a[1]);
-                    a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(half)), w2, a[0]);
-                    a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(half + 8)), w3, a[1]);
+            for (ch, (packed, _)) in chans.iter().enumerate() {
+                // SAFETY: c + 16 <= half, so the 16 bytes at g*half + c and the
+                // floats at g*group + c + 16 and g*group + half + c + 16 are
+                // inside every channel and every row of x (asserted above).
+                unsafe {
+                    let b = _mm_loadu_si128(packed.as_ptr().add(g * half + c) as *const __m128i);
+                    let lo = _mm_sub_epi8(_mm_and_si128(b, mask), eight);
+                    let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16::<4>(b), mask), eight);
+                    let w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+                    let w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+                    let w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+                    let w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+                    for (a, x) in a.iter_mut().zip(xs) {
+                        let a = &mut a[ch];
+                        let xg = x.as_ptr().add(g * group + c);
+                        a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg), w0, a[0]);
+                        a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(8)), w1, a[1]);
+                        a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(half)), w2, a[0]);
+                        a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(half + 8)), w3, a[1]);
+                    }
                 }
             }
             c += 16;
         }
-        let sv = _mm256_set1_ps(s);
         for (t, a) in total.iter_mut().zip(&a) {
-            *t = _mm256_fmadd_ps(sv, _mm256_add_ps(a[0], a[1]), *t);
+            for ((t, a), (_, scales)) in t.iter_mut().zip(a).zip(chans) {
+                *t = _mm256_fmadd_ps(_mm256_set1_ps(scales[g]), _mm256_add_ps(a[0], a[1]), *t);
+            }
         }
     }
-    let mut out = [0f32; M];
+    let mut out = [[0f32; R]; M];
     for (o, t) in out.iter_mut().zip(&total) {
-        *o = hsum(*t);
+        for (o, t) in o.iter_mut().zip(t) {
+            *o = hsum(*t);
+        }
     }
     out
 }

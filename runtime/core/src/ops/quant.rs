@@ -240,28 +240,41 @@ pub fn quantize(w: &Tensor, format: QuantFormat) -> Result<QuantizedWeight> {
 /// in it (converted if it differs). See [`tessera_kernels::cpu::quant`] for the error
 /// bounds. There is no backward: the op is for inference.
 pub fn quant_matmul(x: &Tensor, w: &QuantizedWeight, bias: Option<&Tensor>) -> Result<Tensor> {
-    const OP: &str = "quant_matmul";
+    quant_product("quant_matmul", x, w, bias, false)
+}
+
+/// [`quant_matmul`] computed so that every row of the result depends on its
+/// row of `x` alone: the same bits whether the row is multiplied alone or
+/// among any number of others. Serving uses it so a request decodes the
+/// same tokens alone or in a batch. On a CPU, int8 and int4 run their
+/// decode loops at every row count rather than the prefill tile
+/// ([`int8::matmul_rows`]), which is slower from
+/// [`TILE_MIN_ROWS`](tessera_kernels::cpu::quant::TILE_MIN_ROWS) rows on;
+/// W8A8 is row-invariant either way. On a GPU the kernels sum each row on
+/// its own already (one warp per output channel, one partial sum per row in
+/// every lane), so this is the same launch as [`quant_matmul`].
+pub fn quant_matmul_rows(x: &Tensor, w: &QuantizedWeight, bias: Option<&Tensor>) -> Result<Tensor> {
+    quant_product("quant_matmul_rows", x, w, bias, true)
+}
+
+/// The quantized product, row-invariant on the CPU when `invariant`.
+fn quant_product(op: &'static str, x: &Tensor, w: &QuantizedWeight, bias: Option<&Tensor>, invariant: bool) -> Result<Tensor> {
     let (n, k) = (w.out_features, w.in_features);
     if !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
-        return Err(Error::DType {
-            op: OP,
-            expected: "f32, bf16 or f16 activations".into(),
-            got: x.dtype(),
-            hint: "; convert them with `to_dtype(DType::F32)`",
-        });
+        return Err(Error::DType { op, expected: "f32, bf16 or f16 activations".into(), got: x.dtype(), hint: "; convert them with `to_dtype(DType::F32)`" });
     }
-    check_device(OP, x, &w.codes)?;
+    check_device(op, x, &w.codes)?;
     if x.dims().last() != Some(&k) {
         return Err(Error::shape(
-            OP,
+            op,
             format!("activations of shape {} for a {} weight [{n}, {k}]; their last dimension must be the {k} input features", x.shape(), w.format),
         ));
     }
     if let Some(b) = bias {
-        check_float(OP, b)?;
-        check_device(OP, x, b)?;
+        check_float(op, b)?;
+        check_device(op, x, b)?;
         if b.dims() != [n] {
-            return Err(Error::shape(OP, format!("bias of shape {} for a weight of {n} output features; the bias must be [{n}]", b.shape())));
+            return Err(Error::shape(op, format!("bias of shape {} for a weight of {n} output features; the bias must be [{n}]", b.shape())));
         }
     }
     let rows: usize = x.dims()[..x.rank() - 1].iter().product();
@@ -279,10 +292,16 @@ pub fn quant_matmul(x: &Tensor, w: &QuantizedWeight, bias: Option<&Tensor>) -> R
                 let scales = cpu_slice::<f32>(&sg, w.scales.layout());
                 let bs = bg.as_ref().zip(b32.as_ref()).map(|(g, b)| cpu_slice::<f32>(g, b.layout()));
                 match w.format {
-                    QuantFormat::Int8 => int8::matmul(xs, rows, &Int8Weight { q: bytemuck::cast_slice(&bytes[..n * k]), scales, n, k }, bs, &mut out),
+                    QuantFormat::Int8 => {
+                        let w = Int8Weight { q: bytemuck::cast_slice(&bytes[..n * k]), scales, n, k };
+                        let product = if invariant { int8::matmul_rows } else { int8::matmul };
+                        product(xs, rows, &w, bs, &mut out)
+                    }
                     QuantFormat::W8A8 => w8a8::matmul(xs, rows, &Int8Weight { q: bytemuck::cast_slice(&bytes[..n * k]), scales, n, k }, bs, &mut out),
                     QuantFormat::Int4 { group_size } => {
-                        int4::matmul(xs, rows, &Int4Weight { packed: &bytes[..n * k / 2], scales, n, k, group: group_size }, bs, &mut out)
+                        let w = Int4Weight { packed: &bytes[..n * k / 2], scales, n, k, group: group_size };
+                        let product = if invariant { int4::matmul_rows } else { int4::matmul };
+                        product(xs, rows, &w, bs, &mut out)
                     }
                 }
             }
@@ -304,11 +323,11 @@ pub fn quant_matmul(x: &Tensor, w: &QuantizedWeight, bias: Option<&Tensor>) -> R
                     let bs = match (bg.as_deref(), bc.as_ref()) {
                         (Some(Storage::Cuda(b)), Some(t)) => Some((b, range(t))),
                         (None, _) => None,
-                        _ => return Err(Error::DeviceMismatch { op: OP, lhs: x.device().to_string(), rhs: "cpu".into() }),
+                        _ => return Err(Error::DeviceMismatch { op, lhs: x.device().to_string(), rhs: "cpu".into() }),
                     };
                     xs.quant_matmul(range(&xc), (cs, range(&w.codes)), (ss, range(&w.scales)), bs, w.format, (rows, n, k))?
                 }
-                _ => return Err(Error::DeviceMismatch { op: OP, lhs: x.device().to_string(), rhs: "cpu".into() }),
+                _ => return Err(Error::DeviceMismatch { op, lhs: x.device().to_string(), rhs: "cpu".into() }),
             };
             Ok(Tensor::from_storage(Storage::Cuda(y), out_shape, x.device().clone()))
         }
@@ -357,6 +376,34 @@ mod tests {
                 for (i, (a, e)) in y.iter().zip(&want).enumerate() {
                     assert!((a - e).abs() <= tol * (1.0 + e.abs()), "{format} {dtype}: output {i} is {a}, expected {e}");
                 }
+            }
+        }
+    }
+
+    /// `quant_matmul_rows` gives each row the bits it gets alone, above the
+    /// prefill tile's row count too, in every format and activation dtype,
+    /// and the product `quant_matmul` gives up to rounding.
+    #[test]
+    fn the_row_invariant_product_gives_a_row_its_bits_alone() {
+        let dev = Device::cpu();
+        let (m, n, k) = (20, 9, 72);
+        let w = Tensor::from_vec(values(n * k, 4), [n, k], &dev).unwrap();
+        let b = Tensor::from_vec(values(n, 5), [n], &dev).unwrap();
+        let x = Tensor::from_vec(values(m * k, 6), [m, k], &dev).unwrap();
+        for format in [QuantFormat::Int8, QuantFormat::Int4 { group_size: 24 }, QuantFormat::Int4 { group_size: 36 }, QuantFormat::W8A8] {
+            let q = quantize(&w, format).unwrap();
+            for dtype in [DType::F32, DType::BF16] {
+                let x = x.to_dtype(dtype).unwrap();
+                let y = quant_matmul_rows(&x, &q, Some(&b)).unwrap();
+                let fast = quant_matmul(&x, &q, Some(&b)).unwrap().to_f32_vec().unwrap();
+                for r in 0..m {
+                    let alone = quant_matmul_rows(&x.narrow(0, r, 1).unwrap(), &q, Some(&b)).unwrap();
+                    let (a, t) = (alone.to_f32_vec().unwrap(), y.narrow(0, r, 1).unwrap().to_f32_vec().unwrap());
+                    assert!(a.iter().zip(&t).all(|(a, t)| a.to_bits() == t.to_bits()), "{format} {dtype}: row {r} alone {a:?}, batched {t:?}");
+                }
+                let y = y.to_f32_vec().unwrap();
+                let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+                assert!(y.iter().zip(&fast).all(|(a, e)| (a - e).abs() <= tol * (1.0 + e.abs())), "{format} {dtype}: the two products differ");
             }
         }
     }
