@@ -1,27 +1,23 @@
 //! `tessera generate`: text from a model, through the serving engine.
 //!
-//! The model is a Hugging Face directory (`config.json`, `*.safetensors`,
-//! `tokenizer.json`) or a training run `tessera train` wrote (its newest
-//! intact checkpoint; the tokenizer of the pretrained model it started from,
-//! if any). Prompts are plain text, chat messages rendered by the model's
+//! The model is a Hugging Face directory or a training run (see
+//! [`crate::model`]), its linear layers optionally quantized (`--quantize`). Prompts are plain text, chat messages rendered by the model's
 //! chat template (`--chat`), or token ids (`--ids`, for a model without a
 //! tokenizer). One prompt streams its text as it is generated; several are
 //! decoded together (continuous batching) and printed in order.
 
+use crate::model::{with_model, UseModel};
 use anyhow::{bail, Context};
 use std::io::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
-use tessera::ckpt::{self, Checkpointer};
 use tessera::data::SpecialTokens;
 use tessera::module::{Cx, Module, Replicated, SplitHidden};
+use tessera::ops::QuantFormat;
 use tessera::serve::engine::{Engine, EngineConfig, FinishReason, PieceDecoder, PromptLookup, RequestId};
 use tessera::serve::prompt::{ChatMessage, Detokenizer, ModelTokenizer, TOKENIZER_FILE};
 use tessera::serve::sampling::SamplingParams;
-use tessera::Device;
-use tessera_models::hf;
-use tessera_models::kinds::{self, KindModel, ModelJob, ModelKind, ModelSpec, RECORD_FILE};
 
 /// Arguments of `tessera generate`.
 #[derive(clap::Args)]
@@ -74,88 +70,24 @@ pub struct Args {
     /// Print one JSON line per prompt (tokens, text, finish reason) instead of text.
     #[arg(long)]
     json: bool,
+    /// Quantize the linear layers' weights when loading: int8, int4 (groups of 128), int4:N or w8a8.
+    #[arg(long, value_name = "FORMAT")]
+    quantize: Option<QuantFormat>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let dir = &args.model;
-    if !dir.is_dir() {
-        bail!("`{}` is not a directory; --model takes a Hugging Face model directory or a training run's directory", dir.display());
-    }
-    if dir.join(RECORD_FILE).is_file() {
-        return run_dir(&args, dir);
-    }
-    let config = dir.join("config.json");
-    if !config.is_file() {
-        bail!(
-            "`{}` has neither config.json (a Hugging Face model) nor {RECORD_FILE} (a run `tessera train` wrote); point --model at one of them",
-            dir.display()
-        );
-    }
-    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&config).with_context(|| format!("reading `{}`", config.display()))?)
-        .with_context(|| format!("`{}` is not valid JSON", config.display()))?;
-    let kind = json.get("model_type").and_then(|t| t.as_str()).with_context(|| format!("`{}` names no model_type", config.display()))?;
-    let kind = ModelKind::parse(kind, "model_type").with_context(|| format!("the model in `{}`", dir.display()))?;
-    let tokenizer = tokenizer_of(Some(dir))?;
-    let cx = Cx::new(Device::cpu());
-    match kind {
-        ModelKind::Gpt2 => serve(&args, hf::load_pretrained::<tessera_models::gpt2::Gpt2>(dir, &cx)?.model, cx, tokenizer, positions(&json, "n_positions")),
-        ModelKind::Llama => {
-            serve(&args, hf::load_pretrained::<tessera_models::llama::Llama>(dir, &cx)?.model, cx, tokenizer, positions(&json, "max_position_embeddings"))
-        }
-        ModelKind::Mixtral => {
-            serve(&args, hf::load_pretrained::<tessera_models::mixtral::Mixtral>(dir, &cx)?.model, cx, tokenizer, positions(&json, "max_position_embeddings"))
-        }
-        ModelKind::MoeGpt2 => {
-            serve(&args, hf::load_pretrained::<tessera_models::gpt2::MoeGpt2>(dir, &cx)?.model, cx, tokenizer, positions(&json, "n_positions"))
-        }
-    }
+    let quantize = args.quantize;
+    with_model(&args.model.clone(), quantize, Generate(args))
 }
 
-/// The context length a config gives (2048 when it gives none).
-fn positions(json: &serde_json::Value, key: &str) -> usize {
-    json.get(key).and_then(|v| v.as_u64()).map_or(2048, |v| v as usize)
-}
+/// Generation, as a use of the loaded model.
+struct Generate(Args);
 
-/// The tokenizer of `dir` if it has one.
-fn tokenizer_of(dir: Option<&Path>) -> anyhow::Result<Option<ModelTokenizer>> {
-    match dir {
-        Some(d) if d.join(TOKENIZER_FILE).is_file() => Ok(Some(ModelTokenizer::from_dir(d)?)),
-        _ => Ok(None),
-    }
-}
+impl UseModel for Generate {
+    type Output = ();
 
-/// A training run: its recorded model, loaded from the newest intact checkpoint.
-fn run_dir(args: &Args, dir: &Path) -> anyhow::Result<()> {
-    let record: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join(RECORD_FILE))?).with_context(|| format!("`{}` is not valid JSON", dir.join(RECORD_FILE).display()))?;
-    let root = dir.join("checkpoints");
-    let checkpoint = Checkpointer::open(&root, usize::MAX)
-        .with_context(|| format!("`{}` holds no checkpoints", root.display()))?
-        .latest_valid()?
-        .with_context(|| format!("`{}` holds no intact checkpoint (`tessera ckpt inspect` says what is wrong with the ones there)", root.display()))?;
-    if !checkpoint.join(ckpt::MANIFEST).exists() {
-        bail!("`{}` is not a checkpoint", checkpoint.display());
-    }
-    kinds::with_recorded_model(&record, FromRun { args, checkpoint: &checkpoint })?
-}
-
-struct FromRun<'a> {
-    args: &'a Args,
-    checkpoint: &'a Path,
-}
-
-impl ModelJob for FromRun<'_> {
-    type Output = anyhow::Result<()>;
-
-    fn run<M: KindModel>(self, spec: ModelSpec<M>) -> tessera_models::Result<anyhow::Result<()>> {
-        let go = || -> anyhow::Result<()> {
-            let cx = Cx::new(Device::cpu());
-            let model = spec.load_checkpoint(self.checkpoint, &cx).with_context(|| format!("loading `{}`", self.checkpoint.display()))?;
-            let tokenizer = tokenizer_of(spec.pretrained())?;
-            let ctx = positions(&spec.record()["config"], M::POSITIONS);
-            serve(self.args, model, cx, tokenizer, ctx)
-        };
-        Ok(go())
+    fn run<M: Module<In = Replicated, Out = SplitHidden>>(self, model: M, cx: Cx, tokenizer: Option<ModelTokenizer>, context: usize) -> anyhow::Result<()> {
+        serve(&self.0, model, cx, tokenizer, context)
     }
 }
 

@@ -6,6 +6,8 @@
 //! - `tessera export`: write a run's checkpoint as a Hugging Face directory;
 //! - `tessera generate`: text from a Hugging Face model or a trained run,
 //!   through the serving engine;
+//! - `tessera perplexity`: how well a model predicts a text, its weights
+//!   optionally quantized;
 //! - `tessera ckpt inspect` / `tessera ckpt reshard`: look into a checkpoint,
 //!   and rewrite it for another mesh;
 //! - `tessera launch`: start one process per rank on this node with
@@ -26,6 +28,8 @@ mod ckpt;
 mod export;
 mod generate;
 mod launch;
+mod model;
+mod perplexity;
 mod prepare;
 mod train;
 
@@ -51,6 +55,8 @@ enum Command {
     Ckpt(ckpt::Command),
     /// Generate text with a Hugging Face model or a trained run, through the serving engine (see docs/serving.md).
     Generate(generate::Args),
+    /// The perplexity of a model on a text, its weights optionally quantized (see docs/serving.md).
+    Perplexity(perplexity::Args),
     /// Start one process per rank on this node, torchrun-style, and supervise them (see docs/launch.md).
     Launch(launch::Args),
 }
@@ -61,6 +67,7 @@ fn main() -> anyhow::Result<()> {
         Command::Train(args) => train::run(args),
         Command::Export(args) => export::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Perplexity(args) => perplexity::run(args),
         Command::Ckpt(cmd) => ckpt::run(cmd),
         Command::Launch(args) => launch::run(args),
     };

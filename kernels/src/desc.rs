@@ -180,11 +180,75 @@ impl QuantFormat {
     }
 }
 
+/// Parses `int8`, `w8a8`, `int4` (groups of [`QuantFormat::INT4_GROUP`])
+/// or `int4:N` (groups of `N`), case-insensitively: the spelling command
+/// lines and configuration files use. Whether a group suits a layer is
+/// checked when a weight is quantized.
+impl std::str::FromStr for QuantFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<QuantFormat, String> {
+        let bad = || format!("unknown quantization format `{s}`; the formats are int8, int4 (groups of {}), int4:N (groups of N) and w8a8", Self::INT4_GROUP);
+        let lower = s.trim().to_ascii_lowercase();
+        match lower.as_str() {
+            "int8" => Ok(QuantFormat::Int8),
+            "w8a8" => Ok(QuantFormat::W8A8),
+            "int4" => Ok(QuantFormat::int4()),
+            other => {
+                let group = other.strip_prefix("int4:").ok_or_else(bad)?;
+                let group_size: usize = group.parse().map_err(|_| bad())?;
+                if group_size < 2 || !group_size.is_multiple_of(2) {
+                    return Err(format!("int4 groups of {group_size} weights: a group must be an even number of at least 2 (e.g. int4:64)"));
+                }
+                Ok(QuantFormat::Int4 { group_size })
+            }
+        }
+    }
+}
+
 impl std::fmt::Display for QuantFormat {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             QuantFormat::Int4 { group_size } => write!(f, "int4 (groups of {group_size})"),
             other => f.write_str(other.name()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::QuantFormat;
+
+    #[test]
+    fn quant_formats_parse_from_their_names_and_refuse_the_rest() {
+        for (s, want) in
+            [("int8", QuantFormat::Int8), ("W8A8", QuantFormat::W8A8), (" int4 ", QuantFormat::int4()), ("int4:64", QuantFormat::Int4 { group_size: 64 })]
+        {
+            assert_eq!(s.parse::<QuantFormat>(), Ok(want), "{s}");
+        }
+        for f in [QuantFormat::Int8, QuantFormat::W8A8, QuantFormat::Int4 { group_size: 32 }] {
+            let spelled = match f {
+                QuantFormat::Int4 { group_size } => format!("int4:{group_size}"),
+                _ => f.name().to_string(),
+            };
+            assert_eq!(spelled.parse::<QuantFormat>(), Ok(f));
+        }
+        for s in ["", "int", "int16", "int4:", "int4:x", "int4:7", "int4:0", "int4:-2", "int4:99999999999999999999999", "fp8"] {
+            let e = s.parse::<QuantFormat>().unwrap_err();
+            assert!(e.contains("int4") && (e.contains(s.trim()) || e.contains("even")), "{s:?}: {e}");
+        }
+        // Arbitrary bytes never panic.
+        let mut state = 7u64;
+        for _ in 0..2000 {
+            let len = (state >> 60) as usize;
+            let s: String = (0..len)
+                .map(|_| {
+                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    b"int4:w8a0123456789 -"[(state >> 33) as usize % 20] as char
+                })
+                .collect();
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+            let _ = s.parse::<QuantFormat>();
         }
     }
 }

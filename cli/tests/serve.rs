@@ -1,6 +1,8 @@
-//! `tessera generate`, run as a program on the Llama fixture with a small
-//! word-level tokenizer: batched prompts equal single ones, the chat
-//! template, stop strings, token-id prompts, and the errors on bad input.
+//! `tessera generate` and `tessera perplexity`, run as programs on the
+//! Llama fixture with a small word-level tokenizer: batched prompts equal
+//! single ones, the chat template, stop strings, token-id prompts,
+//! quantized weights, perplexity against its recipe, and the errors on bad
+//! input.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -45,7 +47,11 @@ fn model(name: &str, tokenizer: bool) -> Scratch {
 }
 
 fn generate(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tessera")).arg("generate").arg("--model").arg(dir).args(args).output().unwrap()
+    tessera("generate", dir, args)
+}
+
+fn tessera(command: &str, dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tessera")).arg(command).arg("--model").arg(dir).args(args).output().unwrap()
 }
 
 /// The JSON lines of a successful run.
@@ -127,4 +133,75 @@ fn bad_input_is_named() {
     let no_template = model("no-template", true);
     std::fs::write(no_template.path().join("tokenizer_config.json"), r#"{"eos_token": "</s>"}"#).unwrap();
     fails(no_template.path(), &["--chat", "--prompt", "the"], &["template"]);
+}
+
+#[test]
+fn quantized_weights_generate_and_bad_formats_are_named() {
+    let dir = model("quantize", true);
+    for format in ["int8", "int4:8", "w8a8"] {
+        let out = generate(dir.path(), &["--quantize", format, "--prompt", "the cat", "--max-tokens", "5", "--json"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "--quantize {format}: {stderr}");
+        assert!(stderr.contains("quantized 11 linear weights to"), "{stderr}");
+        let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(line["tokens"].as_array().unwrap().len(), 5);
+    }
+    // The fixture's 32 input features take no group of 128, and the error says which would.
+    fails(dir.path(), &["--quantize", "int4", "--prompt", "the"], &["group size 128", "group_size"]);
+    fails(dir.path(), &["--quantize", "fp8", "--prompt", "the"], &["fp8", "int8", "w8a8"]);
+    fails(dir.path(), &["--quantize", "int4:7", "--prompt", "the"], &["even"]);
+}
+
+/// The JSON line of a successful `tessera perplexity`.
+fn perplexity(dir: &Path, args: &[&str]) -> serde_json::Value {
+    let out = tessera("perplexity", dir, &[args, &["--json"]].concat());
+    assert!(out.status.success(), "tessera perplexity {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn perplexity_scores_a_text_and_quantization_moves_it_little() {
+    let dir = model("perplexity", true);
+    let text = Scratch::new("cli-perplexity-text");
+    let file = text.path().join("held-out.txt");
+    let words: Vec<&str> = (0..60).map(|i| WORDS[(i * 7 + i / 3) % 15]).collect();
+    std::fs::write(&file, words.join(" ")).unwrap();
+    let file = file.to_str().unwrap();
+    let f32 = perplexity(dir.path(), &["--text", file]);
+    assert_eq!(f32["tokens"], 59, "one window (the context, 64) over 60 words: all but the first scored");
+    let ppl = f32["perplexity"].as_f64().unwrap();
+    // A random model over 64 tokens: near uniform, so near 64.
+    assert!(ppl.is_finite() && ppl > 1.0 && (ppl / 64.0 - 1.0).abs() < 0.5, "{f32}");
+    assert!((f32["nll"].as_f64().unwrap().exp() - ppl).abs() < 1e-9 * ppl);
+    // Windows of 32 without overlap lose each window's first token; with stride 8 none.
+    assert_eq!(perplexity(dir.path(), &["--text", file, "--window", "32"])["tokens"], 58);
+    assert_eq!(perplexity(dir.path(), &["--text", file, "--window", "32", "--stride", "8"])["tokens"], 59);
+    for (format, within) in [("int8", 0.01), ("w8a8", 0.02), ("int4:8", 0.1)] {
+        let q = perplexity(dir.path(), &["--text", file, "--quantize", format]);
+        let change = q["perplexity"].as_f64().unwrap() / ppl - 1.0;
+        assert!(change.abs() < within, "{format}: perplexity {} against {ppl}", q["perplexity"]);
+        assert!(q["quantize"].as_str().unwrap().starts_with(&format[..4]), "{q}");
+    }
+    // Errors name the flag and the fix.
+    let fails = |dir: &Path, args: &[&str], needles: &[&str]| {
+        let out = tessera("perplexity", dir, args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} should fail");
+        for n in needles {
+            assert!(stderr.contains(n), "{stderr:?} should mention {n:?}");
+        }
+    };
+    fails(dir.path(), &["--text", file, "--window", "1"], &["--window 1", "2 to 64"]);
+    fails(dir.path(), &["--text", file, "--window", "65"], &["--window 65"]);
+    fails(dir.path(), &["--text", file, "--window", "16", "--stride", "17"], &["--stride 17"]);
+    fails(dir.path(), &["--text", file, "--stride", "0"], &["--stride 0"]);
+    fails(dir.path(), &["--text", "/nonexistent/text.txt"], &["/nonexistent/text.txt"]);
+    let short = text.path().join("short.txt");
+    std::fs::write(&short, "the").unwrap();
+    fails(dir.path(), &["--text", short.to_str().unwrap()], &["1 token", "at least 2"]);
+    let bare = model("perplexity-bare", false);
+    fails(bare.path(), &["--text", file], &["tokenizer.json", "--tokenizer"]);
+    // A tokenizer from elsewhere gives the same figure.
+    let other = perplexity(bare.path(), &["--text", file, "--tokenizer", dir.path().to_str().unwrap()]);
+    assert_eq!(other["perplexity"], f32["perplexity"]);
 }
