@@ -5,12 +5,12 @@
 //! plain decoding's (greedy: token for token the same); what changes is how
 //! many tokens one target forward yields.
 
+use super::layout::StepBatch;
 use super::RequestId;
 use crate::kv::BlockManager;
 use crate::sampling::{History, Sampler, SamplingParams};
 use std::collections::HashMap;
 use std::sync::Arc;
-use tessera_core::ops::PagedBatch;
 use tessera_core::Result;
 use tessera_nn::module::{Cx, KvCache, Module, Replicated, SplitHidden};
 
@@ -184,24 +184,14 @@ impl<D: Module<In = Replicated, Out = SplitHidden> + Send> Drafter for DraftMode
                 break;
             }
             // One draft forward over every active sequence's uncomputed tokens.
-            let bs = self.blocks.block_size();
-            let width = active.iter().map(|&i| self.seqs[&seqs[i].id].table.blocks().len()).max().unwrap_or(1);
-            let mut batch = PagedBatch { block_size: bs, table_width: width, ..PagedBatch::default() };
-            let (mut ids, mut rows) = (Vec::new(), Vec::new());
-            for (row, &i) in active.iter().enumerate() {
+            let mut step = StepBatch::new(self.blocks.block_size(), active.iter().map(|&i| &self.seqs[&seqs[i].id].table));
+            let mut rows = Vec::new();
+            for &i in &active {
                 let seq = &self.seqs[&seqs[i].id];
-                let mut blocks = seq.table.blocks().to_vec();
-                blocks.resize(width, 0);
-                batch.block_tables.extend(blocks);
-                for pos in seq.computed..seq.table.len() {
-                    ids.push(seq.table.tokens()[pos]);
-                    batch.positions.push(pos as u32);
-                    batch.token_seq.push(row as u32);
-                    batch.slots.push(seq.table.slot(pos).expect("held").flat(bs) as u32);
-                }
-                rows.push(ids.len() as u32 - 1);
+                step.push(&seq.table, seq.table.tokens(), seq.computed..seq.table.len());
+                rows.push(step.ids.len() as u32 - 1);
             }
-            let logits = super::run_forward(&self.model, &mut self.cx, &self.cache, &ids, batch, rows)?;
+            let logits = super::run_forward(&self.model, &mut self.cx, &self.cache, &step.ids, step.batch, rows)?;
             let vocab = logits.len() / active.len();
             let mut still = Vec::new();
             for (row, &i) in active.iter().enumerate() {
