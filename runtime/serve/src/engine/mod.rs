@@ -526,11 +526,6 @@ fn probe_slots<M: Module<In = Replicated, Out = SplitHidden>>(model: &M, cx: &mu
     Ok((dtype, vocab, cache.bytes_per_slot()))
 }
 
-/// [`probe_slots`] without the bytes: the cache dtype and the vocabulary.
-fn probe<M: Module<In = Replicated, Out = SplitHidden>>(model: &M, cx: &mut Cx, block_size: usize) -> Result<(DType, usize)> {
-    probe_slots(model, cx, block_size).map(|(d, v, _)| (d, v))
-}
-
 /// A step's flattened token ids, paged batch, logit rows, and (running
 /// index, rows) of each request sampled.
 type StepLayout = (Vec<u32>, PagedBatch, Vec<u32>, Vec<(usize, usize)>);

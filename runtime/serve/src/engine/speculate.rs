@@ -130,7 +130,7 @@ impl<D: Module<In = Replicated, Out = SplitHidden>> DraftModel<D> {
     /// of `block_size`. Its vocabulary must be the target's (the engine checks).
     pub fn new(model: D, mut cx: Cx, blocks: usize, block_size: usize) -> Result<DraftModel<D>> {
         cx.set_training(false);
-        let (dtype, vocab) = super::probe(&model, &mut cx, block_size)?;
+        let (dtype, vocab, _) = super::probe_slots(&model, &mut cx, block_size)?;
         let cache = Arc::new(KvCache::new(cx.device().clone(), dtype, blocks, block_size)?);
         Ok(DraftModel { model, cx, cache, blocks: BlockManager::new(blocks, block_size)?, seqs: HashMap::new(), vocab })
     }
