@@ -393,3 +393,234 @@ fn attend_cuda(
     // uninhabited, and a value of it would make what follows unreachable.
     Ok(out.into_iter().map(|s| Tensor::from_storage(Storage::Cuda(s), shape.clone(), device.clone())).next().expect("one output"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RngKey;
+    use std::collections::HashSet;
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+
+    /// Seeded random values from the kernels' counter-based generator.
+    struct Draws {
+        key: RngKey,
+        next: u64,
+    }
+
+    impl Draws {
+        fn new(seed: u64) -> Draws {
+            Draws { key: RngKey::new(seed, 0x7061_6765_6400), next: 0 }
+        }
+
+        fn bits(&mut self) -> u64 {
+            self.next += 2;
+            u64::from(self.key.bits_at(self.next - 2)) << 32 | u64::from(self.key.bits_at(self.next - 1))
+        }
+
+        /// A value in `0..n`, `n > 0`.
+        fn below(&mut self, n: usize) -> usize {
+            (self.bits() % n as u64) as usize
+        }
+
+        fn chance(&mut self, percent: usize) -> bool {
+            self.below(100) < percent
+        }
+
+        fn pick<T: Copy>(&mut self, from: &[T]) -> T {
+            from[self.below(from.len())]
+        }
+    }
+
+    /// Whether a cache of `slots` slots can run `b`, straight from the
+    /// definition (in wide integers, so no sum or product can wrap): blocks of
+    /// at least one slot, whole rows of at least one entry, one sequence,
+    /// position and slot per token, whole blocks of cache, every table entry
+    /// a block of the cache, every token in a row of the table and inside it,
+    /// writing the slot its table puts it at, and no slot written twice.
+    fn valid(b: &PagedBatch, slots: usize) -> bool {
+        let (bs, width, tokens) = (b.block_size as u128, b.table_width as u128, b.positions.len());
+        if bs == 0 || width == 0 || !(b.block_tables.len() as u128).is_multiple_of(width) {
+            return false;
+        }
+        if b.token_seq.len() != tokens || b.slots.len() != tokens || !(slots as u128).is_multiple_of(bs) {
+            return false;
+        }
+        if b.block_tables.iter().any(|&block| (u128::from(block) + 1) * bs > slots as u128) {
+            return false;
+        }
+        let rows = b.block_tables.len() as u128 / width;
+        let mut written = HashSet::new();
+        (0..tokens).all(|t| {
+            let (s, p) = (u128::from(b.token_seq[t]), u128::from(b.positions[t]));
+            s < rows
+                && p < width * bs
+                && u128::from(b.slots[t]) == u128::from(b.block_tables[(s * width + p / bs) as usize]) * bs + p % bs
+                && written.insert(b.slots[t])
+        })
+    }
+
+    /// A random step and its cache size, usually one the cache can run: a
+    /// few sequences whose block tables are drawn from the cache (sometimes
+    /// sharing blocks, as forks and cached prefixes do), each with a run of
+    /// positions or a random set of them, the tokens in a shuffled order.
+    fn random_step(d: &mut Draws) -> (PagedBatch, usize) {
+        let (bs, width, seqs) = (1 + d.below(4), 1 + d.below(4), d.below(4));
+        let blocks = seqs * width + d.below(3);
+        let mut order: Vec<u32> = (0..blocks as u32).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, d.below(i + 1));
+        }
+        let block_tables: Vec<u32> = if d.chance(20) { (0..seqs * width).map(|_| d.below(blocks) as u32).collect() } else { order[..seqs * width].to_vec() };
+        let mut tokens = Vec::new();
+        for s in 0..seqs {
+            let room = width * bs;
+            if d.chance(50) {
+                let start = d.below(room + 1);
+                tokens.extend((start..start + d.below(room - start + 1)).map(|p| (s, p)));
+            } else {
+                tokens.extend((0..room).filter(|_| d.chance(40)).map(|p| (s, p)));
+            }
+        }
+        for i in (1..tokens.len()).rev() {
+            tokens.swap(i, d.below(i + 1));
+        }
+        let slot = |s: usize, p: usize| (block_tables[s * width + p / bs] as usize * bs + p % bs) as u32;
+        let batch = PagedBatch {
+            block_size: bs,
+            positions: tokens.iter().map(|&(_, p)| p as u32).collect(),
+            token_seq: tokens.iter().map(|&(s, _)| s as u32).collect(),
+            slots: tokens.iter().map(|&(s, p)| slot(s, p)).collect(),
+            block_tables,
+            table_width: width,
+        };
+        (batch, blocks * bs)
+    }
+
+    /// One random change, mostly one that breaks the step: a wrong length,
+    /// a slot, position, sequence or block past what exists, a bad block
+    /// size, width or cache size, huge values, two tokens on one slot.
+    fn mutate(d: &mut Draws, b: &mut PagedBatch, slots: &mut usize) {
+        const HUGE: [u32; 3] = [u32::MAX, u32::MAX - 1, 1 << 31];
+        // Tokens every per-token vector has (an earlier change may have cut one).
+        let n = b.positions.len().min(b.token_seq.len()).min(b.slots.len());
+        let t = if n > 0 { d.below(n) } else { 0 };
+        let (room, rows, blocks) = (b.table_width.saturating_mul(b.block_size), b.seqs(), *slots / b.block_size.max(1));
+        let (huge, small) = (d.pick(&HUGE), d.below(3));
+        match d.below(14) {
+            0 => b.block_size = d.pick(&[0, b.block_size.saturating_add(1), b.block_size.saturating_sub(1), 1 << 40, usize::MAX]),
+            1 => b.table_width = d.pick(&[0, b.table_width.saturating_add(1), b.table_width.saturating_sub(1), 1 << 40, usize::MAX]),
+            2 => {
+                let v = match d.below(3) {
+                    0 => &mut b.positions,
+                    1 => &mut b.token_seq,
+                    _ => &mut b.slots,
+                };
+                if d.chance(50) || v.is_empty() {
+                    v.push(d.below(8) as u32);
+                } else {
+                    v.pop();
+                }
+            }
+            3 => {
+                if d.chance(50) || b.block_tables.is_empty() {
+                    b.block_tables.push(d.below(blocks.saturating_add(1)) as u32);
+                } else {
+                    b.block_tables.pop();
+                }
+            }
+            4 if n > 0 => {
+                let any = (d.bits() % slots.saturating_add(2) as u64) as u32;
+                b.slots[t] = d.pick(&[b.slots[t].wrapping_add(1), b.slots[t].wrapping_sub(1), any, huge]);
+            }
+            5 if n > 0 => b.positions[t] = d.pick(&[room.min(u32::MAX as usize) as u32, room.saturating_add(small).min(u32::MAX as usize) as u32, huge]),
+            6 if n > 0 => b.token_seq[t] = d.pick(&[rows as u32, (rows as u32).wrapping_add(1), huge]),
+            7 if !b.block_tables.is_empty() => {
+                let (i, any) = (d.below(b.block_tables.len()), d.below(blocks.max(1)) as u32);
+                b.block_tables[i] = d.pick(&[blocks as u32, (blocks as u32).wrapping_add(1), any, huge]);
+            }
+            8 => {
+                *slots =
+                    d.pick(&[slots.saturating_add(1), slots.saturating_sub(1), 0, slots.saturating_mul(2), *slots / 2, usize::MAX, b.block_size.max(1) << 33])
+            }
+            9 if n > 0 => {
+                // The same token twice: the same slot written twice.
+                let (p, s, slot) = (b.positions[t], b.token_seq[t], b.slots[t]);
+                b.positions.push(p);
+                b.token_seq.push(s);
+                b.slots.push(slot);
+            }
+            10 if n > 1 => {
+                let u = (t + 1 + d.below(n - 1)) % n;
+                b.slots.swap(t, u);
+            }
+            11 if n > 0 && room > 0 && b.block_size > 0 => {
+                // Another position in the table, with the slot the table gives it.
+                let p = d.below(room.min(1 << 20));
+                let row = b.token_seq[t] as usize;
+                if let Some(&block) = b.block_tables.get(row.saturating_mul(b.table_width).saturating_add(p / b.block_size)) {
+                    b.positions[t] = p as u32;
+                    b.slots[t] = (block as usize).wrapping_mul(b.block_size).wrapping_add(p % b.block_size) as u32;
+                }
+            }
+            12 => {
+                // A step with no tokens at all.
+                b.positions.clear();
+                b.token_seq.clear();
+                b.slots.clear();
+            }
+            _ => {
+                // One more token, anywhere.
+                b.positions.push(d.below(2 * room.clamp(1, 1 << 20)) as u32);
+                b.token_seq.push(d.below(rows + 2) as u32);
+                b.slots.push((d.bits() % slots.saturating_add(2) as u64) as u32);
+            }
+        }
+    }
+
+    /// `PagedBatch::check` is the only thing between a step's indices and the
+    /// kernels that index with them: over many random steps, mostly broken,
+    /// it never panics, refuses exactly the steps the definition calls
+    /// invalid, and the ops run every step it accepts without a panic.
+    #[test]
+    fn check_refuses_exactly_the_invalid_steps_and_the_ops_run_the_rest() {
+        let dev = Device::cpu();
+        let mut d = Draws::new(20);
+        let (mut accepted, mut refused, mut ran) = (0, 0, 0);
+        for case in 0..20_000 {
+            let (mut b, mut slots) = random_step(&mut d);
+            for _ in 0..[0, 1, 2, 2, 3][d.below(5)] {
+                mutate(&mut d, &mut b, &mut slots);
+            }
+            let got = catch_unwind(AssertUnwindSafe(|| b.check("fuzz", slots)));
+            let got = got.unwrap_or_else(|_| panic!("case {case}: check panicked on {b:?} with a cache of {slots} slots"));
+            let want = valid(&b, slots);
+            assert_eq!(got.is_ok(), want, "case {case}: check gave {got:?} on {b:?} with a cache of {slots} slots");
+            if let Err(e) = got {
+                assert!(matches!(e, Error::InvalidArgument { op: "fuzz", .. }), "case {case}: {e:?}");
+                refused += 1;
+                continue;
+            }
+            accepted += 1;
+            if slots > 4096 {
+                continue;
+            }
+            let kv_heads = 1 + d.below(2);
+            let h = QkvHeads { q_heads: kv_heads * (1 + d.below(2)), kv_heads, head_dim: 1 + d.below(4) };
+            let values = (0..b.tokens() * h.width()).map(|i| (i % 7) as f32 - 3.0).collect();
+            let qkv = Tensor::from_vec::<f32>(values, [b.tokens(), h.width()], &dev).unwrap();
+            let k = Tensor::zeros([slots, h.kv_heads, h.head_dim], DType::F32, &dev).unwrap();
+            let v = Tensor::zeros([slots, h.kv_heads, h.head_dim], DType::F32, &dev).unwrap();
+            let out = catch_unwind(AssertUnwindSafe(|| {
+                kv_cache_write(&qkv, h, &k, &v, &b)?;
+                paged_attention(&qkv, h, &k, &v, &b)
+            }));
+            let out = out.unwrap_or_else(|_| panic!("case {case}: the ops panicked on {b:?} ({h:?}) with a cache of {slots} slots"));
+            let out = out.unwrap_or_else(|e| panic!("case {case}: the ops refused {b:?} ({h:?}) that check accepted: {e}"));
+            assert_eq!(out.dims(), [b.tokens(), h.q_heads * h.head_dim], "case {case}");
+            assert!(out.to_f32_vec().unwrap().iter().all(|x| x.is_finite()), "case {case}: {b:?}");
+            ran += usize::from(b.tokens() > 0);
+        }
+        // Both answers must be common, and the ops must run real steps, or the test checks little.
+        assert!(accepted > 4000 && refused > 12_000 && ran > 2000, "{accepted} steps accepted ({ran} with tokens run), {refused} refused");
+    }
+}

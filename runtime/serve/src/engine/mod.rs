@@ -15,6 +15,7 @@
 //! in any batch, and a preempted request repeats itself.
 
 mod config;
+mod layout;
 mod output;
 mod request;
 mod schedule;
@@ -27,6 +28,7 @@ pub use speculate::{DraftInput, DraftModel, Drafter, PromptLookup, Proposal};
 
 use crate::kv::BlockManager;
 use crate::sampling::{History, Sampler, SamplingParams, StopChecker};
+use layout::StepBatch;
 use request::Request;
 use schedule::Planned;
 use std::collections::VecDeque;
@@ -491,30 +493,20 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Engine<M> {
     /// logits from, and which running requests those rows belong to (with
     /// how many rows each).
     fn lay_out(&self, plan: &[Planned]) -> StepLayout {
-        let bs = self.config.block_size;
-        let width = plan.iter().map(|p| self.running[p.index].table.as_ref().map_or(0, |t| t.blocks().len())).max().unwrap_or(1).max(1);
-        let mut batch = PagedBatch { block_size: bs, table_width: width, ..PagedBatch::default() };
-        let (mut ids, mut rows, mut samples) = (Vec::new(), Vec::new(), Vec::new());
-        for (s, p) in plan.iter().enumerate() {
+        let mut step = StepBatch::new(self.config.block_size, plan.iter().filter_map(|p| self.running[p.index].table.as_ref()));
+        let (mut rows, mut samples) = (Vec::new(), Vec::new());
+        for p in plan {
             let r = &self.running[p.index];
             let table = r.table.as_ref().expect("scheduled requests are admitted");
-            let mut row = table.blocks().to_vec();
-            row.resize(width, 0);
-            batch.block_tables.extend(row);
-            for pos in r.computed..r.computed + p.tokens {
-                ids.push(r.tokens[pos]);
-                batch.positions.push(pos as u32);
-                batch.token_seq.push(s as u32);
-                batch.slots.push(table.slot(pos).expect("the table holds every known token").flat(bs) as u32);
-            }
+            step.push(table, &r.tokens, r.computed..r.computed + p.tokens);
             if r.computed + p.tokens == r.tokens.len() {
                 // The last token's logits, and each draft's predecessor's.
-                let n = 1 + r.draft.len();
-                rows.extend((ids.len() - n..ids.len()).map(|x| x as u32));
+                let (n, end) = (1 + r.draft.len(), step.ids.len());
+                rows.extend((end - n..end).map(|x| x as u32));
                 samples.push((p.index, n));
             }
         }
-        (ids, batch, rows, samples)
+        (step.ids, step.batch, rows, samples)
     }
 }
 
@@ -532,11 +524,6 @@ fn probe_slots<M: Module<In = Replicated, Out = SplitHidden>>(model: &M, cx: &mu
         ));
     }
     Ok((dtype, vocab, cache.bytes_per_slot()))
-}
-
-/// [`probe_slots`] without the bytes: the cache dtype and the vocabulary.
-fn probe<M: Module<In = Replicated, Out = SplitHidden>>(model: &M, cx: &mut Cx, block_size: usize) -> Result<(DType, usize)> {
-    probe_slots(model, cx, block_size).map(|(d, v, _)| (d, v))
 }
 
 /// A step's flattened token ids, paged batch, logit rows, and (running
@@ -570,7 +557,7 @@ fn run_forward<M: Module<In = Replicated, Out = SplitHidden>>(
     cx.set_decode(previous);
     let logits = result?.0.into_tensor();
     let logits = if cx.tp().size() > 1 { cx.tp().all_gather(&logits, logits.rank() - 1)? } else { logits };
-    if logits.elem_count() % n.max(1) != 0 || logits.dims().first() != Some(&1) || logits.dims().get(1) != Some(&n) {
+    if logits.dims().first() != Some(&1) || logits.dims().get(1) != Some(&n) {
         return Err(Error::shape(
             "Engine",
             format!("the model gave logits {} for {n} sampled rows; a served model must end in a vocabulary head (`#[shard(vocab)]` Linear)", logits.shape()),

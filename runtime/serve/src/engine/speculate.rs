@@ -5,12 +5,12 @@
 //! plain decoding's (greedy: token for token the same); what changes is how
 //! many tokens one target forward yields.
 
+use super::layout::StepBatch;
 use super::RequestId;
 use crate::kv::BlockManager;
 use crate::sampling::{History, Sampler, SamplingParams};
 use std::collections::HashMap;
 use std::sync::Arc;
-use tessera_core::ops::PagedBatch;
 use tessera_core::Result;
 use tessera_nn::module::{Cx, KvCache, Module, Replicated, SplitHidden};
 
@@ -130,7 +130,7 @@ impl<D: Module<In = Replicated, Out = SplitHidden>> DraftModel<D> {
     /// of `block_size`. Its vocabulary must be the target's (the engine checks).
     pub fn new(model: D, mut cx: Cx, blocks: usize, block_size: usize) -> Result<DraftModel<D>> {
         cx.set_training(false);
-        let (dtype, vocab) = super::probe(&model, &mut cx, block_size)?;
+        let (dtype, vocab, _) = super::probe_slots(&model, &mut cx, block_size)?;
         let cache = Arc::new(KvCache::new(cx.device().clone(), dtype, blocks, block_size)?);
         Ok(DraftModel { model, cx, cache, blocks: BlockManager::new(blocks, block_size)?, seqs: HashMap::new(), vocab })
     }
@@ -140,9 +140,11 @@ impl<D: Module<In = Replicated, Out = SplitHidden>> DraftModel<D> {
         self.vocab
     }
 
-    /// Brings the draft's table of `s` up to its tokens; `false` when the
-    /// draft's cache has no room (the sequence then gets no proposal).
-    fn sync(&mut self, s: &DraftInput<'_>) -> Result<bool> {
+    /// Brings the draft's table of `s` up to its tokens, adding to `copies`
+    /// the block copies its appends need (see [`flush`](Self::flush));
+    /// `false` when the draft's cache has no room (the sequence then gets no
+    /// proposal).
+    fn sync(&mut self, s: &DraftInput<'_>, copies: &mut Vec<(usize, usize)>) -> Result<bool> {
         if !self.seqs.contains_key(&s.id) {
             if !self.blocks.can_admit(s.tokens) {
                 return Ok(false);
@@ -160,10 +162,21 @@ impl<D: Module<In = Replicated, Out = SplitHidden>> DraftModel<D> {
                 return Ok(false);
             }
             if let Some(c) = self.blocks.append(&mut seq.table, t)? {
-                self.cache.copy_blocks(&[(c.src as usize, c.dst as usize)])?;
+                copies.push((c.src as usize, c.dst as usize));
             }
         }
         Ok(true)
+    }
+
+    /// Makes the block copies that appends asked for, in their order, in one
+    /// call, before the next forward writes into the copies. Callers flush
+    /// even when gathering failed part way: the appends made so far stay in
+    /// the tables, so their copies are owed all the same.
+    fn flush(&self, copies: &[(usize, usize)]) -> Result<()> {
+        if copies.is_empty() {
+            return Ok(());
+        }
+        self.cache.copy_blocks(copies)
     }
 }
 
@@ -171,11 +184,15 @@ impl<D: Module<In = Replicated, Out = SplitHidden> + Send> Drafter for DraftMode
     fn propose(&mut self, seqs: &[DraftInput<'_>]) -> Result<Vec<Proposal>> {
         let mut out: Vec<Proposal> = seqs.iter().map(|_| Proposal { tokens: Vec::new(), dists: Some(Vec::new()) }).collect();
         let mut active: Vec<usize> = Vec::new();
-        for (i, s) in seqs.iter().enumerate() {
-            if s.k > 0 && self.sync(s)? {
+        let mut copies = Vec::new();
+        let synced: Result<()> = seqs.iter().enumerate().try_for_each(|(i, s)| {
+            if s.k > 0 && self.sync(s, &mut copies)? {
                 active.push(i);
             }
-        }
+            Ok(())
+        });
+        self.flush(&copies)?;
+        synced?;
         let mut histories: Vec<History> = seqs.iter().map(|s| s.history.clone()).collect();
         let max_k = seqs.iter().map(|s| s.k).max().unwrap_or(0);
         for round in 0..max_k {
@@ -184,27 +201,17 @@ impl<D: Module<In = Replicated, Out = SplitHidden> + Send> Drafter for DraftMode
                 break;
             }
             // One draft forward over every active sequence's uncomputed tokens.
-            let bs = self.blocks.block_size();
-            let width = active.iter().map(|&i| self.seqs[&seqs[i].id].table.blocks().len()).max().unwrap_or(1);
-            let mut batch = PagedBatch { block_size: bs, table_width: width, ..PagedBatch::default() };
-            let (mut ids, mut rows) = (Vec::new(), Vec::new());
-            for (row, &i) in active.iter().enumerate() {
+            let mut step = StepBatch::new(self.blocks.block_size(), active.iter().map(|&i| &self.seqs[&seqs[i].id].table));
+            let mut rows = Vec::new();
+            for &i in &active {
                 let seq = &self.seqs[&seqs[i].id];
-                let mut blocks = seq.table.blocks().to_vec();
-                blocks.resize(width, 0);
-                batch.block_tables.extend(blocks);
-                for pos in seq.computed..seq.table.len() {
-                    ids.push(seq.table.tokens()[pos]);
-                    batch.positions.push(pos as u32);
-                    batch.token_seq.push(row as u32);
-                    batch.slots.push(seq.table.slot(pos).expect("held").flat(bs) as u32);
-                }
-                rows.push(ids.len() as u32 - 1);
+                step.push(&seq.table, seq.table.tokens(), seq.computed..seq.table.len());
+                rows.push(step.ids.len() as u32 - 1);
             }
-            let logits = super::run_forward(&self.model, &mut self.cx, &self.cache, &ids, batch, rows)?;
+            let logits = super::run_forward(&self.model, &mut self.cx, &self.cache, &step.ids, step.batch, rows)?;
             let vocab = logits.len() / active.len();
-            let mut still = Vec::new();
-            for (row, &i) in active.iter().enumerate() {
+            let (mut still, mut copies) = (Vec::new(), Vec::new());
+            let sampled: Result<()> = active.iter().enumerate().try_for_each(|(row, &i)| {
                 let s = &seqs[i];
                 let seq = self.seqs.get_mut(&s.id).expect("synced");
                 seq.computed = seq.table.len();
@@ -214,16 +221,16 @@ impl<D: Module<In = Replicated, Out = SplitHidden> + Send> Drafter for DraftMode
                 out[i].tokens.push(token);
                 out[i].dists.as_mut().expect("set").push(dist);
                 histories[i].push(token);
-                if out[i].tokens.len() < s.k {
-                    if !self.blocks.can_append(&seq.table) {
-                        continue;
-                    }
+                if out[i].tokens.len() < s.k && self.blocks.can_append(&seq.table) {
                     if let Some(c) = self.blocks.append(&mut seq.table, token)? {
-                        self.cache.copy_blocks(&[(c.src as usize, c.dst as usize)])?;
+                        copies.push((c.src as usize, c.dst as usize));
                     }
                     still.push(i);
                 }
-            }
+                Ok(())
+            });
+            self.flush(&copies)?;
+            sampled?;
             active = still;
         }
         Ok(out)

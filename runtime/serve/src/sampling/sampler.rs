@@ -94,13 +94,7 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32], history: &History) -> Result<Sampled> {
         let log_normaliser = self.prepare(logits, history)?;
         let token = if self.params.is_greedy() { self.argmax() } else { self.draw(history.generated().len() as u64, log_normaliser) };
-        let logprob = (self.scaled[token as usize] - log_normaliser) as f32;
-        let mut top = Vec::new();
-        if let Some(n) = self.params.logprobs.filter(|&n| n > 0) {
-            rank(&self.scaled, n, &mut self.ranked);
-            top.extend(self.ranked.iter().map(|&t| (t, (self.scaled[t as usize] - log_normaliser) as f32)));
-        }
-        Ok(Sampled { token, logprob, top })
+        Ok(self.report(token, log_normaliser))
     }
 
     /// The distribution a draw would come from after `history`: the tokens
@@ -158,13 +152,20 @@ impl Sampler {
                 }
             }
         };
+        Ok((self.report(token, lse), token == draft))
+    }
+
+    /// What is reported of the chosen `token`: its logprob under the scaled
+    /// logits of log-sum-exp `lse` (see [`Sampled::logprob`]), and the
+    /// request's top logprobs if it asked for them.
+    fn report(&mut self, token: u32, lse: f64) -> Sampled {
         let logprob = (self.scaled[token as usize] - lse) as f32;
         let mut top = Vec::new();
         if let Some(n) = self.params.logprobs.filter(|&n| n > 0) {
             rank(&self.scaled, n, &mut self.ranked);
             top.extend(self.ranked.iter().map(|&t| (t, (self.scaled[t as usize] - lse) as f32)));
         }
-        Ok((Sampled { token, logprob, top }, token == draft))
+        Sampled { token, logprob, top }
     }
 
     /// A uniform of the speculative stream (see [`uniform`](Self::uniform)).
