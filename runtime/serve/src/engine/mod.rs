@@ -556,8 +556,10 @@ fn run_forward<M: Module<In = Replicated, Out = SplitHidden>>(
     let result = model.forward(cx, Act::new(input));
     cx.set_decode(previous);
     let logits = result?.0.into_tensor();
-    let logits = if cx.tp().size() > 1 { cx.tp().all_gather(&logits, logits.rank() - 1)? } else { logits };
-    if logits.dims().first() != Some(&1) || logits.dims().get(1) != Some(&n) {
+    let shaped = |l: &Tensor| l.rank() == 3 && l.dims()[0] == 1 && l.dims()[1] == n;
+    // Checked before the gather too: a tensor without a vocabulary dimension has nothing to gather along.
+    let logits = if cx.tp().size() > 1 && shaped(&logits) { cx.tp().all_gather(&logits, 2)? } else { logits };
+    if !shaped(&logits) {
         return Err(Error::shape(
             "Engine",
             format!("the model gave logits {} for {n} sampled rows; a served model must end in a vocabulary head (`#[shard(vocab)]` Linear)", logits.shape()),
