@@ -14,6 +14,7 @@
 //! cargo run --release --example bench -- elementwise
 //! cargo run --release --example bench -- attention
 //! cargo run --release --example bench -- serve
+//! cargo run --release --example bench -- serve --cases quant
 //! cargo run --release --example bench -- quant_gemv --rows 1,4
 //! ```
 
@@ -59,7 +60,8 @@ enum Bench {
     /// layer shape by default) on the thread pool.
     Attention(attention::Args),
     /// The serving engine: continuous vs static batching, speculative vs
-    /// plain decoding, paged vs reserved KV memory (ratios from one run).
+    /// plain decoding, paged vs reserved KV memory, quantized vs f32
+    /// weights (ratios from one run).
     Serve(serve::Args),
     /// GPU figures (bf16 GEMM, attention, GPT-2 124M training) on a CUDA
     /// device; needs a build with `--features cuda` and a GPU.
