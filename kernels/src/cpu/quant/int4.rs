@@ -6,9 +6,11 @@
 //! 2` bytes, byte `j` holding weight `j` of the group in its low nibble and
 //! weight `j + group / 2` in its high nibble, each as `q + 8` (`1..=15`).
 //! Pairing a weight with the one half a group away, rather than with its
-//! neighbour, is what lets SIMD loops unpack sixteen bytes with one mask
-//! and one shift into two runs of sixteen consecutive weights, each met by
-//! consecutive values of `x`. Scales are `[n, k / group]` row-major.
+//! neighbour, lets a loop unpack a run of bytes with one mask and one shift
+//! into two runs of consecutive weights, each met by consecutive values of
+//! `x` (the portable and CUDA loops); the AVX2 loop reads `x` in an order
+//! of its own instead (see `x86::dot_i4`). Scales are `[n, k / group]`
+//! row-major.
 //!
 //! `group` must be even and divide `k`. Groups of a multiple of 32 weights
 //! (the default 128 included) run the SIMD loop; others the portable one.
@@ -148,20 +150,35 @@ pub(crate) fn matmul_with(isa: Isa, order: Rows, x: &[f32], m: usize, w: &Int4We
     } else if order.tile(m) {
         for_output_blocks(Frame { rows_multiple: super::TILE_ROWS, ..frame }, bias, y, |rows, out| tile(x, m, w, rows, out));
     } else {
+        // The SIMD loop reads each row of x in its own order (once per
+        // product: k values against the n·k weights).
+        #[cfg(target_arch = "x86_64")]
+        let ordered = (isa == Isa::Avx2).then(|| super::x86::i4_order(x, w.k, w.group));
+        #[cfg(target_arch = "x86_64")]
+        let x = ordered.as_deref().unwrap_or(x);
         for_output_blocks(frame, bias, y, |rows, out| fused(isa, x, m, w, rows, out));
     }
 }
 
-/// Channels `rows` for every row of `x`, straight from the packed codes.
-/// One row of `x` (decode): two channels at a time share each load of `x`.
+/// Channels `rows` for every row of `x` (`m` rows, in the form `isa`'s
+/// loop reads), straight from the packed codes.
+/// One row of `x` (decode): four channels at a time share each load of `x`.
 /// More rows: each sixteen bytes are unpacked once for up to four of them.
 /// Either way a row's outputs are the bits it gets alone (see
 /// [`dot_i4`](super::x86::dot_i4)).
 fn fused(isa: Isa, x: &[f32], m: usize, w: &Int4Weight<'_>, rows: Range<usize>, out: &mut [f32]) {
-    let xs: Vec<&[f32]> = x.chunks_exact(w.k).collect();
+    if m == 0 {
+        return;
+    }
+    let xs: Vec<&[f32]> = x.chunks_exact(x.len() / m).collect();
     let chan = |j: usize| (w.row(j), w.row_scales(j));
     if m == 1 {
         let (first, mut j) = (rows.start, rows.start);
+        while j + 4 <= rows.end {
+            let [d] = dot::<1, 4>(isa, &[xs[0]], &[chan(j), chan(j + 1), chan(j + 2), chan(j + 3)], w.group);
+            out[j - first..j - first + 4].copy_from_slice(&d);
+            j += 4;
+        }
         while j + 2 <= rows.end {
             let [d] = dot::<1, 2>(isa, &[xs[0]], &[chan(j), chan(j + 1)], w.group);
             out[j - first..j - first + 2].copy_from_slice(&d);

@@ -102,7 +102,19 @@ fn int8_matches_its_dequantized_weight_and_the_error_bound() {
             for bias in [None, Some(&b[..])] {
                 let mut y = vec![f32::NAN; m * n];
                 int8::matmul_with(isa, order, &x, m, &qw, bias, &mut y);
-                check_weight_only(&format!("int8 {isa:?} {order:?} m={m} n={n} k={k} bias={}", bias.is_some()), &x, &w, &deq, bias, m, n, k, &y, per_weight);
+                check_weight_only(
+                    &format!("int8 {isa:?} {order:?} m={m} n={n} k={k} bias={}", bias.is_some()),
+                    &x,
+                    &w,
+                    &deq,
+                    bias,
+                    m,
+                    n,
+                    k,
+                    &y,
+                    per_weight,
+                    0.0,
+                );
             }
         }
     }
@@ -110,8 +122,9 @@ fn int8_matches_its_dequantized_weight_and_the_error_bound() {
 
 #[test]
 fn int4_matches_its_dequantized_weight_and_the_error_bound() {
-    // (m, n, k, group): groups of 2 and 6 (portable loop only), 24, 32, 64
-    // and 128 (the SIMD loop from 32 on), several groups per row.
+    // (m, n, k, group): groups of 2 and 6 (portable loop only), 24, 32, 64,
+    // 96, 128 and 160 (the SIMD loop from 32 on; 32, 96 and 160 end each
+    // group with its short 16-byte chunk), several groups per row.
     let cases = [
         (1, 3, 2, 2),
         (1, 5, 12, 6),
@@ -126,6 +139,8 @@ fn int4_matches_its_dequantized_weight_and_the_error_bound() {
         (19, 150, 384, 128),
         (1, 300, 4096, 128),
         (2, 70, 1024, 64),
+        (2, 9, 192, 96),
+        (3, 6, 320, 160),
     ];
     for (s, &(m, n, k, group)) in cases.iter().enumerate() {
         let seed = 500 + 10 * s as u64;
@@ -147,15 +162,76 @@ fn int4_matches_its_dequantized_weight_and_the_error_bound() {
                 let mut y = vec![f32::NAN; m * n];
                 int4::matmul_with(isa, order, &x, m, &qw, bias, &mut y);
                 let what = format!("int4 {isa:?} {order:?} m={m} n={n} k={k} group={group} bias={}", bias.is_some());
-                check_weight_only(&what, &x, &w, &deq, bias, m, n, k, &y, per_weight);
+                check_weight_only(&what, &x, &w, &deq, bias, m, n, k, &y, per_weight, INT4_OFFSET);
             }
         }
     }
 }
 
+/// The AVX2 int4 loop meets codes scaled by up to 2^28 with x scaled by
+/// as much down: activations from 1e-20 to 1e30 (any sign) still give `x · dequant(W)`
+/// within rounding, neither overflowing nor losing the small ones.
+#[test]
+fn int4_takes_activations_of_any_magnitude() {
+    let (m, n, k, group) = (3, 10, 384, 128);
+    let w = weight(n, k, 71);
+    let x: Vec<f32> = rand_vec(72, m * k).into_iter().zip(rand_vec(73, m * k)).map(|(sign, e)| (10f64.powf(5.0 + 25.0 * e) * sign.signum()) as f32).collect();
+    let (mut packed, mut scales) = (vec![0u8; n * k / 2], vec![0f32; n * k / group]);
+    int4::quantize(&w, n, k, group, &mut packed, &mut scales);
+    let qw = Int4Weight { packed: &packed, scales: &scales, n, k, group };
+    let mut deq = vec![0f32; n * k];
+    int4::dequantize(&qw, &mut deq);
+    let (mut want, mut bound) = (vec![], vec![]);
+    for r in 0..m {
+        for j in 0..n {
+            let terms = (0..k).map(|kk| x[r * k + kk] as f64 * deq[j * k + kk] as f64);
+            want.push(terms.clone().sum::<f64>());
+            let offset = (0..k).map(|kk| (x[r * k + kk] as f64).abs() * INT4_OFFSET * scales[(j * k + kk) / group] as f64);
+            bound.push((k + 4) as f64 * U * (terms.map(f64::abs).sum::<f64>() + offset.sum::<f64>()));
+        }
+    }
+    for (isa, order) in modes() {
+        let mut y = vec![f32::NAN; m * n];
+        int4::matmul_with(isa, order, &x, m, &qw, None, &mut y);
+        within(&format!("int4 {isa:?} {order:?} with activations of 1e-20..1e30"), &y, &want, &bound);
+    }
+}
+
+/// Groups whose codes are nearly all zero (one large weight among tiny
+/// ones) against activations of one sign: the case where the AVX2 loop's
+/// offset codes (`q + 8`) cancel hardest against the group's correction.
+/// The result still holds its documented bound, and the zero codes add
+/// nothing beyond rounding.
+#[test]
+fn int4_mostly_zero_groups_keep_the_offset_bound() {
+    let (n, k, group) = (6, 512, 128);
+    for m in [1, 3] {
+        let w: Vec<f32> = (0..n * k).map(|i| if i % group == (i / k) % group { 1.0 + (i % 7) as f32 } else { 1e-4 * ((i % 5) as f32 - 2.0) }).collect();
+        let x: Vec<f32> = rand_vec(81, m * k).into_iter().map(|v| (1.0 + v.abs() * 1e3) as f32).collect();
+        let (mut packed, mut scales) = (vec![0u8; n * k / 2], vec![0f32; n * k / group]);
+        int4::quantize(&w, n, k, group, &mut packed, &mut scales);
+        let qw = Int4Weight { packed: &packed, scales: &scales, n, k, group };
+        let mut deq = vec![0f32; n * k];
+        int4::dequantize(&qw, &mut deq);
+        assert!(deq.iter().filter(|&&d| d == 0.0).count() > n * k * 9 / 10, "most codes are zero");
+        let per_weight = |kk: usize, j: usize| scales[(j * k + kk) / group] as f64 / 2.0;
+        for (isa, order) in modes() {
+            let mut y = vec![f32::NAN; m * n];
+            int4::matmul_with(isa, order, &x, m, &qw, None, &mut y);
+            check_weight_only(&format!("int4 {isa:?} {order:?} m={m}, mostly zero codes"), &x, &w, &deq, None, m, n, k, &y, per_weight, INT4_OFFSET);
+        }
+    }
+}
+
+/// The offset of stored int4 codes, which the AVX2 loop's partial sums
+/// carry (see `x86::dot_i4`): its rounding is bounded by `Σ |x| · (|q| + 8)
+/// · scale`.
+const INT4_OFFSET: f64 = 8.0;
+
 /// Checks a weight-only product `y` against the f64 product with the
 /// dequantized weight (rounding only) and with the f32 weight (the
-/// format's bound, `half_step(k, n)` being half the scale weight `[n, k]` has).
+/// format's bound, `half_step(k, n)` being half the scale weight `[n, k]`
+/// has); the loop's partial sums may carry `offset` codes per weight.
 #[allow(clippy::too_many_arguments)]
 fn check_weight_only(
     what: &str,
@@ -168,6 +244,7 @@ fn check_weight_only(
     k: usize,
     y: &[f32],
     half_step: impl Fn(usize, usize) -> f64,
+    offset: f64,
 ) {
     let (mut exact_deq, mut round_bound, mut exact_w, mut quant_bound) = (vec![], vec![], vec![], vec![]);
     for r in 0..m {
@@ -177,7 +254,7 @@ fn check_weight_only(
             for kk in 0..k {
                 let (xv, dv, wv) = (x[r * k + kk] as f64, deq[j * k + kk] as f64, w[j * k + kk] as f64);
                 sd += xv * dv;
-                mag += (xv * dv).abs();
+                mag += (xv * dv).abs() + xv.abs() * offset * 2.0 * half_step(kk, j);
                 sw += xv * wv;
                 err += xv.abs() * half_step(kk, j) * (1.0 + 1e-5);
             }

@@ -3,8 +3,8 @@
 //! The build targets the x86-64 baseline, so these functions are compiled
 //! for AVX2 and FMA with `#[target_feature]` and only called after
 //! [`available`] said the running CPU has both. Codes are widened to f32
-//! lanes in registers (sign extension, or a nibble mask and an offset)
-//! and met with x in fused multiply-adds; W8A8 multiplies bytes with bytes
+//! lanes in registers (int8 by sign extension, int4 by a mask per nibble,
+//! see [`dot_i4`]) and met with x in fused multiply-adds; W8A8 multiplies bytes with bytes
 //! (`vpmaddubsw`) and sums in i32 lanes.
 //!
 //! Every function takes slices and checks their lengths with assertions
@@ -205,15 +205,76 @@ pub(super) fn dot_i8_rows<const M: usize>(xs: &[&[f32]; M], row: &[i8]) -> [f32;
     out
 }
 
+/// The offset every stored int4 code carries (`q + 8`, see
+/// [`super::int4`]).
+const CODE_OFFSET: f64 = 8.0;
+
+/// Rows of `x` (`k` values each, `k` a multiple of `group`) in the form
+/// [`dot_i4`] reads: each row becomes its `k` values reordered and scaled,
+/// then one correction per group (`k + k / group` floats a row).
+///
+/// Per group, per chunk of the packed bytes (32 bytes, or 16 for the last
+/// chunk of a group whose half is an odd multiple of 16), nibble position
+/// `p` of the chunk's eight 32-bit lanes holds, lane by lane, the weights
+/// listed here consecutively: byte `p / 2` of each lane's bytes, its low
+/// nibble (weight `c + …` of the group) for even `p`, its high nibble
+/// (weight `group/2 + c + …`) for odd `p`. Each value is divided by
+/// `2^(4p)`, the place value of its nibble in the lane (exact unless it
+/// falls below `2^-98`, where it loses low bits: activations that small add
+/// nothing a product could show).
+///
+/// The loop reads nibbles below the top one as their stored `q + 8`; a
+/// group's correction is `8 · Σ x` over those weights (summed in f64), the
+/// part of the sum that is the offset's, not the weight's.
+pub(super) fn i4_order(x: &[f32], k: usize, group: usize) -> Vec<f32> {
+    let half = group / 2;
+    let mut out = Vec::with_capacity(x.len() + x.len() / group);
+    for row in x.chunks_exact(k) {
+        let mut corrections = Vec::with_capacity(k / group);
+        for xg in row.chunks_exact(group) {
+            let (mut c, mut offset) = (0, 0f64);
+            while c < half {
+                // Bytes per lane: 4 in a 32-byte chunk, 2 in a 16-byte one.
+                let per_lane = if half - c >= 32 { 4 } else { 2 };
+                for p in 0..2 * per_lane {
+                    for lane in 0..8 {
+                        let v = xg[(p % 2) * half + c + per_lane * lane + p / 2];
+                        out.push(v / (1u32 << (4 * p)) as f32);
+                        if p < 7 {
+                            offset += v as f64;
+                        }
+                    }
+                }
+                c += 8 * per_lane;
+            }
+            corrections.push((CODE_OFFSET * offset) as f32);
+        }
+        out.extend(corrections);
+    }
+    out
+}
+
 /// `Σ_g scales[g] · Σ_{i in group g} x[i] · q[i]` for each of the `M`
 /// rows of x against each of the `R` int4 channels (`(packed, scales)` in
-/// the layout of [`super::int4`]); `group / 2` must be a multiple of 16.
-/// Returns `out[row][channel]`.
+/// the layout of [`super::int4`]); `group / 2` must be a multiple of 16 and
+/// each row of x must come from [`i4_order`]. Returns `out[row][channel]`.
 ///
-/// Sixteen bytes hold weights `c..c + 16` of a group in their low nibbles
-/// and `c + group/2..` in their high ones: one mask and one shift give both
-/// runs, 8 is subtracted from the bytes (exact codes in `-8..=7`), and each
-/// run of eight widens to f32 lanes, unpacked once for all `M` rows.
+/// Unpacking is the cost (the weights stream from memory at a fraction of
+/// a cycle each), so a nibble becomes an f32 lane in two operations: the
+/// loop reads 32 bytes as eight 32-bit lanes of eight nibbles and, for each
+/// nibble position `p`, masks the other nibbles away — the lane is then the
+/// integer `(q + 8) · 2^(4p)`, converted exactly to f32 and met by x's
+/// value divided by `2^(4p)` (see [`i4_order`]). The top nibble, whose top
+/// bit is the lane's sign, has that bit flipped first (once per 32 bytes),
+/// which makes it `q · 2^28` in two's complement. The group's correction
+/// (minus 8 · the x of the other nibbles) starts the group's sum, so it
+/// ends as `Σ x · q`. Widening bytes and subtracting 8 (the obvious loop)
+/// took 2× as long. A group whose half is an odd multiple of 16 ends with a
+/// 16-byte chunk widened to eight lanes of two bytes.
+///
+/// The price is rounding: the partial sums carry `x · (q + 8)` terms, so
+/// the error is bounded by `Σ |x| · (|q| + 8)` rather than `Σ |x · q|` —
+/// far below what rounding the weights to four bits costs already.
 ///
 /// Every (row, channel) pair runs the same operations in the same order
 /// whatever `M` and `R` are — two accumulators per group, the group's sum
@@ -227,14 +288,18 @@ pub(super) fn dot_i4<const M: usize, const R: usize>(xs: &[&[f32]; M], chans: &[
     let groups = chans.first().map_or(0, |c| c.1.len());
     let k = groups * group;
     assert!(
-        xs.iter().all(|x| x.len() >= k) && chans.iter().all(|(p, s)| s.len() == groups && p.len() >= groups * half),
+        xs.iter().all(|x| x.len() >= k + groups) && chans.iter().all(|(p, s)| s.len() == groups && p.len() >= groups * half),
         "dot_i4: x or a channel is shorter than its groups"
     );
-    let mask = _mm_set1_epi8(0x0F);
-    let eight = _mm_set1_epi8(8);
+    let sign = _mm256_set1_epi32(i32::MIN);
     let mut total = [[_mm256_setzero_ps(); R]; M];
     for g in 0..groups {
         let mut a = [[[_mm256_setzero_ps(); 2]; R]; M];
+        for (a, x) in a.iter_mut().zip(xs) {
+            for a in a {
+                a[0] = _mm256_setr_ps(-x[k + g], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+            }
+        }
         let mut c = 0;
         while c < half {
             if (g * half + c).is_multiple_of(64) {
@@ -242,29 +307,42 @@ pub(super) fn dot_i4<const M: usize, const R: usize>(xs: &[&[f32]; M], chans: &[
                     prefetch(packed.as_ptr().wrapping_add(g * half + c));
                 }
             }
+            let whole = half - c >= 32;
             for (ch, (packed, _)) in chans.iter().enumerate() {
-                // SAFETY: c + 16 <= half, so the 16 bytes at g*half + c and the
-                // floats at g*group + c + 16 and g*group + half + c + 16 are
-                // inside every channel and every row of x (asserted above).
+                // SAFETY: c + 32 <= half (or c + 16 for the short chunk), so
+                // the bytes loaded at g*half + c are inside every channel,
+                // and the 2·(chunk bytes) floats at g*group + 2c inside every
+                // row of x (asserted above).
                 unsafe {
-                    let b = _mm_loadu_si128(packed.as_ptr().add(g * half + c) as *const __m128i);
-                    let lo = _mm_sub_epi8(_mm_and_si128(b, mask), eight);
-                    let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16::<4>(b), mask), eight);
-                    let w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-                    let w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
-                    let w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-                    let w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+                    let bytes = packed.as_ptr().add(g * half + c);
+                    let v = if whole {
+                        _mm256_xor_si256(_mm256_loadu_si256(bytes as *const __m256i), sign)
+                    } else {
+                        _mm256_cvtepu16_epi32(_mm_loadu_si128(bytes as *const __m128i))
+                    };
                     for (a, x) in a.iter_mut().zip(xs) {
                         let a = &mut a[ch];
-                        let xg = x.as_ptr().add(g * group + c);
-                        a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg), w0, a[0]);
-                        a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(8)), w1, a[1]);
-                        a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(half)), w2, a[0]);
-                        a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg.add(half + 8)), w3, a[1]);
+                        let xc = x.as_ptr().add(g * group + 2 * c);
+                        macro_rules! nibble {
+                            ($p:literal) => {
+                                let q = _mm256_and_si256(v, _mm256_set1_epi32((0xFu32 << (4 * $p)) as i32));
+                                a[$p % 2] = _mm256_fmadd_ps(_mm256_loadu_ps(xc.add(8 * $p)), _mm256_cvtepi32_ps(q), a[$p % 2]);
+                            };
+                        }
+                        nibble!(0);
+                        nibble!(1);
+                        nibble!(2);
+                        nibble!(3);
+                        if whole {
+                            nibble!(4);
+                            nibble!(5);
+                            nibble!(6);
+                            nibble!(7);
+                        }
                     }
                 }
             }
-            c += 16;
+            c += if whole { 32 } else { 16 };
         }
         for (t, a) in total.iter_mut().zip(&a) {
             for ((t, a), (_, scales)) in t.iter_mut().zip(a).zip(chans) {
