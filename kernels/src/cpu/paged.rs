@@ -122,7 +122,7 @@ pub fn kv_cache_write<S: Copy + Send + Sync>(d: &PagedDims, qkv: &[S], slots: &[
 }
 
 /// Below this many multiply-adds of `q·k` the call runs on the calling thread.
-const PARALLEL_MIN_WORK: usize = 1 << 16;
+const PARALLEL_MIN_WORK: usize = 1 << 13;
 
 /// `out[t, h] = softmax_j(scale · q[t,h]·k[j]) · v[j]` over the positions
 /// `j = 0..=positions[t]` of sequence `token_seq[t]`, keys and values read

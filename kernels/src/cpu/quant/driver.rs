@@ -18,7 +18,7 @@ const TASK_BYTES: usize = 32 << 10;
 
 /// Below this many multiply-adds the whole product runs on the calling
 /// thread: waking the pool would cost more than it saves.
-const PAR_MIN_MACS: usize = 1 << 20;
+const PAR_MIN_MACS: usize = 1 << 18;
 
 /// The sizes of a product, as the frame needs them.
 #[derive(Clone, Copy, Debug)]
