@@ -34,7 +34,7 @@ use schedule::Planned;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use tessera_core::ops::PagedBatch;
-use tessera_core::{DType, Error, Result, Tensor};
+use tessera_core::{DType, Device, Error, Result, Tensor};
 use tessera_nn::module::{Act, Cx, Decode, KvCache, Module, Replicated, SplitHidden};
 
 /// Makes a request's [`PieceDecoder`] from its prompt.
@@ -319,6 +319,24 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Engine<M> {
     /// samples, and returns an output for each request that generated a
     /// token or finished.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
+        // A step's operations hand their parallel parts to the kernels'
+        // thread pool one by one, a few hundred per token at batch 1. From
+        // outside the pool each hand-off wakes a worker, puts the caller to
+        // sleep and wakes it again; from a pool thread the caller works on
+        // its own part and nobody sleeps. So a single-rank CPU engine runs
+        // the whole step on a pool thread (one hand-off per step). Not with
+        // tensor parallelism: rank threads wait for each other in
+        // collectives, which must not hold the pool's threads; nor on a GPU,
+        // whose context is bound to the calling thread.
+        let on_cpu = matches!(self.cx.device(), Device::Cpu(_));
+        if on_cpu && self.cx.tp().size() == 1 && rayon::current_thread_index().is_none() {
+            return rayon::scope(|_| self.step_here());
+        }
+        self.step_here()
+    }
+
+    /// [`Engine::step`] on the calling thread.
+    fn step_here(&mut self) -> Result<Vec<RequestOutput>> {
         let mut outputs = std::mem::take(&mut self.ended);
         let mut plan = schedule::schedule(self)?;
         outputs.append(&mut std::mem::take(&mut self.ended));

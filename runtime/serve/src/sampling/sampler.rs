@@ -1,12 +1,16 @@
 //! Turning one step's logits into a token: penalties, temperature, filters,
 //! then argmax or a seeded draw.
 
+use rayon::prelude::*;
 use tessera_core::{Error, Result, RngKey};
 
 use super::filter::{rank, truncate};
 use super::{History, SamplingParams};
 
 const OP: &str = "Sampler::sample";
+
+/// Logits per task of the log-sum-exp (a 32k vocabulary is eight tasks).
+const LSE_CHUNK: usize = 4096;
 
 /// The random stream of token draws, so a request's seed used elsewhere (say
 /// for a draft model) gives independent values.
@@ -194,12 +198,25 @@ impl Sampler {
         }
         // Greedy decoding reports logprobs at temperature 1, where they mean something.
         let temperature = if self.params.is_greedy() { 1.0 } else { f64::from(self.params.temperature) };
-        let mut sum = 0.0;
-        for z in self.scaled.iter_mut() {
-            *z /= temperature;
-            sum += (*z - max / temperature).exp();
-        }
-        Ok(max / temperature + sum.ln())
+        let top = max / temperature;
+        // The exponentials are most of a step's sampling (one per token of
+        // the vocabulary), done while the rest of the machine would wait:
+        // chunks run on the thread pool, their sums added in chunk order so
+        // the result does not depend on the threads.
+        let sums: Vec<f64> = self
+            .scaled
+            .par_chunks_mut(LSE_CHUNK)
+            .map(|chunk| {
+                chunk
+                    .iter_mut()
+                    .map(|z| {
+                        *z /= temperature;
+                        (*z - top).exp()
+                    })
+                    .sum::<f64>()
+            })
+            .collect();
+        Ok(top + sums.iter().sum::<f64>().ln())
     }
 
     /// The most likely token, ties to the lowest id; no randomness.
