@@ -337,15 +337,11 @@ fn quant_product(op: &'static str, x: &Tensor, w: &QuantizedWeight, bias: Option
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{Init, RngKey};
 
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
+    /// A seeded `[-1, 1)` f32 tensor of `dims` on `dev`.
+    fn uniform<const N: usize>(dims: [usize; N], seed: u64, dev: &Device) -> Tensor {
+        Tensor::rand(Init::Uniform { lo: -1.0, hi: 1.0 }, RngKey::new(seed, 0), dims, DType::F32, dev).unwrap()
     }
 
     /// The op on tensors gives the kernels' result, for every format and
@@ -355,9 +351,9 @@ mod tests {
     fn the_op_matches_the_dequantized_product_for_every_format_and_dtype() {
         let dev = Device::cpu();
         let (n, k) = (12, 64);
-        let w = Tensor::from_vec(values(n * k, 1), [n, k], &dev).unwrap();
-        let b = Tensor::from_vec(values(n, 2), [n], &dev).unwrap();
-        let x = Tensor::from_vec(values(2 * 3 * k, 3), [2, 3, k], &dev).unwrap();
+        let w = uniform([n, k], 1, &dev);
+        let b = uniform([n], 2, &dev);
+        let x = uniform([2, 3, k], 3, &dev);
         for format in [QuantFormat::Int8, QuantFormat::Int4 { group_size: 32 }, QuantFormat::W8A8] {
             let q = quantize(&w, format).unwrap();
             assert_eq!((q.format(), q.shape(), q.bytes()), (format, Shape::new([n, k]), format.code_bytes(n, k) + 4 * format.scale_count(n, k)));
@@ -387,9 +383,9 @@ mod tests {
     fn the_row_invariant_product_gives_a_row_its_bits_alone() {
         let dev = Device::cpu();
         let (m, n, k) = (20, 9, 72);
-        let w = Tensor::from_vec(values(n * k, 4), [n, k], &dev).unwrap();
-        let b = Tensor::from_vec(values(n, 5), [n], &dev).unwrap();
-        let x = Tensor::from_vec(values(m * k, 6), [m, k], &dev).unwrap();
+        let w = uniform([n, k], 4, &dev);
+        let b = uniform([n], 5, &dev);
+        let x = uniform([m, k], 6, &dev);
         for format in [QuantFormat::Int8, QuantFormat::Int4 { group_size: 24 }, QuantFormat::Int4 { group_size: 36 }, QuantFormat::W8A8] {
             let q = quantize(&w, format).unwrap();
             for dtype in [DType::F32, DType::BF16] {
@@ -411,7 +407,7 @@ mod tests {
     #[test]
     fn bad_operands_are_refused_with_the_fix() {
         let dev = Device::cpu();
-        let w = Tensor::from_vec(values(4 * 96, 1), [4, 96], &dev).unwrap();
+        let w = uniform([4, 96], 1, &dev);
         let err = |r: Result<QuantizedWeight>| r.unwrap_err().to_string();
         let e = err(quantize(&w, QuantFormat::int4()));
         assert!(e.contains("96 input features are not a multiple of the int4 group size 128") && e.contains("group_size: 96"), "{e}");
@@ -424,7 +420,7 @@ mod tests {
         assert!(e.contains("[out_features, in_features]"), "{e}");
         let e = err(quantize(&Tensor::zeros([2, 2], DType::U32, &dev).unwrap(), QuantFormat::Int8));
         assert!(e.contains("expected dtype"), "{e}");
-        let mut bad = values(8, 2);
+        let mut bad = uniform([8], 2, &dev).to_vec::<f32>().unwrap();
         bad[5] = f32::NAN;
         let e = err(quantize(&Tensor::from_vec(bad, [2, 4], &dev).unwrap(), QuantFormat::Int8));
         assert!(e.contains("[1, 1] is NaN"), "{e}");
