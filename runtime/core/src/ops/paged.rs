@@ -19,7 +19,7 @@ use crate::backend::cuda::{self, CudaDevice, CudaStorage};
 use crate::backend::kernel::Out;
 use crate::backend::{Device, Storage};
 use crate::error::{Error, Result};
-use crate::tensor::{check_device, DType, Shape, Tensor};
+use crate::tensor::{check_device, check_float, DType, Shape, Tensor};
 use half::{bf16, f16};
 use std::ops::Range;
 use tessera_kernels::cpu::paged::{kv_cache_write as write_kernel, paged_attention as attend_kernel, PagedDims};
@@ -181,6 +181,7 @@ fn on_cuda<'a>(op: &'static str, s: &'a Storage, device: &Device) -> Result<&'a 
 /// `batch.slots` of the caches, in place.
 pub fn kv_cache_write(qkv: &Tensor, h: QkvHeads, k_cache: &Tensor, v_cache: &Tensor, batch: &PagedBatch) -> Result<()> {
     const OP: &str = "kv_cache_write";
+    check_float(OP, qkv)?;
     let slots = check(OP, qkv, h, k_cache, v_cache, batch)?;
     let d = batch.dims(h, slots);
     let qkv = qkv.contiguous()?;
@@ -193,24 +194,13 @@ pub fn kv_cache_write(qkv: &Tensor, h: QkvHeads, k_cache: &Tensor, v_cache: &Ten
         return write_cuda(dev, qkv.dtype(), &d, batch, (x, range), (k, kr), (v, vr));
     }
     let (Storage::Cpu(x), Storage::Cpu(k), Storage::Cpu(v)) = (&*g, &mut *kg, &mut *vg) else { unreachable!("host devices checked") };
-    macro_rules! go {
-        ($t:ty) => {
-            write_kernel(
-                &d,
-                &x.as_slice::<$t>().expect("dtype")[range],
-                &batch.slots,
-                &mut k.as_mut_slice::<$t>().expect("dtype")[kr],
-                &mut v.as_mut_slice::<$t>().expect("dtype")[vr],
-            )
-        };
-    }
-    match qkv.dtype() {
-        DType::F32 => go!(f32),
-        DType::F64 => go!(f64),
-        DType::BF16 => go!(bf16),
-        DType::F16 => go!(half::f16),
-        other => return Err(Error::DType { op: OP, expected: "a float dtype".into(), got: other, hint: "" }),
-    }
+    // The write moves values without reading them, so it runs on bytes:
+    // every offset is a multiple of `head_dim`, which in bytes is the
+    // element size times as many.
+    let size = qkv.dtype().size_in_bytes();
+    let bytes = |r: Range<usize>| r.start * size..r.end * size;
+    let d = PagedDims { head_dim: d.head_dim * size, ..d };
+    write_kernel(&d, &x.as_bytes()[bytes(range)], &batch.slots, &mut k.as_bytes_mut()[bytes(kr)], &mut v.as_bytes_mut()[bytes(vr)]);
     Ok(())
 }
 
@@ -286,6 +276,7 @@ pub fn copy_blocks(cache: &Tensor, rows: usize, pairs: &[(usize, usize)]) -> Res
         // sequence; the device-to-device copy is not written yet.
         return Err(Error::NotImplementedOnCuda { op: OP });
     }
+    check_float(OP, cache)?;
     let total = cache.dims().first().copied().unwrap_or(0);
     if rows == 0 || !total.is_multiple_of(rows) || !cache.is_contiguous() {
         return Err(Error::invalid(OP, format!("a cache {} in blocks of {rows} rows; it must be contiguous and whole blocks", cache.shape())));
@@ -294,24 +285,15 @@ pub fn copy_blocks(cache: &Tensor, rows: usize, pairs: &[(usize, usize)]) -> Res
     if let Some((a, b)) = pairs.iter().find(|(a, b)| *a >= blocks || *b >= blocks || a == b) {
         return Err(Error::invalid(OP, format!("block copy {a} → {b} in a cache of {blocks} blocks; copy between two distinct blocks of the cache")));
     }
-    let row = cache.elem_count() / total.max(1) * rows;
+    // Bytes, whatever the dtype: a copy moves values without reading them.
+    let size = cache.dtype().size_in_bytes();
+    let row = cache.elem_count() / total.max(1) * rows * size;
     let range = cache.layout().contiguous_range().expect("checked");
     let mut g = cache.write();
     let Storage::Cpu(s) = &mut *g else { unreachable!("host device checked") };
-    macro_rules! go {
-        ($t:ty) => {{
-            let data = &mut s.as_mut_slice::<$t>().expect("dtype")[range];
-            for &(a, b) in pairs {
-                data.copy_within(a * row..(a + 1) * row, b * row);
-            }
-        }};
-    }
-    match cache.dtype() {
-        DType::F32 => go!(f32),
-        DType::F64 => go!(f64),
-        DType::BF16 => go!(bf16),
-        DType::F16 => go!(half::f16),
-        other => return Err(Error::DType { op: OP, expected: "a float cache".into(), got: other, hint: "" }),
+    let data = &mut s.as_bytes_mut()[range.start * size..range.end * size];
+    for &(a, b) in pairs {
+        data.copy_within(a * row..(a + 1) * row, b * row);
     }
     Ok(())
 }
@@ -622,5 +604,49 @@ mod tests {
         }
         // Both answers must be common, and the ops must run real steps, or the test checks little.
         assert!(accepted > 4000 && refused > 12_000 && ran > 2000, "{accepted} steps accepted ({ran} with tokens run), {refused} refused");
+    }
+
+    /// The cache write and the block copy move bytes, whatever the dtype:
+    /// in f32, f64, bf16 and f16 they leave exactly what the typed write (on
+    /// the values widened to f64, which is exact) and a copy of the rows
+    /// leave, and they refuse integer tensors.
+    #[test]
+    fn writes_and_block_copies_move_every_float_dtype_exactly() {
+        let dev = Device::cpu();
+        let h = QkvHeads { q_heads: 4, kv_heads: 2, head_dim: 3 };
+        let (block, slots) = (2, 8);
+        // Two sequences of 3 and 2 tokens in blocks [1, 3] and [0, 2].
+        let b = PagedBatch {
+            block_size: block,
+            positions: vec![0, 1, 2, 0, 1],
+            token_seq: vec![0, 0, 0, 1, 1],
+            slots: vec![2, 3, 6, 0, 1],
+            block_tables: vec![1, 3, 0, 2],
+            table_width: 2,
+        };
+        let width = h.width();
+        let qkv64 = Tensor::rand(crate::Init::Uniform { lo: -2.0, hi: 2.0 }, RngKey::new(5, 0), [b.tokens(), width], DType::F64, &dev).unwrap();
+        for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+            let qkv = qkv64.to_dtype(dtype).unwrap();
+            let zeros = || Tensor::zeros([slots, h.kv_heads, h.head_dim], dtype, &dev).unwrap();
+            let (k, v) = (zeros(), zeros());
+            kv_cache_write(&qkv, h, &k, &v, &b).unwrap();
+            let exact = qkv.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
+            let (mut wk, mut wv) = (vec![0f64; slots * h.kv_heads * h.head_dim], vec![0f64; slots * h.kv_heads * h.head_dim]);
+            write_kernel(&b.dims(h, slots), &exact, &b.slots, &mut wk, &mut wv);
+            let got = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
+            assert_eq!((got(&k), got(&v)), (wk.clone(), wv), "{dtype}: the cache write");
+            let pairs = [(1, 2), (3, 0)];
+            copy_blocks(&k, block, &pairs).unwrap();
+            let row = block * h.kv_heads * h.head_dim;
+            for (a, c) in pairs {
+                wk.copy_within(a * row..(a + 1) * row, c * row);
+            }
+            assert_eq!(got(&k), wk, "{dtype}: the block copy");
+        }
+        let ints = Tensor::zeros([slots, h.kv_heads, h.head_dim], DType::I32, &dev).unwrap();
+        assert!(matches!(copy_blocks(&ints, block, &[(0, 1)]), Err(Error::DType { .. })));
+        let qkv = Tensor::zeros([b.tokens(), width], DType::I32, &dev).unwrap();
+        assert!(matches!(kv_cache_write(&qkv, h, &ints, &ints, &b), Err(Error::DType { .. })));
     }
 }

@@ -103,4 +103,15 @@ impl CpuStorage {
         }
         with_buffer!(self, b => bytemuck::try_cast_slice_mut::<_, T>(b).ok())
     }
+
+    /// The elements' bytes, whatever the dtype: for operations that move
+    /// values without reading them (element `i` is bytes `i·size..(i+1)·size`).
+    pub fn as_bytes(&self) -> &[u8] {
+        with_buffer!(self, b => bytemuck::cast_slice(b))
+    }
+
+    /// The elements' bytes, writable (see [`as_bytes`](Self::as_bytes)).
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        with_buffer!(self, b => bytemuck::cast_slice_mut(b))
+    }
 }
