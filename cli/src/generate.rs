@@ -10,13 +10,12 @@ use crate::model::{with_model, UseModel};
 use anyhow::{bail, Context};
 use std::io::Write as _;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 use tessera::data::SpecialTokens;
 use tessera::module::{Cx, Module, Replicated, SplitHidden};
 use tessera::ops::QuantFormat;
-use tessera::serve::engine::{Engine, EngineConfig, FinishReason, PieceDecoder, PromptLookup, RequestId};
-use tessera::serve::prompt::{ChatMessage, Detokenizer, ModelTokenizer, TOKENIZER_FILE};
+use tessera::serve::engine::{Engine, EngineConfig, FinishReason, PromptLookup, RequestId};
+use tessera::serve::prompt::{ChatMessage, ModelTokenizer, TOKENIZER_FILE};
 use tessera::serve::sampling::SamplingParams;
 
 /// Arguments of `tessera generate`.
@@ -148,11 +147,7 @@ fn serve<M: Module<In = Replicated, Out = SplitHidden>>(args: &Args, model: M, c
     // Text per request: the engine detokenizes each through its own
     // decoder, holding back what a stop string may still cut.
     if let Some(t) = &tokenizer {
-        let t = t.clone();
-        engine = engine.with_detokenizer(Arc::new(move |prompt: &[u32]| -> PieceDecoder {
-            let mut d = Detokenizer::new(&t, prompt, SpecialTokens::Omitted);
-            Box::new(move |id| d.push(id).ok().flatten().unwrap_or_default())
-        }));
+        engine = engine.with_tokenizer(t);
     }
     let mut ids: Vec<RequestId> = Vec::new();
     for p in &prompts {

@@ -55,12 +55,14 @@
 //! [`fuzz`] holds the bounded mutation fuzzer the project runs on its
 //! loaders of outside input.
 
+mod byte_level;
 mod compare;
 mod fd;
 pub mod fuzz;
 mod run;
 mod scratch;
 
+pub use byte_level::byte_chars;
 pub use run::Rank;
 pub use scratch::Scratch;
 

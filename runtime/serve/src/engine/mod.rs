@@ -27,6 +27,7 @@ pub use request::PieceDecoder;
 pub use speculate::{DraftInput, DraftModel, Drafter, PromptLookup, Proposal};
 
 use crate::kv::BlockManager;
+use crate::prompt::{Detokenizer, ModelTokenizer};
 use crate::sampling::{History, Sampler, SamplingParams, StopChecker};
 use layout::StepBatch;
 use request::Request;
@@ -35,6 +36,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use tessera_core::ops::PagedBatch;
 use tessera_core::{DType, Device, Error, Result, Tensor};
+use tessera_data::SpecialTokens;
 use tessera_nn::module::{Act, Cx, Decode, KvCache, Module, Replicated, SplitHidden};
 
 /// Makes a request's [`PieceDecoder`] from its prompt.
@@ -171,6 +173,19 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Engine<M> {
     pub fn with_detokenizer(mut self, make: TextFactory) -> Engine<M> {
         self.text = Some(make);
         self
+    }
+
+    /// Decodes generated tokens into text with `tokenizer` (special tokens
+    /// left out), as a client wants to read them: the usual
+    /// [`with_detokenizer`](Self::with_detokenizer).
+    pub fn with_tokenizer(self, tokenizer: &ModelTokenizer) -> Engine<M> {
+        let tokenizer = tokenizer.clone();
+        self.with_detokenizer(Arc::new(move |prompt: &[u32]| -> PieceDecoder {
+            let mut d = Detokenizer::new(&tokenizer, prompt, SpecialTokens::Omitted);
+            // An id the tokenizer cannot show adds no text; the token itself
+            // is still reported.
+            Box::new(move |id| d.push(id).ok().flatten().unwrap_or_default())
+        }))
     }
 
     /// Decodes speculatively: each step, `drafter` proposes up to `k` tokens

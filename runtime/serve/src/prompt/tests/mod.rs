@@ -10,24 +10,7 @@ mod templates;
 
 use serde_json::{json, Value};
 use std::path::Path;
-use tessera::testing::Scratch;
-
-/// GPT-2's map from bytes to the printable characters a byte-level BPE
-/// spells them with: printable Latin-1 as itself, the rest shifted past 255.
-pub(super) fn byte_chars() -> Vec<char> {
-    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
-    let mut shifted = 0;
-    (0u32..256)
-        .map(|b| {
-            if printable(b) {
-                char::from_u32(b).unwrap_or('?')
-            } else {
-                shifted += 1;
-                char::from_u32(255 + shifted).unwrap_or('?')
-            }
-        })
-        .collect()
-}
+use tessera::testing::{byte_chars, Scratch};
 
 /// The special tokens of the byte-level fixture, after its 256 byte tokens
 /// and its merges: Llama 3's.
