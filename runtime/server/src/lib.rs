@@ -9,6 +9,7 @@
 //! | `POST /v1/chat/completions` | messages rendered by the model's chat template, the assistant's reply out; streams the same way |
 //! | `GET /v1/models` | the one model served |
 //! | `GET /health` | 200 while the engine runs, 503 once it has stopped |
+//! | `GET /metrics` | Prometheus text: requests, tokens, latencies, queue, KV cache (see [`metrics`]) |
 //!
 //! Errors are OpenAI's error objects (see [`ApiError`]): 400 for a
 //! malformed body, a field of the wrong type or value, or a prompt the
@@ -19,6 +20,7 @@
 
 mod api;
 mod error;
+pub mod metrics;
 mod routes;
 
 use std::sync::atomic::AtomicU64;
@@ -44,13 +46,23 @@ pub struct ServerState {
     pub api_key: Option<String>,
     /// When the server started (Unix seconds), for `/v1/models`.
     pub created: u64,
+    /// The server's counts for `/metrics`.
+    pub metrics: metrics::Metrics,
     next_id: AtomicU64,
 }
 
 impl ServerState {
     /// A server's state; the time is now.
     pub fn new(driver: Driver, tokenizer: Option<ModelTokenizer>, model_name: impl Into<String>, api_key: Option<String>) -> ServerState {
-        ServerState { driver, tokenizer, model_name: model_name.into(), api_key, created: unix_now(), next_id: AtomicU64::new(0) }
+        ServerState {
+            driver,
+            tokenizer,
+            model_name: model_name.into(),
+            api_key,
+            created: unix_now(),
+            metrics: metrics::Metrics::default(),
+            next_id: AtomicU64::new(0),
+        }
     }
 }
 
@@ -61,6 +73,7 @@ pub fn router(state: Arc<ServerState>) -> Router {
         .route("/v1/chat/completions", post(routes::chat))
         .route("/v1/models", get(routes::models))
         .route("/health", get(routes::health))
+        .route("/metrics", get(routes::metrics))
         .with_state(state)
 }
 

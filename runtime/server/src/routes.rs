@@ -5,6 +5,7 @@
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -31,24 +32,47 @@ type Shared = State<Arc<ServerState>>;
 const DEFAULT_COMPLETION_TOKENS: usize = 16;
 
 /// `POST /v1/completions`.
-pub async fn completions(State(state): Shared, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
-    let body = api::body(&body)?;
-    let req = CompletionRequest { sampling: api::part(&body)?, ..api::part(&body)? };
-    check_model(&state, &req.model)?;
-    let prompts = completion_prompts(&state, &req.prompt)?;
-    let params = engine_params(&state, &req.sampling, DEFAULT_COMPLETION_TOKENS, req.logprobs)?;
-    let echo = if req.echo { prompts.iter().map(|p| text_of(&state, p)).collect() } else { vec![String::new(); prompts.len()] };
-    let answer = Answer { flavor: Flavor::Completion, id: format!("cmpl-{}", next_id(&state)), top: req.logprobs.map(|k| k as usize), echo };
-    run(state, answer, prompts, &req.sampling, params).await
+pub async fn completions(State(state): Shared, headers: HeaderMap, body: Bytes) -> Response {
+    let answer = completion(&state, &headers, &body).await;
+    counted(&state, "completions", answer)
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat(State(state): Shared, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
-    let body = api::body(&body)?;
+pub async fn chat(State(state): Shared, headers: HeaderMap, body: Bytes) -> Response {
+    let answer = chat_completion(&state, &headers, &body).await;
+    counted(&state, "chat", answer)
+}
+
+/// The response, its status counted for `/metrics`.
+fn counted(state: &ServerState, endpoint: &'static str, answer: Result<Response, ApiError>) -> Response {
+    let response = answer.unwrap_or_else(IntoResponse::into_response);
+    state.metrics.request(endpoint, response.status().as_u16());
+    response
+}
+
+/// `GET /metrics`.
+pub async fn metrics(State(state): Shared) -> Response {
+    let text = state.metrics.render(&state.driver);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+async fn completion(state: &Arc<ServerState>, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
+    authorize(state, headers)?;
+    let body = api::body(body)?;
+    let req = CompletionRequest { sampling: api::part(&body)?, ..api::part(&body)? };
+    check_model(state, &req.model)?;
+    let prompts = completion_prompts(state, &req.prompt)?;
+    let params = engine_params(state, &req.sampling, DEFAULT_COMPLETION_TOKENS, req.logprobs)?;
+    let echo = if req.echo { prompts.iter().map(|p| text_of(state, p)).collect() } else { vec![String::new(); prompts.len()] };
+    let answer = Answer { flavor: Flavor::Completion, id: format!("cmpl-{}", next_id(state)), top: req.logprobs.map(|k| k as usize), echo };
+    run(Arc::clone(state), answer, prompts, &req.sampling, params).await
+}
+
+async fn chat_completion(state: &Arc<ServerState>, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
+    authorize(state, headers)?;
+    let body = api::body(body)?;
     let mut req = ChatRequest { sampling: api::part(&body)?, ..api::part(&body)? };
-    check_model(&state, &req.model)?;
+    check_model(state, &req.model)?;
     let Some(tokenizer) = &state.tokenizer else {
         return Err(ApiError::invalid("this model has no tokenizer, so no chat template; use /v1/completions with token ids", Some("messages")));
     };
@@ -62,9 +86,9 @@ pub async fn chat(State(state): Shared, headers: HeaderMap, body: Bytes) -> Resu
     // Without a limit a reply may run to the end of the context.
     let room = state.driver.info().max_model_len.saturating_sub(prompt.len()).max(1);
     let top = req.logprobs.then(|| req.top_logprobs.unwrap_or(0));
-    let params = engine_params(&state, &req.sampling, room, top)?;
-    let answer = Answer { flavor: Flavor::Chat, id: format!("chatcmpl-{}", next_id(&state)), top: top.map(|k| k as usize), echo: vec![String::new()] };
-    run(state, answer, vec![prompt], &req.sampling, params).await
+    let params = engine_params(state, &req.sampling, room, top)?;
+    let answer = Answer { flavor: Flavor::Chat, id: format!("chatcmpl-{}", next_id(state)), top: top.map(|k| k as usize), echo: vec![String::new()] };
+    run(Arc::clone(state), answer, vec![prompt], &req.sampling, params).await
 }
 
 /// `GET /v1/models`.
@@ -193,6 +217,39 @@ struct Job {
     index: usize,
     prompt: usize,
     rx: UnboundedReceiver<Event>,
+    timing: Timing,
+}
+
+/// When a request's tokens came, for the latency metrics.
+struct Timing {
+    submitted: Instant,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    tokens: usize,
+}
+
+impl Timing {
+    fn new() -> Timing {
+        Timing { submitted: Instant::now(), first: None, last: None, tokens: 0 }
+    }
+
+    fn tokens(&mut self, n: usize) {
+        if n > 0 {
+            let now = Instant::now();
+            self.first.get_or_insert(now);
+            self.last = Some(now);
+            self.tokens += n;
+        }
+    }
+
+    fn report(&self, metrics: &crate::metrics::Metrics) {
+        let first = self.first.map(|f| f - self.submitted);
+        let after = match (self.first, self.last) {
+            (Some(f), Some(l)) => l - f,
+            _ => std::time::Duration::ZERO,
+        };
+        metrics.finished(first, after, self.tokens);
+    }
 }
 
 /// Submits every (prompt, choice) and waits until the engine has taken
@@ -208,12 +265,12 @@ async fn start(state: &ServerState, prompts: &[Vec<u32>], n: usize, params: &Sam
             params.seed = params.seed.map(|s| s.wrapping_add(c as u64));
             let (tx, rx) = mpsc::unbounded_channel();
             state.driver.submit(ids.clone(), params, ClientSink(tx))?;
-            jobs.push(Job { index: p * n + c, prompt: p, rx });
+            jobs.push(Job { index: p * n + c, prompt: p, rx, timing: Timing::new() });
         }
     }
     for job in &mut jobs {
         match job.rx.recv().await {
-            Some(Event::Admitted(_)) => {}
+            Some(Event::Admitted(_)) => state.metrics.prompt(prompts[job.prompt].len()),
             Some(Event::Rejected(e)) => return Err(ApiError::invalid(e.to_string(), None)),
             Some(Event::Output(_)) | None => return Err(ApiError::internal("the engine answered out of order or stopped; see the server's log")),
         }
@@ -236,6 +293,7 @@ async fn run(state: Arc<ServerState>, answer: Answer, prompts: Vec<Vec<u32>>, sa
         let (mut tokens, mut text, mut finish) = (Vec::new(), String::new(), None);
         while let Some(event) = job.rx.recv().await {
             if let Event::Output(out) = event {
+                job.timing.tokens(out.tokens.len());
                 tokens.extend(out.tokens);
                 text.push_str(&out.text);
                 if out.finished.is_some() {
@@ -244,10 +302,12 @@ async fn run(state: Arc<ServerState>, answer: Answer, prompts: Vec<Vec<u32>>, sa
                 }
             }
         }
+        job.timing.report(&state.metrics);
         let reason = finish_reason(finish.as_ref())?;
         completion_tokens += tokens.len();
         let text = format!("{}{text}", answer.echo[job.prompt]);
-        choices.push(answer.choice(&state, job.index, &text, &tokens, Some(reason), false));
+        let mut offset = answer.echo[job.prompt].len();
+        choices.push(answer.choice(&state, job.index, &text, &tokens, Some(reason), false, &mut offset));
     }
     Ok(Json(json!({
         "id": answer.id,
@@ -272,6 +332,9 @@ fn stream(state: Arc<ServerState>, answer: Answer, jobs: Vec<Job>, usage_prompt:
             SseEvent::default().data(body.to_string())
         };
         let mut streams = StreamMap::new();
+        let mut timings = std::collections::HashMap::new();
+        // Where each choice's next token starts in its text, for `text_offset`.
+        let mut offsets = std::collections::HashMap::new();
         for job in jobs {
             if answer.flavor == Flavor::Chat {
                 let first = json!({"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
@@ -280,10 +343,12 @@ fn stream(state: Arc<ServerState>, answer: Answer, jobs: Vec<Job>, usage_prompt:
                 }
             }
             let echo = &answer.echo[job.prompt];
-            if !echo.is_empty() && tx.send(chunk(vec![answer.choice(&state, job.index, echo, &[], None, true)])).await.is_err() {
+            if !echo.is_empty() && tx.send(chunk(vec![answer.choice(&state, job.index, echo, &[], None, true, &mut 0)])).await.is_err() {
                 return;
             }
+            offsets.insert(job.index, echo.len());
             streams.insert(job.index, UnboundedReceiverStream::new(job.rx));
+            timings.insert(job.index, job.timing);
         }
         let mut completion_tokens = 0;
         while let Some((index, event)) = streams.next().await {
@@ -292,6 +357,12 @@ fn stream(state: Arc<ServerState>, answer: Answer, jobs: Vec<Job>, usage_prompt:
                 continue;
             }
             completion_tokens += out.tokens.len();
+            if let Some(t) = timings.get_mut(&index) {
+                t.tokens(out.tokens.len());
+                if out.finished.is_some() {
+                    t.report(&state.metrics);
+                }
+            }
             let reason = match out.finished.as_ref().map(|f| finish_reason(Some(f))) {
                 None => None,
                 Some(Ok(r)) => Some(r),
@@ -303,7 +374,8 @@ fn stream(state: Arc<ServerState>, answer: Answer, jobs: Vec<Job>, usage_prompt:
                     continue;
                 }
             };
-            if tx.send(chunk(vec![answer.choice(&state, index, &out.text, &out.tokens, reason, true)])).await.is_err() {
+            let offset = offsets.entry(index).or_default();
+            if tx.send(chunk(vec![answer.choice(&state, index, &out.text, &out.tokens, reason, true, offset)])).await.is_err() {
                 return;
             }
         }
@@ -330,10 +402,13 @@ impl Flavor {
 
 impl Answer {
     /// One choice (or, in a stream, one piece of it): its text, tokens'
-    /// log probabilities if asked, and why it finished if it has.
-    fn choice(&self, state: &ServerState, index: usize, text: &str, tokens: &[TokenOut], finish: Option<&str>, chunk: bool) -> Value {
+    /// log probabilities if asked, and why it finished if it has. `offset`
+    /// is where the first token's text starts in the choice's text, moved
+    /// past these tokens.
+    #[allow(clippy::too_many_arguments)]
+    fn choice(&self, state: &ServerState, index: usize, text: &str, tokens: &[TokenOut], finish: Option<&str>, chunk: bool, offset: &mut usize) -> Value {
         let logprobs = self.top.map(|k| match self.flavor {
-            Flavor::Completion => completion_logprobs(state, tokens, k),
+            Flavor::Completion => completion_logprobs(state, tokens, k, offset),
             Flavor::Chat => chat_logprobs(state, tokens),
         });
         match (self.flavor, chunk) {
@@ -350,15 +425,15 @@ impl Answer {
 }
 
 /// Completions' log probabilities: parallel lists, the alternatives as a
-/// map per token (when `k` > 0).
-fn completion_logprobs(state: &ServerState, tokens: &[TokenOut], k: usize) -> Value {
+/// map per token (when `k` > 0), each token's text offset counted on from
+/// `offset`.
+fn completion_logprobs(state: &ServerState, tokens: &[TokenOut], k: usize, offset: &mut usize) -> Value {
     let texts: Vec<String> = tokens.iter().map(|t| token_text(state, t.id)).collect();
-    let mut offset = 0;
     let offsets: Vec<usize> = texts
         .iter()
         .map(|t| {
-            let at = offset;
-            offset += t.len();
+            let at = *offset;
+            *offset += t.len();
             at
         })
         .collect();

@@ -194,18 +194,48 @@ async fn completions_give_the_engines_tokens_collected_and_streamed() {
     let events = r.events();
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     let mut got = vec![Vec::new(); 3];
+    let mut offsets = vec![Vec::new(); 3];
     let mut finished = 0;
     for e in &events[..events.len() - 2] {
         let chunk: Value = serde_json::from_str(e).unwrap();
         for c in chunk["choices"].as_array().unwrap_or_else(|| panic!("not a chunk: {chunk}")) {
-            got[c["index"].as_u64().unwrap() as usize].extend(ids_of(&c["logprobs"]["tokens"]));
+            let i = c["index"].as_u64().unwrap() as usize;
+            offsets[i].extend(c["logprobs"]["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap()));
+            got[i].extend(ids_of(&c["logprobs"]["tokens"]));
             finished += usize::from(c["finish_reason"] == "length");
         }
     }
     assert_eq!((got, finished), (want, 3));
+    // Text offsets run on across chunks as in the collected answer.
+    for (i, c) in choices.iter().enumerate() {
+        let collected: Vec<u64> = c["logprobs"]["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap()).collect();
+        assert_eq!(offsets[i], collected, "choice {i}");
+        assert!(collected.windows(2).all(|w| w[0] < w[1]), "{collected:?}");
+    }
     let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
     assert_eq!(usage["usage"]["completion_tokens"], 21);
     assert_eq!(server.state.driver.pending(), 0);
+
+    // Both answers are in the metrics: two requests, six generations.
+    assert_eq!(post(&server, "/v1/completions", json!({"model": "other", "prompt": [1]})).await.status, 404);
+    let m = call(&server, "GET", "/metrics", "", &[]).await;
+    assert_eq!(m.status, 200);
+    assert!(m.header("content-type").unwrap().starts_with("text/plain; version=0.0.4"));
+    let metric = |line: &str| -> f64 {
+        let found = m.body.lines().find(|l| l.starts_with(line)).unwrap_or_else(|| panic!("no {line} in {}", m.body));
+        found.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(metric("tessera_requests_total{endpoint=\"completions\",status=\"200\"}"), 2.0);
+    assert_eq!(metric("tessera_requests_total{endpoint=\"completions\",status=\"404\"}"), 1.0);
+    assert_eq!(metric("tessera_generation_tokens_total "), 42.0);
+    assert_eq!(metric("tessera_prompt_tokens_total "), 2.0 * prompt_tokens as f64);
+    assert_eq!(metric("tessera_time_to_first_token_seconds_count "), 6.0);
+    assert_eq!(metric("tessera_time_per_output_token_seconds_count "), 6.0);
+    assert_eq!(metric("tessera_time_to_first_token_seconds_bucket{le=\"+Inf\"} "), 6.0);
+    assert_eq!(metric("tessera_requests_running "), 0.0);
+    assert_eq!(metric("tessera_requests_pending "), 0.0);
+    assert!((0.0..=1.0).contains(&metric("tessera_kv_cache_usage_ratio ")));
+    assert!(metric("tessera_engine_steps_total ") >= 7.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
