@@ -85,7 +85,13 @@ struct Generate(Args);
 impl UseModel for Generate {
     type Output = ();
 
-    fn run<M: Module<In = Replicated, Out = SplitHidden>>(self, model: M, cx: Cx, tokenizer: Option<ModelTokenizer>, context: usize) -> anyhow::Result<()> {
+    fn run<M: Module<In = Replicated, Out = SplitHidden> + 'static>(
+        self,
+        model: M,
+        cx: Cx,
+        tokenizer: Option<ModelTokenizer>,
+        context: usize,
+    ) -> anyhow::Result<()> {
         serve(&self.0, model, cx, tokenizer, context)
     }
 }

@@ -6,6 +6,7 @@
 //! - `tessera export`: write a run's checkpoint as a Hugging Face directory;
 //! - `tessera generate`: text from a Hugging Face model or a trained run,
 //!   through the serving engine;
+//! - `tessera serve`: the same behind an OpenAI-compatible HTTP API;
 //! - `tessera perplexity`: how well a model predicts a text, its weights
 //!   optionally quantized;
 //! - `tessera ckpt inspect` / `tessera ckpt reshard`: look into a checkpoint,
@@ -31,6 +32,7 @@ mod launch;
 mod model;
 mod perplexity;
 mod prepare;
+mod server;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -53,6 +55,8 @@ enum Command {
     /// Inspect or reshard a checkpoint.
     #[command(subcommand)]
     Ckpt(ckpt::Command),
+    /// Serve a Hugging Face model or a trained run over an OpenAI-compatible HTTP API (see docs/serving.md).
+    Serve(server::Args),
     /// Generate text with a Hugging Face model or a trained run, through the serving engine (see docs/serving.md).
     Generate(generate::Args),
     /// The perplexity of a model on a text, its weights optionally quantized (see docs/serving.md).
@@ -66,6 +70,7 @@ fn main() -> anyhow::Result<()> {
         Command::Prepare(args) => prepare::run(args),
         Command::Train(args) => train::run(args),
         Command::Export(args) => export::run(args),
+        Command::Serve(args) => server::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Perplexity(args) => perplexity::run(args),
         Command::Ckpt(cmd) => ckpt::run(cmd),

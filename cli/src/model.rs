@@ -21,7 +21,7 @@ pub trait UseModel {
     type Output;
     /// Runs with the model, its context (on a CPU device), its tokenizer if
     /// it has one, and its context length in tokens.
-    fn run<M: Module<In = Replicated, Out = SplitHidden>>(
+    fn run<M: Module<In = Replicated, Out = SplitHidden> + 'static>(
         self,
         model: M,
         cx: Cx,
@@ -122,7 +122,7 @@ struct Quantized<U> {
 impl<U: UseModel> UseModel for Quantized<U> {
     type Output = U::Output;
 
-    fn run<M: Module<In = Replicated, Out = SplitHidden>>(
+    fn run<M: Module<In = Replicated, Out = SplitHidden> + 'static>(
         self,
         model: M,
         cx: Cx,

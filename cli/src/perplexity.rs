@@ -57,7 +57,13 @@ struct Score(Args);
 impl UseModel for Score {
     type Output = ();
 
-    fn run<M: Module<In = Replicated, Out = SplitHidden>>(self, model: M, mut cx: Cx, tokenizer: Option<ModelTokenizer>, context: usize) -> anyhow::Result<()> {
+    fn run<M: Module<In = Replicated, Out = SplitHidden> + 'static>(
+        self,
+        model: M,
+        mut cx: Cx,
+        tokenizer: Option<ModelTokenizer>,
+        context: usize,
+    ) -> anyhow::Result<()> {
         let args = self.0;
         let tokenizer = match &args.tokenizer {
             Some(dir) => ModelTokenizer::from_dir(dir)?,

@@ -1,7 +1,8 @@
-//! `tessera generate` and `tessera perplexity`, run as programs on the
-//! Llama fixture with a small word-level tokenizer: batched prompts equal
-//! single ones, the chat template, stop strings, token-id prompts,
-//! quantized weights, perplexity against its recipe, and the errors on bad
+//! `tessera generate`, `tessera perplexity` and `tessera serve`, run as
+//! programs on the Llama fixture with a small word-level tokenizer: batched
+//! prompts equal single ones, the chat template, stop strings, token-id
+//! prompts, quantized weights, perplexity against its recipe, the HTTP
+//! server's answers and its shutdown on SIGTERM, and the errors on bad
 //! input.
 
 use std::path::Path;
@@ -204,4 +205,103 @@ fn perplexity_scores_a_text_and_quantization_moves_it_little() {
     // A tokenizer from elsewhere gives the same figure.
     let other = perplexity(bare.path(), &["--text", file, "--tokenizer", dir.path().to_str().unwrap()]);
     assert_eq!(other["perplexity"], f32["perplexity"]);
+}
+
+/// A `tessera serve` process and the address it printed.
+struct Served {
+    child: std::process::Child,
+    addr: String,
+    stderr: std::io::BufReader<std::process::ChildStderr>,
+}
+
+fn serve(dir: &Path, args: &[&str]) -> Served {
+    use std::io::BufRead as _;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["serve", "--port", "0", "--model"])
+        .arg(dir)
+        .args(args)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("http://") {
+        line.clear();
+        assert!(stderr.read_line(&mut line).unwrap() > 0, "tessera serve ended before listening");
+    }
+    let addr = line.split("http://").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
+    Served { child, addr, stderr }
+}
+
+/// One HTTP/1.1 request; returns the status and the raw body (chunks left in).
+fn http(addr: &str, method: &str, path: &str, body: &str, key: Option<&str>) -> (u16, String) {
+    use std::io::{Read as _, Write as _};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let auth = key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(120))).unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+    (head.split(' ').nth(1).unwrap().parse().unwrap(), body.to_string())
+}
+
+#[test]
+fn serve_answers_the_openai_api_and_stops_cleanly_on_sigterm() {
+    let dir = model("http", true);
+    let mut served = serve(dir.path(), &["--api-key", "k", "--served-model-name", "fixture"]);
+    let addr = served.addr.clone();
+    let (status, body) = http(&addr, "GET", "/v1/models", "", Some("k"));
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"fixture\""), "{body}");
+    assert_eq!(http(&addr, "GET", "/v1/models", "", None).0, 401);
+    // The same greedy text as `tessera generate --chat`.
+    let want = json(dir.path(), &["--chat", "--prompt", "the dog", "--max-tokens", "6"]);
+    let chat = serde_json::json!({"model": "fixture", "messages": [{"role": "user", "content": "the dog"}], "max_tokens": 6, "temperature": 0});
+    let (status, body) = http(&addr, "POST", "/v1/chat/completions", &chat.to_string(), Some("k"));
+    assert_eq!(status, 200, "{body}");
+    let reply: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(reply["choices"][0]["message"]["content"], want[0]["text"], "{body}");
+    assert_eq!(reply["usage"]["completion_tokens"], want[0]["tokens"].as_array().unwrap().len());
+
+    // A request in flight when SIGTERM comes (its body half sent) is still
+    // answered in full.
+    use std::io::{Read as _, Write as _};
+    let stream = serde_json::json!({"model": "fixture", "prompt": "the cat", "max_tokens": 40, "ignore_eos": true, "stream": true}).to_string();
+    let (first, second) = stream.split_at(stream.len() / 2);
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nAuthorization: Bearer k\r\nContent-Length: {}\r\n\r\n{first}", stream.len()).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let killed = Command::new("kill").args(["-TERM", &served.child.id().to_string()]).status().unwrap();
+    assert!(killed.success());
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    s.write_all(second.as_bytes()).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(120))).unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200") && answer.contains("data: [DONE]"), "{answer}");
+    let exit = served.child.wait().unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut served.stderr, &mut rest).unwrap();
+    assert!(exit.success(), "tessera serve exited with {exit}: {rest}");
+    assert!(rest.contains("shutting down") && rest.contains("stopped"), "{rest}");
+}
+
+#[test]
+fn serve_names_a_port_it_cannot_take() {
+    let dir = model("http-port", true);
+    let served = serve(dir.path(), &[]);
+    let port = served.addr.rsplit(':').next().unwrap().to_string();
+    let out = tessera("serve", dir.path(), &["--port", &port]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cannot listen on") && stderr.contains("--port"), "{stderr}");
+    let mut child = served.child;
+    child.kill().unwrap();
+    child.wait().unwrap();
 }

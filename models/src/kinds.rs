@@ -116,7 +116,7 @@ fn setting(key: &str, detail: impl Into<String>) -> Error {
 /// A model a training configuration can name: a [`HfModel`] the trainer can
 /// run (token ids in, vocabulary-parallel logits out, split over pipeline
 /// stages), built for a rank of any mesh.
-pub trait KindModel: HfModel<Config: Send + Sync> + Staged<In = Replicated, Out = SplitHidden> {
+pub trait KindModel: HfModel<Config: Send + Sync> + Staged<In = Replicated, Out = SplitHidden> + 'static {
     /// Its kind.
     const KIND: ModelKind;
     /// The `config.json` field of the longest sequence it takes.

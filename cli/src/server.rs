@@ -1,0 +1,152 @@
+//! `tessera serve`: the model behind an OpenAI-compatible HTTP API.
+//!
+//! The model (a Hugging Face directory or a training run, see
+//! [`crate::model`]) runs in a [`Driver`]; `tessera-server` answers HTTP on
+//! `--host`:`--port`. SIGTERM or Ctrl-C stops taking connections and lets
+//! the answers in flight finish, for at most `--shutdown-timeout` seconds;
+//! what is still running then is cancelled (its blocks freed) and the
+//! program exits.
+
+use crate::model::{with_model, UseModel};
+use anyhow::Context;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tessera::module::{Cx, Module, Replicated, SplitHidden};
+use tessera::ops::QuantFormat;
+use tessera::serve::driver::{Driver, DriverLimits};
+use tessera::serve::engine::{Engine, EngineConfig, KvMemory, PromptLookup};
+use tessera::serve::prompt::ModelTokenizer;
+use tessera_server::{router, ServerState};
+
+/// Arguments of `tessera serve`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// A Hugging Face model directory, or a training run's directory.
+    #[arg(long, value_name = "DIR")]
+    model: PathBuf,
+    /// The name clients give as `model` (default: the directory's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// The address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// The port to listen on (0: any free one; the address is printed).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1 requests.
+    #[arg(long, value_name = "KEY")]
+    api_key: Option<String>,
+    /// Quantize the linear layers' weights when loading: int8, int4 (groups of 128), int4:N or w8a8.
+    #[arg(long, value_name = "FORMAT")]
+    quantize: Option<QuantFormat>,
+    /// KV cache blocks (of 16 tokens).
+    #[arg(long, default_value_t = 1024)]
+    kv_blocks: usize,
+    /// Requests waiting or running at most; more get 429 with Retry-After.
+    #[arg(long, default_value_t = 256)]
+    max_pending: usize,
+    /// Speculative decoding by prompt lookup, proposing this many tokens per step (0: off).
+    #[arg(long, default_value_t = 0)]
+    speculate: usize,
+    /// Seconds a shutdown waits for the answers in flight before cancelling them.
+    #[arg(long, default_value_t = 30)]
+    shutdown_timeout: u64,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let (dir, quantize) = (args.model.clone(), args.quantize);
+    with_model(&dir, quantize, Serve(args))
+}
+
+/// Serving, as a use of the loaded model.
+struct Serve(Args);
+
+impl UseModel for Serve {
+    type Output = ();
+
+    fn run<M: Module<In = Replicated, Out = SplitHidden> + 'static>(
+        self,
+        model: M,
+        cx: Cx,
+        tokenizer: Option<ModelTokenizer>,
+        context: usize,
+    ) -> anyhow::Result<()> {
+        let args = self.0;
+        let config = EngineConfig { kv_memory: KvMemory::Blocks(args.kv_blocks), ..EngineConfig::new(context) };
+        let text = tokenizer.clone();
+        let speculate = args.speculate;
+        // The engine is built on the driver's thread from the loaded model.
+        let driver = Driver::spawn(
+            move || {
+                let mut engine = Engine::new(model, cx, config)?;
+                if speculate > 0 {
+                    engine = engine.with_speculation(speculate, Box::new(PromptLookup::default()))?;
+                }
+                Ok(match &text {
+                    Some(t) => engine.with_tokenizer(t),
+                    None => engine,
+                })
+            },
+            DriverLimits { max_pending: args.max_pending },
+        )?;
+        let name = args.served_model_name.clone().unwrap_or_else(|| {
+            let canonical = args.model.canonicalize().unwrap_or_else(|_| args.model.clone());
+            canonical.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
+        });
+        let state = Arc::new(ServerState::new(driver, tokenizer, name, args.api_key.clone()));
+        let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the HTTP runtime")?;
+        runtime.block_on(listen(&args, Arc::clone(&state)))?;
+        drop(runtime);
+        // Every connection has ended: the state is ours again.
+        let state = Arc::try_unwrap(state).map_err(|_| anyhow::anyhow!("the server still holds the engine after shutting down"))?;
+        state.driver.shutdown(false).context("the engine stopped with an error")?;
+        eprintln!("tessera serve: stopped");
+        Ok(())
+    }
+}
+
+async fn listen(args: &Args, state: Arc<ServerState>) -> anyhow::Result<()> {
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}; choose another --host or --port"))?;
+    let local = listener.local_addr()?;
+    eprintln!("tessera serve: `{}` on http://{local} (OpenAI API under /v1; GET /health)", state.model_name);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let app = router(state);
+    let mut stopped = stop_rx.clone();
+    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+        let _ = stopped.wait_for(|s| *s).await;
+    });
+    let server = tokio::spawn(async move { server.await });
+    shutdown_signal().await;
+    eprintln!("tessera serve: shutting down; waiting up to {} s for the answers in flight", args.shutdown_timeout);
+    let _ = stop_tx.send(true);
+    drop(stop_rx);
+    match tokio::time::timeout(Duration::from_secs(args.shutdown_timeout), server).await {
+        Ok(joined) => joined.context("the HTTP server failed")?.context("the HTTP server failed")?,
+        Err(_) => eprintln!("tessera serve: answers still running after {} s are cancelled", args.shutdown_timeout),
+    }
+    Ok(())
+}
+
+/// Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}
