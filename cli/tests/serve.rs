@@ -305,3 +305,52 @@ fn serve_names_a_port_it_cannot_take() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// Real clients against `tessera serve`: the official `openai` Python
+/// package (the Python of `$TESSERA_OPENAI_PYTHON`, a virtual environment
+/// scripts/openai-client.sh makes and `.ci/run` sets) for completions,
+/// chat, streaming and errors, and curl for the raw event stream. Where
+/// either is missing the test says it was skipped.
+#[test]
+fn the_openai_python_client_and_curl_talk_to_tessera_serve() {
+    use tessera::backend::cuda::report_skip;
+    const TEST: &str = "the_openai_python_client_and_curl_talk_to_tessera_serve";
+    let python = std::env::var_os("TESSERA_OPENAI_PYTHON");
+    let curl = Command::new("curl").arg("--version").output().is_ok_and(|o| o.status.success());
+    if python.is_none() || !curl {
+        report_skip(TEST, "needs the openai Python client (eval \"$(scripts/openai-client.sh)\") and curl");
+        return;
+    }
+    let dir = model("clients", true);
+    let mut served = serve(dir.path(), &["--api-key", "k", "--served-model-name", "fixture"]);
+    let base = format!("http://{}/v1", served.addr);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_client.py");
+    let out = Command::new(python.unwrap()).arg(&script).args([&base, "k", "fixture"]).output().unwrap();
+    assert!(out.status.success(), "the openai client failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let seen: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let want = json(dir.path(), &["--chat", "--prompt", "the dog", "--max-tokens", "6"]);
+    assert_eq!(seen["chat"]["text"], want[0]["text"], "{seen}");
+    assert_eq!(seen["stream"]["text"], want[0]["text"], "{seen}");
+    assert_eq!(seen["stream"]["tokens"], seen["chat"]["tokens"], "{seen}");
+    assert_eq!((seen["not_found"].as_u64(), seen["unauthorized"].as_u64()), (Some(404), Some(401)), "{seen}");
+    assert_eq!(seen["bad_request"], serde_json::json!({"status": 400, "param": "max_tokens"}), "{seen}");
+    assert_eq!(seen["models"], serde_json::json!(["fixture"]));
+
+    // curl -N: the raw server-sent events, each `data:` line a chunk, then [DONE].
+    let body = serde_json::json!({"model": "fixture", "prompt": "the cat", "max_tokens": 4, "ignore_eos": true, "stream": true}).to_string();
+    let out = Command::new("curl")
+        .args(["-sSN", "--fail-with-body", "-H", "Authorization: Bearer k", "-H", "Content-Type: application/json", "-d", &body])
+        .arg(format!("{base}/completions"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "curl failed: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.trim().is_empty()).collect();
+    assert!(events.iter().all(|e| e.starts_with("data: ")), "{text}");
+    assert_eq!(events.last(), Some(&"data: [DONE]"), "{text}");
+    let chunks: Vec<serde_json::Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(&e["data: ".len()..]).unwrap()).collect();
+    assert_eq!(chunks.len(), 4, "{text}");
+    assert_eq!(chunks[3]["choices"][0]["finish_reason"], "length");
+    served.child.kill().unwrap();
+    served.child.wait().unwrap();
+}
