@@ -43,6 +43,12 @@ pub struct Args {
     /// KV cache blocks (of 16 tokens).
     #[arg(long, default_value_t = 1024)]
     kv_blocks: usize,
+    /// The most sequences in one engine step.
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    /// The most tokens in one engine step (decode tokens plus prefill chunks).
+    #[arg(long, default_value_t = 512)]
+    max_num_batched_tokens: usize,
     /// Requests waiting or running at most; more get 429 with Retry-After.
     #[arg(long, default_value_t = 256)]
     max_pending: usize,
@@ -73,7 +79,12 @@ impl UseModel for Serve {
         context: usize,
     ) -> anyhow::Result<()> {
         let args = self.0;
-        let config = EngineConfig { kv_memory: KvMemory::Blocks(args.kv_blocks), ..EngineConfig::new(context) };
+        let config = EngineConfig {
+            kv_memory: KvMemory::Blocks(args.kv_blocks),
+            max_num_seqs: args.max_num_seqs,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            ..EngineConfig::new(context)
+        };
         let text = tokenizer.clone();
         let speculate = args.speculate;
         // The engine is built on the driver's thread from the loaded model.

@@ -293,7 +293,7 @@ fn serve_answers_the_openai_api_and_stops_cleanly_on_sigterm() {
 }
 
 #[test]
-fn serve_names_a_port_it_cannot_take() {
+fn serve_names_a_port_it_cannot_take_and_a_bad_limit() {
     let dir = model("http-port", true);
     let served = serve(dir.path(), &[]);
     let port = served.addr.rsplit(':').next().unwrap().to_string();
@@ -301,6 +301,10 @@ fn serve_names_a_port_it_cannot_take() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("cannot listen on") && stderr.contains("--port"), "{stderr}");
+    // A bad engine limit is named before anything listens.
+    let out = tessera("serve", dir.path(), &["--port", "0", "--max-num-seqs", "0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("max_num_seqs (0)"), "{stderr}");
     let mut child = served.child;
     child.kill().unwrap();
     child.wait().unwrap();
