@@ -15,6 +15,7 @@
 //! cargo run --release --example bench -- attention
 //! cargo run --release --example bench -- serve
 //! cargo run --release --example bench -- serve --cases quant
+//! cargo run --release --example bench -- serve-http
 //! cargo run --release --example bench -- quant_gemv --rows 1,4
 //! ```
 
@@ -26,6 +27,7 @@ mod elementwise;
 mod gpt;
 mod quant;
 mod serve;
+mod serve_http;
 
 use anyhow::{ensure, Result};
 use clap::{Parser, Subcommand};
@@ -63,6 +65,11 @@ enum Bench {
     /// plain decoding, paged vs reserved KV memory, quantized vs f32
     /// weights (ratios from one run).
     Serve(serve::Args),
+    /// The OpenAI HTTP server under a load of Poisson arrivals against the
+    /// engine's in-process clients: throughput, TTFT and TPOT, and the HTTP
+    /// layer's cost (ratios from one run).
+    #[command(name = "serve-http")]
+    ServeHttp(serve_http::Args),
     /// GPU figures (bf16 GEMM, attention, GPT-2 124M training) on a CUDA
     /// device; needs a build with `--features cuda` and a GPU.
     Cuda(cuda::Args),
@@ -186,6 +193,7 @@ fn main() -> Result<()> {
         Bench::Elementwise(args) => elementwise::run(&args),
         Bench::Attention(args) => attention::run(&args),
         Bench::Serve(args) => serve::run(&args),
+        Bench::ServeHttp(args) => serve_http::run(&args),
         Bench::Cuda(args) => cuda::run(&args),
         Bench::QuantGemv(args) => quant::run(&args),
     }

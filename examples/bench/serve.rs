@@ -116,14 +116,14 @@ pub struct Args {
 }
 
 /// One request of the workload: prompt and the tokens it asks for.
-struct Job {
-    prompt: Vec<u32>,
-    max_tokens: usize,
+pub(crate) struct Job {
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) max_tokens: usize,
 }
 
 /// A seeded long-tailed workload: prompt lengths log-uniform in [8, 256],
 /// output lengths log-uniform in [4, 256] (most short, a few long).
-fn workload(n: usize, vocab: usize, ctx: usize) -> Vec<Job> {
+pub(crate) fn workload(n: usize, vocab: usize, ctx: usize) -> Vec<Job> {
     let mut s = 0x5eed_u64;
     let mut next = move || {
         s ^= s << 13;
@@ -394,7 +394,7 @@ fn greedy_hits(logits: &[f32], vocab: usize, want: &[u32]) -> usize {
     logits.chunks(vocab).zip(want).filter(|&(row, &t)| argmax(row) == t).count()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
