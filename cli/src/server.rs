@@ -15,7 +15,8 @@ use std::time::Duration;
 use tessera::module::{Cx, Module, Replicated, SplitHidden};
 use tessera::ops::QuantFormat;
 use tessera::serve::driver::{Driver, DriverLimits};
-use tessera::serve::engine::{Engine, EngineConfig, KvMemory, PromptLookup};
+use tessera::serve::engine::{DraftModel, Drafter, Engine, EngineConfig, KvMemory, PromptLookup};
+use tessera::serve::kv::DEFAULT_BLOCK_SIZE;
 use tessera::serve::prompt::ModelTokenizer;
 use tessera_server::{router, ServerState};
 
@@ -52,9 +53,14 @@ pub struct Args {
     /// Requests waiting or running at most; more get 429 with Retry-After.
     #[arg(long, default_value_t = 256)]
     max_pending: usize,
-    /// Speculative decoding by prompt lookup, proposing this many tokens per step (0: off).
+    /// Speculative decoding, proposing this many tokens per step (0: off): by prompt lookup, or
+    /// by the --draft model (4 when --draft is given without it).
     #[arg(long, default_value_t = 0)]
     speculate: usize,
+    /// A smaller model with the same tokenizer (a Hugging Face directory or a training run) that
+    /// proposes the tokens the model verifies.
+    #[arg(long, value_name = "DIR")]
+    draft: Option<PathBuf>,
     /// Seconds a shutdown waits for the answers in flight before cancelling them.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout: u64,
@@ -86,13 +92,23 @@ impl UseModel for Serve {
             ..EngineConfig::new(context)
         };
         let text = tokenizer.clone();
-        let speculate = args.speculate;
+        // The draft model loads here (not quantized: it is small) and moves
+        // to the engine's thread with the model.
+        let drafter: Option<Box<dyn Drafter>> = match &args.draft {
+            Some(dir) => Some(with_model(dir, None, LoadDraft { blocks: args.kv_blocks }).with_context(|| format!("the draft model in `{}`", dir.display()))?),
+            None => None,
+        };
+        let speculate = match (args.speculate, &drafter) {
+            (0, Some(_)) => DEFAULT_DRAFT_TOKENS,
+            (k, _) => k,
+        };
         // The engine is built on the driver's thread from the loaded model.
         let driver = Driver::spawn(
             move || {
                 let mut engine = Engine::new(model, cx, config)?;
                 if speculate > 0 {
-                    engine = engine.with_speculation(speculate, Box::new(PromptLookup::default()))?;
+                    let drafter = drafter.unwrap_or_else(|| Box::new(PromptLookup::default()));
+                    engine = engine.with_speculation(speculate, drafter)?;
                 }
                 Ok(match &text {
                     Some(t) => engine.with_tokenizer(t),
@@ -114,6 +130,28 @@ impl UseModel for Serve {
         state.driver.shutdown(false).context("the engine stopped with an error")?;
         eprintln!("tessera serve: stopped");
         Ok(())
+    }
+}
+
+/// Tokens a draft model proposes per step unless `--speculate` says.
+const DEFAULT_DRAFT_TOKENS: usize = 4;
+
+/// A draft model, as a use of a loaded model.
+struct LoadDraft {
+    blocks: usize,
+}
+
+impl UseModel for LoadDraft {
+    type Output = Box<dyn Drafter>;
+
+    fn run<M: Module<In = Replicated, Out = SplitHidden> + 'static>(
+        self,
+        model: M,
+        cx: Cx,
+        _: Option<ModelTokenizer>,
+        _: usize,
+    ) -> anyhow::Result<Box<dyn Drafter>> {
+        Ok(Box::new(DraftModel::new(model, cx, self.blocks, DEFAULT_BLOCK_SIZE)?))
     }
 }
 

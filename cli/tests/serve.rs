@@ -358,3 +358,31 @@ fn the_openai_python_client_and_curl_talk_to_tessera_serve() {
     served.child.kill().unwrap();
     served.child.wait().unwrap();
 }
+
+#[test]
+fn serve_with_a_draft_model_gives_the_plain_greedy_text() {
+    let dir = model("http-draft", true);
+    // The model as its own draft: every proposal is accepted, and greedy
+    // text is the target's either way.
+    let mut served = serve(dir.path(), &["--draft", dir.path().to_str().unwrap(), "--speculate", "3", "--served-model-name", "m"]);
+    let want = json(dir.path(), &["--prompt", "the cat sat", "--max-tokens", "12"]);
+    let body = serde_json::json!({"model": "m", "prompt": "the cat sat", "max_tokens": 12, "temperature": 0}).to_string();
+    let (status, reply) = http(&served.addr, "POST", "/v1/completions", &body, None);
+    assert_eq!(status, 200, "{reply}");
+    let reply: serde_json::Value = serde_json::from_str(&reply).unwrap();
+    assert_eq!(reply["choices"][0]["text"], want[0]["text"], "{reply}");
+    // The draft did propose, and the model (itself) accepted every proposal.
+    let (_, metrics) = http(&served.addr, "GET", "/metrics", "", None);
+    let value = |name: &str| -> f64 {
+        let line = metrics.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name}: {metrics}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let proposed = value("tessera_spec_proposed_tokens_total ");
+    assert!(proposed > 0.0 && value("tessera_spec_accepted_tokens_total ") == proposed, "{metrics}");
+    served.child.kill().unwrap();
+    served.child.wait().unwrap();
+
+    let out = tessera("serve", dir.path(), &["--port", "0", "--draft", "/nonexistent/draft"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("the draft model in `/nonexistent/draft`"), "{stderr}");
+}

@@ -16,6 +16,8 @@
 //! | `tessera_kv_cache_usage_ratio` | gauge | share of KV blocks in use (not free nor evictable) |
 //! | `tessera_preemptions_total` | counter | sequences preempted for KV room |
 //! | `tessera_engine_steps_total` | counter | model forwards |
+//! | `tessera_spec_proposed_tokens_total` | counter | tokens a speculative drafter proposed |
+//! | `tessera_spec_accepted_tokens_total` | counter | proposed tokens the model accepted |
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -120,6 +122,8 @@ impl Metrics {
         scalar("tessera_kv_cache_usage_ratio", "gauge", "Share of KV cache blocks in use.", ratio);
         scalar("tessera_preemptions_total", "counter", "Sequences preempted for KV cache room.", state.stats.preemptions as f64);
         scalar("tessera_engine_steps_total", "counter", "Model forwards.", state.stats.steps as f64);
+        scalar("tessera_spec_proposed_tokens_total", "counter", "Tokens a speculative drafter proposed.", state.stats.draft_proposed as f64);
+        scalar("tessera_spec_accepted_tokens_total", "counter", "Proposed tokens the model accepted.", state.stats.draft_accepted as f64);
         c.ttft.write(&mut out, "tessera_time_to_first_token_seconds", "From submission to the first token.");
         c.tpot.write(&mut out, "tessera_time_per_output_token_seconds", "Between tokens after the first, per request.");
         out
