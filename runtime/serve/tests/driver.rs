@@ -228,3 +228,89 @@ fn shutdown_drains_or_cancels_and_a_failed_build_is_the_error() {
     let e = Driver::spawn(engine, DriverLimits { max_pending: 0 }).err().unwrap();
     assert!(e.to_string().contains("max_pending is 0"), "{e}");
 }
+
+/// GPT-2 whose next forward fails or panics when the test says so.
+struct Flaky {
+    inner: Gpt2,
+    /// 0: run; 1: fail the next forward; 2: panic in it.
+    mode: Arc<std::sync::atomic::AtomicU8>,
+}
+
+impl module::Module for Flaky {
+    type In = module::Replicated;
+    type Out = module::SplitHidden;
+    type Saved = <Gpt2 as module::Module>::Saved;
+
+    fn forward(&self, cx: &mut Cx, x: module::Act<Self::In>) -> tessera::Result<(module::Act<Self::Out>, Self::Saved)> {
+        match self.mode.swap(0, Ordering::AcqRel) {
+            1 => Err(tessera::Error::invalid("Flaky::forward", "an injected failure")),
+            2 => panic!("an injected panic"),
+            _ => self.inner.forward(cx, x),
+        }
+    }
+
+    fn backward(&self, cx: &mut Cx, saved: Self::Saved, dy: module::Act<Self::Out>) -> tessera::Result<module::Act<Self::In>> {
+        self.inner.backward(cx, saved, dy)
+    }
+
+    fn visit_params(&self, v: &mut module::Visitor<'_>) -> tessera::Result<()> {
+        self.inner.visit_params(v)
+    }
+}
+
+#[test]
+fn a_failed_step_fails_its_requests_and_a_panic_stops_the_driver_with_its_message() {
+    let mode = Arc::new(std::sync::atomic::AtomicU8::new(0));
+    let m = Arc::clone(&mode);
+    let driver = Driver::spawn(
+        move || {
+            let cx = Cx::new(Device::cpu());
+            let inner = module::build(Gpt2::new(&Gpt2Config::tiny(VOCAB, 32, 4, 2, CTX)).expect("a valid config"), &cx)?;
+            let config = EngineConfig { block_size: 4, kv_memory: KvMemory::Blocks(96), ..EngineConfig::new(CTX) };
+            Engine::new(Flaky { inner, mode: m }, cx, config)
+        },
+        DriverLimits::default(),
+    )
+    .unwrap();
+    let all = driver.state().kv_blocks;
+    // A failing step: the request it held ends with the failure, its blocks
+    // come back, and the next request runs.
+    let (tx, rx) = mpsc::channel();
+    driver.submit(prompt(1), greedy(60), tx).unwrap();
+    while !matches!(rx.recv_timeout(Duration::from_secs(60)).unwrap(), Event::Output(_)) {}
+    mode.store(1, Ordering::Release);
+    let end = rx.iter().find_map(|e| match e {
+        Event::Output(RequestOutput { finished: Some(f), .. }) => Some(f),
+        _ => None,
+    });
+    match end {
+        Some(FinishReason::Error(m)) => assert!(m.contains("the step failed") && m.contains("an injected failure"), "{m}"),
+        other => panic!("expected the step's failure, got {other:?}"),
+    }
+    wait_for(&driver, "the failed request's blocks", |s| driver.pending() == 0 && s.running == 0 && s.kv_blocks_available == all);
+    let (tx, rx) = mpsc::channel();
+    driver.submit(prompt(2), greedy(5), tx).unwrap();
+    assert_eq!(collect(&rx).1.len(), 5);
+
+    // A panicking step: its request is told the panic, the driver stops,
+    // and every later submit and the shutdown say why.
+    let (tx, rx) = mpsc::channel();
+    mode.store(2, Ordering::Release);
+    driver.submit(prompt(3), greedy(5), tx).unwrap();
+    let end = rx.iter().find_map(|e| match e {
+        Event::Output(RequestOutput { finished: Some(f), .. }) => Some(f),
+        _ => None,
+    });
+    match end {
+        Some(FinishReason::Error(m)) => assert!(m.contains("the engine panicked: an injected panic"), "{m}"),
+        other => panic!("expected the panic, got {other:?}"),
+    }
+    wait_for(&driver, "the driver to stop", |s| s.stopped.is_some());
+    let (tx, _rx) = mpsc::channel();
+    match driver.submit(prompt(4), greedy(5), tx) {
+        Err(SubmitError::Stopped { reason }) => assert!(reason.contains("an injected panic"), "{reason}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let e = driver.shutdown(true).unwrap_err().to_string();
+    assert!(e.contains("an injected panic"), "{e}");
+}
