@@ -18,6 +18,7 @@ const MAP: &[(&str, &[&str])] = &[
     ("runtime/train", &["tessera-core", "tessera-dist", "tessera-nn", "tessera-optim", "tessera-parallel", "tessera-data", "tessera-observe"]),
     ("runtime/testing", &["tessera-core", "tessera-dist", "tessera-nn", "tessera-parallel"]),
     ("runtime/serve", &["tessera-core", "tessera-dist", "tessera-nn", "tessera-data"]),
+    ("runtime/server", &["tessera-core", "tessera-serve", "tessera-data"]),
     ("macros", &[]),
 ];
 
