@@ -71,10 +71,14 @@ fn job_on_nodes<R: Send>(n: usize, per_node: usize, f: impl Fn(usize, &Rendezvou
     let port = free_port();
     let done = Barrier::new(n);
     on_threads(n, |r| {
-        let rdzv = Rendezvous::join(&process_env(r, n, per_node, port), LONG).unwrap();
-        let out = f(r, &rdzv);
+        // A rank that fails still meets the others at the end, so the test
+        // fails with its message instead of the others waiting forever.
+        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let rdzv = Rendezvous::join(&process_env(r, n, per_node, port), LONG).unwrap();
+            f(r, &rdzv)
+        }));
         done.wait();
-        out
+        out.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     })
 }
 
