@@ -326,11 +326,14 @@ fn processes_a_rank_leaves_behind_are_adopted_and_stopped() {
     // SIGTERM and reports, once orphaned, who its parent is: the launcher,
     // which reaps it (init may reap nothing, and a zombie would keep the
     // group alive through the grace period). Rank 1 leaves one that would run
-    // for a minute: the end of the job stops it.
+    // for a minute: the end of the job stops it. Rank 0 exits only once its
+    // leftover ignores SIGTERM: on a loaded machine the launcher's SIGTERM
+    // could otherwise reach the shell before its `trap` ran.
     let dir = scratch("leftovers");
     let script = r#"
         if [ "$LOCAL_RANK" = 0 ]; then
-            sh -c 'trap "" TERM; sleep 0.5; read -r _ _ _ ppid _ < /proc/$$/stat; echo "orphan of $ppid"' &
+            sh -c 'trap "" TERM; : > "$D/0"; sleep 0.5; read -r _ _ _ ppid _ < /proc/$$/stat; echo "orphan of $ppid"' &
+            while [ ! -e "$D/0" ]; do sleep 0.01; done
         else
             sleep 60 & echo $! > "$D/1.tmp"; mv "$D/1.tmp" "$D/1"
         fi
