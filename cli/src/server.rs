@@ -1,23 +1,27 @@
 //! `tessera serve`: the model behind an OpenAI-compatible HTTP API.
 //!
 //! The model (a Hugging Face directory or a training run, see
-//! [`crate::model`]) runs in a [`Driver`]; `tessera-server` answers HTTP on
+//! [`crate::model`]) runs in a [`Driver`], split over `--tp` ranks (threads
+//! of this process, each with its shard and its engine, in lockstep) when
+//! asked; `tessera-server` answers HTTP on
 //! `--host`:`--port`. SIGTERM or Ctrl-C stops taking connections and lets
 //! the answers in flight finish, for at most `--shutdown-timeout` seconds;
 //! what is still running then is cancelled (its blocks freed) and the
 //! program exits.
 
-use crate::model::{with_model, UseModel};
+use crate::model::{with_loader, Loader, UseLoader};
 use anyhow::Context;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+use tessera::dist::inproc::{mesh_groups, InProcess};
+use tessera::dist::mesh::Mesh;
 use tessera::module::{Cx, Module, Replicated, SplitHidden};
 use tessera::ops::QuantFormat;
 use tessera::serve::driver::{Driver, DriverLimits};
 use tessera::serve::engine::{DraftModel, Drafter, Engine, EngineConfig, KvMemory, PromptLookup};
 use tessera::serve::kv::DEFAULT_BLOCK_SIZE;
-use tessera::serve::prompt::ModelTokenizer;
+use tessera::Device;
 use tessera_server::{router, ServerState};
 
 /// Arguments of `tessera serve`.
@@ -35,6 +39,10 @@ pub struct Args {
     /// The port to listen on (0: any free one; the address is printed).
     #[arg(long, default_value_t = 8000)]
     port: u16,
+    /// Split the model over this many tensor-parallel ranks (threads of this process); it must
+    /// divide the model's attention heads and hidden sizes.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
+    tp: u16,
     /// Require `Authorization: Bearer KEY` on /v1 requests.
     #[arg(long, value_name = "KEY")]
     api_key: Option<String>,
@@ -68,55 +76,70 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let (dir, quantize) = (args.model.clone(), args.quantize);
-    with_model(&dir, quantize, Serve(args))
+    with_loader(&dir, quantize, Serve(args))
 }
 
-/// Serving, as a use of the loaded model.
+/// Serving, as a use of the model's loader.
 struct Serve(Args);
 
-impl UseModel for Serve {
+/// Builds a rank's drafter from that rank's context.
+type LoadDrafter = Arc<dyn Fn(&Cx) -> anyhow::Result<Box<dyn Drafter>> + Send + Sync>;
+
+impl UseLoader for Serve {
     type Output = ();
 
-    fn run<M: Module<In = Replicated, Out = SplitHidden> + 'static>(
-        self,
-        model: M,
-        cx: Cx,
-        tokenizer: Option<ModelTokenizer>,
-        context: usize,
-    ) -> anyhow::Result<()> {
+    fn run<M: Module<In = Replicated, Out = SplitHidden> + 'static>(self, loader: Loader<M>) -> anyhow::Result<()> {
         let args = self.0;
+        let tp = usize::from(args.tp);
         let config = EngineConfig {
             kv_memory: KvMemory::Blocks(args.kv_blocks),
             max_num_seqs: args.max_num_seqs,
             max_num_batched_tokens: args.max_num_batched_tokens,
-            ..EngineConfig::new(context)
+            ..EngineConfig::new(loader.context)
         };
-        let text = tokenizer.clone();
-        // The draft model loads here (not quantized: it is small) and moves
-        // to the engine's thread with the model.
-        let drafter: Option<Box<dyn Drafter>> = match &args.draft {
-            Some(dir) => Some(with_model(dir, None, LoadDraft { blocks: args.kv_blocks }).with_context(|| format!("the draft model in `{}`", dir.display()))?),
+        let tokenizer = loader.tokenizer.clone();
+        // The draft model (not quantized: it is small) is split like the
+        // model, over the same ranks.
+        let drafter: Option<LoadDrafter> = match &args.draft {
+            Some(dir) => Some(with_loader(dir, None, LoadDraft { blocks: args.kv_blocks }).with_context(|| format!("the draft model in `{}`", dir.display()))?),
             None => None,
         };
         let speculate = match (args.speculate, &drafter) {
             (0, Some(_)) => DEFAULT_DRAFT_TOKENS,
             (k, _) => k,
         };
-        // The engine is built on the driver's thread from the loaded model.
-        let driver = Driver::spawn(
-            move || {
-                let mut engine = Engine::new(model, cx, config)?;
-                if speculate > 0 {
-                    let drafter = drafter.unwrap_or_else(|| Box::new(PromptLookup::default()));
-                    engine = engine.with_speculation(speculate, drafter)?;
-                }
-                Ok(match &text {
-                    Some(t) => engine.with_tokenizer(t),
-                    None => engine,
-                })
-            },
-            DriverLimits { max_pending: args.max_pending },
-        )?;
+        // Each rank's engine is built on its own thread from its context.
+        let text = tokenizer.clone();
+        let engine = move |cx: Cx| -> anyhow::Result<Engine<M>> {
+            let model = loader.load(&cx)?;
+            let drafter = match &drafter {
+                Some(load) => Some(load(&cx).context("loading the draft model")?),
+                None => None,
+            };
+            let mut engine = Engine::new(model, cx, config.clone())?;
+            if speculate > 0 {
+                engine = engine.with_speculation(speculate, drafter.unwrap_or_else(|| Box::new(PromptLookup::default())))?;
+            }
+            Ok(match &text {
+                Some(t) => engine.with_tokenizer(t),
+                None => engine,
+            })
+        };
+        let limits = DriverLimits { max_pending: args.max_pending };
+        let driver = if tp == 1 {
+            Driver::spawn(move || engine(Cx::new(Device::cpu())).map_err(engine_error), limits)
+        } else {
+            let mesh = Mesh::parse(&format!("tp{tp}"), tp, tp)?;
+            let world = Arc::new(InProcess::new(tp)?);
+            let w = Arc::clone(&world);
+            let rank_engine = move |rank: usize| {
+                let dev = Device::cpu();
+                let cx = Cx::new(dev.clone()).with_groups(mesh_groups(&w, &mesh, rank, &dev)?);
+                engine(cx).map_err(engine_error)
+            };
+            Driver::spawn_tensor_parallel(tp, rank_engine, move |rank, why| world.abort(rank, why), limits)
+        }
+        .with_context(|| if tp > 1 { format!("starting the model on {tp} tensor-parallel ranks") } else { "starting the model".into() })?;
         let name = args.served_model_name.clone().unwrap_or_else(|| {
             let canonical = args.model.canonicalize().unwrap_or_else(|_| args.model.clone());
             canonical.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
@@ -133,25 +156,44 @@ impl UseModel for Serve {
     }
 }
 
+/// A rank's failure to build its engine, as the driver takes it: a failure
+/// that is only another rank's stays one (so the driver reports that rank's
+/// own), the rest keeps its whole chain of context.
+fn engine_error(e: anyhow::Error) -> tessera::Error {
+    let consequence = e.chain().find_map(|cause| {
+        let e = cause.downcast_ref::<tessera::Error>().or_else(|| match cause.downcast_ref::<tessera_models::Error>() {
+            Some(tessera_models::Error::Tessera(e)) => Some(e),
+            _ => None,
+        })?;
+        match e {
+            tessera::Error::PeerFailed { rank, reason } => Some(tessera::Error::PeerFailed { rank: *rank, reason: reason.clone() }),
+            _ => None,
+        }
+    });
+    consequence.unwrap_or_else(|| tessera::Error::invalid("tessera serve", format!("{e:#}")))
+}
+
 /// Tokens a draft model proposes per step unless `--speculate` says.
 const DEFAULT_DRAFT_TOKENS: usize = 4;
 
-/// A draft model, as a use of a loaded model.
+/// A draft model, as a use of its loader: what builds it on each rank.
 struct LoadDraft {
     blocks: usize,
 }
 
-impl UseModel for LoadDraft {
-    type Output = Box<dyn Drafter>;
+impl UseLoader for LoadDraft {
+    type Output = LoadDrafter;
 
-    fn run<M: Module<In = Replicated, Out = SplitHidden> + 'static>(
-        self,
-        model: M,
-        cx: Cx,
-        _: Option<ModelTokenizer>,
-        _: usize,
-    ) -> anyhow::Result<Box<dyn Drafter>> {
-        Ok(Box::new(DraftModel::new(model, cx, self.blocks, DEFAULT_BLOCK_SIZE)?))
+    fn run<M: Module<In = Replicated, Out = SplitHidden> + 'static>(self, loader: Loader<M>) -> anyhow::Result<LoadDrafter> {
+        let blocks = self.blocks;
+        Ok(Arc::new(move |cx: &Cx| {
+            // The draft's own context, on the rank's communicators: its
+            // collectives come in the same order on every rank, between
+            // the target's.
+            let cx = Cx::new(cx.device().clone()).with_groups(cx.groups().clone());
+            let model = loader.load(&cx)?;
+            Ok(Box::new(DraftModel::new(model, cx, blocks, DEFAULT_BLOCK_SIZE)?) as Box<dyn Drafter>)
+        }))
     }
 }
 

@@ -214,6 +214,15 @@ struct Served {
     stderr: std::io::BufReader<std::process::ChildStderr>,
 }
 
+/// A test that fails must not leave its server running (holding the test
+/// harness's output open).
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 fn serve(dir: &Path, args: &[&str]) -> Served {
     use std::io::BufRead as _;
     let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
@@ -305,9 +314,7 @@ fn serve_names_a_port_it_cannot_take_and_a_bad_limit() {
     let out = tessera("serve", dir.path(), &["--port", "0", "--max-num-seqs", "0"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("max_num_seqs (0)"), "{stderr}");
-    let mut child = served.child;
-    child.kill().unwrap();
-    child.wait().unwrap();
+    drop(served);
 }
 
 /// Real clients against `tessera serve`: the official `openai` Python
@@ -326,7 +333,7 @@ fn the_openai_python_client_and_curl_talk_to_tessera_serve() {
         return;
     }
     let dir = model("clients", true);
-    let mut served = serve(dir.path(), &["--api-key", "k", "--served-model-name", "fixture"]);
+    let served = serve(dir.path(), &["--api-key", "k", "--served-model-name", "fixture"]);
     let base = format!("http://{}/v1", served.addr);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_client.py");
     let out = Command::new(python.unwrap()).arg(&script).args([&base, "k", "fixture"]).output().unwrap();
@@ -355,8 +362,7 @@ fn the_openai_python_client_and_curl_talk_to_tessera_serve() {
     let chunks: Vec<serde_json::Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(&e["data: ".len()..]).unwrap()).collect();
     assert_eq!(chunks.len(), 4, "{text}");
     assert_eq!(chunks[3]["choices"][0]["finish_reason"], "length");
-    served.child.kill().unwrap();
-    served.child.wait().unwrap();
+    drop(served);
 }
 
 #[test]
@@ -364,7 +370,7 @@ fn serve_with_a_draft_model_gives_the_plain_greedy_text() {
     let dir = model("http-draft", true);
     // The model as its own draft: every proposal is accepted, and greedy
     // text is the target's either way.
-    let mut served = serve(dir.path(), &["--draft", dir.path().to_str().unwrap(), "--speculate", "3", "--served-model-name", "m"]);
+    let served = serve(dir.path(), &["--draft", dir.path().to_str().unwrap(), "--speculate", "3", "--served-model-name", "m"]);
     let want = json(dir.path(), &["--prompt", "the cat sat", "--max-tokens", "12"]);
     let body = serde_json::json!({"model": "m", "prompt": "the cat sat", "max_tokens": 12, "temperature": 0}).to_string();
     let (status, reply) = http(&served.addr, "POST", "/v1/completions", &body, None);
@@ -379,10 +385,52 @@ fn serve_with_a_draft_model_gives_the_plain_greedy_text() {
     };
     let proposed = value("tessera_spec_proposed_tokens_total ");
     assert!(proposed > 0.0 && value("tessera_spec_accepted_tokens_total ") == proposed, "{metrics}");
-    served.child.kill().unwrap();
-    served.child.wait().unwrap();
+    drop(served);
 
     let out = tessera("serve", dir.path(), &["--port", "0", "--draft", "/nonexistent/draft"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("the draft model in `/nonexistent/draft`"), "{stderr}");
+}
+
+#[test]
+fn serve_splits_the_model_over_tensor_parallel_ranks() {
+    let dir = model("http-tp", true);
+    // Two ranks, each with half the heads, and the model as its own draft
+    // split the same way: the greedy text of one rank without a draft.
+    let served = serve(dir.path(), &["--tp", "2", "--draft", dir.path().to_str().unwrap(), "--speculate", "2", "--served-model-name", "m"]);
+    for prompt in ["the cat sat", "a dog ran to the park"] {
+        let want = json(dir.path(), &["--prompt", prompt, "--max-tokens", "10"]);
+        let body = serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 10, "temperature": 0}).to_string();
+        let (status, reply) = http(&served.addr, "POST", "/v1/completions", &body, None);
+        assert_eq!(status, 200, "{reply}");
+        let reply: serde_json::Value = serde_json::from_str(&reply).unwrap();
+        assert_eq!(reply["choices"][0]["text"], want[0]["text"], "{reply}");
+    }
+    // Sampled text with a seed is the same twice (the ranks draw alike, or
+    // the group would have stopped), and the stream ends properly.
+    let body = serde_json::json!({"model": "m", "prompt": "the", "max_tokens": 12, "temperature": 1.0, "seed": 5, "n": 2}).to_string();
+    let choices = || {
+        let (status, reply) = http(&served.addr, "POST", "/v1/completions", &body, None);
+        assert_eq!(status, 200, "{reply}");
+        serde_json::from_str::<serde_json::Value>(&reply).unwrap()["choices"].clone()
+    };
+    let first = choices();
+    assert_eq!(first.as_array().map(Vec::len), Some(2), "{first}");
+    assert_eq!(choices(), first);
+    let stream = serde_json::json!({"model": "m", "prompt": "the", "max_tokens": 5, "stream": true}).to_string();
+    let (status, events) = http(&served.addr, "POST", "/v1/completions", &stream, None);
+    assert!(status == 200 && events.contains("data: [DONE]"), "{events}");
+    let (_, health) = http(&served.addr, "GET", "/health", "", None);
+    assert!(health.contains("ok") || health.is_empty(), "{health}");
+    drop(served);
+
+    // Three ranks cannot split four heads: said before anything listens, as
+    // a refusal naming the cause, not a panic or a hang.
+    let start = std::time::Instant::now();
+    let out = tessera("serve", dir.path(), &["--port", "0", "--tp", "3"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("3 tensor-parallel ranks") && !stderr.contains("panicked"), "{stderr}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(30), "the refusal took {:?}", start.elapsed());
+    let out = tessera("serve", dir.path(), &["--port", "0", "--tp", "0"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--tp"));
 }

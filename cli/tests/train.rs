@@ -231,6 +231,55 @@ fn export_round_trips_through_the_hugging_face_loader() {
     let again = dir.path().join("again");
     ok(&["export", "--checkpoint", run.join("checkpoints/step-1").to_str().unwrap(), "--out", again.to_str().unwrap()]);
     assert!(again.join("model.safetensors").is_file() && again.join("config.json").is_file());
+
+    // The run serves split over two ranks (its padded vocabulary divides)
+    // the tokens one rank generates; over three, it is refused with the fix.
+    std::fs::remove_file(hf_dir.join("tokenizer.json")).unwrap();
+    let want: serde_json::Value =
+        serde_json::from_str(&ok(&["generate", "--model", run.to_str().unwrap(), "--ids", "1,5,9", "--max-tokens", "6", "--json"])).unwrap();
+    let want: Vec<String> = want["tokens"].as_array().unwrap().iter().map(|t| format!("token_id:{t}")).collect();
+    assert!(!want.is_empty());
+    let got = serve_tokens(&run, &["--tp", "2"], r#"{"model": "m", "prompt": [1, 5, 9], "max_tokens": 6, "temperature": 0, "logprobs": 1}"#);
+    assert_eq!(got, want);
+    fails(&["serve", "--model", run.to_str().unwrap(), "--port", "0", "--tp", "3"], &["vocabulary of 64 ids", "3 tensor-parallel ranks", "tessera export"]);
+}
+
+/// The tokens `tessera serve --model run args` answers a completion
+/// `request` with (as its log probabilities name them).
+fn serve_tokens(run: &Path, args: &[&str], request: &str) -> Vec<String> {
+    use std::io::{BufRead as _, Read as _, Write as _};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["serve", "--port", "0", "--served-model-name", "m", "--model"])
+        .arg(run)
+        .args(args)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("http://") {
+        line.clear();
+        if stderr.read_line(&mut line).unwrap() == 0 {
+            let _ = child.kill();
+            panic!("tessera serve ended before listening");
+        }
+    }
+    let addr = line.split("http://").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{request}",
+        request.len()
+    )
+    .unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(120))).unwrap();
+    let mut raw = String::new();
+    let read = s.read_to_string(&mut raw);
+    let _ = child.kill();
+    let _ = child.wait();
+    read.unwrap();
+    let body: serde_json::Value = serde_json::from_str(raw.split_once("\r\n\r\n").unwrap().1).unwrap_or_else(|e| panic!("{e}: {raw}"));
+    body["choices"][0]["logprobs"]["tokens"].as_array().unwrap_or_else(|| panic!("{body}")).iter().map(|t| t.as_str().unwrap().to_string()).collect()
 }
 
 /// A Mixtral trained at ep2 (each rank holding half the experts) exports

@@ -513,15 +513,29 @@ impl<M: KindModel> ModelSpec<M> {
         tessera::file::write_atomic(&path, text.as_bytes()).map_err(|source| Error::Io { path: path.display().to_string(), doing: "cannot write it", source })
     }
 
-    /// The model on one rank, every expert included, with the weights of the
-    /// Tessera checkpoint in `dir` (written from any mesh; a vocabulary padded
-    /// for tensor parallelism keeps its padding, which export leaves out).
+    /// The model on the rank of `cx`, its share of `cx`'s tensor-parallel
+    /// group and every expert, with the weights of the Tessera checkpoint in
+    /// `dir` (written from any mesh; a vocabulary padded for tensor
+    /// parallelism keeps its padding, which export leaves out). Collective:
+    /// every rank of the group loads at once.
     pub fn load_checkpoint(&self, dir: &Path, cx: &Cx) -> Result<M> {
         let manifest = ckpt::read_manifest(dir)?;
         let vocab = M::vocab_size(&self.config);
         let rows = manifest.params.iter().find(|p| p.is_named(M::EMBEDDING)).and_then(|p| p.global_shape.first().copied()).unwrap_or(vocab);
-        let mut model = M::for_rank(&self.config, 1, 0, 1)?;
-        if rows != vocab {
+        let tp = cx.tp().size();
+        if !rows.is_multiple_of(tp) {
+            return Err(Error::Tessera(tessera::Error::config(
+                "tp",
+                format!(
+                    "the checkpoint in `{}` holds a vocabulary of {rows} ids, which {tp} tensor-parallel ranks cannot split; \
+                     load it on a number of ranks that divides {rows}, or export it (`tessera export`) and load the exported \
+                     directory, whose vocabulary is padded for any number of ranks",
+                    dir.display()
+                ),
+            )));
+        }
+        let mut model = M::for_rank(&self.config, tp, 0, 1)?;
+        if rows != padded_vocab(vocab, tp) {
             model = model.with_vocab_padded_to(rows)?;
         }
         let model = module::build(model, cx)?;

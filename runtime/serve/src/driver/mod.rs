@@ -16,6 +16,10 @@
 //! with new ones; a panicking one stops the driver, and every waiting
 //! client and every later `submit` is told the panic's message.
 //!
+//! [`Driver::spawn_tensor_parallel`] runs the engines of a tensor-parallel
+//! group instead, one per rank thread, in lockstep (see [`lockstep`]): the
+//! clients see one engine.
+//!
 //! ```
 //! # use tessera::module::{self, Cx};
 //! # use tessera::serve::driver::{Driver, DriverLimits, Event};
@@ -57,6 +61,9 @@ use tessera_nn::module::{Module, Replicated, SplitHidden};
 
 use crate::engine::{Engine, EngineStats, FinishReason, RequestId, RequestOutput};
 use crate::sampling::SamplingParams;
+
+pub mod lockstep;
+use lockstep::Lockstep;
 
 /// What the driver tells a request's [`Sink`], in this order: `Admitted` or
 /// `Rejected` once, then (if admitted) outputs until one is finished.
@@ -188,6 +195,39 @@ impl Driver {
         M: Module<In = Replicated, Out = SplitHidden> + 'static,
         F: FnOnce() -> Result<Engine<M>> + Send + 'static,
     {
+        Self::start(make, limits)
+    }
+
+    /// Runs the engines of a tensor-parallel group of `ranks` ranks as one:
+    /// `make(rank)` builds rank `rank`'s engine on a thread of its own (its
+    /// [`Cx`](tessera_nn::module::Cx) holding that rank's communicators), and
+    /// every engine gets the same requests, cancellations and steps in the
+    /// same order; clients hear rank 0's outputs. `abort(rank, reason)` stops
+    /// the group's communication on behalf of a rank that failed, so that
+    /// the others' collectives return instead of waiting for it.
+    ///
+    /// A failed build returns the first root cause (not another rank's
+    /// failure to communicate with it). A failed step, on any rank, stops the
+    /// driver like a panic does: the ranks' collectives are no longer in step.
+    pub fn spawn_tensor_parallel<M, F, A>(ranks: usize, make: F, abort: A, limits: DriverLimits) -> Result<Driver>
+    where
+        M: Module<In = Replicated, Out = SplitHidden> + 'static,
+        F: Fn(usize) -> Result<Engine<M>> + Send + Sync + 'static,
+        A: Fn(usize, &str) + Send + Sync + 'static,
+    {
+        if ranks == 0 {
+            return Err(Error::invalid("Driver::spawn_tensor_parallel", "0 ranks cannot run a model; give at least 1"));
+        }
+        Self::start(move || Lockstep::build(ranks, make, abort), limits)
+    }
+
+    /// Starts the driver's thread, builds the stepper there with `make`, and
+    /// runs it.
+    fn start<S, F>(make: F, limits: DriverLimits) -> Result<Driver>
+    where
+        S: Stepper + 'static,
+        F: FnOnce() -> Result<S> + Send + 'static,
+    {
         if limits.max_pending == 0 {
             return Err(Error::invalid("Driver::spawn", "max_pending is 0, so no request could ever run; allow at least 1"));
         }
@@ -207,7 +247,7 @@ impl Driver {
                         return drop(ready_tx.send(Err(Error::invalid("Driver::spawn", format!("building the engine panicked: {}", panic_message(&panic))))))
                     }
                 };
-                let info = EngineInfo { vocab: engine.vocab(), max_model_len: engine.config().max_model_len };
+                let info = engine.info();
                 let mut run = Run { engine, sinks: HashMap::new(), shared: thread_shared, stopping: None };
                 run.publish();
                 if ready_tx.send(Ok(info)).is_ok() {
@@ -296,16 +336,71 @@ impl Drop for Driver {
 /// [`DriverState::stopped`] after a shutdown that was asked for.
 const SHUT_DOWN: &str = "the driver was shut down";
 
+/// What the driver's thread runs: one engine, or the engines of a
+/// tensor-parallel group in [`Lockstep`].
+trait Stepper {
+    fn info(&self) -> EngineInfo;
+    fn add_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestId>;
+    fn abort(&mut self, id: RequestId);
+    fn has_unfinished(&self) -> bool;
+    fn step(&mut self) -> std::result::Result<Vec<RequestOutput>, StepFailure>;
+    /// Writes the engine's counts into `state`.
+    fn publish(&self, state: &mut DriverState);
+}
+
+/// How a step failed.
+enum StepFailure {
+    /// The requests the step held fail with this; the engine goes on.
+    Requests(Error),
+    /// The engine cannot go on: the driver stops with this reason.
+    Fatal(String),
+}
+
+impl<M: Module<In = Replicated, Out = SplitHidden>> Stepper for Engine<M> {
+    fn info(&self) -> EngineInfo {
+        EngineInfo { vocab: self.vocab(), max_model_len: self.config().max_model_len }
+    }
+
+    fn add_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<RequestId> {
+        Engine::add_request(self, prompt, params)
+    }
+
+    fn abort(&mut self, id: RequestId) {
+        Engine::abort(self, id);
+    }
+
+    fn has_unfinished(&self) -> bool {
+        Engine::has_unfinished(self)
+    }
+
+    fn step(&mut self) -> std::result::Result<Vec<RequestOutput>, StepFailure> {
+        match catch_unwind(AssertUnwindSafe(|| Engine::step(self))) {
+            Ok(Ok(outputs)) => Ok(outputs),
+            Ok(Err(e)) => Err(StepFailure::Requests(e)),
+            Err(panic) => Err(StepFailure::Fatal(format!("the engine panicked: {}", panic_message(&panic)))),
+        }
+    }
+
+    fn publish(&self, state: &mut DriverState) {
+        let blocks = self.blocks();
+        state.waiting = self.num_waiting();
+        state.running = self.num_running();
+        state.kv_blocks = blocks.num_blocks();
+        state.kv_blocks_available = blocks.available_blocks();
+        state.stats = self.stats().clone();
+    }
+}
+
 /// The engine thread's side.
-struct Run<M: Module<In = Replicated, Out = SplitHidden>> {
-    engine: Engine<M>,
+struct Run<S: Stepper> {
+    engine: S,
     sinks: HashMap<RequestId, Box<dyn Sink>>,
     shared: Arc<Shared>,
     /// Set by a stop command: whether to let unfinished requests finish.
     stopping: Option<bool>,
 }
 
-impl<M: Module<In = Replicated, Out = SplitHidden>> Run<M> {
+impl<S: Stepper> Run<S> {
     fn serve(&mut self, inbox: Receiver<Command>) {
         loop {
             // Sleep while there is nothing to do; otherwise take what has come
@@ -336,13 +431,14 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Run<M> {
                 self.engine.abort(id);
             }
             if self.engine.has_unfinished() {
-                match catch_unwind(AssertUnwindSafe(|| self.engine.step())) {
-                    Ok(Ok(outputs)) => self.deliver(outputs),
-                    Ok(Err(e)) => self.fail_all(&format!("the step failed: {e}")),
-                    Err(panic) => {
-                        let reason = format!("the engine panicked: {}", panic_message(&panic));
+                match self.engine.step() {
+                    Ok(outputs) => self.deliver(outputs),
+                    Err(StepFailure::Requests(e)) => self.fail_all(&format!("the step failed: {e}")),
+                    Err(StepFailure::Fatal(reason)) => {
+                        // Stopped first: a client told of the failure that
+                        // submits again is refused, not queued.
+                        self.shared.state().stopped = Some(reason.clone());
                         self.fail_all(&reason);
-                        self.shared.state().stopped = Some(reason);
                         self.publish();
                         return self.refuse_rest(inbox);
                     }
@@ -440,13 +536,7 @@ impl<M: Module<In = Replicated, Out = SplitHidden>> Run<M> {
     }
 
     fn publish(&self) {
-        let blocks = self.engine.blocks();
-        let mut state = self.shared.state();
-        state.waiting = self.engine.num_waiting();
-        state.running = self.engine.num_running();
-        state.kv_blocks = blocks.num_blocks();
-        state.kv_blocks_available = blocks.available_blocks();
-        state.stats = self.engine.stats().clone();
+        self.engine.publish(&mut self.shared.state());
     }
 }
 
