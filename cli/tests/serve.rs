@@ -5,6 +5,8 @@
 //! server's answers and its shutdown on SIGTERM, and the errors on bad
 //! input.
 
+mod common;
+use common::{http, serve};
 use std::path::Path;
 use std::process::{Command, Output};
 use tessera::testing::Scratch;
@@ -205,59 +207,6 @@ fn perplexity_scores_a_text_and_quantization_moves_it_little() {
     // A tokenizer from elsewhere gives the same figure.
     let other = perplexity(bare.path(), &["--text", file, "--tokenizer", dir.path().to_str().unwrap()]);
     assert_eq!(other["perplexity"], f32["perplexity"]);
-}
-
-/// A `tessera serve` process and the address it printed.
-struct Served {
-    child: std::process::Child,
-    addr: String,
-    stderr: std::io::BufReader<std::process::ChildStderr>,
-}
-
-/// A test that fails must not leave its server running (holding the test
-/// harness's output open).
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn serve(dir: &Path, args: &[&str]) -> Served {
-    use std::io::BufRead as _;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
-        .args(["serve", "--port", "0", "--model"])
-        .arg(dir)
-        .args(args)
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("http://") {
-        line.clear();
-        assert!(stderr.read_line(&mut line).unwrap() > 0, "tessera serve ended before listening");
-    }
-    let addr = line.split("http://").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
-    Served { child, addr, stderr }
-}
-
-/// One HTTP/1.1 request; returns the status and the raw body (chunks left in).
-fn http(addr: &str, method: &str, path: &str, body: &str, key: Option<&str>) -> (u16, String) {
-    use std::io::{Read as _, Write as _};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    let auth = key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(120))).unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
-    (head.split(' ').nth(1).unwrap().parse().unwrap(), body.to_string())
 }
 
 #[test]

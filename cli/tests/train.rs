@@ -5,6 +5,7 @@
 //! table; and a configuration that cannot work is refused before the run
 //! directory exists, naming the setting and the fix.
 
+mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use tessera::data::{AnswerTargets, Dataset, Sampler};
@@ -247,38 +248,10 @@ fn export_round_trips_through_the_hugging_face_loader() {
 /// The tokens `tessera serve --model run args` answers a completion
 /// `request` with (as its log probabilities name them).
 fn serve_tokens(run: &Path, args: &[&str], request: &str) -> Vec<String> {
-    use std::io::{BufRead as _, Read as _, Write as _};
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
-        .args(["serve", "--port", "0", "--served-model-name", "m", "--model"])
-        .arg(run)
-        .args(args)
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("http://") {
-        line.clear();
-        if stderr.read_line(&mut line).unwrap() == 0 {
-            let _ = child.kill();
-            panic!("tessera serve ended before listening");
-        }
-    }
-    let addr = line.split("http://").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
-    let mut s = std::net::TcpStream::connect(&addr).unwrap();
-    write!(
-        s,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{request}",
-        request.len()
-    )
-    .unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(120))).unwrap();
-    let mut raw = String::new();
-    let read = s.read_to_string(&mut raw);
-    let _ = child.kill();
-    let _ = child.wait();
-    read.unwrap();
-    let body: serde_json::Value = serde_json::from_str(raw.split_once("\r\n\r\n").unwrap().1).unwrap_or_else(|e| panic!("{e}: {raw}"));
+    let served = common::serve(run, &[args, &["--served-model-name", "m"]].concat());
+    let (status, body) = common::http(&served.addr, "POST", "/v1/completions", request, None);
+    assert_eq!(status, 200, "{body}");
+    let body: serde_json::Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
     body["choices"][0]["logprobs"]["tokens"].as_array().unwrap_or_else(|| panic!("{body}")).iter().map(|t| t.as_str().unwrap().to_string()).collect()
 }
 

@@ -2,6 +2,8 @@
 //! on many threads, cancellation that frees the cache, bounded admission,
 //! refusals, and both kinds of shutdown.
 
+mod common;
+use common::Flaky;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
@@ -227,35 +229,6 @@ fn shutdown_drains_or_cancels_and_a_failed_build_is_the_error() {
     assert!(e.to_string().contains("building the engine panicked: bad weights"), "{e}");
     let e = Driver::spawn(engine, DriverLimits { max_pending: 0 }).err().unwrap();
     assert!(e.to_string().contains("max_pending is 0"), "{e}");
-}
-
-/// GPT-2 whose next forward fails or panics when the test says so.
-struct Flaky {
-    inner: Gpt2,
-    /// 0: run; 1: fail the next forward; 2: panic in it.
-    mode: Arc<std::sync::atomic::AtomicU8>,
-}
-
-impl module::Module for Flaky {
-    type In = module::Replicated;
-    type Out = module::SplitHidden;
-    type Saved = <Gpt2 as module::Module>::Saved;
-
-    fn forward(&self, cx: &mut Cx, x: module::Act<Self::In>) -> tessera::Result<(module::Act<Self::Out>, Self::Saved)> {
-        match self.mode.swap(0, Ordering::AcqRel) {
-            1 => Err(tessera::Error::invalid("Flaky::forward", "an injected failure")),
-            2 => panic!("an injected panic"),
-            _ => self.inner.forward(cx, x),
-        }
-    }
-
-    fn backward(&self, cx: &mut Cx, saved: Self::Saved, dy: module::Act<Self::Out>) -> tessera::Result<module::Act<Self::In>> {
-        self.inner.backward(cx, saved, dy)
-    }
-
-    fn visit_params(&self, v: &mut module::Visitor<'_>) -> tessera::Result<()> {
-        self.inner.visit_params(v)
-    }
 }
 
 #[test]

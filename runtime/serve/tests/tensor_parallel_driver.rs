@@ -3,6 +3,8 @@
 //! fails, in its build or in a step, or that drifts out of step, stops the
 //! group with its own failure as the reason, promptly, never a hang.
 
+mod common;
+use common::Flaky;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
@@ -170,35 +172,6 @@ fn a_rank_that_cannot_build_is_the_reason_and_the_others_do_not_wait_for_it() {
     assert!(e.contains("rank 1") && e.contains("bad weights"), "{e}");
     let e = Driver::spawn_tensor_parallel(0, |_| plain(0, Cx::new(Device::cpu())), |_, _| {}, DriverLimits::default()).err().unwrap().to_string();
     assert!(e.contains("0 ranks"), "{e}");
-}
-
-/// GPT-2 whose next forward fails or panics when the test says so.
-struct Flaky {
-    inner: Gpt2,
-    /// 0: run; 1: fail the next forward; 2: panic in it.
-    mode: Arc<AtomicU8>,
-}
-
-impl module::Module for Flaky {
-    type In = module::Replicated;
-    type Out = module::SplitHidden;
-    type Saved = <Gpt2 as module::Module>::Saved;
-
-    fn forward(&self, cx: &mut Cx, x: module::Act<Self::In>) -> tessera::Result<(module::Act<Self::Out>, Self::Saved)> {
-        match self.mode.swap(0, Ordering::AcqRel) {
-            1 => Err(tessera::Error::invalid("Flaky::forward", "an injected failure")),
-            2 => panic!("an injected panic"),
-            _ => self.inner.forward(cx, x),
-        }
-    }
-
-    fn backward(&self, cx: &mut Cx, saved: Self::Saved, dy: module::Act<Self::Out>) -> tessera::Result<module::Act<Self::In>> {
-        self.inner.backward(cx, saved, dy)
-    }
-
-    fn visit_params(&self, v: &mut module::Visitor<'_>) -> tessera::Result<()> {
-        self.inner.visit_params(v)
-    }
 }
 
 #[test]
