@@ -1,0 +1,12 @@
+//! Tessera's planner: what a cluster can do, and what a parallel layout of
+//! a model will cost on it.
+//!
+//! It is being built in pieces; docs/planner.md says what exists:
+//!
+//! - [`profile`]: a cluster's devices (peak rates, memory) and links
+//!   (inside a node, between nodes), read from TOML; profiles of 8-GPU
+//!   A100, H100 and H200 nodes ship with it ([`profile::shipped`]);
+//! - [`collective`]: the time of each collective over a link.
+
+pub mod collective;
+pub mod profile;

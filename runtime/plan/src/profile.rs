@@ -1,0 +1,212 @@
+//! What a cluster can do: a device's peak rates and memory, and the links
+//! between its devices inside a node and between nodes.
+//!
+//! A profile is a TOML file (the format `tessera profile` writes, and the
+//! one the shipped profiles of [`shipped`] use):
+//!
+//! ```toml
+//! name = "h100-sxm5-80gb"
+//! gpus_per_node = 8
+//!
+//! [device]
+//! name = "NVIDIA H100 80GB HBM3"
+//! memory_bytes = 85520809984
+//! memory_bandwidth = 3.35e12   # bytes/s
+//! [device.peak_flops]          # flop/s by dtype
+//! bf16 = 989e12
+//!
+//! [intra_node]                 # per device, per direction
+//! bandwidth = 450e9            # bytes/s
+//! latency = 5e-6               # seconds per step of a collective
+//!
+//! [inter_node]
+//! bandwidth = 50e9
+//! latency = 1e-5
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use tessera_core::{Error, Result};
+
+/// A cluster of identical nodes: what the planner plans for.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterProfile {
+    /// What the profile describes (`h100-sxm5-80gb`).
+    pub name: String,
+    /// Devices in one node.
+    pub gpus_per_node: usize,
+    /// One device.
+    pub device: DeviceProfile,
+    /// The link between two devices of one node.
+    pub intra_node: Link,
+    /// The link between devices of different nodes.
+    pub inter_node: Link,
+}
+
+/// One device's rates and memory.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceProfile {
+    /// The device's name.
+    pub name: String,
+    /// Memory a program can use, in bytes.
+    pub memory_bytes: u64,
+    /// Memory bandwidth, bytes/s.
+    pub memory_bandwidth: f64,
+    /// Peak matrix-multiply rate by dtype (`f32`, `tf32`, `bf16`, `f16`,
+    /// `fp8`), flop/s, dense.
+    pub peak_flops: BTreeMap<String, f64>,
+}
+
+/// A link as the collectives over it see it: a fixed cost per step and a
+/// bandwidth (the α–β model).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Link {
+    /// Bytes/s one device sends (and receives) at once.
+    pub bandwidth: f64,
+    /// Seconds each step of a collective costs besides its bytes.
+    pub latency: f64,
+}
+
+impl ClusterProfile {
+    /// Reads a profile from TOML text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<ClusterProfile> {
+        let profile: ClusterProfile = toml::from_str(text).map_err(|e| Error::config(origin, format!("not a cluster profile: {e}")))?;
+        profile.check(origin)?;
+        Ok(profile)
+    }
+
+    /// Reads the profile file at `path`, or a shipped profile by name.
+    pub fn load(path_or_name: &str) -> Result<ClusterProfile> {
+        if let Some(p) = shipped().into_iter().find(|p| p.name == path_or_name) {
+            return Ok(p);
+        }
+        let path = Path::new(path_or_name);
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            let names: Vec<String> = shipped().into_iter().map(|p| p.name).collect();
+            Error::data_file(path, format!("cannot read it ({e}); give a profile file or one of the shipped profiles: {}", names.join(", ")))
+        })?;
+        ClusterProfile::parse(&text, &path.display().to_string())
+    }
+
+    /// The peak rate of `dtype` matrix products, flop/s.
+    pub fn peak_flops(&self, dtype: &str) -> Result<f64> {
+        self.device.peak_flops.get(dtype).copied().ok_or_else(|| {
+            let have: Vec<&str> = self.device.peak_flops.keys().map(String::as_str).collect();
+            Error::config("device.peak_flops", format!("profile `{}` gives no rate for {dtype}; it has {}", self.name, have.join(", ")))
+        })
+    }
+
+    /// The link a group of `size` devices, `stride` apart in rank order,
+    /// communicates over: inside a node when the group fits in one
+    /// (contiguous ranks fill a node first), else between nodes (whose
+    /// link is the slower one a collective waits for).
+    pub fn link(&self, size: usize, stride: usize) -> Link {
+        if size <= 1 || (size - 1) * stride.max(1) < self.gpus_per_node {
+            self.intra_node
+        } else {
+            self.inter_node
+        }
+    }
+
+    fn check(&self, origin: &str) -> Result<()> {
+        let bad = |key: &str, detail: String| Err(Error::config(format!("{origin}: {key}"), detail));
+        if self.gpus_per_node == 0 {
+            return bad("gpus_per_node", "is 0; a node has at least one device".into());
+        }
+        if self.device.memory_bytes == 0 {
+            return bad("device.memory_bytes", "is 0; give the memory a program can use, in bytes".into());
+        }
+        let positive = |v: f64| v.is_finite() && v > 0.0;
+        if !positive(self.device.memory_bandwidth) {
+            return bad("device.memory_bandwidth", format!("is {}; give bytes/s, above 0", self.device.memory_bandwidth));
+        }
+        if self.device.peak_flops.is_empty() {
+            return bad("device.peak_flops", "is empty; give at least one dtype's rate (bf16 = 989e12)".into());
+        }
+        for (dtype, &rate) in &self.device.peak_flops {
+            if !positive(rate) {
+                return bad(&format!("device.peak_flops.{dtype}"), format!("is {rate}; give flop/s, above 0"));
+            }
+        }
+        for (key, link) in [("intra_node", self.intra_node), ("inter_node", self.inter_node)] {
+            if !positive(link.bandwidth) {
+                return bad(&format!("{key}.bandwidth"), format!("is {}; give bytes/s, above 0", link.bandwidth));
+            }
+            if !(link.latency.is_finite() && link.latency >= 0.0) {
+                return bad(&format!("{key}.latency"), format!("is {}; give seconds, 0 or more", link.latency));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The profiles that ship with Tessera, for clusters that are not here to
+/// measure: 8-GPU A100, H100 and H200 nodes from the vendors' public
+/// figures (each file names its sources).
+pub fn shipped() -> Vec<ClusterProfile> {
+    SHIPPED.iter().map(|(name, text)| ClusterProfile::parse(text, name).unwrap_or_else(|e| panic!("the shipped profile {name} is broken: {e}"))).collect()
+}
+
+const SHIPPED: &[(&str, &str)] = &[
+    ("profiles/a100-sxm4-80gb.toml", include_str!("../profiles/a100-sxm4-80gb.toml")),
+    ("profiles/h100-sxm5-80gb.toml", include_str!("../profiles/h100-sxm5-80gb.toml")),
+    ("profiles/h200-sxm-141gb.toml", include_str!("../profiles/h200-sxm-141gb.toml")),
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_profiles_parse_and_say_what_their_datasheets_say() {
+        let all = shipped();
+        assert_eq!(all.len(), 3);
+        let h100 = ClusterProfile::load("h100-sxm5-80gb").unwrap();
+        assert_eq!(h100.peak_flops("bf16").unwrap(), 989e12);
+        assert_eq!(h100.gpus_per_node, 8);
+        let h200 = ClusterProfile::load("h200-sxm-141gb").unwrap();
+        assert_eq!(h200.device.peak_flops, h100.device.peak_flops, "the H200 has the H100's compute");
+        assert!(h200.device.memory_bandwidth > h100.device.memory_bandwidth && h200.device.memory_bytes > h100.device.memory_bytes);
+        let a100 = ClusterProfile::load("a100-sxm4-80gb").unwrap();
+        assert_eq!(a100.peak_flops("bf16").unwrap(), 312e12);
+        assert!(a100.peak_flops("fp8").unwrap_err().to_string().contains("no rate for fp8"));
+        for p in &all {
+            assert!(p.intra_node.bandwidth > p.inter_node.bandwidth, "{}", p.name);
+        }
+    }
+
+    #[test]
+    fn a_bad_profile_is_refused_naming_the_key() {
+        let good = include_str!("../profiles/h100-sxm5-80gb.toml");
+        let cases = [
+            (good.replace("gpus_per_node = 8", "gpus_per_node = 0"), "gpus_per_node"),
+            (good.replace("bandwidth = 450e9", "bandwidth = -1.0"), "intra_node.bandwidth"),
+            (good.replace("latency = 1e-5", "latency = nan"), "inter_node.latency"),
+            (good.replace("bf16 = 989e12", "bf16 = 0.0"), "device.peak_flops.bf16"),
+            (good.replace("memory_bandwidth = 3.35e12", "memory_bandwidth = \"fast\""), "memory_bandwidth"),
+            (good.replace("gpus_per_node = 8", "gpus_per_node = 8\ngpus = 8"), "gpus"),
+            (good.replace("[inter_node]", "[between_nodes]"), "inter_node"),
+        ];
+        for (text, key) in cases {
+            let e = ClusterProfile::parse(&text, "test.toml").unwrap_err().to_string();
+            assert!(e.contains(key), "expected {key} in: {e}");
+        }
+        let e = ClusterProfile::load("/nonexistent/profile.toml").unwrap_err().to_string();
+        assert!(e.contains("h100-sxm5-80gb") && e.contains("/nonexistent/profile.toml"), "{e}");
+    }
+
+    #[test]
+    fn a_group_that_fits_in_a_node_uses_its_links() {
+        let p = ClusterProfile::load("h100-sxm5-80gb").unwrap();
+        assert_eq!(p.link(1, 1), p.intra_node);
+        assert_eq!(p.link(8, 1), p.intra_node);
+        assert_eq!(p.link(2, 4), p.intra_node, "ranks 0 and 4 share a node");
+        assert_eq!(p.link(2, 8), p.inter_node, "ranks 0 and 8 do not");
+        assert_eq!(p.link(16, 1), p.inter_node);
+    }
+}
