@@ -6,7 +6,10 @@
 //! - [`profile`]: a cluster's devices (peak rates, memory) and links
 //!   (inside a node, between nodes), read from TOML; profiles of 8-GPU
 //!   A100, H100 and H200 nodes ship with it ([`profile::shipped`]);
-//! - [`collective`]: the time of each collective over a link.
+//! - [`collective`]: the time of each collective over a link;
+//! - [`measure`]: this machine's device, measured: matrix-product rates by
+//!   shape and dtype, memory bandwidth.
 
 pub mod collective;
+pub mod measure;
 pub mod profile;

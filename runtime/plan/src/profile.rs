@@ -30,6 +30,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use tessera_core::{Error, Result};
 
+use crate::measure::MatmulRate;
+
 /// A cluster of identical nodes: what the planner plans for.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -59,6 +61,10 @@ pub struct DeviceProfile {
     /// Peak matrix-multiply rate by dtype (`f32`, `tf32`, `bf16`, `f16`,
     /// `fp8`), flop/s, dense.
     pub peak_flops: BTreeMap<String, f64>,
+    /// Rates measured on the device by shape (`tessera profile`); empty in
+    /// a profile made from datasheets.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub matmul: Vec<MatmulRate>,
 }
 
 /// A link as the collectives over it see it: a fixed cost per step and a
@@ -78,6 +84,11 @@ impl ClusterProfile {
         let profile: ClusterProfile = toml::from_str(text).map_err(|e| Error::config(origin, format!("not a cluster profile: {e}")))?;
         profile.check(origin)?;
         Ok(profile)
+    }
+
+    /// The profile as TOML, as [`parse`](Self::parse) reads it.
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("a profile is plain data")
     }
 
     /// Reads the profile file at `path`, or a shipped profile by name.
@@ -131,6 +142,11 @@ impl ClusterProfile {
         for (dtype, &rate) in &self.device.peak_flops {
             if !positive(rate) {
                 return bad(&format!("device.peak_flops.{dtype}"), format!("is {rate}; give flop/s, above 0"));
+            }
+        }
+        for (i, r) in self.device.matmul.iter().enumerate() {
+            if r.m == 0 || r.n == 0 || r.k == 0 || !positive(r.flops) {
+                return bad(&format!("device.matmul[{i}]"), format!("is {r:?}; give sizes and a rate above 0"));
             }
         }
         for (key, link) in [("intra_node", self.intra_node), ("inter_node", self.inter_node)] {
@@ -198,6 +214,17 @@ mod tests {
         }
         let e = ClusterProfile::load("/nonexistent/profile.toml").unwrap_err().to_string();
         assert!(e.contains("h100-sxm5-80gb") && e.contains("/nonexistent/profile.toml"), "{e}");
+    }
+
+    #[test]
+    fn a_profile_with_measured_rates_round_trips_through_toml() {
+        let mut p = ClusterProfile::load("a100-sxm4-80gb").unwrap();
+        p.device.matmul.push(MatmulRate { m: 4096, n: 4096, k: 4096, dtype: "bf16".into(), flops: 2.71e14 });
+        let back = ClusterProfile::parse(&p.to_toml(), "round trip").unwrap();
+        assert_eq!(back, p);
+        let mut bad = p.clone();
+        bad.device.matmul[0].flops = 0.0;
+        assert!(ClusterProfile::parse(&bad.to_toml(), "t").unwrap_err().to_string().contains("device.matmul[0]"));
     }
 
     #[test]
