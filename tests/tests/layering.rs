@@ -19,7 +19,7 @@ const MAP: &[(&str, &[&str])] = &[
     ("runtime/testing", &["tessera-core", "tessera-dist", "tessera-nn", "tessera-parallel"]),
     ("runtime/serve", &["tessera-core", "tessera-dist", "tessera-nn", "tessera-data"]),
     ("runtime/server", &["tessera-core", "tessera-serve", "tessera-data"]),
-    ("runtime/plan", &["tessera-core"]),
+    ("runtime/plan", &["tessera-core", "tessera-dist"]),
     ("macros", &[]),
 ];
 

@@ -27,16 +27,23 @@ pub enum Collective {
 impl Collective {
     /// Seconds for `bytes` (the whole message on one device, as described
     /// above) over a group of `size` devices on `link`; 0 for one device.
-    pub fn seconds(self, link: Link, size: usize, bytes: f64) -> f64 {
+    pub fn seconds(self, link: &Link, size: usize, bytes: f64) -> f64 {
         if size <= 1 || bytes <= 0.0 {
             return 0.0;
         }
+        let (steps, volume) = self.ring(size, bytes);
+        let (latency, bandwidth) = link.for_size(size);
+        steps * latency + volume / bandwidth
+    }
+
+    /// The steps a ring runs for `bytes` over `size` devices, and the bytes
+    /// each device sends in all: the two terms the α–β cost multiplies.
+    pub fn ring(self, size: usize, bytes: f64) -> (f64, f64) {
         let n = size as f64;
-        let ring = |b: f64| (n - 1.0) * (link.latency + b / n / link.bandwidth);
         match self {
-            Collective::AllReduce => 2.0 * ring(bytes),
-            Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll => ring(bytes),
-            Collective::SendRecv => link.latency + bytes / link.bandwidth,
+            Collective::AllReduce => (2.0 * (n - 1.0), 2.0 * (n - 1.0) / n * bytes),
+            Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll => (n - 1.0, (n - 1.0) / n * bytes),
+            Collective::SendRecv => (1.0, bytes),
         }
     }
 }
@@ -45,14 +52,14 @@ impl Collective {
 mod tests {
     use super::*;
 
-    const LINK: Link = Link { bandwidth: 100e9, latency: 5e-6 };
+    const LINK: Link = Link { bandwidth: 100e9, latency: 5e-6, by_size: Vec::new() };
 
     #[test]
     fn an_all_reduce_is_a_reduce_scatter_then_an_all_gather() {
         for n in [2, 3, 8, 64] {
             for bytes in [1e3, 1e6, 1e9] {
-                let ar = Collective::AllReduce.seconds(LINK, n, bytes);
-                let parts = Collective::ReduceScatter.seconds(LINK, n, bytes) + Collective::AllGather.seconds(LINK, n, bytes);
+                let ar = Collective::AllReduce.seconds(&LINK, n, bytes);
+                let parts = Collective::ReduceScatter.seconds(&LINK, n, bytes) + Collective::AllGather.seconds(&LINK, n, bytes);
                 assert!((ar - parts).abs() <= 1e-12 * ar.max(1.0), "n {n}, {bytes} bytes");
             }
         }
@@ -63,26 +70,26 @@ mod tests {
         // A ring all-reduce moves 2(n − 1)/n of the message through each link.
         let (n, bytes) = (8, 1e10);
         let bound = 2.0 * (n as f64 - 1.0) / n as f64 * bytes / LINK.bandwidth;
-        let t = Collective::AllReduce.seconds(LINK, n, bytes);
+        let t = Collective::AllReduce.seconds(&LINK, n, bytes);
         assert!(t >= bound && t < bound * 1.001, "{t} vs {bound}");
         // Small ones are latency: 2(n − 1) steps.
-        let t = Collective::AllReduce.seconds(LINK, n, 8.0);
+        let t = Collective::AllReduce.seconds(&LINK, n, 8.0);
         assert!((t - 14.0 * LINK.latency).abs() < 1e-9, "{t}");
     }
 
     #[test]
     fn one_device_or_no_bytes_costs_nothing_and_more_costs_more() {
-        assert_eq!(Collective::AllReduce.seconds(LINK, 1, 1e9), 0.0);
-        assert_eq!(Collective::AllGather.seconds(LINK, 8, 0.0), 0.0);
+        assert_eq!(Collective::AllReduce.seconds(&LINK, 1, 1e9), 0.0);
+        assert_eq!(Collective::AllGather.seconds(&LINK, 8, 0.0), 0.0);
         for op in [Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather, Collective::AllToAll, Collective::SendRecv] {
             let mut last = 0.0;
             for bytes in [1.0, 1e3, 1e6, 1e9] {
-                let t = op.seconds(LINK, 4, bytes);
+                let t = op.seconds(&LINK, 4, bytes);
                 assert!(t > last, "{op:?} at {bytes} bytes");
                 last = t;
             }
             let slow = Link { bandwidth: LINK.bandwidth / 10.0, ..LINK };
-            assert!(op.seconds(slow, 4, 1e6) > op.seconds(LINK, 4, 1e6), "{op:?}");
+            assert!(op.seconds(&slow, 4, 1e6) > op.seconds(&LINK, 4, 1e6), "{op:?}");
         }
     }
 }

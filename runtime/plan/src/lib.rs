@@ -7,8 +7,9 @@
 //!   (inside a node, between nodes), read from TOML; profiles of 8-GPU
 //!   A100, H100 and H200 nodes ship with it ([`profile::shipped`]);
 //! - [`collective`]: the time of each collective over a link;
-//! - [`measure`]: this machine's device, measured: matrix-product rates by
-//!   shape and dtype, memory bandwidth.
+//! - [`measure`]: this machine, measured: matrix-product rates by shape
+//!   and dtype, memory bandwidth, and a communicator's all-reduce fitted to
+//!   a latency and a bandwidth per group size.
 
 pub mod collective;
 pub mod measure;

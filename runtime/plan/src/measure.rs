@@ -1,5 +1,6 @@
-//! Measuring this machine's device: matrix-product rates by shape and
-//! dtype, and memory bandwidth, as a profile records them.
+//! Measuring this machine: the device's matrix-product rates by shape and
+//! dtype and its memory bandwidth, and a communicator's collectives fitted
+//! to a link's latency and bandwidth, as a profile records them.
 //!
 //! Each figure is the best of several timed runs after a warm-up (a peak
 //! is what a profile states; the noise of a shared machine only ever makes
@@ -9,6 +10,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tessera_core::{ops, DType, Device, Error, Result, Tensor};
+use tessera_dist::Communicator;
+
+use crate::collective::Collective;
+use crate::profile::GroupFit;
 
 /// A measured matrix-product rate: `[m, k] × [k, n]` in `dtype`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -81,6 +86,57 @@ pub fn memory_bandwidth(device: &Device, bytes: usize, budget: Budget) -> Result
     Ok(3.0 * (elements * 4) as f64 / seconds)
 }
 
+/// One rank's best time of an all-reduce of `bytes` (f32) over `comm`, of
+/// `runs` timed runs after a warm-up. Collective: every rank of the group
+/// calls it with the same arguments (so that all run the same number of
+/// collectives); a barrier starts each run together.
+pub fn all_reduce_time(comm: &dyn Communicator, device: &Device, bytes: usize, runs: usize) -> Result<f64> {
+    let t = Tensor::full(1.0, [(bytes / 4).max(1)], DType::F32, device)?;
+    comm.all_reduce_sum(&t)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..runs.max(1) {
+        comm.barrier()?;
+        let start = Instant::now();
+        comm.all_reduce_sum(&t)?;
+        device.synchronize()?;
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// The latency and bandwidth of a group of `size` that best explain the
+/// measured all-reduce `times` (message bytes, seconds) under the ring
+/// model of [`Collective::seconds`]: least squares, the latency held at 0
+/// should the best fit want it negative.
+pub fn fit_all_reduce(size: usize, times: &[(f64, f64)]) -> Result<GroupFit> {
+    const OP: &str = "measure::fit_all_reduce";
+    if size < 2 || times.len() < 2 {
+        return Err(Error::invalid(OP, format!("a fit needs a group of 2 or more ({size}) and 2 or more message sizes ({})", times.len())));
+    }
+    // t = steps·α + volume·(1/β), one (steps, volume) per measurement.
+    let rows: Vec<(f64, f64, f64)> = times
+        .iter()
+        .map(|&(bytes, t)| {
+            let (steps, volume) = Collective::AllReduce.ring(size, bytes);
+            (steps, volume, t)
+        })
+        .collect();
+    let (mut ss, mut sv, mut vv, mut st, mut vt) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(s, v, t) in &rows {
+        (ss, sv, vv, st, vt) = (ss + s * s, sv + s * v, vv + v * v, st + s * t, vt + v * t);
+    }
+    let det = ss * vv - sv * sv;
+    let (mut alpha, mut inv_beta) = if det.abs() > f64::EPSILON * ss * vv { ((st * vv - vt * sv) / det, (ss * vt - sv * st) / det) } else { (0.0, vt / vv) };
+    if alpha < 0.0 {
+        alpha = 0.0;
+        inv_beta = vt / vv;
+    }
+    if !(inv_beta.is_finite() && inv_beta > 0.0) {
+        return Err(Error::invalid(OP, format!("the times {times:?} do not grow with the message; measure larger messages")));
+    }
+    Ok(GroupFit { size, latency: alpha, bandwidth: 1.0 / inv_beta })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,6 +155,43 @@ mod tests {
         assert_eq!((large.m, large.n, large.k, large.dtype.as_str()), (256, 256, 256, "f32"));
         let bw = memory_bandwidth(&dev, 16 << 20, QUICK).unwrap();
         assert!(bw > 1e8 && bw < 1e13, "{bw} bytes/s is not a memory bandwidth");
+    }
+
+    #[test]
+    fn a_fit_recovers_the_latency_and_bandwidth_that_made_the_times() {
+        use crate::profile::Link;
+        for (size, latency, bandwidth) in [(2, 5e-6, 3e11), (8, 2e-5, 2.5e10), (4, 0.0, 1e9)] {
+            let link = Link { latency, bandwidth, by_size: Vec::new() };
+            let times: Vec<(f64, f64)> = [4e3, 2.6e5, 4.2e6, 3.3e7].iter().map(|&b| (b, Collective::AllReduce.seconds(&link, size, b))).collect();
+            let fit = fit_all_reduce(size, &times).unwrap();
+            assert!((fit.latency - latency).abs() <= 1e-9 + 1e-6 * latency, "{fit:?}");
+            assert!((fit.bandwidth / bandwidth - 1.0).abs() < 1e-6, "{fit:?}");
+        }
+        assert!(fit_all_reduce(1, &[(1.0, 1.0), (2.0, 2.0)]).is_err());
+        assert!(fit_all_reduce(2, &[(1e6, 1e-3), (2e6, 1e-3)]).unwrap_err().to_string().contains("do not grow"));
+    }
+
+    #[test]
+    fn in_process_all_reduces_fit_a_positive_link() {
+        use tessera_dist::inproc::InProcess;
+        let world = InProcess::new(2).unwrap();
+        let sizes = [1 << 12, 1 << 16, 1 << 20, 1 << 22];
+        let times: Vec<Vec<f64>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let world = &world;
+                    s.spawn(move || {
+                        let dev = Device::cpu();
+                        let comm = world.communicator(rank, &dev).unwrap();
+                        sizes.iter().map(|&b| all_reduce_time(&comm, &dev, b, 5).unwrap()).collect::<Vec<f64>>()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let measured: Vec<(f64, f64)> = sizes.iter().zip(&times[0]).map(|(&b, &t)| (b as f64, t)).collect();
+        let fit = fit_all_reduce(2, &measured).unwrap();
+        assert!(fit.bandwidth > 1e7 && fit.bandwidth < 1e13 && fit.latency < 0.1, "{fit:?} from {measured:?}");
     }
 
     #[test]

@@ -68,14 +68,43 @@ pub struct DeviceProfile {
 }
 
 /// A link as the collectives over it see it: a fixed cost per step and a
-/// bandwidth (the α–β model).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+/// bandwidth (the α–β model), and where they were measured, the values
+/// fitted for each group size.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Link {
     /// Bytes/s one device sends (and receives) at once.
     pub bandwidth: f64,
     /// Seconds each step of a collective costs besides its bytes.
     pub latency: f64,
+    /// Measured fits by group size (`tessera profile`), which take the
+    /// place of the two figures above for groups of their size.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub by_size: Vec<GroupFit>,
+}
+
+/// A link's latency and bandwidth fitted to a group size's measured
+/// collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupFit {
+    /// Devices in the group.
+    pub size: usize,
+    /// Bytes/s, as [`Link::bandwidth`].
+    pub bandwidth: f64,
+    /// Seconds per step, as [`Link::latency`].
+    pub latency: f64,
+}
+
+impl Link {
+    /// The (latency, bandwidth) of a group of `size`: its measured fit if
+    /// the link has one, else the link's own figures.
+    pub fn for_size(&self, size: usize) -> (f64, f64) {
+        match self.by_size.iter().find(|f| f.size == size) {
+            Some(f) => (f.latency, f.bandwidth),
+            None => (self.latency, self.bandwidth),
+        }
+    }
 }
 
 impl ClusterProfile {
@@ -116,11 +145,11 @@ impl ClusterProfile {
     /// communicates over: inside a node when the group fits in one
     /// (contiguous ranks fill a node first), else between nodes (whose
     /// link is the slower one a collective waits for).
-    pub fn link(&self, size: usize, stride: usize) -> Link {
+    pub fn link(&self, size: usize, stride: usize) -> &Link {
         if size <= 1 || (size - 1) * stride.max(1) < self.gpus_per_node {
-            self.intra_node
+            &self.intra_node
         } else {
-            self.inter_node
+            &self.inter_node
         }
     }
 
@@ -149,12 +178,18 @@ impl ClusterProfile {
                 return bad(&format!("device.matmul[{i}]"), format!("is {r:?}; give sizes and a rate above 0"));
             }
         }
-        for (key, link) in [("intra_node", self.intra_node), ("inter_node", self.inter_node)] {
-            if !positive(link.bandwidth) {
-                return bad(&format!("{key}.bandwidth"), format!("is {}; give bytes/s, above 0", link.bandwidth));
-            }
-            if !(link.latency.is_finite() && link.latency >= 0.0) {
-                return bad(&format!("{key}.latency"), format!("is {}; give seconds, 0 or more", link.latency));
+        for (key, link) in [("intra_node", &self.intra_node), ("inter_node", &self.inter_node)] {
+            let fits = link.by_size.iter().enumerate().map(|(i, f)| (format!("{key}.by_size[{i}]."), f.bandwidth, f.latency, f.size));
+            for (at, bandwidth, latency, size) in std::iter::once((format!("{key}."), link.bandwidth, link.latency, 2)).chain(fits) {
+                if !positive(bandwidth) {
+                    return bad(&format!("{at}bandwidth"), format!("is {bandwidth}; give bytes/s, above 0"));
+                }
+                if !(latency.is_finite() && latency >= 0.0) {
+                    return bad(&format!("{at}latency"), format!("is {latency}; give seconds, 0 or more"));
+                }
+                if size < 2 {
+                    return bad(&format!("{at}size"), format!("is {size}; a group that communicates has at least 2 devices"));
+                }
             }
         }
         Ok(())
@@ -220,8 +255,14 @@ mod tests {
     fn a_profile_with_measured_rates_round_trips_through_toml() {
         let mut p = ClusterProfile::load("a100-sxm4-80gb").unwrap();
         p.device.matmul.push(MatmulRate { m: 4096, n: 4096, k: 4096, dtype: "bf16".into(), flops: 2.71e14 });
+        p.intra_node.by_size.push(GroupFit { size: 4, bandwidth: 2.2e11, latency: 7e-6 });
         let back = ClusterProfile::parse(&p.to_toml(), "round trip").unwrap();
         assert_eq!(back, p);
+        assert_eq!(back.intra_node.for_size(4), (7e-6, 2.2e11));
+        assert_eq!(back.intra_node.for_size(8), (back.intra_node.latency, back.intra_node.bandwidth));
+        let mut bad = p.clone();
+        bad.intra_node.by_size[0].size = 1;
+        assert!(ClusterProfile::parse(&bad.to_toml(), "t").unwrap_err().to_string().contains("intra_node.by_size[0].size"));
         let mut bad = p.clone();
         bad.device.matmul[0].flops = 0.0;
         assert!(ClusterProfile::parse(&bad.to_toml(), "t").unwrap_err().to_string().contains("device.matmul[0]"));
@@ -230,10 +271,10 @@ mod tests {
     #[test]
     fn a_group_that_fits_in_a_node_uses_its_links() {
         let p = ClusterProfile::load("h100-sxm5-80gb").unwrap();
-        assert_eq!(p.link(1, 1), p.intra_node);
-        assert_eq!(p.link(8, 1), p.intra_node);
-        assert_eq!(p.link(2, 4), p.intra_node, "ranks 0 and 4 share a node");
-        assert_eq!(p.link(2, 8), p.inter_node, "ranks 0 and 8 do not");
-        assert_eq!(p.link(16, 1), p.inter_node);
+        assert_eq!(p.link(1, 1), &p.intra_node);
+        assert_eq!(p.link(8, 1), &p.intra_node);
+        assert_eq!(p.link(2, 4), &p.intra_node, "ranks 0 and 4 share a node");
+        assert_eq!(p.link(2, 8), &p.inter_node, "ranks 0 and 8 do not");
+        assert_eq!(p.link(16, 1), &p.inter_node);
     }
 }
