@@ -12,7 +12,8 @@
 //! - `tessera ckpt inspect` / `tessera ckpt reshard`: look into a checkpoint,
 //!   and rewrite it for another mesh;
 //! - `tessera launch`: start one process per rank on this node with
-//!   torchrun's environment variables, and supervise them.
+//!   torchrun's environment variables, and supervise them;
+//! - `tessera profile`: measure this machine into a planner's profile.
 
 /// Prints a line to stdout; when the reader has gone (`tessera … | head`),
 /// the program ends quietly and successfully, as Unix tools do.
@@ -32,6 +33,7 @@ mod launch;
 mod model;
 mod perplexity;
 mod prepare;
+mod profile;
 mod server;
 mod train;
 
@@ -63,6 +65,8 @@ enum Command {
     Perplexity(perplexity::Args),
     /// Start one process per rank on this node, torchrun-style, and supervise them (see docs/launch.md).
     Launch(launch::Args),
+    /// Measure what this machine's CPU ranks can do into a planner's profile (see docs/planner.md).
+    Profile(profile::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -75,6 +79,7 @@ fn main() -> anyhow::Result<()> {
         Command::Perplexity(args) => perplexity::run(args),
         Command::Ckpt(cmd) => ckpt::run(cmd),
         Command::Launch(args) => launch::run(args),
+        Command::Profile(args) => profile::run(args),
     };
     // A reader that went away is not an error of this program.
     match r {

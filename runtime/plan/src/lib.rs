@@ -9,8 +9,11 @@
 //! - [`collective`]: the time of each collective over a link;
 //! - [`measure`]: this machine, measured: matrix-product rates by shape
 //!   and dtype, memory bandwidth, and a communicator's all-reduce fitted to
-//!   a latency and a bandwidth per group size.
+//!   a latency and a bandwidth per group size;
+//! - [`machine`]: this machine as a profile, for the CPU ranks that share
+//!   it (what `tessera profile` writes).
 
 pub mod collective;
+pub mod machine;
 pub mod measure;
 pub mod profile;

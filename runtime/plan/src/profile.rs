@@ -44,8 +44,10 @@ pub struct ClusterProfile {
     pub device: DeviceProfile,
     /// The link between two devices of one node.
     pub intra_node: Link,
-    /// The link between devices of different nodes.
-    pub inter_node: Link,
+    /// The link between devices of different nodes; none in a profile of
+    /// one machine (which plans for one node only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inter_node: Option<Link>,
 }
 
 /// One device's rates and memory.
@@ -145,12 +147,21 @@ impl ClusterProfile {
     /// communicates over: inside a node when the group fits in one
     /// (contiguous ranks fill a node first), else between nodes (whose
     /// link is the slower one a collective waits for).
-    pub fn link(&self, size: usize, stride: usize) -> &Link {
+    /// An error when the group spans nodes and the profile has no link
+    /// between them.
+    pub fn link(&self, size: usize, stride: usize) -> Result<&Link> {
         if size <= 1 || (size - 1) * stride.max(1) < self.gpus_per_node {
-            &self.intra_node
-        } else {
-            &self.inter_node
+            return Ok(&self.intra_node);
         }
+        self.inter_node.as_ref().ok_or_else(|| {
+            Error::config(
+                "inter_node",
+                format!(
+                    "a group of {size} devices {stride} apart spans nodes of {}, and profile `{}` has no link between nodes; plan for one node, or add [inter_node] to the profile",
+                    self.gpus_per_node, self.name
+                ),
+            )
+        })
     }
 
     fn check(&self, origin: &str) -> Result<()> {
@@ -178,7 +189,8 @@ impl ClusterProfile {
                 return bad(&format!("device.matmul[{i}]"), format!("is {r:?}; give sizes and a rate above 0"));
             }
         }
-        for (key, link) in [("intra_node", &self.intra_node), ("inter_node", &self.inter_node)] {
+        for (key, link) in [("intra_node", Some(&self.intra_node)), ("inter_node", self.inter_node.as_ref())] {
+            let Some(link) = link else { continue };
             let fits = link.by_size.iter().enumerate().map(|(i, f)| (format!("{key}.by_size[{i}]."), f.bandwidth, f.latency, f.size));
             for (at, bandwidth, latency, size) in std::iter::once((format!("{key}."), link.bandwidth, link.latency, 2)).chain(fits) {
                 if !positive(bandwidth) {
@@ -227,7 +239,7 @@ mod tests {
         assert_eq!(a100.peak_flops("bf16").unwrap(), 312e12);
         assert!(a100.peak_flops("fp8").unwrap_err().to_string().contains("no rate for fp8"));
         for p in &all {
-            assert!(p.intra_node.bandwidth > p.inter_node.bandwidth, "{}", p.name);
+            assert!(p.intra_node.bandwidth > p.inter_node.as_ref().unwrap().bandwidth, "{}", p.name);
         }
     }
 
@@ -241,7 +253,7 @@ mod tests {
             (good.replace("bf16 = 989e12", "bf16 = 0.0"), "device.peak_flops.bf16"),
             (good.replace("memory_bandwidth = 3.35e12", "memory_bandwidth = \"fast\""), "memory_bandwidth"),
             (good.replace("gpus_per_node = 8", "gpus_per_node = 8\ngpus = 8"), "gpus"),
-            (good.replace("[inter_node]", "[between_nodes]"), "inter_node"),
+            (good.replace("[inter_node]", "[between_nodes]"), "between_nodes"),
         ];
         for (text, key) in cases {
             let e = ClusterProfile::parse(&text, "test.toml").unwrap_err().to_string();
@@ -271,10 +283,14 @@ mod tests {
     #[test]
     fn a_group_that_fits_in_a_node_uses_its_links() {
         let p = ClusterProfile::load("h100-sxm5-80gb").unwrap();
-        assert_eq!(p.link(1, 1), &p.intra_node);
-        assert_eq!(p.link(8, 1), &p.intra_node);
-        assert_eq!(p.link(2, 4), &p.intra_node, "ranks 0 and 4 share a node");
-        assert_eq!(p.link(2, 8), &p.inter_node, "ranks 0 and 8 do not");
-        assert_eq!(p.link(16, 1), &p.inter_node);
+        let inter = p.inter_node.as_ref();
+        assert_eq!(p.link(1, 1).ok(), Some(&p.intra_node));
+        assert_eq!(p.link(8, 1).ok(), Some(&p.intra_node));
+        assert_eq!(p.link(2, 4).ok(), Some(&p.intra_node), "ranks 0 and 4 share a node");
+        assert_eq!(p.link(2, 8).ok(), inter, "ranks 0 and 8 do not");
+        assert_eq!(p.link(16, 1).ok(), inter);
+        let one_machine = ClusterProfile { inter_node: None, ..p.clone() };
+        assert!(one_machine.link(16, 1).unwrap_err().to_string().contains("no link between nodes"));
+        assert_eq!(ClusterProfile::parse(&one_machine.to_toml(), "t").unwrap(), one_machine);
     }
 }

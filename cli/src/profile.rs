@@ -1,0 +1,61 @@
+//! `tessera profile`: this machine, measured for the planner.
+//!
+//! What each of `--ranks` CPU ranks (threads of one process, sharing the
+//! machine) can do while all of them work: matrix-product rates by shape
+//! and dtype, memory bandwidth, and the in-process communicator's
+//! all-reduce fitted to a latency and bandwidth per group size. The result
+//! is a profile file (docs/planner.md) that the planner reads as it reads
+//! the shipped A100, H100 and H200 profiles.
+
+use anyhow::Context;
+use std::path::PathBuf;
+use std::time::Duration;
+use tessera_plan::machine::profile_cpu;
+use tessera_plan::measure::Budget;
+
+/// Arguments of `tessera profile`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Where to write the profile (TOML); without it, stdout.
+    #[arg(long, value_name = "FILE")]
+    out: Option<PathBuf>,
+    /// The profile's name.
+    #[arg(long, default_value = "this-machine")]
+    name: String,
+    /// CPU ranks that share the machine, as a job on it would run them.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    ranks: u16,
+    /// Seconds spent timing each figure (more: steadier figures).
+    #[arg(long, default_value_t = 0.3)]
+    seconds_per_figure: f64,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if !(args.seconds_per_figure.is_finite() && args.seconds_per_figure > 0.0 && args.seconds_per_figure <= 3600.0) {
+        anyhow::bail!("--seconds-per-figure is {}; give a number of seconds above 0 (at most 3600)", args.seconds_per_figure);
+    }
+    let ranks = usize::from(args.ranks);
+    eprintln!("tessera profile: measuring {ranks} CPU ranks sharing this machine (about {:.0} s)", args.seconds_per_figure * 16.0 + 2.0);
+    let budget = Budget { per_figure: Duration::from_secs_f64(args.seconds_per_figure) };
+    let profile = profile_cpu(&args.name, ranks, budget).context("measuring this machine")?;
+    let d = &profile.device;
+    eprintln!(
+        "per rank: f32 {:.1} GFLOP/s, bf16 {:.1} GFLOP/s (best shape), memory {:.1} GB/s, {:.1} GiB",
+        d.peak_flops["f32"] / 1e9,
+        d.peak_flops["bf16"] / 1e9,
+        d.memory_bandwidth / 1e9,
+        d.memory_bytes as f64 / (1u64 << 30) as f64
+    );
+    for fit in &profile.intra_node.by_size {
+        eprintln!("all-reduce over {} ranks: {:.1} us per step, {:.2} GB/s", fit.size, fit.latency * 1e6, fit.bandwidth / 1e9);
+    }
+    let text = format!("# A profile of this machine for {ranks} CPU ranks, written by `tessera profile`.\n{}", profile.to_toml());
+    match &args.out {
+        Some(path) => {
+            tessera::file::write_atomic(path, text.as_bytes()).with_context(|| format!("cannot write `{}`", path.display()))?;
+            eprintln!("wrote {}", path.display());
+        }
+        None => say!("{}", text.trim_end()),
+    }
+    Ok(())
+}

@@ -1,0 +1,179 @@
+//! This machine as a profile: what each of `ranks` CPU ranks (threads of
+//! one process, as the in-process jobs run them) can do while all of them
+//! work at once.
+//!
+//! Ranks on one machine share its cores and memory bandwidth, so a rank's
+//! "device" is its share: every figure is measured with all ranks running
+//! the same work together, each run started by a barrier and timed until
+//! the slowest rank finishes (a step waits for its slowest rank too). The
+//! links are the in-process communicator's, fitted by group size; a
+//! profile of one machine has no link between nodes.
+
+use std::sync::Barrier;
+use std::time::Instant;
+
+use tessera_core::{ops, DType, Device, Error, Result, Tensor};
+use tessera_dist::inproc::InProcess;
+
+use crate::measure::{all_reduce_time, fit_all_reduce, Budget, MatmulRate};
+use crate::profile::{ClusterProfile, DeviceProfile, Link};
+
+/// The products a profile measures: squares, and the tall-skinny shapes of
+/// a small model's layers (many tokens, a narrow width).
+pub const MATMUL_SHAPES: &[(usize, usize, usize)] =
+    &[(128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (2048, 256, 256), (2048, 1024, 256)];
+
+/// The message sizes each group's all-reduce is timed at.
+pub const ALL_REDUCE_BYTES: &[usize] = &[1 << 12, 1 << 16, 1 << 20, 1 << 23];
+
+/// Measures this machine for `ranks` ranks into a profile named `name`.
+pub fn profile_cpu(name: &str, ranks: usize, budget: Budget) -> Result<ClusterProfile> {
+    const OP: &str = "profile_cpu";
+    if ranks == 0 {
+        return Err(Error::invalid(OP, "0 ranks measure nothing; give at least 1"));
+    }
+    let memory = machine_memory()?;
+    let dev = Device::cpu();
+    let mut matmul = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        for &(m, n, k) in MATMUL_SHAPES {
+            let a = Tensor::full(0.5, [m, k], dtype, &dev)?;
+            let b = Tensor::full(0.25, [k, n], dtype, &dev)?;
+            let seconds = together(ranks, budget, |_| ops::matmul(&a, &b).map(drop))?;
+            matmul.push(MatmulRate { m, n, k, dtype: dtype.to_string(), flops: 2.0 * (m * n * k) as f64 / seconds });
+        }
+    }
+    let peak_flops = ["f32", "bf16"].iter().map(|&d| (d.to_string(), matmul.iter().filter(|r| r.dtype == d).map(|r| r.flops).fold(0.0, f64::max))).collect();
+    // Two f32 tensors of 32 MiB each read, one written, per rank.
+    let elements = (32 << 20) / 4;
+    let x = Tensor::full(1.0, [elements], DType::F32, &dev)?;
+    let y = Tensor::full(2.0, [elements], DType::F32, &dev)?;
+    let seconds = together(ranks, budget, |_| ops::add(&x, &y).map(drop))?;
+    let memory_bandwidth = 3.0 * (elements * 4) as f64 / seconds;
+    let mut intra_node = Link { bandwidth: 0.0, latency: 0.0, by_size: Vec::new() };
+    let mut size = 2;
+    while size <= ranks {
+        intra_node.by_size.push(fit_all_reduce(size, &all_reduce_times(size)?)?);
+        size *= 2;
+    }
+    // Groups of a size not measured get the largest measured group's figures
+    // (the slowest, so a plan errs towards what it can keep).
+    match intra_node.by_size.last() {
+        Some(fit) => (intra_node.latency, intra_node.bandwidth) = (fit.latency, fit.bandwidth),
+        None => (intra_node.latency, intra_node.bandwidth) = (0.0, memory_bandwidth),
+    }
+    let profile = ClusterProfile {
+        name: name.to_string(),
+        gpus_per_node: ranks,
+        device: DeviceProfile {
+            name: format!("CPU rank, 1 of {ranks} sharing this machine"),
+            memory_bytes: memory / ranks as u64,
+            memory_bandwidth,
+            peak_flops,
+            matmul,
+        },
+        intra_node,
+        inter_node: None,
+    };
+    // What was measured is checked like a file would be.
+    ClusterProfile::parse(&profile.to_toml(), name)
+}
+
+/// The best time of `work` run by `ranks` threads at once, each run
+/// started together and lasting until the slowest thread finishes.
+fn together(ranks: usize, budget: Budget, work: impl Fn(usize) -> Result<()> + Sync) -> Result<f64> {
+    // One run alone says how many runs fit the budget; every thread then
+    // runs that many (they must agree, or the barrier would wait forever).
+    work(0)?;
+    let start = Instant::now();
+    work(0)?;
+    let once = start.elapsed().as_secs_f64().max(1e-9);
+    let runs = ((budget.per_figure.as_secs_f64() / (once * ranks as f64)) as usize).clamp(3, 50);
+    let barrier = Barrier::new(ranks);
+    let times: Vec<Result<Vec<f64>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..ranks)
+            .map(|rank| {
+                let (work, barrier) = (&work, &barrier);
+                s.spawn(move || {
+                    let mut times = Vec::with_capacity(runs);
+                    let mut failed = None;
+                    for _ in 0..runs {
+                        barrier.wait();
+                        let t = Instant::now();
+                        // A failure still waits at every barrier, so the
+                        // others are not left waiting for this thread.
+                        if failed.is_none() {
+                            if let Err(e) = work(rank) {
+                                failed = Some(e);
+                            }
+                        }
+                        times.push(t.elapsed().as_secs_f64());
+                    }
+                    failed.map_or(Ok(times), Err)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("profile_cpu", "a measuring thread panicked")))).collect()
+    });
+    let times: Vec<Vec<f64>> = times.into_iter().collect::<Result<_>>()?;
+    Ok((0..runs).map(|run| times.iter().map(|t| t[run]).fold(0.0, f64::max)).fold(f64::INFINITY, f64::min))
+}
+
+/// (bytes, seconds) of in-process all-reduces in a group of `size`, rank
+/// 0's best time at each of [`ALL_REDUCE_BYTES`].
+fn all_reduce_times(size: usize) -> Result<Vec<(f64, f64)>> {
+    let world = InProcess::new(size)?;
+    let per_rank: Vec<Result<Vec<f64>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..size)
+            .map(|rank| {
+                let world = &world;
+                s.spawn(move || -> Result<Vec<f64>> {
+                    let dev = Device::cpu();
+                    let comm = world.communicator(rank, &dev)?;
+                    ALL_REDUCE_BYTES.iter().map(|&b| all_reduce_time(&comm, &dev, b, 5)).collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("profile_cpu", "a measuring rank panicked")))).collect()
+    });
+    let mut per_rank = per_rank.into_iter().collect::<Result<Vec<_>>>()?;
+    let rank0 = per_rank.swap_remove(0);
+    Ok(ALL_REDUCE_BYTES.iter().zip(rank0).map(|(&b, t)| (b as f64, t)).collect())
+}
+
+/// The machine's memory in bytes (`MemTotal` of /proc/meminfo).
+fn machine_memory() -> Result<u64> {
+    let path = std::path::Path::new("/proc/meminfo");
+    let text =
+        std::fs::read_to_string(path).map_err(|e| Error::data_file(path, format!("cannot read the machine's memory size ({e}); profiling needs Linux")))?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .and_then(|kb| kb.trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .ok_or_else(|| Error::data_file(path, "has no MemTotal line in kB"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_machine_profile_of_two_ranks_is_a_valid_profile_of_one_node() {
+        let p = profile_cpu("this machine", 2, Budget { per_figure: Duration::from_millis(10) }).unwrap();
+        assert_eq!(p.gpus_per_node, 2);
+        assert!(p.inter_node.is_none());
+        assert_eq!(p.device.matmul.len(), 2 * MATMUL_SHAPES.len());
+        assert_eq!(p.intra_node.by_size.len(), 1);
+        assert_eq!(p.intra_node.by_size[0].size, 2);
+        let f32_peak = p.peak_flops("f32").unwrap();
+        assert!(p.device.matmul.iter().any(|r| r.dtype == "f32" && r.flops == f32_peak));
+        assert!(p.device.memory_bytes > 0 && p.device.memory_bytes < machine_memory().unwrap());
+        // Two ranks at once get at most what the machine gives one.
+        let alone = crate::measure::matmul_rate(&Device::cpu(), DType::F32, 512, 512, 512, Budget { per_figure: Duration::from_millis(50) }).unwrap();
+        let shared = p.device.matmul.iter().find(|r| (r.m, r.n, r.k, r.dtype.as_str()) == (512, 512, 512, "f32")).unwrap();
+        assert!(shared.flops < 1.5 * alone.flops, "a shared rank ran {} flop/s, one alone {}", shared.flops, alone.flops);
+        assert!(profile_cpu("x", 0, Budget::default()).is_err());
+    }
+}
