@@ -11,9 +11,12 @@
 //!   and dtype, memory bandwidth, and a communicator's all-reduce fitted to
 //!   a latency and a bandwidth per group size;
 //! - [`machine`]: this machine as a profile, for the CPU ranks that share
-//!   it (what `tessera profile` writes).
+//!   it (what `tessera profile` writes);
+//! - [`memory`]: the bytes of a rank's parameters, gradients and optimizer
+//!   states by precision and ZeRO stage.
 
 pub mod collective;
 pub mod machine;
 pub mod measure;
+pub mod memory;
 pub mod profile;
