@@ -4,18 +4,16 @@
 //!
 //! Ranks on one machine share its cores and memory bandwidth, so a rank's
 //! "device" is its share: every figure is measured with all ranks running
-//! the same work together, each run started by a barrier and timed until
-//! the slowest rank finishes (a step waits for its slowest rank too). The
+//! the same work together ([`best_time`](crate::measure::best_time): each
+//! run started by a barrier and timed until the slowest rank finishes, as a
+//! step waits for its slowest rank too). The
 //! links are the in-process communicator's, fitted by group size; a
 //! profile of one machine has no link between nodes.
 
-use std::sync::Barrier;
-use std::time::Instant;
-
-use tessera_core::{ops, DType, Device, Error, Result, Tensor};
+use tessera_core::{DType, Device, Error, Result};
 use tessera_dist::inproc::InProcess;
 
-use crate::measure::{all_reduce_time, fit_all_reduce, Budget, MatmulRate};
+use crate::measure::{all_reduce_time, fit_all_reduce, matmul_rate, memory_bandwidth, Budget};
 use crate::profile::{ClusterProfile, DeviceProfile, Link};
 
 /// The products a profile measures: squares, and the tall-skinny shapes of
@@ -37,19 +35,12 @@ pub fn profile_cpu(name: &str, ranks: usize, budget: Budget) -> Result<ClusterPr
     let mut matmul = Vec::new();
     for dtype in [DType::F32, DType::BF16] {
         for &(m, n, k) in MATMUL_SHAPES {
-            let a = Tensor::full(0.5, [m, k], dtype, &dev)?;
-            let b = Tensor::full(0.25, [k, n], dtype, &dev)?;
-            let seconds = together(ranks, budget, |_| ops::matmul(&a, &b).map(drop))?;
-            matmul.push(MatmulRate { m, n, k, dtype: dtype.to_string(), flops: 2.0 * (m * n * k) as f64 / seconds });
+            matmul.push(matmul_rate(&dev, dtype, m, n, k, ranks, budget)?);
         }
     }
     let peak_flops = ["f32", "bf16"].iter().map(|&d| (d.to_string(), matmul.iter().filter(|r| r.dtype == d).map(|r| r.flops).fold(0.0, f64::max))).collect();
     // Two f32 tensors of 32 MiB each read, one written, per rank.
-    let elements = (32 << 20) / 4;
-    let x = Tensor::full(1.0, [elements], DType::F32, &dev)?;
-    let y = Tensor::full(2.0, [elements], DType::F32, &dev)?;
-    let seconds = together(ranks, budget, |_| ops::add(&x, &y).map(drop))?;
-    let memory_bandwidth = 3.0 * (elements * 4) as f64 / seconds;
+    let memory_bandwidth = memory_bandwidth(&dev, 32 << 20, ranks, budget)?;
     let mut intra_node = Link { bandwidth: 0.0, latency: 0.0, by_size: Vec::new() };
     let mut size = 2;
     while size <= ranks {
@@ -77,46 +68,6 @@ pub fn profile_cpu(name: &str, ranks: usize, budget: Budget) -> Result<ClusterPr
     };
     // What was measured is checked like a file would be.
     ClusterProfile::parse(&profile.to_toml(), name)
-}
-
-/// The best time of `work` run by `ranks` threads at once, each run
-/// started together and lasting until the slowest thread finishes.
-fn together(ranks: usize, budget: Budget, work: impl Fn(usize) -> Result<()> + Sync) -> Result<f64> {
-    // One run alone says how many runs fit the budget; every thread then
-    // runs that many (they must agree, or the barrier would wait forever).
-    work(0)?;
-    let start = Instant::now();
-    work(0)?;
-    let once = start.elapsed().as_secs_f64().max(1e-9);
-    let runs = ((budget.per_figure.as_secs_f64() / (once * ranks as f64)) as usize).clamp(3, 50);
-    let barrier = Barrier::new(ranks);
-    let times: Vec<Result<Vec<f64>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..ranks)
-            .map(|rank| {
-                let (work, barrier) = (&work, &barrier);
-                s.spawn(move || {
-                    let mut times = Vec::with_capacity(runs);
-                    let mut failed = None;
-                    for _ in 0..runs {
-                        barrier.wait();
-                        let t = Instant::now();
-                        // A failure still waits at every barrier, so the
-                        // others are not left waiting for this thread.
-                        if failed.is_none() {
-                            if let Err(e) = work(rank) {
-                                failed = Some(e);
-                            }
-                        }
-                        times.push(t.elapsed().as_secs_f64());
-                    }
-                    failed.map_or(Ok(times), Err)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("profile_cpu", "a measuring thread panicked")))).collect()
-    });
-    let times: Vec<Vec<f64>> = times.into_iter().collect::<Result<_>>()?;
-    Ok((0..runs).map(|run| times.iter().map(|t| t[run]).fold(0.0, f64::max)).fold(f64::INFINITY, f64::min))
 }
 
 /// (bytes, seconds) of in-process all-reduces in a group of `size`, rank
@@ -171,7 +122,7 @@ mod tests {
         assert!(p.device.matmul.iter().any(|r| r.dtype == "f32" && r.flops == f32_peak));
         assert!(p.device.memory_bytes > 0 && p.device.memory_bytes < machine_memory().unwrap());
         // Two ranks at once get at most what the machine gives one.
-        let alone = crate::measure::matmul_rate(&Device::cpu(), DType::F32, 512, 512, 512, Budget { per_figure: Duration::from_millis(50) }).unwrap();
+        let alone = matmul_rate(&Device::cpu(), DType::F32, 512, 512, 512, 1, Budget { per_figure: Duration::from_millis(50) }).unwrap();
         let shared = p.device.matmul.iter().find(|r| (r.m, r.n, r.k, r.dtype.as_str()) == (512, 512, 512, "f32")).unwrap();
         assert!(shared.flops < 1.5 * alone.flops, "a shared rank ran {} flop/s, one alone {}", shared.flops, alone.flops);
         assert!(profile_cpu("x", 0, Budget::default()).is_err());

@@ -4,8 +4,10 @@
 //!
 //! Each figure is the best of several timed runs after a warm-up (a peak
 //! is what a profile states; the noise of a shared machine only ever makes
-//! a run slower), and each run waits for the device to finish its work.
+//! a run slower), each run waiting for the device to finish its work, and
+//! optionally with several threads (ranks) doing the same work at once.
 
+use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -44,45 +46,73 @@ impl Default for Budget {
     }
 }
 
-/// The best time of one run of `work`, run after one warm-up until `budget`
-/// has passed (and at least three times).
-fn best_time(device: &Device, budget: Budget, mut work: impl FnMut() -> Result<()>) -> Result<f64> {
-    work()?;
+/// The best time of `work` run by `ranks` threads at once, each run
+/// started together (a barrier) and lasting until the slowest thread has
+/// finished and the device is idle. One run alone, after a warm-up, says how
+/// many runs fit `budget` (at least three); every thread runs that many, so
+/// none is left waiting at the barrier. With one thread, this is the best
+/// of several runs of `work`.
+pub fn best_time(device: &Device, ranks: usize, budget: Budget, work: impl Fn(usize) -> Result<()> + Sync) -> Result<f64> {
+    work(0)?;
     device.synchronize()?;
     let start = Instant::now();
-    let (mut best, mut runs) = (f64::INFINITY, 0);
-    while runs < 3 || start.elapsed() < budget.per_figure {
-        let t = Instant::now();
-        work()?;
-        device.synchronize()?;
-        best = best.min(t.elapsed().as_secs_f64());
-        runs += 1;
-    }
-    Ok(best)
+    work(0)?;
+    device.synchronize()?;
+    let once = start.elapsed().as_secs_f64().max(1e-9);
+    let runs = ((budget.per_figure.as_secs_f64() / (once * ranks.max(1) as f64)) as usize).clamp(3, 50);
+    let barrier = Barrier::new(ranks.max(1));
+    let times: Vec<Result<Vec<f64>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..ranks.max(1))
+            .map(|rank| {
+                let (work, barrier) = (&work, &barrier);
+                s.spawn(move || {
+                    let mut times = Vec::with_capacity(runs);
+                    let mut failed = None;
+                    for _ in 0..runs {
+                        barrier.wait();
+                        let t = Instant::now();
+                        // A failure still waits at every barrier, so the
+                        // others are not left waiting for this thread.
+                        if failed.is_none() {
+                            if let Err(e) = work(rank).and_then(|()| device.synchronize()) {
+                                failed = Some(e);
+                            }
+                        }
+                        times.push(t.elapsed().as_secs_f64());
+                    }
+                    failed.map_or(Ok(times), Err)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("measure::best_time", "a measuring thread panicked")))).collect()
+    });
+    let times: Vec<Vec<f64>> = times.into_iter().collect::<Result<_>>()?;
+    Ok((0..runs).map(|run| times.iter().map(|t| t[run]).fold(0.0, f64::max)).fold(f64::INFINITY, f64::min))
 }
 
-/// The rate of `[m, k] × [k, n]` products in `dtype` on `device`.
-pub fn matmul_rate(device: &Device, dtype: DType, m: usize, n: usize, k: usize, budget: Budget) -> Result<MatmulRate> {
+/// The rate of `[m, k] × [k, n]` products in `dtype` on `device`, per
+/// thread of `ranks` running them at once.
+pub fn matmul_rate(device: &Device, dtype: DType, m: usize, n: usize, k: usize, ranks: usize, budget: Budget) -> Result<MatmulRate> {
     if m == 0 || n == 0 || k == 0 {
         return Err(Error::invalid("measure::matmul_rate", format!("a {m}×{k} by {k}×{n} product does no work; give sizes above 0")));
     }
     let a = Tensor::full(0.5, [m, k], dtype, device)?;
     let b = Tensor::full(0.25, [k, n], dtype, device)?;
-    let seconds = best_time(device, budget, || ops::matmul(&a, &b).map(drop))?;
+    let seconds = best_time(device, ranks, budget, |_| ops::matmul(&a, &b).map(drop))?;
     Ok(MatmulRate { m, n, k, dtype: dtype.to_string(), flops: 2.0 * (m * n * k) as f64 / seconds })
 }
 
 /// Bytes/s of an element-wise sum of two f32 tensors of `bytes` each (two
-/// read, one written): the bandwidth the optimizer's and the norms' passes
-/// over memory see.
-pub fn memory_bandwidth(device: &Device, bytes: usize, budget: Budget) -> Result<f64> {
+/// read, one written), per thread of `ranks` running it at once: the
+/// bandwidth the optimizer's and the norms' passes over memory see.
+pub fn memory_bandwidth(device: &Device, bytes: usize, ranks: usize, budget: Budget) -> Result<f64> {
     let elements = bytes / 4;
     if elements == 0 {
         return Err(Error::invalid("measure::memory_bandwidth", format!("{bytes} bytes hold no f32; give at least 4")));
     }
     let a = Tensor::full(1.0, [elements], DType::F32, device)?;
     let b = Tensor::full(2.0, [elements], DType::F32, device)?;
-    let seconds = best_time(device, budget, || ops::add(&a, &b).map(drop))?;
+    let seconds = best_time(device, ranks, budget, |_| ops::add(&a, &b).map(drop))?;
     Ok(3.0 * (elements * 4) as f64 / seconds)
 }
 
@@ -146,14 +176,14 @@ mod tests {
     #[test]
     fn rates_are_positive_and_a_product_too_small_to_use_the_machine_is_slower() {
         let dev = Device::cpu();
-        let small = matmul_rate(&dev, DType::F32, 8, 8, 8, QUICK).unwrap();
-        let large = matmul_rate(&dev, DType::F32, 256, 256, 256, QUICK).unwrap();
+        let small = matmul_rate(&dev, DType::F32, 8, 8, 8, 1, QUICK).unwrap();
+        let large = matmul_rate(&dev, DType::F32, 256, 256, 256, 1, QUICK).unwrap();
         assert!(small.flops > 0.0 && large.flops.is_finite());
         // A 256³ product keeps the cores' vector units busy; an 8³ one is
         // call overhead. Orders of magnitude apart on any machine.
         assert!(large.flops > 4.0 * small.flops, "{small:?} vs {large:?}");
         assert_eq!((large.m, large.n, large.k, large.dtype.as_str()), (256, 256, 256, "f32"));
-        let bw = memory_bandwidth(&dev, 16 << 20, QUICK).unwrap();
+        let bw = memory_bandwidth(&dev, 16 << 20, 1, QUICK).unwrap();
         assert!(bw > 1e8 && bw < 1e13, "{bw} bytes/s is not a memory bandwidth");
     }
 
@@ -197,7 +227,7 @@ mod tests {
     #[test]
     fn empty_work_is_refused() {
         let dev = Device::cpu();
-        assert!(matmul_rate(&dev, DType::F32, 0, 8, 8, QUICK).unwrap_err().to_string().contains("no work"));
-        assert!(memory_bandwidth(&dev, 3, QUICK).is_err());
+        assert!(matmul_rate(&dev, DType::F32, 0, 8, 8, 1, QUICK).unwrap_err().to_string().contains("no work"));
+        assert!(memory_bandwidth(&dev, 3, 1, QUICK).is_err());
     }
 }
