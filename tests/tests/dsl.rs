@@ -417,6 +417,36 @@ fn bf16_model_keeps_f32_master_weights_and_gradients() {
     }
 }
 
+/// The description of a model with precision regions (bf16 for the whole
+/// model, f32 for its final norm) keeps and computes what the forward does:
+/// the casts at each border are buffers too.
+#[test]
+fn a_model_with_precision_regions_describes_what_it_keeps() {
+    let (vocab, d, seq) = (16, 16, 8);
+    let mut cx = Cx::new(Device::cpu()).with_seed(2);
+    let model = Bf16Gpt {
+        tok: Embedding::new(vocab, d).unwrap(),
+        blocks: Stack::from_fn(2, |_| GptBlock::new(d, 2)).unwrap(),
+        norm: LayerNorm::new(d, 1e-5, true).unwrap(),
+        head: Linear::new(d, vocab, false).unwrap(),
+    };
+    let model = module::build(model, &cx).unwrap();
+    let cost = module::describe(&model, module::CostSettings::single(seq)).unwrap();
+    let ids = Tensor::from_vec((0..2 * seq as u32).map(|i| (i * 7) % vocab as u32).collect::<Vec<_>>(), [2, seq], cx.device()).unwrap();
+    let tokens = (2 * seq) as f64;
+    let dev = cx.device().clone();
+    let (f0, m0) = (tessera::ops::flops_counted(), dev.memory_stats().in_use);
+    let (y, saved) = model.forward(&mut cx, Act::new(ids.clone())).unwrap();
+    let (f1, m1) = (tessera::ops::flops_counted(), dev.memory_stats().in_use);
+    let out = y.tensor().elem_count() * y.tensor().dtype().size_in_bytes();
+    let kept = (m1 - m0 - out + 4 * ids.elem_count()) as f64;
+    assert_eq!(kept, cost.saved_bytes() * tokens, "kept bytes");
+    assert_eq!(f1 - f0, cost.forward_flops() * tokens, "forward flops");
+    assert_eq!(cost.output_bytes * tokens, out as f64, "the output leaves the region as f32");
+    model.backward(&mut cx, saved, Act::new(y.tensor().clone())).unwrap();
+    assert_eq!(tessera::ops::flops_counted() - f1, cost.backward_flops() * tokens, "backward flops");
+}
+
 /// One forward and backward with a cross-entropy loss: the loss, the bytes
 /// held between forward and backward, and the dtype of the logits.
 fn train_step<M: Module<In = Replicated, Out = SplitHidden>>(m: &M, cx: &mut Cx, ids: &Tensor, targets: &Tensor) -> (f64, usize, DType) {

@@ -1,6 +1,6 @@
 //! Causal grouped-query self-attention on packed query/key/value projections.
 
-use crate::module::{Act, Cx, Module, Plain, SplitHidden, Visitor};
+use crate::module::{Act, Activation, Cx, Describe, Module, Plain, SplitHidden, Visitor};
 use std::fmt;
 use tessera_core::ops::{self, AttnOpts, QkvHeads, Rope};
 use tessera_core::tensor::Tensor;
@@ -308,5 +308,41 @@ impl Module<Plain> for CausalAttention {
 
     fn visit_params(&self, _v: &mut Visitor<'_>) -> Result<()> {
         Ok(())
+    }
+
+    /// Causal attention over sequences of the settings' length: `QKᵀ` and
+    /// `PV` over the `(T+1)/2` keys a query sees on average, 2.5 times that
+    /// backward. It keeps the (rotated) projections, its output and the
+    /// log-sum-exp, or under selective recompute only its input, and runs
+    /// again in the backward.
+    fn describe(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
+        let h = self.local(d.tp())?;
+        if x.width != h.total() * h.d {
+            return Err(Error::shape(
+                "CausalAttention",
+                format!("an input of {} features per token on a rank for {} query and {} key/value heads of {} there", x.width, h.q, h.kv, h.d),
+            ));
+        }
+        let t = d.settings().seq_len as f64;
+        let forward = 4.0 * (h.q * h.d) as f64 * (t + 1.0) / 2.0 * x.tokens;
+        d.flops(forward, 2.5 * forward);
+        let qkv = match self.rope {
+            Some(_) => {
+                let r = d.output(x.width, x.tokens);
+                d.traffic(2.0 * r.bytes(), 2.0 * r.bytes());
+                r
+            }
+            None => x,
+        };
+        let out = d.output(h.q * h.d, x.tokens);
+        if d.selective() {
+            d.save(&x);
+            d.recompute(forward);
+        } else {
+            d.save(&qkv);
+            d.save(&out);
+            d.save_new(h.q, x.tokens, d.stat_dtype());
+        }
+        Ok(out)
     }
 }

@@ -1,6 +1,6 @@
 //! Dropout whose mask is drawn from the context's key and redrawn in the backward.
 
-use crate::module::{Act, Cx, Module, Plain, Replicated, Seq, Visitor};
+use crate::module::{Act, Activation, Cx, Describe, Module, Plain, Replicated, Seq, Visitor};
 use tessera_core::ops;
 use tessera_core::tensor::Tensor;
 use tessera_core::RngKey;
@@ -120,5 +120,16 @@ impl Module<Plain> for Dropout {
 
     fn visit_params(&self, _v: &mut Visitor<'_>) -> Result<()> {
         Ok(())
+    }
+
+    /// Keeps only its key (the mask is redrawn); one pass each way. The
+    /// description is of training, where a positive `p` applies.
+    fn describe(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
+        if self.p == 0.0 {
+            return Ok(x);
+        }
+        let y = d.output(x.width, x.tokens);
+        d.traffic(2.0 * y.bytes(), 2.0 * y.bytes());
+        Ok(y)
     }
 }

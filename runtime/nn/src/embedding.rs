@@ -1,6 +1,6 @@
 //! Token embedding, plain and vocab-parallel.
 
-use crate::module::{Act, Cx, Module, Param, PartialSum, Plain, Replicated, Visitor, Vocab};
+use crate::module::{Act, Activation, Cx, Describe, Module, Param, PartialSum, Plain, Replicated, Visitor, Vocab};
 use tessera_core::ops;
 use tessera_core::tensor::{Init, Tensor};
 use tessera_core::{Error, Result};
@@ -96,6 +96,25 @@ impl Embedding {
         Ok(())
     }
 
+    /// A lookup's costs: the ids kept, rows written forward and read
+    /// backward; the table split over the group when `split`.
+    fn describe_lookup(&self, d: &mut Describe, ids: Activation, split: bool) -> Result<Activation> {
+        if split && !self.vocab.is_multiple_of(d.tp()) {
+            return Err(Error::indivisible(
+                "Embedding",
+                format!(
+                    "{} vocabulary rows cannot be split over a tensor-parallel group of {}; pad the vocabulary to a multiple of the degree",
+                    self.vocab,
+                    d.tp()
+                ),
+            ));
+        }
+        d.save(&ids);
+        let y = d.output(self.dim * ids.width, ids.tokens);
+        d.traffic(y.bytes(), y.bytes());
+        Ok(y)
+    }
+
     /// Looks up this rank's rows, which start at vocabulary row `start`.
     fn fwd(&self, cx: &Cx, ids: Tensor, sharded: bool) -> Result<(Tensor, EmbeddingSaved)> {
         let table = cx.param(&self.weight)?;
@@ -131,6 +150,10 @@ impl Module<Plain> for Embedding {
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
         v.param("weight", &self.weight, Some(0))
     }
+
+    fn describe(&self, d: &mut Describe, ids: Activation) -> Result<Activation> {
+        self.describe_lookup(d, ids, false)
+    }
 }
 
 impl Module<Vocab> for Embedding {
@@ -151,5 +174,9 @@ impl Module<Vocab> for Embedding {
 
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
         v.param("weight", &self.weight, Some(0))
+    }
+
+    fn describe(&self, d: &mut Describe, ids: Activation) -> Result<Activation> {
+        self.describe_lookup(d, ids, true)
     }
 }

@@ -2,7 +2,9 @@
 
 use super::param_value;
 use crate::module::Param;
-use crate::module::{Act, Column, Cx, Module, PartialSum, Plain, Replicated, Row, Seq, SplitHidden, Visitor, Vocab};
+use crate::module::{
+    Act, Activation, CollectiveKind, Column, Cx, Describe, Group, Module, PartialSum, Pass, Plain, Replicated, Row, Seq, SplitHidden, Visitor, Vocab,
+};
 use tessera_core::ops::{self, QuantizedWeight};
 use tessera_core::tensor::{Init, Tensor};
 use tessera_core::{Error, Result};
@@ -243,6 +245,47 @@ impl Linear {
         Ok(dx)
     }
 
+    /// The costs of `x·Wᵀ` with this rank's `[n, k]` block of the weight:
+    /// the input kept, `k`-wide in, `n`-wide out.
+    fn describe_local(&self, d: &mut Describe, x: Activation, k: usize, n: usize) -> Result<Activation> {
+        if x.width != k {
+            return Err(Error::shape(
+                "Linear",
+                format!("an input of {} features per token on a rank for a layer taking {k} there (of {} in all)", x.width, self.in_features),
+            ));
+        }
+        d.save(&x);
+        d.matmul(&x, k, n);
+        Ok(d.output(n, x.tokens))
+    }
+
+    /// `features` split over the tensor-parallel group, or the error the forward gives.
+    fn split_over(d: &Describe, features: usize, what: &str) -> Result<usize> {
+        let tp = d.tp();
+        if !features.is_multiple_of(tp) {
+            return Err(Error::indivisible(
+                "Linear",
+                format!("{features} {what} cannot be split over a tensor-parallel group of {tp}; choose a degree that divides it"),
+            ));
+        }
+        Ok(features / tp)
+    }
+
+    /// A column-parallel (or vocabulary-parallel) layer's costs: the input
+    /// gathered under sequence parallelism, its gradient reduced over the group.
+    fn describe_column(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
+        let n = Self::split_over(d, self.out_features, "output features")?;
+        let x = if d.sequence_split() {
+            let whole = d.seq_convert::<Replicated>(x, Seq::Split, Seq::Whole);
+            d.collective(CollectiveKind::ReduceScatter, Group::Tp, Pass::Backward, whole.bytes());
+            whole
+        } else {
+            d.collective(CollectiveKind::AllReduce, Group::Tp, Pass::Backward, x.bytes());
+            x
+        };
+        self.describe_local(d, x, self.in_features, n)
+    }
+
     fn visit_split(&self, v: &mut Visitor<'_>, weight_dim: usize, bias_dim: Option<usize>) -> Result<()> {
         v.param("weight", &self.weight, Some(weight_dim))?;
         if let Some(b) = &self.bias {
@@ -274,6 +317,12 @@ impl Module<Plain> for Linear {
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
         self.visit_split(v, 0, Some(0))
     }
+
+    fn describe(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
+        let (weight, bias) = (self.in_features * self.out_features, self.bias.as_ref().map(|_| self.out_features));
+        d.replicated_grads(&std::iter::once(weight).chain(bias).collect::<Vec<_>>());
+        self.describe_local(d, x, self.in_features, self.out_features)
+    }
 }
 
 impl Module<Column> for Linear {
@@ -304,6 +353,10 @@ impl Module<Column> for Linear {
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
         self.visit_split(v, 0, Some(0))
     }
+
+    fn describe(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
+        self.describe_column(d, x)
+    }
 }
 
 impl Module<Row> for Linear {
@@ -323,6 +376,11 @@ impl Module<Row> for Linear {
 
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
         self.visit_split(v, 1, None)
+    }
+
+    fn describe(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
+        let k = Self::split_over(d, self.in_features, "input features")?;
+        self.describe_local(d, x, k, self.out_features)
     }
 }
 
@@ -361,5 +419,9 @@ impl Module<Vocab> for Linear {
 
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
         <Self as Module<Column>>::visit_params(self, v)
+    }
+
+    fn describe(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
+        self.describe_column(d, x)
     }
 }

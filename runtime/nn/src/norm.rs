@@ -1,7 +1,7 @@
 //! LayerNorm and RMSNorm over the last dimension.
 
 use super::param_value;
-use crate::module::{Act, Cx, Module, Param, Plain, Replicated, Seq, Visitor};
+use crate::module::{Act, Activation, Cx, Describe, Module, Param, Plain, Replicated, Seq, Visitor};
 use tessera_core::ops::{self, NormSaved};
 use tessera_core::tensor::{Init, Tensor};
 use tessera_core::{Error, Result};
@@ -29,6 +29,19 @@ fn check(op: &'static str, dim: usize, eps: f64) -> Result<()> {
         return Err(Error::invalid(op, format!("eps must be a small positive number (e.g. 1e-5), got {eps}")));
     }
     Ok(())
+}
+
+/// A normalisation's costs over rows of `dim`: the input and `stats`
+/// statistics per row kept (f32, or f64 in an f64 run), one pass each way.
+fn describe_norm(d: &mut Describe, x: Activation, dim: usize, stats: usize, params: &[usize], op: &'static str) -> Result<Activation> {
+    if x.width != dim {
+        return Err(Error::shape(op, format!("an input of {} features per token for a norm over {dim}", x.width)));
+    }
+    d.save(&x);
+    d.save_new(stats, x.tokens, d.stat_dtype());
+    d.traffic(2.0 * x.bytes(), 3.0 * x.bytes());
+    d.replicated_grads(params);
+    Ok(d.output(dim, x.tokens))
 }
 
 fn ones() -> Init {
@@ -115,6 +128,12 @@ impl Module<Plain> for LayerNorm {
         }
         Ok(())
     }
+
+    fn describe(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
+        let dim = self.weight.global_shape().dims()[0];
+        let params = [dim, dim];
+        describe_norm(d, x, dim, 2, &params[..1 + usize::from(self.bias.is_some())], "LayerNorm")
+    }
 }
 
 /// RMSNorm: `x / sqrt(mean(x²) + eps) · gain` over the last dimension.
@@ -177,5 +196,10 @@ impl Module<Plain> for RmsNorm {
 
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
         v.param("weight", &self.weight, None)
+    }
+
+    fn describe(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
+        let dim = self.weight.global_shape().dims()[0];
+        describe_norm(d, x, dim, 1, &[dim], "RmsNorm")
     }
 }

@@ -1,6 +1,6 @@
 //! Learned absolute position embedding, added to the activations (GPT-2's `wpe`).
 
-use crate::module::{Act, Cx, Module, Param, Plain, Replicated, Seq, Visitor};
+use crate::module::{Act, Activation, Cx, Describe, Module, Param, Plain, Replicated, Seq, Visitor};
 use tessera_core::ops;
 use tessera_core::tensor::{Init, Tensor};
 use tessera_core::{Error, Result};
@@ -168,5 +168,22 @@ impl Module<Plain> for PositionEmbedding {
 
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
         v.param("weight", &self.weight, None)
+    }
+
+    /// Keeps nothing but the positions; one add each way.
+    fn describe(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
+        if x.width != self.dim {
+            return Err(Error::shape("PositionEmbedding", format!("an input of {} features per token for rows of width {}", x.width, self.dim)));
+        }
+        if d.settings().seq_len > self.max_positions {
+            return Err(Error::invalid(
+                "PositionEmbedding",
+                format!("sequences of {} tokens do not fit a table of {} positions", d.settings().seq_len, self.max_positions),
+            ));
+        }
+        let y = d.output(self.dim, x.tokens);
+        d.traffic(3.0 * y.bytes(), y.bytes());
+        d.replicated_grads(&[self.max_positions * self.dim]);
+        Ok(y)
     }
 }

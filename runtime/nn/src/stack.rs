@@ -1,7 +1,8 @@
 //! A sequence of layers of one type (the blocks of a transformer).
 
 use crate::module::{
-    call, call_backward, call_recompute, call_recompute_backward, seq_convert, seq_convert_backward, Act, Cx, Kept, Module, Pipelined, Plain, Seq, Visitor,
+    call, call_backward, call_recompute, call_recompute_backward, describe_call, seq_convert, seq_convert_backward, Act, Activation, Cx, Describe, Kept,
+    Module, Pipelined, Plain, Seq, Visitor,
 };
 use std::ops::Range;
 use tessera_core::{Error, Result};
@@ -138,6 +139,18 @@ where
             v.pipeline_layer(i, count, |v| v.child::<Plain>(&i.to_string(), |v| layer.visit_params(v)))?;
         }
         Ok(())
+    }
+
+    /// Each layer in turn, recomputed one by one as the stack's field declares.
+    fn describe(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
+        let recompute = d.take_layer_recompute();
+        let count = self.layers.len();
+        let mut h = x;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let y = d.pipeline_layer(i, count, |d| describe_call::<Plain, M>(layer, d, &i.to_string(), h, recompute))?;
+            h = d.seq_convert::<<M as Module<Plain>>::In>(y, <M as Module<Plain>>::SEQ_OUT, <M as Module<Plain>>::SEQ_IN);
+        }
+        Ok(h)
     }
 }
 

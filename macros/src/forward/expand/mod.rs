@@ -16,6 +16,7 @@ use crate::attr::{Precision, Recompute, Stage};
 use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
 
+mod describe_impl;
 mod fallback;
 mod module_impl;
 mod node;

@@ -223,6 +223,7 @@ impl<'a> Gen<'a> {
         let states = self.seq_states();
         let q_out = q(self.prog.output);
         let seq_in = self.seq_in();
+        let describe = self.describe_body();
 
         quote! {
             #saved_def
@@ -255,6 +256,11 @@ impl<'a> Gen<'a> {
                 fn check_tp(&self, __path: &str, __degree: usize, __problems: &mut ::std::vec::Vec<::std::string::String>) {
                     #static_checks
                     #(#checks)*
+                }
+
+                #[allow(unused_variables, clippy::all)]
+                fn describe(&self, __d: &mut #p::Describe, __x: #p::Activation) -> #p::Result<#p::Activation> {
+                    #describe
                 }
 
                 fn tie_params(&mut self) -> #p::Result<()> {

@@ -184,6 +184,13 @@ fn dims(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor, opts: AttnOpts) ->
     Ok(AttnDims { batch: b, q_heads: hq, kv_heads: hkv, seq_q: tq, seq_kv: tkv, head_dim: d, causal: opts.causal, scale })
 }
 
+/// Counts an attention pass of `dims`: `per_pair` FLOPs per head dimension,
+/// visible (query, key) pair and query head.
+fn count(d: &AttnDims, per_pair: f64) {
+    let pairs = super::flops::attention_pairs(d.seq_q, d.seq_kv, d.causal);
+    super::flops::add(per_pair * (d.batch * d.q_heads * d.head_dim) as f64 * pairs);
+}
+
 /// `softmax(q kᵀ · scale + mask) v` per head, without materialising the
 /// score matrix. `q` is `[batch, q_heads, seq_q, head_dim]`, `k` and `v` are
 /// `[batch, kv_heads, seq_kv, head_dim]` (query head `h` reads kv head
@@ -192,6 +199,7 @@ fn dims(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor, opts: AttnOpts) ->
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: AttnOpts) -> Result<(Tensor, Tensor)> {
     const OP: &str = "attention";
     let d = dims(OP, q, k, v, opts)?;
+    count(&d, 4.0);
     let lse = Shape::new(vec![d.batch, d.q_heads, d.seq_q]);
     let mut r = run(OP, &AttnFwd { d }, &[q, k, v], &[(q.shape().clone(), Out::Primary), (lse, Out::Compute)])?;
     let lse = r.pop().expect("two outputs");
@@ -203,6 +211,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: AttnOpts) -> Result<(
 pub fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, lse: &Tensor, dout: &Tensor, opts: AttnOpts) -> Result<(Tensor, Tensor, Tensor)> {
     const OP: &str = "attention_backward";
     let d = dims(OP, q, k, v, opts)?;
+    count(&d, 10.0);
     check_same_shape(OP, "q and the output", q, out)?;
     check_same_shape(OP, "output and its gradient", out, dout)?;
     if lse.dims() != [d.batch, d.q_heads, d.seq_q] {
@@ -278,6 +287,7 @@ impl QkvHeads {
 pub fn attention_packed(qkv: &Tensor, heads: QkvHeads, opts: AttnOpts) -> Result<(Tensor, Tensor)> {
     const OP: &str = "attention_packed";
     let d = heads.dims(OP, qkv, opts)?;
+    count(&d, 4.0);
     let out = Shape::new(vec![d.batch, d.seq_q, d.q_heads * d.head_dim]);
     let lse = Shape::new(vec![d.batch, d.q_heads, d.seq_q]);
     let mut r = run(OP, &AttnFwdPacked { d }, &[qkv], &[(out, Out::Primary), (lse, Out::Compute)])?;
@@ -291,6 +301,7 @@ pub fn attention_packed(qkv: &Tensor, heads: QkvHeads, opts: AttnOpts) -> Result
 pub fn attention_packed_backward(qkv: &Tensor, out: &Tensor, lse: &Tensor, dout: &Tensor, heads: QkvHeads, opts: AttnOpts) -> Result<Tensor> {
     const OP: &str = "attention_packed_backward";
     let d = heads.dims(OP, qkv, opts)?;
+    count(&d, 10.0);
     let want = [d.batch, d.seq_q, d.q_heads * d.head_dim];
     if out.dims() != want {
         return Err(Error::shape(OP, format!("the output must be {:?}, got {}", want, out.shape())));

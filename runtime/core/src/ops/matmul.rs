@@ -98,6 +98,7 @@ fn product(op: &'static str, a: &Tensor, b: &Tensor, bias: Option<&Tensor>) -> R
         }
     }
     let batch: usize = a_batch.iter().product();
+    super::flops::add(2.0 * (batch * m * k * n) as f64);
     let mut out_dims = a_batch.to_vec();
     out_dims.extend([m, n]);
     let (a_op, trans_a) = operand(a)?;
@@ -165,6 +166,7 @@ pub fn matmul_rows_nt(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<T
         };
     }
     let m = x.elem_count() / k.max(1);
+    super::flops::add(2.0 * (m * k * n) as f64);
     let mut dims = x.dims().to_vec();
     *dims.last_mut().expect("rank 2 or more") = n;
     let mut inputs = vec![x, w];

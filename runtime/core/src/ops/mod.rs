@@ -15,6 +15,7 @@ mod cuda_launch;
 mod dropout;
 mod elementwise;
 mod embedding;
+mod flops;
 #[cfg(test)]
 mod half_tests;
 mod loss;
@@ -33,6 +34,7 @@ pub use attention::*;
 pub use dropout::*;
 pub use elementwise::*;
 pub use embedding::*;
+pub use flops::flops_counted;
 pub use loss::*;
 pub use matmul::*;
 pub use norm::*;

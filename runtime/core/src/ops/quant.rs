@@ -278,6 +278,7 @@ fn quant_product(op: &'static str, x: &Tensor, w: &QuantizedWeight, bias: Option
         }
     }
     let rows: usize = x.dims()[..x.rank() - 1].iter().product();
+    super::flops::add(2.0 * (rows * k * n) as f64);
     let out_shape = x.shape().with_last(n);
     match x.device() {
         Device::Cpu(dev) => {

@@ -8,6 +8,7 @@
 mod call;
 mod cx;
 mod decode;
+mod describe;
 pub mod dsl;
 mod layout;
 mod param;
@@ -20,6 +21,9 @@ mod visit;
 pub use call::{call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, fed, Feeds, Kept, KeptCall, Recompute};
 pub use cx::{Cx, Hooks, RecomputeOverride};
 pub use decode::{Decode, KvCache, KvLayer};
+pub use describe::{
+    describe, describe_call, describe_with_input, Activation, CollectiveCost, CollectiveKind, CostSettings, Describe, Group, LayerCost, ModelCost, Pass,
+};
 pub use layout::{Act, Dispatched, Layout, PartialSum, Pointwise, Replicated, SameLayout, Seq, SplitHidden, SplitSeq};
 pub use seq::{seq_convert, seq_convert_backward};
 #[doc(hidden)]
@@ -114,6 +118,22 @@ pub trait Module<R: Role = Plain>: Send + Sync {
     /// parameters' shapes do not already show (attention heads, say).
     fn check_tp(&self, path: &str, degree: usize, problems: &mut Vec<String>) {
         let _ = (path, degree, problems);
+    }
+
+    /// Reports this layer's costs to the walk `d` (see [`describe`]): its
+    /// matrix FLOPs, kept bytes, element-wise traffic and collectives for
+    /// the input `x`; returns the output. `#[derive(Module)]` generates it
+    /// from the forward; a layer implemented by hand describes itself, or
+    /// the planner cannot cost a model that uses it.
+    fn describe(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
+        let _ = (d, x);
+        Err(Error::unsupported(
+            "describe",
+            format!(
+                "`{}` does not describe its costs; implement `Module::describe` for it (see the primitive layers' for examples)",
+                std::any::type_name::<Self>()
+            ),
+        ))
     }
 
     /// Links the weights that `#[tied(..)]` fields share (recursively).

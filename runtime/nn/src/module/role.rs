@@ -16,7 +16,8 @@ pub trait Role: sealed::Sealed + Copy + Default + fmt::Debug + Send + Sync + 'st
 }
 
 /// The role of a sub-module, as a value.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum RoleKind {
     /// Not sharded: the layer's parameters are replicated over the TP group.
     Plain,

@@ -2,8 +2,8 @@
 //! behind one generic function, [`sharded`] (whose doc says why).
 
 use super::{
-    call, call_backward, call_recompute, call_recompute_backward, seq_convert, seq_convert_backward, Act, Cx, Kept, Layout, Module, Recompute, Role, Seq,
-    Visitor,
+    call, call_backward, call_recompute, call_recompute_backward, describe_call, seq_convert, seq_convert_backward, Act, Activation, Cx, Describe, Kept,
+    Layout, Module, Recompute, Role, Seq, Visitor,
 };
 use std::any::Any;
 use tessera_core::tensor::Tensor;
@@ -79,6 +79,20 @@ pub enum ShardedOp<'a, 'v> {
     },
     /// Ties the weights its own `#[tied]` fields share (needs [`LayerRef::Unique`]).
     TieParams,
+    /// Its costs, called as sub-module `name` on `x` (in sequence form
+    /// `from`), recomputing as `recompute` says.
+    Describe {
+        /// The walk.
+        d: &'a mut Describe,
+        /// The field's name.
+        name: &'a str,
+        /// The input.
+        x: Activation,
+        /// The sequence form `x` is in.
+        from: Seq,
+        /// How the field recomputes.
+        recompute: Option<Recompute>,
+    },
 }
 
 /// What [`sharded`] returns, by operation.
@@ -87,6 +101,8 @@ pub enum ShardedOut {
     Forward(Tensor, Erased),
     /// The input gradient.
     Backward(Tensor),
+    /// The output of a description.
+    Described(Activation),
     /// Nothing (visiting, checking, tying).
     Done,
 }
@@ -97,6 +113,14 @@ impl ShardedOut {
         match self {
             ShardedOut::Forward(t, s) => (Act::new(t), s),
             _ => unreachable!("a forward returns its output"),
+        }
+    }
+
+    /// The description's output.
+    pub fn into_described(self) -> Activation {
+        match self {
+            ShardedOut::Described(a) => a,
+            _ => unreachable!("a description returns its output"),
         }
     }
 
@@ -164,6 +188,10 @@ where
         ShardedOp::CheckTp { path, degree, problems } => {
             layer.get().check_tp(path, degree, problems);
             ShardedOut::Done
+        }
+        ShardedOp::Describe { d, name, x, from, recompute } => {
+            let x = d.seq_convert::<I>(x, from, L::SEQ_IN);
+            ShardedOut::Described(describe_call::<R, L>(layer.get(), d, name, x, recompute)?)
         }
         ShardedOp::TieParams => {
             match &mut layer {

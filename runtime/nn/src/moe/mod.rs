@@ -7,7 +7,7 @@ mod routing;
 pub use routing::MoeStats;
 
 use super::{param_value, rows};
-use crate::module::{Act, Cx, Module, Param, Plain, Replicated, Visitor};
+use crate::module::{Act, Activation, CollectiveKind, Cx, Describe, Group, Module, Param, Pass, Plain, Replicated, Visitor};
 use dispatch::Plan;
 use parking_lot::Mutex;
 use std::ops::Range;
@@ -582,5 +582,57 @@ impl Module<Plain> for Moe {
             }
             Ok(())
         })
+    }
+
+    /// The costs with balanced routing and no capacity drops: every token's
+    /// `top_k` rows go through an expert's three products, travel to the
+    /// expert's rank and back (two all-to-alls each way over the
+    /// expert-parallel group), and are mixed by their weights.
+    fn describe(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
+        let ep = d.settings().ep;
+        if self.ep_degree > 1 && self.ep_degree != ep {
+            return Err(Error::state_mismatch(
+                "Moe",
+                format!("the layer is split over {} expert-parallel ranks but described for {ep}; describe the unsplit model", self.ep_degree),
+            ));
+        }
+        if !self.total.is_multiple_of(ep) {
+            return Err(Error::indivisible("Moe", format!("{} experts cannot be split over an expert-parallel group of {ep}", self.total)));
+        }
+        if x.width != self.dim {
+            return Err(Error::shape("Moe", format!("an input of {} features per token for a layer of width {}", x.width, self.dim)));
+        }
+        let (dm, k, e, h, t) = (self.dim, self.top_k, self.total, self.hidden, x.tokens);
+        let b = d.compute_dtype().size_in_bytes() as f64;
+        d.save(&x);
+        // The router, its choices and mixing weights (and all probabilities for the loss).
+        d.matmul(&x, dm, e);
+        d.save_new(k, t, tessera_core::DType::U32);
+        d.save_new(k, t, d.compute_dtype());
+        if self.aux_coef != 0.0 {
+            d.save_new(e, t, d.compute_dtype());
+        }
+        let rows = (k * dm) as f64 * b * t;
+        // The forward first exchanges how many rows go to each expert (a u32 each).
+        d.collective_per_micro_batch(CollectiveKind::AllToAll, Group::Ep, Pass::Forward, (e * 4) as f64);
+        for pass in [Pass::Forward, Pass::Backward] {
+            d.collective(CollectiveKind::AllToAll, Group::Ep, pass, rows);
+            d.collective(CollectiveKind::AllToAll, Group::Ep, pass, rows);
+        }
+        // The experts on the rows they receive: `k` per token on balance.
+        let expert = 2.0 * (dm * h * k) as f64 * t;
+        d.flops(3.0 * expert, 6.0 * expert);
+        d.save_new(k * dm, t, d.compute_dtype());
+        for _ in 0..3 {
+            d.save_new(k * h, t, d.compute_dtype());
+        }
+        // The outputs, mixed by their weights.
+        let mix = 2.0 * (k * dm) as f64 * t;
+        d.flops(mix, 2.0 * mix);
+        d.save_new(k * dm, t, d.compute_dtype());
+        d.save_new(k, t, d.compute_dtype());
+        let hidden = (k * h) as f64 * b * t;
+        d.traffic(4.0 * rows + 3.0 * hidden, 8.0 * rows + 5.0 * hidden);
+        Ok(d.output(dm, t))
     }
 }
