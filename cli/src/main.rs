@@ -14,6 +14,7 @@
 //! - `tessera launch`: start one process per rank on this node with
 //!   torchrun's environment variables, and supervise them;
 //! - `tessera profile`: measure this machine into a planner's profile.
+//! - `tessera plan`: the fastest layout of a model over a cluster, written as a training configuration.
 
 /// Prints a line to stdout; when the reader has gone (`tessera … | head`),
 /// the program ends quietly and successfully, as Unix tools do.
@@ -32,6 +33,7 @@ mod generate;
 mod launch;
 mod model;
 mod perplexity;
+mod plan;
 mod prepare;
 mod profile;
 mod server;
@@ -67,6 +69,8 @@ enum Command {
     Launch(launch::Args),
     /// Measure what this machine's CPU ranks can do into a planner's profile (see docs/planner.md).
     Profile(profile::Args),
+    /// Find the fastest layout of a model over a cluster and write it as a training configuration (see docs/planner.md).
+    Plan(plan::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -80,6 +84,7 @@ fn main() -> anyhow::Result<()> {
         Command::Ckpt(cmd) => ckpt::run(cmd),
         Command::Launch(args) => launch::run(args),
         Command::Profile(args) => profile::run(args),
+        Command::Plan(args) => plan::run(args),
     };
     // A reader that went away is not an error of this program.
     match r {

@@ -41,7 +41,7 @@ use serde_json::Value;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use tessera::ckpt::{self, Checkpointer};
-use tessera::module::{self, Cx, Replicated, SplitHidden, Staged};
+use tessera::module::{self, CostSettings, Cx, ModelCost, Replicated, SplitHidden, Staged};
 use tessera::observe::transformer_flops_per_token;
 use tessera::parallel::pipeline::ScheduleKind;
 use tessera::train::{Job, ModelFacts, RankDevice, TrainConfig};
@@ -343,6 +343,15 @@ impl<M: KindModel> ModelSpec<M> {
             Error::Tessera(e) => e,
             other => tessera::Error::config(if self.from.is_some() { "model.from" } else { "model" }, other.to_string()),
         })
+    }
+
+    /// What the model costs for `settings` (see
+    /// [`Module::describe`](tessera::module::Module::describe)): the model as
+    /// a rank of a tensor-parallel group of `settings.tp` builds it (the
+    /// vocabulary padded), with every expert, described without allocating.
+    pub fn describe(&self, settings: CostSettings) -> Result<ModelCost> {
+        let model = M::for_rank(&self.config, settings.tp, 0, 1)?;
+        Ok(tessera::module::describe(&model, settings)?)
     }
 
     /// The vocabulary the model has on a tensor-parallel group of `tp`

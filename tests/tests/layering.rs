@@ -15,11 +15,11 @@ const MAP: &[(&str, &[&str])] = &[
     ("runtime/parallel", &["tessera-core", "tessera-dist", "tessera-nn", "tessera-optim"]),
     ("runtime/data", &["tessera-core"]),
     ("runtime/observe", &["tessera-core"]),
-    ("runtime/train", &["tessera-core", "tessera-dist", "tessera-nn", "tessera-optim", "tessera-parallel", "tessera-data", "tessera-observe"]),
+    ("runtime/train", &["tessera-core", "tessera-dist", "tessera-nn", "tessera-optim", "tessera-parallel", "tessera-data", "tessera-observe", "tessera-plan"]),
     ("runtime/testing", &["tessera-core", "tessera-dist", "tessera-nn", "tessera-parallel"]),
     ("runtime/serve", &["tessera-core", "tessera-dist", "tessera-nn", "tessera-data"]),
     ("runtime/server", &["tessera-core", "tessera-serve", "tessera-data"]),
-    ("runtime/plan", &["tessera-core", "tessera-dist"]),
+    ("runtime/plan", &["tessera-core", "tessera-dist", "tessera-nn", "tessera-parallel"]),
     ("macros", &[]),
 ];
 

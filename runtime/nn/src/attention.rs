@@ -325,7 +325,7 @@ impl Module<Plain> for CausalAttention {
         }
         let t = d.settings().seq_len as f64;
         let forward = 4.0 * (h.q * h.d) as f64 * (t + 1.0) / 2.0 * x.tokens;
-        d.flops(forward, 2.5 * forward);
+        d.attention_flops(forward, 2.5 * forward);
         let qkv = match self.rope {
             Some(_) => {
                 let r = d.output(x.width, x.tokens);

@@ -256,7 +256,12 @@ impl Linear {
         }
         d.save(&x);
         d.matmul(&x, k, n);
-        Ok(d.output(n, x.tokens))
+        let y = d.output(n, x.tokens);
+        if self.bias.is_some() {
+            // The bias's gradient reads the output's gradient once more.
+            d.traffic(0.0, y.bytes());
+        }
+        Ok(y)
     }
 
     /// `features` split over the tensor-parallel group, or the error the forward gives.

@@ -144,6 +144,7 @@ where
     /// Each layer in turn, recomputed one by one as the stack's field declares.
     fn describe(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
         let recompute = d.take_layer_recompute();
+        d.boundary(&x);
         let count = self.layers.len();
         let mut h = x;
         for (i, layer) in self.layers.iter().enumerate() {

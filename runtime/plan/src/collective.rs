@@ -52,7 +52,7 @@ impl Collective {
 mod tests {
     use super::*;
 
-    const LINK: Link = Link { bandwidth: 100e9, latency: 5e-6, by_size: Vec::new() };
+    const LINK: Link = Link { bandwidth: 100e9, latency: 5e-6, by_size: Vec::new(), overlaps_compute: true };
 
     #[test]
     fn an_all_reduce_is_a_reduce_scatter_then_an_all_gather() {

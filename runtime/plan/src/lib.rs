@@ -13,10 +13,18 @@
 //! - [`machine`]: this machine as a profile, for the CPU ranks that share
 //!   it (what `tessera profile` writes);
 //! - [`memory`]: the bytes of a rank's parameters, gradients and optimizer
-//!   states by precision and ZeRO stage.
+//!   states by precision and ZeRO stage;
+//! - [`estimate`]: the cost model: a layout's step time (compute, model-
+//!   parallel communication, the pipeline's bubble, data-parallel
+//!   communication, the optimizer) and memory per rank, from the model's
+//!   own description and a profile;
+//! - [`search`]: every layout of a model over a cluster, estimated,
+//!   filtered by memory and ranked.
 
 pub mod collective;
+pub mod estimate;
 pub mod machine;
 pub mod measure;
 pub mod memory;
 pub mod profile;
+pub mod search;

@@ -4,7 +4,7 @@
 //!
 //! Ranks on one machine share its cores and memory bandwidth, so a rank's
 //! "device" is its share: every figure is measured with all ranks running
-//! the same work together ([`best_time`](crate::measure::best_time): each
+//! the same work together ([`sustained_time`](crate::measure::sustained_time): each
 //! run started by a barrier and timed until the slowest rank finishes, as a
 //! step waits for its slowest rank too). The
 //! links are the in-process communicator's, fitted by group size; a
@@ -13,13 +13,26 @@
 use tessera_core::{DType, Device, Error, Result};
 use tessera_dist::inproc::InProcess;
 
-use crate::measure::{all_reduce_time, fit_all_reduce, matmul_rate, memory_bandwidth, Budget};
+use crate::measure::{all_reduce_time, attention_rate, fit_all_reduce, matmul_rate, memory_bandwidth, nonlinear_rate, optimizer_rate, Budget};
 use crate::profile::{ClusterProfile, DeviceProfile, Link};
 
-/// The products a profile measures: squares, and the tall-skinny shapes of
-/// a small model's layers (many tokens, a narrow width).
-pub const MATMUL_SHAPES: &[(usize, usize, usize)] =
-    &[(128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (2048, 256, 256), (2048, 1024, 256)];
+/// The products a profile measures, `(m, n, k)`: squares, and a grid of
+/// the shapes layers run (rows of tokens by narrow and wide weights), whose
+/// rates differ by several times on a CPU.
+pub fn matmul_shapes() -> Vec<(usize, usize, usize)> {
+    let mut shapes = vec![(128, 128, 128), (512, 512, 512), (1024, 1024, 1024)];
+    for m in [256, 2048] {
+        for n in [64, 256, 1024] {
+            for k in [64, 256, 1024] {
+                shapes.push((m, n, k));
+            }
+        }
+    }
+    shapes
+}
+
+/// The attention a profile measures: (batch, sequence, heads, head size).
+pub const ATTENTION_SHAPE: (usize, usize, usize, usize) = (2, 128, 4, 64);
 
 /// The message sizes each group's all-reduce is timed at.
 pub const ALL_REDUCE_BYTES: &[usize] = &[1 << 12, 1 << 16, 1 << 20, 1 << 23];
@@ -34,14 +47,21 @@ pub fn profile_cpu(name: &str, ranks: usize, budget: Budget) -> Result<ClusterPr
     let dev = Device::cpu();
     let mut matmul = Vec::new();
     for dtype in [DType::F32, DType::BF16] {
-        for &(m, n, k) in MATMUL_SHAPES {
+        for (m, n, k) in matmul_shapes() {
             matmul.push(matmul_rate(&dev, dtype, m, n, k, ranks, budget)?);
         }
     }
     let peak_flops = ["f32", "bf16"].iter().map(|&d| (d.to_string(), matmul.iter().filter(|r| r.dtype == d).map(|r| r.flops).fold(0.0, f64::max))).collect();
     // Two f32 tensors of 32 MiB each read, one written, per rank.
     let memory_bandwidth = memory_bandwidth(&dev, 32 << 20, ranks, budget)?;
-    let mut intra_node = Link { bandwidth: 0.0, latency: 0.0, by_size: Vec::new() };
+    let mut attention_flops = std::collections::BTreeMap::new();
+    for dtype in [DType::F32, DType::BF16] {
+        attention_flops.insert(dtype.to_string(), attention_rate(&dev, dtype, ATTENTION_SHAPE, ranks, budget)?);
+    }
+    let nonlinear = Some(nonlinear_rate(&dev, 1 << 20, ranks, budget)?);
+    let optimizer_rate = Some(optimizer_rate(&dev, 1 << 20, ranks, budget)?);
+    // Ranks on one machine share its cores with their collectives: nothing overlaps.
+    let mut intra_node = Link { bandwidth: 0.0, latency: 0.0, by_size: Vec::new(), overlaps_compute: false };
     let mut size = 2;
     while size <= ranks {
         intra_node.by_size.push(fit_all_reduce(size, &all_reduce_times(size)?)?);
@@ -62,9 +82,13 @@ pub fn profile_cpu(name: &str, ranks: usize, budget: Budget) -> Result<ClusterPr
             memory_bandwidth,
             peak_flops,
             matmul,
+            attention_flops,
+            nonlinear,
+            optimizer_rate,
         },
         intra_node,
         inter_node: None,
+        ranks_share_cores: true,
     };
     // What was measured is checked like a file would be.
     ClusterProfile::parse(&profile.to_toml(), name)
@@ -115,7 +139,7 @@ mod tests {
         let p = profile_cpu("this machine", 2, Budget { per_figure: Duration::from_millis(10) }).unwrap();
         assert_eq!(p.gpus_per_node, 2);
         assert!(p.inter_node.is_none());
-        assert_eq!(p.device.matmul.len(), 2 * MATMUL_SHAPES.len());
+        assert_eq!(p.device.matmul.len(), 2 * matmul_shapes().len());
         assert_eq!(p.intra_node.by_size.len(), 1);
         assert_eq!(p.intra_node.by_size[0].size, 2);
         let f32_peak = p.peak_flops("f32").unwrap();

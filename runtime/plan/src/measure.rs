@@ -46,20 +46,23 @@ impl Default for Budget {
     }
 }
 
-/// The best time of `work` run by `ranks` threads at once, each run
-/// started together (a barrier) and lasting until the slowest thread has
-/// finished and the device is idle. One run alone, after a warm-up, says how
-/// many runs fit `budget` (at least three); every thread runs that many, so
-/// none is left waiting at the barrier. With one thread, this is the best
-/// of several runs of `work`.
-pub fn best_time(device: &Device, ranks: usize, budget: Budget, work: impl Fn(usize) -> Result<()> + Sync) -> Result<f64> {
+/// The time of one `work` when `ranks` threads run it at once, sustained:
+/// each timed run repeats `work` for at least [`SUSTAINED`] (several of the
+/// scheduler's time slices, so threads that outnumber the cores really do
+/// share them, as a training step's ranks do), all threads start it
+/// together (a barrier), and it lasts until the slowest has finished and
+/// the device is idle. One call alone, after a warm-up, sizes the runs and
+/// says how many fit `budget` (at least three); the figure is the median
+/// run over its repetitions. With one thread, no sharing.
+pub fn sustained_time(device: &Device, ranks: usize, budget: Budget, work: impl Fn(usize) -> Result<()> + Sync) -> Result<f64> {
     work(0)?;
     device.synchronize()?;
     let start = Instant::now();
     work(0)?;
     device.synchronize()?;
     let once = start.elapsed().as_secs_f64().max(1e-9);
-    let runs = ((budget.per_figure.as_secs_f64() / (once * ranks.max(1) as f64)) as usize).clamp(3, 50);
+    let reps = ((SUSTAINED.as_secs_f64() / once).ceil() as usize).clamp(1, 100_000);
+    let runs = ((budget.per_figure.as_secs_f64() / (once * reps as f64 * ranks.max(1) as f64)) as usize).clamp(3, 50);
     let barrier = Barrier::new(ranks.max(1));
     let times: Vec<Result<Vec<f64>>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..ranks.max(1))
@@ -74,7 +77,7 @@ pub fn best_time(device: &Device, ranks: usize, budget: Budget, work: impl Fn(us
                         // A failure still waits at every barrier, so the
                         // others are not left waiting for this thread.
                         if failed.is_none() {
-                            if let Err(e) = work(rank).and_then(|()| device.synchronize()) {
+                            if let Err(e) = (0..reps).try_for_each(|_| work(rank)).and_then(|()| device.synchronize()) {
                                 failed = Some(e);
                             }
                         }
@@ -84,11 +87,16 @@ pub fn best_time(device: &Device, ranks: usize, budget: Budget, work: impl Fn(us
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("measure::best_time", "a measuring thread panicked")))).collect()
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("measure::sustained_time", "a measuring thread panicked")))).collect()
     });
     let times: Vec<Vec<f64>> = times.into_iter().collect::<Result<_>>()?;
-    Ok((0..runs).map(|run| times.iter().map(|t| t[run]).fold(0.0, f64::max)).fold(f64::INFINITY, f64::min))
+    let mut slowest: Vec<f64> = (0..runs).map(|run| times.iter().map(|t| t[run]).fold(0.0, f64::max)).collect();
+    slowest.sort_by(f64::total_cmp);
+    Ok(slowest[runs / 2] / reps as f64)
 }
+
+/// How long one timed run of [`sustained_time`] lasts at least.
+pub const SUSTAINED: Duration = Duration::from_millis(20);
 
 /// The rate of `[m, k] × [k, n]` products in `dtype` on `device`, per
 /// thread of `ranks` running them at once.
@@ -98,8 +106,77 @@ pub fn matmul_rate(device: &Device, dtype: DType, m: usize, n: usize, k: usize, 
     }
     let a = Tensor::full(0.5, [m, k], dtype, device)?;
     let b = Tensor::full(0.25, [k, n], dtype, device)?;
-    let seconds = best_time(device, ranks, budget, |_| ops::matmul(&a, &b).map(drop))?;
+    let seconds = sustained_time(device, ranks, budget, |_| ops::matmul(&a, &b).map(drop))?;
     Ok(MatmulRate { m, n, k, dtype: dtype.to_string(), flops: 2.0 * (m * n * k) as f64 / seconds })
+}
+
+/// The rate of causal self-attention (forward and backward together, the
+/// FLOPs [`tessera_core::ops::flops_counted`] counts) on `batch` sequences
+/// of `seq` tokens with `heads` heads of `head_dim`, in `dtype`, per thread
+/// of `ranks` running it at once.
+pub fn attention_rate(device: &Device, dtype: DType, (batch, seq, heads, head_dim): (usize, usize, usize, usize), ranks: usize, budget: Budget) -> Result<f64> {
+    use tessera_core::ops::{AttnOpts, QkvHeads};
+    if batch * seq * heads * head_dim == 0 {
+        return Err(Error::invalid("measure::attention_rate", "every size must be positive"));
+    }
+    let h = QkvHeads { q_heads: heads, kv_heads: heads, head_dim };
+    let qkv = Tensor::rand(tessera_core::Init::Uniform { lo: -1.0, hi: 1.0 }, tessera_core::RngKey::new(3, 0), [batch, seq, h.width()], dtype, device)?;
+    let (out, lse) = ops::attention_packed(&qkv, h, AttnOpts::causal())?;
+    let before = ops::flops_counted();
+    ops::attention_packed(&qkv, h, AttnOpts::causal())?;
+    ops::attention_packed_backward(&qkv, &out, &lse, &out, h, AttnOpts::causal())?;
+    let flops = ops::flops_counted() - before;
+    let seconds = sustained_time(device, ranks, budget, |_| {
+        let (o, l) = ops::attention_packed(&qkv, h, AttnOpts::causal())?;
+        ops::attention_packed_backward(&qkv, &o, &l, &o, h, AttnOpts::causal()).map(drop)
+    })?;
+    Ok(flops / seconds)
+}
+
+/// Elements per second of gelu forward and of its backward on `elements`
+/// f32 values, per thread of `ranks` running them at once: the
+/// transcendental element-wise functions, bound by arithmetic on a CPU.
+pub fn nonlinear_rate(device: &Device, elements: usize, ranks: usize, budget: Budget) -> Result<crate::profile::NonlinearRate> {
+    if elements == 0 {
+        return Err(Error::invalid("measure::nonlinear_rate", "0 elements measure nothing"));
+    }
+    let x = Tensor::rand(tessera_core::Init::Uniform { lo: -3.0, hi: 3.0 }, tessera_core::RngKey::new(4, 0), [elements], DType::F32, device)?;
+    let forward = sustained_time(device, ranks, budget, |_| ops::gelu(&x).map(drop))?;
+    let backward = sustained_time(device, ranks, budget, |_| ops::gelu_backward(&x, &x).map(drop))?;
+    Ok(crate::profile::NonlinearRate { forward: elements as f64 / forward, backward: elements as f64 / backward })
+}
+
+/// Parameters per second AdamW updates (f32 parameters, gradients and
+/// moments) over `params` parameters, per thread of `ranks` running it at once.
+pub fn optimizer_rate(device: &Device, params: usize, ranks: usize, budget: Budget) -> Result<f64> {
+    if params == 0 {
+        return Err(Error::invalid("measure::optimizer_rate", "0 parameters measure nothing"));
+    }
+    let per_rank: Vec<[Tensor; 4]> = (0..ranks.max(1))
+        .map(|_| {
+            Ok([
+                Tensor::full(0.5, [params], DType::F32, device)?,
+                Tensor::full(0.1, [params], DType::F32, device)?,
+                Tensor::zeros([params], DType::F32, device)?,
+                Tensor::zeros([params], DType::F32, device)?,
+            ])
+        })
+        .collect::<Result<_>>()?;
+    let step = ops::AdamWStep { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 1, grad_scale: 1.0 };
+    let seconds = sustained_time(device, ranks, budget, |rank| {
+        let [p, g, m, v] = &per_rank[rank];
+        ops::adamw_update(&step, p, g, m, v)
+    })?;
+    Ok(params as f64 / seconds)
+}
+
+/// Seconds an op takes besides its work: an element-wise sum of two
+/// 64-element tensors (dispatch, allocation, the thread pool's hand-off),
+/// per thread of `ranks` running it at once. A step runs hundreds of ops
+/// per layer, so on small models this is a visible share of it.
+pub fn op_overhead(device: &Device, ranks: usize, budget: Budget) -> Result<f64> {
+    let a = Tensor::full(1.0, [64], DType::F32, device)?;
+    sustained_time(device, ranks, budget, |_| ops::add(&a, &a).map(drop))
 }
 
 /// Bytes/s of an element-wise sum of two f32 tensors of `bytes` each (two
@@ -112,7 +189,7 @@ pub fn memory_bandwidth(device: &Device, bytes: usize, ranks: usize, budget: Bud
     }
     let a = Tensor::full(1.0, [elements], DType::F32, device)?;
     let b = Tensor::full(2.0, [elements], DType::F32, device)?;
-    let seconds = best_time(device, ranks, budget, |_| ops::add(&a, &b).map(drop))?;
+    let seconds = sustained_time(device, ranks, budget, |_| ops::add(&a, &b).map(drop))?;
     Ok(3.0 * (elements * 4) as f64 / seconds)
 }
 
@@ -191,7 +268,7 @@ mod tests {
     fn a_fit_recovers_the_latency_and_bandwidth_that_made_the_times() {
         use crate::profile::Link;
         for (size, latency, bandwidth) in [(2, 5e-6, 3e11), (8, 2e-5, 2.5e10), (4, 0.0, 1e9)] {
-            let link = Link { latency, bandwidth, by_size: Vec::new() };
+            let link = Link { latency, bandwidth, by_size: Vec::new(), overlaps_compute: true };
             let times: Vec<(f64, f64)> = [4e3, 2.6e5, 4.2e6, 3.3e7].iter().map(|&b| (b, Collective::AllReduce.seconds(&link, size, b))).collect();
             let fit = fit_all_reduce(size, &times).unwrap();
             assert!((fit.latency - latency).abs() <= 1e-9 + 1e-6 * latency, "{fit:?}");

@@ -47,7 +47,7 @@ pub enum ZeroStage {
 }
 
 /// A rank's model states, in bytes.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StateBytes {
     /// Parameters.
     pub params: f64,

@@ -48,6 +48,12 @@ pub struct ClusterProfile {
     /// one machine (which plans for one node only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inter_node: Option<Link>,
+    /// Whether a node's devices share one pool of cores (CPU ranks of one
+    /// machine): a rank that waits lends its share to the others, so a
+    /// pipeline's idle time mostly turns into the busy stages' speed.
+    /// False for GPUs, each its own device.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ranks_share_cores: bool,
 }
 
 /// One device's rates and memory.
@@ -67,6 +73,29 @@ pub struct DeviceProfile {
     /// a profile made from datasheets.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub matmul: Vec<MatmulRate>,
+    /// Causal attention's rate by dtype (forward and backward together),
+    /// flop/s, measured; where absent, attention runs at the matrix rate.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attention_flops: BTreeMap<String, f64>,
+    /// Elements per second of a transcendental element-wise function (gelu)
+    /// forward and backward, measured; where absent, such functions cost
+    /// only their memory traffic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nonlinear: Option<NonlinearRate>,
+    /// Parameters per second AdamW updates (f32 state), measured; where
+    /// absent, the update costs its memory traffic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_rate: Option<f64>,
+}
+
+/// Elements per second of a transcendental element-wise function.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NonlinearRate {
+    /// Forward elements per second.
+    pub forward: f64,
+    /// Backward (derivative) elements per second.
+    pub backward: f64,
 }
 
 /// A link as the collectives over it see it: a fixed cost per step and a
@@ -83,6 +112,15 @@ pub struct Link {
     /// place of the two figures above for groups of their size.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub by_size: Vec<GroupFit>,
+    /// Whether its collectives run beside compute (a GPU's copy engines and
+    /// NCCL's own kernels do; CPU ranks share their cores with them, so a
+    /// collective there takes its time from the step). True when absent.
+    #[serde(default = "yes", skip_serializing_if = "Clone::clone")]
+    pub overlaps_compute: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// A link's latency and bandwidth fitted to a group size's measured

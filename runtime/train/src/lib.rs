@@ -31,6 +31,7 @@ pub use config::{
 pub(crate) use faults::kill_this_process;
 pub use faults::{AtStep, FaultConfig, KillFault, KillPoint, RankAtStep, SlowRank};
 pub use job::Job;
+pub use memory_check::planned_layout;
 pub use monitor::{Anomaly, MonitorState, StabilityMonitor};
 pub use run_lock::{RunLock, LOCK_FILE};
 pub use scaler::LossScaler;

@@ -1,15 +1,72 @@
-//! Refusing a run that cannot fit in memory before it allocates anything.
+//! Refusing a run that cannot fit in memory before it allocates anything,
+//! and warning about one that will probably not.
 //!
 //! Ranks on CPU share the host's memory, and an allocation the host cannot
 //! satisfy aborts the process (SIGABRT) rather than returning an error. So
 //! before the ranks start, the trainer adds up a lower bound of what the run
 //! will hold and compares it with the memory the host has available: a run
-//! refused here could never have fitted, and one that passes may still
-//! need more (activations beyond the logits are not counted).
+//! refused here could never have fitted. Then the planner's cost model
+//! estimates what each rank will hold at its peak (model states, the
+//! activations the schedule keeps, logits, the backward's buffers) from the
+//! model's own description; when the ranks together would need more than
+//! the host has, the trainer warns before step 1 and says what to change.
 
 use super::TrainConfig;
 use tessera_core::{Error, Result};
 use tessera_nn::module::{self, Module};
+use tessera_plan::estimate::{memory, Layout};
+use tessera_plan::memory::ZeroStage;
+
+/// The layout `cfg` runs, as the planner's cost model takes it.
+pub fn planned_layout(cfg: &TrainConfig) -> Result<Layout> {
+    let zero = match cfg.zero.stage {
+        0 => ZeroStage::None,
+        1 => ZeroStage::One,
+        2 => ZeroStage::Two,
+        _ => ZeroStage::Three,
+    };
+    Ok(Layout {
+        dp: cfg.mesh.dp,
+        tp: cfg.mesh.tp,
+        pp: cfg.mesh.pp,
+        ep: cfg.mesh.ep,
+        sp: cfg.mesh.sp,
+        schedule: cfg.mesh.schedule_kind()?,
+        micro_batch: cfg.batch.micro_batch,
+        grad_accum: cfg.batch.grad_accum,
+        seq_len: cfg.batch.seq_len,
+        recompute: cfg.recompute.to_override()?,
+        zero,
+        compute: cfg.precision.dtype()?,
+        half_params: cfg.precision.half_params()?,
+    })
+}
+
+/// What the cost model estimates `cfg` needs of the host's memory for
+/// `model` (as a tensor-parallel rank builds it): every rank's peak, the
+/// fullest stage's for each; `None` when the model does not describe itself.
+pub(crate) fn estimated_need<M: Module>(cfg: &TrainConfig, model: &M) -> Result<Option<f64>> {
+    let layout = planned_layout(cfg)?;
+    let Ok(cost) = module::describe(model, layout.settings()) else { return Ok(None) };
+    Ok(Some(memory(&cost, &layout)?.total() * cfg.mesh.world_size() as f64))
+}
+
+/// A warning, when the cost model says `cfg` will need more of the host's
+/// memory than it has, naming the estimate and the fixes.
+pub(crate) fn fit_warning<M: Module>(cfg: &TrainConfig, model: &M) -> Result<Option<String>> {
+    let (Some(need), Some(have)) = (estimated_need(cfg, model)?, available()) else { return Ok(None) };
+    if need <= have {
+        return Ok(None);
+    }
+    Ok(Some(format!(
+        "warning: this run will probably not fit in memory: the planner estimates {:.1} GiB over its {} ranks at their peak, and {:.1} GiB are available; \
+         `tessera plan --model CONFIG --cluster PROFILE` finds a layout that fits, or shorten batch.micro_batch or batch.seq_len, set recompute.mode = \"full\", \
+         or shard the state with zero.stage",
+        need / GIB,
+        cfg.mesh.world_size(),
+        have / GIB
+    )))
+}
 
 /// Bytes per GiB, for messages.
 const GIB: f64 = (1u64 << 30) as f64;
@@ -85,6 +142,22 @@ pub(crate) fn check<M: Module>(cfg: &TrainConfig, model: &M, vocab: usize) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_the_cost_model_says_will_not_fit_is_warned_about() {
+        // An embedding's output: 4096 f32 per token, kept by nothing but
+        // alive as the output; 2^20 sequences of 1024 tokens is 16 TiB.
+        let model = tessera_nn::Embedding::new(16, 4096).unwrap();
+        let small = TrainConfig::parse("[batch]\nmicro_batch = 1\nseq_len = 8\n", &[]).unwrap();
+        assert!(estimated_need(&small, &model).unwrap().unwrap() < 1e9);
+        assert_eq!(fit_warning(&small, &model).unwrap(), None);
+        let huge = TrainConfig::parse("[batch]\nmicro_batch = 1048576\nseq_len = 1024\n", &[]).unwrap();
+        assert!(estimated_need(&huge, &model).unwrap().unwrap() > 1e13);
+        if available().is_some() {
+            let warning = fit_warning(&huge, &model).unwrap().expect("a warning");
+            assert!(warning.contains("will probably not fit") && warning.contains("tessera plan") && warning.contains("GiB"), "{warning}");
+        }
+    }
 
     #[test]
     fn the_bound_counts_state_per_replica_and_zero_shards_it() {

@@ -71,9 +71,13 @@ impl<'a> Gen<'a> {
                 let conv = operands();
                 quote!({ #conv __d.add(__o0, __o1)? })
             }
-            Op::Mul | Op::Func(Func::Swiglu) => {
+            Op::Mul => {
                 let conv = operands();
                 quote!({ #conv __d.product(__o0, __o1)? })
+            }
+            Op::Func(Func::Swiglu) => {
+                let conv = operands();
+                quote!({ #conv __d.swiglu(__o0, __o1)? })
             }
             Op::Func(Func::Gelu | Func::Silu) => {
                 let a = &args[0];
@@ -93,7 +97,9 @@ impl<'a> Gen<'a> {
             }
             None => body,
         };
-        quote!(let #out = #placed;)
+        // A value read more than once sums its gradients in the backward.
+        let uses = n.uses;
+        quote!(let #out = #placed; __d.reused(&#out, #uses);)
     }
 
     /// The body of `Module::describe`: the nodes in order, in the model's

@@ -198,8 +198,53 @@ pub struct LayerCost {
     pub recompute_flops: f64,
     /// Bytes kept for the backward that no earlier layer already keeps.
     pub saved_bytes: f64,
-    /// Bytes element-wise passes read and write, forward and backward.
-    pub traffic_bytes: f64,
+    /// Bytes the forward's element-wise passes read and write.
+    pub forward_traffic: f64,
+    /// Bytes the backward's element-wise passes read and write.
+    pub backward_traffic: f64,
+    /// Elements of transcendental element-wise functions (gelu, silu,
+    /// swiglu) the forward computes: bound by arithmetic, not memory, on a CPU.
+    pub forward_nonlinear: f64,
+    /// The same in the backward (their derivatives).
+    pub backward_nonlinear: f64,
+    /// Whether the FLOPs are attention's (its own kernel, its own rate)
+    /// rather than matrix products'.
+    pub attention: bool,
+    /// The matrix products among the FLOPs, by shape (a product's rate
+    /// depends on it).
+    pub products: Vec<Product>,
+}
+
+impl LayerCost {
+    /// A layer at `path` placed at `stage` that costs nothing yet.
+    pub fn new(path: String, stage: StagePart) -> LayerCost {
+        LayerCost {
+            path,
+            stage,
+            forward_flops: 0.0,
+            backward_flops: 0.0,
+            recompute_flops: 0.0,
+            saved_bytes: 0.0,
+            forward_traffic: 0.0,
+            backward_traffic: 0.0,
+            forward_nonlinear: 0.0,
+            backward_nonlinear: 0.0,
+            attention: false,
+            products: Vec::new(),
+        }
+    }
+}
+
+/// A product of a layer's input with a `[k, n]` weight, on the share
+/// `tokens` of the micro-batch's tokens this rank holds.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Product {
+    /// The inner dimension (the input's width on this rank).
+    pub k: usize,
+    /// The output's width on this rank.
+    pub n: usize,
+    /// The share of the micro-batch's tokens it multiplies.
+    pub tokens: f64,
 }
 
 /// The description of a model for one [`CostSettings`]: every layer's costs
@@ -217,6 +262,10 @@ pub struct ModelCost {
     pub recompute_peak_bytes: f64,
     /// The bytes per token of the model's output (the logits the loss reads).
     pub output_bytes: f64,
+    /// The bytes per token of the activation a pipeline hands from stage to
+    /// stage (the input of the `#[stage(split)]` field's layers); 0 for a
+    /// model without one.
+    pub boundary_bytes: f64,
 }
 
 impl ModelCost {
@@ -255,9 +304,9 @@ impl ModelCost {
         self.sum(|_| true, |l| l.saved_bytes)
     }
 
-    /// Bytes element-wise passes move, per token.
-    pub fn traffic_bytes(&self) -> f64 {
-        self.sum(|_| true, |l| l.traffic_bytes)
+    /// Bytes element-wise passes move, per token, forward and backward.
+    pub fn traffic_bytes(&self) -> (f64, f64) {
+        (self.sum(|_| true, |l| l.forward_traffic), self.sum(|_| true, |l| l.backward_traffic))
     }
 
     /// The costs of what `keep` says is on a stage, as a model of its own.
@@ -268,6 +317,7 @@ impl ModelCost {
             collectives: self.collectives.iter().filter(|c| keep(c.stage)).cloned().collect(),
             recompute_peak_bytes: self.recompute_peak_bytes,
             output_bytes: self.output_bytes,
+            boundary_bytes: self.boundary_bytes,
         }
     }
 }
@@ -331,7 +381,14 @@ impl Describe {
             token_slice: false,
             layer_recompute: None,
             placing: Placing::Open,
-            cost: ModelCost { params: Vec::new(), layers: Vec::new(), collectives: Vec::new(), recompute_peak_bytes: 0.0, output_bytes: 0.0 },
+            cost: ModelCost {
+                params: Vec::new(),
+                layers: Vec::new(),
+                collectives: Vec::new(),
+                recompute_peak_bytes: 0.0,
+                output_bytes: 0.0,
+                boundary_bytes: 0.0,
+            },
         })
     }
 
@@ -404,15 +461,7 @@ impl Describe {
         let stage = self.stage();
         let fresh = self.cost.layers.last().is_none_or(|l| l.path != path);
         if fresh {
-            self.cost.layers.push(LayerCost {
-                path,
-                stage,
-                forward_flops: 0.0,
-                backward_flops: 0.0,
-                recompute_flops: 0.0,
-                saved_bytes: 0.0,
-                traffic_bytes: 0.0,
-            });
+            self.cost.layers.push(LayerCost::new(path, stage));
         }
         self.cost.layers.last_mut().expect("pushed")
     }
@@ -432,6 +481,22 @@ impl Describe {
     pub fn matmul(&mut self, x: &Activation, k: usize, n: usize) {
         let f = 2.0 * (k * n) as f64 * x.tokens;
         self.flops(f, 2.0 * f);
+        self.entry().products.push(Product { k, n, tokens: x.tokens });
+    }
+
+    /// Attention's FLOPs (see [`flops`](Self::flops)), which run in its own
+    /// kernel at its own rate.
+    pub fn attention_flops(&mut self, forward: f64, backward: f64) {
+        self.flops(forward, backward);
+        self.entry().attention = true;
+    }
+
+    /// Elements of a transcendental element-wise function, forward and backward.
+    pub fn nonlinear(&mut self, forward: f64, backward: f64) {
+        let again = if self.discarding.is_empty() { 0.0 } else { forward };
+        let e = self.entry();
+        e.forward_nonlinear += forward;
+        e.backward_nonlinear += backward + again;
     }
 
     /// Forward FLOPs the current layer reruns in its backward (a selective
@@ -442,7 +507,10 @@ impl Describe {
 
     /// Element-wise bytes moved per token, forward and backward.
     pub fn traffic(&mut self, forward: f64, backward: f64) {
-        self.entry().traffic_bytes += forward + backward;
+        let again = if self.discarding.is_empty() { 0.0 } else { forward };
+        let e = self.entry();
+        e.forward_traffic += forward;
+        e.backward_traffic += backward + again;
     }
 
     /// Keeps `x` for the backward (once, however many layers keep it).
@@ -526,6 +594,14 @@ impl Describe {
     /// Runs `f` for the `#[stage(split)]` field, whose layers report themselves.
     pub fn split_field<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         self.placing_for(Placing::SplitField, f)
+    }
+
+    /// Notes `x` as the activation a pipeline hands between stages, when
+    /// the layers being described now are the ones a pipeline splits.
+    pub fn boundary(&mut self, x: &Activation) {
+        if self.placing == Placing::SplitField {
+            self.cost.boundary_bytes = x.bytes();
+        }
     }
 
     /// Runs `f` for layer `index` of `count` of a pipelined stack.
@@ -612,11 +688,27 @@ impl Describe {
         Ok(y)
     }
 
+    /// `swiglu(a, b)`: both operands kept, `silu` of one.
+    pub fn swiglu(&mut self, a: Activation, b: Activation) -> Result<Activation> {
+        let y = self.product(a, b)?;
+        self.nonlinear(y.elements(), y.elements());
+        Ok(y)
+    }
+
+    /// The backward of a value read `uses` times: its gradients are summed,
+    /// one pass per extra use.
+    pub fn reused(&mut self, x: &Activation, uses: usize) {
+        if uses > 1 {
+            self.traffic(0.0, 3.0 * (uses - 1) as f64 * x.bytes());
+        }
+    }
+
     /// `gelu(a)`, `silu(a)`: the operand kept.
     pub fn activation(&mut self, a: Activation) -> Activation {
         self.save(&a);
         let y = self.output(a.width, a.tokens);
         self.traffic(2.0 * y.bytes(), 3.0 * y.bytes());
+        self.nonlinear(y.elements(), y.elements());
         y
     }
 

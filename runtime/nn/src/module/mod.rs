@@ -22,7 +22,8 @@ pub use call::{call, call_backward, call_layers, call_layers_backward, call_reco
 pub use cx::{Cx, Hooks, RecomputeOverride};
 pub use decode::{Decode, KvCache, KvLayer};
 pub use describe::{
-    describe, describe_call, describe_with_input, Activation, CollectiveCost, CollectiveKind, CostSettings, Describe, Group, LayerCost, ModelCost, Pass,
+    describe, describe_call, describe_with_input, Activation, CollectiveCost, CollectiveKind, CostSettings, Describe, Group, LayerCost, ModelCost, ParamCost,
+    Pass, Product,
 };
 pub use layout::{Act, Dispatched, Layout, PartialSum, Pointwise, Replicated, SameLayout, Seq, SplitHidden, SplitSeq};
 pub use seq::{seq_convert, seq_convert_backward};

@@ -632,6 +632,7 @@ impl Module<Plain> for Moe {
         d.save_new(k * dm, t, d.compute_dtype());
         d.save_new(k, t, d.compute_dtype());
         let hidden = (k * h) as f64 * b * t;
+        d.nonlinear((k * h) as f64 * t, (k * h) as f64 * t);
         d.traffic(4.0 * rows + 3.0 * hidden, 8.0 * rows + 5.0 * hidden);
         Ok(d.output(dm, t))
     }

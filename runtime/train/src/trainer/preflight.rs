@@ -44,7 +44,7 @@ pub(super) fn check<M: Staged>(cfg: &TrainConfig, vocab: usize, build: impl Fn(&
             ));
         }
     }
-    if cfg.mesh.tp > 1 {
+    let split = if cfg.mesh.tp > 1 {
         // The model as a tensor-parallel rank builds it (a vocabulary the
         // degree does not divide is padded then): rank 0's groups of an
         // in-process world of the mesh's shape, read for their sizes only.
@@ -52,13 +52,19 @@ pub(super) fn check<M: Staged>(cfg: &TrainConfig, vocab: usize, build: impl Fn(&
         let rank0 = Cx::new(Device::cpu()).with_groups(mesh_groups(&world, &mesh, 0, &Device::cpu())?);
         let split = build(&rank0, 0, 1)?;
         check_tp_degree(&split, cfg.mesh.tp).map_err(|e| Error::config("mesh.tp", e.to_string()))?;
-    }
+        Some(split)
+    } else {
+        None
+    };
     if cfg.mesh.ep > 1 {
         // Rank 0's share: building it checks that the experts divide.
         build(&cx, 0, cfg.mesh.ep).map_err(|e| Error::config("mesh.ep", e.to_string()))?;
     }
     if cfg.mesh.rank_device()? == crate::RankDevice::Cpu {
         crate::memory_check::check(cfg, &whole, vocab)?;
+        if let Some(warning) = crate::memory_check::fit_warning(cfg, split.as_ref().unwrap_or(&whole))? {
+            eprintln!("{warning}");
+        }
     }
     Ok(mesh)
 }

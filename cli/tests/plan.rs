@@ -1,0 +1,87 @@
+//! `tessera plan`, run as a program: it ranks layouts of a model on a
+//! shipped cluster profile, writes the best as a training configuration the
+//! trainer reads, estimates a configuration's own layout with `--evaluate`
+//! (the same figures as the table), and refuses what cannot work.
+
+use std::process::Command;
+use tessera::testing::Scratch;
+use tessera::train::TrainConfig;
+
+fn tessera(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_tessera")).arg("plan").args(args).env("RUST_BACKTRACE", "0").output().unwrap()
+}
+
+/// GPT-2 small as a training configuration's model.
+const GPT2_SMALL: &str = "[model]\nkind = \"gpt2\"\nn_layer = 12\nn_embd = 768\nn_head = 12\nvocab_size = 50257\nn_positions = 1024\n\n[batch]\nseq_len = 1024\n\n[precision]\ncompute = \"bf16\"\n\n[optim]\nlr = 6e-4\n";
+
+#[test]
+fn plan_ranks_layouts_writes_the_best_and_evaluates_it_the_same() {
+    let dir = Scratch::new("cli-plan");
+    let model = dir.path().join("gpt2.toml");
+    std::fs::write(&model, GPT2_SMALL).unwrap();
+    let out = dir.path().join("plan.toml");
+    let run = tessera(&["--model", model.to_str().unwrap(), "--cluster", "h100-sxm5-80gb", "--global-batch", "64", "--out", out.to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    assert!(stdout.contains("layouts considered") && stdout.contains("MFU") && stdout.contains("the runner-up"), "{stdout}");
+    // The plan is a configuration the trainer takes, with the model and the optimizer kept.
+    let text = std::fs::read_to_string(&out).unwrap();
+    let cfg = TrainConfig::parse(&text, &[]).unwrap();
+    assert_eq!(cfg.mesh.world_size(), 8, "one node of eight devices");
+    assert_eq!(cfg.mesh.dp * cfg.mesh.ep * cfg.batch.grad_accum * cfg.batch.micro_batch, 64, "the global batch");
+    assert_eq!(cfg.optim.lr, 6e-4);
+    assert_eq!(cfg.model.get("n_embd").and_then(|v| v.as_integer()), Some(768));
+    // Its header states the estimate; evaluating the written plan gives the same step.
+    let header = text.lines().next().unwrap();
+    let said: f64 = header.split("estimated ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    let eval = tessera(&["--model", out.to_str().unwrap(), "--cluster", "h100-sxm5-80gb", "--evaluate"]);
+    assert!(eval.status.success(), "{}", String::from_utf8_lossy(&eval.stderr));
+    let line: serde_json::Value = serde_json::from_slice(&eval.stdout).unwrap();
+    let step = line["step_s"].as_f64().unwrap();
+    assert!((step - said).abs() <= 1e-4 * said.max(1e-9) + 5e-5, "evaluated {step} s, the plan said {said} s");
+    assert!(line["memory_bytes"].as_f64().unwrap() <= 0.9 * 80e9, "the plan fits in memory: {line}");
+    assert!(line["mfu"].as_f64().unwrap() > 0.0 && line["mfu"].as_f64().unwrap() < 1.0, "{line}");
+    // GPT-2 small, its vocabulary padded if the plan splits it over tensor-parallel ranks.
+    let params = line["params"].as_u64().unwrap();
+    assert!((124_439_808..124_439_808 + 64 * 768).contains(&params), "{params} parameters");
+}
+
+#[test]
+fn a_model_no_layout_fits_is_refused_with_the_smallest_need() {
+    let dir = Scratch::new("cli-plan-big");
+    let model = dir.path().join("gpt3.toml");
+    std::fs::write(&model, "[model]\nkind = \"gpt2\"\nn_layer = 96\nn_embd = 12288\nn_head = 96\nvocab_size = 51200\nn_positions = 2048\n[batch]\nseq_len = 2048\n[precision]\ncompute = \"bf16\"\n").unwrap();
+    let run = tessera(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--cluster",
+        "a100-sxm4-80gb",
+        "--global-batch",
+        "8",
+        "--out",
+        dir.path().join("p.toml").to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(stderr.contains("no layout fits") && stderr.contains("GiB per device") && stderr.contains("add nodes"), "{stderr}");
+}
+
+#[test]
+fn bad_arguments_are_refused_naming_them() {
+    let dir = Scratch::new("cli-plan-bad");
+    let model = dir.path().join("gpt2.toml");
+    std::fs::write(&model, GPT2_SMALL).unwrap();
+    let m = model.to_str().unwrap();
+    for (args, says) in [
+        (vec!["--model", m, "--cluster", "tpu-v9"], "tpu-v9"),
+        (vec!["--model", "/nonexistent/model.toml", "--cluster", "h100-sxm5-80gb"], "/nonexistent/model.toml"),
+        (vec!["--model", m, "--cluster", "h100-sxm5-80gb", "--memory-fraction", "0"], "--memory-fraction"),
+        (vec!["--model", m, "--cluster", "h100-sxm5-80gb", "--set", "mesh.tp=5", "--evaluate"], "tp"),
+        (vec!["--model", m, "--cluster", "h100-sxm5-80gb", "--global-batch", "0"], "positive"),
+    ] {
+        let run = tessera(&args);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(!run.status.success(), "{args:?} should fail");
+        assert!(stderr.contains(says), "{args:?}: the error should name {says}: {stderr}");
+    }
+}

@@ -1,0 +1,583 @@
+//! The cost model: the memory and the time of one training step of a model
+//! laid out over a cluster.
+//!
+//! What the model costs comes from its own description
+//! ([`Module::describe`](tessera_nn::module::Module::describe)): per token of
+//! a micro-batch, each layer's matrix FLOPs, the bytes it keeps and moves,
+//! its collectives, its parameters and where a pipeline places them. What
+//! the cluster can do comes from its [`ClusterProfile`]. The step is then:
+//!
+//! - **compute** per pipeline stage and micro-batch: FLOPs at the device's
+//!   matrix rate plus element-wise bytes at its memory bandwidth, with the
+//!   tensor- and expert-parallel collectives on the critical path;
+//! - **the pipeline**: the schedule Tessera runs (GPipe, 1F1B or
+//!   interleaved) replayed by its simulator with those costs and the
+//!   stage-to-stage transfers, which gives the makespan and the bubble;
+//! - **data parallelism**: the gradients' reduction (a reduce-scatter and an
+//!   all-gather with ZeRO, the parameters gathered each micro-batch at
+//!   stage 3) over its group's link, less the part the backward hides where
+//!   the link overlaps compute;
+//! - **the optimizer**: AdamW's pass over the rank's state at memory bandwidth.
+//!
+//! Memory per rank, on the stage that holds the most: the model states
+//! ([`memory::model_states`](crate::memory::model_states)) of its share of the
+//! parameters, the activations the schedule keeps in flight, the logits and
+//! their gradient, the layer a recompute brings back, and the backward's
+//! working buffers.
+//!
+//! Groups sit in the mesh order Tessera builds (`dp × ep × pp × tp`, tensor
+//! parallel innermost), so tensor-parallel groups fill a node first, and a
+//! group's link is the node's or the one between nodes by where it falls
+//! ([`ClusterProfile::link`]).
+
+use crate::collective::Collective;
+use crate::memory::{model_states, Precision, StateBytes, ZeroStage};
+use crate::profile::{ClusterProfile, Link};
+use tessera_core::{DType, Error, Result};
+use tessera_nn::module::{CollectiveKind, CostSettings, Group, ModelCost, Pass, RecomputeOverride, StagePart};
+use tessera_parallel::pipeline::{Costs, ScheduleKind};
+
+/// One way to lay out a training step: the parallel degrees, the schedule,
+/// the batch and what is kept.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Layout {
+    /// Data-parallel replicas.
+    pub dp: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Pipeline stages.
+    pub pp: usize,
+    /// Expert-parallel degree (its ranks are data-parallel replicas too).
+    pub ep: usize,
+    /// Sequence parallelism over the tensor-parallel group.
+    pub sp: bool,
+    /// The pipeline schedule (its chunks are the virtual stages per stage).
+    pub schedule: ScheduleKind,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+    /// Micro-batches per step on each replica (the pipeline's micro-batches).
+    pub grad_accum: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Which recompute runs.
+    pub recompute: RecomputeOverride,
+    /// The ZeRO stage over the data-parallel replicas.
+    pub zero: ZeroStage,
+    /// The dtype activations are computed in (`F32` or `BF16`).
+    pub compute: DType,
+    /// Whether parameters (and gradients) are held in the compute dtype with
+    /// an f32 master copy in the optimizer, rather than in f32.
+    pub half_params: bool,
+}
+
+impl Layout {
+    /// Ranks the layout runs on.
+    pub fn world(&self) -> usize {
+        self.dp * self.ep * self.pp * self.tp
+    }
+
+    /// Sequences per step over all replicas.
+    pub fn global_batch(&self) -> usize {
+        self.dp * self.ep * self.grad_accum * self.micro_batch
+    }
+
+    /// Model chunks per pipeline stage.
+    pub fn chunks(&self) -> usize {
+        match self.schedule {
+            ScheduleKind::Interleaved { chunks } => chunks,
+            _ => 1,
+        }
+    }
+
+    /// The description a layout asks of the model.
+    pub fn settings(&self) -> CostSettings {
+        CostSettings { tp: self.tp, sp: self.sp, ep: self.ep, seq_len: self.seq_len, dtype: self.compute, recompute: self.recompute }
+    }
+
+    /// Bytes per parameter of the model states.
+    fn precision(&self) -> Precision {
+        if self.half_params {
+            Precision { param: self.compute.size_in_bytes() as f64, grad: self.compute.size_in_bytes() as f64, ..Precision::BF16_ADAMW }
+        } else {
+            Precision::F32_ADAMW
+        }
+    }
+}
+
+/// Where a step's time goes, in seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTime {
+    /// The whole step.
+    pub step: f64,
+    /// Forward, backward and recompute on the slowest stage, all micro-batches.
+    pub compute: f64,
+    /// Tensor- and expert-parallel collectives on the critical path.
+    pub model_comm: f64,
+    /// The pipeline's idle time on the slowest stage (fill and drain) and
+    /// its transfers.
+    pub bubble: f64,
+    /// Data-parallel communication not hidden by the backward.
+    pub dp_exposed: f64,
+    /// Data-parallel communication in all.
+    pub dp_total: f64,
+    /// The optimizer's update.
+    pub optimizer: f64,
+}
+
+/// What a rank holds at its peak, in bytes, on the stage that holds the most.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepMemory {
+    /// Parameters, gradients and optimizer states.
+    pub states: StateBytes,
+    /// Activations kept for the backward, over the micro-batches in flight.
+    pub activations: f64,
+    /// The logits and their gradient (the last stage).
+    pub logits: f64,
+    /// Buffers of the backward: a layer brought back by recompute, the
+    /// activation gradients, a weight's gradient before it is added.
+    pub workspace: f64,
+}
+
+impl StepMemory {
+    /// All of it.
+    pub fn total(&self) -> f64 {
+        self.states.total() + self.activations + self.logits + self.workspace
+    }
+}
+
+/// The cost model's verdict on a layout.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Estimate {
+    /// The layout.
+    pub layout: Layout,
+    /// Time of one step.
+    pub time: StepTime,
+    /// Memory per rank.
+    pub memory: StepMemory,
+    /// The model's training FLOPs per token (forward and backward, no
+    /// recompute, as one device would run them): MFU's numerator.
+    pub model_flops_per_token: f64,
+    /// Tokens per second over the whole job.
+    pub tokens_per_s: f64,
+    /// Model FLOPs utilisation: model FLOPs per second over the ranks' peak.
+    pub mfu: f64,
+}
+
+/// The pipeline stage and chunk a part of the model runs on, with `pp`
+/// stages of `chunks` chunks (Tessera's placement: virtual stage `k` is
+/// chunk `k / pp` of stage `k % pp`, layers split evenly over virtual stages).
+fn virtual_stage(part: StagePart, pp: usize, chunks: usize) -> Option<usize> {
+    let v = pp * chunks;
+    match part {
+        StagePart::Whole => None,
+        StagePart::First => Some(0),
+        StagePart::Last => Some(v - 1),
+        StagePart::Layer { index, count } => {
+            let (base, extra) = (count / v, count % v);
+            // The inverse of `Stack::stage_range`: the first `extra` virtual
+            // stages hold one layer more.
+            let long = extra * (base + 1);
+            Some(if index < long { index / (base + 1) } else { extra + (index - long) / base.max(1) })
+        }
+    }
+}
+
+/// The per-micro-batch time of one virtual stage's compute.
+#[derive(Clone, Copy, Debug, Default)]
+struct ChunkCost {
+    forward: f64,
+    backward: f64,
+}
+
+/// What the layout puts on each stage: kept bytes per micro-batch of each
+/// virtual stage, and the parameters per rank of each stage (dense ones,
+/// replicated over dp × ep, and expert ones, over dp).
+struct Placed {
+    saved: Vec<f64>,
+    dense: Vec<f64>,
+    experts: Vec<f64>,
+}
+
+/// The virtual stages `part` runs on (all of them for a part every stage holds).
+fn stages_of(part: StagePart, l: &Layout) -> Vec<usize> {
+    let v = l.pp * l.chunks();
+    virtual_stage(part, l.pp, l.chunks()).map_or_else(|| (0..v).collect(), |k| vec![k])
+}
+
+fn place(cost: &ModelCost, l: &Layout) -> Placed {
+    let tokens = (l.micro_batch * l.seq_len) as f64;
+    let mut saved = vec![0.0; l.pp * l.chunks()];
+    for layer in &cost.layers {
+        for k in stages_of(layer.stage, l) {
+            saved[k] += tokens * layer.saved_bytes;
+        }
+    }
+    let (mut dense, mut experts) = (vec![0.0; l.pp], vec![0.0; l.pp]);
+    for p in &cost.params {
+        // A tied weight's second name is the same memory on one stage, a
+        // copy on another (the pipeline keeps the two in step).
+        if p.tied && l.pp == 1 {
+            continue;
+        }
+        let n = p.elements_per_rank(l.tp, l.ep);
+        for s in dedup(stages_of(p.stage, l).into_iter().map(|k| k % l.pp).collect()) {
+            if p.expert {
+                experts[s] += n;
+            } else {
+                dense[s] += n;
+            }
+        }
+    }
+    Placed { saved, dense, experts }
+}
+
+/// The memory of one rank at its peak, on the stage that holds the most,
+/// for `layout` of the model `cost` describes (for `layout.settings()`).
+pub fn memory(cost: &ModelCost, layout: &Layout) -> Result<StepMemory> {
+    let l = layout;
+    let placed = place(cost, l);
+    let tokens = (l.micro_batch * l.seq_len) as f64;
+    let bytes = l.compute.size_in_bytes() as f64;
+    let chunks = l.chunks();
+    let in_flight: Vec<usize> = if l.pp > 1 { l.schedule.build(l.pp, l.grad_accum)?.peak_in_flight() } else { vec![1] };
+    let precision = l.precision();
+    let mut worst = StepMemory::default();
+    for (s, &in_flight) in in_flight.iter().enumerate().take(l.pp) {
+        let states = add(model_states(placed.dense[s], l.dp * l.ep, l.zero, precision), model_states(placed.experts[s], l.dp, l.zero, precision));
+        // A unit in flight is one chunk's activations; take the stage's largest chunk.
+        let chunk_saved = (0..chunks).map(|c| placed.saved[c * l.pp + s]).fold(0.0, f64::max);
+        let activations = in_flight as f64 * chunk_saved;
+        let logits = if s == l.pp - 1 { 2.0 * cost.output_bytes * tokens } else { 0.0 };
+        let workspace = cost.recompute_peak_bytes * tokens + 2.0 * cost.boundary_bytes.max(bytes) * tokens;
+        let m = StepMemory { states, activations, logits, workspace };
+        if m.total() > worst.total() {
+            worst = m;
+        }
+    }
+    Ok(worst)
+}
+
+/// The matrix-multiply rate for `dtype` at a product of `m × k` by `k × n`:
+/// the measured shape nearest it (by the logarithm of each side), else the
+/// datasheet peak.
+fn matmul_rate(cluster: &ClusterProfile, dtype: DType, (m, k, n): (usize, usize, usize)) -> Result<f64> {
+    let name = dtype.to_string();
+    let dist = |a: usize, b: usize| ((a.max(1) as f64).ln() - (b.max(1) as f64).ln()).abs();
+    let nearest = cluster.device.matmul.iter().filter(|r| r.dtype == name).min_by(|a, b| {
+        let da = dist(a.m, m) + dist(a.k, k) + dist(a.n, n);
+        let db = dist(b.m, m) + dist(b.k, k) + dist(b.n, n);
+        da.total_cmp(&db)
+    });
+    match nearest {
+        Some(r) => Ok(r.flops),
+        None => cluster.peak_flops(&name),
+    }
+}
+
+/// Seconds of `kind` moving `bytes` over a group of `size` on `link`.
+fn collective_seconds(kind: CollectiveKind, link: &Link, size: usize, bytes: f64) -> f64 {
+    let op = match kind {
+        CollectiveKind::AllReduce => Collective::AllReduce,
+        CollectiveKind::ReduceScatter => Collective::ReduceScatter,
+        CollectiveKind::AllGather => Collective::AllGather,
+        CollectiveKind::AllToAll => Collective::AllToAll,
+    };
+    op.seconds(link, size, bytes)
+}
+
+/// Estimates `layout` of the model described by `cost` (its description for
+/// `layout.settings()`) and `model_flops_per_token`, on `cluster`.
+pub fn estimate(cost: &ModelCost, model_flops_per_token: f64, layout: &Layout, cluster: &ClusterProfile) -> Result<Estimate> {
+    let l = layout;
+    for (name, v) in
+        [("dp", l.dp), ("tp", l.tp), ("pp", l.pp), ("ep", l.ep), ("micro_batch", l.micro_batch), ("grad_accum", l.grad_accum), ("seq_len", l.seq_len)]
+    {
+        if v == 0 {
+            return Err(Error::config(name, "must be at least 1"));
+        }
+    }
+    let chunks = l.chunks();
+    let virtual_stages = l.pp * chunks;
+    let tokens = (l.micro_batch * l.seq_len) as f64;
+    let bytes = l.compute.size_in_bytes() as f64;
+
+    // The groups' links, in the mesh order dp × ep × pp × tp.
+    let tp_link = cluster.link(l.tp, 1)?;
+    let pp_link = cluster.link(l.pp.min(2), l.tp)?;
+    let ep_link = cluster.link(l.ep, l.tp * l.pp)?;
+    let dp_link = cluster.link(l.dp * l.ep, l.tp * l.pp)?;
+
+    // The product shape that stands for the model's: a micro-batch's tokens
+    // against the width the pipeline hands on, the MLP's width split over tp.
+    let width = (cost.boundary_bytes / bytes).max(1.0) as usize;
+    let rate = matmul_rate(cluster, l.compute, (tokens as usize, width, 4 * width / l.tp))?;
+    let bandwidth = cluster.device.memory_bandwidth;
+    let attention_rate = cluster.device.attention_flops.get(&l.compute.to_string()).copied().unwrap_or(rate);
+    let nonlinear = cluster.device.nonlinear;
+
+    // Each virtual stage's compute and model-parallel communication per micro-batch.
+    let mut parts = vec![ChunkCost::default(); virtual_stages];
+    let every = |part: StagePart| stages_of(part, l);
+    let m = tokens as usize;
+    for layer in &cost.layers {
+        // Products at their own shapes' rates (forward `x·W`, backward
+        // `dy·Wᵀ` and `xᵀ·dy`); the other FLOPs at attention's or the
+        // representative rate.
+        let (mut pf, mut pb, mut flops_f) = (0.0, 0.0, 0.0);
+        for p in &layer.products {
+            let (rows, f) = (((m as f64) * p.tokens) as usize, 2.0 * (p.k * p.n) as f64 * p.tokens);
+            pf += f / matmul_rate(cluster, l.compute, (rows, p.k, p.n))?;
+            pb += f / matmul_rate(cluster, l.compute, (rows, p.n, p.k))? + f / matmul_rate(cluster, l.compute, (p.k, rows, p.n))?;
+            flops_f += f;
+        }
+        let r = if layer.attention { attention_rate } else { rate };
+        let rest_f = (layer.forward_flops - flops_f).max(0.0) / r;
+        let rest_b = (layer.backward_flops - 2.0 * flops_f).max(0.0) / r;
+        // Recompute runs the forward again, at the forward's rates.
+        let again = if layer.forward_flops > 0.0 { layer.recompute_flops / layer.forward_flops * (pf + rest_f) } else { 0.0 };
+        let (nf, nb) = nonlinear.map_or((0.0, 0.0), |n| (layer.forward_nonlinear / n.forward, layer.backward_nonlinear / n.backward));
+        for k in every(layer.stage) {
+            let p = &mut parts[k];
+            p.forward += tokens * (pf + rest_f + layer.forward_traffic / bandwidth + nf);
+            p.backward += tokens * (pb + rest_b + again + layer.backward_traffic / bandwidth + nb);
+        }
+    }
+    let mut comm = vec![(0.0, 0.0); virtual_stages];
+    for c in &cost.collectives {
+        let (link, size) = match c.group {
+            Group::Tp => (tp_link, l.tp),
+            Group::Ep => (ep_link, l.ep),
+        };
+        let seconds = collective_seconds(c.kind, link, size, c.bytes_per_token * tokens + c.bytes_per_micro_batch);
+        for k in every(c.stage) {
+            match c.pass {
+                Pass::Forward => comm[k].0 += seconds,
+                Pass::Backward => comm[k].1 += seconds,
+            }
+        }
+    }
+    // Each micro-batch after the first adds its weight gradients into the
+    // accumulated ones (two read, one written).
+    let grad_bytes = if l.half_params { bytes } else { 4.0 };
+    let placed = place(cost, l);
+    for (k, part) in parts.iter_mut().enumerate() {
+        let s = k % l.pp;
+        let held = (placed.dense[s] + placed.experts[s]) / chunks as f64;
+        let accumulate = if l.grad_accum > 1 { 3.0 * held * grad_bytes / bandwidth * (l.grad_accum - 1) as f64 / l.grad_accum as f64 } else { 0.0 };
+        part.backward += accumulate;
+    }
+    // The loss on the last stage: a pass over the logits each way.
+    let logits = cost.output_bytes * tokens;
+    parts[virtual_stages - 1].forward += 2.0 * logits / bandwidth;
+    parts[virtual_stages - 1].backward += 2.0 * logits / bandwidth;
+
+    let chunk_time = |k: usize| (parts[k].forward + comm[k].0, parts[k].backward + comm[k].1);
+    let (mut forward, mut backward) = (0.0f64, 0.0f64);
+    for k in 0..virtual_stages {
+        let (f, b) = chunk_time(k);
+        forward = forward.max(f);
+        backward = backward.max(b);
+    }
+    let model_comm_per_mb = (0..virtual_stages).map(|k| comm[k].0 + comm[k].1).fold(0.0, f64::max) * chunks as f64;
+
+    // The pipeline: the schedule replayed with the slowest chunk's costs.
+    let (pipeline, busy) = if l.pp > 1 {
+        let schedule = l.schedule.build(l.pp, l.grad_accum)?;
+        let hand_off = Collective::SendRecv.seconds(pp_link, 2, cost.boundary_bytes * tokens);
+        let sim = schedule.simulate(&Costs { forward, backward, latency: hand_off })?;
+        let busy = sim.stages().iter().map(|s| s.busy).fold(0.0, f64::max);
+        // Ranks that share cores lend a waiting rank's share to the busy
+        // ones: the step is the work, not the schedule's critical path.
+        let makespan = if cluster.ranks_share_cores { busy + l.grad_accum as f64 * 2.0 * hand_off } else { sim.makespan() };
+        (makespan, busy)
+    } else {
+        let t = l.grad_accum as f64 * (forward + backward);
+        (t, t)
+    };
+
+    let Placed { dense, experts, .. } = placed;
+
+    // Data parallelism: gradients reduced once per step (parameters gathered
+    // per micro-batch at stage 3), overlapping the last backward where the link allows.
+    let dp_time = |s: usize| -> f64 {
+        let group = |params: f64, size: usize| {
+            let g = params * grad_bytes;
+            let reduce = if l.zero >= ZeroStage::One {
+                Collective::ReduceScatter.seconds(dp_link, size, g) + Collective::AllGather.seconds(dp_link, size, g)
+            } else {
+                Collective::AllReduce.seconds(dp_link, size, g)
+            };
+            let gathers = if l.zero >= ZeroStage::Three { 2.0 * l.grad_accum as f64 * Collective::AllGather.seconds(dp_link, size, g) } else { 0.0 };
+            reduce + gathers
+        };
+        group(dense[s], l.dp * l.ep) + group(experts[s], l.dp)
+    };
+    let dp_total = (0..l.pp).map(dp_time).fold(0.0, f64::max);
+    let hidden = if dp_link.overlaps_compute { backward.min(dp_total) } else { 0.0 };
+    let dp_exposed = dp_total - hidden;
+
+    // AdamW over the rank's share of the state (at its measured rate, or
+    // its traffic: parameter, gradient and both moments read, three
+    // written), after the gradient norm's pass over every gradient.
+    let replicas = |n: usize| if l.zero >= ZeroStage::One { n as f64 } else { 1.0 };
+    let optimizer_params = (0..l.pp).map(|s| dense[s] / replicas(l.dp * l.ep) + experts[s] / replicas(l.dp)).fold(0.0, f64::max);
+    let held = (0..l.pp).map(|s| dense[s] + experts[s]).fold(0.0, f64::max);
+    let update = match cluster.device.optimizer_rate {
+        Some(rate) => optimizer_params / rate,
+        None => optimizer_params * 28.0 / bandwidth,
+    };
+    let optimizer = update + held * grad_bytes / bandwidth;
+
+    let step = pipeline + dp_exposed + optimizer;
+    let compute = busy - l.grad_accum as f64 * model_comm_per_mb;
+    let time = StepTime { step, compute, model_comm: l.grad_accum as f64 * model_comm_per_mb, bubble: pipeline - busy, dp_exposed, dp_total, optimizer };
+
+    let memory = memory(cost, l)?;
+
+    let tokens_per_step = (l.global_batch() * l.seq_len) as f64;
+    let tokens_per_s = tokens_per_step / step;
+    let peak = cluster.peak_flops(&l.compute.to_string())?;
+    let mfu = model_flops_per_token * tokens_per_s / (peak * l.world() as f64);
+    Ok(Estimate { layout: *l, time, memory, model_flops_per_token, tokens_per_s, mfu })
+}
+
+fn add(a: StateBytes, b: StateBytes) -> StateBytes {
+    StateBytes { params: a.params + b.params, grads: a.grads + b.grads, optimizer: a.optimizer + b.optimizer }
+}
+
+fn dedup(mut v: Vec<usize>) -> Vec<usize> {
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::DeviceProfile;
+    use std::collections::BTreeMap;
+    use tessera_nn::module::{LayerCost, ParamCost, RoleKind};
+
+    /// A stack of `layers` layers, each `flops` forward (twice that
+    /// backward), keeping `saved` bytes and holding `params` parameters, per token.
+    fn stack(layers: usize, flops: f64, saved: f64, params: usize) -> ModelCost {
+        let stage = |index| StagePart::Layer { index, count: layers };
+        ModelCost {
+            params: (0..layers)
+                .map(|i| ParamCost {
+                    name: format!("h.{i}.w"),
+                    role: RoleKind::Plain,
+                    elements: params,
+                    split: false,
+                    expert: false,
+                    stage: stage(i),
+                    tied: false,
+                })
+                .collect(),
+            layers: (0..layers)
+                .map(|i| LayerCost { forward_flops: flops, backward_flops: 2.0 * flops, saved_bytes: saved, ..LayerCost::new(format!("h.{i}"), stage(i)) })
+                .collect(),
+            collectives: Vec::new(),
+            recompute_peak_bytes: 0.0,
+            output_bytes: 0.0,
+            // Free hand-offs: the pipeline's time is its schedule's alone.
+            boundary_bytes: 0.0,
+        }
+    }
+
+    fn cluster(rate: f64, overlaps: bool) -> ClusterProfile {
+        let link = Link { bandwidth: 1e9, latency: 0.0, by_size: Vec::new(), overlaps_compute: overlaps };
+        ClusterProfile {
+            name: "test".into(),
+            gpus_per_node: 64,
+            device: DeviceProfile {
+                name: "test".into(),
+                memory_bytes: 1 << 40,
+                memory_bandwidth: 1e30,
+                peak_flops: BTreeMap::from([("f32".to_string(), rate)]),
+                matmul: Vec::new(),
+                attention_flops: BTreeMap::new(),
+                nonlinear: None,
+                optimizer_rate: None,
+            },
+            intra_node: link,
+            inter_node: None,
+            ranks_share_cores: false,
+        }
+    }
+
+    fn layout(dp: usize, pp: usize, grad_accum: usize, schedule: ScheduleKind) -> Layout {
+        Layout {
+            dp,
+            tp: 1,
+            pp,
+            ep: 1,
+            sp: false,
+            schedule,
+            micro_batch: 1,
+            grad_accum,
+            seq_len: 10,
+            recompute: RecomputeOverride::Off,
+            zero: ZeroStage::None,
+            compute: DType::F32,
+            half_params: false,
+        }
+    }
+
+    #[test]
+    fn layers_go_to_the_virtual_stages_the_stack_gives_them() {
+        for count in 1..24 {
+            for v in 1..=count.min(8) {
+                // Stack::stage_range: the first `count % v` stages hold one more.
+                let (base, extra) = (count / v, count % v);
+                for k in 0..v {
+                    let start = k * base + k.min(extra);
+                    for index in start..start + base + usize::from(k < extra) {
+                        assert_eq!(virtual_stage(StagePart::Layer { index, count }, v, 1), Some(k), "layer {index} of {count} over {v}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn one_device_computes_every_micro_batch_in_turn() {
+        let cost = stack(4, 100.0, 8.0, 0);
+        let e = estimate(&cost, 300.0, &layout(1, 1, 3, ScheduleKind::OneFOneB), &cluster(1e6, true)).unwrap();
+        // 3 micro-batches × 10 tokens × 4 layers × 300 FLOPs at 1 MFLOP/s.
+        assert!((e.time.step - 3.0 * 10.0 * 4.0 * 300.0 / 1e6).abs() < 1e-12, "{:?}", e.time);
+        assert_eq!(e.time.bubble, 0.0);
+        assert!((e.memory.activations - 4.0 * 8.0 * 10.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_pipeline_pays_its_published_bubble_and_keeps_its_micro_batches_in_flight() {
+        let cost = stack(8, 100.0, 8.0, 0);
+        let (pp, m) = (4, 8);
+        let e = estimate(&cost, 300.0, &layout(1, pp, m, ScheduleKind::OneFOneB), &cluster(1e6, true)).unwrap();
+        // Each stage: 2 layers × 300 FLOPs × 10 tokens per micro-batch.
+        let t = 2.0 * 300.0 * 10.0 / 1e6;
+        assert!((e.time.step - (m + pp - 1) as f64 * t).abs() < 1e-9, "1F1B takes (m + p − 1) stage-steps: {:?}", e.time);
+        assert!((e.time.bubble - (pp - 1) as f64 * t).abs() < 1e-9);
+        // Stage 0 holds p micro-batches of its 2 layers.
+        assert!((e.memory.activations - pp as f64 * 2.0 * 8.0 * 10.0).abs() < 1e-9);
+        let g = estimate(&cost, 300.0, &layout(1, pp, m, ScheduleKind::GPipe), &cluster(1e6, true)).unwrap();
+        assert!((g.memory.activations - m as f64 * 2.0 * 8.0 * 10.0).abs() < 1e-9, "GPipe keeps every micro-batch");
+    }
+
+    #[test]
+    fn data_parallel_reduction_hides_behind_the_backward_only_where_the_link_overlaps() {
+        let cost = stack(2, 100.0, 0.0, 1000);
+        let l = layout(4, 1, 1, ScheduleKind::OneFOneB);
+        let reduce = Collective::AllReduce.seconds(&cluster(1.0, true).intra_node, 4, 2.0 * 1000.0 * 4.0);
+        let slow = estimate(&cost, 300.0, &l, &cluster(1e6, false)).unwrap();
+        assert!((slow.time.dp_total - reduce).abs() < 1e-12);
+        assert_eq!(slow.time.dp_exposed, slow.time.dp_total);
+        let fast = estimate(&cost, 300.0, &l, &cluster(1e6, true)).unwrap();
+        let backward = 2.0 * 200.0 * 10.0 / 1e6;
+        assert!((fast.time.dp_exposed - (reduce - backward).max(0.0)).abs() < 1e-12);
+        // ZeRO-3 shards every state over the four replicas.
+        let z3 = estimate(&cost, 300.0, &Layout { zero: ZeroStage::Three, ..l }, &cluster(1e6, false)).unwrap();
+        assert!((z3.memory.states.total() - 16.0 * 2000.0 / 4.0).abs() < 1e-9);
+    }
+}
