@@ -72,13 +72,16 @@ fn job_on_nodes<R: Send>(n: usize, per_node: usize, f: impl Fn(usize, &Rendezvou
     let done = Barrier::new(n);
     on_threads(n, |r| {
         // A rank that fails still meets the others at the end, so the test
-        // fails with its message instead of the others waiting forever.
+        // fails with its message instead of the others waiting forever. The
+        // rendezvous (rank 0's serves the store) lives until every rank is
+        // done: a rank that finishes first must not close the store on the
+        // others still reading it.
         let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let rdzv = Rendezvous::join(&process_env(r, n, per_node, port), LONG).unwrap();
-            f(r, &rdzv)
+            (f(r, &rdzv), rdzv)
         }));
         done.wait();
-        out.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        out.map(|(result, _rdzv)| result).unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     })
 }
 

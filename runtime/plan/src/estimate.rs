@@ -243,7 +243,12 @@ pub fn memory(cost: &ModelCost, layout: &Layout) -> Result<StepMemory> {
     let precision = l.precision();
     let mut worst = StepMemory::default();
     for (s, &in_flight) in in_flight.iter().enumerate().take(l.pp) {
-        let states = add(model_states(placed.dense[s], l.dp * l.ep, l.zero, precision), model_states(placed.experts[s], l.dp, l.zero, precision));
+        let mut states = add(model_states(placed.dense[s], l.dp * l.ep, l.zero, precision), model_states(placed.experts[s], l.dp, l.zero, precision));
+        if l.zero >= ZeroStage::Two && l.grad_accum > 1 {
+            // Gradients accumulate whole over the micro-batches; only the
+            // last backward's buckets are reduce-scattered into shards.
+            states.grads = (placed.dense[s] + placed.experts[s]) * precision.grad;
+        }
         // A unit in flight is one chunk's activations; take the stage's largest chunk.
         let chunk_saved = (0..chunks).map(|c| placed.saved[c * l.pp + s]).fold(0.0, f64::max);
         let activations = in_flight as f64 * chunk_saved;
