@@ -18,7 +18,6 @@ use tessera::parallel::pipeline::ScheduleKind;
 use tessera::train::{planned_layout, TrainConfig};
 use tessera_models::kinds::{self, KindModel, ModelJob, ModelSpec};
 use tessera_plan::estimate::{estimate, Estimate, Layout};
-use tessera_plan::memory::ZeroStage;
 use tessera_plan::profile::ClusterProfile;
 use tessera_plan::search::{search, Model, Request};
 
@@ -197,15 +196,6 @@ fn recompute_name(r: RecomputeOverride) -> &'static str {
     }
 }
 
-fn zero_number(z: ZeroStage) -> u8 {
-    match z {
-        ZeroStage::None => 0,
-        ZeroStage::One => 1,
-        ZeroStage::Two => 2,
-        ZeroStage::Three => 3,
-    }
-}
-
 fn describe_layout(l: &Layout) -> String {
     let mut s = format!("dp{} tp{} pp{}", l.dp, l.tp, l.pp);
     if l.ep > 1 {
@@ -217,7 +207,7 @@ fn describe_layout(l: &Layout) -> String {
     if l.pp > 1 {
         s += &format!(" {}", schedule_name(l.schedule));
     }
-    s + &format!(" mb{}×{} recompute {} zero{}", l.micro_batch, l.grad_accum, recompute_name(l.recompute), zero_number(l.zero))
+    s + &format!(" mb{}×{} recompute {} zero{}", l.micro_batch, l.grad_accum, recompute_name(l.recompute), l.zero.number())
 }
 
 fn print_table(plans: &[Estimate]) {
@@ -309,7 +299,7 @@ fn plan_toml(text: &str, best: &Estimate) -> anyhow::Result<String> {
     recompute.insert("mode".into(), toml::Value::String(recompute_name(l.recompute).into()));
     doc.insert("recompute".into(), toml::Value::Table(recompute));
     let mut zero = table(&mut doc, "zero")?;
-    zero.insert("stage".into(), toml::Value::Integer(i64::from(zero_number(l.zero))));
+    zero.insert("stage".into(), toml::Value::Integer(i64::from(l.zero.number())));
     doc.insert("zero".into(), toml::Value::Table(zero));
     let t = &best.time;
     let head = format!(

@@ -234,8 +234,12 @@ fn place(cost: &ModelCost, l: &Layout) -> Placed {
 /// The memory of one rank at its peak, on the stage that holds the most,
 /// for `layout` of the model `cost` describes (for `layout.settings()`).
 pub fn memory(cost: &ModelCost, layout: &Layout) -> Result<StepMemory> {
+    memory_of(cost, layout, &place(cost, layout))
+}
+
+/// [`memory`] of what [`place`] put on each stage.
+fn memory_of(cost: &ModelCost, layout: &Layout, placed: &Placed) -> Result<StepMemory> {
     let l = layout;
-    let placed = place(cost, l);
     let tokens = (l.micro_batch * l.seq_len) as f64;
     let bytes = l.compute.size_in_bytes() as f64;
     let chunks = l.chunks();
@@ -400,7 +404,7 @@ pub fn estimate(cost: &ModelCost, model_flops_per_token: f64, layout: &Layout, c
         (t, t)
     };
 
-    let Placed { dense, experts, .. } = placed;
+    let (dense, experts) = (&placed.dense, &placed.experts);
 
     // Data parallelism: gradients reduced once per step (parameters gathered
     // per micro-batch at stage 3), overlapping the last backward where the link allows.
@@ -437,7 +441,7 @@ pub fn estimate(cost: &ModelCost, model_flops_per_token: f64, layout: &Layout, c
     let compute = busy - l.grad_accum as f64 * model_comm_per_mb;
     let time = StepTime { step, compute, model_comm: l.grad_accum as f64 * model_comm_per_mb, bubble: pipeline - busy, dp_exposed, dp_total, optimizer };
 
-    let memory = memory(cost, l)?;
+    let memory = memory_of(cost, l, &placed)?;
 
     let tokens_per_step = (l.global_batch() * l.seq_len) as f64;
     let tokens_per_s = tokens_per_step / step;

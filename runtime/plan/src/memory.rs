@@ -46,6 +46,28 @@ pub enum ZeroStage {
     Three,
 }
 
+impl ZeroStage {
+    /// The stage a configuration's `zero.stage` number names (3 and above: 3).
+    pub fn from_number(stage: u8) -> ZeroStage {
+        match stage {
+            0 => ZeroStage::None,
+            1 => ZeroStage::One,
+            2 => ZeroStage::Two,
+            _ => ZeroStage::Three,
+        }
+    }
+
+    /// The stage's number, as a configuration writes it.
+    pub fn number(self) -> u8 {
+        match self {
+            ZeroStage::None => 0,
+            ZeroStage::One => 1,
+            ZeroStage::Two => 2,
+            ZeroStage::Three => 3,
+        }
+    }
+}
+
 /// A rank's model states, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StateBytes {

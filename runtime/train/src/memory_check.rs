@@ -19,12 +19,7 @@ use tessera_plan::memory::ZeroStage;
 
 /// The layout `cfg` runs, as the planner's cost model takes it.
 pub fn planned_layout(cfg: &TrainConfig) -> Result<Layout> {
-    let zero = match cfg.zero.stage {
-        0 => ZeroStage::None,
-        1 => ZeroStage::One,
-        2 => ZeroStage::Two,
-        _ => ZeroStage::Three,
-    };
+    let zero = ZeroStage::from_number(cfg.zero.stage);
     Ok(Layout {
         dp: cfg.mesh.dp,
         tp: cfg.mesh.tp,

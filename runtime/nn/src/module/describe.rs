@@ -466,10 +466,20 @@ impl Describe {
         self.cost.layers.last_mut().expect("pushed")
     }
 
+    /// What of a forward cost `forward` runs again in the backward: all of
+    /// it inside a scope that full recompute discards, else nothing.
+    fn rerun(&self, forward: f64) -> f64 {
+        if self.discarding.is_empty() {
+            0.0
+        } else {
+            forward
+        }
+    }
+
     /// Matrix FLOPs per token of the micro-batch: `forward` and `backward`,
     /// for the layer at the current path. Recomputed when in a recompute scope.
     pub fn flops(&mut self, forward: f64, backward: f64) {
-        let again = if self.discarding.is_empty() { 0.0 } else { forward };
+        let again = self.rerun(forward);
         let e = self.entry();
         e.forward_flops += forward;
         e.backward_flops += backward;
@@ -493,7 +503,7 @@ impl Describe {
 
     /// Elements of a transcendental element-wise function, forward and backward.
     pub fn nonlinear(&mut self, forward: f64, backward: f64) {
-        let again = if self.discarding.is_empty() { 0.0 } else { forward };
+        let again = self.rerun(forward);
         let e = self.entry();
         e.forward_nonlinear += forward;
         e.backward_nonlinear += backward + again;
@@ -507,7 +517,7 @@ impl Describe {
 
     /// Element-wise bytes moved per token, forward and backward.
     pub fn traffic(&mut self, forward: f64, backward: f64) {
-        let again = if self.discarding.is_empty() { 0.0 } else { forward };
+        let again = self.rerun(forward);
         let e = self.entry();
         e.forward_traffic += forward;
         e.backward_traffic += backward + again;
