@@ -123,6 +123,7 @@ impl Job<'_> {
             seq_len: args.seq.unwrap_or(base.seq_len),
             compute: base.compute,
             half_params: base.half_params,
+            bucket_bytes: base.bucket_bytes,
             memory_fraction: args.memory_fraction,
         };
         let ranked = search(&model, cluster, &request)?;

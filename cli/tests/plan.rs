@@ -67,6 +67,27 @@ fn a_model_no_layout_fits_is_refused_with_the_smallest_need() {
 }
 
 #[test]
+fn a_profile_of_one_machine_refuses_a_plan_over_several_nodes_naming_the_missing_link() {
+    let dir = Scratch::new("cli-plan-one-node");
+    let model = dir.path().join("gpt2.toml");
+    std::fs::write(&model, GPT2_SMALL).unwrap();
+    let profile = dir.path().join("box.toml");
+    std::fs::write(
+        &profile,
+        "name = \"box\"\ngpus_per_node = 8\n[device]\nname = \"H100\"\nmemory_bytes = 85520809984\nmemory_bandwidth = 3.35e12\n[device.peak_flops]\nbf16 = 989e12\n[intra_node]\nbandwidth = 450e9\nlatency = 5e-6\n",
+    )
+    .unwrap();
+    let (m, p) = (model.to_str().unwrap(), profile.to_str().unwrap());
+    let run = tessera(&["--model", m, "--cluster", p, "--nodes", "2", "--global-batch", "64"]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(stderr.contains("no link between nodes") && stderr.contains("[inter_node]"), "{stderr}");
+    // One node of it plans.
+    let out = dir.path().join("plan.toml");
+    assert!(tessera(&["--model", m, "--cluster", p, "--global-batch", "64", "--out", out.to_str().unwrap()]).status.success());
+}
+
+#[test]
 fn bad_arguments_are_refused_naming_them() {
     let dir = Scratch::new("cli-plan-bad");
     let model = dir.path().join("gpt2.toml");

@@ -35,7 +35,7 @@ use crate::memory::{model_states, Precision, StateBytes, ZeroStage};
 use crate::profile::{ClusterProfile, Link};
 use tessera_core::{DType, Error, Result};
 use tessera_nn::module::{CollectiveKind, CostSettings, Group, ModelCost, Pass, RecomputeOverride, StagePart};
-use tessera_parallel::pipeline::{Costs, ScheduleKind};
+use tessera_parallel::pipeline::{Action, Costs, ScheduleKind};
 
 /// One way to lay out a training step: the parallel degrees, the schedule,
 /// the batch and what is kept.
@@ -68,6 +68,8 @@ pub struct Layout {
     /// Whether parameters (and gradients) are held in the compute dtype with
     /// an f32 master copy in the optimizer, rather than in f32.
     pub half_params: bool,
+    /// Bytes of a data-parallel gradient bucket (`mesh.bucket_bytes`).
+    pub bucket_bytes: usize,
 }
 
 impl Layout {
@@ -190,12 +192,15 @@ struct ChunkCost {
 }
 
 /// What the layout puts on each stage: kept bytes per micro-batch of each
-/// virtual stage, and the parameters per rank of each stage (dense ones,
-/// replicated over dp × ep, and expert ones, over dp).
+/// virtual stage, the parameters per rank of each stage (dense ones,
+/// replicated over dp × ep, and expert ones, over dp), and the parameters
+/// per rank of the stage's largest module (the unit the backward makes a
+/// gradient for at a time, and ZeRO-3 gathers at a time).
 struct Placed {
     saved: Vec<f64>,
     dense: Vec<f64>,
     experts: Vec<f64>,
+    largest_module: Vec<f64>,
 }
 
 /// The virtual stages `part` runs on (all of them for a part every stage holds).
@@ -213,6 +218,9 @@ fn place(cost: &ModelCost, l: &Layout) -> Placed {
         }
     }
     let (mut dense, mut experts) = (vec![0.0; l.pp], vec![0.0; l.pp]);
+    // Parameters per rank of each module (the parameter's name less its
+    // last part) on each stage.
+    let mut modules: Vec<std::collections::HashMap<&str, f64>> = vec![Default::default(); l.pp];
     for p in &cost.params {
         // A tied weight's second name is the same memory on one stage, a
         // copy on another (the pipeline keeps the two in step).
@@ -226,9 +234,12 @@ fn place(cost: &ModelCost, l: &Layout) -> Placed {
             } else {
                 dense[s] += n;
             }
+            let module = p.name.rsplit_once('.').map_or("", |(m, _)| m);
+            *modules[s].entry(module).or_default() += n;
         }
     }
-    Placed { saved, dense, experts }
+    let largest_module = modules.iter().map(|m| m.values().copied().fold(0.0, f64::max)).collect();
+    Placed { saved, dense, experts, largest_module }
 }
 
 /// The memory of one rank at its peak, on the stage that holds the most,
@@ -238,29 +249,78 @@ pub fn memory(cost: &ModelCost, layout: &Layout) -> Result<StepMemory> {
 }
 
 /// [`memory`] of what [`place`] put on each stage.
+///
+/// A stage's peak is the largest of the moments its schedule passes
+/// through (Tessera's engines drop the gradients after each step, so they
+/// exist only once a backward has run in it):
+///
+/// - after each forward and at the start of each backward: the model
+///   states, the gradients if an earlier backward of the step made them,
+///   and the activations of the micro-batches in flight;
+/// - at the start of the stage's last backward, with data parallelism: the
+///   gradient buckets being packed and reduced as well;
+/// - at the update: the states, and under ZeRO-1 and -2 the new flat
+///   parameter buffer the all-gather fills while the old one is live.
+///
+/// On top of the activations come the backward's working buffers: the
+/// layer a recompute brings back, an activation and its gradient at the
+/// stage's boundary, the gradient of the module the backward is in (twice
+/// while micro-batches accumulate: the new one before it is added), and
+/// under ZeRO-3 the gathered parameters of the module running and of the
+/// one prefetched, each as gathered rows and as assembled tensors.
 fn memory_of(cost: &ModelCost, layout: &Layout, placed: &Placed) -> Result<StepMemory> {
     let l = layout;
     let tokens = (l.micro_batch * l.seq_len) as f64;
     let bytes = l.compute.size_in_bytes() as f64;
     let chunks = l.chunks();
-    let in_flight: Vec<usize> = if l.pp > 1 { l.schedule.build(l.pp, l.grad_accum)?.peak_in_flight() } else { vec![1] };
+    let schedule = if l.pp > 1 { Some(l.schedule.build(l.pp, l.grad_accum)?) } else { None };
     let precision = l.precision();
+    let accumulating = l.grad_accum > 1;
     let mut worst = StepMemory::default();
-    for (s, &in_flight) in in_flight.iter().enumerate().take(l.pp) {
-        let mut states = add(model_states(placed.dense[s], l.dp * l.ep, l.zero, precision), model_states(placed.experts[s], l.dp, l.zero, precision));
-        if l.zero >= ZeroStage::Two && l.grad_accum > 1 {
+    for s in 0..l.pp {
+        let full = add(model_states(placed.dense[s], l.dp * l.ep, l.zero, precision), model_states(placed.experts[s], l.dp, l.zero, precision));
+        let mut with_grads = full;
+        if l.zero >= ZeroStage::Two && accumulating {
             // Gradients accumulate whole over the micro-batches; only the
             // last backward's buckets are reduce-scattered into shards.
-            states.grads = (placed.dense[s] + placed.experts[s]) * precision.grad;
+            with_grads.grads = (placed.dense[s] + placed.experts[s]) * precision.grad;
         }
+        let without_grads = StateBytes { grads: 0.0, ..full };
         // A unit in flight is one chunk's activations; take the stage's largest chunk.
         let chunk_saved = (0..chunks).map(|c| placed.saved[c * l.pp + s]).fold(0.0, f64::max);
-        let activations = in_flight as f64 * chunk_saved;
         let logits = if s == l.pp - 1 { 2.0 * cost.output_bytes * tokens } else { 0.0 };
-        let workspace = cost.recompute_peak_bytes * tokens + 2.0 * cost.boundary_bytes.max(bytes) * tokens;
-        let m = StepMemory { states, activations, logits, workspace };
-        if m.total() > worst.total() {
-            worst = m;
+        let module_grad = placed.largest_module[s] * precision.grad * if accumulating { 2.0 } else { 1.0 };
+        let gathered = if l.zero >= ZeroStage::Three && l.dp * l.ep > 1 { 4.0 * placed.largest_module[s] * precision.param } else { 0.0 };
+        let workspace = cost.recompute_peak_bytes * tokens + 2.0 * cost.boundary_bytes.max(bytes) * tokens + module_grad + gathered;
+        let buckets = if l.dp * l.ep > 1 { 2.0 * l.bucket_bytes as f64 } else { 0.0 };
+
+        // The stage's forwards and backwards in order (one micro-batch after
+        // another without a pipeline).
+        let order: Vec<bool> = match &schedule {
+            Some(sc) => sc.actions(s).iter().filter(|a| a.is_compute()).map(|a| matches!(a, Action::Forward { .. })).collect(),
+            None => (0..l.grad_accum).flat_map(|_| [true, false]).collect(),
+        };
+        let last_backward = order.iter().rposition(|&forward| !forward);
+        let (mut in_flight, mut backed) = (0usize, false);
+        let mut moments = Vec::with_capacity(order.len() + 1);
+        for (i, &forward) in order.iter().enumerate() {
+            if forward {
+                in_flight += 1;
+            }
+            let states = if backed { with_grads } else { without_grads };
+            let extra = if !forward && Some(i) == last_backward { buckets } else { 0.0 };
+            moments.push(StepMemory { states, activations: in_flight as f64 * chunk_saved, logits, workspace: workspace + extra });
+            if !forward {
+                in_flight = in_flight.saturating_sub(1);
+                backed = true;
+            }
+        }
+        let new_flat = if matches!(l.zero, ZeroStage::One | ZeroStage::Two) { (placed.dense[s] + placed.experts[s]) * precision.param } else { 0.0 };
+        moments.push(StepMemory { states: with_grads, activations: 0.0, logits: 0.0, workspace: new_flat });
+        for m in moments {
+            if m.total() > worst.total() {
+                worst = m;
+            }
         }
     }
     Ok(worst)
@@ -530,6 +590,7 @@ mod tests {
             zero: ZeroStage::None,
             compute: DType::F32,
             half_params: false,
+            bucket_bytes: 1 << 20,
         }
     }
 
@@ -585,8 +646,52 @@ mod tests {
         let fast = estimate(&cost, 300.0, &l, &cluster(1e6, true)).unwrap();
         let backward = 2.0 * 200.0 * 10.0 / 1e6;
         assert!((fast.time.dp_exposed - (reduce - backward).max(0.0)).abs() < 1e-12);
-        // ZeRO-3 shards every state over the four replicas.
+        // ZeRO-3 shards every state over the four replicas (the gradients,
+        // dropped after each step, are not there at the peak of one micro-batch).
         let z3 = estimate(&cost, 300.0, &Layout { zero: ZeroStage::Three, ..l }, &cluster(1e6, false)).unwrap();
-        assert!((z3.memory.states.total() - 16.0 * 2000.0 / 4.0).abs() < 1e-9);
+        assert!((z3.memory.states.total() - 12.0 * 2000.0 / 4.0).abs() < 1e-9, "{:?}", z3.memory);
+    }
+
+    /// The parts of a peak, for a stack of 2 layers of 1000 parameters each,
+    /// keeping 10⁴ bytes per token (the activations outweigh the model states), on `layout`.
+    fn peak(l: Layout) -> StepMemory {
+        memory(&stack(2, 100.0, 1e4, 1000), &l).unwrap()
+    }
+
+    #[test]
+    fn gradients_count_at_the_peak_only_once_a_backward_of_the_step_made_them() {
+        // 2 layers × 10⁴ bytes × 10 tokens kept per micro-batch; 2000 f32 parameters.
+        let acts = 2.0 * 1e4 * 10.0;
+        let one = peak(layout(1, 1, 1, ScheduleKind::OneFOneB));
+        assert_eq!((one.states.grads, one.activations), (0.0, acts), "one micro-batch: its backward starts with no gradients");
+        let two = peak(layout(1, 1, 2, ScheduleKind::OneFOneB));
+        assert_eq!((two.states.grads, two.activations), (4.0 * 2000.0, acts), "the second micro-batch runs beside the first one's gradients");
+        // The backward's gradient of its module: one, and a second being
+        // added into the accumulated one.
+        assert!((two.workspace - one.workspace - 4.0 * 1000.0).abs() < 1e-9, "{one:?} {two:?}");
+        // GPipe runs every forward before any backward: no gradients at the
+        // peak, every micro-batch in flight; 1F1B with 4 micro-batches over
+        // 2 stages meets its peak again after a backward.
+        let gpipe = peak(layout(1, 2, 4, ScheduleKind::GPipe));
+        assert_eq!((gpipe.states.grads, gpipe.activations), (0.0, 4.0 * 1e4 * 10.0));
+        let one_f_one_b = peak(layout(1, 2, 4, ScheduleKind::OneFOneB));
+        assert_eq!((one_f_one_b.states.grads, one_f_one_b.activations), (4.0 * 1000.0, 2.0 * 1e4 * 10.0));
+    }
+
+    #[test]
+    fn data_parallel_buckets_and_zero_3_gathers_add_their_buffers() {
+        let alone = peak(layout(1, 1, 1, ScheduleKind::OneFOneB));
+        let dp = Layout { bucket_bytes: 5000, ..layout(2, 1, 1, ScheduleKind::OneFOneB) };
+        assert!((peak(dp).workspace - alone.workspace - 2.0 * 5000.0).abs() < 1e-9, "a bucket packed, one reducing");
+        // ZeRO-3 gathers the module running and the next one, each as rows
+        // and as tensors: 4 × 1000 f32 parameters.
+        let z3 = peak(Layout { zero: ZeroStage::Three, ..dp });
+        assert!((z3.workspace - peak(dp).workspace - 4.0 * 4.0 * 1000.0).abs() < 1e-9);
+        // ZeRO-1's update fills a new flat parameter buffer beside the old:
+        // with nothing kept for the backward that is the peak.
+        let update = memory(&stack(2, 100.0, 0.0, 1000), &Layout { zero: ZeroStage::One, ..dp }).unwrap();
+        let states = model_states(2000.0, 2, ZeroStage::One, Precision::F32_ADAMW);
+        assert_eq!(update.states, states);
+        assert!((update.workspace - 4.0 * 2000.0).abs() < 1e-9, "{update:?}");
     }
 }

@@ -170,15 +170,6 @@ pub fn optimizer_rate(device: &Device, params: usize, ranks: usize, budget: Budg
     Ok(params as f64 / seconds)
 }
 
-/// Seconds an op takes besides its work: an element-wise sum of two
-/// 64-element tensors (dispatch, allocation, the thread pool's hand-off),
-/// per thread of `ranks` running it at once. A step runs hundreds of ops
-/// per layer, so on small models this is a visible share of it.
-pub fn op_overhead(device: &Device, ranks: usize, budget: Budget) -> Result<f64> {
-    let a = Tensor::full(1.0, [64], DType::F32, device)?;
-    sustained_time(device, ranks, budget, |_| ops::add(&a, &a).map(drop))
-}
-
 /// Bytes/s of an element-wise sum of two f32 tensors of `bytes` each (two
 /// read, one written), per thread of `ranks` running it at once: the
 /// bandwidth the optimizer's and the norms' passes over memory see.

@@ -73,6 +73,8 @@ pub struct Request {
     pub compute: DType,
     /// Whether parameters are held in the compute dtype (an f32 master copy in the optimizer).
     pub half_params: bool,
+    /// Bytes of a data-parallel gradient bucket.
+    pub bucket_bytes: usize,
     /// The share of a device's memory a plan may fill (the rest is left
     /// to the allocator's fragmentation and the runtime).
     pub memory_fraction: f64,
@@ -102,6 +104,12 @@ pub fn search(model: &Model<'_>, cluster: &ClusterProfile, request: &Request) ->
     let world = request.nodes * cluster.gpus_per_node;
     if world == 0 || request.global_batch == 0 || request.seq_len == 0 {
         return Err(Error::invalid("plan", "nodes, the global batch and the sequence length must all be positive"));
+    }
+    if request.nodes > 1 {
+        // A job over several nodes has groups that cross them, the
+        // data-parallel one at least: refuse up front a profile that cannot
+        // say what crossing costs, rather than every layout one by one.
+        cluster.link(world, 1)?;
     }
     let model_flops = model.flops_per_token(request.seq_len, request.compute)?;
     let layers = model.layers(request.seq_len, request.compute);
@@ -158,6 +166,7 @@ pub fn search(model: &Model<'_>, cluster: &ClusterProfile, request: &Request) ->
                                         zero,
                                         compute: request.compute,
                                         half_params: request.half_params,
+                                        bucket_bytes: request.bucket_bytes,
                                     };
                                     let Ok(e) = estimate(&cost, model_flops, &layout, cluster) else { continue };
                                     considered += 1;

@@ -34,6 +34,7 @@ pub fn planned_layout(cfg: &TrainConfig) -> Result<Layout> {
         zero,
         compute: cfg.precision.dtype()?,
         half_params: cfg.precision.half_params()?,
+        bucket_bytes: cfg.mesh.bucket_bytes,
     })
 }
 
