@@ -3,14 +3,21 @@
 //! What each of `--ranks` CPU ranks (threads of one process, sharing the
 //! machine) can do while all of them work: matrix-product rates by shape
 //! and dtype, memory bandwidth, and the in-process communicator's
-//! all-reduce fitted to a latency and bandwidth per group size. The result
-//! is a profile file (docs/planner.md) that the planner reads as it reads
-//! the shipped A100, H100 and H200 profiles.
+//! all-reduce fitted to a latency and bandwidth per group size. Started by
+//! a launcher (`tessera launch`, torchrun, Slurm), every process is a rank
+//! and the job's own communicators are measured instead: shared memory
+//! inside a node, TCP between nodes. The result is a profile file
+//! (docs/planner.md) that the planner reads as it reads the shipped A100,
+//! H100 and H200 profiles.
 
 use anyhow::Context;
 use std::path::PathBuf;
 use std::time::Duration;
-use tessera_plan::machine::profile_cpu;
+use tessera::dist::env::ProcessEnv;
+use tessera::dist::process::ProcessWorld;
+use tessera::dist::store::Rendezvous;
+use tessera::Device;
+use tessera_plan::machine::{profile_cpu, profile_job};
 use tessera_plan::measure::Budget;
 
 /// Arguments of `tessera profile`.
@@ -22,9 +29,10 @@ pub struct Args {
     /// The profile's name.
     #[arg(long, default_value = "this-machine")]
     name: String,
-    /// CPU ranks that share the machine, as a job on it would run them.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=1024))]
-    ranks: u16,
+    /// CPU ranks that share the machine, as a job on it would run them
+    /// (default 8). Under a launcher the processes are the ranks.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    ranks: Option<u16>,
     /// Seconds spent timing each figure (more: steadier figures).
     #[arg(long, default_value_t = 0.3)]
     seconds_per_figure: f64,
@@ -34,10 +42,37 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if !(args.seconds_per_figure.is_finite() && args.seconds_per_figure > 0.0 && args.seconds_per_figure <= 3600.0) {
         anyhow::bail!("--seconds-per-figure is {}; give a number of seconds above 0 (at most 3600)", args.seconds_per_figure);
     }
-    let ranks = usize::from(args.ranks);
-    eprintln!("tessera profile: measuring {ranks} CPU ranks sharing this machine (about {:.0} s)", args.seconds_per_figure * 16.0 + 2.0);
     let budget = Budget { per_figure: Duration::from_secs_f64(args.seconds_per_figure) };
-    let profile = profile_cpu(&args.name, ranks, budget).context("measuring this machine")?;
+    let (profile, what) = match ProcessEnv::detect()? {
+        Some(env) => {
+            if args.ranks.is_some() {
+                anyhow::bail!("--ranks is for ranks as threads; under a launcher the processes are the ranks ({} of them): drop --ranks", env.world_size);
+            }
+            if env.rank == 0 {
+                eprintln!("tessera profile: measuring a job of {} processes, {} per node", env.world_size, env.local_world_size);
+                // Rank 0 measures the device for its node's ranks as threads
+                // sharing the node, as `--ranks` does: with the node's cores
+                // (a launcher gives each rank its share, RAYON_NUM_THREADS).
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                rayon::ThreadPoolBuilder::new().num_threads(cores).build_global().context("sizing the thread pool")?;
+            }
+            // Rank 0 measures the device while the others wait at a barrier:
+            // allow them that long and more.
+            let timeout = Duration::from_secs_f64(120.0 + 300.0 * args.seconds_per_figure);
+            let rendezvous = Rendezvous::join(&env, timeout).context("joining the job")?;
+            let world = ProcessWorld::join(&rendezvous, &Device::cpu(), timeout).context("connecting the job's ranks")?;
+            match profile_job(&args.name, &world, env.local_world_size, budget).context("measuring the job")? {
+                Some(p) => (p, format!("a job of {} CPU processes, {} per node", env.world_size, env.local_world_size)),
+                // Rank 0 reports and writes.
+                None => return Ok(()),
+            }
+        }
+        None => {
+            let ranks = usize::from(args.ranks.unwrap_or(8));
+            eprintln!("tessera profile: measuring {ranks} CPU ranks sharing this machine (about {:.0} s)", args.seconds_per_figure * 120.0 + 2.0);
+            (profile_cpu(&args.name, ranks, budget).context("measuring this machine")?, format!("this machine for {ranks} CPU ranks"))
+        }
+    };
     let d = &profile.device;
     eprintln!(
         "per rank: f32 {:.1} GFLOP/s, bf16 {:.1} GFLOP/s (best shape), memory {:.1} GB/s, {:.1} GiB",
@@ -49,7 +84,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     for fit in &profile.intra_node.by_size {
         eprintln!("all-reduce over {} ranks: {:.1} us per step, {:.2} GB/s", fit.size, fit.latency * 1e6, fit.bandwidth / 1e9);
     }
-    let text = format!("# A profile of this machine for {ranks} CPU ranks, written by `tessera profile`.\n{}", profile.to_toml());
+    for fit in profile.inter_node.iter().flat_map(|l| &l.by_size) {
+        eprintln!("all-reduce over {} nodes: {:.1} us per step, {:.2} GB/s", fit.size, fit.latency * 1e6, fit.bandwidth / 1e9);
+    }
+    let text = format!("# A profile of {what}, written by `tessera profile`.\n{}", profile.to_toml());
     match &args.out {
         Some(path) => {
             tessera::file::write_atomic(path, text.as_bytes()).with_context(|| format!("cannot write `{}`", path.display()))?;

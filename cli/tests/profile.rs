@@ -42,3 +42,54 @@ fn bad_arguments_are_refused_naming_them() {
         assert!(!run.status.success() && stderr.contains(says) && !stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
+
+fn launch(args: &[&str], profile: &[&str]) -> std::process::Child {
+    let exe = env!("CARGO_BIN_EXE_tessera");
+    Command::new(exe)
+        .arg("launch")
+        .args(args)
+        .args(["--", exe, "profile", "--seconds-per-figure", "0.01"])
+        .args(profile)
+        .env("RUST_BACKTRACE", "0")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn under_a_launcher_the_processes_are_the_ranks_and_their_communicators_are_measured() {
+    let dir = Scratch::new("cli-profile-job");
+    // One node of two processes: the link inside it, fitted for a pair.
+    let out = dir.path().join("node.toml");
+    let run = launch(&["--nproc-per-node", "2"], &["--out", out.to_str().unwrap()]).wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    assert!(stderr.contains("a job of 2 processes, 2 per node") && stderr.contains("all-reduce over 2 ranks"), "{stderr}");
+    let p = ClusterProfile::load(out.to_str().unwrap()).unwrap();
+    assert_eq!(p.gpus_per_node, 2);
+    assert_eq!(p.intra_node.by_size.iter().map(|f| f.size).collect::<Vec<_>>(), [2]);
+    assert!(p.inter_node.is_none());
+
+    // Two nodes of one process each (two launchers meeting at one port):
+    // the link between nodes, which lets the planner span them.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let out = dir.path().join("nodes.toml");
+    let nodes: Vec<_> = (0..2)
+        .map(|n| launch(&["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", &n.to_string(), "--master-port", &port], &["--out", out.to_str().unwrap()]))
+        .collect();
+    for node in nodes {
+        let run = node.wait_with_output().unwrap();
+        assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    }
+    let p = ClusterProfile::load(out.to_str().unwrap()).unwrap();
+    assert_eq!(p.gpus_per_node, 1);
+    let inter = p.inter_node.as_ref().expect("a profile of two nodes has the link between them");
+    assert_eq!(inter.by_size.iter().map(|f| f.size).collect::<Vec<_>>(), [2]);
+    assert!(inter.bandwidth > 0.0 && p.link(2, 1).unwrap().bandwidth == inter.bandwidth);
+
+    // --ranks means threads; under a launcher it is refused.
+    let run = launch(&["--nproc-per-node", "1"], &["--ranks", "2"]).wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success() && stderr.contains("drop --ranks"), "{stderr}");
+}

@@ -6,15 +6,21 @@
 //! "device" is its share: every figure is measured with all ranks running
 //! the same work together ([`sustained_time`](crate::measure::sustained_time): each
 //! run started by a barrier and timed until the slowest rank finishes, as a
-//! step waits for its slowest rank too). The
-//! links are the in-process communicator's, fitted by group size; a
-//! profile of one machine has no link between nodes.
+//! step waits for its slowest rank too).
+//!
+//! [`profile_cpu`] measures ranks as threads: the link is the in-process
+//! communicator's, fitted by group size, and a profile of one machine has
+//! no link between nodes. [`profile_job`] measures a launched job of
+//! processes: the device as its node's ranks share it, and the job's own
+//! communicators, inside a node and between nodes.
 
 use tessera_core::{DType, Device, Error, Result};
 use tessera_dist::inproc::InProcess;
+use tessera_dist::process::ProcessWorld;
+use tessera_dist::Communicator;
 
 use crate::measure::{all_reduce_time, attention_rate, fit_all_reduce, matmul_rate, memory_bandwidth, nonlinear_rate, optimizer_rate, Budget};
-use crate::profile::{ClusterProfile, DeviceProfile, Link};
+use crate::profile::{ClusterProfile, DeviceProfile, GroupFit, Link};
 
 /// The products a profile measures, `(m, n, k)`: squares, and a grid of
 /// the shapes layers run (rows of tokens by narrow and wide weights), whose
@@ -39,6 +45,22 @@ pub const ALL_REDUCE_BYTES: &[usize] = &[1 << 12, 1 << 16, 1 << 20, 1 << 23];
 
 /// Measures this machine for `ranks` ranks into a profile named `name`.
 pub fn profile_cpu(name: &str, ranks: usize, budget: Budget) -> Result<ClusterProfile> {
+    let device = measure_device(ranks, budget)?;
+    // Ranks on one machine share its cores with their collectives: nothing overlaps.
+    let mut fits = Vec::new();
+    let mut size = 2;
+    while size <= ranks {
+        fits.push(fit_all_reduce(size, &all_reduce_times(size)?)?);
+        size *= 2;
+    }
+    let intra_node = link_of(fits, device.memory_bandwidth);
+    cpu_profile(name, ranks, device, intra_node, None)
+}
+
+/// What each of `ranks` CPU ranks sharing this machine can do while all of
+/// them work at once: matrix products by shape and dtype, attention, gelu,
+/// AdamW, memory bandwidth, and its share of the machine's memory.
+pub fn measure_device(ranks: usize, budget: Budget) -> Result<DeviceProfile> {
     const OP: &str = "profile_cpu";
     if ranks == 0 {
         return Err(Error::invalid(OP, "0 ranks measure nothing; give at least 1"));
@@ -60,38 +82,93 @@ pub fn profile_cpu(name: &str, ranks: usize, budget: Budget) -> Result<ClusterPr
     }
     let nonlinear = Some(nonlinear_rate(&dev, 1 << 20, ranks, budget)?);
     let optimizer_rate = Some(optimizer_rate(&dev, 1 << 20, ranks, budget)?);
-    // Ranks on one machine share its cores with their collectives: nothing overlaps.
-    let mut intra_node = Link { bandwidth: 0.0, latency: 0.0, by_size: Vec::new(), overlaps_compute: false };
-    let mut size = 2;
-    while size <= ranks {
-        intra_node.by_size.push(fit_all_reduce(size, &all_reduce_times(size)?)?);
-        size *= 2;
-    }
-    // Groups of a size not measured get the largest measured group's figures
-    // (the slowest, so a plan errs towards what it can keep).
-    match intra_node.by_size.last() {
-        Some(fit) => (intra_node.latency, intra_node.bandwidth) = (fit.latency, fit.bandwidth),
-        None => (intra_node.latency, intra_node.bandwidth) = (0.0, memory_bandwidth),
-    }
-    let profile = ClusterProfile {
-        name: name.to_string(),
-        gpus_per_node: ranks,
-        device: DeviceProfile {
-            name: format!("CPU rank, 1 of {ranks} sharing this machine"),
-            memory_bytes: memory / ranks as u64,
-            memory_bandwidth,
-            peak_flops,
-            matmul,
-            attention_flops,
-            nonlinear,
-            optimizer_rate,
-        },
-        intra_node,
-        inter_node: None,
-        ranks_share_cores: true,
-    };
-    // What was measured is checked like a file would be.
+    Ok(DeviceProfile {
+        name: format!("CPU rank, 1 of {ranks} sharing this machine"),
+        memory_bytes: memory / ranks as u64,
+        memory_bandwidth,
+        peak_flops,
+        matmul,
+        attention_flops,
+        nonlinear,
+        optimizer_rate,
+    })
+}
+
+/// A link of CPU ranks from its all-reduce `fits` by group size. Groups of a
+/// size not measured get the largest measured group's figures (the
+/// slowest, so a plan errs towards what it can keep); with none measured,
+/// a copy at `memory_bandwidth`. The collectives run on the ranks' own
+/// cores: nothing overlaps compute.
+fn link_of(fits: Vec<GroupFit>, memory_bandwidth: f64) -> Link {
+    let (latency, bandwidth) = fits.last().map_or((0.0, memory_bandwidth), |f| (f.latency, f.bandwidth));
+    Link { bandwidth, latency, by_size: fits, overlaps_compute: false }
+}
+
+/// The profile of nodes of `per_node` CPU ranks each, checked like a file would be.
+fn cpu_profile(name: &str, per_node: usize, device: DeviceProfile, intra_node: Link, inter_node: Option<Link>) -> Result<ClusterProfile> {
+    let profile = ClusterProfile { name: name.to_string(), gpus_per_node: per_node, device, intra_node, inter_node, ranks_share_cores: true };
     ClusterProfile::parse(&profile.to_toml(), name)
+}
+
+/// Measures the job this process is a rank of: every process of the job
+/// calls it. Rank 0 measures the device (for as many ranks as its node
+/// runs, sharing the machine) while the others wait; then the job's own
+/// communicator is timed: groups of 2, 4, ... ranks of node 0 for the
+/// link inside a node (shared memory, as Tessera's process jobs use it
+/// there), and groups of one rank on each of 2, 4, ... nodes for the link
+/// between them. Ranks are numbered node by node (`tessera launch`,
+/// torchrun and Slurm do), `per_node` of them on every node. Rank 0 gets
+/// the profile; the others `None`.
+pub fn profile_job(name: &str, world: &ProcessWorld, per_node: usize, budget: Budget) -> Result<Option<ClusterProfile>> {
+    const OP: &str = "profile_job";
+    let (rank, size) = (world.rank(), world.world_size());
+    if per_node == 0 || size % per_node != 0 {
+        return Err(Error::topology(OP, format!("{size} ranks are not whole nodes of {per_node}; start the same number of processes on every node")));
+    }
+    let nodes = size / per_node;
+    let all = world.communicator()?;
+    let device = if rank == 0 {
+        match measure_device(per_node, budget) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                world.abort(rank, &e.to_string());
+                return Err(e);
+            }
+        }
+    } else {
+        None
+    };
+    all.barrier()?;
+    // Each group of `members` times its all-reduces while the rest of the
+    // job waits; rank 0 (a member of every group) keeps its times.
+    let measure = |tag: String, members: Vec<usize>| -> Result<Option<GroupFit>> {
+        let mut fit = None;
+        if members.contains(&rank) {
+            let comm = world.tagged_group(&tag, &members)?;
+            let dev = Device::cpu();
+            let times: Vec<(f64, f64)> = ALL_REDUCE_BYTES.iter().map(|&b| all_reduce_time(&comm, &dev, b, 5).map(|t| (b as f64, t))).collect::<Result<_>>()?;
+            if rank == 0 {
+                fit = Some(fit_all_reduce(members.len(), &times)?);
+            }
+        }
+        all.barrier()?;
+        Ok(fit)
+    };
+    let (mut intra, mut inter) = (Vec::new(), Vec::new());
+    let mut n = 2;
+    while n <= per_node {
+        intra.extend(measure(format!("profile-node-{n}"), (0..n).collect())?);
+        n *= 2;
+    }
+    let mut n = 2;
+    while n <= nodes {
+        inter.extend(measure(format!("profile-nodes-{n}"), (0..n).map(|node| node * per_node).collect())?);
+        n *= 2;
+    }
+    let Some(device) = device else { return Ok(None) };
+    let bandwidth = device.memory_bandwidth;
+    let inter_node = (nodes > 1).then(|| link_of(inter, bandwidth));
+    cpu_profile(name, per_node, device, link_of(intra, bandwidth), inter_node).map(Some)
 }
 
 /// (bytes, seconds) of in-process all-reduces in a group of `size`, rank
