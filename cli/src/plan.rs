@@ -18,6 +18,7 @@ use tessera::parallel::pipeline::ScheduleKind;
 use tessera::train::{planned_layout, TrainConfig};
 use tessera_models::kinds::{self, KindModel, ModelJob, ModelSpec};
 use tessera_plan::estimate::{estimate, Estimate, Layout};
+use tessera_plan::fixed::Fixed;
 use tessera_plan::profile::ClusterProfile;
 use tessera_plan::search::{search, Model, Request};
 
@@ -53,6 +54,11 @@ pub struct Args {
     /// The share of a device's memory a plan may fill.
     #[arg(long, default_value_t = 0.9)]
     memory_fraction: f64,
+    /// Keep a part of the layout: `--fix KEY=VALUE` (repeatable) with KEY one
+    /// of dp, tp, pp, ep, micro_batch (integers), sp (true/false), schedule
+    /// (gpipe, 1f1b, interleaved), recompute (none, declared, full), zero (0-3).
+    #[arg(long = "fix", value_name = "KEY=VALUE")]
+    fix: Vec<String>,
     /// Estimate the configuration's own layout (one JSON line) instead of searching.
     #[arg(long)]
     evaluate: bool,
@@ -124,6 +130,7 @@ impl Job<'_> {
             compute: base.compute,
             half_params: base.half_params,
             bucket_bytes: base.bucket_bytes,
+            fixed: Fixed::parse(&args.fix)?,
             memory_fraction: args.memory_fraction,
         };
         let ranked = search(&model, cluster, &request)?;
@@ -144,10 +151,12 @@ impl Job<'_> {
         let Some(best) = ranked.fits.first() else {
             let hint = match &ranked.over_memory {
                 Some(e) => format!("the smallest needs {:.1} GiB per device ({})", e.memory.total() / GIB, describe_layout(&e.layout)),
-                None => "no layout of this model divides the devices".into(),
+                None if args.fix.is_empty() => "no layout of this model divides the devices".into(),
+                None => format!("no layout of this model divides the devices keeping {}", args.fix.join(", ")),
             };
+            let loosen = if args.fix.is_empty() { "" } else { ", or fix fewer parts of the layout" };
             bail!(
-                "no layout fits in {:.0}% of {:.0} GiB: {hint}; add nodes, shorten --seq or lower --global-batch",
+                "no layout fits in {:.0}% of {:.0} GiB: {hint}; add nodes, shorten --seq or lower --global-batch{loosen}",
                 args.memory_fraction * 100.0,
                 cluster.device.memory_bytes as f64 / GIB
             );

@@ -47,6 +47,29 @@ fn plan_ranks_layouts_writes_the_best_and_evaluates_it_the_same() {
 }
 
 #[test]
+fn fixed_parts_of_the_layout_are_kept_by_the_plan() {
+    let dir = Scratch::new("cli-plan-fix");
+    let model = dir.path().join("gpt2.toml");
+    std::fs::write(&model, GPT2_SMALL).unwrap();
+    let out = dir.path().join("plan.toml");
+    let m = model.to_str().unwrap();
+    let fixed = ["--fix", "tp=2", "--fix", "zero=0", "--fix", "recompute=full", "--fix", "sp=false"];
+    let mut args = vec!["--model", m, "--cluster", "h100-sxm5-80gb", "--global-batch", "64", "--out", out.to_str().unwrap()];
+    args.extend(fixed);
+    let run = tessera(&args);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let cfg = TrainConfig::parse(&std::fs::read_to_string(&out).unwrap(), &[]).unwrap();
+    assert_eq!((cfg.mesh.tp, cfg.mesh.sp, cfg.zero.stage, cfg.recompute.mode.as_str()), (2, false, 0, "full"), "{stdout}");
+    // Every layout in the table keeps them.
+    let rows: Vec<&str> = stdout.lines().filter(|l| l.split_whitespace().nth(1).is_some_and(|w| w.starts_with("dp"))).collect();
+    assert!(!rows.is_empty(), "{stdout}");
+    for row in rows {
+        assert!(row.contains(" tp2 ") && row.contains("recompute full zero0") && !row.contains(" sp "), "{row}");
+    }
+}
+
+#[test]
 fn a_model_no_layout_fits_is_refused_with_the_smallest_need() {
     let dir = Scratch::new("cli-plan-big");
     let model = dir.path().join("gpt3.toml");
@@ -99,6 +122,8 @@ fn bad_arguments_are_refused_naming_them() {
         (vec!["--model", m, "--cluster", "h100-sxm5-80gb", "--memory-fraction", "0"], "--memory-fraction"),
         (vec!["--model", m, "--cluster", "h100-sxm5-80gb", "--set", "mesh.tp=5", "--evaluate"], "tp"),
         (vec!["--model", m, "--cluster", "h100-sxm5-80gb", "--global-batch", "0"], "positive"),
+        (vec!["--model", m, "--cluster", "h100-sxm5-80gb", "--fix", "zero=5"], "zero=5"),
+        (vec!["--model", m, "--cluster", "h100-sxm5-80gb", "--fix", "tp=3"], "keeping tp=3"),
     ] {
         let run = tessera(&args);
         let stderr = String::from_utf8_lossy(&run.stderr);

@@ -86,7 +86,7 @@ fn under_a_launcher_the_processes_are_the_ranks_and_their_communicators_are_meas
     assert_eq!(p.gpus_per_node, 1);
     let inter = p.inter_node.as_ref().expect("a profile of two nodes has the link between them");
     assert_eq!(inter.by_size.iter().map(|f| f.size).collect::<Vec<_>>(), [2]);
-    assert!(inter.bandwidth > 0.0 && p.link(2, 1).unwrap().bandwidth == inter.bandwidth);
+    assert!(inter.bandwidth > 0.0 && p.link(2, 1, 2).unwrap().bandwidth == inter.bandwidth);
 
     // --ranks means threads; under a launcher it is refused.
     let run = launch(&["--nproc-per-node", "1"], &["--ranks", "2"]).wait_with_output().unwrap();

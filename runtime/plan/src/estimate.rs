@@ -371,10 +371,10 @@ pub fn estimate(cost: &ModelCost, model_flops_per_token: f64, layout: &Layout, c
     let bytes = l.compute.size_in_bytes() as f64;
 
     // The groups' links, in the mesh order dp × ep × pp × tp.
-    let tp_link = cluster.link(l.tp, 1)?;
-    let pp_link = cluster.link(l.pp.min(2), l.tp)?;
-    let ep_link = cluster.link(l.ep, l.tp * l.pp)?;
-    let dp_link = cluster.link(l.dp * l.ep, l.tp * l.pp)?;
+    let tp_link = cluster.link(l.tp, 1, l.world())?;
+    let pp_link = cluster.link(l.pp.min(2), l.tp, l.world())?;
+    let ep_link = cluster.link(l.ep, l.tp * l.pp, l.world())?;
+    let dp_link = cluster.link(l.dp * l.ep, l.tp * l.pp, l.world())?;
 
     // The product shape that stands for the model's: a micro-batch's tokens
     // against the width the pipeline hands on, the MLP's width split over tp.

@@ -19,10 +19,12 @@
 //!   communication, the optimizer) and memory per rank, from the model's
 //!   own description and a profile;
 //! - [`search`]: every layout of a model over a cluster, estimated,
-//!   filtered by memory and ranked.
+//!   filtered by memory and ranked, keeping the parts of a layout
+//!   [`fixed`] by the user.
 
 pub mod collective;
 pub mod estimate;
+pub mod fixed;
 pub mod machine;
 pub mod measure;
 pub mod memory;

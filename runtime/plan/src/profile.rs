@@ -181,14 +181,17 @@ impl ClusterProfile {
         })
     }
 
-    /// The link a group of `size` devices, `stride` apart in rank order,
-    /// communicates over: inside a node when the group fits in one
-    /// (contiguous ranks fill a node first), else between nodes (whose
-    /// link is the slower one a collective waits for).
+    /// The link a group of `size` devices, `stride` apart in rank order, in
+    /// a job of `world` devices communicates over: inside a node when every
+    /// such group fits in one, else between nodes (whose link is the slower one a collective waits
+    /// for). Contiguous ranks fill a node first, and the groups of a mesh
+    /// axis tile blocks of `size × stride` ranks, so they all fit when that
+    /// block divides the node: groups of 6 on nodes of 8 do not (ranks 6
+    /// to 11 span two).
     /// An error when the group spans nodes and the profile has no link
     /// between them.
-    pub fn link(&self, size: usize, stride: usize) -> Result<&Link> {
-        if size <= 1 || (size - 1) * stride.max(1) < self.gpus_per_node {
+    pub fn link(&self, size: usize, stride: usize, world: usize) -> Result<&Link> {
+        if size <= 1 || world <= self.gpus_per_node || self.gpus_per_node.is_multiple_of(size * stride.max(1)) {
             return Ok(&self.intra_node);
         }
         self.inter_node.as_ref().ok_or_else(|| {
@@ -322,13 +325,16 @@ mod tests {
     fn a_group_that_fits_in_a_node_uses_its_links() {
         let p = ClusterProfile::load("h100-sxm5-80gb").unwrap();
         let inter = p.inter_node.as_ref();
-        assert_eq!(p.link(1, 1).ok(), Some(&p.intra_node));
-        assert_eq!(p.link(8, 1).ok(), Some(&p.intra_node));
-        assert_eq!(p.link(2, 4).ok(), Some(&p.intra_node), "ranks 0 and 4 share a node");
-        assert_eq!(p.link(2, 8).ok(), inter, "ranks 0 and 8 do not");
-        assert_eq!(p.link(16, 1).ok(), inter);
+        assert_eq!(p.link(1, 1, 64).ok(), Some(&p.intra_node));
+        assert_eq!(p.link(8, 1, 64).ok(), Some(&p.intra_node));
+        assert_eq!(p.link(2, 4, 64).ok(), Some(&p.intra_node), "ranks 0 and 4 share a node");
+        assert_eq!(p.link(2, 8, 64).ok(), inter, "ranks 0 and 8 do not");
+        assert_eq!(p.link(16, 1, 64).ok(), inter);
+        assert_eq!(p.link(6, 1, 64).ok(), inter, "ranks 6 to 11 span two nodes");
+        assert_eq!(p.link(3, 2, 64).ok(), inter, "ranks 1, 3, 5 share a node, 7, 9, 11 do not");
+        assert_eq!(p.link(6, 1, 6).ok(), Some(&p.intra_node), "a job of one node never leaves it");
         let one_machine = ClusterProfile { inter_node: None, ..p.clone() };
-        assert!(one_machine.link(16, 1).unwrap_err().to_string().contains("no link between nodes"));
+        assert!(one_machine.link(16, 1, 16).unwrap_err().to_string().contains("no link between nodes"));
         assert_eq!(ClusterProfile::parse(&one_machine.to_toml(), "t").unwrap(), one_machine);
     }
 }

@@ -2,6 +2,7 @@
 //! each estimated, those over memory dropped, the rest ranked by step time.
 
 use crate::estimate::{estimate, Estimate, Layout};
+use crate::fixed::Fixed;
 use crate::memory::ZeroStage;
 use crate::profile::ClusterProfile;
 use std::cell::RefCell;
@@ -75,6 +76,8 @@ pub struct Request {
     pub half_params: bool,
     /// Bytes of a data-parallel gradient bucket.
     pub bucket_bytes: usize,
+    /// The parts of a layout the search may not change.
+    pub fixed: Fixed,
     /// The share of a device's memory a plan may fill (the rest is left
     /// to the allocator's fragmentation and the runtime).
     pub memory_fraction: f64,
@@ -109,7 +112,7 @@ pub fn search(model: &Model<'_>, cluster: &ClusterProfile, request: &Request) ->
         // A job over several nodes has groups that cross them, the
         // data-parallel one at least: refuse up front a profile that cannot
         // say what crossing costs, rather than every layout one by one.
-        cluster.link(world, 1)?;
+        cluster.link(world, 1, world)?;
     }
     let model_flops = model.flops_per_token(request.seq_len, request.compute)?;
     let layers = model.layers(request.seq_len, request.compute);
@@ -168,6 +171,9 @@ pub fn search(model: &Model<'_>, cluster: &ClusterProfile, request: &Request) ->
                                         half_params: request.half_params,
                                         bucket_bytes: request.bucket_bytes,
                                     };
+                                    if !request.fixed.admits(&layout) {
+                                        continue;
+                                    }
                                     let Ok(e) = estimate(&cost, model_flops, &layout, cluster) else { continue };
                                     considered += 1;
                                     if e.memory.total() <= budget {
