@@ -12,6 +12,7 @@
 #   gemm       bf16 8192³ through cuBLAS vs torch.matmul        (target ≥ 0.9)
 #   gpt2       GPT-2 124M bf16 training tokens/s vs torch eager (target ≥ 1.0)
 #   attention  fused causal attention forward+backward TFLOP/s (reported)
+# and the planner's profile of the node (`tessera profile --device cuda`).
 # Each step has a time limit, so the whole run stays within 8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,7 @@ prepare() {
     set -e
     echo "gpu-check: building the benchmark and the GPU test binaries (release, --features cuda)" >&2
     cargo build --release --features cuda --example bench
+    cargo build --release --features cuda -p tessera-cli
     local tests
     tests=$(cargo test --release --features cuda -p tessera-tests --test cuda --test cuda_ops --test nccl --test trainer --no-run \
         --message-format=json 2>/dev/null | python3 -c '
@@ -32,6 +34,7 @@ for line in sys.stdin:
         print(m["target"]["name"] + " " + m["executable"])')
     rm -rf "$bundle" && mkdir -p "$bundle"
     cp target/release/examples/bench "$bundle/bench"
+    cp target/release/tessera "$bundle/tessera"
     while read -r name exe; do cp "$exe" "$bundle/test-$name"; done <<<"$tests"
     strip "$bundle"/* 2>/dev/null || true
     du -sh "$bundle" >&2
@@ -113,6 +116,27 @@ run() {
         echo "$ours" | tee -a "$out"
         echo "$theirs" | tee -a "$out"
     done
+
+    # The planner's profile of this node: cuBLAS products by shape, NCCL's
+    # all-reduce by group size (the profile itself is kept beside OUT).
+    local gpus profile=${out%.jsonl}-profile.toml
+    gpus=$(nvidia-smi -L | wc -l)
+    if RUST_BACKTRACE=0 timeout 120 "$bundle/tessera" profile --device cuda --gpus "$gpus" --seconds-per-figure 0.1 --name this-node --out "$profile" 2>/tmp/gpu-check-profile.log; then
+        python3 - "$profile" <<'EOF' | tee -a "$out"
+import json, sys, tomllib
+p = tomllib.load(open(sys.argv[1], "rb"))
+d = p["device"]
+best = {dt: max((r for r in d["matmul"] if r["dtype"] == dt), key=lambda r: r["flops"]) for dt in ("f32", "bf16")}
+print(json.dumps({"check": "profile", "device": d["name"], "memory_gib": round(d["memory_bytes"] / 2**30, 1),
+                  "memory_bandwidth_gbs": round(d["memory_bandwidth"] / 1e9, 1),
+                  "best_tflops": {dt: round(r["flops"] / 1e12, 1) for dt, r in best.items()},
+                  "best_shape": {dt: [r["m"], r["n"], r["k"]] for dt, r in best.items()},
+                  "attention_tflops": {k: round(v / 1e12, 1) for k, v in d.get("attention_flops", {}).items()},
+                  "all_reduce": [{"gpus": f["size"], "latency_us": round(f["latency"] * 1e6, 1), "bandwidth_gbs": round(f["bandwidth"] / 1e9, 1)} for f in p["intra_node"].get("by_size", [])]}))
+EOF
+    else
+        python3 -c 'import json,sys; print(json.dumps({"check":"profile","error":sys.argv[1]}))' "$(tail -3 /tmp/gpu-check-profile.log)" | tee -a "$out"
+    fi
 
     # Ratios against the targets.
     python3 - "$out" <<'EOF' | tee -a "$out"

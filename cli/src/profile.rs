@@ -6,7 +6,9 @@
 //! all-reduce fitted to a latency and bandwidth per group size. Started by
 //! a launcher (`tessera launch`, torchrun, Slurm), every process is a rank
 //! and the job's own communicators are measured instead: shared memory
-//! inside a node, TCP between nodes. The result is a profile file
+//! inside a node, TCP between nodes. With `--device cuda` it measures a
+//! node of this machine's GPUs: cuBLAS products, NCCL's all-reduce. The
+//! result is a profile file
 //! (docs/planner.md) that the planner reads as it reads the shipped A100,
 //! H100 and H200 profiles.
 
@@ -17,7 +19,7 @@ use tessera::dist::env::ProcessEnv;
 use tessera::dist::process::ProcessWorld;
 use tessera::dist::store::Rendezvous;
 use tessera::Device;
-use tessera_plan::machine::{profile_cpu, profile_job};
+use tessera_plan::machine::{profile_cpu, profile_cuda, profile_job};
 use tessera_plan::measure::Budget;
 
 /// Arguments of `tessera profile`.
@@ -33,6 +35,13 @@ pub struct Args {
     /// (default 8). Under a launcher the processes are the ranks.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
     ranks: Option<u16>,
+    /// What the ranks run on: `cpu`, or `cuda` (this machine's GPUs, a node
+    /// of `--gpus` of them, NCCL between them; a build with the cuda feature).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
+    /// With `--device cuda`: the GPUs of the node (this machine's first ones).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    gpus: u16,
     /// Seconds spent timing each figure (more: steadier figures).
     #[arg(long, default_value_t = 0.3)]
     seconds_per_figure: f64,
@@ -44,6 +53,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let budget = Budget { per_figure: Duration::from_secs_f64(args.seconds_per_figure) };
     let (profile, what) = match ProcessEnv::detect()? {
+        Some(_) if args.device == "cuda" => {
+            anyhow::bail!("--device cuda measures a node's GPUs from one process; run it without a launcher")
+        }
         Some(env) => {
             if args.ranks.is_some() {
                 anyhow::bail!("--ranks is for ranks as threads; under a launcher the processes are the ranks ({} of them): drop --ranks", env.world_size);
@@ -66,6 +78,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 // Rank 0 reports and writes.
                 None => return Ok(()),
             }
+        }
+        None if args.device == "cuda" => {
+            if args.ranks.is_some() {
+                anyhow::bail!("--ranks counts CPU ranks; with --device cuda give --gpus");
+            }
+            let gpus = usize::from(args.gpus);
+            eprintln!("tessera profile: measuring {gpus} GPUs of this machine");
+            (profile_cuda(&args.name, gpus, budget).context("measuring this machine's GPUs")?, format!("a node of {gpus} GPUs"))
         }
         None => {
             let ranks = usize::from(args.ranks.unwrap_or(8));

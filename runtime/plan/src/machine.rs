@@ -171,6 +171,111 @@ pub fn profile_job(name: &str, world: &ProcessWorld, per_node: usize, budget: Bu
     cpu_profile(name, per_node, device, link_of(intra, bandwidth), inter_node).map(Some)
 }
 
+/// The products a GPU profile measures, `(m, n, k)`: squares, and a grid
+/// of the shapes a large model's layers run (2048 or 16384 rows of tokens
+/// by weights 1024, 4096 or 12288 wide on each side).
+pub fn gpu_matmul_shapes() -> Vec<(usize, usize, usize)> {
+    let mut shapes = vec![(1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192)];
+    for m in [2048, 16384] {
+        for n in [1024, 4096, 12288] {
+            for k in [1024, 4096, 12288] {
+                shapes.push((m, n, k));
+            }
+        }
+    }
+    shapes
+}
+
+/// The attention a GPU profile measures: (batch, sequence, heads, head size).
+pub const GPU_ATTENTION_SHAPE: (usize, usize, usize, usize) = (4, 2048, 16, 128);
+
+/// The message sizes a GPU group's all-reduce is timed at.
+pub const GPU_ALL_REDUCE_BYTES: &[usize] = &[1 << 20, 1 << 24, 1 << 27, 1 << 29];
+
+/// Measures a node of `gpus` CUDA devices (this machine's first ones):
+/// device 0's matrix products by shape in f32 and bf16, attention, gelu,
+/// AdamW (each where the CUDA backend runs it; a figure it cannot measure
+/// is left out, and the cost model falls back to the peak or the memory
+/// traffic), its memory bandwidth and memory, and NCCL's all-reduce over
+/// groups of 2, 4, ... of the GPUs (a thread per GPU, as Tessera's GPU
+/// jobs of one process run them). The profile's peak is the best rate
+/// measured; its link overlaps compute (NCCL runs on its own stream) and
+/// has no figures between nodes.
+pub fn profile_cuda(name: &str, gpus: usize, budget: Budget) -> Result<ClusterProfile> {
+    const OP: &str = "profile_cuda";
+    if gpus == 0 {
+        return Err(Error::invalid(OP, "0 GPUs measure nothing; give at least 1"));
+    }
+    let devices: Vec<Device> = (0..gpus)
+        .map(|i| {
+            Device::cuda(i).map_err(|e| Error::invalid(OP, format!("GPU {i} cannot be opened ({e}); give --gpus with the number of GPUs this machine has")))
+        })
+        .collect::<Result<_>>()?;
+    let dev = &devices[0];
+    let memory_bytes = dev.total_memory()?.ok_or_else(|| Error::invalid(OP, "the device reports no memory size"))?;
+    let mut matmul = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        for (m, n, k) in gpu_matmul_shapes() {
+            matmul.push(matmul_rate(dev, dtype, m, n, k, 1, budget)?);
+        }
+    }
+    let peak_flops = ["f32", "bf16"].iter().map(|&d| (d.to_string(), matmul.iter().filter(|r| r.dtype == d).map(|r| r.flops).fold(0.0, f64::max))).collect();
+    let memory_bandwidth = memory_bandwidth(dev, 256 << 20, 1, budget)?;
+    let mut attention_flops = std::collections::BTreeMap::new();
+    for dtype in [DType::F32, DType::BF16] {
+        if let Ok(rate) = attention_rate(dev, dtype, GPU_ATTENTION_SHAPE, 1, budget) {
+            attention_flops.insert(dtype.to_string(), rate);
+        }
+    }
+    let nonlinear = nonlinear_rate(dev, 1 << 26, 1, budget).ok();
+    let optimizer_rate = optimizer_rate(dev, 1 << 26, 1, budget).ok();
+    let device = DeviceProfile { name: gpu_name(dev), memory_bytes, memory_bandwidth, peak_flops, matmul, attention_flops, nonlinear, optimizer_rate };
+    let mut fits = Vec::new();
+    let mut size = 2;
+    while size <= gpus {
+        fits.push(fit_all_reduce(size, &nccl_all_reduce_times(&devices[..size])?)?);
+        size *= 2;
+    }
+    let mut intra_node = link_of(fits, memory_bandwidth);
+    intra_node.overlaps_compute = true;
+    let profile = ClusterProfile { name: name.to_string(), gpus_per_node: gpus, device, intra_node, inter_node: None, ranks_share_cores: false };
+    ClusterProfile::parse(&profile.to_toml(), name)
+}
+
+fn gpu_name(dev: &Device) -> String {
+    match dev {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => d.name().to_string(),
+        _ => dev.to_string(),
+    }
+}
+
+/// (bytes, seconds) of NCCL all-reduces over `devices`, a thread each,
+/// GPU 0's best time at each of [`GPU_ALL_REDUCE_BYTES`].
+#[cfg(feature = "cuda")]
+fn nccl_all_reduce_times(devices: &[Device]) -> Result<Vec<(f64, f64)>> {
+    use tessera_dist::nccl::NcclCommunicator;
+    let comms = NcclCommunicator::group(devices)?;
+    let per_rank: Vec<Result<Vec<f64>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .zip(devices)
+            .map(|(comm, dev)| s.spawn(move || -> Result<Vec<f64>> { GPU_ALL_REDUCE_BYTES.iter().map(|&b| all_reduce_time(&comm, dev, b, 5)).collect() }))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("profile_cuda", "a measuring GPU's thread panicked")))).collect()
+    });
+    let mut per_rank = per_rank.into_iter().collect::<Result<Vec<_>>>()?;
+    let gpu0 = per_rank.swap_remove(0);
+    Ok(GPU_ALL_REDUCE_BYTES.iter().zip(gpu0).map(|(&b, t)| (b as f64, t)).collect())
+}
+
+/// Without the CUDA backend there are no GPUs to measure (and
+/// [`profile_cuda`] has already failed opening them).
+#[cfg(not(feature = "cuda"))]
+fn nccl_all_reduce_times(_: &[Device]) -> Result<Vec<(f64, f64)>> {
+    Err(Error::NotCompiledWithCuda)
+}
+
 /// (bytes, seconds) of in-process all-reduces in a group of `size`, rank
 /// 0's best time at each of [`ALL_REDUCE_BYTES`].
 fn all_reduce_times(size: usize) -> Result<Vec<(f64, f64)>> {
@@ -210,6 +315,23 @@ fn machine_memory() -> Result<u64> {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn a_gpu_profile_measures_the_device_and_its_products() {
+        if tessera_core::backend::cuda::testing::cuda_or_skip("machine::a_gpu_profile_measures_the_device_and_its_products").is_none() {
+            assert!(profile_cuda("gpu", 1, Budget { per_figure: Duration::from_millis(10) }).is_err());
+            return;
+        }
+        let p = profile_cuda("gpu", 1, Budget { per_figure: Duration::from_millis(20) }).unwrap();
+        assert_eq!((p.gpus_per_node, p.ranks_share_cores, p.intra_node.overlaps_compute), (1, false, true));
+        assert_eq!(p.device.matmul.len(), 2 * gpu_matmul_shapes().len());
+        // A GPU's bf16 products run on tensor cores: far past its f32 ones
+        // and past any CPU.
+        assert!(p.peak_flops("bf16").unwrap() > 2.0 * p.peak_flops("f32").unwrap(), "{:?}", p.device.peak_flops);
+        assert!(p.peak_flops("bf16").unwrap() > 1e13);
+        assert!(p.device.memory_bytes > 1 << 30 && p.device.memory_bandwidth > 1e11, "{:?}", p.device);
+        assert!(profile_cuda("gpu", 0, Budget::default()).is_err());
+    }
 
     #[test]
     fn a_machine_profile_of_two_ranks_is_a_valid_profile_of_one_node() {

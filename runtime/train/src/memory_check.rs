@@ -64,6 +64,25 @@ pub(crate) fn fit_warning<M: Module>(cfg: &TrainConfig, model: &M) -> Result<Opt
     )))
 }
 
+/// A warning, when the cost model says the fullest rank of `cfg` will need
+/// more than one GPU's `gpu_bytes` (every rank has a GPU of its own),
+/// naming the estimate and the fixes.
+pub(crate) fn gpu_fit_warning<M: Module>(cfg: &TrainConfig, model: &M, gpu_bytes: f64) -> Result<Option<String>> {
+    let layout = planned_layout(cfg)?;
+    let Ok(cost) = module::describe(model, layout.settings()) else { return Ok(None) };
+    let need = memory(&cost, &layout)?.total();
+    if need <= gpu_bytes {
+        return Ok(None);
+    }
+    Ok(Some(format!(
+        "warning: this run will probably not fit on its GPUs: the planner estimates {:.1} GiB for the fullest rank at its peak, and a GPU has {:.1} GiB; \
+         `tessera plan --model CONFIG --cluster PROFILE` finds a layout that fits, or shorten batch.micro_batch or batch.seq_len, set recompute.mode = \"full\", \
+         shard the state with zero.stage, or split the model further with mesh.tp or mesh.pp",
+        need / GIB,
+        gpu_bytes / GIB
+    )))
+}
+
 /// Bytes per GiB, for messages.
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -153,6 +172,18 @@ mod tests {
             let warning = fit_warning(&huge, &model).unwrap().expect("a warning");
             assert!(warning.contains("will probably not fit") && warning.contains("tessera plan") && warning.contains("GiB"), "{warning}");
         }
+    }
+
+    #[test]
+    fn a_rank_the_cost_model_says_will_not_fit_its_gpu_is_warned_about() {
+        let model = tessera_nn::Embedding::new(16, 4096).unwrap();
+        let cfg = TrainConfig::parse("[batch]\nmicro_batch = 64\nseq_len = 1024\n", &[]).unwrap();
+        // The output (and its gradient) alone: 64 × 1024 × 4096 f32 = 1 GiB each.
+        let need = memory(&module::describe(&model, planned_layout(&cfg).unwrap().settings()).unwrap(), &planned_layout(&cfg).unwrap()).unwrap().total();
+        assert!(need > 1e9, "{need}");
+        assert_eq!(gpu_fit_warning(&cfg, &model, 2.0 * need).unwrap(), None);
+        let warning = gpu_fit_warning(&cfg, &model, 0.5 * need).unwrap().expect("a warning");
+        assert!(warning.contains("not fit on its GPUs") && warning.contains("fullest rank") && warning.contains("tessera plan"), "{warning}");
     }
 
     #[test]

@@ -71,6 +71,16 @@ impl Device {
         }
     }
 
+    /// Bytes of memory a GPU has in all, as its driver reports them; `None`
+    /// for the CPU, whose ranks share the host's memory with everything
+    /// else on it.
+    pub fn total_memory(&self) -> Result<Option<u64>> {
+        match self {
+            Device::Cpu(_) => Ok(None),
+            Device::Cuda(d) => d.memory_info().map(|(_, total)| Some(total as u64)),
+        }
+    }
+
     /// Starts a new peak window at the bytes in use now.
     pub fn reset_peak(&self) {
         match self {

@@ -60,10 +60,20 @@ pub(super) fn check<M: Staged>(cfg: &TrainConfig, vocab: usize, build: impl Fn(&
         // Rank 0's share: building it checks that the experts divide.
         build(&cx, 0, cfg.mesh.ep).map_err(|e| Error::config("mesh.ep", e.to_string()))?;
     }
+    let model = split.as_ref().unwrap_or(&whole);
     if cfg.mesh.rank_device()? == crate::RankDevice::Cpu {
         crate::memory_check::check(cfg, &whole, vocab)?;
-        if let Some(warning) = crate::memory_check::fit_warning(cfg, split.as_ref().unwrap_or(&whole))? {
+        if let Some(warning) = crate::memory_check::fit_warning(cfg, model)? {
             eprintln!("{warning}");
+        }
+    } else if let Ok(gpu) = Device::cuda(0) {
+        // Every rank has a GPU of its own: the fullest rank against one
+        // GPU's memory. (A GPU that cannot be opened fails the run when its
+        // rank starts, with that error.)
+        if let Some(total) = gpu.total_memory()? {
+            if let Some(warning) = crate::memory_check::gpu_fit_warning(cfg, model, total as f64)? {
+                eprintln!("{warning}");
+            }
         }
     }
     Ok(mesh)

@@ -220,6 +220,12 @@ impl CudaDevice {
         self.inner.blas.get_or_init(|| super::blas::create_handle(self)).as_ref().map_err(Clone::clone)
     }
 
+    /// The device's memory as the driver reports it: (bytes free now,
+    /// bytes in all).
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.inner.compute.context().mem_get_info().map_err(|e| self.error("CudaDevice::memory_info", e))
+    }
+
     /// Returns the allocator's cached blocks to the driver; the bytes released.
     pub fn empty_cache(&self) -> usize {
         self.inner.allocator.empty_cache()

@@ -111,6 +111,11 @@ impl CudaDevice {
         match *self {}
     }
 
+    /// The device's memory: (bytes free now, bytes in all).
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        match *self {}
+    }
+
     /// Frees the allocator's cached blocks.
     pub fn empty_cache(&self) {
         match *self {}
