@@ -22,26 +22,64 @@ use tessera_dist::Communicator;
 use crate::measure::{all_reduce_time, attention_rate, fit_all_reduce, matmul_rate, memory_bandwidth, nonlinear_rate, optimizer_rate, Budget};
 use crate::profile::{ClusterProfile, DeviceProfile, GroupFit, Link};
 
-/// The products a profile measures, `(m, n, k)`: squares, and a grid of
-/// the shapes layers run (rows of tokens by narrow and wide weights), whose
-/// rates differ by several times on a CPU.
-pub fn matmul_shapes() -> Vec<(usize, usize, usize)> {
-    let mut shapes = vec![(128, 128, 128), (512, 512, 512), (1024, 1024, 1024)];
-    for m in [256, 2048] {
-        for n in [64, 256, 1024] {
-            for k in [64, 256, 1024] {
-                shapes.push((m, n, k));
-            }
-        }
-    }
-    shapes
+/// The sizes a profile measures at: a device's rates depend on the shapes
+/// it runs, and a CPU rank and a GPU run very different ones.
+#[derive(Clone, Copy, Debug)]
+pub struct Scale {
+    /// Square products, by side.
+    pub squares: [usize; 3],
+    /// Rows of tokens of the grid of layer-like products.
+    pub rows: [usize; 2],
+    /// Weight widths of the grid, each side.
+    pub widths: [usize; 3],
+    /// The attention measured: (batch, sequence, heads, head size).
+    pub attention: (usize, usize, usize, usize),
+    /// Bytes of each tensor of the memory-bandwidth pass.
+    pub bandwidth_bytes: usize,
+    /// Elements of the gelu and AdamW passes.
+    pub elements: usize,
+    /// The message sizes each group's all-reduce is timed at.
+    pub all_reduce_bytes: [usize; 4],
 }
 
-/// The attention a profile measures: (batch, sequence, heads, head size).
-pub const ATTENTION_SHAPE: (usize, usize, usize, usize) = (2, 128, 4, 64);
+impl Scale {
+    /// CPU ranks: a grid of 256 or 2048 rows by weights 64, 256 or 1024
+    /// wide on each side, whose rates differ by several times on a CPU.
+    pub const CPU: Scale = Scale {
+        squares: [128, 512, 1024],
+        rows: [256, 2048],
+        widths: [64, 256, 1024],
+        attention: (2, 128, 4, 64),
+        bandwidth_bytes: 32 << 20,
+        elements: 1 << 20,
+        all_reduce_bytes: [1 << 12, 1 << 16, 1 << 20, 1 << 23],
+    };
 
-/// The message sizes each group's all-reduce is timed at.
-pub const ALL_REDUCE_BYTES: &[usize] = &[1 << 12, 1 << 16, 1 << 20, 1 << 23];
+    /// GPUs: the shapes a large model's layers run, 2048 or 16384 rows by
+    /// weights 1024, 4096 or 12288 wide on each side.
+    pub const GPU: Scale = Scale {
+        squares: [1024, 4096, 8192],
+        rows: [2048, 16384],
+        widths: [1024, 4096, 12288],
+        attention: (4, 2048, 16, 128),
+        bandwidth_bytes: 256 << 20,
+        elements: 1 << 26,
+        all_reduce_bytes: [1 << 20, 1 << 24, 1 << 27, 1 << 29],
+    };
+
+    /// The products measured, `(m, n, k)`: the squares, then the grid.
+    pub fn matmul_shapes(&self) -> Vec<(usize, usize, usize)> {
+        let mut shapes: Vec<_> = self.squares.iter().map(|&s| (s, s, s)).collect();
+        for m in self.rows {
+            for n in self.widths {
+                for k in self.widths {
+                    shapes.push((m, n, k));
+                }
+            }
+        }
+        shapes
+    }
+}
 
 /// Measures this machine for `ranks` ranks into a profile named `name`.
 pub fn profile_cpu(name: &str, ranks: usize, budget: Budget) -> Result<ClusterProfile> {
@@ -61,37 +99,56 @@ pub fn profile_cpu(name: &str, ranks: usize, budget: Budget) -> Result<ClusterPr
 /// them work at once: matrix products by shape and dtype, attention, gelu,
 /// AdamW, memory bandwidth, and its share of the machine's memory.
 pub fn measure_device(ranks: usize, budget: Budget) -> Result<DeviceProfile> {
-    const OP: &str = "profile_cpu";
     if ranks == 0 {
-        return Err(Error::invalid(OP, "0 ranks measure nothing; give at least 1"));
+        return Err(Error::invalid("profile_cpu", "0 ranks measure nothing; give at least 1"));
     }
     let memory = machine_memory()?;
-    let dev = Device::cpu();
+    let name = format!("CPU rank, 1 of {ranks} sharing this machine");
+    measure_on(&Device::cpu(), name, memory / ranks as u64, ranks, &Scale::CPU, Figures::All, budget)
+}
+
+/// Whether a figure the backend cannot measure fails the profile or is left out.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Figures {
+    /// Every figure must be measured (the CPU backend runs every op).
+    All,
+    /// Attention, gelu and AdamW are left out where the backend has no such op.
+    Available,
+}
+
+impl Figures {
+    /// A figure measured, or left out (`None`) where it may be.
+    fn keep<T>(self, measured: Result<T>) -> Result<Option<T>> {
+        match (measured, self) {
+            (Ok(v), _) => Ok(Some(v)),
+            (Err(_), Figures::Available) => Ok(None),
+            (Err(e), Figures::All) => Err(e),
+        }
+    }
+}
+
+/// `device` measured at `scale` by `ranks` threads at once: products in f32
+/// and bf16 (the best is the dtype's peak), memory bandwidth, attention,
+/// gelu and AdamW.
+fn measure_on(device: &Device, name: String, memory_bytes: u64, ranks: usize, scale: &Scale, figures: Figures, budget: Budget) -> Result<DeviceProfile> {
     let mut matmul = Vec::new();
     for dtype in [DType::F32, DType::BF16] {
-        for (m, n, k) in matmul_shapes() {
-            matmul.push(matmul_rate(&dev, dtype, m, n, k, ranks, budget)?);
+        for (m, n, k) in scale.matmul_shapes() {
+            matmul.push(matmul_rate(device, dtype, m, n, k, ranks, budget)?);
         }
     }
     let peak_flops = ["f32", "bf16"].iter().map(|&d| (d.to_string(), matmul.iter().filter(|r| r.dtype == d).map(|r| r.flops).fold(0.0, f64::max))).collect();
-    // Two f32 tensors of 32 MiB each read, one written, per rank.
-    let memory_bandwidth = memory_bandwidth(&dev, 32 << 20, ranks, budget)?;
+    // Two f32 tensors read, one written, per rank.
+    let memory_bandwidth = memory_bandwidth(device, scale.bandwidth_bytes, ranks, budget)?;
     let mut attention_flops = std::collections::BTreeMap::new();
     for dtype in [DType::F32, DType::BF16] {
-        attention_flops.insert(dtype.to_string(), attention_rate(&dev, dtype, ATTENTION_SHAPE, ranks, budget)?);
+        if let Some(rate) = figures.keep(attention_rate(device, dtype, scale.attention, ranks, budget))? {
+            attention_flops.insert(dtype.to_string(), rate);
+        }
     }
-    let nonlinear = Some(nonlinear_rate(&dev, 1 << 20, ranks, budget)?);
-    let optimizer_rate = Some(optimizer_rate(&dev, 1 << 20, ranks, budget)?);
-    Ok(DeviceProfile {
-        name: format!("CPU rank, 1 of {ranks} sharing this machine"),
-        memory_bytes: memory / ranks as u64,
-        memory_bandwidth,
-        peak_flops,
-        matmul,
-        attention_flops,
-        nonlinear,
-        optimizer_rate,
-    })
+    let nonlinear = figures.keep(nonlinear_rate(device, scale.elements, ranks, budget))?;
+    let optimizer_rate = figures.keep(optimizer_rate(device, scale.elements, ranks, budget))?;
+    Ok(DeviceProfile { name, memory_bytes, memory_bandwidth, peak_flops, matmul, attention_flops, nonlinear, optimizer_rate })
 }
 
 /// A link of CPU ranks from its all-reduce `fits` by group size. Groups of a
@@ -146,7 +203,8 @@ pub fn profile_job(name: &str, world: &ProcessWorld, per_node: usize, budget: Bu
         if members.contains(&rank) {
             let comm = world.tagged_group(&tag, &members)?;
             let dev = Device::cpu();
-            let times: Vec<(f64, f64)> = ALL_REDUCE_BYTES.iter().map(|&b| all_reduce_time(&comm, &dev, b, 5).map(|t| (b as f64, t))).collect::<Result<_>>()?;
+            let times: Vec<(f64, f64)> =
+                Scale::CPU.all_reduce_bytes.iter().map(|&b| all_reduce_time(&comm, &dev, b, 5).map(|t| (b as f64, t))).collect::<Result<_>>()?;
             if rank == 0 {
                 fit = Some(fit_all_reduce(members.len(), &times)?);
             }
@@ -171,27 +229,6 @@ pub fn profile_job(name: &str, world: &ProcessWorld, per_node: usize, budget: Bu
     cpu_profile(name, per_node, device, link_of(intra, bandwidth), inter_node).map(Some)
 }
 
-/// The products a GPU profile measures, `(m, n, k)`: squares, and a grid
-/// of the shapes a large model's layers run (2048 or 16384 rows of tokens
-/// by weights 1024, 4096 or 12288 wide on each side).
-pub fn gpu_matmul_shapes() -> Vec<(usize, usize, usize)> {
-    let mut shapes = vec![(1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192)];
-    for m in [2048, 16384] {
-        for n in [1024, 4096, 12288] {
-            for k in [1024, 4096, 12288] {
-                shapes.push((m, n, k));
-            }
-        }
-    }
-    shapes
-}
-
-/// The attention a GPU profile measures: (batch, sequence, heads, head size).
-pub const GPU_ATTENTION_SHAPE: (usize, usize, usize, usize) = (4, 2048, 16, 128);
-
-/// The message sizes a GPU group's all-reduce is timed at.
-pub const GPU_ALL_REDUCE_BYTES: &[usize] = &[1 << 20, 1 << 24, 1 << 27, 1 << 29];
-
 /// Measures a node of `gpus` CUDA devices (this machine's first ones):
 /// device 0's matrix products by shape in f32 and bf16, attention, gelu,
 /// AdamW (each where the CUDA backend runs it; a figure it cannot measure
@@ -213,30 +250,14 @@ pub fn profile_cuda(name: &str, gpus: usize, budget: Budget) -> Result<ClusterPr
         .collect::<Result<_>>()?;
     let dev = &devices[0];
     let memory_bytes = dev.total_memory()?.ok_or_else(|| Error::invalid(OP, "the device reports no memory size"))?;
-    let mut matmul = Vec::new();
-    for dtype in [DType::F32, DType::BF16] {
-        for (m, n, k) in gpu_matmul_shapes() {
-            matmul.push(matmul_rate(dev, dtype, m, n, k, 1, budget)?);
-        }
-    }
-    let peak_flops = ["f32", "bf16"].iter().map(|&d| (d.to_string(), matmul.iter().filter(|r| r.dtype == d).map(|r| r.flops).fold(0.0, f64::max))).collect();
-    let memory_bandwidth = memory_bandwidth(dev, 256 << 20, 1, budget)?;
-    let mut attention_flops = std::collections::BTreeMap::new();
-    for dtype in [DType::F32, DType::BF16] {
-        if let Ok(rate) = attention_rate(dev, dtype, GPU_ATTENTION_SHAPE, 1, budget) {
-            attention_flops.insert(dtype.to_string(), rate);
-        }
-    }
-    let nonlinear = nonlinear_rate(dev, 1 << 26, 1, budget).ok();
-    let optimizer_rate = optimizer_rate(dev, 1 << 26, 1, budget).ok();
-    let device = DeviceProfile { name: gpu_name(dev), memory_bytes, memory_bandwidth, peak_flops, matmul, attention_flops, nonlinear, optimizer_rate };
+    let device = measure_on(dev, gpu_name(dev), memory_bytes, 1, &Scale::GPU, Figures::Available, budget)?;
     let mut fits = Vec::new();
     let mut size = 2;
     while size <= gpus {
-        fits.push(fit_all_reduce(size, &nccl_all_reduce_times(&devices[..size])?)?);
+        fits.push(fit_all_reduce(size, &nccl_all_reduce_times(&devices[..size], &Scale::GPU.all_reduce_bytes)?)?);
         size *= 2;
     }
-    let mut intra_node = link_of(fits, memory_bandwidth);
+    let mut intra_node = link_of(fits, device.memory_bandwidth);
     intra_node.overlaps_compute = true;
     let profile = ClusterProfile { name: name.to_string(), gpus_per_node: gpus, device, intra_node, inter_node: None, ranks_share_cores: false };
     ClusterProfile::parse(&profile.to_toml(), name)
@@ -251,33 +272,33 @@ fn gpu_name(dev: &Device) -> String {
 }
 
 /// (bytes, seconds) of NCCL all-reduces over `devices`, a thread each,
-/// GPU 0's best time at each of [`GPU_ALL_REDUCE_BYTES`].
+/// GPU 0's best time at each of `sizes` bytes.
 #[cfg(feature = "cuda")]
-fn nccl_all_reduce_times(devices: &[Device]) -> Result<Vec<(f64, f64)>> {
+fn nccl_all_reduce_times(devices: &[Device], sizes: &[usize]) -> Result<Vec<(f64, f64)>> {
     use tessera_dist::nccl::NcclCommunicator;
     let comms = NcclCommunicator::group(devices)?;
     let per_rank: Vec<Result<Vec<f64>>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
             .zip(devices)
-            .map(|(comm, dev)| s.spawn(move || -> Result<Vec<f64>> { GPU_ALL_REDUCE_BYTES.iter().map(|&b| all_reduce_time(&comm, dev, b, 5)).collect() }))
+            .map(|(comm, dev)| s.spawn(move || -> Result<Vec<f64>> { sizes.iter().map(|&b| all_reduce_time(&comm, dev, b, 5)).collect() }))
             .collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("profile_cuda", "a measuring GPU's thread panicked")))).collect()
     });
     let mut per_rank = per_rank.into_iter().collect::<Result<Vec<_>>>()?;
     let gpu0 = per_rank.swap_remove(0);
-    Ok(GPU_ALL_REDUCE_BYTES.iter().zip(gpu0).map(|(&b, t)| (b as f64, t)).collect())
+    Ok(sizes.iter().zip(gpu0).map(|(&b, t)| (b as f64, t)).collect())
 }
 
 /// Without the CUDA backend there are no GPUs to measure (and
 /// [`profile_cuda`] has already failed opening them).
 #[cfg(not(feature = "cuda"))]
-fn nccl_all_reduce_times(_: &[Device]) -> Result<Vec<(f64, f64)>> {
+fn nccl_all_reduce_times(_: &[Device], _: &[usize]) -> Result<Vec<(f64, f64)>> {
     Err(Error::NotCompiledWithCuda)
 }
 
 /// (bytes, seconds) of in-process all-reduces in a group of `size`, rank
-/// 0's best time at each of [`ALL_REDUCE_BYTES`].
+/// 0's best time at each of the CPU scale's sizes.
 fn all_reduce_times(size: usize) -> Result<Vec<(f64, f64)>> {
     let world = InProcess::new(size)?;
     let per_rank: Vec<Result<Vec<f64>>> = std::thread::scope(|s| {
@@ -287,7 +308,7 @@ fn all_reduce_times(size: usize) -> Result<Vec<(f64, f64)>> {
                 s.spawn(move || -> Result<Vec<f64>> {
                     let dev = Device::cpu();
                     let comm = world.communicator(rank, &dev)?;
-                    ALL_REDUCE_BYTES.iter().map(|&b| all_reduce_time(&comm, &dev, b, 5)).collect()
+                    Scale::CPU.all_reduce_bytes.iter().map(|&b| all_reduce_time(&comm, &dev, b, 5)).collect()
                 })
             })
             .collect();
@@ -295,7 +316,7 @@ fn all_reduce_times(size: usize) -> Result<Vec<(f64, f64)>> {
     });
     let mut per_rank = per_rank.into_iter().collect::<Result<Vec<_>>>()?;
     let rank0 = per_rank.swap_remove(0);
-    Ok(ALL_REDUCE_BYTES.iter().zip(rank0).map(|(&b, t)| (b as f64, t)).collect())
+    Ok(Scale::CPU.all_reduce_bytes.iter().zip(rank0).map(|(&b, t)| (b as f64, t)).collect())
 }
 
 /// The machine's memory in bytes (`MemTotal` of /proc/meminfo).
@@ -324,7 +345,7 @@ mod tests {
         }
         let p = profile_cuda("gpu", 1, Budget { per_figure: Duration::from_millis(20) }).unwrap();
         assert_eq!((p.gpus_per_node, p.ranks_share_cores, p.intra_node.overlaps_compute), (1, false, true));
-        assert_eq!(p.device.matmul.len(), 2 * gpu_matmul_shapes().len());
+        assert_eq!(p.device.matmul.len(), 2 * Scale::GPU.matmul_shapes().len());
         // A GPU's bf16 products run on tensor cores: far past its f32 ones
         // and past any CPU.
         assert!(p.peak_flops("bf16").unwrap() > 2.0 * p.peak_flops("f32").unwrap(), "{:?}", p.device.peak_flops);
@@ -338,7 +359,7 @@ mod tests {
         let p = profile_cpu("this machine", 2, Budget { per_figure: Duration::from_millis(10) }).unwrap();
         assert_eq!(p.gpus_per_node, 2);
         assert!(p.inter_node.is_none());
-        assert_eq!(p.device.matmul.len(), 2 * matmul_shapes().len());
+        assert_eq!(p.device.matmul.len(), 2 * Scale::CPU.matmul_shapes().len());
         assert_eq!(p.intra_node.by_size.len(), 1);
         assert_eq!(p.intra_node.by_size[0].size, 2);
         let f32_peak = p.peak_flops("f32").unwrap();

@@ -25,6 +25,16 @@ fn engine() -> tessera::Result<Engine<Gpt2>> {
     Engine::new(model, cx, config)
 }
 
+/// [`engine`] with a context of 2048 tokens and the KV memory for four
+/// requests of it.
+fn long_engine() -> tessera::Result<Engine<Gpt2>> {
+    const LONG: usize = 2048;
+    let cx = Cx::new(Device::cpu());
+    let model = module::build(Gpt2::new(&Gpt2Config::tiny(VOCAB, 32, 4, 2, LONG)).expect("a valid config"), &cx)?;
+    let config = EngineConfig { block_size: 16, kv_memory: KvMemory::Blocks(4 * LONG / 16), max_num_batched_tokens: 64, ..EngineConfig::new(LONG) };
+    Engine::new(model, cx, config)
+}
+
 fn driver(max_pending: usize) -> Driver {
     Driver::spawn(engine, DriverLimits { max_pending }).unwrap()
 }
@@ -195,19 +205,32 @@ fn shutdown_drains_or_cancels_and_a_failed_build_is_the_error() {
         let (_, tokens, end) = collect(rx);
         assert_eq!((tokens.len(), end), (30, Some(FinishReason::Stop(tessera::serve::sampling::StopReason::MaxTokens))));
     }
-    // Cancelling: every request ends, aborted, long before its 1000 tokens.
-    let d = driver(8);
+    // Cancelling: every request ends, aborted, long before its 2000 tokens.
+    // The context is long enough that none can reach its end first: the
+    // shutdown comes as soon as each has produced a token (an optimised
+    // build runs a request of this tiny model to a short context's end in
+    // a few milliseconds).
+    let d = Driver::spawn(long_engine, DriverLimits { max_pending: 8 }).unwrap();
     let rxs: Vec<_> = (0..4)
         .map(|i| {
             let (tx, rx) = mpsc::channel();
-            d.submit(prompt(i), SamplingParams { max_tokens: 1000, ignore_eos: true, ..SamplingParams::greedy() }, tx).unwrap();
+            d.submit(prompt(i), SamplingParams { max_tokens: 2000, ignore_eos: true, ..SamplingParams::greedy() }, tx).unwrap();
             rx
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(30));
-    d.shutdown(false).unwrap();
+    let mut lasts = Vec::new();
     for rx in &rxs {
-        let mut last = None;
+        let first = loop {
+            match rx.recv_timeout(Duration::from_secs(60)).expect("the driver went silent") {
+                Event::Output(o) => break o.finished,
+                Event::Rejected(e) => panic!("rejected: {e}"),
+                Event::Admitted(_) => {}
+            }
+        };
+        lasts.push(first);
+    }
+    d.shutdown(false).unwrap();
+    for (rx, mut last) in rxs.iter().zip(lasts) {
         for event in rx.iter() {
             if let Event::Output(o) = event {
                 last = o.finished;
@@ -216,9 +239,9 @@ fn shutdown_drains_or_cancels_and_a_failed_build_is_the_error() {
         assert_eq!(last, Some(FinishReason::Aborted));
     }
     // Dropping the handle cancels too, and returns.
-    let d = driver(8);
+    let d = Driver::spawn(long_engine, DriverLimits { max_pending: 8 }).unwrap();
     let (tx, rx) = mpsc::channel();
-    d.submit(prompt(1), greedy(1000), tx).unwrap();
+    d.submit(prompt(1), greedy(2000), tx).unwrap();
     drop(d);
     assert!(rx.iter().any(|e| matches!(e, Event::Output(RequestOutput { finished: Some(FinishReason::Aborted), .. }))));
 
