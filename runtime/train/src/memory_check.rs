@@ -42,9 +42,15 @@ pub fn planned_layout(cfg: &TrainConfig) -> Result<Layout> {
 /// `model` (as a tensor-parallel rank builds it): every rank's peak, the
 /// fullest stage's for each; `None` when the model does not describe itself.
 pub(crate) fn estimated_need<M: Module>(cfg: &TrainConfig, model: &M) -> Result<Option<f64>> {
+    Ok(fullest_rank(cfg, model)?.map(|peak| peak * cfg.mesh.world_size() as f64))
+}
+
+/// The cost model's peak of the fullest rank of `cfg` for `model`; `None`
+/// when the model does not describe itself.
+fn fullest_rank<M: Module>(cfg: &TrainConfig, model: &M) -> Result<Option<f64>> {
     let layout = planned_layout(cfg)?;
     let Ok(cost) = module::describe(model, layout.settings()) else { return Ok(None) };
-    Ok(Some(memory(&cost, &layout)?.total() * cfg.mesh.world_size() as f64))
+    Ok(Some(memory(&cost, &layout)?.total()))
 }
 
 /// A warning, when the cost model says `cfg` will need more of the host's
@@ -68,9 +74,7 @@ pub(crate) fn fit_warning<M: Module>(cfg: &TrainConfig, model: &M) -> Result<Opt
 /// more than one GPU's `gpu_bytes` (every rank has a GPU of its own),
 /// naming the estimate and the fixes.
 pub(crate) fn gpu_fit_warning<M: Module>(cfg: &TrainConfig, model: &M, gpu_bytes: f64) -> Result<Option<String>> {
-    let layout = planned_layout(cfg)?;
-    let Ok(cost) = module::describe(model, layout.settings()) else { return Ok(None) };
-    let need = memory(&cost, &layout)?.total();
+    let Some(need) = fullest_rank(cfg, model)? else { return Ok(None) };
     if need <= gpu_bytes {
         return Ok(None);
     }
