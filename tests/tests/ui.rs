@@ -32,6 +32,29 @@ fn ui() {
 /// compile-fail case reports that it "succeeded". Rebuilding the cases here
 /// shows cargo's own error, and the free space says whether the disk ran out.
 fn diagnosis() -> String {
+    format!("{}{}", null_device(), cargo_output())
+}
+
+/// Cargo learns the target's properties by running `rustc -` with its input
+/// from `/dev/null`. On a machine where `/dev/null` has become a regular file
+/// (a container that replaced the device, a `rm` run as root), rustc reads
+/// whatever was last thrown away there, fails, and so does every cargo run
+/// trybuild makes.
+fn null_device() -> String {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::metadata("/dev/null") {
+        Ok(m) if m.file_type().is_char_device() => String::new(),
+        Ok(m) => format!(
+            "\nui: /dev/null is not the null device but a regular file of {} bytes, which cargo feeds to rustc \
+             as source; restore it (as root: rm /dev/null && mknod -m 666 /dev/null c 1 3) and rerun.\n",
+            m.len()
+        ),
+        Err(e) => format!("\nui: /dev/null cannot be read ({e}); cargo needs it.\n"),
+    }
+}
+
+/// The rebuild described on [`diagnosis`].
+fn cargo_output() -> String {
     let trybuild = Path::new(env!("CARGO_TARGET_TMPDIR")).join("../tests/trybuild");
     let project = trybuild.join(env!("CARGO_PKG_NAME"));
     let free = Command::new("df").args(["-h", "--output=avail,target"]).arg(&trybuild).output();
