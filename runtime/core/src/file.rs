@@ -15,7 +15,19 @@ use std::path::Path;
 /// sees the old file or the new one, never a truncated one; after a crash
 /// or power loss the new file is whole or absent. The temporary file is
 /// removed when anything fails.
+///
+/// A path that names something other than a file is written through, not
+/// replaced: `/dev/null`, a pipe or a terminal (`--out /dev/stdout`) gets
+/// the bytes, and stays what it was; renaming over it would swap a device
+/// for a regular file. A symbolic link is followed, and the file it points
+/// to is replaced, so the link keeps pointing there.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let target = follow_links(path)?;
+    let path = target.as_path();
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() && !m.is_dir() => return std::fs::OpenOptions::new().write(true).open(path)?.write_all(bytes),
+        _ => {}
+    }
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
@@ -26,6 +38,27 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     tmp.persist(path).map_err(|e| e.error)?;
     sync_dir(dir);
     Ok(())
+}
+
+/// Where `path` leads through symbolic links (a chain of them, relative or
+/// absolute), to a file that may not exist yet; `path` itself when it is
+/// no link.
+fn follow_links(path: &Path) -> io::Result<std::path::PathBuf> {
+    let mut at = path.to_path_buf();
+    // The kernel's own limit on a chain of links.
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&at) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let next = std::fs::read_link(&at)?;
+                at = match at.parent() {
+                    Some(dir) if next.is_relative() => dir.join(next),
+                    _ => next,
+                };
+            }
+            _ => return Ok(at),
+        }
+    }
+    Err(io::Error::other(format!("{}: too many levels of symbolic links", path.display())))
 }
 
 /// Maps `file` into memory, read-only: its bytes are read from the page
@@ -96,6 +129,43 @@ mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), b"second, longer");
         let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, ["out.json"], "a temporary file was left behind");
+    }
+
+    #[test]
+    fn a_pipe_or_a_link_is_written_through_and_stays_what_it_was() {
+        use std::os::unix::fs::FileTypeExt;
+        let dir = tempfile::tempdir().unwrap();
+        // A named pipe stands for /dev/null, /dev/stdout and the like: a
+        // rename would leave a regular file in its place.
+        let fifo = dir.path().join("pipe");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let reader = {
+            let fifo = fifo.clone();
+            std::thread::spawn(move || std::fs::read(fifo).unwrap())
+        };
+        write_atomic(&fifo, b"through the pipe").unwrap();
+        // Checked before waiting for the reader, which waits for ever on a
+        // pipe that was renamed away.
+        assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(), "the pipe was replaced");
+        assert_eq!(reader.join().unwrap(), b"through the pipe");
+
+        let real = dir.path().join("real.toml");
+        let link = dir.path().join("link.toml");
+        write_atomic(&real, b"old").unwrap();
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        write_atomic(&link, b"new").unwrap();
+        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link was replaced by a file");
+        assert_eq!(std::fs::read(&real).unwrap(), b"new");
+        // A link to nothing yet gets its file made where it points.
+        let dangling = dir.path().join("dangling");
+        std::os::unix::fs::symlink(dir.path().join("made.toml"), &dangling).unwrap();
+        write_atomic(&dangling, b"x").unwrap();
+        assert_eq!(std::fs::read(dir.path().join("made.toml")).unwrap(), b"x");
+        assert!(std::fs::symlink_metadata(&dangling).unwrap().file_type().is_symlink());
+        // A loop of links is an error, not a hang.
+        std::os::unix::fs::symlink(dir.path().join("b"), dir.path().join("a")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("a"), dir.path().join("b")).unwrap();
+        assert!(write_atomic(&dir.path().join("a"), b"x").unwrap_err().to_string().contains("symbolic links"));
     }
 
     #[test]
