@@ -19,7 +19,7 @@ use tessera::dist::env::ProcessEnv;
 use tessera::dist::process::ProcessWorld;
 use tessera::dist::store::Rendezvous;
 use tessera::Device;
-use tessera_plan::machine::{profile_cpu, profile_cuda, profile_job};
+use tessera_plan::machine::{profile_cpu, profile_cuda, profile_job, Job};
 use tessera_plan::measure::Budget;
 
 /// Arguments of `tessera profile`.
@@ -42,6 +42,12 @@ pub struct Args {
     /// With `--device cuda`: the GPUs of the node (this machine's first ones).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=1024))]
     gpus: u16,
+    /// Under a launcher, what connects the processes: `tcp` (Tessera's own
+    /// connections, shared memory inside a node) or `mpi` (the job's MPI
+    /// library, for jobs started by mpirun or srun; a build with the mpi
+    /// feature), as `mesh.comm` chooses for training.
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "mpi"])]
+    comm: String,
     /// Seconds spent timing each figure (more: steadier figures).
     #[arg(long, default_value_t = 0.3)]
     seconds_per_figure: f64,
@@ -71,13 +77,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             // Rank 0 measures the device while the others wait at a barrier:
             // allow them that long and more.
             let timeout = Duration::from_secs_f64(120.0 + 300.0 * args.seconds_per_figure);
-            let rendezvous = Rendezvous::join(&env, timeout).context("joining the job")?;
-            let world = ProcessWorld::join(&rendezvous, &Device::cpu(), timeout).context("connecting the job's ranks")?;
-            match profile_job(&args.name, &world, env.local_world_size, budget).context("measuring the job")? {
-                Some(p) => (p, format!("a job of {} CPU processes, {} per node", env.world_size, env.local_world_size)),
+            let measured = if args.comm == "mpi" {
+                profile_mpi_job(&args.name, &env, timeout, budget)?
+            } else {
+                let rendezvous = Rendezvous::join(&env, timeout).context("joining the job")?;
+                let world = ProcessWorld::join(&rendezvous, &Device::cpu(), timeout).context("connecting the job's ranks")?;
+                profile_job(&args.name, Job::Process(&world), env.local_world_size, budget).context("measuring the job")?
+            };
+            match measured {
+                Some(p) => (p, format!("a job of {} CPU processes, {} per node, over {}", env.world_size, env.local_world_size, args.comm)),
                 // Rank 0 reports and writes.
                 None => return Ok(()),
             }
+        }
+        None if args.comm == "mpi" => {
+            anyhow::bail!("--comm mpi measures a job started by mpirun or srun, and this process was not; run `mpirun -np N tessera profile --comm mpi`")
         }
         None if args.device == "cuda" => {
             if args.ranks.is_some() {
@@ -116,4 +130,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         None => say!("{}", text.trim_end()),
     }
     Ok(())
+}
+
+/// Measures the MPI job this process is a rank of (`--comm mpi`).
+#[cfg(feature = "mpi")]
+fn profile_mpi_job(name: &str, env: &ProcessEnv, timeout: Duration, budget: Budget) -> anyhow::Result<Option<tessera_plan::profile::ClusterProfile>> {
+    use tessera::dist::mpi::{MpiOptions, MpiWorld};
+    let options = MpiOptions { timeout: Some(timeout), ..MpiOptions::from_env()? };
+    let world = MpiWorld::init_with(&Device::cpu(), options).context("starting MPI")?;
+    if (world.rank(), world.world_size()) != (env.rank, env.world_size) {
+        anyhow::bail!(
+            "MPI says this process is rank {} of {}, but the launcher's variables say rank {} of {}: start the job with the MPI's own launcher",
+            world.rank(),
+            world.world_size(),
+            env.rank,
+            env.world_size
+        );
+    }
+    profile_job(name, Job::Mpi(&world), env.local_world_size, budget).context("measuring the job")
+}
+
+/// Without MPI in the build there is no MPI job to measure.
+#[cfg(not(feature = "mpi"))]
+fn profile_mpi_job(_: &str, _: &ProcessEnv, _: Duration, _: Budget) -> anyhow::Result<Option<tessera_plan::profile::ClusterProfile>> {
+    anyhow::bail!("--comm mpi needs a build with the mpi feature (`cargo build --release -p tessera-cli --features mpi`, and MPI installed; see docs/launch.md), or use --comm tcp")
 }

@@ -36,6 +36,8 @@ fn bad_arguments_are_refused_naming_them() {
         (&["--seconds-per-figure", "0"][..], "--seconds-per-figure"),
         (&["--seconds-per-figure", "nan"][..], "--seconds-per-figure"),
         (&["--ranks", "1", "--seconds-per-figure", "0.01", "--out", "/nonexistent/dir/p.toml"][..], "/nonexistent/dir/p.toml"),
+        (&["--comm", "mpi"][..], "mpirun -np N tessera profile --comm mpi"),
+        (&["--comm", "nccl"][..], "--comm"),
     ] {
         let run = tessera(args);
         let stderr = String::from_utf8_lossy(&run.stderr);

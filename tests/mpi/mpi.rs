@@ -12,6 +12,8 @@
 //!   with the exact reduction and for everything that only moves data, within
 //!   the documented bound with MPI's native sums. Run on 4 ranks and on 3
 //!   (chunks of unequal length).
+//!   The last case profiles the job for the planner (`tessera profile
+//!   --comm mpi`): MPI's all-reduce fitted inside a "node" and between them.
 //! - `abort`, `kill`, `hang`, `panic`: one rank aborts, is killed, hangs past
 //!   the timeout, or panics while the others wait in a collective; the driver
 //!   checks that the whole job ends, soon, with a failure status and a message
@@ -281,6 +283,7 @@ const CASES: &[Case] = &[
     ("mismatched_calls_are_errors_on_every_rank_and_the_group_stays_usable", mismatches),
     ("large_tensors_give_the_in_process_bits", large),
     ("options_are_read_from_the_environment_and_bad_values_named", options),
+    ("a_profile_of_the_job_fits_mpi_inside_and_between_nodes", profile),
 ];
 
 fn suite(world: &MpiWorld) -> ExitCode {
@@ -575,4 +578,36 @@ fn options(_: &Ctx) {
         let e = MpiOptions::from_vars(vars(pairs)).unwrap_err().to_string();
         assert!(e.contains(k) && e.contains(v), "{e}");
     }
+}
+
+/// The planner's profile of this job (`tessera profile --comm mpi`): rank 0
+/// measures the device for its node's ranks while the others wait, then MPI's
+/// all-reduce is timed over groups of the first "node" and over one rank of
+/// each "node" (nodes of two ranks where the job divides into them), and
+/// fitted to a latency and bandwidth per group size. Rank 0 gets the
+/// profile, every other rank none.
+fn profile(cx: &Ctx) {
+    use tessera_plan::machine::{profile_job, Job};
+    use tessera_plan::measure::Budget;
+    let per_node = if cx.n.is_multiple_of(2) { 2 } else { cx.n };
+    let budget = Budget { per_figure: Duration::from_millis(10) };
+    let profile = profile_job("mpi-job", Job::Mpi(cx.world), per_node, budget).unwrap();
+    if cx.rank != 0 {
+        assert!(profile.is_none(), "rank {} got a profile", cx.rank);
+        return;
+    }
+    let p = profile.expect("rank 0 gets the profile");
+    assert_eq!(p.gpus_per_node, per_node);
+    let sizes = |fits: &[tessera_plan::profile::GroupFit]| fits.iter().map(|f| f.size).collect::<Vec<_>>();
+    assert_eq!(sizes(&p.intra_node.by_size), [2], "{p:?}");
+    let nodes = cx.n / per_node;
+    match &p.inter_node {
+        Some(link) => assert_eq!((nodes, sizes(&link.by_size)), (2, vec![2]), "{p:?}"),
+        None => assert_eq!(nodes, 1, "{p:?}"),
+    }
+    for fit in p.intra_node.by_size.iter().chain(p.inter_node.iter().flat_map(|l| &l.by_size)) {
+        // Ranks of one machine: between a memory copy's speed and far below it, never free.
+        assert!(fit.bandwidth > 1e6 && fit.bandwidth < 1e12 && fit.latency < 0.01, "{fit:?}");
+    }
+    assert!(p.device.peak_flops["f32"] > 0.0 && p.device.memory_bytes > 0);
 }

@@ -38,8 +38,9 @@ pub struct Scale {
     pub bandwidth_bytes: usize,
     /// Elements of the gelu and AdamW passes.
     pub elements: usize,
-    /// The message sizes each group's all-reduce is timed at.
-    pub all_reduce_bytes: [usize; 4],
+    /// The message sizes each group's all-reduce is timed at: from ones
+    /// whose time is the latency to ones whose time is the bandwidth.
+    pub all_reduce_bytes: &'static [usize],
 }
 
 impl Scale {
@@ -52,7 +53,7 @@ impl Scale {
         attention: (2, 128, 4, 64),
         bandwidth_bytes: 32 << 20,
         elements: 1 << 20,
-        all_reduce_bytes: [1 << 12, 1 << 16, 1 << 20, 1 << 23],
+        all_reduce_bytes: &[1 << 10, 1 << 12, 1 << 16, 1 << 20, 1 << 23],
     };
 
     /// GPUs: the shapes a large model's layers run, 2048 or 16384 rows by
@@ -64,7 +65,7 @@ impl Scale {
         attention: (4, 2048, 16, 128),
         bandwidth_bytes: 256 << 20,
         elements: 1 << 26,
-        all_reduce_bytes: [1 << 20, 1 << 24, 1 << 27, 1 << 29],
+        all_reduce_bytes: &[1 << 14, 1 << 17, 1 << 20, 1 << 24, 1 << 27, 1 << 29],
     };
 
     /// The products measured, `(m, n, k)`: the squares, then the grid.
@@ -167,6 +168,53 @@ fn cpu_profile(name: &str, per_node: usize, device: DeviceProfile, intra_node: L
     ClusterProfile::parse(&profile.to_toml(), name)
 }
 
+/// The ranks of a launched job, through whichever library connects them.
+#[derive(Clone, Copy)]
+pub enum Job<'a> {
+    /// Tessera's own connections: shared memory inside a node, TCP between.
+    Process(&'a ProcessWorld),
+    /// The job's MPI library (a job started by `mpirun` or `srun`).
+    #[cfg(feature = "mpi")]
+    Mpi(&'a tessera_dist::mpi::MpiWorld),
+}
+
+impl Job<'_> {
+    fn rank(&self) -> usize {
+        match self {
+            Job::Process(w) => w.rank(),
+            #[cfg(feature = "mpi")]
+            Job::Mpi(w) => w.rank(),
+        }
+    }
+
+    fn world_size(&self) -> usize {
+        match self {
+            Job::Process(w) => w.world_size(),
+            #[cfg(feature = "mpi")]
+            Job::Mpi(w) => w.world_size(),
+        }
+    }
+
+    /// This rank's communicator in the group `members` named `tag` (every
+    /// member asks for it, in the same order as the other groups).
+    fn group(&self, tag: &str, members: &[usize]) -> Result<Box<dyn Communicator>> {
+        Ok(match self {
+            Job::Process(w) => Box::new(w.tagged_group(tag, members)?),
+            #[cfg(feature = "mpi")]
+            Job::Mpi(w) => Box::new(w.tagged_group(tag, members)?),
+        })
+    }
+
+    /// Stops every rank, saying why (an MPI job ends here).
+    fn abort(&self, reason: &str) {
+        match self {
+            Job::Process(w) => w.abort(w.rank(), reason),
+            #[cfg(feature = "mpi")]
+            Job::Mpi(w) => w.abort(reason),
+        }
+    }
+}
+
 /// Measures the job this process is a rank of: every process of the job
 /// calls it. Rank 0 measures the device (for as many ranks as its node
 /// runs, sharing the machine) while the others wait; then the job's own
@@ -176,19 +224,19 @@ fn cpu_profile(name: &str, per_node: usize, device: DeviceProfile, intra_node: L
 /// between them. Ranks are numbered node by node (`tessera launch`,
 /// torchrun and Slurm do), `per_node` of them on every node. Rank 0 gets
 /// the profile; the others `None`.
-pub fn profile_job(name: &str, world: &ProcessWorld, per_node: usize, budget: Budget) -> Result<Option<ClusterProfile>> {
+pub fn profile_job(name: &str, world: Job<'_>, per_node: usize, budget: Budget) -> Result<Option<ClusterProfile>> {
     const OP: &str = "profile_job";
     let (rank, size) = (world.rank(), world.world_size());
     if per_node == 0 || size % per_node != 0 {
         return Err(Error::topology(OP, format!("{size} ranks are not whole nodes of {per_node}; start the same number of processes on every node")));
     }
     let nodes = size / per_node;
-    let all = world.communicator()?;
+    let all = world.group("profile", &(0..size).collect::<Vec<_>>())?;
     let device = if rank == 0 {
         match measure_device(per_node, budget) {
             Ok(d) => Some(d),
             Err(e) => {
-                world.abort(rank, &e.to_string());
+                world.abort(&e.to_string());
                 return Err(e);
             }
         }
@@ -201,10 +249,10 @@ pub fn profile_job(name: &str, world: &ProcessWorld, per_node: usize, budget: Bu
     let measure = |tag: String, members: Vec<usize>| -> Result<Option<GroupFit>> {
         let mut fit = None;
         if members.contains(&rank) {
-            let comm = world.tagged_group(&tag, &members)?;
+            let comm = world.group(&tag, &members)?;
             let dev = Device::cpu();
             let times: Vec<(f64, f64)> =
-                Scale::CPU.all_reduce_bytes.iter().map(|&b| all_reduce_time(&comm, &dev, b, 5).map(|t| (b as f64, t))).collect::<Result<_>>()?;
+                Scale::CPU.all_reduce_bytes.iter().map(|&b| all_reduce_time(comm.as_ref(), &dev, b, 5).map(|t| (b as f64, t))).collect::<Result<_>>()?;
             if rank == 0 {
                 fit = Some(fit_all_reduce(members.len(), &times)?);
             }
@@ -254,7 +302,7 @@ pub fn profile_cuda(name: &str, gpus: usize, budget: Budget) -> Result<ClusterPr
     let mut fits = Vec::new();
     let mut size = 2;
     while size <= gpus {
-        fits.push(fit_all_reduce(size, &nccl_all_reduce_times(&devices[..size], &Scale::GPU.all_reduce_bytes)?)?);
+        fits.push(fit_all_reduce(size, &nccl_all_reduce_times(&devices[..size], Scale::GPU.all_reduce_bytes)?)?);
         size *= 2;
     }
     let mut intra_node = link_of(fits, device.memory_bandwidth);
