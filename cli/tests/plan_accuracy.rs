@@ -2,8 +2,9 @@
 //! then ten layouts of a small GPT-2 on two CPU ranks are trained with
 //! `tessera train` and estimated with `tessera plan --evaluate`. Each
 //! estimate must be within 25 % of the measured step time and 5 % of the
-//! measured peak memory of the fullest rank, and the layout the cost model
-//! ranks first of them must train within 10 % of the fastest one.
+//! measured peak memory of the fullest rank; and the plan the search ranks
+//! first of every layout two ranks can take (`tessera plan`) must train
+//! within 10 % of the fastest layout measured.
 //!
 //! Two ranks, because two is what every machine this runs on can give each
 //! rank its own core: ranks that timeshare cores lose throughput to each
@@ -81,7 +82,7 @@ fn predict(config: &Path, profile: &Path, layout: &[&str]) -> (f64, f64) {
 }
 
 #[test]
-fn the_planner_predicts_the_layouts_it_is_measured_on_and_ranks_a_fastest_one_first() {
+fn the_planner_predicts_the_layouts_it_is_measured_on_and_its_first_plan_trains_within_10_percent_of_the_fastest() {
     let dir = Scratch::new("plan-accuracy");
     let config = dir.path().join("gpt2.toml");
     std::fs::write(&config, MODEL).unwrap();
@@ -114,18 +115,23 @@ fn the_planner_predicts_the_layouts_it_is_measured_on_and_ranks_a_fastest_one_fi
     let misses: Vec<&str> = left.iter().map(|&i| LAYOUTS[i].0).collect();
     assert!(misses.is_empty(), "outside 25 % of the step time or 5 % of the peak memory three times: {misses:?}\n{report}");
 
-    // The layout the cost model ranks first of those measured (on the last
-    // profile), against the fastest measured. Steps on a shared machine move
-    // by several per cent between runs: both are timed twice more, in turn,
-    // and each keeps its best time.
-    let ranked: Vec<(&str, &[&str], f64)> = LAYOUTS.iter().map(|&(name, layout)| (name, layout, predict(&config, &profile, layout).0)).collect();
-    let &(first_name, first_layout, _) = ranked.iter().min_by(|a, b| a.2.total_cmp(&b.2)).unwrap();
+    // The plan the whole search ranks first (`tessera plan` over every
+    // layout two ranks can take, on the last profile), trained, against the
+    // fastest layout measured. Steps on a shared machine move by several
+    // per cent between runs: both are timed twice more, in turn, and each
+    // keeps its best time.
+    let top = dir.path().join("top.toml");
+    let table = tessera(&["plan", "--model", config.to_str().unwrap(), "--cluster", profile.to_str().unwrap(), "--top", "3", "--out", top.to_str().unwrap()]);
+    report += &format!("the search's best plans:\n{table}");
+    let mut first = measure(dir.path(), "ranked first", &top, &[]).0;
     let best_of = |name: &str| measured.iter().filter(|m| m.0 == name).map(|m| m.2).fold(f64::INFINITY, f64::min);
     let (fastest_name, fastest_layout, _) = *measured.iter().min_by(|a, b| a.2.total_cmp(&b.2)).unwrap();
-    let (mut first, mut fastest) = (best_of(first_name), best_of(fastest_name));
+    let mut fastest = best_of(fastest_name);
     for again in 0..2 {
-        first = first.min(measure(dir.path(), &format!("{first_name} {again}"), &config, first_layout).0);
+        first = first.min(measure(dir.path(), &format!("ranked first {again}"), &top, &[]).0);
         fastest = fastest.min(measure(dir.path(), &format!("{fastest_name} {again}"), &config, fastest_layout).0);
     }
-    assert!(first <= 1.10 * fastest, "{first_name}, ranked first, takes {first:.4} s per step, over 10 % more than {fastest_name}'s {fastest:.4} s\n{report}");
+    let fastest = fastest.min(first);
+    eprintln!("{}\nranked first: {first:.4} s per step; fastest measured ({fastest_name}): {fastest:.4} s", table.lines().nth(3).unwrap_or(""));
+    assert!(first <= 1.10 * fastest, "the plan ranked first takes {first:.4} s per step, over 10 % more than {fastest_name}'s {fastest:.4} s\n{report}");
 }

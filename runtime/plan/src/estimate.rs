@@ -326,22 +326,46 @@ fn memory_of(cost: &ModelCost, layout: &Layout, placed: &Placed) -> Result<StepM
     Ok(worst)
 }
 
-/// The matrix-multiply rate for `dtype` at a product of `m × k` by `k × n`:
-/// the measured shape nearest it (by the logarithm of each side), else the
-/// datasheet peak.
+/// The matrix-multiply rate for `dtype` at a product of `m × k` by `k × n`,
+/// from the shapes measured (else the datasheet peak): the measured rate
+/// where the shape was measured, else a blend of the nearest measured
+/// shapes (up to [`BLEND`], by the logarithm of each side), each weighted
+/// by the inverse square of its distance. A product between two measured
+/// row counts gets a rate between theirs, rather than the whole of the
+/// nearer one's: a CPU's rate changes by several times between 64 and 2048
+/// rows. Outside the measured range it stays among the nearest measured
+/// rates: a blend never leaves the range of what was measured.
 fn matmul_rate(cluster: &ClusterProfile, dtype: DType, (m, k, n): (usize, usize, usize)) -> Result<f64> {
     let name = dtype.to_string();
-    let dist = |a: usize, b: usize| ((a.max(1) as f64).ln() - (b.max(1) as f64).ln()).abs();
-    let nearest = cluster.device.matmul.iter().filter(|r| r.dtype == name).min_by(|a, b| {
-        let da = dist(a.m, m) + dist(a.k, k) + dist(a.n, n);
-        let db = dist(b.m, m) + dist(b.k, k) + dist(b.n, n);
-        da.total_cmp(&db)
-    });
-    match nearest {
-        Some(r) => Ok(r.flops),
-        None => cluster.peak_flops(&name),
+    let log = |a: usize| (a.max(1) as f64).ln();
+    let mut near: Vec<(f64, f64)> = cluster
+        .device
+        .matmul
+        .iter()
+        .filter(|r| r.dtype == name)
+        .map(|r| {
+            let d = (log(r.m) - log(m)).powi(2) + (log(r.k) - log(k)).powi(2) + (log(r.n) - log(n)).powi(2);
+            (d, r.flops)
+        })
+        .collect();
+    if near.is_empty() {
+        return cluster.peak_flops(&name);
     }
+    near.sort_by(|a, b| a.0.total_cmp(&b.0));
+    if near[0].0 < 1e-12 {
+        return Ok(near[0].1);
+    }
+    // Times, not rates, blend: a product's seconds per flop.
+    let (mut weights, mut seconds) = (0.0, 0.0);
+    for &(d, flops) in near.iter().take(BLEND) {
+        weights += 1.0 / d;
+        seconds += 1.0 / (d * flops);
+    }
+    Ok(weights / seconds)
 }
+
+/// How many measured shapes [`matmul_rate`] blends.
+const BLEND: usize = 4;
 
 /// Seconds of `kind` moving `bytes` over a group of `size` on `link`.
 fn collective_seconds(kind: CollectiveKind, link: &Link, size: usize, bytes: f64) -> f64 {
@@ -552,6 +576,29 @@ mod tests {
             // Free hand-offs: the pipeline's time is its schedule's alone.
             boundary_bytes: 0.0,
         }
+    }
+
+    #[test]
+    fn a_product_between_measured_shapes_gets_a_rate_between_theirs() {
+        use crate::measure::MatmulRate;
+        let mut c = cluster(1e12, false);
+        let at = |m: usize, flops: f64| MatmulRate { m, n: 256, k: 256, dtype: "f32".into(), flops };
+        c.device.matmul = vec![at(64, 1e9), at(256, 4e9), at(2048, 8e9)];
+        let rate = |m: usize| matmul_rate(&c, DType::F32, (m, 256, 256)).unwrap();
+        // Measured shapes keep their own rates.
+        assert_eq!((rate(64), rate(256), rate(2048)), (1e9, 4e9, 8e9));
+        // Between two, strictly between, and rising with the rows.
+        let (r128, r1024) = (rate(128), rate(1024));
+        assert!(1e9 < r128 && r128 < 4e9 && 4e9 < r1024 && r1024 < 8e9, "{r128} {r1024}");
+        assert!(rate(100) < r128 && r128 < rate(200));
+        // Outside the grid, never beyond what was measured.
+        for m in [1, 8, 16_384, 1 << 20] {
+            assert!((1e9..=8e9).contains(&rate(m)), "{m}: {}", rate(m));
+        }
+        // No measured shape of the dtype: the datasheet peak.
+        assert!(matmul_rate(&c, DType::BF16, (64, 256, 256)).unwrap_err().to_string().contains("bf16"));
+        c.device.peak_flops.insert("bf16".into(), 3e12);
+        assert_eq!(matmul_rate(&c, DType::BF16, (64, 256, 256)).unwrap(), 3e12);
     }
 
     fn cluster(rate: f64, overlaps: bool) -> ClusterProfile {

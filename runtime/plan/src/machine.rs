@@ -29,7 +29,7 @@ pub struct Scale {
     /// Square products, by side.
     pub squares: [usize; 3],
     /// Rows of tokens of the grid of layer-like products.
-    pub rows: [usize; 2],
+    pub rows: [usize; 3],
     /// Weight widths of the grid, each side.
     pub widths: [usize; 3],
     /// The attention measured: (batch, sequence, heads, head size).
@@ -44,11 +44,11 @@ pub struct Scale {
 }
 
 impl Scale {
-    /// CPU ranks: a grid of 256 or 2048 rows by weights 64, 256 or 1024
+    /// CPU ranks: a grid of 64, 256 or 2048 rows by weights 64, 256 or 1024
     /// wide on each side, whose rates differ by several times on a CPU.
     pub const CPU: Scale = Scale {
         squares: [128, 512, 1024],
-        rows: [256, 2048],
+        rows: [64, 256, 2048],
         widths: [64, 256, 1024],
         attention: (2, 128, 4, 64),
         bandwidth_bytes: 32 << 20,
@@ -56,11 +56,11 @@ impl Scale {
         all_reduce_bytes: &[1 << 10, 1 << 12, 1 << 16, 1 << 20, 1 << 23],
     };
 
-    /// GPUs: the shapes a large model's layers run, 2048 or 16384 rows by
+    /// GPUs: the shapes a large model's layers run, 512, 2048 or 16384 rows by
     /// weights 1024, 4096 or 12288 wide on each side.
     pub const GPU: Scale = Scale {
         squares: [1024, 4096, 8192],
-        rows: [2048, 16384],
+        rows: [512, 2048, 16384],
         widths: [1024, 4096, 12288],
         attention: (4, 2048, 16, 128),
         bandwidth_bytes: 256 << 20,
