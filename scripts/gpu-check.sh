@@ -138,6 +138,20 @@ EOF
         python3 -c 'import json,sys; print(json.dumps({"check":"profile","error":sys.argv[1]}))' "$(tail -3 /tmp/gpu-check-profile.log)" | tee -a "$out"
     fi
 
+    # The same node as a job of processes with a GPU each (NCCL ids through
+    # the job's store), the path a profile of several nodes takes.
+    local job_profile=${out%.jsonl}-job-profile.toml
+    if RUST_BACKTRACE=0 timeout 120 "$bundle/tessera" launch --nproc-per-node "$gpus" -- "$bundle/tessera" profile --device cuda --seconds-per-figure 0.05 --name this-job --out "$job_profile" 2>/tmp/gpu-check-job-profile.log; then
+        python3 - "$job_profile" <<'EOF' | tee -a "$out"
+import json, sys, tomllib
+p = tomllib.load(open(sys.argv[1], "rb"))
+print(json.dumps({"check": "profile_job", "gpus_per_node": p["gpus_per_node"], "device": p["device"]["name"],
+                  "all_reduce": [{"gpus": f["size"], "latency_us": round(f["latency"] * 1e6, 1), "bandwidth_gbs": round(f["bandwidth"] / 1e9, 1)} for f in p["intra_node"].get("by_size", [])]}))
+EOF
+    else
+        python3 -c 'import json,sys; print(json.dumps({"check":"profile_job","error":sys.argv[1]}))' "$(tail -3 /tmp/gpu-check-job-profile.log)" | tee -a "$out"
+    fi
+
     # Ratios against the targets.
     python3 - "$out" <<'EOF' | tee -a "$out"
 import json, sys

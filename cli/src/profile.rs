@@ -6,9 +6,10 @@
 //! all-reduce fitted to a latency and bandwidth per group size. Started by
 //! a launcher (`tessera launch`, torchrun, Slurm), every process is a rank
 //! and the job's own communicators are measured instead: shared memory
-//! inside a node, TCP between nodes. With `--device cuda` it measures a
-//! node of this machine's GPUs: cuBLAS products, NCCL's all-reduce. The
-//! result is a profile file
+//! inside a node, TCP between nodes, or MPI (`--comm mpi`). With `--device
+//! cuda` it measures a node of this machine's GPUs (cuBLAS products, NCCL's
+//! all-reduce), or under a launcher a job of processes with a GPU each,
+//! NCCL inside and between nodes. The result is a profile file
 //! (docs/planner.md) that the planner reads as it reads the shipped A100,
 //! H100 and H200 profiles.
 
@@ -19,7 +20,8 @@ use tessera::dist::env::ProcessEnv;
 use tessera::dist::process::ProcessWorld;
 use tessera::dist::store::Rendezvous;
 use tessera::Device;
-use tessera_plan::machine::{profile_cpu, profile_cuda, profile_job, Job};
+use tessera_plan::job::{profile_job, JobRanks};
+use tessera_plan::machine::{profile_cpu, profile_cuda};
 use tessera_plan::measure::Budget;
 
 /// Arguments of `tessera profile`.
@@ -36,10 +38,12 @@ pub struct Args {
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
     ranks: Option<u16>,
     /// What the ranks run on: `cpu`, or `cuda` (this machine's GPUs, a node
-    /// of `--gpus` of them, NCCL between them; a build with the cuda feature).
+    /// of `--gpus` of them, NCCL between them; under a launcher, a GPU per
+    /// process; a build with the cuda feature).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     device: String,
-    /// With `--device cuda`: the GPUs of the node (this machine's first ones).
+    /// With `--device cuda` and no launcher: the GPUs of the node (this
+    /// machine's first ones).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=1024))]
     gpus: u16,
     /// Under a launcher, what connects the processes: `tcp` (Tessera's own
@@ -59,8 +63,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let budget = Budget { per_figure: Duration::from_secs_f64(args.seconds_per_figure) };
     let (profile, what) = match ProcessEnv::detect()? {
-        Some(_) if args.device == "cuda" => {
-            anyhow::bail!("--device cuda measures a node's GPUs from one process; run it without a launcher")
+        Some(_) if args.device == "cuda" && args.comm == "mpi" => {
+            anyhow::bail!("--device cuda under a launcher measures NCCL between the processes (their ids go through the job's store); drop --comm mpi")
         }
         Some(env) => {
             if args.ranks.is_some() {
@@ -68,6 +72,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
             if env.rank == 0 {
                 eprintln!("tessera profile: measuring a job of {} processes, {} per node", env.world_size, env.local_world_size);
+            }
+            if env.rank == 0 && args.device == "cpu" {
                 // Rank 0 measures the device for its node's ranks as threads
                 // sharing the node, as `--ranks` does: with the node's cores
                 // (a launcher gives each rank its share, RAYON_NUM_THREADS).
@@ -77,14 +83,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             // Rank 0 measures the device while the others wait at a barrier:
             // allow them that long and more.
             let timeout = Duration::from_secs_f64(120.0 + 300.0 * args.seconds_per_figure);
-            let measured = if args.comm == "mpi" {
+            let measured = if args.device == "cuda" {
+                profile_gpu_job(&args.name, &env, timeout, budget)?
+            } else if args.comm == "mpi" {
                 profile_mpi_job(&args.name, &env, timeout, budget)?
             } else {
                 let rendezvous = Rendezvous::join(&env, timeout).context("joining the job")?;
                 let world = ProcessWorld::join(&rendezvous, &Device::cpu(), timeout).context("connecting the job's ranks")?;
-                profile_job(&args.name, Job::Process(&world), env.local_world_size, budget).context("measuring the job")?
+                profile_job(&args.name, JobRanks::Process(&world), env.local_world_size, budget).context("measuring the job")?
             };
             match measured {
+                Some(p) if args.device == "cuda" => {
+                    (p, format!("a job of {} processes with a GPU each, {} per node, over NCCL", env.world_size, env.local_world_size))
+                }
                 Some(p) => (p, format!("a job of {} CPU processes, {} per node, over {}", env.world_size, env.local_world_size, args.comm)),
                 // Rank 0 reports and writes.
                 None => return Ok(()),
@@ -147,11 +158,29 @@ fn profile_mpi_job(name: &str, env: &ProcessEnv, timeout: Duration, budget: Budg
             env.world_size
         );
     }
-    profile_job(name, Job::Mpi(&world), env.local_world_size, budget).context("measuring the job")
+    profile_job(name, JobRanks::Mpi(&world), env.local_world_size, budget).context("measuring the job")
 }
 
 /// Without MPI in the build there is no MPI job to measure.
 #[cfg(not(feature = "mpi"))]
 fn profile_mpi_job(_: &str, _: &ProcessEnv, _: Duration, _: Budget) -> anyhow::Result<Option<tessera_plan::profile::ClusterProfile>> {
     anyhow::bail!("--comm mpi needs a build with the mpi feature (`cargo build --release -p tessera-cli --features mpi`, and MPI installed; see docs/launch.md), or use --comm tcp")
+}
+
+/// Measures the job of processes with a GPU each that this process is a
+/// rank of (`--device cuda` under a launcher): its local rank's GPU, NCCL
+/// between the processes, inside the node and between nodes.
+#[cfg(feature = "cuda")]
+fn profile_gpu_job(name: &str, env: &ProcessEnv, timeout: Duration, budget: Budget) -> anyhow::Result<Option<tessera_plan::profile::ClusterProfile>> {
+    let device = Device::cuda(env.local_rank).with_context(|| format!("opening GPU {} for local rank {}", env.local_rank, env.local_rank))?;
+    let rendezvous = Rendezvous::join(env, timeout).context("joining the job")?;
+    let world = ProcessWorld::join(&rendezvous, &Device::cpu(), timeout).context("connecting the job's ranks")?;
+    let job = JobRanks::Gpus { world: &world, rendezvous: &rendezvous, device: &device };
+    profile_job(name, job, env.local_world_size, budget).context("measuring the job")
+}
+
+/// Without the CUDA backend there are no GPUs to measure.
+#[cfg(not(feature = "cuda"))]
+fn profile_gpu_job(_: &str, _: &ProcessEnv, _: Duration, _: Budget) -> anyhow::Result<Option<tessera_plan::profile::ClusterProfile>> {
+    anyhow::bail!("--device cuda needs a build with the cuda feature (`cargo build --release -p tessera-cli --features cuda`; see docs/cuda.md)")
 }

@@ -94,4 +94,13 @@ fn under_a_launcher_the_processes_are_the_ranks_and_their_communicators_are_meas
     let run = launch(&["--nproc-per-node", "1"], &["--ranks", "2"]).wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(!run.status.success() && stderr.contains("drop --ranks"), "{stderr}");
+
+    // A GPU per process needs the CUDA backend (and a GPU): without them,
+    // the job ends naming what is missing, not waiting for its peers.
+    let run = launch(&["--nproc-per-node", "2"], &["--device", "cuda"]).wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success() && stderr.to_lowercase().contains("cuda") && !stderr.contains("panicked"), "{stderr}");
+    let run = launch(&["--nproc-per-node", "1"], &["--device", "cuda", "--comm", "mpi"]).wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success() && stderr.contains("drop --comm mpi"), "{stderr}");
 }

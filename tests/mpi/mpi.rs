@@ -587,11 +587,11 @@ fn options(_: &Ctx) {
 /// fitted to a latency and bandwidth per group size. Rank 0 gets the
 /// profile, every other rank none.
 fn profile(cx: &Ctx) {
-    use tessera_plan::machine::{profile_job, Job};
+    use tessera_plan::job::{profile_job, JobRanks};
     use tessera_plan::measure::Budget;
     let per_node = if cx.n.is_multiple_of(2) { 2 } else { cx.n };
     let budget = Budget { per_figure: Duration::from_millis(10) };
-    let profile = profile_job("mpi-job", Job::Mpi(cx.world), per_node, budget).unwrap();
+    let profile = profile_job("mpi-job", JobRanks::Mpi(cx.world), per_node, budget).unwrap();
     if cx.rank != 0 {
         assert!(profile.is_none(), "rank {} got a profile", cx.rank);
         return;

@@ -648,6 +648,35 @@ pub fn mesh_groups(mesh: &Mesh, devices: &[Device]) -> Result<Vec<Groups>> {
         .collect()
 }
 
+/// This process's NCCL communicator in the group of world ranks `members`
+/// named `tag`, in a job of processes with a GPU each (`device`): the
+/// group's first rank makes its NCCL id and hands it out through the
+/// rendezvous store, every member joins, and point-to-point messages go
+/// over the host communicator of the same members in `world`. Every member
+/// calls it with the same tag and members; a group of one rank needs none.
+pub fn process_group(
+    world: &crate::process::ProcessWorld,
+    rendezvous: &crate::store::Rendezvous,
+    tag: &str,
+    members: &[usize],
+    device: &Device,
+) -> Result<NcclCommunicator> {
+    let timeout = world.timeout();
+    let host: Arc<dyn Communicator> = Arc::new(world.tagged_group(&format!("nccl-{tag}"), members)?);
+    let key = rendezvous.key(&format!("nccl/{tag}/{members:?}"));
+    let store = rendezvous.store();
+    let exchange = |id: Option<[u8; 128]>| -> Result<[u8; 128]> {
+        match id {
+            Some(id) => {
+                store.set(&key, &id)?;
+                Ok(id)
+            }
+            None => store.get(&key, timeout)?.try_into().map_err(|_| Error::rendezvous(store.addr(), format!("the NCCL id under {key} is not 128 bytes"))),
+        }
+    };
+    NcclCommunicator::join(members.to_vec(), world.rank(), device, host, exchange)
+}
+
 /// This process's NCCL communicators for every axis of `mesh` and its data
 /// replicas, in a job of processes with a GPU each (`device`): every group
 /// of more than one rank gets its NCCL id from its first rank through the
@@ -658,24 +687,11 @@ pub fn mesh_groups(mesh: &Mesh, devices: &[Device]) -> Result<Vec<Groups>> {
 /// queued on the device waits for a rank that is gone.
 pub fn process_mesh_groups(world: &crate::process::ProcessWorld, rendezvous: &crate::store::Rendezvous, mesh: &Mesh, device: &Device) -> Result<Groups> {
     let me = world.rank();
-    let timeout = world.timeout();
     let group = |tag: &str, members: &[usize]| -> Result<Arc<dyn Communicator>> {
         if members.len() == 1 {
             return Ok(Arc::new(super::SingleRank));
         }
-        let host: Arc<dyn Communicator> = Arc::new(world.tagged_group(&format!("nccl-{tag}"), members)?);
-        let key = rendezvous.key(&format!("nccl/{tag}/{members:?}"));
-        let store = rendezvous.store();
-        let exchange = |id: Option<[u8; 128]>| -> Result<[u8; 128]> {
-            match id {
-                Some(id) => {
-                    store.set(&key, &id)?;
-                    Ok(id)
-                }
-                None => store.get(&key, timeout)?.try_into().map_err(|_| Error::rendezvous(store.addr(), format!("the NCCL id under {key} is not 128 bytes"))),
-            }
-        };
-        Ok(Arc::new(NcclCommunicator::join(members.to_vec(), me, device, host, exchange)?))
+        Ok(Arc::new(process_group(world, rendezvous, tag, members, device)?))
     };
     let n = world.world_size();
     let world_is = format!("the job has {n} processes");

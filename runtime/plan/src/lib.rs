@@ -11,7 +11,9 @@
 //!   and dtype, memory bandwidth, and a communicator's all-reduce fitted to
 //!   a latency and a bandwidth per group size;
 //! - [`machine`]: this machine as a profile, for the CPU ranks that share
-//!   it (what `tessera profile` writes);
+//!   it or for a node of its GPUs (what `tessera profile` writes);
+//! - [`job`]: a launched job of processes as a profile, over its own
+//!   communicators (Tessera's, MPI, NCCL), inside and between nodes;
 //! - [`memory`]: the bytes of a rank's parameters, gradients and optimizer
 //!   states by precision and ZeRO stage;
 //! - [`estimate`]: the cost model: a layout's step time (compute, model-
@@ -25,6 +27,7 @@
 pub mod collective;
 pub mod estimate;
 pub mod fixed;
+pub mod job;
 pub mod machine;
 pub mod measure;
 pub mod memory;

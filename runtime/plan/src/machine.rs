@@ -10,14 +10,11 @@
 //!
 //! [`profile_cpu`] measures ranks as threads: the link is the in-process
 //! communicator's, fitted by group size, and a profile of one machine has
-//! no link between nodes. [`profile_job`] measures a launched job of
-//! processes: the device as its node's ranks share it, and the job's own
-//! communicators, inside a node and between nodes.
+//! no link between nodes; [`profile_cuda`] a node of GPUs from one process.
+//! A launched job of processes is measured by [`crate::job`].
 
 use tessera_core::{DType, Device, Error, Result};
 use tessera_dist::inproc::InProcess;
-use tessera_dist::process::ProcessWorld;
-use tessera_dist::Communicator;
 
 use crate::measure::{all_reduce_time, attention_rate, fit_all_reduce, matmul_rate, memory_bandwidth, nonlinear_rate, optimizer_rate, Budget};
 use crate::profile::{ClusterProfile, DeviceProfile, GroupFit, Link};
@@ -110,7 +107,7 @@ pub fn measure_device(ranks: usize, budget: Budget) -> Result<DeviceProfile> {
 
 /// Whether a figure the backend cannot measure fails the profile or is left out.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Figures {
+pub(crate) enum Figures {
     /// Every figure must be measured (the CPU backend runs every op).
     All,
     /// Attention, gelu and AdamW are left out where the backend has no such op.
@@ -131,7 +128,15 @@ impl Figures {
 /// `device` measured at `scale` by `ranks` threads at once: products in f32
 /// and bf16 (the best is the dtype's peak), memory bandwidth, attention,
 /// gelu and AdamW.
-fn measure_on(device: &Device, name: String, memory_bytes: u64, ranks: usize, scale: &Scale, figures: Figures, budget: Budget) -> Result<DeviceProfile> {
+pub(crate) fn measure_on(
+    device: &Device,
+    name: String,
+    memory_bytes: u64,
+    ranks: usize,
+    scale: &Scale,
+    figures: Figures,
+    budget: Budget,
+) -> Result<DeviceProfile> {
     let mut matmul = Vec::new();
     for dtype in [DType::F32, DType::BF16] {
         for (m, n, k) in scale.matmul_shapes() {
@@ -157,124 +162,15 @@ fn measure_on(device: &Device, name: String, memory_bytes: u64, ranks: usize, sc
 /// slowest, so a plan errs towards what it can keep); with none measured,
 /// a copy at `memory_bandwidth`. The collectives run on the ranks' own
 /// cores: nothing overlaps compute.
-fn link_of(fits: Vec<GroupFit>, memory_bandwidth: f64) -> Link {
+pub(crate) fn link_of(fits: Vec<GroupFit>, memory_bandwidth: f64) -> Link {
     let (latency, bandwidth) = fits.last().map_or((0.0, memory_bandwidth), |f| (f.latency, f.bandwidth));
     Link { bandwidth, latency, by_size: fits, overlaps_compute: false }
 }
 
 /// The profile of nodes of `per_node` CPU ranks each, checked like a file would be.
-fn cpu_profile(name: &str, per_node: usize, device: DeviceProfile, intra_node: Link, inter_node: Option<Link>) -> Result<ClusterProfile> {
+pub(crate) fn cpu_profile(name: &str, per_node: usize, device: DeviceProfile, intra_node: Link, inter_node: Option<Link>) -> Result<ClusterProfile> {
     let profile = ClusterProfile { name: name.to_string(), gpus_per_node: per_node, device, intra_node, inter_node, ranks_share_cores: true };
     ClusterProfile::parse(&profile.to_toml(), name)
-}
-
-/// The ranks of a launched job, through whichever library connects them.
-#[derive(Clone, Copy)]
-pub enum Job<'a> {
-    /// Tessera's own connections: shared memory inside a node, TCP between.
-    Process(&'a ProcessWorld),
-    /// The job's MPI library (a job started by `mpirun` or `srun`).
-    #[cfg(feature = "mpi")]
-    Mpi(&'a tessera_dist::mpi::MpiWorld),
-}
-
-impl Job<'_> {
-    fn rank(&self) -> usize {
-        match self {
-            Job::Process(w) => w.rank(),
-            #[cfg(feature = "mpi")]
-            Job::Mpi(w) => w.rank(),
-        }
-    }
-
-    fn world_size(&self) -> usize {
-        match self {
-            Job::Process(w) => w.world_size(),
-            #[cfg(feature = "mpi")]
-            Job::Mpi(w) => w.world_size(),
-        }
-    }
-
-    /// This rank's communicator in the group `members` named `tag` (every
-    /// member asks for it, in the same order as the other groups).
-    fn group(&self, tag: &str, members: &[usize]) -> Result<Box<dyn Communicator>> {
-        Ok(match self {
-            Job::Process(w) => Box::new(w.tagged_group(tag, members)?),
-            #[cfg(feature = "mpi")]
-            Job::Mpi(w) => Box::new(w.tagged_group(tag, members)?),
-        })
-    }
-
-    /// Stops every rank, saying why (an MPI job ends here).
-    fn abort(&self, reason: &str) {
-        match self {
-            Job::Process(w) => w.abort(w.rank(), reason),
-            #[cfg(feature = "mpi")]
-            Job::Mpi(w) => w.abort(reason),
-        }
-    }
-}
-
-/// Measures the job this process is a rank of: every process of the job
-/// calls it. Rank 0 measures the device (for as many ranks as its node
-/// runs, sharing the machine) while the others wait; then the job's own
-/// communicator is timed: groups of 2, 4, ... ranks of node 0 for the
-/// link inside a node (shared memory, as Tessera's process jobs use it
-/// there), and groups of one rank on each of 2, 4, ... nodes for the link
-/// between them. Ranks are numbered node by node (`tessera launch`,
-/// torchrun and Slurm do), `per_node` of them on every node. Rank 0 gets
-/// the profile; the others `None`.
-pub fn profile_job(name: &str, world: Job<'_>, per_node: usize, budget: Budget) -> Result<Option<ClusterProfile>> {
-    const OP: &str = "profile_job";
-    let (rank, size) = (world.rank(), world.world_size());
-    if per_node == 0 || size % per_node != 0 {
-        return Err(Error::topology(OP, format!("{size} ranks are not whole nodes of {per_node}; start the same number of processes on every node")));
-    }
-    let nodes = size / per_node;
-    let all = world.group("profile", &(0..size).collect::<Vec<_>>())?;
-    let device = if rank == 0 {
-        match measure_device(per_node, budget) {
-            Ok(d) => Some(d),
-            Err(e) => {
-                world.abort(&e.to_string());
-                return Err(e);
-            }
-        }
-    } else {
-        None
-    };
-    all.barrier()?;
-    // Each group of `members` times its all-reduces while the rest of the
-    // job waits; rank 0 (a member of every group) keeps its times.
-    let measure = |tag: String, members: Vec<usize>| -> Result<Option<GroupFit>> {
-        let mut fit = None;
-        if members.contains(&rank) {
-            let comm = world.group(&tag, &members)?;
-            let dev = Device::cpu();
-            let times: Vec<(f64, f64)> =
-                Scale::CPU.all_reduce_bytes.iter().map(|&b| all_reduce_time(comm.as_ref(), &dev, b, 5).map(|t| (b as f64, t))).collect::<Result<_>>()?;
-            if rank == 0 {
-                fit = Some(fit_all_reduce(members.len(), &times)?);
-            }
-        }
-        all.barrier()?;
-        Ok(fit)
-    };
-    let (mut intra, mut inter) = (Vec::new(), Vec::new());
-    let mut n = 2;
-    while n <= per_node {
-        intra.extend(measure(format!("profile-node-{n}"), (0..n).collect())?);
-        n *= 2;
-    }
-    let mut n = 2;
-    while n <= nodes {
-        inter.extend(measure(format!("profile-nodes-{n}"), (0..n).map(|node| node * per_node).collect())?);
-        n *= 2;
-    }
-    let Some(device) = device else { return Ok(None) };
-    let bandwidth = device.memory_bandwidth;
-    let inter_node = (nodes > 1).then(|| link_of(inter, bandwidth));
-    cpu_profile(name, per_node, device, link_of(intra, bandwidth), inter_node).map(Some)
 }
 
 /// Measures a node of `gpus` CUDA devices (this machine's first ones):
@@ -311,7 +207,7 @@ pub fn profile_cuda(name: &str, gpus: usize, budget: Budget) -> Result<ClusterPr
     ClusterProfile::parse(&profile.to_toml(), name)
 }
 
-fn gpu_name(dev: &Device) -> String {
+pub(crate) fn gpu_name(dev: &Device) -> String {
     match dev {
         #[cfg(feature = "cuda")]
         Device::Cuda(d) => d.name().to_string(),
