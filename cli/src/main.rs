@@ -67,7 +67,7 @@ enum Command {
     Perplexity(perplexity::Args),
     /// Start one process per rank on this node, torchrun-style, and supervise them (see docs/launch.md).
     Launch(launch::Args),
-    /// Measure what this machine's CPU ranks can do into a planner's profile (see docs/planner.md).
+    /// Measure what this machine's CPU ranks or GPUs, or a launched job's ranks and links, can do into a planner's profile (see docs/planner.md).
     Profile(profile::Args),
     /// Find the fastest layout of a model over a cluster and write it as a training configuration (see docs/planner.md).
     Plan(plan::Args),
