@@ -322,19 +322,21 @@ mod at_scale {
         check("llama full", &full, fl, l * 2.0 * d + ends);
 
         // Eight tensor-parallel ranks with sequence parallelism: per rank,
-        // the norms' tokens and the split heads and MLP are an eighth, but
-        // each column-parallel layer keeps the gathered input whole (qkv,
-        // gate and up gather separately).
+        // the norms' tokens and the split heads and MLP are an eighth, and
+        // so are the column-parallel layers' inputs: each keeps its slice of
+        // the sequence and gathers it again in the backward (gate and up
+        // share theirs), the head's too.
         let tp8 = describe(&model, CostSettings { tp: 8, sp: true, ..settings(RecomputeOverride::Off) }).unwrap();
-        let per_rank = 2.0 * (2.0 * d + 4.0) / 8.0 + 3.0 * 2.0 * d + (2.0 * 3.0 * d + 2.0 * d + 4.0 * q + 2.0 * 3.0 * i) / 8.0;
-        let ends8 = 4.0 + (2.0 * d + 4.0) / 8.0 + 2.0 * d;
+        let per_rank = 2.0 * (2.0 * d + 4.0) / 8.0 + 2.0 * 2.0 * d / 8.0 + (2.0 * 3.0 * d + 2.0 * d + 4.0 * q + 2.0 * 3.0 * i) / 8.0;
+        let ends8 = 4.0 + (2.0 * d + 4.0) / 8.0 + 2.0 * d / 8.0;
         assert!(close(tp8.saved_bytes(), l * per_rank + ends8), "llama tp8 sp: {} described, {} by hand", tp8.saved_bytes(), l * per_rank + ends8);
         assert!(close(tp8.forward_flops(), fl.0 / 8.0), "tensor parallelism divides every product");
         // Each block: all-gathers before qkv, gate and up (forward) and
-        // reduce-scatters after o_proj and down_proj, and their duals.
-        // Both norms' gradients are summed over the group, too.
+        // reduce-scatters after o_proj and down_proj, and their duals; the
+        // three gathers again in the backward. Both norms' gradients are
+        // summed over the group, too.
         let block: Vec<_> = tp8.collectives.iter().filter(|c| matches!(c.stage, StagePart::Layer { index: 0, .. })).collect();
-        assert_eq!(block.len(), 3 * 2 + 2 * 2 + 2, "{block:?}");
+        assert_eq!(block.len(), 3 * 2 + 2 * 2 + 2 + 3, "{block:?}");
     }
 
     #[test]

@@ -66,10 +66,16 @@ pub struct Linear {
 
 /// What a [`Linear`] keeps for its backward: its input only (the same bytes
 /// as the input activation, shared with it when the caller keeps it too).
-/// The weight is re-read in the backward rather than kept.
+/// The weight is re-read in the backward rather than kept. A column-parallel
+/// layer under sequence parallelism keeps this rank's slice of the sequence,
+/// not the gathered whole, and gathers it again in the backward: `tp` times
+/// less memory for one more all-gather (Megatron-LM's choice too).
 #[derive(Debug)]
 pub struct LinearSaved {
     x: Tensor,
+    /// Whether `x` is this rank's slice of the sequence, to be gathered
+    /// again before the weight gradient.
+    gather_again: bool,
 }
 
 impl LinearSaved {
@@ -186,7 +192,7 @@ impl Linear {
                 None => ops::matmul(&x, &w.t()?)?,
             }
         };
-        Ok((y, LinearSaved { x }))
+        Ok((y, LinearSaved { x, gather_again: false }))
     }
 
     /// The forward with a quantized weight (inference): `x·dequant(W)ᵀ (+ b)`
@@ -203,7 +209,7 @@ impl Linear {
         } else {
             ops::quant_matmul(&x, q, bias.as_ref())?
         };
-        Ok((y, LinearSaved { x }))
+        Ok((y, LinearSaved { x, gather_again: false }))
     }
 
     fn check_input(&self, x: &Tensor, in_local: usize) -> Result<()> {
@@ -222,6 +228,13 @@ impl Linear {
 
     /// Delivers `dW` (and `db`) and returns this rank's `dX` (before any reduction).
     fn bwd(&self, cx: &Cx, saved: LinearSaved, dy: &Tensor) -> Result<Tensor> {
+        let dx = self.input_grad(cx, dy)?;
+        self.weight_grad(cx, &saved.x, dy)?;
+        Ok(dx)
+    }
+
+    /// This rank's `dX = dY·W` (before any reduction).
+    fn input_grad(&self, cx: &Cx, dy: &Tensor) -> Result<Tensor> {
         if let Some(q) = self.weight.quantized() {
             return Err(Error::unsupported(
                 "Linear",
@@ -232,29 +245,37 @@ impl Linear {
                 ),
             ));
         }
-        let x = saved.x;
-        let w = param_value(cx, &self.weight)?;
-        let (n_in, n_out) = (w.dims()[1], w.dims()[0]);
+        ops::matmul(dy, &param_value(cx, &self.weight)?)
+    }
+
+    /// Delivers `dW = dYᵀ·X` (and `db`) for the input `x` the forward saw.
+    fn weight_grad(&self, cx: &Cx, x: &Tensor, dy: &Tensor) -> Result<()> {
+        let (n_in, n_out) = (x.dims()[x.rank() - 1], dy.dims()[dy.rank() - 1]);
         let rows = x.elem_count() / n_in;
-        let dx = ops::matmul(dy, &w)?;
         let dw = ops::matmul(&dy.reshape([rows, n_out])?.t()?, &x.reshape([rows, n_in])?)?;
         cx.grad(&self.weight, dw)?;
         if let Some(b) = &self.bias {
             cx.grad(b, ops::bias_grad(dy)?)?;
         }
-        Ok(dx)
+        Ok(())
     }
 
     /// The costs of `x·Wᵀ` with this rank's `[n, k]` block of the weight:
     /// the input kept, `k`-wide in, `n`-wide out.
     fn describe_local(&self, d: &mut Describe, x: Activation, k: usize, n: usize) -> Result<Activation> {
+        d.save(&x);
+        self.describe_product(d, x, k, n)
+    }
+
+    /// [`describe_local`](Self::describe_local) less the input kept (for a
+    /// caller that keeps something else).
+    fn describe_product(&self, d: &mut Describe, x: Activation, k: usize, n: usize) -> Result<Activation> {
         if x.width != k {
             return Err(Error::shape(
                 "Linear",
                 format!("an input of {} features per token on a rank for a layer taking {k} there (of {} in all)", x.width, self.in_features),
             ));
         }
-        d.save(&x);
         d.matmul(&x, k, n);
         let y = d.output(n, x.tokens);
         if self.bias.is_some() {
@@ -280,14 +301,17 @@ impl Linear {
     /// gathered under sequence parallelism, its gradient reduced over the group.
     fn describe_column(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
         let n = Self::split_over(d, self.out_features, "output features")?;
-        let x = if d.sequence_split() {
+        if d.sequence_split() {
+            // The slice is kept and gathered again in the backward, while
+            // the input gradient's product runs.
             let whole = d.seq_convert::<Replicated>(x, Seq::Split, Seq::Whole);
+            let input_grad_flops = 2.0 * (self.in_features * n) as f64 * whole.tokens;
+            d.collective_beside(CollectiveKind::AllGather, Group::Tp, Pass::Backward, whole.bytes(), input_grad_flops);
             d.collective(CollectiveKind::ReduceScatter, Group::Tp, Pass::Backward, whole.bytes());
-            whole
-        } else {
-            d.collective(CollectiveKind::AllReduce, Group::Tp, Pass::Backward, x.bytes());
-            x
-        };
+            d.save(&x);
+            return self.describe_product(d, whole, self.in_features, n);
+        }
+        d.collective(CollectiveKind::AllReduce, Group::Tp, Pass::Backward, x.bytes());
         self.describe_local(d, x, self.in_features, n)
     }
 
@@ -341,13 +365,28 @@ impl Module<Column> for Linear {
     /// over the group) is reduce-scattered back to the slices.
     fn forward(&self, cx: &mut Cx, x: Act<Replicated>) -> Result<(Act<SplitHidden>, LinearSaved)> {
         let x = x.into_tensor();
-        let x = if cx.sequence_split() { crate::module::seq::gather(cx, &x)? } else { x };
-        let (y, s) = self.fwd(cx, x, true)?;
-        Ok((Act::new(y), s))
+        if !cx.sequence_split() {
+            let (y, s) = self.fwd(cx, x, true)?;
+            return Ok((Act::new(y), s));
+        }
+        let (y, s) = self.fwd(cx, crate::module::seq::gather(cx, &x)?, true)?;
+        // Keep the slice (the caller's own tensor where the dtypes agree,
+        // else the cast slice), not the whole sequence.
+        let x = if x.dtype() == s.x.dtype() { x } else { crate::module::seq::slice(cx, &s.x)? };
+        Ok((Act::new(y), LinearSaved { x, gather_again: true }))
     }
 
     fn backward(&self, cx: &mut Cx, saved: LinearSaved, dy: Act<SplitHidden>) -> Result<Act<Replicated>> {
-        let dx = self.bwd(cx, saved, dy.tensor())?;
+        let dx = if saved.gather_again {
+            // The slice is gathered again while `dX = dY·W` runs, which
+            // does not need it; the weight gradient waits for it.
+            let x = cx.tp().all_gather_async(&saved.x, 1)?;
+            let dx = self.input_grad(cx, dy.tensor())?;
+            self.weight_grad(cx, &x.wait()?, dy.tensor())?;
+            dx
+        } else {
+            self.bwd(cx, saved, dy.tensor())?
+        };
         if cx.sequence_split() {
             Ok(Act::new(cx.tp().reduce_scatter_sum(&dx, 1)?))
         } else {

@@ -9,7 +9,8 @@
 //!
 //! - **compute** per pipeline stage and micro-batch: FLOPs at the device's
 //!   matrix rate plus element-wise bytes at its memory bandwidth, with the
-//!   tensor- and expert-parallel collectives on the critical path;
+//!   tensor- and expert-parallel collectives on the critical path (less
+//!   the products that run beside one, where the link overlaps compute);
 //! - **the pipeline**: the schedule Tessera runs (GPipe, 1F1B or
 //!   interleaved) replayed by its simulator with those costs and the
 //!   stage-to-stage transfers, which gives the makespan and the bubble;
@@ -441,7 +442,11 @@ pub fn estimate(cost: &ModelCost, model_flops_per_token: f64, layout: &Layout, c
             Group::Tp => (tp_link, l.tp),
             Group::Ep => (ep_link, l.ep),
         };
-        let seconds = collective_seconds(c.kind, link, size, c.bytes_per_token * tokens + c.bytes_per_micro_batch);
+        let mut seconds = collective_seconds(c.kind, link, size, c.bytes_per_token * tokens + c.bytes_per_micro_batch);
+        if link.overlaps_compute {
+            // What runs beside it hides that much of it.
+            seconds = (seconds - c.beside_flops * tokens / rate).max(0.0);
+        }
         for k in every(c.stage) {
             match c.pass {
                 Pass::Forward => comm[k].0 += seconds,
@@ -680,6 +685,37 @@ mod tests {
         assert!((e.memory.activations - pp as f64 * 2.0 * 8.0 * 10.0).abs() < 1e-9);
         let g = estimate(&cost, 300.0, &layout(1, pp, m, ScheduleKind::GPipe), &cluster(1e6, true)).unwrap();
         assert!((g.memory.activations - m as f64 * 2.0 * 8.0 * 10.0).abs() < 1e-9, "GPipe keeps every micro-batch");
+    }
+
+    #[test]
+    fn a_collective_in_flight_beside_a_product_hides_behind_it_only_where_the_link_overlaps() {
+        use tessera_nn::module::CollectiveCost;
+        // One tensor-parallel all-gather of 4000 bytes per token in the
+        // block's backward (20 µs over the test link), with some FLOPs per
+        // token running beside it.
+        let mut cost = stack(1, 100.0, 0.0, 0);
+        let gather = |beside_flops| CollectiveCost {
+            path: "h.0".into(),
+            stage: StagePart::Layer { index: 0, count: 1 },
+            kind: CollectiveKind::AllGather,
+            group: Group::Tp,
+            pass: Pass::Backward,
+            bytes_per_token: 4000.0,
+            bytes_per_micro_batch: 0.0,
+            beside_flops,
+        };
+        let l = Layout { tp: 2, ..layout(1, 1, 1, ScheduleKind::OneFOneB) };
+        let alone = Collective::AllGather.seconds(&cluster(1.0, true).intra_node, 2, 4000.0 * 10.0);
+        let mut comm = |beside: f64, overlaps: bool| {
+            cost.collectives = vec![gather(beside)];
+            estimate(&cost, 300.0, &l, &cluster(1e6, overlaps)).unwrap().time.model_comm
+        };
+        assert!((comm(0.0, true) - alone).abs() < 1e-15, "nothing beside it: all of it");
+        assert!((comm(200.0, false) - alone).abs() < 1e-15, "a link that shares the cores hides nothing");
+        // Half of it: 1 FLOP per token × 10 tokens at 1 MFLOP/s is 10 µs.
+        let hidden = 1.0 * 10.0 / 1e6;
+        assert!((alone / hidden - 2.0).abs() < 1e-9 && (comm(1.0, true) - (alone - hidden)).abs() < 1e-15, "{alone} {hidden}");
+        assert_eq!(comm(1e9, true), 0.0, "never below nothing");
     }
 
     #[test]

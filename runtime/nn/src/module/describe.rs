@@ -143,6 +143,10 @@ pub struct CollectiveCost {
     /// gradient of a parameter replicated over the tensor-parallel group,
     /// summed over it when the layer saw a slice of the tokens.
     pub bytes_per_micro_batch: f64,
+    /// Matrix FLOPs per token that run while it is in flight (issued before
+    /// them, waited for after): where the link runs beside compute, they
+    /// hide that much of its time. 0 for a collective waited for at once.
+    pub beside_flops: f64,
 }
 
 /// One parameter as the description sees it.
@@ -551,22 +555,28 @@ impl Describe {
     /// A collective of `bytes_per_token` over `group` in `pass`, issued by the
     /// layer at the current path.
     pub fn collective(&mut self, kind: CollectiveKind, group: Group, pass: Pass, bytes_per_token: f64) {
-        self.issue(kind, group, pass, bytes_per_token, 0.0);
+        self.issue(kind, group, pass, bytes_per_token, 0.0, 0.0);
+    }
+
+    /// A collective in flight while `flops_per_token` matrix FLOPs run
+    /// (see [`CollectiveCost::beside_flops`]).
+    pub fn collective_beside(&mut self, kind: CollectiveKind, group: Group, pass: Pass, bytes_per_token: f64, flops_per_token: f64) {
+        self.issue(kind, group, pass, bytes_per_token, 0.0, flops_per_token);
     }
 
     /// A collective of `bytes` per micro-batch, whatever its tokens (the
     /// counts an expert-parallel dispatch exchanges first).
     pub fn collective_per_micro_batch(&mut self, kind: CollectiveKind, group: Group, pass: Pass, bytes: f64) {
-        self.issue(kind, group, pass, 0.0, bytes);
+        self.issue(kind, group, pass, 0.0, bytes, 0.0);
     }
 
-    fn issue(&mut self, kind: CollectiveKind, group: Group, pass: Pass, bytes_per_token: f64, bytes_per_micro_batch: f64) {
+    fn issue(&mut self, kind: CollectiveKind, group: Group, pass: Pass, bytes_per_token: f64, bytes_per_micro_batch: f64, beside_flops: f64) {
         let size = if group == Group::Tp { self.settings.tp } else { self.settings.ep };
         if size == 1 {
             return;
         }
         let (path, stage) = (self.here(), self.stage());
-        let c = CollectiveCost { path, stage, kind, group, pass, bytes_per_token, bytes_per_micro_batch };
+        let c = CollectiveCost { path, stage, kind, group, pass, bytes_per_token, bytes_per_micro_batch, beside_flops };
         // A collective of a recomputed forward runs again in the backward.
         if pass == Pass::Forward && !self.discarding.is_empty() {
             self.cost.collectives.push(CollectiveCost { pass: Pass::Backward, ..c.clone() });
