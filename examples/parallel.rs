@@ -45,7 +45,7 @@ struct Args {
     /// Microbatches per replica and step (one sequence each).
     #[arg(long, default_value_t = 4)]
     microbatches: usize,
-    /// Pipeline schedule: gpipe, 1f1b or interleaved.
+    /// Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1.
     #[arg(long, default_value = "1f1b")]
     schedule: String,
     /// Model chunks per stage under the interleaved schedule.
@@ -70,7 +70,8 @@ impl Args {
             "gpipe" => ScheduleKind::GPipe,
             "1f1b" => ScheduleKind::OneFOneB,
             "interleaved" => ScheduleKind::Interleaved { chunks: self.chunks },
-            other => bail!("unknown schedule `{other}`; use gpipe, 1f1b or interleaved"),
+            "zb-h1" => ScheduleKind::ZeroBubbleH1,
+            other => bail!("unknown schedule `{other}`; use gpipe, 1f1b, interleaved or zb-h1"),
         })
     }
 }

@@ -56,7 +56,7 @@ pub struct Args {
     memory_fraction: f64,
     /// Keep a part of the layout: `--fix KEY=VALUE` (repeatable) with KEY one
     /// of dp, tp, pp, ep, micro_batch (integers), sp (true/false), schedule
-    /// (gpipe, 1f1b, interleaved), recompute (none, declared, full), zero (0-3).
+    /// (gpipe, 1f1b, interleaved, zb-h1), recompute (none, declared, full), zero (0-3).
     #[arg(long = "fix", value_name = "KEY=VALUE")]
     fix: Vec<String>,
     /// Estimate the configuration's own layout (one JSON line) instead of searching.
@@ -195,6 +195,7 @@ fn schedule_name(s: ScheduleKind) -> String {
         ScheduleKind::GPipe => "gpipe".into(),
         ScheduleKind::OneFOneB => "1f1b".into(),
         ScheduleKind::Interleaved { chunks } => format!("interleaved×{chunks}"),
+        ScheduleKind::ZeroBubbleH1 => "zb-h1".into(),
     }
 }
 
@@ -296,6 +297,7 @@ fn plan_toml(text: &str, best: &Estimate) -> anyhow::Result<String> {
         ScheduleKind::GPipe => ("gpipe", 1),
         ScheduleKind::OneFOneB => ("1f1b", 1),
         ScheduleKind::Interleaved { chunks } => ("interleaved", chunks),
+        ScheduleKind::ZeroBubbleH1 => ("zb-h1", 1),
     };
     mesh.insert("schedule".into(), toml::Value::String(schedule.into()));
     mesh.insert("chunks".into(), toml::Value::Integer(chunks as i64));

@@ -17,6 +17,7 @@
 //! cargo run --release --example bench -- serve --cases quant
 //! cargo run --release --example bench -- serve-http
 //! cargo run --release --example bench -- quant_gemv --rows 1,4
+//! cargo run --release --example bench -- pipeline --stages 2 --microbatches 8
 //! ```
 
 mod attention;
@@ -25,6 +26,7 @@ mod collectives_mpi;
 mod cuda;
 mod elementwise;
 mod gpt;
+mod pipeline;
 mod quant;
 mod serve;
 mod serve_http;
@@ -78,6 +80,9 @@ enum Bench {
     /// f32, one layer and a 100M-parameter stack that fits no cache.
     #[command(name = "quant_gemv")]
     QuantGemv(quant::Args),
+    /// Pipeline schedules run for real on CPU stages: ZB-H1 against 1F1B,
+    /// the idle time of every stage traced, beside the simulator's figure.
+    Pipeline(pipeline::Args),
 }
 
 #[derive(clap::Args)]
@@ -196,6 +201,7 @@ fn main() -> Result<()> {
         Bench::ServeHttp(args) => serve_http::run(&args),
         Bench::Cuda(args) => cuda::run(&args),
         Bench::QuantGemv(args) => quant::run(&args),
+        Bench::Pipeline(args) => pipeline::run(&args),
     }
 }
 

@@ -1,9 +1,9 @@
-//! Pipeline schedules as data: the checker proves GPipe, 1F1B and
-//! interleaved 1F1B sound over many shapes and rejects broken schedules; the
+//! Pipeline schedules as data: the checker proves GPipe, 1F1B, interleaved
+//! 1F1B and ZB-H1 sound over many shapes and rejects broken schedules; the
 //! simulator reproduces the bubble fractions theory predicts and the peak
 //! number of activations each stage holds.
 
-use tessera::parallel::pipeline::{gpipe, interleaved_one_f_one_b, one_f_one_b, Action, Costs, Schedule, ScheduleKind};
+use tessera::parallel::pipeline::{gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1, Action, Costs, Schedule, ScheduleKind};
 
 /// Every built-in schedule over a range of shapes.
 fn all_schedules() -> Vec<Schedule> {
@@ -12,6 +12,7 @@ fn all_schedules() -> Vec<Schedule> {
         for m in 1..=12 {
             out.push(gpipe(p, m).unwrap());
             out.push(one_f_one_b(p, m).unwrap());
+            out.push(zero_bubble_h1(p, m).unwrap());
         }
         for v in 2..=4 {
             for groups in 1..=4 {
@@ -38,14 +39,32 @@ fn every_stage_forwards_and_backwards_every_unit_once_forward_first() {
     for s in all_schedules() {
         for stage in 0..s.stages() {
             let computes: Vec<Action> = s.actions(stage).iter().copied().filter(Action::is_compute).collect();
-            assert_eq!(computes.len(), 2 * s.microbatches() * s.chunks(), "{s}");
-            for mb in 0..s.microbatches() {
+            let at = |a: Action| computes.iter().position(|&b| b == a);
+            let mut expected = 0;
+            for microbatch in 0..s.microbatches() {
                 for chunk in 0..s.chunks() {
-                    let f = computes.iter().position(|&a| a == Action::Forward { microbatch: mb, chunk }).unwrap();
-                    let b = computes.iter().position(|&a| a == Action::Backward { microbatch: mb, chunk }).unwrap();
-                    assert!(f < b, "{s}");
+                    let f = at(Action::Forward { microbatch, chunk }).unwrap();
+                    // A whole backward, or its input half then its weight half.
+                    match at(Action::Backward { microbatch, chunk }) {
+                        Some(b) => {
+                            assert!(f < b, "{s}");
+                            assert_eq!(
+                                (at(Action::BackwardInput { microbatch, chunk }), at(Action::BackwardWeight { microbatch, chunk })),
+                                (None, None),
+                                "{s}"
+                            );
+                            expected += 2;
+                        }
+                        None => {
+                            let (bx, bw) =
+                                (at(Action::BackwardInput { microbatch, chunk }).unwrap(), at(Action::BackwardWeight { microbatch, chunk }).unwrap());
+                            assert!(f < bx && bx < bw, "{s}");
+                            expected += 3;
+                        }
+                    }
                 }
             }
+            assert_eq!(computes.len(), expected, "{s}");
         }
     }
 }
@@ -105,6 +124,7 @@ fn schedule_kinds_build_the_same_schedules() {
     assert_eq!(ScheduleKind::GPipe.build(3, 5).unwrap(), gpipe(3, 5).unwrap());
     assert_eq!(ScheduleKind::OneFOneB.build(3, 5).unwrap(), one_f_one_b(3, 5).unwrap());
     assert_eq!(ScheduleKind::Interleaved { chunks: 2 }.build(3, 6).unwrap(), interleaved_one_f_one_b(3, 6, 2).unwrap());
+    assert_eq!(ScheduleKind::ZeroBubbleH1.build(3, 5).unwrap(), zero_bubble_h1(3, 5).unwrap());
     // One chunk is plain 1F1B.
     assert_eq!(interleaved_one_f_one_b(3, 5, 1).unwrap(), one_f_one_b(3, 5).unwrap());
 }
@@ -176,6 +196,120 @@ fn interleaving_divides_the_bubble_by_the_chunks() {
     }
 }
 
+/// The published bubble of ZB-H1 (Qi et al., ICLR 2024, section 3.1): with
+/// forward `F`, input half `B` and weight half `W`, each stage idles
+/// `(p − 1)·(F + B − W)`, against 1F1B's `(p − 1)·(F + B + W)`, whenever
+/// there are at least as many microbatches as stages and `W` is no larger
+/// than `F` or `B`.
+#[test]
+fn zero_bubble_h1_idles_p_minus_1_times_f_plus_b_minus_w() {
+    let grid = [0.5, 1.0, 2.0, 3.0];
+    for p in 1..=8 {
+        for m in p..=12 {
+            let s = zero_bubble_h1(p, m).unwrap();
+            let costs = grid.into_iter().flat_map(|f| grid.into_iter().flat_map(move |b| grid.into_iter().map(move |w| (f, b, w))));
+            for (f, b, w) in costs {
+                if w > f || w > b {
+                    continue;
+                }
+                let sim = s.simulate(&Costs::new(f, b + w).with_weight(w)).unwrap();
+                let idle = (p - 1) as f64 * (f + b - w);
+                for st in sim.stages() {
+                    assert!(close(st.busy, m as f64 * (f + b + w)), "p={p} m={m} F={f} B={b} W={w}");
+                    assert!(close(st.idle, idle), "p={p} m={m} F={f} B={b} W={w}: idle {} vs {idle}\n{s}", st.idle);
+                }
+                let theory = idle / (idle + m as f64 * (f + b + w));
+                assert!(close(sim.bubble_fraction(), theory), "p={p} m={m}");
+                if w == f && w == b && p > 1 {
+                    // Equal halves: a third of 1F1B's bubble.
+                    let ofob = one_f_one_b(p, m).unwrap().simulate(&Costs::new(f, b + w).with_weight(w)).unwrap();
+                    assert!(close(3.0 * sim.stages()[0].idle, ofob.stages()[0].idle), "p={p} m={m}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn zero_bubble_h1_is_never_slower_than_one_f_one_b() {
+    // Any shape (fewer microbatches than stages too), any split of the
+    // backward (a weight half larger than the forward too), any latency.
+    let grid = [0.5, 1.0, 3.0];
+    for p in 1..=6 {
+        for m in 1..=9 {
+            let (zb, ofob) = (zero_bubble_h1(p, m).unwrap(), one_f_one_b(p, m).unwrap());
+            for &f in &grid {
+                for &b in &grid {
+                    for w in [0.0, 0.25, 1.0, 3.0] {
+                        for latency in [0.0, 0.5] {
+                            let costs = Costs::new(f, b + w).with_weight(w).with_latency(latency);
+                            let (z, o) = (zb.simulate(&costs).unwrap().makespan(), ofob.simulate(&costs).unwrap().makespan());
+                            assert!(z <= o + 1e-12, "p={p} m={m} F={f} B={b} W={w} latency={latency}: ZB-H1 {z} vs 1F1B {o}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn zero_bubble_h1_holds_at_most_p_microbatches_on_every_stage() {
+    // A unit is held from its forward to its weight half: 1F1B's first-stage
+    // peak, on every stage.
+    for p in 1..=8 {
+        for m in 1..=12 {
+            let s = zero_bubble_h1(p, m).unwrap();
+            assert_eq!(s.peak_in_flight(), vec![p.min(m); p], "p={p} m={m}");
+            assert_eq!(s.peak_in_flight().iter().max(), one_f_one_b(p, m).unwrap().peak_in_flight().iter().max());
+        }
+    }
+}
+
+#[test]
+fn zero_bubble_h1_has_the_published_order() {
+    // Stage s: 1F1B's order with the input halves, and the weight half of
+    // microbatch j right after the input half of microbatch j + s.
+    let s = ScheduleKind::ZeroBubbleH1.build(4, 6).unwrap();
+    let text = s.to_string();
+    let lines: Vec<&str> = text.lines().skip(1).collect();
+    let expected = [
+        "stage 0: F0.0 F1.0 F2.0 F3.0 Bx0.0 Bw0.0 F4.0 Bx1.0 Bw1.0 F5.0 Bx2.0 Bw2.0 Bx3.0 Bw3.0 Bx4.0 Bw4.0 Bx5.0 Bw5.0",
+        "stage 1: F0.0 F1.0 F2.0 Bx0.0 F3.0 Bx1.0 Bw0.0 F4.0 Bx2.0 Bw1.0 F5.0 Bx3.0 Bw2.0 Bx4.0 Bw3.0 Bx5.0 Bw4.0 Bw5.0",
+        "stage 2: F0.0 F1.0 Bx0.0 F2.0 Bx1.0 F3.0 Bx2.0 Bw0.0 F4.0 Bx3.0 Bw1.0 F5.0 Bx4.0 Bw2.0 Bx5.0 Bw3.0 Bw4.0 Bw5.0",
+        "stage 3: F0.0 Bx0.0 F1.0 Bx1.0 F2.0 Bx2.0 F3.0 Bx3.0 Bw0.0 F4.0 Bx4.0 Bw1.0 F5.0 Bx5.0 Bw2.0 Bw3.0 Bw4.0 Bw5.0",
+    ];
+    assert_eq!(lines, expected);
+    assert_eq!(s.name(), "ZB-H1");
+}
+
+#[test]
+fn the_checker_rejects_broken_split_backwards() {
+    let f = Action::Forward { microbatch: 0, chunk: 0 };
+    let (b, bx, bw) =
+        (Action::Backward { microbatch: 0, chunk: 0 }, Action::BackwardInput { microbatch: 0, chunk: 0 }, Action::BackwardWeight { microbatch: 0, chunk: 0 });
+    let err = |actions: Vec<Action>| Schedule::from_actions("bad", 1, 1, vec![actions]).unwrap_err().to_string();
+    let e = err(vec![f, bw, bx]);
+    assert!(e.contains("action 1 (`Bw0.0`): its input half has not run; run Bx0.0 first"), "{e}");
+    let e = err(vec![f, bx, bw, bw]);
+    assert!(e.contains("action 3 (`Bw0.0`)") && e.contains("already computed"), "{e}");
+    let e = err(vec![f, b, bw]);
+    assert!(e.contains("already computed (by its whole backward"), "{e}");
+    let e = err(vec![f, bx, b]);
+    assert!(e.contains("action 2 (`B0.0`)") && e.contains("already ran"), "{e}");
+    let e = err(vec![f, bx]);
+    assert!(e.contains("never runs the weight half (Bw) of the backward of microbatch 0"), "{e}");
+    // A weight half before its input half on another stage's gradient: the
+    // receive must come before the input half, whatever the weight half does.
+    let mut actions = zero_bubble_h1(2, 2).unwrap().all_actions().to_vec();
+    let recv = actions[0].iter().position(|a| matches!(a, Action::RecvGrad { microbatch: 0, .. })).unwrap();
+    let recv = actions[0].remove(recv);
+    actions[0].push(recv);
+    let e = Schedule::from_actions("bad", 2, 1, actions).unwrap_err().to_string();
+    assert!(e.contains("its output's gradient has not been received"), "{e}");
+    assert!(Schedule::from_actions("ok", 1, 1, vec![vec![f, bx, bw]]).is_ok());
+}
+
 #[test]
 fn transfer_latency_lengthens_the_step() {
     // GPipe: the first microbatch crosses p−1 links forward and p−1 back.
@@ -200,6 +334,9 @@ fn bad_costs_are_refused() {
     assert!(s.simulate(&Costs::new(1.0, f64::NAN)).is_err());
     assert!(s.simulate(&Costs::new(1.0, 1.0).with_latency(f64::INFINITY)).is_err());
     assert_eq!(s.simulate(&Costs::new(0.0, 0.0)).unwrap().bubble_fraction(), 0.0);
+    let err = s.simulate(&Costs::new(1.0, 1.0).with_weight(2.0)).unwrap_err().to_string();
+    assert!(err.contains("the weight half costs 2 of a backward that costs 1"), "{err}");
+    assert!(s.simulate(&Costs::new(1.0, 1.0).with_weight(-0.5)).is_err());
 }
 
 #[test]
@@ -323,4 +460,9 @@ fn the_chrome_trace_has_a_track_per_stage_and_a_slice_per_computation() {
     });
     assert_eq!(depth, Some(0));
     assert_eq!(sim.events().len(), s.all_actions().iter().map(Vec::len).sum::<usize>());
+
+    let zb = zero_bubble_h1(4, 8).unwrap().simulate(&Costs::new(1.0, 2.0)).unwrap().to_chrome_trace();
+    assert_eq!(zb.matches("\"cat\":\"backward-input\"").count(), 4 * 8);
+    assert_eq!(zb.matches("\"cat\":\"backward-weight\"").count(), 4 * 8);
+    assert!(zb.contains("\"name\":\"Bw7.0\""));
 }

@@ -1,6 +1,7 @@
 //! Pipeline schedules run for real on in-process stages: gradients and
 //! losses equal the single-rank run, and activation memory follows the
-//! schedule (1F1B holds at most p microbatches, GPipe all m).
+//! schedule (1F1B holds at most p microbatches, GPipe all m, ZB-H1 p on
+//! every stage).
 
 mod common;
 use common::models::Gpt;
@@ -84,7 +85,15 @@ fn pipelined(kind: ScheduleKind, stages: usize, layers: usize, m: usize, t: usiz
 fn every_schedule_computes_the_single_rank_gradients() {
     let (layers, m, t) = (4, 4, 3);
     let (reference, ref_losses) = single_rank(layers, m, t);
-    let cases = [(ScheduleKind::GPipe, 2), (ScheduleKind::OneFOneB, 2), (ScheduleKind::OneFOneB, 4), (ScheduleKind::Interleaved { chunks: 2 }, 2)];
+    let cases = [
+        (ScheduleKind::GPipe, 2),
+        (ScheduleKind::OneFOneB, 2),
+        (ScheduleKind::OneFOneB, 4),
+        (ScheduleKind::Interleaved { chunks: 2 }, 2),
+        (ScheduleKind::ZeroBubbleH1, 1),
+        (ScheduleKind::ZeroBubbleH1, 2),
+        (ScheduleKind::ZeroBubbleH1, 4),
+    ];
     for (kind, stages) in cases {
         let ranks = pipelined(kind, stages, layers, m, t, DType::F64);
         let mut covered = vec![false; reference.len()];
@@ -119,4 +128,26 @@ fn one_f_one_b_holds_at_most_p_microbatches_and_gpipe_all() {
     assert!(per_microbatch > 0, "GPipe {g} vs 1F1B {o}");
     assert!(g >= m * per_microbatch, "GPipe holds all {m} microbatches: {g} bytes, {per_microbatch} each");
     assert!(o <= (stages + 1) * per_microbatch, "1F1B holds about {stages}: {o} bytes, {per_microbatch} each");
+}
+
+#[test]
+fn zero_bubble_h1_holds_p_microbatches_until_their_weight_halves() {
+    let (stages, layers, m, t) = (2, 4, 8, 64);
+    let ofob = pipelined(ScheduleKind::OneFOneB, stages, layers, m, t, DType::F32);
+    let zb = pipelined(ScheduleKind::ZeroBubbleH1, stages, layers, m, t, DType::F32);
+    let gpipe = pipelined(ScheduleKind::GPipe, stages, layers, m, t, DType::F32);
+    // The schedule's count, measured by the executor: p on every stage.
+    assert_eq!(zb.iter().map(|(_, r)| r.peak_in_flight).collect::<Vec<_>>(), vec![stages; stages]);
+    // And the bytes: the last stage holds more than under 1F1B (its weight
+    // halves wait), the first no more than 1F1B's first, far below GPipe.
+    let bytes = |run: &[(Grads, StageReport)], s: usize| run[s].1.peak_activation_bytes;
+    let per_microbatch = (bytes(&gpipe, 0) - bytes(&ofob, 0)) / (m - stages);
+    assert!(bytes(&zb, 1) > bytes(&ofob, 1), "ZB-H1's last stage holds its postponed weight halves: {} vs 1F1B {}", bytes(&zb, 1), bytes(&ofob, 1));
+    assert!(bytes(&zb, 0) <= bytes(&ofob, 0) + per_microbatch / 4, "first stage: ZB-H1 {} vs 1F1B {}", bytes(&zb, 0), bytes(&ofob, 0));
+    for s in 0..stages {
+        assert!(bytes(&zb, s) <= (stages + 1) * per_microbatch, "stage {s}: {} bytes, {per_microbatch} a microbatch", bytes(&zb, s));
+    }
+    // Every action ran, the halves as such.
+    let spans = &zb[0].1.spans;
+    assert_eq!(spans.iter().filter(|s| matches!(s.action, tessera::parallel::pipeline::Action::BackwardWeight { .. })).count(), m);
 }

@@ -622,3 +622,17 @@ fn a_configuration_that_cannot_run_is_refused_before_the_run_directory_exists() 
     // Interleaving sends microbatches through the chunks in groups of pp.
     refused("[mesh]\npp = 2\nschedule = \"interleaved\"\nchunks = 2\n[batch]\ngrad_accum = 3\n", "batch.grad_accum", "not a multiple of the 2 stages");
 }
+
+/// The trainer runs ZB-H1 (`mesh.schedule = "zb-h1"`) to the same losses
+/// and gradient norms as 1F1B: the split backward delivers the same
+/// gradients, with data parallelism's buckets sent once the weight halves
+/// made them final.
+#[test]
+fn zero_bubble_h1_trains_like_one_f_one_b() {
+    let mesh = "dp = 2\ntp = 2\npp = 2";
+    let extra = "grad_accum = 4\n";
+    let ofob = losses_and_norms("sched-1f1b", mesh, extra);
+    let zb = losses_and_norms("sched-zb-h1", &format!("{mesh}\nschedule = \"zb-h1\""), extra);
+    assert_eq!(zb.len(), 8);
+    assert_eq!(zb, ofob);
+}

@@ -248,16 +248,21 @@ impl Linear {
         ops::matmul(dy, &param_value(cx, &self.weight)?)
     }
 
-    /// Delivers `dW = dYᵀ·X` (and `db`) for the input `x` the forward saw.
+    /// Delivers `dW = dYᵀ·X` (and `db`) for the input `x` the forward saw,
+    /// or puts the computation aside for a split backward's weight half
+    /// ([`Cx::weight_grad`]).
     fn weight_grad(&self, cx: &Cx, x: &Tensor, dy: &Tensor) -> Result<()> {
-        let (n_in, n_out) = (x.dims()[x.rank() - 1], dy.dims()[dy.rank() - 1]);
-        let rows = x.elem_count() / n_in;
-        let dw = ops::matmul(&dy.reshape([rows, n_out])?.t()?, &x.reshape([rows, n_in])?)?;
-        cx.grad(&self.weight, dw)?;
-        if let Some(b) = &self.bias {
-            cx.grad(b, ops::bias_grad(dy)?)?;
-        }
-        Ok(())
+        let (weight, bias, x, dy) = (self.weight.clone(), self.bias.clone(), x.clone(), dy.clone());
+        cx.weight_grad(move |cx| {
+            let (n_in, n_out) = (x.dims()[x.rank() - 1], dy.dims()[dy.rank() - 1]);
+            let rows = x.elem_count() / n_in;
+            let dw = ops::matmul(&dy.reshape([rows, n_out])?.t()?, &x.reshape([rows, n_in])?)?;
+            cx.grad(&weight, dw)?;
+            if let Some(b) = &bias {
+                cx.grad(b, ops::bias_grad(&dy)?)?;
+            }
+            Ok(())
+        })
     }
 
     /// The costs of `x·Wᵀ` with this rank's `[n, k]` block of the weight:

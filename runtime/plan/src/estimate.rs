@@ -297,24 +297,26 @@ fn memory_of(cost: &ModelCost, layout: &Layout, placed: &Placed) -> Result<StepM
 
         // The stage's forwards and backwards in order (one micro-batch after
         // another without a pipeline).
-        let order: Vec<bool> = match &schedule {
-            Some(sc) => sc.actions(s).iter().filter(|a| a.is_compute()).map(|a| matches!(a, Action::Forward { .. })).collect(),
-            None => (0..l.grad_accum).flat_map(|_| [true, false]).collect(),
+        // Each is (forward, frees): a split backward's input half is
+        // neither, and its weight half frees the unit.
+        let order: Vec<(bool, bool)> = match &schedule {
+            Some(sc) => sc.actions(s).iter().filter(|a| a.is_compute()).map(|a| (matches!(a, Action::Forward { .. }), a.frees_activations())).collect(),
+            None => (0..l.grad_accum).flat_map(|_| [(true, false), (false, true)]).collect(),
         };
-        let last_backward = order.iter().rposition(|&forward| !forward);
+        let last_backward = order.iter().rposition(|&(forward, _)| !forward);
         let (mut in_flight, mut backed) = (0usize, false);
         let mut moments = Vec::with_capacity(order.len() + 1);
-        for (i, &forward) in order.iter().enumerate() {
+        for (i, &(forward, frees)) in order.iter().enumerate() {
             if forward {
                 in_flight += 1;
             }
             let states = if backed { with_grads } else { without_grads };
             let extra = if !forward && Some(i) == last_backward { buckets } else { 0.0 };
             moments.push(StepMemory { states, activations: in_flight as f64 * chunk_saved, logits, workspace: workspace + extra });
-            if !forward {
+            if frees {
                 in_flight = in_flight.saturating_sub(1);
-                backed = true;
             }
+            backed |= !forward;
         }
         let new_flat = if matches!(l.zero, ZeroStage::One | ZeroStage::Two) { (placed.dense[s] + placed.experts[s]) * precision.param } else { 0.0 };
         moments.push(StepMemory { states: with_grads, activations: 0.0, logits: 0.0, workspace: new_flat });
@@ -482,7 +484,9 @@ pub fn estimate(cost: &ModelCost, model_flops_per_token: f64, layout: &Layout, c
     let (pipeline, busy) = if l.pp > 1 {
         let schedule = l.schedule.build(l.pp, l.grad_accum)?;
         let hand_off = Collective::SendRecv.seconds(pp_link, 2, cost.boundary_bytes * tokens);
-        let sim = schedule.simulate(&Costs { forward, backward, latency: hand_off })?;
+        // A split backward's weight half: the products' `dW`, about a
+        // forward's worth of work (less than half the backward when it recomputes).
+        let sim = schedule.simulate(&Costs::new(forward, backward).with_weight(forward.min(backward / 2.0)).with_latency(hand_off))?;
         let busy = sim.stages().iter().map(|s| s.busy).fold(0.0, f64::max);
         // Ranks that share cores lend a waiting rank's share to the busy
         // ones: the step is the work, not the schedule's critical path.
@@ -685,6 +689,13 @@ mod tests {
         assert!((e.memory.activations - pp as f64 * 2.0 * 8.0 * 10.0).abs() < 1e-9);
         let g = estimate(&cost, 300.0, &layout(1, pp, m, ScheduleKind::GPipe), &cluster(1e6, true)).unwrap();
         assert!((g.memory.activations - m as f64 * 2.0 * 8.0 * 10.0).abs() < 1e-9, "GPipe keeps every micro-batch");
+        // ZB-H1: the backward's weight half (a forward's worth) fills the
+        // bubble, (p − 1)·(F + B − W) = (p − 1)·F with a third of the step's
+        // work in each; the first stage still holds p micro-batches.
+        let z = estimate(&cost, 300.0, &layout(1, pp, m, ScheduleKind::ZeroBubbleH1), &cluster(1e6, true)).unwrap();
+        assert!((z.time.bubble - (pp - 1) as f64 * t / 3.0).abs() < 1e-9, "{:?}", z.time);
+        assert!((z.time.step - m as f64 * t - (pp - 1) as f64 * t / 3.0).abs() < 1e-9, "{:?}", z.time);
+        assert!((z.memory.activations - e.memory.activations).abs() < 1e-9);
     }
 
     #[test]

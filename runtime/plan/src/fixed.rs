@@ -40,6 +40,8 @@ pub enum ScheduleName {
     OneFOneB,
     /// Interleaved 1F1B with any number of chunks.
     Interleaved,
+    /// ZB-H1, the zero-bubble schedule.
+    ZeroBubbleH1,
 }
 
 /// The keys [`Fixed::parse`] takes.
@@ -48,7 +50,7 @@ pub const KEYS: &str = "dp, tp, pp, ep, sp, schedule, micro_batch, recompute, ze
 impl Fixed {
     /// Parses `KEY=VALUE` items: `dp`, `tp`, `pp`, `ep` and `micro_batch`
     /// (positive integers), `sp` (`true`/`false`), `schedule` (`gpipe`,
-    /// `1f1b`, `interleaved`), `recompute` (`none`, `declared`, `full`),
+    /// `1f1b`, `interleaved`, `zb-h1`), `recompute` (`none`, `declared`, `full`),
     /// `zero` (0 to 3). A key given twice, an unknown key or a bad value is
     /// an error naming it.
     pub fn parse(items: &[String]) -> Result<Fixed> {
@@ -72,7 +74,8 @@ impl Fixed {
                         "gpipe" => ScheduleName::GPipe,
                         "1f1b" => ScheduleName::OneFOneB,
                         "interleaved" => ScheduleName::Interleaved,
-                        _ => return Err(bad(format!("schedule is gpipe, 1f1b or interleaved, not `{value}`"))),
+                        "zb-h1" => ScheduleName::ZeroBubbleH1,
+                        _ => return Err(bad(format!("schedule is gpipe, 1f1b, interleaved or zb-h1, not `{value}`"))),
                     };
                     f.schedule.replace(s).is_some()
                 }
@@ -111,6 +114,7 @@ impl Fixed {
             ScheduleKind::GPipe => ScheduleName::GPipe,
             ScheduleKind::OneFOneB => ScheduleName::OneFOneB,
             ScheduleKind::Interleaved { .. } => ScheduleName::Interleaved,
+            ScheduleKind::ZeroBubbleH1 => ScheduleName::ZeroBubbleH1,
         };
         same(self.dp, l.dp)
             && same(self.tp, l.tp)
@@ -185,7 +189,7 @@ mod tests {
             ("sp=yes", "true or false"),
             ("zero=4", "0 to 3"),
             ("recompute=some", "none, declared or full"),
-            ("schedule=zb", "gpipe, 1f1b or interleaved"),
+            ("schedule=zb", "gpipe, 1f1b, interleaved or zb-h1"),
             ("vpp=2", "unknown key `vpp`"),
         ] {
             let e = Fixed::parse(&items(&[item])).unwrap_err().to_string();

@@ -139,7 +139,7 @@ pub fn search(model: &Model<'_>, cluster: &ClusterProfile, request: &Request) ->
                             let schedules = if pp == 1 {
                                 vec![ScheduleKind::OneFOneB]
                             } else {
-                                let mut s = vec![ScheduleKind::OneFOneB, ScheduleKind::GPipe];
+                                let mut s = vec![ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::ZeroBubbleH1];
                                 for chunks in [2, 4] {
                                     if layers >= pp * chunks && grad_accum.is_multiple_of(pp) {
                                         s.push(ScheduleKind::Interleaved { chunks });

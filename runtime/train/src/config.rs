@@ -100,7 +100,9 @@ pub struct MeshConfig {
     pub ep: usize,
     /// Sequence parallelism over the tensor-parallel group.
     pub sp: bool,
-    /// Pipeline schedule: `gpipe`, `1f1b` or `interleaved` (with `chunks`).
+    /// Pipeline schedule: `gpipe`, `1f1b`, `interleaved` (with `chunks`) or
+    /// `zb-h1` (1F1B with the backward split and the weight halves filling
+    /// the bubble).
     pub schedule: String,
     /// Model chunks per stage for the interleaved schedule.
     pub chunks: usize,
@@ -260,7 +262,8 @@ impl MeshConfig {
             "gpipe" => Ok(ScheduleKind::GPipe),
             "1f1b" => Ok(ScheduleKind::OneFOneB),
             "interleaved" => Ok(ScheduleKind::Interleaved { chunks: self.chunks }),
-            other => Err(Error::config("mesh.schedule", format!("unknown schedule `{other}`; use `gpipe`, `1f1b` or `interleaved`"))),
+            "zb-h1" => Ok(ScheduleKind::ZeroBubbleH1),
+            other => Err(Error::config("mesh.schedule", format!("unknown schedule `{other}`; use `gpipe`, `1f1b`, `interleaved` or `zb-h1`"))),
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The per-rank context every forward and backward runs in.
 
+use super::deferred::{Job, WeightGrads};
 use super::{Param, Shard};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tessera_core::tensor::{DType, Tensor};
 use tessera_core::Result;
 use tessera_core::{Device, RngKey};
@@ -67,6 +68,8 @@ pub struct Cx {
     path: Vec<String>,
     hooks: Vec<Arc<dyn Hooks>>,
     decode: Option<Arc<super::Decode>>,
+    /// Weight gradients put aside while a split backward's input half runs.
+    deferred: Option<Mutex<WeightGrads>>,
 }
 
 impl Cx {
@@ -93,6 +96,7 @@ impl Cx {
             path: Vec::new(),
             hooks: Vec::new(),
             decode: None,
+            deferred: None,
         }
     }
 
@@ -364,6 +368,34 @@ impl Cx {
     /// step, on the accumulated gradient. Returns the previous setting.
     pub fn set_announce_grads(&mut self, on: bool) -> bool {
         std::mem::replace(&mut self.announce_grads, on)
+    }
+
+    /// Starts putting weight gradients aside instead of computing them (the
+    /// input half of a split backward; see [`WeightGrads`]). Anything put
+    /// aside and not yet taken is dropped.
+    pub fn defer_weight_grads(&mut self) {
+        self.deferred = Some(Mutex::default());
+    }
+
+    /// Stops putting weight gradients aside and returns what was.
+    pub fn take_weight_grads(&mut self) -> WeightGrads {
+        self.deferred.take().map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner())).unwrap_or_default()
+    }
+
+    /// Runs `compute`, a layer's weight-gradient computation that ends by
+    /// delivering its gradients with [`grad`](Self::grad), now, or puts it
+    /// aside while [`defer_weight_grads`](Self::defer_weight_grads) is on.
+    /// It must own what it reads (clones of tensors and parameters are
+    /// cheap handles).
+    pub fn weight_grad(&self, compute: impl FnOnce(&Cx) -> Result<()> + Send + 'static) -> Result<()> {
+        match &self.deferred {
+            Some(put_aside) => {
+                let job: Job = Box::new(compute);
+                put_aside.lock().unwrap_or_else(|e| e.into_inner()).push(self.token_slice, job);
+                Ok(())
+            }
+            None => compute(self),
+        }
     }
 
     /// Delivers one use's gradient of `p`; announces it to the hooks once final.

@@ -8,6 +8,7 @@
 mod call;
 mod cx;
 mod decode;
+mod deferred;
 mod describe;
 pub mod dsl;
 mod layout;
@@ -21,6 +22,7 @@ mod visit;
 pub use call::{call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, fed, Feeds, Kept, KeptCall, Recompute};
 pub use cx::{Cx, Hooks, RecomputeOverride};
 pub use decode::{Decode, KvCache, KvLayer};
+pub use deferred::WeightGrads;
 pub use describe::{
     describe, describe_call, describe_with_input, Activation, CollectiveCost, CollectiveKind, CostSettings, Describe, Group, LayerCost, ModelCost, ParamCost,
     Pass, Product,

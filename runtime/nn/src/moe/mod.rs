@@ -517,11 +517,19 @@ impl Module<Plain> for Moe {
         let dby_expert = if order.is_empty() { None } else { Some(rows::gather(dreceived.tensor(), &order)?) };
         let mut dxe_blocks = Vec::new();
         for (ex, saved) in self.experts.iter().zip(per_expert) {
+            let params = [ex.gate.clone(), ex.up.clone(), ex.down.clone()];
             let Some(se) = saved else {
-                // No row reached this expert: its gradient is zero.
-                for p in [&ex.gate, &ex.up, &ex.down] {
-                    cx.grad(p, Tensor::zeros(p.local_shape(), cx.compute_dtype(), x.device())?)?;
-                }
+                // No row reached this expert: its gradient is zero. Delivered
+                // through the same deferral as a busy expert's, so that every
+                // rank delivers (and, under sequence parallelism, reduces) the
+                // experts' gradients at the same point.
+                let device = x.device().clone();
+                cx.weight_grad(move |cx| {
+                    for p in &params {
+                        cx.grad(p, Tensor::zeros(p.local_shape(), cx.compute_dtype(), &device)?)?;
+                    }
+                    Ok(())
+                })?;
                 continue;
             };
             let m = se.xe.dims()[0];
@@ -531,15 +539,19 @@ impl Module<Plain> for Moe {
                 .narrow(0, se.start, m)?;
             let (wg, wu, wd) = (param_value(cx, &ex.gate)?, param_value(cx, &ex.up)?, param_value(cx, &ex.down)?);
             let dh = ops::matmul(&do_, &wd)?;
-            let ddown = weight_grad(&do_, &se.h)?;
             let (dgate, dup) = ops::swiglu_backward(&se.gate, &se.up, &dh)?;
+            dxe_blocks.push(ops::add(&ops::matmul(&dgate, &wg)?, &ops::matmul(&dup, &wu)?)?);
             // Delivered in the same order as an idle expert's zeros (gate, up,
             // down): under sequence parallelism each delivery is a collective
             // over the tensor-parallel group, whose ranks route differently.
-            cx.grad(&ex.gate, weight_grad(&dgate, &se.xe)?)?;
-            cx.grad(&ex.up, weight_grad(&dup, &se.xe)?)?;
-            cx.grad(&ex.down, ddown)?;
-            dxe_blocks.push(ops::add(&ops::matmul(&dgate, &wg)?, &ops::matmul(&dup, &wu)?)?);
+            let (xe, h) = (se.xe.clone(), se.h.clone());
+            cx.weight_grad(move |cx| {
+                let [gate, up, down] = &params;
+                let ddown = weight_grad(&do_, &h)?;
+                cx.grad(gate, weight_grad(&dgate, &xe)?)?;
+                cx.grad(up, weight_grad(&dup, &xe)?)?;
+                cx.grad(down, ddown)
+            })?;
         }
         let dreceived_x = unpermute(&dxe_blocks, &order, d, &x)?;
 
@@ -559,8 +571,9 @@ impl Module<Plain> for Moe {
             dlogits = ops::add(&dlogits, &ops::softmax_backward(&probs, &g)?)?;
         }
         let wr = param_value(cx, &self.router)?;
-        cx.grad(&self.router, weight_grad(&dlogits, &x)?)?;
         let dx = ops::add(&dx, &ops::matmul(&dlogits, &wr)?)?;
+        let (router, x) = (self.router.clone(), x.clone());
+        cx.weight_grad(move |cx| cx.grad(&router, weight_grad(&dlogits, &x)?))?;
         Ok(Act::new(dx.reshape(shape)?))
     }
 

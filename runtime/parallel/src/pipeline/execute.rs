@@ -7,7 +7,7 @@ use tessera_core::tensor::Tensor;
 use tessera_core::{Error, Result};
 use tessera_dist::Communicator;
 pub use tessera_nn::module::layers_of;
-use tessera_nn::module::{self, Act, Cx, Staged};
+use tessera_nn::module::{self, Act, Cx, Staged, WeightGrads};
 
 /// What one stage did in one pipeline step.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -114,11 +114,17 @@ pub fn run_stage<M: Staged>(
     let mut tail: HashMap<usize, (M::LastSaved, Act<M::Out>)> = HashMap::new();
     let mut report = StageReport::default();
     let mut in_flight = 0usize;
+    // Weight gradients put aside by a split backward's input half, for its weight half.
+    let mut put_aside: HashMap<(usize, usize), WeightGrads> = HashMap::new();
     // Gradients accumulate over the microbatches; a chunk's parameters are
-    // announced final (for data parallelism) only in its last backward.
+    // announced final (for data parallelism) only in its last backward: for
+    // a split backward, the last input half (norms, embeddings) and the
+    // last weight half (the products' weights).
     let actions = schedule.actions(stage);
-    let last_backward: HashMap<usize, usize> =
-        actions.iter().enumerate().filter_map(|(i, a)| matches!(a, Action::Backward { .. }).then_some((a.chunk(), i))).collect();
+    let last_of =
+        |half: fn(&Action) -> bool| -> HashMap<usize, usize> { actions.iter().enumerate().filter_map(|(i, a)| half(a).then_some((a.chunk(), i))).collect() };
+    let last_input = last_of(|a| matches!(a, Action::Backward { .. } | Action::BackwardInput { .. }));
+    let last_weight = last_of(|a| matches!(a, Action::Backward { .. } | Action::BackwardWeight { .. }));
     let announcing = cx.set_announce_grads(false);
     // Microbatch `mb` holds the rows after those of the microbatches before
     // it (dropout draws its masks at global rows; see `Cx::batch_offset`).
@@ -132,81 +138,103 @@ pub fn run_stage<M: Staged>(
         })
         .collect();
 
-    for (index, action) in actions.iter().enumerate() {
-        let started = Instant::now();
-        match *action {
-            Action::Forward { microbatch: mb, chunk: c } => {
-                cx.set_batch_offset(row_starts[mb]);
-                let k = schedule.virtual_stage(stage, c);
-                let x = if k == 0 {
-                    let (h, s) = model.forward_first(cx, Act::new(inputs[mb].clone()))?;
-                    first.insert(mb, s);
-                    h
-                } else {
-                    inbox.remove(&(mb, c)).ok_or_else(|| missing("the input activation", mb, c))?
-                };
-                let (y, s) = model.forward_split(cx, layers_of(k, virtual_stages, layers), x)?;
-                split.insert((mb, c), s);
-                if k == last {
-                    let (out, s) = model.forward_last(cx, y)?;
-                    let (l, dy) = loss(mb, &out)?;
-                    report.losses.push((mb, l));
-                    tail.insert(mb, (s, dy));
-                } else if schedule.placement(k + 1).0 == stage {
-                    inbox.insert((mb, c + 1), y);
-                } else {
-                    outbox.insert((mb, c), y);
+    // The actions run in a closure so that, whatever fails, the context's
+    // settings are restored below and nothing stays put aside.
+    let outcome = (|| -> Result<()> {
+        for (index, action) in actions.iter().enumerate() {
+            let started = Instant::now();
+            match *action {
+                Action::Forward { microbatch: mb, chunk: c } => {
+                    cx.set_batch_offset(row_starts[mb]);
+                    let k = schedule.virtual_stage(stage, c);
+                    let x = if k == 0 {
+                        let (h, s) = model.forward_first(cx, Act::new(inputs[mb].clone()))?;
+                        first.insert(mb, s);
+                        h
+                    } else {
+                        inbox.remove(&(mb, c)).ok_or_else(|| missing("the input activation", mb, c))?
+                    };
+                    let (y, s) = model.forward_split(cx, layers_of(k, virtual_stages, layers), x)?;
+                    split.insert((mb, c), s);
+                    if k == last {
+                        let (out, s) = model.forward_last(cx, y)?;
+                        let (l, dy) = loss(mb, &out)?;
+                        report.losses.push((mb, l));
+                        tail.insert(mb, (s, dy));
+                    } else if schedule.placement(k + 1).0 == stage {
+                        inbox.insert((mb, c + 1), y);
+                    } else {
+                        outbox.insert((mb, c), y);
+                    }
+                    in_flight += 1;
+                    report.peak_in_flight = report.peak_in_flight.max(in_flight);
                 }
-                in_flight += 1;
-                report.peak_in_flight = report.peak_in_flight.max(in_flight);
-            }
-            Action::SendActivation { to, microbatch: mb, chunk: c } => {
-                let y = outbox.remove(&(mb, c)).ok_or_else(|| missing("the output activation", mb, c))?;
-                pp.send(y.tensor(), to)?;
-            }
-            Action::RecvActivation { from, microbatch: mb, chunk: c } => {
-                inbox.insert((mb, c), Act::new(pp.recv(from)?));
-            }
-            Action::Backward { microbatch: mb, chunk: c } => {
-                cx.set_batch_offset(row_starts[mb]);
-                cx.set_announce_grads(announcing && last_backward.get(&c) == Some(&index));
-                let k = schedule.virtual_stage(stage, c);
-                let g = if k == last {
-                    let (s, dy) = tail.remove(&mb).ok_or_else(|| missing("the loss gradient", mb, c))?;
-                    model.backward_last(cx, s, dy)?
-                } else {
-                    grad_out.remove(&(mb, c)).ok_or_else(|| missing("the output gradient", mb, c))?
-                };
-                let s = split.remove(&(mb, c)).ok_or_else(|| missing("the saved forward state", mb, c))?;
-                let gx = model.backward_split(cx, layers_of(k, virtual_stages, layers), s, g)?;
-                if k == 0 {
-                    let s = first.remove(&mb).ok_or_else(|| missing("the first part's state", mb, c))?;
-                    model.backward_first(cx, s, gx)?;
-                } else if schedule.placement(k - 1).0 == stage {
-                    grad_out.insert((mb, c - 1), gx);
-                } else {
-                    grad_in.insert((mb, c), gx);
+                Action::SendActivation { to, microbatch: mb, chunk: c } => {
+                    let y = outbox.remove(&(mb, c)).ok_or_else(|| missing("the output activation", mb, c))?;
+                    pp.send(y.tensor(), to)?;
                 }
-                in_flight -= 1;
+                Action::RecvActivation { from, microbatch: mb, chunk: c } => {
+                    inbox.insert((mb, c), Act::new(pp.recv(from)?));
+                }
+                Action::Backward { microbatch: mb, chunk: c } | Action::BackwardInput { microbatch: mb, chunk: c } => {
+                    cx.set_batch_offset(row_starts[mb]);
+                    cx.set_announce_grads(announcing && last_input.get(&c) == Some(&index));
+                    let split_half = matches!(action, Action::BackwardInput { .. });
+                    if split_half {
+                        cx.defer_weight_grads();
+                    }
+                    let k = schedule.virtual_stage(stage, c);
+                    let g = if k == last {
+                        let (s, dy) = tail.remove(&mb).ok_or_else(|| missing("the loss gradient", mb, c))?;
+                        model.backward_last(cx, s, dy)?
+                    } else {
+                        grad_out.remove(&(mb, c)).ok_or_else(|| missing("the output gradient", mb, c))?
+                    };
+                    let s = split.remove(&(mb, c)).ok_or_else(|| missing("the saved forward state", mb, c))?;
+                    let gx = model.backward_split(cx, layers_of(k, virtual_stages, layers), s, g)?;
+                    if k == 0 {
+                        let s = first.remove(&mb).ok_or_else(|| missing("the first part's state", mb, c))?;
+                        model.backward_first(cx, s, gx)?;
+                    } else if schedule.placement(k - 1).0 == stage {
+                        grad_out.insert((mb, c - 1), gx);
+                    } else {
+                        grad_in.insert((mb, c), gx);
+                    }
+                    if split_half {
+                        put_aside.insert((mb, c), cx.take_weight_grads());
+                    } else {
+                        in_flight -= 1;
+                    }
+                }
+                Action::BackwardWeight { microbatch: mb, chunk: c } => {
+                    cx.set_batch_offset(row_starts[mb]);
+                    cx.set_announce_grads(announcing && last_weight.get(&c) == Some(&index));
+                    let weights = put_aside.remove(&(mb, c)).ok_or_else(|| missing("the weight gradients put aside by the input half", mb, c))?;
+                    weights.run(cx)?;
+                    in_flight -= 1;
+                }
+                Action::SendGrad { to, microbatch: mb, chunk: c } => {
+                    let g = grad_in.remove(&(mb, c)).ok_or_else(|| missing("the input gradient", mb, c))?;
+                    pp.send(g.tensor(), to)?;
+                }
+                Action::RecvGrad { from, microbatch: mb, chunk: c } => {
+                    grad_out.insert((mb, c), Act::new(pp.recv(from)?));
+                }
             }
-            Action::SendGrad { to, microbatch: mb, chunk: c } => {
-                let g = grad_in.remove(&(mb, c)).ok_or_else(|| missing("the input gradient", mb, c))?;
-                pp.send(g.tensor(), to)?;
+            let ended = Instant::now();
+            if action.is_compute() {
+                report.compute += ended - started;
+            } else {
+                report.waiting += ended - started;
             }
-            Action::RecvGrad { from, microbatch: mb, chunk: c } => {
-                grad_out.insert((mb, c), Act::new(pp.recv(from)?));
-            }
+            report.spans.push(ActionSpan { action: *action, start: started, end: ended });
         }
-        let ended = Instant::now();
-        if action.is_compute() {
-            report.compute += ended - started;
-        } else {
-            report.waiting += ended - started;
-        }
-        report.spans.push(ActionSpan { action: *action, start: started, end: ended });
-    }
+        Ok(())
+    })();
+    cx.take_weight_grads();
     cx.set_announce_grads(announcing);
     cx.set_batch_offset(first_row);
+    outcome?;
     report.peak_activation_bytes = device.memory_stats().peak.saturating_sub(base);
     Ok(report)
 }

@@ -44,7 +44,7 @@ mod simulate;
 mod trace;
 
 pub use execute::{layers_of, run_stage, sync_tied_grads, ActionSpan, StageReport};
-pub use schedule::{gpipe, interleaved_one_f_one_b, one_f_one_b, ScheduleKind};
+pub use schedule::{gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1, ScheduleKind};
 pub use simulate::{Costs, Event, Simulation, StageStats};
 
 use std::fmt;
@@ -69,6 +69,25 @@ pub enum Action {
     },
     /// Runs chunk `chunk`'s backward on `microbatch`, freeing what its forward kept.
     Backward {
+        /// The microbatch it works on.
+        microbatch: usize,
+        /// The chunk (of this stage) it works on.
+        chunk: usize,
+    },
+    /// The first half of a split backward (zero-bubble schedules): the
+    /// gradient of chunk `chunk`'s input on `microbatch`, which the previous
+    /// stage waits for. The weight gradients are put aside, with what they
+    /// read, for the matching [`Action::BackwardWeight`].
+    BackwardInput {
+        /// The microbatch it works on.
+        microbatch: usize,
+        /// The chunk (of this stage) it works on.
+        chunk: usize,
+    },
+    /// The second half of a split backward: the weight gradients its
+    /// [`Action::BackwardInput`] put aside, which no other stage waits for,
+    /// so a schedule can run them where a stage would otherwise idle.
+    BackwardWeight {
         /// The microbatch it works on.
         microbatch: usize,
         /// The chunk (of this stage) it works on.
@@ -118,6 +137,8 @@ impl Action {
         match *self {
             Action::Forward { microbatch, .. }
             | Action::Backward { microbatch, .. }
+            | Action::BackwardInput { microbatch, .. }
+            | Action::BackwardWeight { microbatch, .. }
             | Action::SendActivation { microbatch, .. }
             | Action::RecvActivation { microbatch, .. }
             | Action::SendGrad { microbatch, .. }
@@ -130,6 +151,8 @@ impl Action {
         match *self {
             Action::Forward { chunk, .. }
             | Action::Backward { chunk, .. }
+            | Action::BackwardInput { chunk, .. }
+            | Action::BackwardWeight { chunk, .. }
             | Action::SendActivation { chunk, .. }
             | Action::RecvActivation { chunk, .. }
             | Action::SendGrad { chunk, .. }
@@ -137,9 +160,15 @@ impl Action {
         }
     }
 
-    /// Whether the action computes (a forward or a backward) rather than communicates.
+    /// Whether the action computes (a forward, a backward or half of one) rather than communicates.
     pub fn is_compute(&self) -> bool {
-        matches!(self, Action::Forward { .. } | Action::Backward { .. })
+        matches!(self, Action::Forward { .. } | Action::Backward { .. } | Action::BackwardInput { .. } | Action::BackwardWeight { .. })
+    }
+
+    /// Whether the action ends a unit's backward, freeing what its forward
+    /// kept: a whole [`Action::Backward`] or an [`Action::BackwardWeight`].
+    pub fn frees_activations(&self) -> bool {
+        matches!(self, Action::Backward { .. } | Action::BackwardWeight { .. })
     }
 
     /// The other stage of a send or receive.
@@ -147,19 +176,21 @@ impl Action {
         match *self {
             Action::SendActivation { to, .. } | Action::SendGrad { to, .. } => Some(to),
             Action::RecvActivation { from, .. } | Action::RecvGrad { from, .. } => Some(from),
-            Action::Forward { .. } | Action::Backward { .. } => None,
+            Action::Forward { .. } | Action::Backward { .. } | Action::BackwardInput { .. } | Action::BackwardWeight { .. } => None,
         }
     }
 }
 
-/// Short forms: `F3.1` (forward of microbatch 3, chunk 1), `B3.1`,
-/// `send-act 3.1 → 2`, `recv-act 3.1 ← 0`, `send-grad 3.1 → 0`, `recv-grad 3.1 ← 2`.
+/// Short forms: `F3.1` (forward of microbatch 3, chunk 1), `B3.1`, its
+/// halves `Bx3.1` (input gradient) and `Bw3.1` (weight gradients), `send-act 3.1 → 2`, `recv-act 3.1 ← 0`, `send-grad 3.1 → 0`, `recv-grad 3.1 ← 2`.
 impl fmt::Display for Action {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (mb, c) = (self.microbatch(), self.chunk());
         match *self {
             Action::Forward { .. } => write!(f, "F{mb}.{c}"),
             Action::Backward { .. } => write!(f, "B{mb}.{c}"),
+            Action::BackwardInput { .. } => write!(f, "Bx{mb}.{c}"),
+            Action::BackwardWeight { .. } => write!(f, "Bw{mb}.{c}"),
             Action::SendActivation { to, .. } => write!(f, "send-act {mb}.{c} → {to}"),
             Action::RecvActivation { from, .. } => write!(f, "recv-act {mb}.{c} ← {from}"),
             Action::SendGrad { to, .. } => write!(f, "send-grad {mb}.{c} → {to}"),
@@ -170,7 +201,7 @@ impl fmt::Display for Action {
 
 /// The work of every pipeline stage for one training step, in order.
 ///
-/// Built by [`gpipe`], [`one_f_one_b`], [`interleaved_one_f_one_b`] (or
+/// Built by [`gpipe`], [`one_f_one_b`], [`interleaved_one_f_one_b`], [`zero_bubble_h1`] (or
 /// [`ScheduleKind::build`]), or from hand-written actions by
 /// [`Schedule::from_actions`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -243,7 +274,8 @@ impl Schedule {
     }
 
     /// Proves the schedule sound: every (microbatch, chunk) is forwarded once
-    /// and then backwarded once on every stage; every compute has its input
+    /// and then backwarded once on every stage (whole, or input half then
+    /// weight half); every compute has its input
     /// (received, or produced locally by the previous chunk) before it runs;
     /// every send names the stage that consumes its tensor and is received
     /// exactly once; and running the stages together under the
@@ -254,8 +286,10 @@ impl Schedule {
     }
 
     /// The most (microbatch, chunk) activations each stage holds at once: those
-    /// whose forward ran and whose backward has not. With interleaving a unit
-    /// is one chunk's activations, about a v-th of a whole stage's.
+    /// whose forward ran and whose backward has not (for a split backward,
+    /// whose weight half has not: it reads the layers' inputs). With
+    /// interleaving a unit is one chunk's activations, about a v-th of a
+    /// whole stage's.
     ///
     /// ```
     /// use tessera::parallel::pipeline::{gpipe, one_f_one_b};
@@ -270,10 +304,10 @@ impl Schedule {
             .map(|actions| {
                 let (mut now, mut peak) = (0usize, 0usize);
                 for a in actions {
-                    match a {
-                        Action::Forward { .. } => now += 1,
-                        Action::Backward { .. } => now = now.saturating_sub(1),
-                        _ => {}
+                    if matches!(a, Action::Forward { .. }) {
+                        now += 1;
+                    } else if a.frees_activations() {
+                        now = now.saturating_sub(1);
                     }
                     peak = peak.max(now);
                 }

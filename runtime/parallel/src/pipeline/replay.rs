@@ -37,7 +37,10 @@ struct Stage {
     clock: f64,
     busy: f64,
     forwarded: Vec<bool>,
+    /// The unit's input gradient exists (a whole backward or its input half ran).
     backwarded: Vec<bool>,
+    /// The unit's weight gradients exist (a whole backward or its weight half ran).
+    weighed: Vec<bool>,
     has_input: Vec<bool>,
     has_output_grad: Vec<bool>,
 }
@@ -56,6 +59,7 @@ pub(super) fn replay(schedule: &Schedule, costs: &Costs) -> Result<Replay> {
             busy: 0.0,
             forwarded: vec![false; units],
             backwarded: vec![false; units],
+            weighed: vec![false; units],
             has_input: vec![false; units],
             has_output_grad: vec![false; units],
         })
@@ -130,12 +134,12 @@ fn step(schedule: &Schedule, costs: &Costs, s: usize, st: &mut Stage, a: Action,
             st.clock += costs.forward;
             st.busy += costs.forward;
         }
-        Action::Backward { .. } => {
+        Action::Backward { .. } | Action::BackwardInput { .. } => {
             if !st.forwarded[unit] {
                 return fail(format!("its forward has not run; run F{mb}.{c} first"));
             }
             if st.backwarded[unit] {
-                return fail("this backward already ran; run each backward once".into());
+                return fail("this unit's backward (or its input half) already ran; run each backward once".into());
             }
             match next {
                 Some((t, nc)) if t == s && !st.backwarded[mb * v + nc] => {
@@ -147,8 +151,25 @@ fn step(schedule: &Schedule, costs: &Costs, s: usize, st: &mut Stage, a: Action,
                 _ => {}
             }
             st.backwarded[unit] = true;
-            st.clock += costs.backward;
-            st.busy += costs.backward;
+            let cost = if matches!(a, Action::Backward { .. }) {
+                st.weighed[unit] = true;
+                costs.backward
+            } else {
+                costs.input()
+            };
+            st.clock += cost;
+            st.busy += cost;
+        }
+        Action::BackwardWeight { .. } => {
+            if st.weighed[unit] {
+                return fail("this unit's weight gradients were already computed (by its whole backward or an earlier Bw); run each once".into());
+            }
+            if !st.backwarded[unit] {
+                return fail(format!("its input half has not run; run Bx{mb}.{c} first (it puts aside what the weight half reads)"));
+            }
+            st.weighed[unit] = true;
+            st.clock += costs.weight;
+            st.busy += costs.weight;
         }
         Action::SendActivation { to, .. } | Action::SendGrad { to, .. } => {
             let activation = matches!(a, Action::SendActivation { .. });
@@ -202,10 +223,16 @@ fn step(schedule: &Schedule, costs: &Costs, s: usize, st: &mut Stage, a: Action,
 fn finished(schedule: &Schedule, stages: &[Stage], mailbox: &HashMap<Message, f64>) -> Result<()> {
     let v = schedule.chunks;
     for (s, st) in stages.iter().enumerate() {
-        for (unit, (&f, &b)) in st.forwarded.iter().zip(&st.backwarded).enumerate() {
+        for (unit, ((&f, &b), &w)) in st.forwarded.iter().zip(&st.backwarded).zip(&st.weighed).enumerate() {
             let (mb, c) = (unit / v, unit % v);
-            if !f || !b {
-                let missing = if f { "backward" } else { "forward" };
+            if !f || !b || !w {
+                let missing = if !f {
+                    "forward"
+                } else if !b {
+                    "backward"
+                } else {
+                    "weight half (Bw) of the backward"
+                };
                 return Err(Error::schedule(
                     "Schedule::check",
                     format!(

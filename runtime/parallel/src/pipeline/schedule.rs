@@ -17,6 +17,9 @@ pub enum ScheduleKind {
         /// Model chunks per stage.
         chunks: usize,
     },
+    /// 1F1B with the backward split in two and the weight halves filling
+    /// the bubble: see [`zero_bubble_h1`].
+    ZeroBubbleH1,
 }
 
 impl ScheduleKind {
@@ -26,6 +29,15 @@ impl ScheduleKind {
             ScheduleKind::GPipe => gpipe(stages, microbatches),
             ScheduleKind::OneFOneB => one_f_one_b(stages, microbatches),
             ScheduleKind::Interleaved { chunks } => interleaved_one_f_one_b(stages, microbatches, chunks),
+            ScheduleKind::ZeroBubbleH1 => zero_bubble_h1(stages, microbatches),
+        }
+    }
+
+    /// Model chunks per stage: `chunks` when interleaved, else 1.
+    pub fn chunks(self) -> usize {
+        match self {
+            ScheduleKind::Interleaved { chunks } => chunks,
+            _ => 1,
         }
     }
 }
@@ -135,6 +147,60 @@ pub fn interleaved_one_f_one_b(stages: usize, microbatches: usize, chunks: usize
     Ok(Schedule::new(&format!("interleaved 1F1B (v={v})"), stages, microbatches, chunks, wire(stages, chunks, orders)))
 }
 
+/// ZB-H1, the zero-bubble schedule of Qi et al. (ICLR 2024) that keeps
+/// 1F1B's peak memory: each backward is split into its input half `Bx`,
+/// which the previous stage waits for, and its weight half `Bw`, which no
+/// one waits for. Stage `s` runs 1F1B's order with `Bx` in place of each
+/// backward, and runs the weight half of microbatch `j` right after the input
+/// half of microbatch `j + s` (the rest at the end).
+///
+/// The input gradients then cross the stages at the cost of `Bx` alone,
+/// and the postponed `Bw`s fill the drain, where 1F1B's stages wait: with
+/// forward `F`, input half `B` and weight half `W` (`W ≤ F`, `W ≤ B`), each
+/// stage idles `(p − 1)·(F + B − W)` instead of 1F1B's `(p − 1)·(F + B + W)`,
+/// a third of it when the three are equal. Every stage holds at most `p`
+/// microbatches' activations (a `Bw` reads the layers' inputs, so a unit is
+/// held until its weight half), 1F1B's peak on its first stage.
+///
+/// ```
+/// use tessera::parallel::pipeline::{zero_bubble_h1, Costs};
+///
+/// let s = zero_bubble_h1(2, 3)?;
+/// let text = s.to_string();
+/// let mut lines = text.lines().skip(1);
+/// assert_eq!(lines.next(), Some("stage 0: F0.0 F1.0 Bx0.0 Bw0.0 F2.0 Bx1.0 Bw1.0 Bx2.0 Bw2.0"));
+/// assert_eq!(lines.next(), Some("stage 1: F0.0 Bx0.0 F1.0 Bx1.0 Bw0.0 F2.0 Bx2.0 Bw1.0 Bw2.0"));
+/// // F = B = W = 1: one unit of idle per stage where 1F1B has three.
+/// let sim = s.simulate(&Costs::new(1.0, 2.0).with_weight(1.0))?;
+/// assert_eq!(sim.stages()[0].idle, 1.0);
+/// # Ok::<(), tessera::Error>(())
+/// ```
+pub fn zero_bubble_h1(stages: usize, microbatches: usize) -> Result<Schedule> {
+    validate("pipeline::zero_bubble_h1", stages, microbatches, 1)?;
+    let unit = |microbatch| (microbatch, 0);
+    let orders = (0..stages)
+        .map(|s| {
+            let mut order = Vec::with_capacity(3 * microbatches);
+            let mut weighed = 0;
+            for a in warm_steady_drain(stages - s - 1, microbatches, unit, unit) {
+                match a {
+                    Action::Backward { microbatch, chunk } => {
+                        order.push(Action::BackwardInput { microbatch, chunk });
+                        if microbatch >= s {
+                            order.push(Action::BackwardWeight { microbatch: weighed, chunk });
+                            weighed += 1;
+                        }
+                    }
+                    a => order.push(a),
+                }
+            }
+            order.extend((weighed..microbatches).map(|microbatch| Action::BackwardWeight { microbatch, chunk: 0 }));
+            order
+        })
+        .collect();
+    Ok(Schedule::new("ZB-H1", stages, microbatches, 1, wire(stages, 1, orders)))
+}
+
 /// The 1F1B pattern over `units` (microbatch, chunk) units, the i-th forward
 /// being `forward(i)` and the i-th backward `backward(i)`: `warmup` forwards,
 /// then forward/backward pairs, then the remaining backwards.
@@ -182,7 +248,7 @@ fn wire(stages: usize, chunks: usize, orders: Vec<Vec<Action>>) -> Vec<Vec<Actio
                         out.push(a);
                         out.extend(next.map(|to| Action::SendActivation { to, microbatch, chunk }));
                     }
-                    Action::Backward { .. } => {
+                    Action::Backward { .. } | Action::BackwardInput { .. } => {
                         out.extend(next.map(|from| Action::RecvGrad { from, microbatch, chunk }));
                         out.push(a);
                         out.extend(prev.map(|to| Action::SendGrad { to, microbatch, chunk }));

@@ -7,23 +7,28 @@ use tessera_core::{Error, Result};
 /// The cost of each action, in any unit of time (the trace reads it as µs).
 ///
 /// Costs are per *chunk*: with `v` chunks per stage, a chunk's forward is
-/// about `1/v` of a whole stage's. Sends cost the sender nothing (they do not
-/// wait); a tensor arrives `latency` after it was sent, and a receive waits
-/// until then.
+/// about `1/v` of a whole stage's. A whole backward costs `backward`; split
+/// in two, its weight half costs `weight` and its input half the rest. Sends
+/// cost the sender nothing (they do not wait); a tensor arrives `latency`
+/// after it was sent, and a receive waits until then.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Costs {
     /// One chunk's forward on one microbatch.
     pub forward: f64,
-    /// One chunk's backward on one microbatch.
+    /// One chunk's whole backward on one microbatch.
     pub backward: f64,
+    /// The weight-gradient part of `backward` (at most `backward`).
+    pub weight: f64,
     /// From a send to the tensor's arrival at the receiver.
     pub latency: f64,
 }
 
 impl Costs {
-    /// Forward and backward costs, with instant transfers.
+    /// Forward and backward costs, with instant transfers and the
+    /// backward's weight half taken as half of it (a layer of matrix
+    /// products spends as much on `dX = dY·W` as on `dW = dYᵀ·X`).
     pub fn new(forward: f64, backward: f64) -> Self {
-        Costs { forward, backward, latency: 0.0 }
+        Costs { forward, backward, weight: backward / 2.0, latency: 0.0 }
     }
 
     /// The same costs with transfers taking `latency`.
@@ -32,11 +37,28 @@ impl Costs {
         self
     }
 
+    /// The same costs with the backward's weight half taking `weight`.
+    pub fn with_weight(mut self, weight: f64) -> Self {
+        self.weight = weight;
+        self
+    }
+
+    /// What the input half of a split backward costs: `backward − weight`.
+    pub fn input(&self) -> f64 {
+        self.backward - self.weight
+    }
+
     fn validate(&self) -> Result<()> {
-        for (name, x) in [("forward", self.forward), ("backward", self.backward), ("latency", self.latency)] {
+        for (name, x) in [("forward", self.forward), ("backward", self.backward), ("weight", self.weight), ("latency", self.latency)] {
             if !(x.is_finite() && x >= 0.0) {
                 return Err(Error::invalid("Schedule::simulate", format!("the {name} cost is {x}; costs must be finite and at least 0")));
             }
+        }
+        if self.weight > self.backward {
+            return Err(Error::invalid(
+                "Schedule::simulate",
+                format!("the weight half costs {} of a backward that costs {}; it is a part of the backward, at most all of it", self.weight, self.backward),
+            ));
         }
         Ok(())
     }
@@ -60,7 +82,7 @@ pub struct Event {
 /// One stage's totals over a simulated step.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StageStats {
-    /// Time spent computing forwards and backwards.
+    /// Time spent computing forwards and backwards (or their halves).
     pub busy: f64,
     /// Time not computing within the makespan: waiting for tensors, and
     /// before the first and after the last computation.

@@ -6,7 +6,7 @@ use std::fmt::Write;
 impl Simulation {
     /// The simulation as Chrome trace-event JSON (open it in Perfetto or
     /// `chrome://tracing`): one track per stage, forwards and backwards as
-    /// slices, waits for a tensor as `wait` slices, sends as instants. Costs
+    /// slices (and the halves of a split backward), waits for a tensor as `wait` slices, sends as instants. Costs
     /// are written as microseconds, the format's unit.
     ///
     /// ```
@@ -30,6 +30,8 @@ impl Simulation {
             let category = match e.action {
                 Action::Forward { .. } => "forward",
                 Action::Backward { .. } => "backward",
+                Action::BackwardInput { .. } => "backward-input",
+                Action::BackwardWeight { .. } => "backward-weight",
                 Action::RecvActivation { .. } | Action::RecvGrad { .. } => "wait",
                 Action::SendActivation { .. } | Action::SendGrad { .. } => "send",
             };
