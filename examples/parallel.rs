@@ -196,10 +196,7 @@ fn run_rank(args: &Args, sync: Sync, world: &InProcess, mesh: &Mesh, rank: usize
     let groups: Groups = mesh_groups(world, mesh, rank, &dev)?;
     let (tp, dp) = (groups.tp.clone(), groups.dp.clone());
     let kind = args.schedule()?;
-    let chunks = match kind {
-        ScheduleKind::Interleaved { chunks } => chunks,
-        _ => 1,
-    };
+    let chunks = kind.chunks();
     // Each stage materialises only its own layers.
     let mut cx = Cx::new(dev.clone()).with_seed(1).with_groups(groups).with_sequence_parallel(args.sp).with_pipeline_chunks(chunks);
     let model = module::build(gpt()?, &cx)?;
@@ -308,7 +305,7 @@ fn main() -> Result<()> {
     let args = Args::parse();
     ensure!(args.dp > 0 && args.tp > 0 && args.pp > 0 && args.steps > 0, "--dp, --tp, --pp and --steps must each be at least 1");
     let kind = args.schedule()?;
-    let virtual_stages = args.pp * if let ScheduleKind::Interleaved { chunks } = kind { chunks } else { 1 };
+    let virtual_stages = args.pp * kind.chunks();
     ensure!(
         LAYERS.is_multiple_of(virtual_stages),
         "{LAYERS} layers do not split over {virtual_stages} virtual pipeline stages; use a --pp (times --chunks when interleaved) that divides {LAYERS}"

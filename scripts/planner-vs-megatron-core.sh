@@ -14,17 +14,24 @@
 #   beside the published one, and its memory per GPU;
 # - the layout `tessera plan` chooses for the same GPUs and batch, and how
 #   much faster it thinks its choice is than the published degrees (with
-#   their best micro-batch, schedule, recompute and ZeRO stage).
+#   their best micro-batch, schedule, recompute and ZeRO stage), the
+#   schedules those of Megatron-Core (with ZB_H1=1, ZB-H1 too).
 #
 # Prints one JSON line per row.
 #
 #   scripts/planner-vs-megatron-core.sh
+#   ZB_H1=1 scripts/planner-vs-megatron-core.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -p tessera-cli >&2
 tessera=target/release/tessera
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
+
+# The schedules Megatron-Core runs (not ZB-H1), so that the comparison is
+# of the degrees; `ZB_H1=1` lets the planner choose it too.
+schedules=(--fix schedule=gpipe,1f1b,interleaved)
+[ "${ZB_H1:-0}" = 1 ] && schedules=()
 
 # The estimated step (seconds) and layout of the best plan `tessera plan` writes.
 best() {
@@ -52,8 +59,8 @@ TOML
     sp=false; [ "$tp" -gt 1 ] && sp=true
     printf '[mesh]\ndp = %s\ntp = %s\npp = %s\nsp = %s\n[zero]\nstage = 1\n' "$dp" "$tp" "$pp" "$sp" >> "$dir/run.toml"
     line=$("$tessera" plan --model "$dir/run.toml" --cluster h100-sxm5-80gb --nodes $nodes --evaluate)
-    chosen=$(best $nodes "$batch")
-    theirs=$(best $nodes "$batch" --fix tp=$tp --fix pp=$pp --fix dp=$dp)
+    chosen=$(best $nodes "$batch" "${schedules[@]}")
+    theirs=$(best $nodes "$batch" "${schedules[@]}" --fix tp=$tp --fix pp=$pp --fix dp=$dp)
     python3 - "$line" "$params" "$gpus" "$mfu" "$chosen" "$theirs" <<'PY'
 import json, sys
 e = json.loads(sys.argv[1])

@@ -11,7 +11,8 @@
 #   which counts the recomputed forward) beside the published teraFLOP/s
 #   per GPU;
 # - the layout `tessera plan` chooses with the features the paper's runs
-#   had (no sequence parallelism, no ZeRO, full recomputation: `--fix`),
+#   had (no sequence parallelism, no ZeRO, full recomputation, the
+#   schedules it had, not ZB-H1: `--fix`),
 #   beside the published one with the same fixed parts and its own best
 #   micro-batch and schedule: how much faster the planner thinks its
 #   choice is.
@@ -25,7 +26,7 @@ cargo build --release -p tessera-cli >&2
 tessera=target/release/tessera
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-megatron=(--fix sp=false --fix zero=0 --fix recompute=full)
+megatron=(--fix sp=false --fix zero=0 --fix recompute=full --fix schedule=gpipe,1f1b,interleaved)
 
 # The estimated step (seconds) and layout of the best plan `tessera plan` writes.
 best() {

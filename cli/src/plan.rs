@@ -56,7 +56,7 @@ pub struct Args {
     memory_fraction: f64,
     /// Keep a part of the layout: `--fix KEY=VALUE` (repeatable) with KEY one
     /// of dp, tp, pp, ep, micro_batch (integers), sp (true/false), schedule
-    /// (gpipe, 1f1b, interleaved, zb-h1), recompute (none, declared, full), zero (0-3).
+    /// (gpipe, 1f1b, interleaved, zb-h1; several comma-separated), recompute (none, declared, full), zero (0-3).
     #[arg(long = "fix", value_name = "KEY=VALUE")]
     fix: Vec<String>,
     /// Estimate the configuration's own layout (one JSON line) instead of searching.

@@ -43,7 +43,6 @@ use std::path::{Path, PathBuf};
 use tessera::ckpt::{self, Checkpointer};
 use tessera::module::{self, CostSettings, Cx, ModelCost, Replicated, SplitHidden, Staged};
 use tessera::observe::transformer_flops_per_token;
-use tessera::parallel::pipeline::ScheduleKind;
 use tessera::train::{Job, ModelFacts, RankDevice, TrainConfig};
 
 /// The file in a run directory that records the model the run trains
@@ -480,10 +479,7 @@ impl<M: KindModel> ModelSpec<M> {
         if tp > 1 {
             module::check_tp_degree(&model, tp).map_err(|e| setting("mesh.tp", e.to_string()))?;
         }
-        let chunks = match cfg.mesh.schedule_kind()? {
-            ScheduleKind::Interleaved { chunks } => chunks,
-            _ => 1,
-        };
+        let chunks = cfg.mesh.schedule_kind()?.chunks();
         if model.split_layers() < pp * chunks {
             return Err(setting(
                 "mesh.pp",

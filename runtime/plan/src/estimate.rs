@@ -86,10 +86,7 @@ impl Layout {
 
     /// Model chunks per pipeline stage.
     pub fn chunks(&self) -> usize {
-        match self.schedule {
-            ScheduleKind::Interleaved { chunks } => chunks,
-            _ => 1,
-        }
+        self.schedule.chunks()
     }
 
     /// The description a layout asks of the model.

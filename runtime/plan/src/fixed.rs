@@ -21,8 +21,9 @@ pub struct Fixed {
     pub ep: Option<usize>,
     /// Sequence parallelism.
     pub sp: Option<bool>,
-    /// The pipeline schedule (`interleaved` fixes the kind, any chunks).
-    pub schedule: Option<ScheduleName>,
+    /// The pipeline schedules allowed (`interleaved` fixes the kind, any
+    /// chunks): one, or several (`schedule=1f1b,interleaved`).
+    pub schedule: Option<Vec<ScheduleName>>,
     /// Sequences per micro-batch.
     pub micro_batch: Option<usize>,
     /// The recompute policy.
@@ -50,7 +51,7 @@ pub const KEYS: &str = "dp, tp, pp, ep, sp, schedule, micro_batch, recompute, ze
 impl Fixed {
     /// Parses `KEY=VALUE` items: `dp`, `tp`, `pp`, `ep` and `micro_batch`
     /// (positive integers), `sp` (`true`/`false`), `schedule` (`gpipe`,
-    /// `1f1b`, `interleaved`, `zb-h1`), `recompute` (`none`, `declared`, `full`),
+    /// `1f1b`, `interleaved`, `zb-h1`, or several comma-separated), `recompute` (`none`, `declared`, `full`),
     /// `zero` (0 to 3). A key given twice, an unknown key or a bad value is
     /// an error naming it.
     pub fn parse(items: &[String]) -> Result<Fixed> {
@@ -70,14 +71,17 @@ impl Fixed {
                 "micro_batch" => f.micro_batch.replace(degree()?).is_some(),
                 "sp" => f.sp.replace(value.parse::<bool>().map_err(|_| bad(format!("sp takes true or false, not `{value}`")))?).is_some(),
                 "schedule" => {
-                    let s = match value {
-                        "gpipe" => ScheduleName::GPipe,
-                        "1f1b" => ScheduleName::OneFOneB,
-                        "interleaved" => ScheduleName::Interleaved,
-                        "zb-h1" => ScheduleName::ZeroBubbleH1,
-                        _ => return Err(bad(format!("schedule is gpipe, 1f1b, interleaved or zb-h1, not `{value}`"))),
-                    };
-                    f.schedule.replace(s).is_some()
+                    let names = value
+                        .split(',')
+                        .map(|name| match name.trim() {
+                            "gpipe" => Ok(ScheduleName::GPipe),
+                            "1f1b" => Ok(ScheduleName::OneFOneB),
+                            "interleaved" => Ok(ScheduleName::Interleaved),
+                            "zb-h1" => Ok(ScheduleName::ZeroBubbleH1),
+                            _ => Err(bad(format!("schedule is gpipe, 1f1b, interleaved or zb-h1 (or several, comma-separated), not `{value}`"))),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    f.schedule.replace(names).is_some()
                 }
                 "recompute" => {
                     let r = match value {
@@ -123,7 +127,7 @@ impl Fixed {
             && same(self.micro_batch, l.micro_batch)
             && self.sp.is_none_or(|s| s == l.sp)
             // A schedule is fixed for pipelines; one stage has none.
-            && (l.pp == 1 || self.schedule.is_none_or(|s| s == schedule))
+            && (l.pp == 1 || self.schedule.as_ref().is_none_or(|allowed| allowed.contains(&schedule)))
             && self.recompute.is_none_or(|r| r == l.recompute)
             && self.zero.is_none_or(|z| z == l.zero)
     }
@@ -146,8 +150,8 @@ mod tests {
     fn fixed_parts_parse_and_filter_layouts() {
         let f = Fixed::parse(&items(&["tp=8", "sp=false", "zero=0", "recompute=full", "schedule=interleaved"])).unwrap();
         assert_eq!(
-            (f.tp, f.sp, f.zero, f.recompute, f.schedule),
-            (Some(8), Some(false), Some(ZeroStage::None), Some(RecomputeOverride::Full), Some(ScheduleName::Interleaved))
+            (f.tp, f.sp, f.zero, f.recompute, f.schedule.clone()),
+            (Some(8), Some(false), Some(ZeroStage::None), Some(RecomputeOverride::Full), Some(vec![ScheduleName::Interleaved]))
         );
         assert!(Fixed::default().is_empty() && !f.is_empty());
         let base = Layout {
@@ -178,6 +182,11 @@ mod tests {
         ] {
             assert!(!f.admits(&other), "{other:?}");
         }
+        // Several schedules: any of them.
+        let older = Fixed::parse(&items(&["schedule=gpipe, 1f1b,interleaved"])).unwrap();
+        assert!(older.admits(&base) && older.admits(&Layout { schedule: ScheduleKind::GPipe, ..base }));
+        assert!(!older.admits(&Layout { schedule: ScheduleKind::ZeroBubbleH1, ..base }));
+        assert!(Fixed::parse(&items(&["schedule=zb-h1"])).unwrap().admits(&Layout { schedule: ScheduleKind::ZeroBubbleH1, ..base }));
     }
 
     #[test]
@@ -190,6 +199,7 @@ mod tests {
             ("zero=4", "0 to 3"),
             ("recompute=some", "none, declared or full"),
             ("schedule=zb", "gpipe, 1f1b, interleaved or zb-h1"),
+            ("schedule=1f1b,zb", "gpipe, 1f1b, interleaved or zb-h1"),
             ("vpp=2", "unknown key `vpp`"),
         ] {
             let e = Fixed::parse(&items(&[item])).unwrap_err().to_string();

@@ -23,7 +23,12 @@ use tessera_core::Result;
 pub(super) type Job = Box<dyn FnOnce(&Cx) -> Result<()> + Send>;
 
 /// The weight gradients a backward's input half put aside, in the order it
-/// met them (see the [module docs](self)).
+/// met them: between [`Cx::defer_weight_grads`] and
+/// [`Cx::take_weight_grads`], each layer's `dW` products (`Linear`, the
+/// experts, the router) are put aside with what they read, for
+/// [`run`](Self::run) to compute later, where a zero-bubble pipeline
+/// schedule has a stage idle. Norms' and embeddings' gradients, cheap, are
+/// computed at once.
 #[derive(Default)]
 pub struct WeightGrads {
     /// Each job with the [`Cx::set_token_slice`] setting of the layer that

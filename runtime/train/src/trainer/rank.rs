@@ -20,7 +20,7 @@ use tessera_nn::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_back
 use tessera_observe::{Event, Trace};
 use tessera_optim::AdamW;
 use tessera_parallel::data::DataParallel;
-use tessera_parallel::pipeline::{run_stage, sync_tied_grads, Schedule, ScheduleKind};
+use tessera_parallel::pipeline::{run_stage, sync_tied_grads, Schedule};
 use tessera_parallel::zero::{Zero, ZeroConfig};
 
 /// What every rank of a run shares.
@@ -84,10 +84,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         }
         if pp > 1 {
             // Each stage materialises (and checkpoints) only its own layers.
-            let chunks = match cfg.mesh.schedule_kind()? {
-                ScheduleKind::Interleaved { chunks } => chunks,
-                _ => 1,
-            };
+            let chunks = cfg.mesh.schedule_kind()?.chunks();
             cx = cx.with_pipeline_chunks(chunks);
         }
         cx.set_recompute_override(cfg.recompute.to_override()?);
