@@ -15,7 +15,7 @@
 
 use anyhow::{ensure, Result};
 use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tessera::dist::inproc::InProcess;
 use tessera::module::{self, Act, Cx, Groups};
 use tessera::ops;
@@ -61,7 +61,6 @@ const KINDS: [ScheduleKind; 2] = [ScheduleKind::OneFOneB, ScheduleKind::ZeroBubb
 struct StageStep {
     start: Instant,
     end: Instant,
-    compute: Duration,
     report: StageReport,
 }
 
@@ -115,7 +114,7 @@ pub fn run(args: &Args) -> Result<()> {
                                 e.param.take_grad();
                                 Ok(())
                             })?;
-                            Ok(StageStep { start, end, compute: report.compute, report })
+                            Ok(StageStep { start, end, report })
                         };
                         for schedule in schedules {
                             step(schedule)?;
@@ -146,12 +145,12 @@ pub fn run(args: &Args) -> Result<()> {
         let last = steps.iter().map(|x| x.end).max().expect("stages");
         let makespan = (last - first).as_secs_f64();
         span[k].push(makespan);
-        let idles: Vec<f64> = steps.iter().map(|x| makespan - x.compute.as_secs_f64()).collect();
+        let idles: Vec<f64> = steps.iter().map(|x| makespan - x.report.compute.as_secs_f64()).collect();
         for (s, t) in idles.iter().enumerate() {
             idle[k][s].push(*t);
         }
         let text: Vec<String> = idles.iter().map(|t| format!("{:.1}", 1e3 * t)).collect();
-        println!("pipeline: round {round} {:<6} step {:>7.1} ms, idle per stage [{}] ms", name(KINDS[k]), 1e3 * makespan, text.join(", "));
+        println!("pipeline: round {round} {:<6} step {:>7.1} ms, idle per stage [{}] ms", schedules[k].name(), 1e3 * makespan, text.join(", "));
     }
     let median = |v: &[f64]| {
         let mut v = v.to_vec();
@@ -184,9 +183,9 @@ pub fn run(args: &Args) -> Result<()> {
     let costs = Costs::new(f, bx + bw).with_weight(bw);
     let sim_idle: Vec<f64> = schedules.iter().map(|s| s.simulate(&costs).map(|sim| sim.stages()[0].idle)).collect::<tessera::Result<_>>()?;
 
-    for (k, kind) in KINDS.iter().enumerate() {
+    for k in 0..KINDS.len() {
         let idles: Vec<String> = idle_ms[k].iter().map(|t| format!("{t:.1}")).collect();
-        println!("pipeline: {:<6} median step {:>7.1} ms, idle per stage [{}] ms", name(*kind), step_ms[k], idles.join(", "));
+        println!("pipeline: {:<6} median step {:>7.1} ms, idle per stage [{}] ms", schedules[k].name(), step_ms[k], idles.join(", "));
     }
     println!(
         "pipeline: measured F {:.2} ms, Bx {:.2} ms, Bw {:.2} ms; the simulator gives each stage {:.1} ms idle under 1F1B and {:.1} ms under ZB-H1 ({:.2}x)",
@@ -220,11 +219,4 @@ pub fn run(args: &Args) -> Result<()> {
         })
     );
     Ok(())
-}
-
-fn name(kind: ScheduleKind) -> &'static str {
-    match kind {
-        ScheduleKind::ZeroBubbleH1 => "ZB-H1",
-        _ => "1F1B",
-    }
 }
