@@ -676,6 +676,21 @@ mod tests {
     }
 
     #[test]
+    fn every_schedule_name_parses_and_an_unknown_one_is_named() {
+        for (name, kind) in [
+            ("gpipe", ScheduleKind::GPipe),
+            ("1f1b", ScheduleKind::OneFOneB),
+            ("interleaved", ScheduleKind::Interleaved { chunks: 2 }),
+            ("zb-h1", ScheduleKind::ZeroBubbleH1),
+        ] {
+            let c = TrainConfig::parse("", &[&format!("mesh.schedule={name}")]).unwrap();
+            assert_eq!(c.mesh.schedule_kind().unwrap(), kind);
+        }
+        let e = TrainConfig::parse("", &["mesh.schedule=zb-h2"]).unwrap_err().to_string();
+        assert!(e.contains("mesh.schedule") && e.contains("unknown schedule `zb-h2`") && e.contains("`zb-h1`"), "{e}");
+    }
+
+    #[test]
     fn misspelt_keys_and_bad_combinations_are_named() {
         let e = TrainConfig::parse("[mesh]\ndpp = 2\n", &[]).unwrap_err().to_string();
         assert!(e.contains("dpp") && e.contains("did you mean `dp`?"), "{e}");
