@@ -39,6 +39,10 @@ struct Args {
     /// Sequence parallelism on the tensor-parallel group.
     #[arg(long)]
     sp: bool,
+    /// With --sp: cut each tensor-parallel all-gather and reduce-scatter
+    /// into this many pieces that overlap the products (1: whole).
+    #[arg(long, default_value_t = 1)]
+    tp_overlap: usize,
     /// Optimizer steps.
     #[arg(long, default_value_t = 200)]
     steps: usize,
@@ -198,7 +202,8 @@ fn run_rank(args: &Args, sync: Sync, world: &InProcess, mesh: &Mesh, rank: usize
     let kind = args.schedule()?;
     let chunks = kind.chunks();
     // Each stage materialises only its own layers.
-    let mut cx = Cx::new(dev.clone()).with_seed(1).with_groups(groups).with_sequence_parallel(args.sp).with_pipeline_chunks(chunks);
+    let mut cx =
+        Cx::new(dev.clone()).with_seed(1).with_groups(groups).with_sequence_parallel(args.sp).with_tp_overlap(args.tp_overlap).with_pipeline_chunks(chunks);
     let model = module::build(gpt()?, &cx)?;
     let param_bytes: usize =
         module::distinct_params(&model)?.iter().filter(|n| !n.param.is_remote()).map(|n| n.param.local_shape().elem_count() * std::mem::size_of::<f32>()).sum();
@@ -304,6 +309,11 @@ fn run(args: &Args, sync: Sync, mesh: &Mesh) -> Result<Run> {
 fn main() -> Result<()> {
     let args = Args::parse();
     ensure!(args.dp > 0 && args.tp > 0 && args.pp > 0 && args.steps > 0, "--dp, --tp, --pp and --steps must each be at least 1");
+    ensure!(args.tp_overlap > 0, "--tp-overlap must be at least 1 (1: whole collectives)");
+    ensure!(
+        args.tp_overlap == 1 || (args.sp && args.tp > 1),
+        "--tp-overlap cuts the collectives of sequence parallelism into pieces; add --sp and --tp 2 (or more)"
+    );
     let kind = args.schedule()?;
     let virtual_stages = args.pp * kind.chunks();
     ensure!(

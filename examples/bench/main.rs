@@ -18,6 +18,7 @@
 //! cargo run --release --example bench -- serve-http
 //! cargo run --release --example bench -- quant_gemv --rows 1,4
 //! cargo run --release --example bench -- pipeline --stages 2 --microbatches 8
+//! cargo run --release --example bench -- tp-overlap --tp 2 --pieces 4
 //! ```
 
 mod attention;
@@ -30,6 +31,7 @@ mod pipeline;
 mod quant;
 mod serve;
 mod serve_http;
+mod tp_overlap;
 
 use anyhow::{ensure, Result};
 use clap::{Parser, Subcommand};
@@ -83,6 +85,11 @@ enum Bench {
     /// Pipeline schedules run for real on CPU stages: ZB-H1 against 1F1B,
     /// the idle time of every stage traced, beside the simulator's figure.
     Pipeline(pipeline::Args),
+    /// Tensor-parallel communication of a sequence-parallel GPT-2 hidden
+    /// behind the products, with the collectives whole and cut into pieces
+    /// (exposed against carried communication, and the step times).
+    #[command(name = "tp-overlap")]
+    TpOverlap(tp_overlap::Args),
 }
 
 #[derive(clap::Args)]
@@ -202,6 +209,7 @@ fn main() -> Result<()> {
         Bench::Cuda(args) => cuda::run(&args),
         Bench::QuantGemv(args) => quant::run(&args),
         Bench::Pipeline(args) => pipeline::run(&args),
+        Bench::TpOverlap(args) => tp_overlap::run(&args),
     }
 }
 

@@ -35,7 +35,7 @@ pub struct Case {
 
 include!(concat!(env!("OUT_DIR"), "/dsl_fuzz.rs"));
 
-const TP_RUNS: [&str; 5] = ["tp2", "tp4", "tp2+sp", "tp4+sp", "dp2,tp2+bucket=64"];
+const TP_RUNS: [&str; 6] = ["tp2", "tp4", "tp2+sp", "tp4+sp", "tp2+sp+overlap=2", "dp2,tp2+bucket=64"];
 
 /// A random program can be badly conditioned (products of products,
 /// norms of nearly constant rows), magnifying f32 rounding past 1e-5 in one

@@ -34,6 +34,8 @@ struct Config {
     mesh: &'static str,
     schedule: ScheduleKind,
     sequence_parallel: bool,
+    /// Pieces the sequence-parallel collectives are cut into (1: whole).
+    tp_overlap: usize,
     recompute: Option<RecomputeOverride>,
     /// Train with a ZeRO engine over the data-parallel group instead of
     /// averaging gradients and running AdamW on every replica.
@@ -44,7 +46,7 @@ struct Config {
 
 impl Config {
     fn new(mesh: &'static str) -> Self {
-        Config { mesh, schedule: ScheduleKind::OneFOneB, sequence_parallel: false, recompute: None, zero: None, clip: None }
+        Config { mesh, schedule: ScheduleKind::OneFOneB, sequence_parallel: false, tp_overlap: 1, recompute: None, zero: None, clip: None }
     }
 }
 
@@ -99,7 +101,7 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(cfg: Config, world: &
     let (d, e, t, stage) = (coords[Axis::Dp], coords[Axis::Ep], coords[Axis::Tp], coords[Axis::Pp]);
     let groups = mesh_groups(world, mesh, rank, &dev).unwrap();
     let (tp_group, dp_group, ep_group) = (groups.tp.clone(), groups.dp.clone(), groups.ep.clone());
-    let mut cx = Cx::new(dev.clone()).with_seed(11).with_groups(groups).with_sequence_parallel(cfg.sequence_parallel);
+    let mut cx = Cx::new(dev.clone()).with_seed(11).with_groups(groups).with_sequence_parallel(cfg.sequence_parallel).with_tp_overlap(cfg.tp_overlap);
     if let Some(r) = cfg.recompute {
         cx.set_recompute_override(r);
     }
@@ -281,6 +283,9 @@ fn check_recompute<M: Staged<In = Replicated, Out = SplitHidden>>(make: impl Mak
         let cfg = Config { recompute: Some(r), ..Config::new("tp2,pp2") };
         check(name, &train(cfg, &make), reference);
     }
+    // A recomputed forward must not leave reductions running that nothing takes.
+    let cfg = Config { recompute: Some(RecomputeOverride::Full), sequence_parallel: true, tp_overlap: 2, ..Config::new("tp2,pp2") };
+    check("full recompute tp2+sp pp2, collectives in 2 pieces", &train(cfg, &make), reference);
 }
 
 #[test]
@@ -296,6 +301,11 @@ fn every_configuration_trains_like_one_rank() {
         ("pp2 interleaved v2", Config { schedule: ScheduleKind::Interleaved { chunks: 2 }, ..Config::new("pp2") }),
         ("pp2 zb-h1", Config { schedule: ScheduleKind::ZeroBubbleH1, ..Config::new("pp2") }),
         ("dp2 tp2+sp pp2 zb-h1", Config { schedule: ScheduleKind::ZeroBubbleH1, sequence_parallel: true, ..Config::new("dp2,tp2,pp2") }),
+        ("tp2+sp in 2 pieces", Config { sequence_parallel: true, tp_overlap: 2, ..Config::new("tp2") }),
+        (
+            "zero3 dp2 tp2+sp pp2 zb-h1 in 2 pieces",
+            Config { zero: Some(Stage::Three), schedule: ScheduleKind::ZeroBubbleH1, sequence_parallel: true, tp_overlap: 2, ..Config::new("dp2,tp2,pp2") },
+        ),
         ("zero3 dp2 pp2 zb-h1", Config { zero: Some(Stage::Three), schedule: ScheduleKind::ZeroBubbleH1, ..Config::new("dp2,pp2") }),
         ("dp2 tp2 pp2", Config::new("dp2,tp2,pp2")),
         ("zero1 dp2", Config { zero: Some(Stage::One), ..Config::new("dp2") }),
@@ -331,6 +341,10 @@ fn every_configuration_trains_the_moe_model_like_one_rank() {
         ),
         ("dp2 tp2 pp2", Config::new("dp2,tp2,pp2")),
         ("tp2+sp", Config { sequence_parallel: true, ..Config::new("tp2") }),
+        (
+            "zero2 ep2 tp2+sp pp2 zb-h1 in 2 pieces",
+            Config { zero: Some(Stage::Two), schedule: ScheduleKind::ZeroBubbleH1, sequence_parallel: true, tp_overlap: 2, ..Config::new("ep2,tp2,pp2") },
+        ),
         ("ep2", Config::new("ep2")),
         ("ep4", Config::new("ep4")),
         ("dp2 ep2", Config::new("dp2,ep2")),

@@ -17,7 +17,7 @@ fn ids(dims: [usize; 2], vocab: u32) -> Tensor {
     Tensor::from_vec((0..n as u32).map(|i| (i * 7 + 3) % vocab).collect::<Vec<u32>>(), dims, &Device::cpu()).unwrap()
 }
 
-const TP_RUNS: [&str; 5] = ["tp2", "tp4", "tp2+sp", "tp4+sp", "dp2,tp2+bucket=64"];
+const TP_RUNS: [&str; 6] = ["tp2", "tp4", "tp2+sp", "tp4+sp", "tp2+sp+overlap=2", "dp2,tp2+bucket=64"];
 
 /// An unsharded linear map on the residual stream: under sequence
 /// parallelism it sees a slice of the tokens, so its weight's gradient is
@@ -285,9 +285,15 @@ fn a_layer_taking_the_whole_sequence_is_gathered_for() {
 fn bad_run_specs_are_refused_with_the_fix() {
     let make = |_: &Rank| -> Result<Block> { Ok(Block { ln: LayerNorm::new(8, 1e-5, true)?, up: Linear::new(8, 16, true)?, down: Linear::new(16, 8, true)? }) };
     let x = input(7, &[2, 4, 8]);
-    for (spec, says) in
-        [("tp2+spp", "unknown option"), ("xp2", "unknown axis"), ("pp2", "check_parallel_staged"), ("tp2+mb=2", "without a pipeline"), ("ep2", "expert")]
-    {
+    for (spec, says) in [
+        ("tp2+spp", "unknown option"),
+        ("xp2", "unknown axis"),
+        ("pp2", "check_parallel_staged"),
+        ("tp2+mb=2", "without a pipeline"),
+        ("ep2", "expert"),
+        ("tp2+overlap=2", "add `tp2` (or more) and `+sp`"),
+        ("tp2+sp+overlap=0", "needs a positive number"),
+    ] {
         let err = check_parallel(make, &x, &Check::new([spec])).unwrap_err().to_string();
         assert!(err.contains(says), "{spec}: {err}");
     }

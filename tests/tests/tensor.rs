@@ -120,3 +120,93 @@ fn mistakes_are_typed_errors_that_say_what_to_do() {
     let e = tessera::ops::attention(&q, &kv, &kv, tessera::ops::AttnOpts::causal()).unwrap_err();
     assert!(e.to_string().contains("multiple of kv heads"), "{e}");
 }
+
+/// `concat` along every dimension of generated shapes, with parts that are
+/// contiguous, narrowed views and transposed views, against the elementwise
+/// definition (each output index read from the part it falls in).
+#[test]
+fn concat_along_a_dimension_matches_its_definition() {
+    let dev = cpu();
+    let mut seed = 7u64;
+    let mut next = |n: usize| {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (seed >> 33) as usize % n
+    };
+    for case in 0..200 {
+        let rank = 1 + next(4);
+        let dims: Vec<usize> = (0..rank).map(|_| 1 + next(4)).collect();
+        let dim = next(rank);
+        let n_parts = 1 + next(4);
+        let mut parts = Vec::new();
+        let mut lens = Vec::new();
+        for p in 0..n_parts {
+            let len = 1 + next(3);
+            let mut shape = dims.clone();
+            shape[dim] = len;
+            let count: usize = shape.iter().product();
+            let base = Tensor::from_vec((0..count).map(|i| (1000 * p + i) as f32).collect::<Vec<_>>(), shape.clone(), &dev).unwrap();
+            // Vary how each part lies in memory without changing its values.
+            let part = match next(3) {
+                0 => base,
+                1 => {
+                    // A narrow of a longer tensor along `dim`: the same values at an offset.
+                    let mut wide = shape.clone();
+                    wide[dim] += 2;
+                    let mut v = vec![-1.0f32; wide.iter().product()];
+                    let w = Tensor::from_vec(v.clone(), wide.clone(), &dev).unwrap();
+                    let strides = w.layout().strides().to_vec();
+                    let values = base.to_vec::<f32>().unwrap();
+                    for (flat, x) in values.iter().enumerate() {
+                        let mut rem = flat;
+                        let mut at = 0;
+                        for d in (0..rank).rev() {
+                            let i = rem % shape[d];
+                            rem /= shape[d];
+                            at += (i + usize::from(d == dim)) * strides[d];
+                        }
+                        v[at] = *x;
+                    }
+                    Tensor::from_vec(v, wide, &dev).unwrap().narrow(dim, 1, len).unwrap()
+                }
+                _ if rank >= 2 => base.t().unwrap().contiguous().unwrap().t().unwrap(),
+                _ => base,
+            };
+            assert_eq!(part.to_vec::<f32>().unwrap(), (0..count).map(|i| (1000 * p + i) as f32).collect::<Vec<_>>());
+            parts.push(part);
+            lens.push(len);
+        }
+        let refs: Vec<&Tensor> = parts.iter().collect();
+        let got = Tensor::concat(&refs, dim).unwrap();
+        let mut want_dims = dims.clone();
+        want_dims[dim] = lens.iter().sum();
+        assert_eq!(got.dims(), &want_dims[..], "case {case}");
+        let got = got.to_vec::<f32>().unwrap();
+        let values: Vec<Vec<f32>> = parts.iter().map(|p| p.to_vec::<f32>().unwrap()).collect();
+        for (flat, g) in got.iter().enumerate() {
+            let mut idx = vec![0; rank];
+            let mut rem = flat;
+            for d in (0..rank).rev() {
+                idx[d] = rem % want_dims[d];
+                rem /= want_dims[d];
+            }
+            let (mut p, mut at) = (0, idx[dim]);
+            while at >= lens[p] {
+                at -= lens[p];
+                p += 1;
+            }
+            idx[dim] = at;
+            let mut shape = dims.clone();
+            shape[dim] = lens[p];
+            let local = idx.iter().zip(&shape).fold(0, |acc, (i, n)| acc * n + i);
+            assert_eq!(*g, values[p][local], "case {case}: dims {dims:?} along {dim}, element {flat}");
+        }
+    }
+    // Mismatched parts are refused with what differs.
+    let a = Tensor::zeros([2, 3], DType::F32, &dev).unwrap();
+    let b = Tensor::zeros([3, 3], DType::F32, &dev).unwrap();
+    let e = Tensor::concat(&[&a, &b], 1).unwrap_err().to_string();
+    assert!(e.contains("differ outside dimension 1"), "{e}");
+    assert!(Tensor::concat(&[&a, &b], 2).unwrap_err().to_string().contains("dimension 2"));
+    assert!(Tensor::concat(&[], 0).is_err());
+    assert_eq!(Tensor::concat(&[&a, &b], 0).unwrap().dims(), &[5, 3]);
+}

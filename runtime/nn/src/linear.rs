@@ -177,12 +177,7 @@ impl Linear {
         if let Some(q) = self.weight.quantized() {
             return self.fwd_quantized(cx, x, &q, with_bias);
         }
-        let w = cx.param(&self.weight)?;
-        self.check_input(&x, w.dims()[1])?;
-        let x = if x.dtype() == w.dtype() { x } else { x.to_dtype(w.dtype())? };
-        // Every rank reads the bias so every rank's backward delivers its gradient.
-        let bias = self.bias.as_ref().map(|b| cx.param(b)).transpose()?;
-        let bias = bias.filter(|_| with_bias);
+        let (x, w, bias) = self.operands(cx, x, with_bias)?;
         let y = if cx.decode().is_some() {
             // Serving: each row's bits independent of the step's other rows.
             ops::matmul_rows_nt(&x, &w, bias.as_ref())?
@@ -193,6 +188,24 @@ impl Linear {
             }
         };
         Ok((y, LinearSaved { x, gather_again: false }))
+    }
+
+    /// The input in the weight's dtype, the weight and the bias (`None`
+    /// unless `with_bias`), each parameter read once.
+    fn operands(&self, cx: &Cx, x: Tensor, with_bias: bool) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+        let w = cx.param(&self.weight)?;
+        self.check_input(&x, w.dims()[1])?;
+        let x = if x.dtype() == w.dtype() { x } else { x.to_dtype(w.dtype())? };
+        // Every rank reads the bias so every rank's backward delivers its gradient.
+        let bias = self.bias.as_ref().map(|b| cx.param(b)).transpose()?;
+        Ok((x, w, bias.filter(|_| with_bias)))
+    }
+
+    /// The number of pieces to cut the sequence-parallel collectives beside
+    /// this layer's products into ([`Cx::with_tp_overlap`]), for a training
+    /// step with a float weight and an input of `[batch, seq, ..]`.
+    fn overlap(&self, cx: &Cx, x: &Tensor) -> Option<usize> {
+        cx.tp_overlap().filter(|_| self.weight.quantized().is_none() && cx.decode().is_none() && x.rank() >= 3)
     }
 
     /// The forward with a quantized weight (inference): `x·dequant(W)ᵀ (+ b)`
@@ -235,6 +248,11 @@ impl Linear {
 
     /// This rank's `dX = dY·W` (before any reduction).
     fn input_grad(&self, cx: &Cx, dy: &Tensor) -> Result<Tensor> {
+        ops::matmul(dy, &self.backward_weight(cx)?)
+    }
+
+    /// The weight the input gradient multiplies by.
+    fn backward_weight(&self, cx: &Cx) -> Result<Tensor> {
         if let Some(q) = self.weight.quantized() {
             return Err(Error::unsupported(
                 "Linear",
@@ -245,7 +263,7 @@ impl Linear {
                 ),
             ));
         }
-        ops::matmul(dy, &param_value(cx, &self.weight)?)
+        param_value(cx, &self.weight)
     }
 
     /// Delivers `dW = dYᵀ·X` (and `db`) for the input `x` the forward saw,
@@ -374,6 +392,17 @@ impl Module<Column> for Linear {
             let (y, s) = self.fwd(cx, x, true)?;
             return Ok((Act::new(y), s));
         }
+        if let Some(pieces) = self.overlap(cx, &x) {
+            // The slice is cast before it travels (the same values as
+            // casting the gathered sequence) and kept as cast.
+            let (x, w, bias) = self.operands(cx, x, true)?;
+            let wt = w.t()?;
+            let y = crate::module::overlap::gather_map(cx, &x, pieces, |piece| match &bias {
+                Some(b) => ops::matmul_bias(piece, &wt, b),
+                None => ops::matmul(piece, &wt),
+            })?;
+            return Ok((Act::new(y), LinearSaved { x, gather_again: true }));
+        }
         let (y, s) = self.fwd(cx, crate::module::seq::gather(cx, &x)?, true)?;
         // Keep the slice (the caller's own tensor where the dtypes agree,
         // else the cast slice), not the whole sequence.
@@ -382,6 +411,16 @@ impl Module<Column> for Linear {
     }
 
     fn backward(&self, cx: &mut Cx, saved: LinearSaved, dy: Act<SplitHidden>) -> Result<Act<Replicated>> {
+        if let Some(pieces) = self.overlap(cx, dy.tensor()).filter(|_| saved.gather_again) {
+            // The slice travels first, then each piece of `dX = dY·W` as it
+            // is computed; `dW` waits for the slice and runs while the last
+            // pieces of `dX` travel.
+            let x = cx.tp().all_gather_async(&saved.x, 1)?;
+            let w = self.backward_weight(cx)?;
+            let dx = crate::module::overlap::map_reduce_scatter(cx, dy.tensor(), pieces, |piece| ops::matmul(piece, &w))?;
+            self.weight_grad(cx, &x.wait()?, dy.tensor())?;
+            return Ok(Act::new(dx.wait()?));
+        }
         let dx = if saved.gather_again {
             // The slice is gathered again while `dX = dY·W` runs, which
             // does not need it; the weight gradient waits for it.
@@ -413,9 +452,24 @@ impl Module<Row> for Linear {
     type Out = PartialSum;
     type Saved = LinearSaved;
 
+    /// Under sequence parallelism with [`Cx::with_tp_overlap`], the output
+    /// is computed piece by piece and each piece's reduce-scatter started at
+    /// once, left running for the `all_reduce` the caller applies to it.
     fn forward(&self, cx: &mut Cx, x: Act<SplitHidden>) -> Result<(Act<PartialSum>, LinearSaved)> {
         let first = cx.tp().rank() == 0;
-        let (y, s) = self.fwd(cx, x.into_tensor(), first)?;
+        let x = x.into_tensor();
+        if let Some(pieces) = self.overlap(cx, &x).filter(|_| x.dims()[1].is_multiple_of(cx.tp().size())) {
+            let (x, w, bias) = self.operands(cx, x, first)?;
+            let wt = w.t()?;
+            let sum = crate::module::overlap::map_reduce_scatter(cx, &x, pieces, |piece| match &bias {
+                Some(b) => ops::matmul_bias(piece, &wt, b),
+                None => ops::matmul(piece, &wt),
+            })?;
+            let y = sum.summand()?;
+            cx.start_reduction(crate::module::overlap::InFlight { value: y.clone(), sum });
+            return Ok((Act::new(y), LinearSaved { x, gather_again: false }));
+        }
+        let (y, s) = self.fwd(cx, x, first)?;
         Ok((Act::new(y), s))
     }
 

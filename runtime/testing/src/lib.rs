@@ -79,6 +79,8 @@ use tessera_nn::module::{Module, Staged};
 /// Written `degrees[+option]..`, e.g. `tp2`, `tp4+sp`, `dp2,tp2+bucket=64`,
 /// `pp2+mb=2`: the degrees as [`Degrees::parse`] reads them (`dp`, `tp`,
 /// `pp`; `ep` is not supported), then `+sp` for sequence parallelism,
+/// `+overlap=N` for its collectives cut into `N` pieces that overlap the
+/// products ([`Cx::with_tp_overlap`](tessera_nn::module::Cx::with_tp_overlap)),
 /// `+bucket=N` for data-parallel buckets of `N` bytes, `+mb=N` for `N`
 /// microbatches per pipeline step (default: the pipeline degree).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,6 +89,8 @@ pub struct ParallelRun {
     pub degrees: Degrees,
     /// Sequence parallelism on the tensor-parallel group.
     pub sequence_parallel: bool,
+    /// Pieces the sequence-parallel collectives are cut into (1: whole).
+    pub tp_overlap: usize,
     /// Data-parallel bucket size in bytes.
     pub bucket_bytes: usize,
     /// Microbatches per step through the pipeline (1 without one).
@@ -112,7 +116,7 @@ impl FromStr for ParallelRun {
                 format!("`{spec}`: expert parallelism changes which tokens each expert sees; check it with the model's own tests"),
             ));
         }
-        let mut run = ParallelRun { degrees, sequence_parallel: false, bucket_bytes: 1 << 20, microbatches: degrees.get(Axis::Pp) };
+        let mut run = ParallelRun { degrees, sequence_parallel: false, tp_overlap: 1, bucket_bytes: 1 << 20, microbatches: degrees.get(Axis::Pp) };
         for opt in parts {
             let (key, value) = opt.split_once('=').unwrap_or((opt, ""));
             let number = || {
@@ -124,10 +128,19 @@ impl FromStr for ParallelRun {
             };
             match key {
                 "sp" => run.sequence_parallel = true,
+                "overlap" => run.tp_overlap = number()?,
                 "bucket" => run.bucket_bytes = number()?,
                 "mb" => run.microbatches = number()?,
-                _ => return Err(Error::invalid(OP, format!("unknown option `{opt}` in `{spec}`; the options are `+sp`, `+bucket=N` and `+mb=N`"))),
+                _ => {
+                    return Err(Error::invalid(OP, format!("unknown option `{opt}` in `{spec}`; the options are `+sp`, `+overlap=N`, `+bucket=N` and `+mb=N`")))
+                }
             }
+        }
+        if run.tp_overlap > 1 && !(run.sequence_parallel && degrees.get(Axis::Tp) > 1) {
+            return Err(Error::invalid(
+                OP,
+                format!("`{spec}` cuts the collectives of sequence parallelism into pieces without any; add `tp2` (or more) and `+sp`"),
+            ));
         }
         if run.microbatches > 1 && degrees.get(Axis::Pp) == 1 {
             return Err(Error::invalid(OP, format!("`{spec}` sets microbatches without a pipeline; add `pp2` (or more) or drop `+mb`")));
@@ -142,6 +155,9 @@ impl fmt::Display for ParallelRun {
         f.write_str(if axes.is_empty() { "single".to_string() } else { axes.join(",") }.as_str())?;
         if self.sequence_parallel {
             f.write_str("+sp")?;
+        }
+        if self.tp_overlap > 1 {
+            write!(f, "+overlap={}", self.tp_overlap)?;
         }
         if self.degrees.get(Axis::Dp) > 1 {
             write!(f, "+bucket={}", self.bucket_bytes)?;

@@ -210,7 +210,12 @@ fn rank_step<M: Module, F: Fn(&Rank) -> Result<M> + Sync, E: Exec<M>>(
     let groups = mesh_groups(comm, mesh, rank, &dev)?;
     let (tp, dp, pp) = (groups.tp.size(), groups.dp.size(), groups.pp.size());
     let dp_group = groups.dp.clone();
-    let mut cx = Cx::new(dev.clone()).with_dtype(check.dtype).with_seed(check.seed).with_groups(groups).with_sequence_parallel(run.sequence_parallel);
+    let mut cx = Cx::new(dev.clone())
+        .with_dtype(check.dtype)
+        .with_seed(check.seed)
+        .with_groups(groups)
+        .with_sequence_parallel(run.sequence_parallel)
+        .with_tp_overlap(run.tp_overlap);
     if pp > 1 {
         cx = cx.with_pipeline_chunks(1);
     }
@@ -276,7 +281,7 @@ fn rank_step<M: Module, F: Fn(&Rank) -> Result<M> + Sync, E: Exec<M>>(
 /// another through the model's own forward and backward (never through the
 /// pipeline entry points, which are among what is checked).
 fn reference<M: Module, F: Fn(&Rank) -> Result<M> + Sync>(make: &F, input: &Tensor, check: &Check, microbatches: usize) -> Result<RankResult> {
-    let run = ParallelRun { degrees: Degrees::new(), sequence_parallel: false, bucket_bytes: 1, microbatches };
+    let run = ParallelRun { degrees: Degrees::new(), sequence_parallel: false, tp_overlap: 1, bucket_bytes: 1, microbatches };
     Ok(run_mesh(make, input, check, &run, &Plain)?.pop().expect("one rank"))
 }
 

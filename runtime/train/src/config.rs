@@ -100,6 +100,10 @@ pub struct MeshConfig {
     pub ep: usize,
     /// Sequence parallelism over the tensor-parallel group.
     pub sp: bool,
+    /// With `sp`: the pieces each all-gather and reduce-scatter beside a
+    /// tensor-parallel product is cut into, so that one piece travels while
+    /// the product of another runs (1: whole collectives, no overlap).
+    pub tp_overlap: usize,
     /// Pipeline schedule: `gpipe`, `1f1b`, `interleaved` (with `chunks`) or
     /// `zb-h1` (1F1B with the backward split and the weight halves filling
     /// the bubble).
@@ -140,6 +144,7 @@ impl Default for MeshConfig {
             pp: 1,
             ep: 1,
             sp: false,
+            tp_overlap: 1,
             schedule: "1f1b".into(),
             chunks: 2,
             bucket_bytes: 1 << 20,
@@ -563,6 +568,13 @@ impl TrainConfig {
         positive("mesh.pp", self.mesh.pp)?;
         positive("mesh.ep", self.mesh.ep)?;
         positive("mesh.chunks", self.mesh.chunks)?;
+        positive("mesh.tp_overlap", self.mesh.tp_overlap)?;
+        if self.mesh.tp_overlap > 1 && !(self.mesh.sp && self.mesh.tp > 1) {
+            return Err(Error::config(
+                "mesh.tp_overlap",
+                "cuts the collectives of sequence parallelism into pieces, and this run has none; set mesh.sp = true with mesh.tp > 1, or leave tp_overlap at 1",
+            ));
+        }
         positive("mesh.bucket_bytes", self.mesh.bucket_bytes)?;
         positive("batch.micro_batch", self.batch.micro_batch)?;
         positive("batch.seq_len", self.batch.seq_len)?;
@@ -688,6 +700,20 @@ mod tests {
         }
         let e = TrainConfig::parse("", &["mesh.schedule=zb-h2"]).unwrap_err().to_string();
         assert!(e.contains("mesh.schedule") && e.contains("unknown schedule `zb-h2`") && e.contains("`zb-h1`"), "{e}");
+    }
+
+    #[test]
+    fn tp_overlap_needs_sequence_parallelism_and_at_least_one_piece() {
+        let c = TrainConfig::parse("", &["mesh.tp=2", "mesh.sp=true", "mesh.tp_overlap=4"]).unwrap();
+        assert_eq!(c.mesh.tp_overlap, 4);
+        for (args, says) in [
+            (&["mesh.tp=2", "mesh.tp_overlap=2"][..], "mesh.sp = true"),
+            (&["mesh.sp=true", "mesh.tp_overlap=2"][..], "mesh.tp > 1"),
+            (&["mesh.tp=2", "mesh.sp=true", "mesh.tp_overlap=0"][..], "at least 1"),
+        ] {
+            let e = TrainConfig::parse("", args).unwrap_err().to_string();
+            assert!(e.contains("mesh.tp_overlap") && e.contains(says), "{args:?}: {e}");
+        }
     }
 
     #[test]

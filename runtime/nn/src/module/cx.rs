@@ -1,6 +1,7 @@
 //! The per-rank context every forward and backward runs in.
 
 use super::deferred::{Job, WeightGrads};
+use super::overlap::InFlight;
 use super::{Param, Shard};
 use std::sync::{Arc, Mutex};
 use tessera_core::tensor::{DType, Tensor};
@@ -70,6 +71,10 @@ pub struct Cx {
     decode: Option<Arc<super::Decode>>,
     /// Weight gradients put aside while a split backward's input half runs.
     deferred: Option<Mutex<WeightGrads>>,
+    /// Pieces the sequence-parallel collectives are cut into (1: whole).
+    tp_overlap: usize,
+    /// The reduction a row-parallel forward left running for its caller's `all_reduce`.
+    reduction: Mutex<Option<InFlight>>,
 }
 
 impl Cx {
@@ -97,6 +102,8 @@ impl Cx {
             hooks: Vec::new(),
             decode: None,
             deferred: None,
+            tp_overlap: 1,
+            reduction: Mutex::new(None),
         }
     }
 
@@ -268,6 +275,38 @@ impl Cx {
     pub fn with_sequence_parallel(mut self, on: bool) -> Self {
         self.sequence_parallel = on;
         self
+    }
+
+    /// Cuts the tensor-parallel collectives of sequence parallelism into
+    /// `pieces` along the tokens, each overlapping the product beside it: the
+    /// all-gather before a column-parallel product, the reduce-scatter of its
+    /// input gradient and of a row-parallel product's output. 1 (the
+    /// default) runs them whole. The
+    /// results agree with whole collectives' to the rounding of products
+    /// computed a piece at a time; without sequence parallelism it changes
+    /// nothing.
+    pub fn with_tp_overlap(mut self, pieces: usize) -> Self {
+        self.tp_overlap = pieces.max(1);
+        self
+    }
+
+    /// How many pieces the sequence-parallel collectives are cut into, when
+    /// they are cut: `None` without sequence parallelism, with one piece, or
+    /// while a forward is recomputed (whose output nothing reduces).
+    pub fn tp_overlap(&self) -> Option<usize> {
+        (self.sequence_split() && self.tp_overlap > 1 && !self.recomputing).then_some(self.tp_overlap)
+    }
+
+    /// Leaves a row-parallel forward's reduction running for the
+    /// `all_reduce` of its output (replacing, and so dropping, one that
+    /// nothing took).
+    pub(crate) fn start_reduction(&self, r: InFlight) {
+        *self.reduction.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+    }
+
+    /// The reduction left running for `value`, if one was (any other is dropped).
+    pub(crate) fn take_reduction(&self, value: &Tensor) -> Option<InFlight> {
+        self.reduction.lock().unwrap_or_else(|e| e.into_inner()).take().filter(|r| r.sums(value))
     }
 
     /// Whether the layer running now reads this rank's slice of the tokens

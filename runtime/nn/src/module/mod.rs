@@ -12,6 +12,7 @@ mod deferred;
 mod describe;
 pub mod dsl;
 mod layout;
+pub(crate) mod overlap;
 mod param;
 mod role;
 pub(crate) mod seq;

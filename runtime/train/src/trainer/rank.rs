@@ -78,7 +78,12 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         let (dp, ep, pp) = (cfg.mesh.dp, cfg.mesh.ep, cfg.mesh.pp);
         let (tp_group, dp_group, ep_group, pp_group) = (groups.tp.clone(), groups.dp.clone(), groups.ep.clone(), groups.pp.clone());
         let replicas_group = groups.replicas.clone();
-        let mut cx = Cx::new(dev.clone()).with_seed(cfg.run.seed).with_groups(groups).with_sequence_parallel(cfg.mesh.sp).with_dtype(cfg.precision.dtype()?);
+        let mut cx = Cx::new(dev.clone())
+            .with_seed(cfg.run.seed)
+            .with_groups(groups)
+            .with_sequence_parallel(cfg.mesh.sp)
+            .with_tp_overlap(cfg.mesh.tp_overlap)
+            .with_dtype(cfg.precision.dtype()?);
         if cfg.precision.half_params()? {
             cx = cx.with_half_params();
         }

@@ -1,0 +1,169 @@
+//! Tensor-parallel communication cut into pieces that overlap the products
+//! around it, under sequence parallelism.
+//!
+//! With sequence parallelism a column-parallel product needs the whole
+//! sequence (an all-gather of the ranks' slices first) and the sum of a
+//! row-parallel product's partial outputs is reduce-scattered back to the
+//! slices. Done whole, each collective waits for the product before it or
+//! holds up the one after it. Cut into `c` pieces along the tokens, the
+//! product of piece `i` runs while piece `i + 1` travels, so only one piece's
+//! communication is left in the open:
+//!
+//! - **gather, then multiply** ([`gather_map`]): the all-gather of every
+//!   piece is started at once (they run in order in the background) and the
+//!   product of each gathered piece starts as soon as it lands;
+//! - **multiply, then reduce-scatter** ([`map_reduce_scatter`]): the product
+//!   of each piece is reduce-scattered while the next piece's runs.
+//!
+//! A piece is the same rows of every rank's slice: piece `i` of a slice of
+//! `s/tp` tokens is tokens `[a, b)` of each slice, so that its all-gather and
+//! its reduce-scatter (over dimension 1) exchange exactly those rows. The
+//! products see the rows in that strided order, which is harmless (every
+//! token is multiplied on its own) and undone when the pieces are
+//! assembled. The collectives move the same values and sum them in the same
+//! order as whole ones; only the products may round differently, as a
+//! kernel may block a product of fewer rows differently (the results agree
+//! to the dtype's rounding, and a run is as reproducible as without pieces).
+//!
+//! A row-parallel layer's forward cannot reduce its own output (its layout
+//! is a `PartialSum`, reduced by the `all_reduce` its caller writes), so it
+//! starts the reduce-scatter of each piece and leaves the handles on the
+//! context ([`Cx::start_reduction`]) beside the partial value it returns;
+//! `all_reduce` takes them when it is handed that same value
+//! ([`Cx::take_reduction`]) and falls back to the whole collective for any
+//! other.
+
+use super::Cx;
+use std::ops::Range;
+use tessera_core::tensor::Tensor;
+use tessera_core::Result;
+use tessera_dist::Pending;
+
+/// `len` tokens cut into at most `chunks` near-equal, non-empty, consecutive pieces.
+pub(crate) fn pieces(len: usize, chunks: usize) -> Vec<Range<usize>> {
+    let n = chunks.clamp(1, len.max(1));
+    (0..n).map(|i| i * len / n..(i + 1) * len / n).filter(|r| !r.is_empty()).collect()
+}
+
+/// The rows `piece` of each of the `tp` slices of the whole-sequence `x`
+/// (dimension 1), slice after slice: `[batch, tp·piece.len(), ..]`.
+fn rows_of_every_slice(x: &Tensor, tp: usize, piece: &Range<usize>) -> Result<Tensor> {
+    let slice = x.dims()[1] / tp;
+    let parts: Vec<Tensor> = (0..tp).map(|r| x.narrow(1, r * slice + piece.start, piece.len())).collect::<Result<_>>()?;
+    Tensor::concat(&parts.iter().collect::<Vec<_>>(), 1)
+}
+
+/// The whole sequence back in order from each piece's rows of every slice
+/// (the inverse of [`rows_of_every_slice`] over all pieces).
+fn assemble(outs: &[Tensor], pieces: &[Range<usize>], tp: usize) -> Result<Tensor> {
+    let mut parts = Vec::with_capacity(tp * pieces.len());
+    for r in 0..tp {
+        for (out, piece) in outs.iter().zip(pieces) {
+            parts.push(out.narrow(1, r * piece.len(), piece.len())?);
+        }
+    }
+    Tensor::concat(&parts.iter().collect::<Vec<_>>(), 1)
+}
+
+/// `f` of the whole sequence gathered from this rank's slice `x`, with the
+/// all-gather cut into `chunks` pieces, each piece's `f` running while the
+/// next travels. `f` must treat each token (dimension 1) on its own.
+pub(crate) fn gather_map(cx: &Cx, x: &Tensor, chunks: usize, mut f: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    let pieces = pieces(x.dims()[1], chunks);
+    if pieces.len() < 2 {
+        return f(&cx.tp().all_gather(x, 1)?);
+    }
+    let mut travelling = Vec::with_capacity(pieces.len());
+    for p in &pieces {
+        travelling.push(cx.tp().all_gather_async(&x.narrow(1, p.start, p.len())?.contiguous()?, 1)?);
+    }
+    let mut outs = Vec::with_capacity(pieces.len());
+    for gathered in travelling {
+        outs.push(f(&gathered.wait()?)?);
+    }
+    assemble(&outs, &pieces, cx.tp().size())
+}
+
+/// The reduce-scatter over the group of `f` of the whole-sequence `x`, cut
+/// into `chunks` pieces: each piece's sum starts while the next piece's `f`
+/// runs. `f` must treat each token (dimension 1) on its own.
+pub(crate) fn map_reduce_scatter(cx: &Cx, x: &Tensor, chunks: usize, mut f: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<ReduceScatter> {
+    let tp = cx.tp().size();
+    let mut pieces = pieces(x.dims()[1] / tp, chunks);
+    if pieces.len() < 2 {
+        // Nothing to cut: the whole product, then the whole collective.
+        pieces = std::iter::once(0..x.dims()[1] / tp).collect();
+        let y = f(x)?;
+        let travelling = vec![cx.tp().reduce_scatter_sum_async(&y, 1)?];
+        return Ok(ReduceScatter { travelling, outs: vec![y], pieces, tp });
+    }
+    let mut outs = Vec::with_capacity(pieces.len());
+    let mut travelling = Vec::with_capacity(pieces.len());
+    for p in &pieces {
+        let y = f(&rows_of_every_slice(x, tp, p)?)?;
+        travelling.push(cx.tp().reduce_scatter_sum_async(&y, 1)?);
+        outs.push(y);
+    }
+    Ok(ReduceScatter { travelling, outs, pieces, tp })
+}
+
+/// A reduce-scatter started piece by piece ([`map_reduce_scatter`]).
+pub(crate) struct ReduceScatter {
+    travelling: Vec<Pending>,
+    /// Each piece's summand on this rank, in the strided order.
+    outs: Vec<Tensor>,
+    pieces: Vec<Range<usize>>,
+    tp: usize,
+}
+
+impl ReduceScatter {
+    /// This rank's summand for the whole sequence, in order (what the
+    /// whole collective would have been handed).
+    pub(crate) fn summand(&self) -> Result<Tensor> {
+        assemble(&self.outs, &self.pieces, self.tp)
+    }
+
+    /// Waits for every piece: this rank's slice of the sum.
+    pub(crate) fn wait(self) -> Result<Tensor> {
+        let parts: Vec<Tensor> = self.travelling.into_iter().map(Pending::wait).collect::<Result<_>>()?;
+        Tensor::concat(&parts.iter().collect::<Vec<_>>(), 1)
+    }
+}
+
+/// A reduction left running by a row-parallel forward for the `all_reduce`
+/// that its caller applies to `value`.
+pub(crate) struct InFlight {
+    /// The partial value the layer returned (kept, so that its storage is
+    /// never reused for another tensor while this waits to be matched).
+    pub(crate) value: Tensor,
+    pub(crate) sum: ReduceScatter,
+}
+
+impl InFlight {
+    /// Whether `t` is the value this reduction sums.
+    pub(crate) fn sums(&self, t: &Tensor) -> bool {
+        t.shares_storage(&self.value) && t.layout() == self.value.layout()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pieces;
+
+    #[test]
+    fn pieces_cover_the_slice_in_order() {
+        for len in 0..40 {
+            for chunks in 0..12 {
+                let p = pieces(len, chunks);
+                assert!(p.len() <= chunks.max(1));
+                assert_eq!(p.iter().map(|r| r.len()).sum::<usize>(), len);
+                assert!(p.windows(2).all(|w| w[0].end == w[1].start && !w[1].is_empty()));
+                if len >= chunks && chunks > 0 {
+                    assert_eq!(p.len(), chunks, "{len} {chunks}");
+                    let (lo, hi) = (p.iter().map(|r| r.len()).min().unwrap(), p.iter().map(|r| r.len()).max().unwrap());
+                    assert!(hi - lo <= 1);
+                }
+            }
+        }
+    }
+}

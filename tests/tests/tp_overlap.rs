@@ -1,0 +1,199 @@
+//! Tensor-parallel communication cut into pieces that overlap the products
+//! (`Cx::with_tp_overlap`): the same outputs and gradients as the whole
+//! collectives (to the rounding of products computed a piece at a time),
+//! and the collectives really are cut.
+
+mod common;
+use common::models::{Gpt, LlamaBlock};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use tessera::dist::inproc::InProcess;
+use tessera::dist::{Communicator, Pending};
+use tessera::module::{self, Act, Cx, Groups, Module};
+use tessera::nn::Stack;
+use tessera::prelude::*;
+
+/// A communicator that counts each call by name and passes it on.
+#[derive(Debug)]
+struct Counting {
+    inner: Arc<dyn Communicator>,
+    calls: Mutex<BTreeMap<&'static str, usize>>,
+}
+
+impl Counting {
+    fn count(&self, op: &'static str) {
+        *self.calls.lock().unwrap().entry(op).or_default() += 1;
+    }
+    fn calls(&self) -> BTreeMap<&'static str, usize> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+impl Communicator for Counting {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn all_reduce_sum(&self, t: &Tensor) -> tessera::Result<Tensor> {
+        self.count("all_reduce");
+        self.inner.all_reduce_sum(t)
+    }
+    fn all_gather(&self, t: &Tensor, dim: usize) -> tessera::Result<Tensor> {
+        self.count("all_gather");
+        self.inner.all_gather(t, dim)
+    }
+    fn reduce_scatter_sum(&self, t: &Tensor, dim: usize) -> tessera::Result<Tensor> {
+        self.count("reduce_scatter");
+        self.inner.reduce_scatter_sum(t, dim)
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> tessera::Result<Tensor> {
+        self.count("broadcast");
+        self.inner.broadcast(t, root)
+    }
+    fn all_to_all(&self, parts: Vec<Tensor>) -> tessera::Result<Vec<Tensor>> {
+        self.count("all_to_all");
+        self.inner.all_to_all(parts)
+    }
+    fn barrier(&self) -> tessera::Result<()> {
+        self.inner.barrier()
+    }
+    fn all_gather_async(&self, t: &Tensor, dim: usize) -> tessera::Result<Pending> {
+        self.count("all_gather_async");
+        self.inner.all_gather_async(t, dim)
+    }
+    fn reduce_scatter_sum_async(&self, t: &Tensor, dim: usize) -> tessera::Result<Pending> {
+        self.count("reduce_scatter_async");
+        self.inner.reduce_scatter_sum_async(t, dim)
+    }
+    fn all_reduce_sum_async(&self, t: &Tensor) -> tessera::Result<Pending> {
+        self.count("all_reduce_async");
+        self.inner.all_reduce_sum_async(t)
+    }
+}
+
+/// What one rank ends a forward and backward with: its output, every
+/// parameter gradient by name, and its tensor-parallel calls.
+struct RankRun {
+    output: Vec<f64>,
+    grads: BTreeMap<String, Vec<f64>>,
+    calls: BTreeMap<&'static str, usize>,
+}
+
+fn values(t: &Tensor) -> Vec<f64> {
+    t.to_f64_vec().unwrap()
+}
+
+/// Runs `make`'s model on `tp` ranks with sequence parallelism and the
+/// collectives cut into `pieces`, on the input `x` of every rank (`slice`:
+/// each rank gets its part of dimension 1) and a fixed output gradient.
+fn run<M: Module + Send>(tp: usize, pieces: usize, dtype: DType, make: &(dyn Fn() -> tessera::Result<M> + Sync), x: &Tensor, slice: bool) -> Vec<RankRun> {
+    let world = InProcess::new(tp).unwrap();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..tp)
+            .map(|rank| {
+                let world = &world;
+                s.spawn(move || {
+                    let dev = Device::cpu();
+                    let counting = Arc::new(Counting { inner: Arc::new(world.communicator(rank, &dev).unwrap()), calls: Mutex::default() });
+                    let mut groups = Groups::single();
+                    groups.tp = counting.clone();
+                    let mut cx = Cx::new(dev.clone()).with_dtype(dtype).with_seed(5).with_groups(groups).with_sequence_parallel(true).with_tp_overlap(pieces);
+                    let m = module::build(make().unwrap(), &cx).unwrap();
+                    let x = if slice {
+                        let part = x.dims()[1] / tp;
+                        x.narrow(1, rank * part, part).unwrap().to_device(&dev).unwrap()
+                    } else {
+                        x.to_device(&dev).unwrap()
+                    };
+                    let (y, saved) = m.forward(&mut cx, Act::new(x)).unwrap();
+                    let n = y.tensor().elem_count();
+                    let dy: Vec<f32> = (0..n).map(|i| (((i * 37 + rank * 11) % 23) as f32 - 11.0) / 16.0).collect();
+                    let dy = Tensor::from_vec(dy, y.tensor().shape().clone(), &dev).unwrap().to_dtype(y.tensor().dtype()).unwrap();
+                    m.backward(&mut cx, saved, Act::new(dy)).unwrap();
+                    let mut grads = BTreeMap::new();
+                    module::visit_params(&m, |e| {
+                        grads.entry(e.name.to_string()).or_insert_with(|| values(&e.param.grad().expect("every parameter has a gradient")));
+                        Ok(())
+                    })
+                    .unwrap();
+                    RankRun { output: values(y.tensor()), grads, calls: counting.calls() }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// `got` against `want` on every rank, each tensor to a relative error
+/// (of its norm) of `tol`.
+fn assert_same(name: &str, got: &[RankRun], want: &[RankRun], tol: f64) {
+    let close = |what: &str, g: &[f64], w: &[f64]| {
+        assert_eq!(g.len(), w.len(), "{what}");
+        let diff = g.iter().zip(w).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt();
+        let norm = w.iter().map(|b| b * b).sum::<f64>().sqrt();
+        assert!(diff <= tol * norm.max(1e-30), "{name}: {what}: relative error {:.2e} against the whole collectives'", diff / norm);
+    };
+    for (rank, (g, w)) in got.iter().zip(want).enumerate() {
+        close(&format!("rank {rank}'s output"), &g.output, &w.output);
+        assert_eq!(g.grads.keys().collect::<Vec<_>>(), w.grads.keys().collect::<Vec<_>>());
+        for (p, v) in &g.grads {
+            close(&format!("rank {rank}'s gradient of {p}"), v, &w.grads[p]);
+        }
+    }
+}
+
+/// A GPT (vocabulary-parallel embedding and head, two blocks) on two and
+/// four ranks, in f64 and f32, with the slices cut into 2, 3 and 5 pieces
+/// (uneven ones included): every output and gradient equals the run with
+/// whole collectives (the products of pieces may round apart from the whole
+/// product: the CPU kernels choose their blocking by size). Then the calls: every column product gathers its
+/// input piece by piece and reduce-scatters its input gradient piece by
+/// piece, every row product's reduce-scatter is started piece by piece and
+/// taken by its `all_reduce`, and what is left whole is what has no
+/// product beside it (the embedding's reduction, and the gather of the
+/// gradient in the backward of each `all_reduce`).
+#[test]
+fn cut_collectives_give_the_whole_collectives_results() {
+    const LAYERS: usize = 2;
+    const VOCAB: usize = 16;
+    let make = || Gpt::new(VOCAB, 16, 4, LAYERS);
+    for (tp, seq) in [(2, 12), (4, 20)] {
+        let ids = Tensor::from_vec((0..2 * seq as u32).map(|i| (i * 7 + 3) % VOCAB as u32).collect::<Vec<u32>>(), [2, seq], &Device::cpu()).unwrap();
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+            let whole = run(tp, 1, dtype, &make, &ids, false);
+            for pieces in [2, 3, 5] {
+                let name = format!("tp{tp} {dtype} in {pieces} pieces");
+                let cut = run(tp, pieces, dtype, &make, &ids, false);
+                assert_same(&name, &cut, &whole, tol);
+                // Columns: q/k/v and the first MLP product per block, and the head.
+                let (columns, rows) = (2 * LAYERS + 1, 2 * LAYERS);
+                let n = pieces.min(seq / tp);
+                let (w, c) = (&whole[0].calls, &cut[0].calls);
+                let get = |m: &BTreeMap<&str, usize>, k: &str| m.get(k).copied().unwrap_or(0);
+                // The backward of every `all_reduce` (the rows' and the embedding's) gathers.
+                assert_eq!(get(w, "all_gather"), columns + rows + 1, "{name}: whole: {w:?}");
+                assert_eq!(get(w, "reduce_scatter"), 1 + rows + columns, "{name}: whole: {w:?}");
+                assert_eq!(get(c, "all_gather"), rows + 1, "{name}: only the backward of each all_reduce gathers whole: {c:?}");
+                assert_eq!(get(c, "all_gather_async"), columns * (n + 1), "{name}: {c:?}");
+                assert_eq!(get(c, "reduce_scatter"), 1, "{name}: only the embedding's reduction is whole: {c:?}");
+                assert_eq!(get(c, "reduce_scatter_async"), (rows + columns) * n, "{name}: {c:?}");
+            }
+        }
+    }
+}
+
+/// Llama blocks (grouped-query attention, a gated MLP whose two column
+/// products each gather the input) on a float input that is each rank's
+/// slice of the sequence, in f64: the whole collectives' output and
+/// parameter gradients.
+#[test]
+fn llama_blocks_with_cut_collectives_match_the_whole_ones() {
+    let make = || Stack::from_fn(2, |_| LlamaBlock::new(16, 4, 2, 32));
+    let x = Tensor::rand(Init::Normal { mean: 0.0, std: 1.0 }, RngKey::new(3, 0), [2, 8, 16], DType::F64, &Device::cpu()).unwrap();
+    let whole = run(2, 1, DType::F64, &make, &x, true);
+    for pieces in [2, 4] {
+        assert_same(&format!("llama tp2 in {pieces} pieces"), &run(2, pieces, DType::F64, &make, &x, true), &whole, 1e-12);
+    }
+}
