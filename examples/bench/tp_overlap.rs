@@ -24,6 +24,7 @@
 //! step are compared.
 
 use anyhow::{ensure, Result};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 use tessera::dist::inproc::InProcess;
@@ -79,23 +80,23 @@ enum Call {
 #[derive(Debug)]
 struct Timed {
     inner: Arc<dyn Communicator>,
-    /// Each wait of the rank's thread, in order.
-    waited: Arc<Mutex<Vec<Duration>>>,
+    /// Each wait of the rank's thread, in order, with what it waited for.
+    waited: Arc<Mutex<Vec<Wait>>>,
     calls: Mutex<Vec<Call>>,
 }
 
 impl Timed {
-    fn time<T>(&self, f: impl FnOnce() -> T) -> T {
+    fn time<T>(&self, what: &'static str, f: impl FnOnce() -> T) -> T {
         let t = Instant::now();
         let out = f();
-        self.waited.lock().unwrap().push(t.elapsed());
+        self.waited.lock().unwrap().push((what, t.elapsed()));
         out
     }
     fn record(&self, c: Call) {
         self.calls.lock().unwrap().push(c);
     }
     /// A handle whose wait is timed like a blocking call.
-    fn timed(&self, p: Pending) -> Pending {
+    fn timed(&self, what: &'static str, p: Pending) -> Pending {
         let inner = Arc::new(Mutex::new(Some(p)));
         let (probe, waited, rank) = (inner.clone(), self.waited.clone(), self.inner.rank());
         Pending::queued(
@@ -106,12 +107,12 @@ impl Timed {
                 let p = inner.lock().unwrap().take().expect("waited once");
                 let t = Instant::now();
                 let out = p.wait();
-                waited.lock().unwrap().push(t.elapsed());
+                waited.lock().unwrap().push((what, t.elapsed()));
                 out
             },
         )
     }
-    fn take_waited(&self) -> Vec<Duration> {
+    fn take_waited(&self) -> Vec<Wait> {
         std::mem::take(&mut *self.waited.lock().unwrap())
     }
     fn take_calls(&self) -> Vec<Call> {
@@ -128,36 +129,36 @@ impl Communicator for Timed {
     }
     fn all_reduce_sum(&self, t: &Tensor) -> tessera::Result<Tensor> {
         self.record(Call::AllReduce(t.clone()));
-        self.time(|| self.inner.all_reduce_sum(t))
+        self.time("all-reduce, blocking", || self.inner.all_reduce_sum(t))
     }
     fn all_gather(&self, t: &Tensor, dim: usize) -> tessera::Result<Tensor> {
         self.record(Call::AllGather(t.clone(), dim));
-        self.time(|| self.inner.all_gather(t, dim))
+        self.time("all-gather, blocking", || self.inner.all_gather(t, dim))
     }
     fn reduce_scatter_sum(&self, t: &Tensor, dim: usize) -> tessera::Result<Tensor> {
         self.record(Call::ReduceScatter(t.clone(), dim));
-        self.time(|| self.inner.reduce_scatter_sum(t, dim))
+        self.time("reduce-scatter, blocking", || self.inner.reduce_scatter_sum(t, dim))
     }
     fn broadcast(&self, t: &Tensor, root: usize) -> tessera::Result<Tensor> {
-        self.time(|| self.inner.broadcast(t, root))
+        self.time("broadcast", || self.inner.broadcast(t, root))
     }
     fn all_to_all(&self, parts: Vec<Tensor>) -> tessera::Result<Vec<Tensor>> {
-        self.time(|| self.inner.all_to_all(parts))
+        self.time("all-to-all", || self.inner.all_to_all(parts))
     }
     fn barrier(&self) -> tessera::Result<()> {
-        self.time(|| self.inner.barrier())
+        self.time("barrier", || self.inner.barrier())
     }
     fn all_reduce_sum_async(&self, t: &Tensor) -> tessera::Result<Pending> {
         self.record(Call::AllReduce(t.clone()));
-        Ok(self.timed(self.inner.all_reduce_sum_async(t)?))
+        Ok(self.timed("all-reduce, background", self.inner.all_reduce_sum_async(t)?))
     }
     fn all_gather_async(&self, t: &Tensor, dim: usize) -> tessera::Result<Pending> {
         self.record(Call::AllGather(t.clone(), dim));
-        Ok(self.timed(self.inner.all_gather_async(t, dim)?))
+        Ok(self.timed("all-gather, background", self.inner.all_gather_async(t, dim)?))
     }
     fn reduce_scatter_sum_async(&self, t: &Tensor, dim: usize) -> tessera::Result<Pending> {
         self.record(Call::ReduceScatter(t.clone(), dim));
-        Ok(self.timed(self.inner.reduce_scatter_sum_async(t, dim)?))
+        Ok(self.timed("reduce-scatter, background", self.inner.reduce_scatter_sum_async(t, dim)?))
     }
 }
 
@@ -165,24 +166,31 @@ impl Communicator for Timed {
 struct RankStep {
     start: Instant,
     end: Instant,
-    waits: Vec<Duration>,
+    waits: Vec<Wait>,
 }
 
+/// A wait of a rank's thread: what it waited for, and how long.
+type Wait = (&'static str, Duration);
+
 /// The seconds of communication in a step whose ranks waited `waits` (one
-/// list per rank, the same waits in the same order): each wait's shortest
-/// time over the ranks, summed.
-fn shortest(waits: &[&[Duration]]) -> Result<f64> {
+/// list per rank, the same waits in the same order), by what was waited for:
+/// each wait's shortest time over the ranks, summed.
+fn shortest(waits: &[&[Wait]]) -> Result<BTreeMap<&'static str, f64>> {
     let n = waits[0].len();
     ensure!(
         waits.iter().all(|w| w.len() == n),
         "the ranks waited a different number of times ({:?}); they must make the same calls",
         waits.iter().map(|w| w.len()).collect::<Vec<_>>()
     );
-    Ok((0..n).map(|i| waits.iter().map(|w| w[i].as_secs_f64()).fold(f64::INFINITY, f64::min)).sum())
+    let mut by = BTreeMap::new();
+    for i in 0..n {
+        *by.entry(waits[0][i].0).or_default() += waits.iter().map(|w| w[i].1.as_secs_f64()).fold(f64::INFINITY, f64::min);
+    }
+    Ok(by)
 }
 
 /// One rank's timed steps (`[round][setting][step]`) and each replay's time per call.
-type RankRuns = (Vec<Vec<Vec<RankStep>>>, Vec<Vec<Duration>>);
+type RankRuns = (Vec<Vec<Vec<RankStep>>>, Vec<Vec<Wait>>);
 
 /// Settings: the collectives whole, then cut.
 fn settings(args: &Args) -> [usize; 2] {
@@ -265,12 +273,12 @@ pub fn run(args: &Args) -> Result<()> {
                             let mut each = Vec::with_capacity(calls.len());
                             for c in &calls {
                                 let t = Instant::now();
-                                match c {
-                                    Call::AllReduce(x) => drop(inner.all_reduce_sum(x)?),
-                                    Call::AllGather(x, d) => drop(inner.all_gather(x, *d)?),
-                                    Call::ReduceScatter(x, d) => drop(inner.reduce_scatter_sum(x, *d)?),
-                                }
-                                each.push(t.elapsed());
+                                let what = match c {
+                                    Call::AllReduce(x) => inner.all_reduce_sum(x).map(|_| "all-reduce")?,
+                                    Call::AllGather(x, d) => inner.all_gather(x, *d).map(|_| "all-gather")?,
+                                    Call::ReduceScatter(x, d) => inner.reduce_scatter_sum(x, *d).map(|_| "reduce-scatter")?,
+                                };
+                                each.push((what, t.elapsed()));
                             }
                             replays.push(each);
                         }
@@ -288,23 +296,28 @@ pub fn run(args: &Args) -> Result<()> {
         v[v.len() / 2]
     };
     let names = ["whole", "pieces"];
-    let (mut step_ms, mut exposed_ms) = (Vec::new(), Vec::new());
+    let (mut step_ms, mut exposed_ms, mut exposed_by) = (Vec::new(), Vec::new(), Vec::new());
     for k in 0..2 {
-        let (mut spans, mut exposed) = (Vec::new(), Vec::new());
+        let (mut spans, mut exposed, mut by) = (Vec::new(), Vec::new(), BTreeMap::<&str, Vec<f64>>::new());
         for round in 0..args.rounds {
             for i in 0..args.steps {
                 let steps: Vec<&RankStep> = per_rank.iter().map(|(r, _)| &r[round][k][i]).collect();
                 let first = steps.iter().map(|x| x.start).min().expect("ranks");
                 let last = steps.iter().map(|x| x.end).max().expect("ranks");
                 spans.push(1e3 * (last - first).as_secs_f64());
-                exposed.push(1e3 * shortest(&steps.iter().map(|x| x.waits.as_slice()).collect::<Vec<_>>())?);
+                let waited = shortest(&steps.iter().map(|x| x.waits.as_slice()).collect::<Vec<_>>())?;
+                exposed.push(1e3 * waited.values().sum::<f64>());
+                for (what, t) in waited {
+                    by.entry(what).or_default().push(1e3 * t);
+                }
             }
         }
         step_ms.push(median(&spans));
         exposed_ms.push(median(&exposed));
+        exposed_by.push(by.into_iter().map(|(what, t)| (what, median(&t))).collect::<BTreeMap<_, _>>());
     }
     let replays: Vec<f64> = (0..args.rounds * args.steps)
-        .map(|i| Ok(1e3 * shortest(&per_rank.iter().map(|(_, r)| r[i].as_slice()).collect::<Vec<_>>())?))
+        .map(|i| Ok(1e3 * shortest(&per_rank.iter().map(|(_, r)| r[i].as_slice()).collect::<Vec<_>>())?.values().sum::<f64>()))
         .collect::<Result<_>>()?;
     let comm_ms = median(&replays);
     let hidden: Vec<f64> = exposed_ms.iter().map(|e| 1.0 - e / comm_ms).collect();
@@ -317,6 +330,8 @@ pub fn run(args: &Args) -> Result<()> {
             comm_ms,
             100.0 * hidden[k]
         );
+        let by: Vec<String> = exposed_by[k].iter().map(|(what, t)| format!("{what} {t:.2}")).collect();
+        println!("tp-overlap: {:<6} exposed by wait (medians, ms): {}", names[k], by.join("; "));
     }
     println!(
         "tp-overlap: in {} pieces / whole: exposed communication {:.2}, step time {:.3}",

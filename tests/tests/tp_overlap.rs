@@ -13,18 +13,25 @@ use tessera::module::{self, Act, Cx, Groups, Module};
 use tessera::nn::Stack;
 use tessera::prelude::*;
 
-/// A communicator that counts each call by name and passes it on.
+/// A communicator that counts each call by name, and whether it moved a
+/// piece of a sequence of `seq` tokens or all of it, and passes it on.
 #[derive(Debug)]
 struct Counting {
     inner: Arc<dyn Communicator>,
-    calls: Mutex<BTreeMap<&'static str, usize>>,
+    seq: usize,
+    calls: Mutex<BTreeMap<String, usize>>,
 }
 
 impl Counting {
-    fn count(&self, op: &'static str) {
-        *self.calls.lock().unwrap().entry(op).or_default() += 1;
+    /// Counts `op` on `t`, whose dimension 1 is `whole` tokens unless it is a piece.
+    fn count_of(&self, op: &str, t: &Tensor, whole: usize) {
+        let piece = t.rank() >= 3 && t.dims()[1] < whole;
+        *self.calls.lock().unwrap().entry(if piece { format!("{op} piece") } else { op.to_string() }).or_default() += 1;
     }
-    fn calls(&self) -> BTreeMap<&'static str, usize> {
+    fn count(&self, op: &str) {
+        *self.calls.lock().unwrap().entry(op.to_string()).or_default() += 1;
+    }
+    fn calls(&self) -> BTreeMap<String, usize> {
         self.calls.lock().unwrap().clone()
     }
 }
@@ -41,11 +48,11 @@ impl Communicator for Counting {
         self.inner.all_reduce_sum(t)
     }
     fn all_gather(&self, t: &Tensor, dim: usize) -> tessera::Result<Tensor> {
-        self.count("all_gather");
+        self.count_of("all_gather", t, self.seq / self.size());
         self.inner.all_gather(t, dim)
     }
     fn reduce_scatter_sum(&self, t: &Tensor, dim: usize) -> tessera::Result<Tensor> {
-        self.count("reduce_scatter");
+        self.count_of("reduce_scatter", t, self.seq);
         self.inner.reduce_scatter_sum(t, dim)
     }
     fn broadcast(&self, t: &Tensor, root: usize) -> tessera::Result<Tensor> {
@@ -60,11 +67,11 @@ impl Communicator for Counting {
         self.inner.barrier()
     }
     fn all_gather_async(&self, t: &Tensor, dim: usize) -> tessera::Result<Pending> {
-        self.count("all_gather_async");
+        self.count_of("all_gather_async", t, self.seq / self.size());
         self.inner.all_gather_async(t, dim)
     }
     fn reduce_scatter_sum_async(&self, t: &Tensor, dim: usize) -> tessera::Result<Pending> {
-        self.count("reduce_scatter_async");
+        self.count_of("reduce_scatter_async", t, self.seq);
         self.inner.reduce_scatter_sum_async(t, dim)
     }
     fn all_reduce_sum_async(&self, t: &Tensor) -> tessera::Result<Pending> {
@@ -78,7 +85,7 @@ impl Communicator for Counting {
 struct RankRun {
     output: Vec<f64>,
     grads: BTreeMap<String, Vec<f64>>,
-    calls: BTreeMap<&'static str, usize>,
+    calls: BTreeMap<String, usize>,
 }
 
 fn values(t: &Tensor) -> Vec<f64> {
@@ -96,7 +103,8 @@ fn run<M: Module + Send>(tp: usize, pieces: usize, dtype: DType, make: &(dyn Fn(
                 let world = &world;
                 s.spawn(move || {
                     let dev = Device::cpu();
-                    let counting = Arc::new(Counting { inner: Arc::new(world.communicator(rank, &dev).unwrap()), calls: Mutex::default() });
+                    let seq = x.dims()[1];
+                    let counting = Arc::new(Counting { inner: Arc::new(world.communicator(rank, &dev).unwrap()), seq, calls: Mutex::default() });
                     let mut groups = Groups::single();
                     groups.tp = counting.clone();
                     let mut cx = Cx::new(dev.clone()).with_dtype(dtype).with_seed(5).with_groups(groups).with_sequence_parallel(true).with_tp_overlap(pieces);
@@ -171,14 +179,22 @@ fn cut_collectives_give_the_whole_collectives_results() {
                 let (columns, rows) = (2 * LAYERS + 1, 2 * LAYERS);
                 let n = pieces.min(seq / tp);
                 let (w, c) = (&whole[0].calls, &cut[0].calls);
-                let get = |m: &BTreeMap<&str, usize>, k: &str| m.get(k).copied().unwrap_or(0);
-                // The backward of every `all_reduce` (the rows' and the embedding's) gathers.
+                let get = |m: &BTreeMap<String, usize>, k: &str| m.get(k).copied().unwrap_or(0);
+                // Whole: the backward of every `all_reduce` (the rows' and the
+                // embedding's) gathers, and so does every column product.
                 assert_eq!(get(w, "all_gather"), columns + rows + 1, "{name}: whole: {w:?}");
                 assert_eq!(get(w, "reduce_scatter"), 1 + rows + columns, "{name}: whole: {w:?}");
-                assert_eq!(get(c, "all_gather"), rows + 1, "{name}: only the backward of each all_reduce gathers whole: {c:?}");
-                assert_eq!(get(c, "all_gather_async"), columns * (n + 1), "{name}: {c:?}");
+                assert_eq!(get(w, "all_gather_async"), columns, "{name}: the slice gathered again for dW: {w:?}");
+                // In pieces, only what has no product beside it is whole.
+                assert_eq!(get(c, "all_gather"), rows + 1, "{name}: {c:?}");
                 assert_eq!(get(c, "reduce_scatter"), 1, "{name}: only the embedding's reduction is whole: {c:?}");
-                assert_eq!(get(c, "reduce_scatter_async"), (rows + columns) * n, "{name}: {c:?}");
+                assert_eq!(get(c, "all_gather_async"), columns, "{name}: {c:?}");
+                // A column product's first piece is gathered by the calling
+                // thread, a row product's last piece reduced by it.
+                assert_eq!(get(c, "all_gather piece"), columns, "{name}: {c:?}");
+                assert_eq!(get(c, "all_gather_async piece"), columns * (n - 1), "{name}: {c:?}");
+                assert_eq!(get(c, "reduce_scatter piece"), rows, "{name}: {c:?}");
+                assert_eq!(get(c, "reduce_scatter_async piece"), rows * (n - 1) + columns * n, "{name}: {c:?}");
             }
         }
     }

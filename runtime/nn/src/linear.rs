@@ -417,7 +417,7 @@ impl Module<Column> for Linear {
             // pieces of `dX` travel.
             let x = cx.tp().all_gather_async(&saved.x, 1)?;
             let w = self.backward_weight(cx)?;
-            let dx = crate::module::overlap::map_reduce_scatter(cx, dy.tensor(), pieces, |piece| ops::matmul(piece, &w))?;
+            let dx = crate::module::overlap::map_reduce_scatter(cx, dy.tensor(), pieces, false, |piece| ops::matmul(piece, &w))?;
             self.weight_grad(cx, &x.wait()?, dy.tensor())?;
             return Ok(Act::new(dx.wait()?));
         }
@@ -461,7 +461,7 @@ impl Module<Row> for Linear {
         if let Some(pieces) = self.overlap(cx, &x).filter(|_| x.dims()[1].is_multiple_of(cx.tp().size())) {
             let (x, w, bias) = self.operands(cx, x, first)?;
             let wt = w.t()?;
-            let sum = crate::module::overlap::map_reduce_scatter(cx, &x, pieces, |piece| match &bias {
+            let sum = crate::module::overlap::map_reduce_scatter(cx, &x, pieces, true, |piece| match &bias {
                 Some(b) => ops::matmul_bias(piece, &wt, b),
                 None => ops::matmul(piece, &wt),
             })?;

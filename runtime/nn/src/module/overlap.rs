@@ -68,16 +68,23 @@ fn assemble(outs: &[Tensor], pieces: &[Range<usize>], tp: usize) -> Result<Tenso
 /// `f` of the whole sequence gathered from this rank's slice `x`, with the
 /// all-gather cut into `chunks` pieces, each piece's `f` running while the
 /// next travels. `f` must treat each token (dimension 1) on its own.
+///
+/// The first piece has nothing to hide behind, so the calling thread
+/// gathers it itself (sparing it the hand-off to the communication thread
+/// and back); the others are started in the background right after.
 pub(crate) fn gather_map(cx: &Cx, x: &Tensor, chunks: usize, mut f: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
     let pieces = pieces(x.dims()[1], chunks);
     if pieces.len() < 2 {
         return f(&cx.tp().all_gather(x, 1)?);
     }
-    let mut travelling = Vec::with_capacity(pieces.len());
-    for p in &pieces {
-        travelling.push(cx.tp().all_gather_async(&x.narrow(1, p.start, p.len())?.contiguous()?, 1)?);
+    let piece = |p: &Range<usize>| x.narrow(1, p.start, p.len())?.contiguous();
+    let first = cx.tp().all_gather(&piece(&pieces[0])?, 1)?;
+    let mut travelling = Vec::with_capacity(pieces.len() - 1);
+    for p in &pieces[1..] {
+        travelling.push(cx.tp().all_gather_async(&piece(p)?, 1)?);
     }
     let mut outs = Vec::with_capacity(pieces.len());
+    outs.push(f(&first)?);
     for gathered in travelling {
         outs.push(f(&gathered.wait()?)?);
     }
@@ -87,7 +94,17 @@ pub(crate) fn gather_map(cx: &Cx, x: &Tensor, chunks: usize, mut f: impl FnMut(&
 /// The reduce-scatter over the group of `f` of the whole-sequence `x`, cut
 /// into `chunks` pieces: each piece's sum starts while the next piece's `f`
 /// runs. `f` must treat each token (dimension 1) on its own.
-pub(crate) fn map_reduce_scatter(cx: &Cx, x: &Tensor, chunks: usize, mut f: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<ReduceScatter> {
+///
+/// With `last_blocking` (for a caller that needs the sum next, with nothing
+/// to do meanwhile) the calling thread reduces the last piece itself, after
+/// the others, sparing it the hand-off to the communication thread and back.
+pub(crate) fn map_reduce_scatter(
+    cx: &Cx,
+    x: &Tensor,
+    chunks: usize,
+    last_blocking: bool,
+    mut f: impl FnMut(&Tensor) -> Result<Tensor>,
+) -> Result<ReduceScatter> {
     let tp = cx.tp().size();
     let mut pieces = pieces(x.dims()[1] / tp, chunks);
     if pieces.len() < 2 {
@@ -99,9 +116,13 @@ pub(crate) fn map_reduce_scatter(cx: &Cx, x: &Tensor, chunks: usize, mut f: impl
     }
     let mut outs = Vec::with_capacity(pieces.len());
     let mut travelling = Vec::with_capacity(pieces.len());
-    for p in &pieces {
+    for (i, p) in pieces.iter().enumerate() {
         let y = f(&rows_of_every_slice(x, tp, p)?)?;
-        travelling.push(cx.tp().reduce_scatter_sum_async(&y, 1)?);
+        travelling.push(if last_blocking && i + 1 == pieces.len() {
+            Pending::ready("reduce_scatter_sum", cx.tp().reduce_scatter_sum(&y, 1))
+        } else {
+            cx.tp().reduce_scatter_sum_async(&y, 1)?
+        });
         outs.push(y);
     }
     Ok(ReduceScatter { travelling, outs, pieces, tp })
