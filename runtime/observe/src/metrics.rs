@@ -112,6 +112,10 @@ pub struct StepMetrics {
     pub comm_s: f64,
     /// Data-parallel communication time not hidden behind the backward.
     pub exposed_comm_s: f64,
+    /// Bytes of gradients one rank sent into the data-parallel collectives
+    /// this step (after compression; the most over the ranks).
+    #[serde(default)]
+    pub grad_bytes: u64,
     /// Pipeline bubble: time a stage waited on its neighbours.
     pub bubble_s: f64,
     /// Peak bytes allocated by each rank during the step, by world rank.

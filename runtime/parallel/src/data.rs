@@ -2,6 +2,7 @@
 //! all-reduced while the backward goes on.
 
 use crate::buckets::Buckets;
+use crate::powersgd::{PowerSgd, Sent};
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,6 +22,20 @@ pub enum Compression {
     /// sum are rounded once (unit roundoff 2⁻⁸), so an averaged element is
     /// off by at most 2⁻⁷ times the mean of its magnitudes over the replicas.
     Bf16,
+    /// PowerSGD: each weight matrix's gradient travels as two rank-`rank`
+    /// factors, `(n + m)·rank` values for an `n × m` matrix, with error
+    /// feedback (what the factors missed is added to the next step's
+    /// gradient); vectors and matrices too small to gain travel as they
+    /// are. The factors need every gradient, so they are computed and sent
+    /// in [`DataParallel::finish`], after the backward, in two all-reduces.
+    PowerSgd {
+        /// The rank of the factors (1 to 4 is the usual range).
+        rank: usize,
+        /// Steps ([`DataParallel::finish`] calls) sent uncompressed first,
+        /// as the method's authors advise for the start of training, when
+        /// gradients change fastest.
+        warmup: u64,
+    },
 }
 
 /// What one step's gradient synchronisation cost, measured.
@@ -153,6 +168,8 @@ pub struct DataParallel {
     /// rest hold tied parameters, sent only by `finish`.
     sent_during_backward: usize,
     compression: Compression,
+    /// PowerSGD's errors and factors, with [`Compression::PowerSgd`].
+    powersgd: Option<Mutex<PowerSgd>>,
     params: Vec<Param>,
     /// Each parameter's index in `params`.
     index: std::collections::HashMap<tessera_nn::module::ParamId, usize>,
@@ -235,6 +252,7 @@ impl DataParallel {
             expert_bucket,
             sent_during_backward,
             compression: Compression::None,
+            powersgd: None,
             params,
             index,
             buckets,
@@ -242,10 +260,15 @@ impl DataParallel {
         })
     }
 
-    /// Sends gradients compressed as `compression`.
-    pub fn with_compression(mut self, compression: Compression) -> Self {
+    /// Sends gradients compressed as `compression`; an error for PowerSGD
+    /// of rank 0.
+    pub fn with_compression(mut self, compression: Compression) -> Result<Self> {
+        self.powersgd = match compression {
+            Compression::PowerSgd { rank, warmup } => Some(Mutex::new(PowerSgd::new(rank, warmup)?)),
+            _ => None,
+        };
         self.compression = compression;
-        self
+        Ok(self)
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -274,8 +297,8 @@ impl DataParallel {
             .collect::<Result<_>>()?;
         let flat = Tensor::concat_flat(&grads.iter().collect::<Vec<_>>())?;
         let wire = match self.compression {
-            Compression::None => flat,
             Compression::Bf16 => flat.to_dtype(DType::BF16)?,
+            Compression::None | Compression::PowerSgd { .. } => flat,
         };
         s.stats.bytes += wire.elem_count() * wire.dtype().size_in_bytes();
         s.stats.buckets += 1;
@@ -306,6 +329,14 @@ impl DataParallel {
     /// each gradient back as the average over the group. Returns the step's
     /// measured communication figures and resets them for the next step.
     pub fn finish(&self) -> Result<SyncStats> {
+        if let Some(powersgd) = &self.powersgd {
+            let mut powersgd = powersgd.lock();
+            if powersgd.compressing() {
+                return self.finish_powersgd(&mut powersgd);
+            }
+            // Still warming up: this step goes whole, like `Compression::None`.
+            powersgd.step();
+        }
         let mut s = self.state();
         s.stats.launched_during_backward = s.stats.buckets;
         while s.launched < self.buckets.len() {
@@ -343,8 +374,64 @@ impl DataParallel {
     }
 }
 
+impl DataParallel {
+    /// [`finish`](Self::finish) with PowerSGD: every gradient, factored
+    /// where that gains, summed over its group (the experts' over theirs)
+    /// and averaged over the replicas.
+    fn finish_powersgd(&self, powersgd: &mut PowerSgd) -> Result<SyncStats> {
+        let started = Instant::now();
+        let mut sent = Sent::default();
+        let expert: Vec<bool> = {
+            let mut e = vec![false; self.params.len()];
+            for (b, &is) in self.expert_bucket.iter().enumerate() {
+                for &i in self.buckets.members(b) {
+                    e[i] = is;
+                }
+            }
+            e
+        };
+        let scale = 1.0 / self.replicas.size() as f64;
+        for experts in [false, true] {
+            let group = match (&self.experts, experts) {
+                (_, false) => &self.replicas,
+                (Some(g), true) => g,
+                (None, true) => continue,
+            };
+            let ids: Vec<usize> = (0..self.params.len()).filter(|&i| expert[i] == experts).collect();
+            if ids.is_empty() {
+                continue;
+            }
+            let params: Vec<Param> = ids.iter().map(|&i| self.params[i].clone()).collect();
+            let grads: Vec<Tensor> = params
+                .iter()
+                .map(|p| match p.grad() {
+                    Some(g) => Ok(g),
+                    None => {
+                        let v = p.value()?;
+                        Tensor::zeros(p.local_shape(), v.dtype(), v.device())
+                    }
+                })
+                .collect::<Result<_>>()?;
+            let sums = powersgd.sum(&**group, &ids, &params, grads, scale, &mut sent)?;
+            for (p, g) in params.iter().zip(sums) {
+                let dtype = p.grad().map(|g| g.dtype()).unwrap_or(p.value()?.dtype());
+                p.set_grad(if g.dtype() == dtype { g } else { g.to_dtype(dtype)? })?;
+            }
+        }
+        powersgd.step();
+        self.state().ready.iter_mut().for_each(|r| *r = false);
+        // Nothing ran beside the backward: all of it was on the critical path.
+        let comm = started.elapsed();
+        Ok(SyncStats { buckets: sent.collectives, bytes: sent.bytes, launched_during_backward: 0, comm, exposed: comm })
+    }
+}
+
 impl Hooks for DataParallel {
     fn grad_ready(&self, param: &Param) -> Result<()> {
+        if self.powersgd.as_ref().is_some_and(|p| p.lock().compressing()) {
+            // The factors need every gradient: all of it goes in `finish`.
+            return Ok(());
+        }
         let mut s = self.state();
         Self::poll(&mut s);
         let Some(&i) = self.index.get(&param.id()) else {

@@ -10,4 +10,5 @@
 mod buckets;
 pub mod data;
 pub mod pipeline;
+mod powersgd;
 pub mod zero;

@@ -26,6 +26,7 @@ use tessera_core::DType;
 use tessera_core::{Error, Result};
 use tessera_nn::module::RecomputeOverride;
 use tessera_optim::AdamWConfig;
+use tessera_parallel::data::Compression;
 use tessera_parallel::pipeline::ScheduleKind;
 use tessera_parallel::zero::Stage;
 
@@ -112,6 +113,16 @@ pub struct MeshConfig {
     pub chunks: usize,
     /// Data-parallel gradient bucket size in bytes.
     pub bucket_bytes: usize,
+    /// How data-parallel gradients travel: `none` (their own dtype),
+    /// `bf16` (half the bytes of f32), or `powersgd` (each weight matrix as
+    /// two rank-`powersgd_rank` factors with error feedback, sent after the
+    /// backward). Not with ZeRO, which reduce-scatters gradients itself.
+    pub grad_compression: String,
+    /// The rank of PowerSGD's factors.
+    pub powersgd_rank: usize,
+    /// Steps PowerSGD sends whole before it compresses (the start of
+    /// training, when gradients change fastest).
+    pub powersgd_warmup: u64,
     /// Where the ranks run: `cpu` (a thread per rank, the in-process
     /// communicator) or `cuda` (rank `r` on GPU `r`, a thread per GPU,
     /// NCCL between them).
@@ -148,6 +159,9 @@ impl Default for MeshConfig {
             schedule: "1f1b".into(),
             chunks: 2,
             bucket_bytes: 1 << 20,
+            grad_compression: "none".into(),
+            powersgd_rank: 4,
+            powersgd_warmup: 0,
             device: "cpu".into(),
             timeout_s: 600.0,
             launch: "auto".into(),
@@ -258,6 +272,17 @@ impl MeshConfig {
                 "`mpi` needs a build with the `mpi` feature (`--features mpi`, and MPI installed; see docs/launch.md), or use `tcp`",
             )),
             other => Err(Error::config("mesh.comm", format!("unknown comm `{other}`; use `tcp` (Tessera's connections) or `mpi` (the job's MPI library)"))),
+        }
+    }
+
+    /// How data-parallel gradients travel ([`grad_compression`](Self::grad_compression)).
+    pub fn compression(&self) -> Result<Compression> {
+        match self.grad_compression.as_str() {
+            "none" => Ok(Compression::None),
+            "bf16" => Ok(Compression::Bf16),
+            "powersgd" if self.powersgd_rank == 0 => Err(Error::config("mesh.powersgd_rank", "must be at least 1 (1 to 4 is the usual range)")),
+            "powersgd" => Ok(Compression::PowerSgd { rank: self.powersgd_rank, warmup: self.powersgd_warmup }),
+            other => Err(Error::config("mesh.grad_compression", format!("unknown compression `{other}`; use `none`, `bf16` or `powersgd`"))),
         }
     }
 
@@ -592,6 +617,23 @@ impl TrainConfig {
             ));
         }
         let kind = self.mesh.schedule_kind()?;
+        if self.mesh.compression()? != Compression::None {
+            if self.zero.stage != 0 {
+                return Err(Error::config(
+                    "mesh.grad_compression",
+                    format!(
+                        "ZeRO (stage {}) reduce-scatters the gradients itself; use grad_compression = \"none\" with ZeRO, or turn ZeRO off",
+                        self.zero.stage
+                    ),
+                ));
+            }
+            if self.mesh.dp * self.mesh.ep == 1 {
+                return Err(Error::config(
+                    "mesh.grad_compression",
+                    "compresses data-parallel gradients, and this run has one replica; set mesh.dp > 1, or leave it at \"none\"",
+                ));
+            }
+        }
         self.mesh.rank_device()?;
         self.mesh.launch_mode()?;
         self.mesh.process_comms()?;
@@ -700,6 +742,25 @@ mod tests {
         }
         let e = TrainConfig::parse("", &["mesh.schedule=zb-h2"]).unwrap_err().to_string();
         assert!(e.contains("mesh.schedule") && e.contains("unknown schedule `zb-h2`") && e.contains("`zb-h1`"), "{e}");
+    }
+
+    #[test]
+    fn grad_compression_is_named_and_refused_where_it_cannot_apply() {
+        for (name, want) in [("none", Compression::None), ("bf16", Compression::Bf16), ("powersgd", Compression::PowerSgd { rank: 4, warmup: 0 })] {
+            let c = TrainConfig::parse("", &["mesh.dp=2", &format!("mesh.grad_compression={name}")]).unwrap();
+            assert_eq!(c.mesh.compression().unwrap(), want);
+        }
+        let c = TrainConfig::parse("", &["mesh.dp=2", "mesh.grad_compression=powersgd", "mesh.powersgd_rank=1", "mesh.powersgd_warmup=50"]).unwrap();
+        assert_eq!(c.mesh.compression().unwrap(), Compression::PowerSgd { rank: 1, warmup: 50 });
+        for (args, key, says) in [
+            (&["mesh.dp=2", "mesh.grad_compression=topk"][..], "mesh.grad_compression", "unknown compression `topk`"),
+            (&["mesh.dp=2", "mesh.grad_compression=powersgd", "mesh.powersgd_rank=0"][..], "mesh.powersgd_rank", "at least 1"),
+            (&["mesh.grad_compression=powersgd"][..], "mesh.grad_compression", "one replica"),
+            (&["mesh.dp=2", "mesh.grad_compression=bf16", "zero.stage=2"][..], "mesh.grad_compression", "ZeRO (stage 2)"),
+        ] {
+            let e = TrainConfig::parse("", args).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains(says), "{args:?}: {e}");
+        }
     }
 
     #[test]

@@ -115,7 +115,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
                         1 => DataParallel::new(&model, dp_group.clone(), cfg.mesh.bucket_bytes)?,
                         _ => DataParallel::with_experts(&model, replicas_group, dp_group.clone(), cfg.mesh.bucket_bytes)?,
                     };
-                    let overlap = Arc::new(overlap);
+                    let overlap = Arc::new(overlap.with_compression(cfg.mesh.compression()?)?);
                     cx = cx.with_hooks(overlap.clone());
                     GradSync::Overlapped(overlap)
                 } else {

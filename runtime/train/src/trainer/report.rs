@@ -38,6 +38,7 @@ pub(super) struct RankStep {
     compute: f64,
     comm: f64,
     exposed: f64,
+    grad_bytes: f64,
     bubble: f64,
     peak_memory: usize,
     skipped: bool,
@@ -74,6 +75,7 @@ impl RankStep {
             compute: pass.report.compute.as_secs_f64(),
             comm: pass.sync.comm.as_secs_f64(),
             exposed: pass.sync.exposed.as_secs_f64(),
+            grad_bytes: pass.sync.bytes as f64,
             bubble: pass.report.waiting.as_secs_f64(),
             peak_memory: dev.memory_stats().peak,
             skipped,
@@ -84,7 +86,7 @@ impl RankStep {
 }
 
 /// Figures of a [`RankStep`] as a row of numbers, for gathering.
-const ROW: usize = 14;
+const ROW: usize = 15;
 
 impl RankStep {
     /// This rank's figures as a `[1, ROW]` tensor (its events stay here:
@@ -106,6 +108,7 @@ impl RankStep {
             self.bubble,
             self.peak_memory as f64,
             flag(self.skipped),
+            self.grad_bytes,
         ];
         Tensor::from_vec(row, [1, ROW], dev)
     }
@@ -136,6 +139,7 @@ impl RankStep {
                         bubble: r[11],
                         peak_memory: r[12] as usize,
                         skipped: r[13] != 0.0,
+                        grad_bytes: r[14],
                         events: Vec::new(),
                     },
                 }
@@ -172,6 +176,7 @@ impl Collector {
             compute_s: max(|r| r.compute),
             comm_s: max(|r| r.comm),
             exposed_comm_s: max(|r| r.exposed),
+            grad_bytes: max(|r| r.grad_bytes) as u64,
             bubble_s: max(|r| r.bubble),
             peak_memory: ranks.iter().map(|r| r.peak_memory).collect(),
             skipped: first.skipped,
