@@ -127,6 +127,12 @@ fn the_planner_predicts_the_layouts_it_is_measured_on_and_its_first_plan_trains_
     let best_of = |name: &str| measured.iter().filter(|m| m.0 == name).map(|m| m.2).fold(f64::INFINITY, f64::min);
     let (fastest_name, fastest_layout, _) = *measured.iter().min_by(|a, b| a.2.total_cmp(&b.2)).unwrap();
     let mut fastest = best_of(fastest_name);
+    // The fastest layout is the best of every time it was measured above (up
+    // to three): the plan ranked first gets as many tries before the two
+    // rounds in turn, so that both are the best of as many noisy steps.
+    for again in 1..measured.iter().filter(|m| m.0 == fastest_name).count() {
+        first = first.min(measure(dir.path(), &format!("ranked first, try {again}"), &top, &[]).0);
+    }
     for again in 0..2 {
         first = first.min(measure(dir.path(), &format!("ranked first {again}"), &top, &[]).0);
         fastest = fastest.min(measure(dir.path(), &format!("{fastest_name} {again}"), &config, fastest_layout).0);
