@@ -280,21 +280,7 @@ impl DataParallel {
     fn launch(&self, s: &mut State) -> Result<()> {
         let b = s.launched;
         s.launched += 1;
-        let grads: Vec<Tensor> = self
-            .buckets
-            .members(b)
-            .iter()
-            .map(|&i| {
-                let p = &self.params[i];
-                match p.grad() {
-                    Some(g) => Ok(g),
-                    None => {
-                        let v = p.value()?;
-                        Tensor::zeros(p.local_shape(), v.dtype(), v.device())
-                    }
-                }
-            })
-            .collect::<Result<_>>()?;
+        let grads: Vec<Tensor> = self.buckets.members(b).iter().map(|&i| grad_or_zeros(&self.params[i])).collect::<Result<_>>()?;
         let flat = Tensor::concat_flat(&grads.iter().collect::<Vec<_>>())?;
         let wire = match self.compression {
             Compression::Bf16 => flat.to_dtype(DType::BF16)?,
@@ -362,8 +348,7 @@ impl DataParallel {
                 let shape = p.local_shape();
                 let n = shape.elem_count();
                 let g = mean.narrow(0, offset, n)?.reshape(shape)?;
-                let dtype = p.grad().map(|g| g.dtype()).unwrap_or(p.value()?.dtype());
-                p.set_grad(if g.dtype() == dtype { g } else { g.to_dtype(dtype)? })?;
+                set_averaged(p, g)?;
                 offset += n;
             }
         }
@@ -402,20 +387,10 @@ impl DataParallel {
                 continue;
             }
             let params: Vec<Param> = ids.iter().map(|&i| self.params[i].clone()).collect();
-            let grads: Vec<Tensor> = params
-                .iter()
-                .map(|p| match p.grad() {
-                    Some(g) => Ok(g),
-                    None => {
-                        let v = p.value()?;
-                        Tensor::zeros(p.local_shape(), v.dtype(), v.device())
-                    }
-                })
-                .collect::<Result<_>>()?;
+            let grads: Vec<Tensor> = params.iter().map(grad_or_zeros).collect::<Result<_>>()?;
             let sums = powersgd.sum(&**group, &ids, &params, grads, scale, &mut sent)?;
             for (p, g) in params.iter().zip(sums) {
-                let dtype = p.grad().map(|g| g.dtype()).unwrap_or(p.value()?.dtype());
-                p.set_grad(if g.dtype() == dtype { g } else { g.to_dtype(dtype)? })?;
+                set_averaged(p, g)?;
             }
         }
         powersgd.step();
@@ -424,6 +399,25 @@ impl DataParallel {
         let comm = started.elapsed();
         Ok(SyncStats { buckets: sent.collectives, bytes: sent.bytes, launched_during_backward: 0, comm, exposed: comm })
     }
+}
+
+/// `p`'s gradient, or zeros for a parameter without one (every rank sends
+/// the same parameters).
+fn grad_or_zeros(p: &Param) -> Result<Tensor> {
+    match p.grad() {
+        Some(g) => Ok(g),
+        None => {
+            let v = p.value()?;
+            Tensor::zeros(p.local_shape(), v.dtype(), v.device())
+        }
+    }
+}
+
+/// Replaces `p`'s gradient with the averaged `g`, in the gradient's dtype
+/// (the parameter's when it had none).
+fn set_averaged(p: &Param, g: Tensor) -> Result<()> {
+    let dtype = p.grad().map(|g| g.dtype()).unwrap_or(p.value()?.dtype());
+    p.set_grad(if g.dtype() == dtype { g } else { g.to_dtype(dtype)? })
 }
 
 impl Hooks for DataParallel {
