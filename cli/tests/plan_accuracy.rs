@@ -4,7 +4,8 @@
 //! estimate must be within 25 % of the measured step time and 5 % of the
 //! measured peak memory of the fullest rank; and the plan the search ranks
 //! first of every layout two ranks can take (`tessera plan`) must train
-//! within 10 % of the fastest layout measured.
+//! within 10 % of the fastest layout measured, each judged by its fastest
+//! step over as many runs.
 //!
 //! Two ranks, because two is what every machine this runs on can give each
 //! rank its own core: ranks that timeshare cores lose throughput to each
@@ -47,9 +48,16 @@ fn sets(layout: &[&str]) -> Vec<String> {
     layout.iter().flat_map(|s| ["--set".to_string(), s.to_string()]).collect()
 }
 
-/// Trains `config` with `layout` and returns the median step time after
-/// the first step and the largest peak memory of any rank.
-fn measure(dir: &Path, name: &str, config: &Path, layout: &[&str]) -> (f64, f64) {
+/// A layout's timings: the median and the fastest of its steps after the
+/// first, and the largest peak memory of any rank.
+struct Measured {
+    median: f64,
+    fastest: f64,
+    peak: f64,
+}
+
+/// Trains `config` with `layout` and measures it.
+fn measure(dir: &Path, name: &str, config: &Path, layout: &[&str]) -> Measured {
     // A run directory of its own for every run (one that exists would resume).
     static RUNS: AtomicUsize = AtomicUsize::new(0);
     let out = dir.join(format!("{}-{}", name.replace([' ', ',', '-'], "_"), RUNS.fetch_add(1, Ordering::Relaxed)));
@@ -69,7 +77,7 @@ fn measure(dir: &Path, name: &str, config: &Path, layout: &[&str]) -> (f64, f64)
     let mut steps: Vec<f64> = lines[1..].iter().map(|l| l["step_time_s"].as_f64().unwrap()).collect();
     steps.sort_by(f64::total_cmp);
     let peak = lines.last().unwrap()["peak_memory"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).fold(0.0, f64::max);
-    (steps[steps.len() / 2], peak)
+    Measured { median: steps[steps.len() / 2], fastest: steps[0], peak }
 }
 
 /// `tessera plan --evaluate`'s step time and memory of `layout`.
@@ -103,11 +111,11 @@ fn the_planner_predicts_the_layouts_it_is_measured_on_and_its_first_plan_trains_
         report += &format!("attempt {attempt}:\n");
         left.retain(|&i| {
             let (name, layout) = LAYOUTS[i];
-            let (step, peak) = measure(dir.path(), name, &config, layout);
+            let Measured { median: step, fastest, peak } = measure(dir.path(), name, &config, layout);
             let (p_step, p_peak) = predict(&config, &profile, layout);
             let (t, m) = (p_step / step, p_peak / peak);
             report += &format!("{name:30} step {step:.4} s, predicted {t:.2}×; peak {:.2} MB, predicted {m:.3}×\n", peak / 1e6);
-            measured.push((name, layout, step));
+            measured.push((name, layout, fastest));
             !((0.75..=1.25).contains(&t) && (0.95..=1.05).contains(&m))
         });
     }
@@ -117,13 +125,16 @@ fn the_planner_predicts_the_layouts_it_is_measured_on_and_its_first_plan_trains_
 
     // The plan the whole search ranks first (`tessera plan` over every
     // layout two ranks can take, on the last profile), trained, against the
-    // fastest layout measured. Steps on a shared machine move by several
-    // per cent between runs: both are timed twice more, in turn, and each
-    // keeps its best time.
+    // fastest layout measured. Steps on a shared machine move by tens of per
+    // cent within one run (others' work only ever slows a step), so a
+    // median of five swings by more than the 10 % asked: each side is judged
+    // by its fastest step of as many runs, which converges on the time the
+    // layout takes when nothing else interferes. Both are timed twice more,
+    // in turn.
     let top = dir.path().join("top.toml");
     let table = tessera(&["plan", "--model", config.to_str().unwrap(), "--cluster", profile.to_str().unwrap(), "--top", "3", "--out", top.to_str().unwrap()]);
     report += &format!("the search's best plans:\n{table}");
-    let mut first = measure(dir.path(), "ranked first", &top, &[]).0;
+    let mut first = measure(dir.path(), "ranked first", &top, &[]).fastest;
     let best_of = |name: &str| measured.iter().filter(|m| m.0 == name).map(|m| m.2).fold(f64::INFINITY, f64::min);
     let (fastest_name, fastest_layout, _) = *measured.iter().min_by(|a, b| a.2.total_cmp(&b.2)).unwrap();
     let mut fastest = best_of(fastest_name);
@@ -131,13 +142,13 @@ fn the_planner_predicts_the_layouts_it_is_measured_on_and_its_first_plan_trains_
     // to three): the plan ranked first gets as many tries before the two
     // rounds in turn, so that both are the best of as many noisy steps.
     for again in 1..measured.iter().filter(|m| m.0 == fastest_name).count() {
-        first = first.min(measure(dir.path(), &format!("ranked first, try {again}"), &top, &[]).0);
+        first = first.min(measure(dir.path(), &format!("ranked first, try {again}"), &top, &[]).fastest);
     }
     for again in 0..2 {
-        first = first.min(measure(dir.path(), &format!("ranked first {again}"), &top, &[]).0);
-        fastest = fastest.min(measure(dir.path(), &format!("{fastest_name} {again}"), &config, fastest_layout).0);
+        first = first.min(measure(dir.path(), &format!("ranked first {again}"), &top, &[]).fastest);
+        fastest = fastest.min(measure(dir.path(), &format!("{fastest_name} {again}"), &config, fastest_layout).fastest);
     }
     let fastest = fastest.min(first);
-    eprintln!("{}\nranked first: {first:.4} s per step; fastest measured ({fastest_name}): {fastest:.4} s", table.lines().nth(3).unwrap_or(""));
-    assert!(first <= 1.10 * fastest, "the plan ranked first takes {first:.4} s per step, over 10 % more than {fastest_name}'s {fastest:.4} s\n{report}");
+    eprintln!("{}\nranked first: fastest step {first:.4} s; fastest layout measured ({fastest_name}): {fastest:.4} s", table.lines().nth(3).unwrap_or(""));
+    assert!(first <= 1.10 * fastest, "the plan ranked first's fastest step takes {first:.4} s, over 10 % more than {fastest_name}'s {fastest:.4} s\n{report}");
 }
