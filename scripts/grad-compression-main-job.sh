@@ -12,6 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --example train
+mkdir -p runs
 rank=${RANK:-4}
 steps=${STEPS:-2000}
 warmup=$((steps / 10))

@@ -277,6 +277,27 @@ impl AdamW {
         Ok(())
     }
 
+    /// The full-precision value the updates go to: the master copy of a
+    /// parameter held in half precision, else the parameter's value.
+    pub fn master_or_value(&self, param: &Param) -> Result<Tensor> {
+        match self.slot_of.get(&param.id()).and_then(|&i| self.slots[i].master.clone()) {
+            Some(master) => Ok(master),
+            None => param.value(),
+        }
+    }
+
+    /// Sets `param` to `value` (full precision): its master copy where it
+    /// has one (rounded into the parameter), else the parameter itself.
+    pub fn set_master_or_value(&mut self, param: &Param, value: Tensor) -> Result<()> {
+        match self.slot_of.get(&param.id()).map(|&i| self.slots[i].master.is_some()) {
+            Some(true) => self.load_master(param, value),
+            _ => {
+                let dtype = param.value()?.dtype();
+                param.set_value(if value.dtype() == dtype { value } else { value.to_dtype(dtype)? })
+            }
+        }
+    }
+
     /// Replaces the master copy of `param`, a parameter held in half
     /// precision (restoring a checkpoint), and rounds it into the parameter.
     pub fn load_master(&mut self, param: &Param, master: Tensor) -> Result<()> {

@@ -9,6 +9,7 @@
 
 mod buckets;
 pub mod data;
+pub mod local_sgd;
 pub mod pipeline;
 mod powersgd;
 pub mod zero;

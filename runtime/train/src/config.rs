@@ -27,6 +27,7 @@ use tessera_core::{Error, Result};
 use tessera_nn::module::RecomputeOverride;
 use tessera_optim::AdamWConfig;
 use tessera_parallel::data::Compression;
+use tessera_parallel::local_sgd::OuterConfig;
 use tessera_parallel::pipeline::ScheduleKind;
 use tessera_parallel::zero::Stage;
 
@@ -50,6 +51,8 @@ pub struct TrainConfig {
     pub recompute: RecomputeConfig,
     /// ZeRO sharding of optimizer state, gradients and parameters.
     pub zero: ZeroSection,
+    /// Local SGD / DiLoCo: replicas that meet every few steps.
+    pub local_sgd: LocalSgdConfig,
     /// Checkpoints.
     pub checkpoint: CheckpointConfig,
     /// Training data.
@@ -476,6 +479,54 @@ impl Default for CheckpointConfig {
     }
 }
 
+/// `[local_sgd]`: data replicas that train apart and meet every `every`
+/// steps (Local SGD, DiLoCo; see
+/// [`LocalSgd`](tessera_parallel::local_sgd::LocalSgd)). Off by default.
+///
+/// ```toml
+/// [local_sgd]
+/// every = 10           # meet every 10 steps (0: gradients all-reduced every step)
+/// outer_lr = 0.7       # DiLoCo's; 1 with outer_momentum = 0 averages the replicas
+/// outer_momentum = 0.9 # Nesterov
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LocalSgdConfig {
+    /// Inner steps between meetings (`H`); 0 turns Local SGD off.
+    pub every: u64,
+    /// The outer learning rate, in (0, 2).
+    pub outer_lr: f64,
+    /// The outer Nesterov momentum, in [0, 1).
+    pub outer_momentum: f64,
+}
+
+impl Default for LocalSgdConfig {
+    fn default() -> Self {
+        LocalSgdConfig { every: 0, outer_lr: 0.7, outer_momentum: 0.9 }
+    }
+}
+
+impl LocalSgdConfig {
+    /// The outer optimizer, or `None` when the replicas all-reduce their
+    /// gradients every step.
+    pub fn outer(&self) -> Result<Option<OuterConfig>> {
+        if self.every == 0 {
+            return Ok(None);
+        }
+        let c = OuterConfig { every: self.every, lr: self.outer_lr, momentum: self.outer_momentum };
+        if !(c.lr > 0.0 && c.lr < 2.0) {
+            return Err(Error::config(
+                "local_sgd.outer_lr",
+                format!("{} is outside (0, 2); 0.7 is DiLoCo's, 1 (with outer_momentum = 0) averages the replicas", c.lr),
+            ));
+        }
+        if !(0.0..1.0).contains(&c.momentum) {
+            return Err(Error::config("local_sgd.outer_momentum", format!("{} is outside [0, 1); 0.9 is DiLoCo's, 0 is none", c.momentum)));
+        }
+        Ok(Some(c))
+    }
+}
+
 /// `[data]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -634,6 +685,9 @@ impl TrainConfig {
                 ));
             }
         }
+        if let Some(outer) = self.local_sgd.outer()? {
+            self.check_local_sgd(outer)?;
+        }
         self.mesh.rank_device()?;
         self.mesh.launch_mode()?;
         self.mesh.process_comms()?;
@@ -681,6 +735,44 @@ impl TrainConfig {
             ));
         }
         self.faults.validate(self.mesh.world_size())
+    }
+
+    /// Where Local SGD cannot run, or would save a checkpoint of replicas
+    /// that disagree: checkpoints (and a stop part-way) must fall on steps
+    /// where the replicas meet.
+    fn check_local_sgd(&self, outer: OuterConfig) -> Result<()> {
+        let every = outer.every;
+        if self.mesh.dp * self.mesh.ep == 1 {
+            return Err(Error::config("local_sgd.every", "meets data replicas, and this run has one; set mesh.dp > 1, or leave local_sgd.every at 0"));
+        }
+        if self.zero.stage != 0 {
+            return Err(Error::config(
+                "local_sgd.every",
+                format!("ZeRO (stage {}) shards one optimizer over the replicas, and Local SGD gives each replica its own; turn ZeRO off", self.zero.stage),
+            ));
+        }
+        if self.mesh.compression()? != Compression::None {
+            return Err(Error::config(
+                "local_sgd.every",
+                "with Local SGD no gradients travel between replicas (parameters do, every H steps); leave mesh.grad_compression at \"none\"",
+            ));
+        }
+        if self.checkpoint.every > 0 && !self.checkpoint.every.is_multiple_of(every) {
+            return Err(Error::config(
+                "checkpoint.every",
+                format!(
+                    "{} is not a multiple of local_sgd.every ({every}): a checkpoint must fall where the replicas meet and agree; use a multiple of {every}",
+                    self.checkpoint.every
+                ),
+            ));
+        }
+        if let Some(stop) = self.run.stop_after.filter(|s| !s.is_multiple_of(every) && *s < self.run.steps) {
+            return Err(Error::config(
+                "run.stop_after",
+                format!("{stop} is not a multiple of local_sgd.every ({every}): a job must stop where the replicas meet and agree; use a multiple of {every}"),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -757,6 +849,33 @@ mod tests {
             (&["mesh.dp=2", "mesh.grad_compression=powersgd", "mesh.powersgd_rank=0"][..], "mesh.powersgd_rank", "at least 1"),
             (&["mesh.grad_compression=powersgd"][..], "mesh.grad_compression", "one replica"),
             (&["mesh.dp=2", "mesh.grad_compression=bf16", "zero.stage=2"][..], "mesh.grad_compression", "ZeRO (stage 2)"),
+        ] {
+            let e = TrainConfig::parse("", args).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains(says), "{args:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn local_sgd_is_off_by_default_and_refused_where_it_cannot_apply() {
+        assert_eq!(TrainConfig::parse("", &["mesh.dp=2"]).unwrap().local_sgd.outer().unwrap(), None);
+        let c = TrainConfig::parse("", &["mesh.dp=2", "local_sgd.every=10"]).unwrap();
+        assert_eq!(c.local_sgd.outer().unwrap(), Some(OuterConfig::diloco(10)));
+        let c = TrainConfig::parse(
+            "",
+            &["mesh.dp=2", "mesh.ep=2", "local_sgd.every=25", "local_sgd.outer_lr=1", "local_sgd.outer_momentum=0", "run.stop_after=75"],
+        )
+        .unwrap();
+        assert_eq!(c.local_sgd.outer().unwrap(), Some(OuterConfig::averaging(25)));
+        for (args, key, says) in [
+            (&["local_sgd.every=10"][..], "local_sgd.every", "this run has one"),
+            (&["mesh.dp=2", "local_sgd.every=10", "zero.stage=1"][..], "local_sgd.every", "ZeRO (stage 1)"),
+            (&["mesh.dp=2", "local_sgd.every=10", "mesh.grad_compression=bf16"][..], "local_sgd.every", "grad_compression"),
+            (&["mesh.dp=2", "local_sgd.every=20"][..], "checkpoint.every", "50 is not a multiple of local_sgd.every (20)"),
+            (&["mesh.dp=2", "local_sgd.every=10", "run.stop_after=15"][..], "run.stop_after", "15 is not a multiple"),
+            (&["mesh.dp=2", "local_sgd.every=10", "local_sgd.outer_lr=0"][..], "local_sgd.outer_lr", "outside (0, 2)"),
+            (&["mesh.dp=2", "local_sgd.every=10", "local_sgd.outer_lr=2.5"][..], "local_sgd.outer_lr", "outside (0, 2)"),
+            (&["mesh.dp=2", "local_sgd.every=10", "local_sgd.outer_momentum=1"][..], "local_sgd.outer_momentum", "outside [0, 1)"),
+            (&["mesh.dp=2", "local_sgd.every=10", "local_sgd.outer_momentum=-0.1"][..], "local_sgd.outer_momentum", "outside [0, 1)"),
         ] {
             let e = TrainConfig::parse("", args).unwrap_err().to_string();
             assert!(e.contains(key) && e.contains(says), "{args:?}: {e}");

@@ -108,7 +108,12 @@ impl Need {
         // in half precision.
         let copies = |sharded_from: u8| if stage >= sharded_from { 1.0 } else { dp };
         let (held, optimizer) = if cfg.precision.half_params().unwrap_or(false) { (2.0, 12.0) } else { (4.0, 8.0) };
-        let model_state = held * p * copies(3) + held * p * copies(2) + optimizer * p * copies(1);
+        let mut model_state = held * p * copies(3) + held * p * copies(2) + optimizer * p * copies(1);
+        // Local SGD keeps the global parameters and the outer momentum in
+        // f32 on every replica.
+        if let Ok(Some(outer)) = cfg.local_sgd.outer() {
+            model_state += if outer.momentum > 0.0 { 8.0 } else { 4.0 } * p * dp;
+        }
         // Every replica holds at least one microbatch's logits and their
         // gradient, in f32 (split over tensor-parallel ranks, whole in sum).
         let replicas = (cfg.mesh.dp * cfg.mesh.ep) as f64;

@@ -2,8 +2,8 @@
 //! same on every data replica first.
 
 use std::sync::Arc;
-use tessera_core::Result;
-use tessera_nn::module::{self, Module};
+use tessera_core::{Error, Result, Tensor};
+use tessera_nn::module::{self, Module, Param};
 use tessera_optim::{AdamW, OptimizerState};
 use tessera_parallel::data::{DataParallel, SyncStats};
 use tessera_parallel::zero::Zero;
@@ -52,6 +52,22 @@ impl RankOptimizer {
         match self {
             RankOptimizer::AdamW(_) => module::zero_grad(model),
             RankOptimizer::Zero(z) => z.discard_grads(),
+        }
+    }
+
+    /// `param`'s full-precision value (its master copy where it has one).
+    pub(super) fn master_or_value(&self, param: &Param) -> Result<Tensor> {
+        match self {
+            RankOptimizer::AdamW(o) => o.master_or_value(param),
+            RankOptimizer::Zero(_) => Err(Error::state_mismatch("trainer", "ZeRO shards the parameters' master copies; Local SGD needs them whole")),
+        }
+    }
+
+    /// Sets `param`'s full-precision value (its master copy where it has one).
+    pub(super) fn set_master_or_value(&mut self, param: &Param, value: Tensor) -> Result<()> {
+        match self {
+            RankOptimizer::AdamW(o) => o.set_master_or_value(param, value),
+            RankOptimizer::Zero(_) => Err(Error::state_mismatch("trainer", "ZeRO shards the parameters' master copies; Local SGD needs them whole")),
         }
     }
 

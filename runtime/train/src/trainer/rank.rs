@@ -19,7 +19,8 @@ use tessera_nn::module::{self, Act, Cx, Replicated, SplitHidden, Staged};
 use tessera_nn::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward};
 use tessera_observe::{Event, Trace};
 use tessera_optim::AdamW;
-use tessera_parallel::data::DataParallel;
+use tessera_parallel::data::{DataParallel, SyncStats};
+use tessera_parallel::local_sgd::LocalSgd;
 use tessera_parallel::pipeline::{run_stage, sync_tied_grads, Schedule};
 use tessera_parallel::zero::{Zero, ZeroConfig};
 
@@ -54,6 +55,8 @@ pub(super) struct RankRun<'r, 'a, M> {
     replica: Replica,
     sync: GradSync,
     optimizer: RankOptimizer,
+    /// With `[local_sgd]`: the replicas train apart and meet every few steps.
+    local_sgd: Option<LocalSgd>,
     /// Where each parameter's squared gradient counts in the global norm:
     /// fixed once the model is materialised, so built once, not every step.
     norm_classes: NormClasses,
@@ -78,6 +81,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         let (dp, ep, pp) = (cfg.mesh.dp, cfg.mesh.ep, cfg.mesh.pp);
         let (tp_group, dp_group, ep_group, pp_group) = (groups.tp.clone(), groups.dp.clone(), groups.ep.clone(), groups.pp.clone());
         let replicas_group = groups.replicas.clone();
+        let outer = cfg.local_sgd.outer()?;
         let mut cx = Cx::new(dev.clone())
             .with_seed(cfg.run.seed)
             .with_groups(groups)
@@ -110,10 +114,11 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
                 (GradSync::Zero(zero.clone()), RankOptimizer::Zero(zero))
             }
             None => {
-                let sync = if dp * ep > 1 {
+                // Local SGD: no gradient crosses replicas; they meet in `step`.
+                let sync = if dp * ep > 1 && outer.is_none() {
                     let overlap = match ep {
                         1 => DataParallel::new(&model, dp_group.clone(), cfg.mesh.bucket_bytes)?,
-                        _ => DataParallel::with_experts(&model, replicas_group, dp_group.clone(), cfg.mesh.bucket_bytes)?,
+                        _ => DataParallel::with_experts(&model, replicas_group.clone(), dp_group.clone(), cfg.mesh.bucket_bytes)?,
                     };
                     let overlap = Arc::new(overlap.with_compression(cfg.mesh.compression()?)?);
                     cx = cx.with_hooks(overlap.clone());
@@ -123,6 +128,13 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
                 };
                 (sync, RankOptimizer::AdamW(AdamW::new(&model, cfg.optim.adamw())?))
             }
+        };
+        let local_sgd = match outer {
+            Some(outer) => Some(match ep {
+                1 => LocalSgd::new(&model, dp_group.clone(), None, outer)?,
+                _ => LocalSgd::new(&model, replicas_group.clone(), Some(dp_group.clone()), outer)?,
+            }),
+            None => None,
         };
         let schedule = cfg.mesh.schedule_kind()?.build(pp, cfg.batch.grad_accum)?;
         let lr_schedule = WarmupCosine::new(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup.min(cfg.run.steps), cfg.run.steps)?;
@@ -149,6 +161,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
             replica,
             sync,
             optimizer,
+            local_sgd,
             norm_classes,
             schedule,
             lr_schedule,
@@ -165,6 +178,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
     pub(super) fn run(mut self) -> Result<(u64, PathBuf)> {
         let cfg = &self.trainer.config;
         let resumed_from = self.resume()?;
+        self.start_local_sgd()?;
         let stop = cfg.run.steps.min(cfg.run.stop_after.unwrap_or(u64::MAX));
         let mut done = resumed_from;
         while done < stop {
@@ -218,13 +232,22 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
             }
             None => self.norm_classes.grad_norm(&self.model, &self.cx)?,
         };
+        // Under Local SGD each replica has gradients of its own: each clips
+        // by its own norm, but what is judged (an overflow, a spike) is
+        // their root mean square, the same on every rank (not finite when
+        // any is not), so that every replica skips or rolls back together.
+        let own = scaled;
+        let scaled = match self.local_sgd {
+            Some(_) => self.over_replicas(own * own)?.sqrt(),
+            None => own,
+        };
         // Under loss scaling a norm that is not finite is an overflow (the
         // scale backs off); otherwise it is the monitor's to judge.
         let finite = self.state.scaler.is_none() || scaled.is_finite();
         pass.grad_norm = finite.then_some(scaled / loss_scale);
         let mut grad_scale = 1.0 / loss_scale;
-        if let Some(norm) = pass.grad_norm.filter(|n| n.is_finite() && cfg.optim.clip > 0.0) {
-            grad_scale *= clip_factor(norm, cfg.optim.clip);
+        if finite && own.is_finite() && cfg.optim.clip > 0.0 {
+            grad_scale *= clip_factor(own / loss_scale, cfg.optim.clip);
         }
         let norm = pass.grad_norm.unwrap_or(0.0);
         // Judged under the number of the metrics line it lands on.
@@ -249,6 +272,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
             self.optimizer.discard_grads(&self.model)?;
             if cfg.stability.rollback {
                 if let Some(to) = self.roll_back(done, &mut events)? {
+                    self.start_local_sgd()?;
                     self.report(done + 1, &pass, true, events)?;
                     return Ok(to);
                 }
@@ -271,6 +295,15 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
             trace.record(self.rank, "optimizer", "compute", opt_started, Instant::now());
         }
         let done = done + 1;
+        // The replicas meet every `local_sgd.every` steps and after the
+        // last, so that the run ends (and checkpoints fall) on one model.
+        if self.local_sgd.as_ref().is_some_and(|l| l.due(done) || done == cfg.run.steps) {
+            let met = Instant::now();
+            pass.sync = self.meet()?;
+            if tracing {
+                trace.record(self.rank, "outer step", "comm", met, Instant::now());
+            }
+        }
         let scheduled = cfg.checkpoint.every > 0 && done.is_multiple_of(cfg.checkpoint.every);
         let save_now = !skipped && (scheduled || done == stop);
         if save_now {
@@ -357,6 +390,34 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         }
         let loss = t.to_scalar()? / self.replica.count as f64;
         Ok(Pass { started, lr, loss, grad_norm: None, report, sync })
+    }
+
+    /// The sum of `x` over the data replicas, over their count.
+    fn over_replicas(&self, x: f64) -> Result<f64> {
+        let mut t = Tensor::from_vec(vec![x], [1], &self.dev)?;
+        for g in [&self.dp, &self.ep] {
+            t = g.all_reduce_sum(&t)?;
+        }
+        Ok(t.to_scalar()? / self.replica.count as f64)
+    }
+
+    /// Local SGD's global parameters from the model as it is now (the same
+    /// on every replica: initialised from one seed, or loaded).
+    fn start_local_sgd(&mut self) -> Result<()> {
+        let Some(local) = self.local_sgd.as_mut() else { return Ok(()) };
+        let values = local.params().iter().map(|p| self.optimizer.master_or_value(p)).collect::<Result<_>>()?;
+        local.start(values)
+    }
+
+    /// The replicas meet: the outer step, and every replica set to its result.
+    fn meet(&mut self) -> Result<SyncStats> {
+        let Some(local) = self.local_sgd.as_mut() else { return Ok(SyncStats::default()) };
+        let values: Vec<Tensor> = local.params().iter().map(|p| self.optimizer.master_or_value(p)).collect::<Result<_>>()?;
+        let (global, stats) = local.meet(&values)?;
+        for (p, v) in local.params().iter().zip(global) {
+            self.optimizer.set_master_or_value(p, v)?;
+        }
+        Ok(stats)
     }
 
     /// After an anomaly in step `done + 1`, every rank goes back to the
