@@ -2,8 +2,8 @@
 # Checks the logic of the CUDA kernels on the CPU: the attention kernels
 # (CUDA-core and tensor-core), paged attention and the KV-cache write,
 # softmax, cross-entropy, embedding, RoPE, max_abs, top-k, the norms, AdamW,
-# the element-wise kernels, the strided copy and the quantized products
-# (int8, int4, W8A8). Compiles their sources as C++ against a host emulation
+# the element-wise kernels, the strided copy, the FP8 operands and the
+# quantized products (int8, int4, W8A8). Compiles their sources as C++ against a host emulation
 # of the CUDA features they use (kernels/cuda/host_check/shim.h, shim_mma.h)
 # and compares their results with double-precision references (top-k with an
 # exact one).
@@ -78,6 +78,12 @@ for check in ops norm elementwise; do
     g++ -std=c++20 -O1 -pthread -w "$dir/$check.cpp" -o "$dir/$check"
     "$dir/$check"
 done
+
+# FP8: the nearest code's value, against a brute force over the code table.
+sed -e 's/extern "C" //' kernels/cuda/fp8.cu >"$dir/fp8.inc"
+cp kernels/cuda/host_check/fp8.cpp "$dir/"
+g++ -std=c++20 -O1 -pthread -w "$dir/fp8.cpp" -o "$dir/fp8"
+"$dir/fp8"
 
 # The quantized products keep dp4a (inline PTX) in a block only a CUDA
 # compiler sees; quant.cpp supplies its host version. The row quantization's

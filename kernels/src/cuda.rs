@@ -69,6 +69,7 @@ pub const SOURCES: &[Source] = &[
             "swiglu_backward_bf16"
         ]
     ),
+    source!("fp8", ["fp8_values_e4m3_f32", "fp8_values_e4m3_bf16", "fp8_values_e5m2_f32", "fp8_values_e5m2_bf16"]),
     source!("reduce", ["row_sum_f32", "row_sum_bf16", "row_sum_squares_f32", "col_sum_f32", "max_abs_f32", "max_abs_bf16"]),
     source!("norm", ["layernorm_f32", "layernorm_bf16", "rmsnorm_f32", "rmsnorm_bf16", "norm_backward_f32", "norm_backward_bf16"]),
     source!("adamw", ["adamw_f32", "adamw_bf16"]),

@@ -648,3 +648,21 @@ device_test! {
         }
     }
 }
+
+// FP8 operands: the device's codes' values are the CPU's bit for bit, in
+// every dtype, at scales that put the values in the normal range, in the
+// subnormals and past the largest value (saturating).
+device_test! {
+    fn fp8_values_match_the_cpu_bit_for_bit(dev: &Device) {
+        for dtype in FLOATS {
+            let (x, dx) = pair(dev, &[7, 301], dtype, 70);
+            for format in [ops::Fp8Format::E4M3, ops::Fp8Format::E5M2] {
+                for scale in [1.0f32, 1e-4, 1000.0, 3.7e4] {
+                    let want = ops::fp8_values(&x, format, scale).unwrap();
+                    let got = ops::fp8_values(&dx, format, scale).unwrap();
+                    assert_eq!(float_bits(&want), float_bits(&got), "fp8_values {format:?} at scale {scale} in {dtype}");
+                }
+            }
+        }
+    }
+}

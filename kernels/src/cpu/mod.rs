@@ -10,6 +10,7 @@ pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub(crate) mod exp;
+pub mod fp8;
 pub mod matmul;
 pub mod mixed;
 pub mod norm;

@@ -1,10 +1,10 @@
 //! The affine layer `y = x·Wᵀ + b` in its four tensor-parallel forms.
 
 use super::param_value;
-use crate::module::Param;
 use crate::module::{
     Act, Activation, CollectiveKind, Column, Cx, Describe, Group, Module, PartialSum, Pass, Plain, Replicated, Row, Seq, SplitHidden, Visitor, Vocab,
 };
+use crate::module::{Operand, Param};
 use tessera_core::ops::{self, QuantizedWeight};
 use tessera_core::tensor::{Init, Tensor};
 use tessera_core::{Error, Result};
@@ -178,6 +178,19 @@ impl Linear {
             return self.fwd_quantized(cx, x, &q, with_bias);
         }
         let (x, w, bias) = self.operands(cx, x, with_bias)?;
+        if let Some(fp8) = cx.fp8() {
+            // E4M3 input and weight; the input is kept as it came, and
+            // quantized again (to the same codes) for the weight gradient.
+            let layer = self.fp8_layer()?;
+            let (xq, sx) = fp8.quantize(cx, &layer, Operand::Input, &x)?;
+            let (wq, sw) = fp8.quantize(cx, &layer, Operand::Weight, &w)?;
+            let y = unscale(ops::matmul(&xq, &wq.t()?)?, sx, sw)?;
+            let y = match bias {
+                Some(b) => ops::add_bias(&y, &b)?,
+                None => y,
+            };
+            return Ok((y, LinearSaved { x, gather_again: false }));
+        }
         let y = if cx.decode().is_some() {
             // Serving: each row's bits independent of the step's other rows.
             ops::matmul_rows_nt(&x, &w, bias.as_ref())?
@@ -205,7 +218,7 @@ impl Linear {
     /// this layer's products into ([`Cx::with_tp_overlap`]), for a training
     /// step with a float weight and an input of `[batch, seq, ..]`.
     fn overlap(&self, cx: &Cx, x: &Tensor) -> Option<usize> {
-        cx.tp_overlap().filter(|_| self.weight.quantized().is_none() && cx.decode().is_none() && x.rank() >= 3)
+        cx.tp_overlap().filter(|_| self.weight.quantized().is_none() && cx.decode().is_none() && cx.fp8().is_none() && x.rank() >= 3)
     }
 
     /// The forward with a quantized weight (inference): `x·dequant(W)ᵀ (+ b)`
@@ -248,7 +261,23 @@ impl Linear {
 
     /// This rank's `dX = dY·W` (before any reduction).
     fn input_grad(&self, cx: &Cx, dy: &Tensor) -> Result<Tensor> {
-        ops::matmul(dy, &self.backward_weight(cx)?)
+        let w = self.backward_weight(cx)?;
+        if let Some(fp8) = cx.fp8() {
+            // An E5M2 gradient by the E4M3 weight of the forward.
+            let layer = self.fp8_layer()?;
+            let (dyq, sdy) = fp8.quantize(cx, &layer, Operand::Grad, dy)?;
+            let w = if w.dtype() == dy.dtype() { w } else { w.to_dtype(dy.dtype())? };
+            let (wq, sw) = fp8.quantize(cx, &layer, Operand::Weight, &w)?;
+            return unscale(ops::matmul(&dyq, &wq)?, sdy, sw);
+        }
+        ops::matmul(dy, &w)
+    }
+
+    /// The name this layer's FP8 scales go by: its weight's.
+    fn fp8_layer(&self) -> Result<String> {
+        self.weight.name().ok_or_else(|| {
+            Error::state_mismatch("Linear", "FP8 keeps its scales by parameter name and this weight has none; build the model with `module::build`")
+        })
     }
 
     /// The weight the input gradient multiplies by.
@@ -271,10 +300,20 @@ impl Linear {
     /// ([`Cx::weight_grad`]).
     fn weight_grad(&self, cx: &Cx, x: &Tensor, dy: &Tensor) -> Result<()> {
         let (weight, bias, x, dy) = (self.weight.clone(), self.bias.clone(), x.clone(), dy.clone());
+        let fp8_layer = cx.fp8().map(|_| self.fp8_layer()).transpose()?;
         cx.weight_grad(move |cx| {
             let (n_in, n_out) = (x.dims()[x.rank() - 1], dy.dims()[dy.rank() - 1]);
             let rows = x.elem_count() / n_in;
-            let dw = ops::matmul(&dy.reshape([rows, n_out])?.t()?, &x.reshape([rows, n_in])?)?;
+            let dw = match (cx.fp8(), &fp8_layer) {
+                // The E5M2 gradient by the E4M3 input of the forward.
+                (Some(fp8), Some(layer)) => {
+                    let (dyq, sdy) = fp8.quantize(cx, layer, Operand::Grad, &dy)?;
+                    let (xq, sx) = fp8.quantize(cx, layer, Operand::Input, &x)?;
+                    let xq = if xq.dtype() == dyq.dtype() { xq } else { xq.to_dtype(dyq.dtype())? };
+                    unscale(ops::matmul(&dyq.reshape([rows, n_out])?.t()?, &xq.reshape([rows, n_in])?)?, sdy, sx)?
+                }
+                _ => ops::matmul(&dy.reshape([rows, n_out])?.t()?, &x.reshape([rows, n_in])?)?,
+            };
             cx.grad(&weight, dw)?;
             if let Some(b) = &bias {
                 cx.grad(b, ops::bias_grad(&dy)?)?;
@@ -345,6 +384,12 @@ impl Linear {
         }
         Ok(())
     }
+}
+
+/// A product of FP8 values carrying scales `a` and `b`, brought back to
+/// the operands' scale.
+fn unscale(product: Tensor, a: f32, b: f32) -> Result<Tensor> {
+    ops::scale(&product, 1.0 / (f64::from(a) * f64::from(b)))
 }
 
 /// Each token on its own: under sequence parallelism it maps this rank's
@@ -510,14 +555,15 @@ impl Module<Vocab> for Linear {
             }
             None => x,
         };
-        let (y, saved) = <Self as Module<Column>>::forward(self, cx, x)?;
+        // The head stays out of FP8: the logits keep the compute dtype's precision.
+        let (y, saved) = cx.without_fp8(|cx| <Self as Module<Column>>::forward(self, cx, x))?;
         let y = y.into_tensor();
         let first = cx.tp().rank() * y.dims().last().copied().unwrap_or(0);
         Ok((Act::new(self.mask_padding(y, first)?), saved))
     }
 
     fn backward(&self, cx: &mut Cx, saved: LinearSaved, dy: Act<SplitHidden>) -> Result<Act<Replicated>> {
-        <Self as Module<Column>>::backward(self, cx, saved, dy)
+        cx.without_fp8(|cx| <Self as Module<Column>>::backward(self, cx, saved, dy))
     }
 
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {

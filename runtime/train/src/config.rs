@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use std::path::Path;
 use tessera_core::DType;
 use tessera_core::{Error, Result};
-use tessera_nn::module::RecomputeOverride;
+use tessera_nn::module::{Fp8Recipe, RecomputeOverride};
 use tessera_optim::AdamWConfig;
 use tessera_parallel::data::Compression;
 use tessera_parallel::local_sgd::OuterConfig;
@@ -374,15 +374,46 @@ pub struct PrecisionConfig {
     pub initial_scale: f64,
     /// Overflows in a row before the scale backs off.
     pub hysteresis: u32,
+    /// Every linear layer's products but the output head's in FP8: E4M3 inputs and weights, E5M2
+    /// output gradients, delayed scaling per operand (see
+    /// [`Cx::with_fp8`](tessera_nn::module::Cx::with_fp8)).
+    pub fp8: bool,
+    /// Steps of amax history an FP8 scale is taken over.
+    pub fp8_history: usize,
+    /// Binades below the format's largest value an FP8 operand's recent amax lands.
+    pub fp8_margin: i32,
 }
 
 impl Default for PrecisionConfig {
     fn default() -> Self {
-        PrecisionConfig { compute: "f32".into(), params: "compute".into(), loss_scaling: true, initial_scale: 65536.0, hysteresis: 1 }
+        PrecisionConfig {
+            compute: "f32".into(),
+            params: "compute".into(),
+            loss_scaling: true,
+            initial_scale: 65536.0,
+            hysteresis: 1,
+            fp8: false,
+            fp8_history: 16,
+            fp8_margin: 0,
+        }
     }
 }
 
 impl PrecisionConfig {
+    /// The FP8 recipe, or `None` without FP8.
+    pub fn fp8_recipe(&self) -> Result<Option<Fp8Recipe>> {
+        if !self.fp8 {
+            return Ok(None);
+        }
+        if self.fp8_history == 0 {
+            return Err(Error::config("precision.fp8_history", "must be at least 1 (16 is common)"));
+        }
+        if !(0..=16).contains(&self.fp8_margin) {
+            return Err(Error::config("precision.fp8_margin", format!("{} is outside 0 to 16 (0 is usual)", self.fp8_margin)));
+        }
+        Ok(Some(Fp8Recipe { history: self.fp8_history, margin: self.fp8_margin }))
+    }
+
     /// The compute dtype.
     pub fn dtype(&self) -> Result<DType> {
         match self.compute.as_str() {
@@ -685,6 +716,20 @@ impl TrainConfig {
                 ));
             }
         }
+        if self.precision.fp8_recipe()?.is_some() {
+            if self.mesh.ep > 1 {
+                return Err(Error::config(
+                    "precision.fp8",
+                    "FP8 scales are reduced over ranks holding the same layers, and expert-parallel ranks hold different experts; set mesh.ep = 1 or precision.fp8 = false",
+                ));
+            }
+            if self.mesh.tp_overlap > 1 {
+                return Err(Error::config(
+                    "precision.fp8",
+                    "FP8 products are not cut into tp_overlap pieces yet; set mesh.tp_overlap = 1 or precision.fp8 = false",
+                ));
+            }
+        }
         if let Some(outer) = self.local_sgd.outer()? {
             self.check_local_sgd(outer)?;
         }
@@ -849,6 +894,22 @@ mod tests {
             (&["mesh.dp=2", "mesh.grad_compression=powersgd", "mesh.powersgd_rank=0"][..], "mesh.powersgd_rank", "at least 1"),
             (&["mesh.grad_compression=powersgd"][..], "mesh.grad_compression", "one replica"),
             (&["mesh.dp=2", "mesh.grad_compression=bf16", "zero.stage=2"][..], "mesh.grad_compression", "ZeRO (stage 2)"),
+        ] {
+            let e = TrainConfig::parse("", args).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains(says), "{args:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn fp8_is_off_by_default_and_refused_where_it_cannot_apply() {
+        assert_eq!(TrainConfig::parse("", &[]).unwrap().precision.fp8_recipe().unwrap(), None);
+        let c = TrainConfig::parse("", &["precision.fp8=true", "precision.fp8_history=4", "precision.fp8_margin=1", "mesh.tp=2", "mesh.sp=true"]).unwrap();
+        assert_eq!(c.precision.fp8_recipe().unwrap(), Some(Fp8Recipe { history: 4, margin: 1 }));
+        for (args, key, says) in [
+            (&["precision.fp8=true", "precision.fp8_history=0"][..], "precision.fp8_history", "at least 1"),
+            (&["precision.fp8=true", "precision.fp8_margin=20"][..], "precision.fp8_margin", "outside 0 to 16"),
+            (&["precision.fp8=true", "mesh.ep=2"][..], "precision.fp8", "mesh.ep = 1"),
+            (&["precision.fp8=true", "mesh.tp=2", "mesh.sp=true", "mesh.tp_overlap=2"][..], "precision.fp8", "tp_overlap = 1"),
         ] {
             let e = TrainConfig::parse("", args).unwrap_err().to_string();
             assert!(e.contains(key) && e.contains(says), "{args:?}: {e}");

@@ -16,6 +16,7 @@ mod dropout;
 mod elementwise;
 mod embedding;
 mod flops;
+mod fp8;
 #[cfg(test)]
 mod half_tests;
 mod loss;
@@ -35,6 +36,7 @@ pub use dropout::*;
 pub use elementwise::*;
 pub use embedding::*;
 pub use flops::flops_counted;
+pub use fp8::*;
 pub use loss::*;
 pub use matmul::*;
 pub use norm::*;

@@ -75,6 +75,11 @@ pub struct Cx {
     tp_overlap: usize,
     /// The reduction a row-parallel forward left running for its caller's `all_reduce`.
     reduction: Mutex<Option<InFlight>>,
+    /// FP8 products' scaling state ([`Cx::with_fp8`]).
+    pub(super) fp8: Option<Arc<super::fp8::Fp8State>>,
+    /// Whether the layer running now keeps its products out of FP8 (the
+    /// output head).
+    pub(super) fp8_paused: bool,
 }
 
 impl Cx {
@@ -104,6 +109,8 @@ impl Cx {
             deferred: None,
             tp_overlap: 1,
             reduction: Mutex::new(None),
+            fp8: None,
+            fp8_paused: false,
         }
     }
 

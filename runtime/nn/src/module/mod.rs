@@ -11,6 +11,7 @@ mod decode;
 mod deferred;
 mod describe;
 pub mod dsl;
+mod fp8;
 mod layout;
 pub(crate) mod overlap;
 mod param;
@@ -28,6 +29,8 @@ pub use describe::{
     describe, describe_call, describe_with_input, Activation, CollectiveCost, CollectiveKind, CostSettings, Describe, Group, LayerCost, ModelCost, ParamCost,
     Pass, Product,
 };
+pub use fp8::Fp8Recipe;
+pub(crate) use fp8::Operand;
 pub use layout::{Act, Dispatched, Layout, PartialSum, Pointwise, Replicated, SameLayout, Seq, SplitHidden, SplitSeq};
 pub use seq::{seq_convert, seq_convert_backward};
 #[doc(hidden)]

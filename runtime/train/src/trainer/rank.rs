@@ -91,6 +91,9 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         if cfg.precision.half_params()? {
             cx = cx.with_half_params();
         }
+        if let Some(recipe) = cfg.precision.fp8_recipe()? {
+            cx = cx.with_fp8(recipe)?;
+        }
         if pp > 1 {
             // Each stage materialises (and checkpoints) only its own layers.
             let chunks = cfg.mesh.schedule_kind()?.chunks();
@@ -213,6 +216,8 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         trainer.strike(self.rank, done + 1, &self.cx)?;
         let tracing = done < cfg.run.trace_steps;
         let mut pass = self.forward_backward(done, started, tracing)?;
+        // The step's FP8 amaxes set the next step's scales.
+        self.cx.end_fp8_step()?;
         let mut events = Vec::new();
 
         // The gradients' global norm, measured once on the (loss-scaled)
