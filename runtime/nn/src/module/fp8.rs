@@ -142,11 +142,6 @@ impl Cx {
         out
     }
 
-    /// Whether the products run in FP8.
-    pub fn fp8_enabled(&self) -> bool {
-        self.fp8.is_some()
-    }
-
     /// The FP8 scales in use: `(layer, operand, scale)` for every operand
     /// seen so far; empty without FP8.
     pub fn fp8_scales(&self) -> Vec<(String, &'static str, f32)> {
