@@ -85,6 +85,12 @@ cp kernels/cuda/host_check/fp8.cpp "$dir/"
 g++ -std=c++20 -O1 -pthread -w "$dir/fp8.cpp" -o "$dir/fp8"
 "$dir/fp8"
 
+# Ring attention's merge: softmax over the union of two key sets.
+sed -e 's/extern "C" //' kernels/cuda/attention_merge.cu >"$dir/attention_merge.inc"
+cp kernels/cuda/host_check/attention_merge.cpp "$dir/"
+g++ -std=c++20 -O1 -pthread -w "$dir/attention_merge.cpp" -o "$dir/attention_merge"
+"$dir/attention_merge"
+
 # The quantized products keep dp4a (inline PTX) in a block only a CUDA
 # compiler sees; quant.cpp supplies its host version. The row quantization's
 # block reduction uses a static __shared__ array, as the row kernels above.

@@ -24,6 +24,7 @@
 mod attention;
 mod collectives;
 mod collectives_mpi;
+mod context_parallel;
 mod cuda;
 mod elementwise;
 mod gpt;
@@ -90,6 +91,11 @@ enum Bench {
     /// (exposed against carried communication, and the step times).
     #[command(name = "tp-overlap")]
     TpOverlap(tp_overlap::Args),
+    /// Context parallelism (ring attention) on CPU ranks: the longest
+    /// sequence a fixed per-rank memory budget trains at each cp degree,
+    /// and the step time against cp = 1 on the budget's sequence.
+    #[command(name = "context-parallel")]
+    ContextParallel(context_parallel::Args),
 }
 
 #[derive(clap::Args)]
@@ -210,6 +216,7 @@ fn main() -> Result<()> {
         Bench::QuantGemv(args) => quant::run(&args),
         Bench::Pipeline(args) => pipeline::run(&args),
         Bench::TpOverlap(args) => tp_overlap::run(&args),
+        Bench::ContextParallel(args) => context_parallel::run(&args),
     }
 }
 

@@ -78,6 +78,7 @@ pub const SOURCES: &[Source] = &[
         "attention_bwd_dkv_f32", "attention_bwd_dkv_bf16", "attention_bwd_dkv_f16",
         "attention_bwd_dq_f32", "attention_bwd_dq_bf16", "attention_bwd_dq_f16",
     ]),
+    source!("attention_merge", ["attention_merge_f32", "attention_merge_bf16"]),
     source!("attention_tc", with "attention_common", [
         "attention_tc_fwd_bf16", "attention_tc_fwd_f16",
         "attention_tc_bwd_dkv_bf16", "attention_tc_bwd_dkv_f16",

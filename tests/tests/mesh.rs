@@ -15,6 +15,9 @@ fn meshes() -> Vec<Mesh> {
         ("dp4,ep2", 8, 8),
         ("pp3,tp4", 12, 4),
         ("pp2,dp2,ep2,tp4", 32, 8),
+        ("dp2,cp2,tp2", 8, 8),
+        ("pp2,dp3,cp2,ep2,tp2", 48, 8),
+        ("cp4", 4, 4),
     ];
     specs.iter().map(|&(spec, world, per_node)| Mesh::parse(spec, world, per_node).unwrap()).collect()
 }
@@ -87,22 +90,37 @@ fn groups_partition_the_world() {
     }
 }
 
-/// The data replicas (dp × ep together): the ranks of one pipeline stage
-/// and tensor shard, a rank's index among them its replica index d·EP + e,
-/// and the groups partition the world.
+/// The data replicas (dp × cp × ep together): the ranks of one pipeline
+/// stage and tensor shard, a rank's index among them its replica index
+/// (d·CP + c)·EP + e, and the groups partition the world. The data-parallel
+/// groups (dp × cp) likewise, over the ranks that also share their experts.
 #[test]
-fn replica_groups_span_dp_and_ep_and_partition_the_world() {
+fn replica_groups_span_dp_cp_and_ep_and_partition_the_world() {
     for mesh in meshes() {
+        let (dp, cp, ep) = (mesh.size(Axis::Dp), mesh.size(Axis::Cp), mesh.size(Axis::Ep));
+        let mut seen = vec![0; mesh.world()];
+        for group in mesh.data_groups() {
+            assert_eq!(group.len(), dp * cp, "{mesh}");
+            for &r in &group {
+                seen[r] += 1;
+                assert_eq!(mesh.data_group(r).unwrap(), group, "{mesh}: rank {r}");
+                let (c, first) = (mesh.coords(r).unwrap(), mesh.coords(group[0]).unwrap());
+                assert_eq!((c[Axis::Pp], c[Axis::Ep], c[Axis::Tp]), (first[Axis::Pp], first[Axis::Ep], first[Axis::Tp]), "{mesh}: rank {r} in {group:?}");
+                let index = group.iter().position(|&m| m == r).unwrap();
+                assert_eq!(index, c[Axis::Dp] * cp + c[Axis::Cp], "{mesh}: rank {r} in {group:?}");
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1), "{mesh}: {seen:?}");
         let mut seen = vec![0; mesh.world()];
         for group in mesh.replica_groups() {
-            assert_eq!(group.len(), mesh.size(Axis::Dp) * mesh.size(Axis::Ep), "{mesh}");
+            assert_eq!(group.len(), dp * cp * ep, "{mesh}");
             for &r in &group {
                 seen[r] += 1;
                 assert_eq!(mesh.replica_group(r).unwrap(), group, "{mesh}: rank {r}");
                 let (c, first) = (mesh.coords(r).unwrap(), mesh.coords(group[0]).unwrap());
                 assert_eq!((c[Axis::Pp], c[Axis::Tp]), (first[Axis::Pp], first[Axis::Tp]), "{mesh}: rank {r} in {group:?}");
                 let index = group.iter().position(|&m| m == r).unwrap();
-                assert_eq!(index, c[Axis::Dp] * mesh.size(Axis::Ep) + c[Axis::Ep], "{mesh}: rank {r} in {group:?}");
+                assert_eq!(index, (c[Axis::Dp] * cp + c[Axis::Cp]) * ep + c[Axis::Ep], "{mesh}: rank {r} in {group:?}");
             }
         }
         assert!(seen.iter().all(|&n| n == 1), "{mesh}: {seen:?}");
@@ -129,9 +147,9 @@ fn nodes_are_runs_of_ranks() {
 #[test]
 fn a_wrong_product_names_every_factor() {
     let err = Mesh::parse("dp2,pp2,tp4", 8, 8).unwrap_err().to_string();
-    assert!(err.contains("pp(2) * dp(2) * ep(1) * tp(4) = 16, but the world has 8 ranks; choose degrees whose product is 8"), "{err}");
+    assert!(err.contains("pp(2) * dp(2) * cp(1) * ep(1) * tp(4) = 16, but the world has 8 ranks; choose degrees whose product is 8"), "{err}");
     let err = Mesh::parse("tp3", 4, 4).unwrap_err().to_string();
-    assert!(err.contains("pp(1) * dp(1) * ep(1) * tp(3) = 3, but the world has 4 ranks"), "{err}");
+    assert!(err.contains("pp(1) * dp(1) * cp(1) * ep(1) * tp(3) = 3, but the world has 4 ranks"), "{err}");
 }
 
 #[test]
@@ -193,12 +211,12 @@ fn specs_parse_in_any_order_and_form() {
         assert_eq!(Degrees::parse(spec).unwrap(), d, "{spec}");
     }
     assert_eq!(Degrees::parse("").unwrap(), Degrees::new());
-    assert_eq!(d.to_string(), "pp2,dp2,ep1,tp4");
+    assert_eq!(d.to_string(), "pp2,dp2,cp1,ep1,tp4");
     assert_eq!(d.to_string().parse::<Degrees>().unwrap(), d);
     assert_eq!(d.product(), Some(16));
     assert_eq!("ep".parse::<Axis>().unwrap(), Axis::Ep);
     let mesh = Mesh::new(d, 16, 8).unwrap();
-    assert_eq!(mesh.to_string(), "pp2,dp2,ep1,tp4 (16 ranks, 8 per node)");
+    assert_eq!(mesh.to_string(), "pp2,dp2,cp1,ep1,tp4 (16 ranks, 8 per node)");
     assert_eq!(mesh.degrees(), d);
     assert_eq!(mesh.ranks_per_node(), 8);
 }
@@ -206,7 +224,7 @@ fn specs_parse_in_any_order_and_form() {
 #[test]
 fn bad_specs_say_what_is_wrong() {
     let err = Degrees::parse("dp2,xp2").unwrap_err().to_string();
-    assert!(err.contains("unknown axis `xp`") && err.contains("pp, dp, ep, tp"), "{err}");
+    assert!(err.contains("unknown axis `xp`") && err.contains("pp, dp, cp, ep, tp"), "{err}");
     let err = Degrees::parse("dp2,tp").unwrap_err().to_string();
     assert!(err.contains("`tp`") && err.contains("tp4"), "{err}");
     let err = Degrees::parse("tp2,tp4").unwrap_err().to_string();

@@ -759,3 +759,55 @@ fn zero_bubble_h1_trains_like_one_f_one_b() {
     assert_eq!(zb.len(), 8);
     assert_eq!(zb, ofob);
 }
+
+/// Context parallelism in the trainer: each sequence split over the cp
+/// ranks (their chunks of tokens and targets), attention around the ring,
+/// gradients averaged over data × context ranks. Every layout takes the
+/// steps one rank takes, with the same gradient norms; with ZeRO it also
+/// stops and resumes bit for bit, and a checkpoint saved on cp2 resumes on
+/// one rank.
+#[test]
+fn context_parallel_training_matches_one_rank_and_resumes() {
+    let close = |a: &[(f64, Option<f64>, bool)], b: &[(f64, Option<f64>, bool)], what: &str| {
+        assert_eq!(a.len(), b.len(), "{what}");
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!((x.0 - y.0).abs() <= 1e-5 * x.0.abs(), "{what}, step {}: loss {} vs {}", i + 1, y.0, x.0);
+            let (nx, ny) = (x.1.unwrap(), y.1.unwrap());
+            assert!((nx - ny).abs() <= 1e-4 * nx, "{what}, step {}: gradient norm {ny} vs {nx}", i + 1);
+        }
+    };
+    let one = losses_and_norms("cp-one", "cp = 1", "");
+    close(&one, &losses_and_norms("cp2", "cp = 2", ""), "cp2");
+    close(&one, &losses_and_norms("cp4-tp2-sp", "cp = 4\ntp = 2\nsp = true", ""), "cp4 tp2 sp");
+    let dp2 = losses_and_norms("cp-dp2", "dp = 2", "");
+    close(&dp2, &losses_and_norms("cp2-dp2-pp2-zero", "cp = 2\ndp = 2\npp = 2", "grad_accum = 2\n[zero]\nstage = 2\n"), "cp2 dp2 pp2 ZeRO-2");
+
+    let (a, b) = (scratch("cp2-zero-straight"), scratch("cp2-zero-resumed"));
+    let text = "[mesh]\ncp = 2\ndp = 2\n[zero]\nstage = 1\n[optim]\nclip = 0.0\n[batch]\nmicro_batch = 2\n";
+    let straight = train(config(&a, text, &["run.steps=8"]), 0..0);
+    train(config(&b, text, &["run.steps=8", "run.stop_after=4"]), 0..0);
+    let resumed = train(config(&b, text, &["run.steps=8"]), 0..0);
+    assert_eq!(resumed.resumed_from, 4);
+    assert_eq!(final_params(&resumed), final_params(&straight), "ZeRO-1 on cp2 × dp2, resumed");
+    // The same checkpoint on one rank with the global batch in one microbatch.
+    let single = "[optim]\nclip = 0.0\n[batch]\nmicro_batch = 4\n";
+    let one_rank = train(config(&b, single, &["run.steps=9"]), 0..0);
+    assert_eq!(one_rank.resumed_from, 8);
+    let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
+}
+
+/// Context parallelism with experts, tensor and sequence parallelism, ZeRO-3
+/// and full recompute in one run takes one rank's steps.
+#[test]
+fn context_parallelism_with_experts_and_zero3_trains_like_one_rank() {
+    let run = |name: &str, text: &str| moe_losses_and_norms(name, text, &["run.steps=3"]);
+    let common = "[optim]\nclip = 0.5\n[batch]\ngrad_accum = 2\n";
+    let (one, one_norms) = run("cp-moe-one", &format!("{common}micro_batch = 4\n"));
+    let all = format!("{common}micro_batch = 2\n[mesh]\ncp = 2\nep = 2\ntp = 2\nsp = true\n[zero]\nstage = 3\n[recompute]\nmode = \"full\"\n");
+    let (got, got_norms) = run("cp-moe-all", &all);
+    assert_eq!(got.len(), one.len());
+    for (((step, a), (_, b)), (na, nb)) in one.iter().zip(&got).zip(one_norms.iter().zip(&got_norms)) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "step {step}: loss {b} on cp2 ep2 tp2, {a} on one rank");
+        assert!((na - nb).abs() <= 1e-5 * na.abs(), "step {step}: gradient norm {nb} on cp2 ep2 tp2, {na} on one rank");
+    }
+}

@@ -1,5 +1,6 @@
-//! The communicators of one rank: one per mesh axis, and the data replicas
-//! (data × expert parallel) together.
+//! The communicators of one rank: one per mesh axis (the data-parallel one
+//! spanning the context-parallel ranks too), and the data replicas (data ×
+//! context × expert parallel) together.
 
 use crate::mesh::{Axis, Mesh};
 use crate::{Communicator, SingleRank};
@@ -11,23 +12,31 @@ use tessera_core::{Error, Result};
 pub struct Groups {
     /// The tensor-parallel group.
     pub tp: Arc<dyn Communicator>,
-    /// The data-parallel group.
+    /// The data-parallel group: the ranks that hold the same parameters,
+    /// over the data- and context-parallel axes
+    /// ([`Mesh::data_group`](crate::mesh::Mesh::data_group); the dp axis
+    /// alone when cp is 1). Gradients are averaged and optimizer states
+    /// sharded over it.
     pub dp: Arc<dyn Communicator>,
+    /// The context-parallel group: the ranks that split each sequence, in
+    /// ring order (a rank's index is its coordinate on the cp axis).
+    pub cp: Arc<dyn Communicator>,
     /// The pipeline-parallel group.
     pub pp: Arc<dyn Communicator>,
     /// The expert-parallel group.
     pub ep: Arc<dyn Communicator>,
-    /// The data replicas: the data- and expert-parallel axes together
-    /// ([`Mesh::replica_group`](crate::mesh::Mesh::replica_group)), over
-    /// which the gradients of every parameter but the experts are summed.
-    /// The same members as `dp` when `ep` is 1, as `ep` when `dp` is 1.
+    /// The data replicas: the data-, context- and expert-parallel axes
+    /// together ([`Mesh::replica_group`](crate::mesh::Mesh::replica_group)),
+    /// over which the gradients of every parameter but the experts are
+    /// summed. The same members as `dp` when `ep` is 1, as `ep` when `dp`
+    /// and `cp` are 1.
     pub replicas: Arc<dyn Communicator>,
 }
 
 impl Groups {
     /// Every communicator.
-    pub fn all(&self) -> [&Arc<dyn Communicator>; 5] {
-        [&self.tp, &self.dp, &self.pp, &self.ep, &self.replicas]
+    pub fn all(&self) -> [&Arc<dyn Communicator>; 6] {
+        [&self.tp, &self.dp, &self.cp, &self.pp, &self.ep, &self.replicas]
     }
 
     /// Stops every group of this rank (see [`Communicator::abort`]).
@@ -46,13 +55,13 @@ impl Groups {
     /// Every axis of size one.
     pub fn single() -> Self {
         let one: Arc<dyn Communicator> = Arc::new(SingleRank);
-        Groups { tp: one.clone(), dp: one.clone(), pp: one.clone(), ep: one.clone(), replicas: one }
+        Groups { tp: one.clone(), dp: one.clone(), cp: one.clone(), pp: one.clone(), ep: one.clone(), replicas: one }
     }
 
     /// The groups of world rank `rank` in `mesh`, each made by
     /// `group(tag, members)` with the axis's name as its tag (so that axes
     /// with the same members stay independent), one at a time and in the
-    /// same order on every rank: tp, dp, pp, ep, then the replicas (backends
+    /// same order on every rank: tp, dp (over dp × cp), cp, pp, ep, then the replicas (backends
     /// that create groups collectively, such as MPI, rely on that order).
     ///
     /// `world` is the backend's number of ranks and `world_is` how it says
@@ -67,10 +76,12 @@ impl Groups {
         if world != mesh.world() {
             return Err(Error::topology("mesh_groups", format!("the mesh {mesh} has {} ranks but {world_is}; {fix}", mesh.world())));
         }
+        let tp = group("tp", &mesh.group(Axis::Tp, rank)?)?;
+        let dp = group("dp", &mesh.data_group(rank)?)?;
         let mut axis = |a: Axis| group(a.name(), &mesh.group(a, rank)?);
-        let (tp, dp, pp, ep) = (axis(Axis::Tp)?, axis(Axis::Dp)?, axis(Axis::Pp)?, axis(Axis::Ep)?);
+        let (cp, pp, ep) = (axis(Axis::Cp)?, axis(Axis::Pp)?, axis(Axis::Ep)?);
         let replicas = group("replicas", &mesh.replica_group(rank)?)?;
-        Ok(Groups { tp, dp, pp, ep, replicas })
+        Ok(Groups { tp, dp, cp, pp, ep, replicas })
     }
 }
 

@@ -5,21 +5,30 @@
 //! slowest-varying to the fastest:
 //!
 //! ```text
-//! rank = ((pp · DP + dp) · EP + ep) · TP + tp
+//! rank = (((pp · DP + dp) · CP + cp) · EP + ep) · TP + tp
 //! ```
 //!
 //! **tp varies fastest** so that a tensor-parallel group is a run of
 //! contiguous ranks, and launchers number the ranks of one node contiguously:
 //! TP's collectives run on every layer, in the critical path, and must stay
 //! on the node's fast links. **ep** comes next because its all-to-all also
-//! runs on every MoE layer. **dp** follows: its gradient all-reduce runs once
-//! per step and overlaps the backward. **pp** is slowest: it only sends one
+//! runs on every MoE layer. **cp** (context parallelism) is next: its ring
+//! passes key/value blocks between neighbours on every attention layer,
+//! point to point and overlapped with the blocks' attention, which tolerates
+//! a slower link than an all-to-all. **dp** follows: its gradient all-reduce
+//! runs once per step and overlaps the backward. **pp** is slowest: it only sends one
 //! activation per microbatch between neighbours, which tolerates the slower
 //! network between nodes best. This is the order Megatron uses (tp fastest,
 //! pp slowest).
 //!
-//! Adding an axis (context parallelism next) means adding a variant to
-//! [`Axis`] and placing it in [`Axis::ALL`]; everything else is generic.
+//! Context-parallel ranks hold the same parameters and see different tokens
+//! of the same sequences, so for the gradients they are data replicas like
+//! any other: the data-parallel groups ([`Mesh::data_group`]) and the
+//! replica groups ([`Mesh::replica_group`]) span dp × cp, which is why cp
+//! sits next to dp.
+//!
+//! Adding an axis means adding a variant to [`Axis`] and placing it in
+//! [`Axis::ALL`]; everything else is generic.
 //!
 //! ```
 //! use tessera::dist::mesh::{Axis, Mesh};
@@ -45,6 +54,9 @@ pub enum Axis {
     Pp,
     /// Data parallelism: replicas that see different data.
     Dp,
+    /// Context parallelism: each sequence split over ranks, attention
+    /// passing key/value blocks around their ring.
+    Cp,
     /// Expert parallelism: the experts of MoE layers split over ranks.
     Ep,
     /// Tensor parallelism: each layer's weights split over ranks.
@@ -53,7 +65,7 @@ pub enum Axis {
 
 impl Axis {
     /// Every axis, from the slowest-varying in the rank numbering to the fastest.
-    pub const ALL: [Axis; 4] = [Axis::Pp, Axis::Dp, Axis::Ep, Axis::Tp];
+    pub const ALL: [Axis; 5] = [Axis::Pp, Axis::Dp, Axis::Cp, Axis::Ep, Axis::Tp];
 
     /// Number of axes.
     pub const COUNT: usize = Self::ALL.len();
@@ -63,15 +75,16 @@ impl Axis {
         match self {
             Axis::Pp => "pp",
             Axis::Dp => "dp",
+            Axis::Cp => "cp",
             Axis::Ep => "ep",
             Axis::Tp => "tp",
         }
     }
 
     /// Whether the axis communicates on every layer (tp's collectives, ep's
-    /// all-to-all), so that its groups belong on one node.
+    /// all-to-all, cp's ring), so that its groups belong on one node.
     pub fn is_communication_heavy(self) -> bool {
-        matches!(self, Axis::Tp | Axis::Ep)
+        matches!(self, Axis::Tp | Axis::Ep | Axis::Cp)
     }
 
     /// The position in [`Axis::ALL`].
@@ -97,7 +110,7 @@ impl FromStr for Axis {
     }
 }
 
-/// "pp, dp, ep, tp": for error messages.
+/// "pp, dp, cp, ep, tp": for error messages.
 fn axis_list() -> String {
     Axis::ALL.map(Axis::name).join(", ")
 }
@@ -166,7 +179,7 @@ impl Degrees {
         Ok(degrees)
     }
 
-    /// "pp(2) * dp(2) * ep(1) * tp(4)": every factor, for error messages.
+    /// "pp(2) * dp(2) * cp(1) * ep(1) * tp(4)": every factor, for error messages.
     fn factors(&self) -> String {
         Axis::ALL.map(|a| format!("{a}({})", self.get(a))).join(" * ")
     }
@@ -186,7 +199,7 @@ impl FromStr for Degrees {
     }
 }
 
-/// Written as a spec that [`Degrees::parse`] reads back: `pp2,dp2,ep1,tp4`.
+/// Written as a spec that [`Degrees::parse`] reads back: `pp2,dp2,cp1,ep1,tp4`.
 impl fmt::Display for Degrees {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&Axis::ALL.map(|a| format!("{a}{}", self.get(a))).join(","))
@@ -235,7 +248,7 @@ impl IndexMut<Axis> for Coords {
     }
 }
 
-/// Written as `(pp 0, dp 1, ep 0, tp 3)`.
+/// Written as `(pp 0, dp 1, cp 0, ep 0, tp 3)`.
 impl fmt::Display for Coords {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "({})", Axis::ALL.map(|a| format!("{a} {}", self.get(a))).join(", "))
@@ -264,7 +277,7 @@ impl Mesh {
     /// use tessera::dist::mesh::{Degrees, Mesh};
     ///
     /// let err = Mesh::new("dp2,pp2,tp4".parse()?, 8, 8).unwrap_err();
-    /// assert!(err.to_string().contains("pp(2) * dp(2) * ep(1) * tp(4) = 16, but the world has 8 ranks"));
+    /// assert!(err.to_string().contains("pp(2) * dp(2) * cp(1) * ep(1) * tp(4) = 16, but the world has 8 ranks"));
     /// # Ok::<(), tessera::Error>(())
     /// ```
     pub fn new(degrees: Degrees, world: usize, ranks_per_node: usize) -> Result<Mesh> {
@@ -400,11 +413,30 @@ impl Mesh {
         (0..self.world).filter(|r| (r / stride) % size == 0).map(|first| (0..size).map(|i| first + i * stride).collect()).collect()
     }
 
+    /// The data-parallel group of `rank`: the ranks that hold the same
+    /// parameters (pipeline stage, tensor shard and experts) over the data-
+    /// and context-parallel axes together (`dp × cp` ranks), ordered by
+    /// `d · CP + c`. Context-parallel ranks see other tokens of the same
+    /// sequences, so for the gradients they are replicas: the experts'
+    /// gradients are averaged, and ZeRO shards the optimizer, over this
+    /// group. It is the dp axis's group when cp is 1.
+    ///
+    /// ```
+    /// use tessera::dist::mesh::Mesh;
+    ///
+    /// let mesh = Mesh::parse("dp2,cp2,tp2", 8, 8)?;
+    /// assert_eq!(mesh.data_group(3)?, vec![1, 3, 5, 7]);
+    /// # Ok::<(), tessera::Error>(())
+    /// ```
+    pub fn data_group(&self, rank: usize) -> Result<Vec<usize>> {
+        self.run_group(rank, &[Axis::Dp, Axis::Cp])
+    }
+
     /// The data replicas `rank` belongs to: the ranks that hold the same
-    /// pipeline stage and tensor shard, over the data- and expert-parallel
-    /// axes together (`dp × ep` ranks), ordered by replica index `d · EP + e`.
-    /// Gradients of parameters that every replica holds (all but the
-    /// experts) are summed over this group.
+    /// pipeline stage and tensor shard, over the data-, context- and
+    /// expert-parallel axes together (`dp × cp × ep` ranks), ordered by
+    /// replica index `(d · CP + c) · EP + e`. Gradients of parameters that
+    /// every replica holds (all but the experts) are summed over this group.
     ///
     /// ```
     /// use tessera::dist::mesh::Mesh;
@@ -414,12 +446,27 @@ impl Mesh {
     /// # Ok::<(), tessera::Error>(())
     /// ```
     pub fn replica_group(&self, rank: usize) -> Result<Vec<usize>> {
-        // dp is the next-slower axis after ep, so the two together step by
-        // ep's stride: one run of `dp · ep` evenly spaced ranks.
+        self.run_group(rank, &[Axis::Dp, Axis::Cp, Axis::Ep])
+    }
+
+    /// The group of `rank` over `axes`, which must be adjacent in
+    /// [`Axis::ALL`] (slowest first): together they step by the fastest's
+    /// stride, one run of evenly spaced ranks, ordered by the coordinates
+    /// with the slowest axis first.
+    fn run_group(&self, rank: usize, axes: &[Axis]) -> Result<Vec<usize>> {
         let c = self.coords(rank)?;
-        let stride = self.stride(Axis::Ep);
-        let first = rank - (c[Axis::Dp] * self.size(Axis::Ep) + c[Axis::Ep]) * stride;
-        Ok((0..self.size(Axis::Dp) * self.size(Axis::Ep)).map(|i| first + i * stride).collect())
+        let fastest = *axes.last().expect("at least one axis");
+        let stride = self.stride(fastest);
+        let index = axes.iter().fold(0, |acc, &a| acc * self.size(a) + c[a]);
+        let first = rank - index * stride;
+        let count: usize = axes.iter().map(|&a| self.size(a)).product();
+        Ok((0..count).map(|i| first + i * stride).collect())
+    }
+
+    /// Every data-parallel group (see [`data_group`](Self::data_group)),
+    /// ordered by their first rank: disjoint, and together covering the world.
+    pub fn data_groups(&self) -> Vec<Vec<usize>> {
+        (0..self.world).filter_map(|r| self.data_group(r).ok().filter(|g| g[0] == r)).collect()
     }
 
     /// Every replica group (see [`replica_group`](Self::replica_group)),
@@ -462,6 +509,7 @@ impl Mesh {
             let names = inner.iter().map(|a| a.name()).collect::<Vec<_>>().join("·");
             let why = match axis {
                 Axis::Tp => "its collectives run on every layer",
+                Axis::Cp => "its ring passes keys and values on every attention layer",
                 _ => "its all-to-all runs on every MoE layer",
             };
             let fix = if footprint <= per_node {
@@ -490,7 +538,7 @@ impl Mesh {
     }
 }
 
-/// Written as `pp2,dp2,ep1,tp4 (16 ranks, 8 per node)`.
+/// Written as `pp2,dp2,cp1,ep1,tp4 (16 ranks, 8 per node)`.
 impl fmt::Display for Mesh {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} ({} ranks, {} per node)", self.degrees, self.world, self.ranks_per_node)

@@ -624,8 +624,9 @@ pub fn mesh_groups(mesh: &Mesh, devices: &[Device]) -> Result<Vec<Groups>> {
         }
         Ok(comms)
     };
-    // comms[axis][rank], then the data replicas (dp × ep).
-    let mut comms = Axis::ALL.into_iter().map(|axis| communicators(mesh.groups(axis))).collect::<Result<Vec<_>>>()?;
+    // comms[axis][rank] (dp's spanning dp × cp), then the data replicas (dp × cp × ep).
+    let mut comms =
+        Axis::ALL.into_iter().map(|axis| communicators(if axis == Axis::Dp { mesh.data_groups() } else { mesh.groups(axis) })).collect::<Result<Vec<_>>>()?;
     let mut replicas = communicators(mesh.replica_groups())?;
     let slot = |axis: Axis| Axis::ALL.iter().position(|&a| a == axis).expect("every axis is in Axis::ALL");
     let take = |comms: &mut Vec<Vec<Option<Arc<dyn Communicator>>>>, axis: Axis, rank: usize| -> Result<Arc<dyn Communicator>> {
@@ -638,6 +639,7 @@ pub fn mesh_groups(mesh: &Mesh, devices: &[Device]) -> Result<Vec<Groups>> {
             Ok(Groups {
                 tp: take(&mut comms, Axis::Tp, r)?,
                 dp: take(&mut comms, Axis::Dp, r)?,
+                cp: take(&mut comms, Axis::Cp, r)?,
                 pp: take(&mut comms, Axis::Pp, r)?,
                 ep: take(&mut comms, Axis::Ep, r)?,
                 replicas: replicas[r]

@@ -23,6 +23,13 @@ use tessera_core::{Error, Result};
 /// head `h` reads key/value head `h / (q_heads / kv_heads)`. With RoPE,
 /// positions are `0..seq`.
 ///
+/// Under context parallelism (a cp group of several ranks, see
+/// [`ContextSplit`](crate::module::ContextSplit)) the input holds this
+/// rank's chunks of each sequence: RoPE rotates at their global positions
+/// and attention runs as ring attention, key/value blocks passed around the
+/// group and overlapped with the blocks' attention; the result is the
+/// single-rank attention's rows for those chunks.
+///
 /// In a serving step ([`Cx::decode`]) the input is the step's tokens as one
 /// row `[1, tokens, ..]`: their keys and values go to the paged cache and
 /// each token attends its own sequence's cached positions (RoPE at the
@@ -85,6 +92,8 @@ pub struct AttentionSaved(Kept);
 
 enum Kept {
     Core(Box<Core>),
+    /// Under context parallelism: ring attention's tensors.
+    Ring(Box<crate::ring_attention::RingSaved>),
     Input(Tensor),
     /// A decoding step's forward, which has no backward.
     Decode,
@@ -103,6 +112,7 @@ impl AttentionSaved {
         use super::bytes_of;
         match &self.0 {
             Kept::Core(c) => [&c.qkv, &c.out, &c.lse].into_iter().map(bytes_of).sum(),
+            Kept::Ring(r) => r.bytes(),
             Kept::Input(x) => bytes_of(x),
             Kept::Decode => 0,
         }
@@ -196,12 +206,29 @@ impl CausalAttention {
         Ok(Heads { q: self.q_heads / tp, kv: self.kv_heads / tp, d: self.head_dim })
     }
 
-    fn positions(seq: usize) -> Vec<u32> {
-        (0..seq as u32).collect()
+    /// RoPE (if any) at the global positions of this rank's tokens (its
+    /// chunks of the sequence under context parallelism).
+    fn rotate(&self, cx: &Cx, h: Heads, x: &Tensor) -> Result<Tensor> {
+        match &self.rope {
+            Some(r) => ops::rope_packed(x, &r.table, &Self::positions(cx, r, x.dims()[1])?, h.packed()),
+            None => Ok(x.clone()),
+        }
     }
 
-    /// Applies RoPE (if any) and runs attention on the packed input in place.
-    fn core(&self, h: Heads, x: &Tensor) -> Result<Core> {
+    /// The global positions of this rank's `seq` tokens, checked against the table.
+    fn positions(cx: &Cx, r: &RopeSpec, seq: usize) -> Result<Vec<u32>> {
+        let positions = cx.token_positions(seq, false)?;
+        if let Some(p) = positions.iter().find(|&&p| p as usize >= r.max_position) {
+            return Err(Error::invalid(
+                "CausalAttention",
+                format!("position {p} is past the {} positions RoPE was built for; feed sequences of at most {} tokens", r.max_position, r.max_position),
+            ));
+        }
+        Ok(positions)
+    }
+
+    /// Checks the packed input's shape against this rank's heads.
+    fn check_input(h: Heads, x: &Tensor) -> Result<()> {
         let dims = x.dims();
         if dims.len() != 3 || dims[2] != h.total() * h.d {
             return Err(Error::shape(
@@ -216,12 +243,22 @@ impl CausalAttention {
                 ),
             ));
         }
-        let qkv = match &self.rope {
-            Some(r) => ops::rope_packed(x, &r.table, &Self::positions(dims[1]), h.packed())?,
-            None => x.clone(),
-        };
+        Ok(())
+    }
+
+    /// Applies RoPE (if any) and runs attention on the packed input: on
+    /// this rank, or around the context-parallel ring when the sequence is
+    /// split ([`ring_attention`](crate::ring_attention)).
+    /// Returns the output and what the backward reads.
+    fn core(&self, cx: &Cx, h: Heads, x: &Tensor) -> Result<(Tensor, Kept)> {
+        Self::check_input(h, x)?;
+        let qkv = self.rotate(cx, h, x)?;
+        if cx.cp().size() > 1 {
+            let (out, saved) = crate::ring_attention::forward(cx.cp(), h.packed(), &qkv)?;
+            return Ok((out, Kept::Ring(Box::new(saved))));
+        }
         let (out, lse) = ops::attention_packed(&qkv, h.packed(), AttnOpts::causal())?;
-        Ok(Core { qkv, out, lse })
+        Ok((out.clone(), Kept::Core(Box::new(Core { qkv, out, lse }))))
     }
 }
 
@@ -274,33 +311,34 @@ impl Module<Plain> for CausalAttention {
         if cx.decode().is_some() {
             return Ok((Act::new(self.decode_step(cx, h, &x)?), AttentionSaved(Kept::Decode)));
         }
-        let c = self.core(h, &x)?;
-        let y = c.out.clone();
-        let kept = if cx.selective_recompute() { Kept::Input(x) } else { Kept::Core(Box::new(c)) };
+        let (y, kept) = self.core(cx, h, &x)?;
+        let kept = if cx.selective_recompute() { Kept::Input(x) } else { kept };
         Ok((Act::new(y), AttentionSaved(kept)))
     }
 
     fn backward(&self, cx: &mut Cx, saved: AttentionSaved, dy: Act<SplitHidden>) -> Result<Act<SplitHidden>> {
+        const OP: &str = "CausalAttention::backward";
         let h = self.local(cx.tp().size())?;
-        let c = match saved.0 {
-            Kept::Core(c) => *c,
-            Kept::Input(x) => self.core(h, &x)?,
-            Kept::Decode => {
-                return Err(Error::invalid(
-                    "CausalAttention::backward",
-                    "the forward was a decoding step, which has no backward; train without a decoding state in the context",
-                ))
-            }
+        let kept = match saved.0 {
+            Kept::Input(x) => self.core(cx, h, &x)?.1,
+            kept => kept,
         };
         let dy = dy.into_tensor();
-        if dy.shape() != c.out.shape() {
-            return Err(Error::shape("CausalAttention::backward", format!("upstream gradient {} for an output of {}", dy.shape(), c.out.shape())));
-        }
-        let dqkv = ops::attention_packed_backward(&c.qkv, &c.out, &c.lse, &dy, h.packed(), AttnOpts::causal())?;
-        let t = c.qkv.dims()[1];
-        drop(c);
+        let dqkv = match kept {
+            Kept::Core(c) => {
+                if dy.shape() != c.out.shape() {
+                    return Err(Error::shape(OP, format!("upstream gradient {} for an output of {}", dy.shape(), c.out.shape())));
+                }
+                ops::attention_packed_backward(&c.qkv, &c.out, &c.lse, &dy, h.packed(), AttnOpts::causal())?
+            }
+            Kept::Ring(r) => crate::ring_attention::backward(cx.cp(), h.packed(), *r, &dy)?,
+            Kept::Input(_) => unreachable!("recomputed above"),
+            Kept::Decode => {
+                return Err(Error::invalid(OP, "the forward was a decoding step, which has no backward; train without a decoding state in the context"));
+            }
+        };
         let dx = match &self.rope {
-            Some(r) => ops::rope_packed_backward(&dqkv, &r.table, &Self::positions(t), h.packed())?,
+            Some(r) => ops::rope_packed_backward(&dqkv, &r.table, &Self::positions(cx, r, dqkv.dims()[1])?, h.packed())?,
             None => dqkv,
         };
         Ok(Act::new(dx))

@@ -1,6 +1,6 @@
 //! Dropout whose mask is drawn from the context's key and redrawn in the backward.
 
-use crate::module::{Act, Activation, Cx, Describe, Module, Plain, Replicated, Seq, Visitor};
+use crate::module::{Act, Activation, Cx, Describe, Module, Plain, Replicated, Seq, TokenRun, Visitor};
 use tessera_core::ops;
 use tessera_core::tensor::Tensor;
 use tessera_core::RngKey;
@@ -16,7 +16,7 @@ use tessera_core::{Error, Result};
 /// rank's rows start) gets the same draw on every parallel layout. So every
 /// rank of a tensor-parallel group drops the same elements of a replicated
 /// activation, a rank holding a slice of the sequence (sequence parallelism)
-/// drops what a single rank drops there, data-parallel replicas and pipeline
+/// or chunks of it (context parallelism) drops what a single rank drops there, data-parallel replicas and pipeline
 /// microbatches drop what the whole batch would, and a recomputed forward
 /// draws the same mask. The mask is never stored: the backward redraws it.
 ///
@@ -40,40 +40,61 @@ pub struct Dropout {
 }
 
 /// What a [`Dropout`] keeps for its backward: the key its mask was drawn
-/// with and where this rank's elements lie in the global batch (40 bytes),
-/// or `None` when the forward was the identity.
-#[derive(Clone, Copy, Debug)]
+/// with and where this rank's elements lie in the global batch, or `None`
+/// when the forward was the identity.
+#[derive(Clone, Debug)]
 pub struct DropoutSaved(Option<(RngKey, Site)>);
 
 /// Where a rank's tensor lies among the global positions: row `b` (dim 0)
-/// starts at global element `first + b · row_stride`, with its elements
-/// contiguous from there.
-#[derive(Clone, Copy, Debug)]
+/// starts at global element `(first_row + b) · row_stride`, and each run of
+/// its tokens (dim 1 of a `[batch, seq, ..]` activation) at `global ·
+/// width` from there, its elements contiguous.
+#[derive(Clone, Debug)]
 struct Site {
-    first: u64,
+    first_row: u64,
     row_stride: u64,
+    width: u64,
+    runs: Vec<TokenRun>,
 }
 
 impl Site {
     /// The site of `x` in this context: after `batch_offset` global rows,
-    /// and at this rank's slice of the sequence under sequence parallelism.
-    fn of(cx: &Cx, x: &Tensor) -> Site {
-        let rows = x.dims().first().copied().unwrap_or(1).max(1) as u64;
-        let per_row = x.elem_count() as u64 / rows;
-        let (slices, slice) = if cx.sequence_split() && x.rank() >= 3 { (cx.tp().size() as u64, cx.tp().rank() as u64) } else { (1, 0) };
-        let row_stride = per_row * slices;
-        Site { first: cx.batch_offset() * row_stride + slice * per_row, row_stride }
+    /// at this rank's slice of the sequence under sequence parallelism and
+    /// its chunks of it under context parallelism.
+    fn of(cx: &Cx, x: &Tensor) -> Result<Site> {
+        let rows = x.dims().first().copied().unwrap_or(1).max(1);
+        let per_row = x.elem_count() / rows;
+        let first_row = cx.batch_offset();
+        if x.rank() < 3 {
+            let runs = vec![TokenRun { local: 0, global: 0, len: per_row }];
+            return Ok(Site { first_row, row_stride: per_row as u64, width: 1, runs });
+        }
+        let seq = x.dims()[1];
+        let width = per_row.checked_div(seq).unwrap_or(0) as u64;
+        let runs = cx.token_runs(seq, true)?;
+        Ok(Site { first_row, row_stride: cx.global_seq_len(seq, true) as u64 * width, width, runs })
     }
 
-    /// Applies `f(tensor, start)` row by row at this site (one call when the
-    /// rows are contiguous in the global positions).
-    fn map(self, x: &Tensor, f: impl Fn(&Tensor, u64) -> Result<Tensor>) -> Result<Tensor> {
+    /// Applies `f(tensor, start)` to each row's runs at this site (one call
+    /// when the tensor is one contiguous stretch of the global positions).
+    fn map(&self, x: &Tensor, f: impl Fn(&Tensor, u64) -> Result<Tensor>) -> Result<Tensor> {
         let rows = x.dims().first().copied().unwrap_or(1).max(1);
         let per_row = (x.elem_count() / rows) as u64;
-        if x.rank() == 0 || per_row == self.row_stride || rows == 1 {
-            return f(x, self.first);
+        let whole = match self.runs.as_slice() {
+            [run] => (rows == 1 || self.row_stride == per_row).then_some(run.global as u64 * self.width),
+            _ => None,
+        };
+        if let Some(offset) = whole.or((x.rank() == 0).then_some(0)) {
+            return f(x, self.first_row * self.row_stride + offset);
         }
-        let parts: Vec<Tensor> = (0..rows).map(|b| f(&x.narrow(0, b, 1)?, self.first + b as u64 * self.row_stride)).collect::<Result<_>>()?;
+        let mut parts = Vec::with_capacity(rows * self.runs.len());
+        for b in 0..rows {
+            let row = x.narrow(0, b, 1)?;
+            for run in &self.runs {
+                let piece = if x.rank() >= 3 { row.narrow(1, run.local, run.len)? } else { row.clone() };
+                parts.push(f(&piece, (self.first_row + b as u64) * self.row_stride + run.global as u64 * self.width)?);
+            }
+        }
         Tensor::concat_flat(&parts.iter().collect::<Vec<_>>())?.reshape(x.shape().clone())
     }
 }
@@ -106,7 +127,7 @@ impl Module<Plain> for Dropout {
             return Ok((x, DropoutSaved(None)));
         }
         let key = cx.dropout_key();
-        let site = Site::of(cx, x.tensor());
+        let site = Site::of(cx, x.tensor())?;
         let y = site.map(x.tensor(), |t, start| ops::dropout(t, self.p, key, start))?;
         Ok((Act::new(y), DropoutSaved(Some((key, site)))))
     }

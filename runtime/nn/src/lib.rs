@@ -39,6 +39,7 @@ mod moe;
 mod norm;
 mod position;
 mod quant;
+mod ring_attention;
 mod rows;
 mod stack;
 

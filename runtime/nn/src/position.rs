@@ -14,11 +14,14 @@ use tessera_core::{Error, Result};
 /// tensor-parallel group. Under sequence parallelism each rank holds a slice
 /// of the sequence, so rank `r` adds the rows of positions
 /// `r·seq_local .. (r+1)·seq_local`, and the table's gradient (each rank's
-/// rows) is summed over the group.
+/// rows) is summed over the group. Under context parallelism a rank's
+/// tokens are its chunks of the sequence ([`Cx::token_positions`]), and it
+/// adds their rows.
 ///
-/// It keeps nothing for its backward but three numbers: the input gradient
-/// is the upstream gradient, and the table's gradient is the upstream
-/// gradient summed over the batch into the rows that were read.
+/// It keeps nothing for its backward but the batch size and the tokens'
+/// positions: the input gradient is the upstream gradient, and the table's
+/// gradient is the upstream gradient summed over the batch into the rows
+/// that were read.
 ///
 /// ```
 /// use tessera::module::{materialize, Act, Cx, Module};
@@ -45,13 +48,12 @@ pub struct PositionEmbedding {
     weight: Param,
 }
 
-/// What a [`PositionEmbedding`] keeps for its backward: the batch size, the
-/// sequence length and the first position (no activation memory).
+/// What a [`PositionEmbedding`] keeps for its backward: the batch size and
+/// the tokens' positions (no activation memory).
 #[derive(Debug)]
 pub struct PositionEmbeddingSaved {
     batch: usize,
-    seq: usize,
-    start: usize,
+    positions: Vec<u32>,
 }
 
 impl PositionEmbeddingSaved {
@@ -106,9 +108,8 @@ impl PositionEmbedding {
 
     /// The position of every token, `[batch, seq]` as u32 row indices.
     fn positions(&self, s: &PositionEmbeddingSaved, cx: &Cx) -> Result<Tensor> {
-        let row: Vec<u32> = (s.start..s.start + s.seq).map(|p| p as u32).collect();
-        let ids: Vec<u32> = (0..s.batch).flat_map(|_| row.iter().copied()).collect();
-        Tensor::from_vec(ids, [s.batch, s.seq], cx.device())
+        let ids: Vec<u32> = (0..s.batch).flat_map(|_| s.positions.iter().copied()).collect();
+        Tensor::from_vec(ids, [s.batch, s.positions.len()], cx.device())
     }
 }
 
@@ -130,22 +131,17 @@ impl Module<Plain> for PositionEmbedding {
             return Err(Error::shape(OP, format!("input of shape {} for rows of width {}; the last dimension must be {}", x.shape(), self.dim, self.dim)));
         }
         if let Some(dec) = cx.decode() {
-            return self.decode_step(cx, dec, x).map(|y| (Act::new(y), PositionEmbeddingSaved { batch: 0, seq: 0, start: 0 }));
+            return self.decode_step(cx, dec, x).map(|y| (Act::new(y), PositionEmbeddingSaved { batch: 0, positions: Vec::new() }));
         }
-        // Under sequence parallelism this rank holds the `rank`-th slice of the sequence.
-        let start = if cx.sequence_split() { cx.tp().rank() * seq } else { 0 };
-        if start + seq > self.max_positions {
+        // This rank's slice of the sequence (sequence parallelism) or chunks of it (context parallelism).
+        let positions = cx.token_positions(seq, true)?;
+        if let Some(&p) = positions.iter().find(|&&p| p as usize >= self.max_positions) {
             return Err(Error::invalid(
                 OP,
-                format!(
-                    "positions {start}..{} do not fit a table of {} positions; feed sequences of at most {} tokens",
-                    start + seq,
-                    self.max_positions,
-                    self.max_positions
-                ),
+                format!("position {p} does not fit a table of {} positions; feed sequences of at most {} tokens", self.max_positions, self.max_positions),
             ));
         }
-        let saved = PositionEmbeddingSaved { batch, seq, start };
+        let saved = PositionEmbeddingSaved { batch, positions };
         let table = cx.param(&self.weight)?;
         let rows = ops::embedding(&table, &self.positions(&saved, cx)?)?;
         let x = if x.dtype() == rows.dtype() { x } else { x.to_dtype(rows.dtype())? };
@@ -153,7 +149,7 @@ impl Module<Plain> for PositionEmbedding {
     }
 
     fn backward(&self, cx: &mut Cx, saved: PositionEmbeddingSaved, dy: Act<Replicated>) -> Result<Act<Replicated>> {
-        let (b, t) = (saved.batch, saved.seq);
+        let (b, t) = (saved.batch, saved.positions.len());
         if dy.tensor().dims() != [b, t, self.dim] {
             return Err(Error::shape(
                 "PositionEmbedding::backward",

@@ -60,8 +60,11 @@ pub(super) struct Gathered {
 
 impl Gathered {
     pub fn new(run: &ParallelRun, ranks: &[RankResult]) -> Result<Gathered> {
-        let dp = run.degrees.get(Axis::Dp) as f64;
-        let loss = ranks.iter().map(|r| r.loss).sum::<f64>() / dp;
+        // Each context-parallel rank counts its tokens' part of the loss
+        // `cp` times (see `rank_step`), so that averaging gradients over the
+        // data-parallel group (dp × cp) sums them over cp.
+        let replicas = (run.degrees.get(Axis::Dp) * run.degrees.get(Axis::Cp)) as f64;
+        let loss = ranks.iter().map(|r| r.loss).sum::<f64>() / replicas;
         let mut problems = Vec::new();
         // Every copy of every part: (name, part index) -> (holder, values).
         let mut copies: BTreeMap<(String, usize), Vec<(usize, &Slot)>> = BTreeMap::new();

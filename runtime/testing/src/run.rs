@@ -208,7 +208,10 @@ fn rank_step<M: Module, F: Fn(&Rank) -> Result<M> + Sync, E: Exec<M>>(
     let dev = Device::cpu();
     let coords = mesh.coords(rank)?;
     let groups = mesh_groups(comm, mesh, rank, &dev)?;
-    let (tp, dp, pp) = (groups.tp.size(), groups.dp.size(), groups.pp.size());
+    // `dp`: the data replicas, which see other rows; the data-parallel
+    // group spans them and the context-parallel ranks, which see other
+    // tokens of the same rows, and averages gradients over both.
+    let (tp, dp, cp, pp) = (groups.tp.size(), run.degrees.get(Axis::Dp), run.degrees.get(Axis::Cp), groups.pp.size());
     let dp_group = groups.dp.clone();
     let mut cx = Cx::new(dev.clone())
         .with_dtype(check.dtype)
@@ -220,7 +223,7 @@ fn rank_step<M: Module, F: Fn(&Rank) -> Result<M> + Sync, E: Exec<M>>(
         cx = cx.with_pipeline_chunks(1);
     }
     let model = module::build(make(&Rank { rank, coords, degrees: run.degrees })?, &cx)?;
-    let sync = if dp > 1 {
+    let sync = if dp_group.size() > 1 {
         let sync = Arc::new(DataParallel::new(&model, dp_group, run.bucket_bytes)?);
         cx = cx.with_hooks(sync.clone());
         Some(sync)
@@ -232,11 +235,14 @@ fn rank_step<M: Module, F: Fn(&Rank) -> Result<M> + Sync, E: Exec<M>>(
     let rows = replica.dims()[0];
     cx.set_batch_offset((coords[Axis::Dp] * rows) as u64);
     let sequence_split = cx.sequence_split();
-    // The input in the form the model takes it.
+    let context = cx.context_split();
+    // The input in the form the model takes it: this rank's chunks of each
+    // sequence (context parallelism), and its slice of them (sequence
+    // parallelism).
     let takes_slice = sequence_split && <M::In as Layout>::IS_REPLICATED && M::SEQ_IN == Seq::Split;
     let microbatches: Vec<Tensor> = (0..run.microbatches.max(1))
         .map(|mb| {
-            let x = part(&replica, 0, mb, run.microbatches.max(1))?;
+            let x = context.local_of(&part(&replica, 0, mb, run.microbatches.max(1))?, 1)?;
             if takes_slice {
                 part(&x, 1, coords[Axis::Tp], tp)
             } else {
@@ -257,16 +263,23 @@ fn rank_step<M: Module, F: Fn(&Rank) -> Result<M> + Sync, E: Exec<M>>(
             _ => {}
         }
         global[0] = dims[0];
+        if cp > 1 {
+            global[1] *= cp;
+        }
         let first = coords[Axis::Dp] * rows + mb * mb_rows;
         let all = weights(seed, &global, y.dtype(), y.device())?.narrow(0, first, y.dims()[0])?.contiguous()?;
+        let all = context.local_of(&all, 1)?;
         let r = match out {
             OutPart::Split(Some(d)) => part(&all, d, t, tp)?,
             OutPart::Split(None) => part(&all, global.len() - 1, t, tp)?,
             _ => all,
         };
+        // Each context-parallel rank holds part of every row's terms; it
+        // counts them cp times, as the gradients are averaged over cp.
+        let per_row = cp as f64 / rows as f64;
         let terms: Vec<f64> = y.to_f64_vec()?.iter().zip(r.to_f64_vec()?).map(|(a, b)| a * b).collect();
-        loss_scale.set(loss_scale.get() + terms.iter().map(|t| t.abs()).sum::<f64>() / rows as f64);
-        Ok((terms.iter().sum::<f64>() / rows as f64, tessera_core::ops::scale(&r, 1.0 / rows as f64)?))
+        loss_scale.set(loss_scale.get() + terms.iter().map(|t| t.abs()).sum::<f64>() * per_row);
+        Ok((terms.iter().sum::<f64>() * per_row, tessera_core::ops::scale(&r, per_row)?))
     };
     let loss = exec.step(&model, &mut cx, &microbatches, coords[Axis::Pp], &grad)?;
     if let Some(sync) = &sync {

@@ -102,6 +102,11 @@ pub struct MeshConfig {
     pub pp: usize,
     /// Expert-parallel degree (MoE models).
     pub ep: usize,
+    /// Context-parallel degree: every sequence split over `cp` ranks, which
+    /// pass keys and values around a ring in each attention layer (ring
+    /// attention, load-balanced over causal work). `batch.seq_len` must
+    /// divide by `2 · cp`.
+    pub cp: usize,
     /// Sequence parallelism over the tensor-parallel group.
     pub sp: bool,
     /// With `sp`: the pieces each all-gather and reduce-scatter beside a
@@ -157,6 +162,7 @@ impl Default for MeshConfig {
             tp: 1,
             pp: 1,
             ep: 1,
+            cp: 1,
             sp: false,
             tp_overlap: 1,
             schedule: "1f1b".into(),
@@ -206,12 +212,12 @@ pub enum RankDevice {
 impl MeshConfig {
     /// Ranks in all.
     pub fn world_size(&self) -> usize {
-        self.dp * self.tp * self.pp * self.ep
+        self.dp * self.cp * self.tp * self.pp * self.ep
     }
 
     /// The mesh as [`Mesh::parse`](tessera_dist::mesh::Mesh::parse) reads it.
     pub fn spec(&self) -> String {
-        format!("dp{},ep{},pp{},tp{}", self.dp, self.ep, self.pp, self.tp)
+        format!("dp{},cp{},ep{},pp{},tp{}", self.dp, self.cp, self.ep, self.pp, self.tp)
     }
 
     /// [`timeout_s`](Self::timeout_s) as a duration.
@@ -233,12 +239,15 @@ impl MeshConfig {
     /// given `grad_accum` microbatches per step now; an error naming what
     /// does not divide.
     pub fn resized(&self, world: usize, grad_accum: usize) -> Result<(usize, usize)> {
-        let model = self.tp * self.pp * self.ep;
-        let fix = "start a number of processes that is a multiple of tp × pp × ep, such that the data-parallel degree divides dp × batch.grad_accum";
+        let model = self.tp * self.pp * self.ep * self.cp;
+        let fix = "start a number of processes that is a multiple of tp × pp × ep × cp, such that the data-parallel degree divides dp × batch.grad_accum";
         if world == 0 || !world.is_multiple_of(model) {
             return Err(Error::config(
                 "mesh.elastic",
-                format!("{world} processes cannot hold whole model replicas of tp{} × pp{} × ep{} = {model} ranks; {fix}", self.tp, self.pp, self.ep),
+                format!(
+                    "{world} processes cannot hold whole model replicas of tp{} × pp{} × ep{} × cp{} = {model} ranks; {fix}",
+                    self.tp, self.pp, self.ep, self.cp
+                ),
             ));
         }
         let dp = world / model;
@@ -674,6 +683,7 @@ impl TrainConfig {
         positive("mesh.tp", self.mesh.tp)?;
         positive("mesh.pp", self.mesh.pp)?;
         positive("mesh.ep", self.mesh.ep)?;
+        positive("mesh.cp", self.mesh.cp)?;
         positive("mesh.chunks", self.mesh.chunks)?;
         positive("mesh.tp_overlap", self.mesh.tp_overlap)?;
         if self.mesh.tp_overlap > 1 && !(self.mesh.sp && self.mesh.tp > 1) {
@@ -686,6 +696,17 @@ impl TrainConfig {
         positive("batch.micro_batch", self.batch.micro_batch)?;
         positive("batch.seq_len", self.batch.seq_len)?;
         positive("batch.grad_accum", self.batch.grad_accum)?;
+        if self.mesh.cp > 1 && !self.batch.seq_len.is_multiple_of(2 * self.mesh.cp) {
+            return Err(Error::config(
+                "mesh.cp",
+                format!(
+                    "splits each sequence into 2 · cp = {} equal chunks, and batch.seq_len = {} does not divide by {}; choose a sequence length that does",
+                    2 * self.mesh.cp,
+                    self.batch.seq_len,
+                    2 * self.mesh.cp
+                ),
+            ));
+        }
         if self.run.steps == 0 {
             return Err(Error::config("run.steps", "must be at least 1"));
         }
@@ -789,6 +810,12 @@ impl TrainConfig {
         let every = outer.every;
         if self.mesh.dp * self.mesh.ep == 1 {
             return Err(Error::config("local_sgd.every", "meets data replicas, and this run has one; set mesh.dp > 1, or leave local_sgd.every at 0"));
+        }
+        if self.mesh.cp > 1 {
+            return Err(Error::config(
+                "local_sgd.every",
+                "context-parallel ranks hold parts of the same sequences and must sum their gradients every step, which Local SGD does not; set mesh.cp = 1, or leave local_sgd.every at 0",
+            ));
         }
         if self.zero.stage != 0 {
             return Err(Error::config(

@@ -16,7 +16,7 @@
 //!
 //! (One `kill` at a time; the two lines show its two forms.) Every fault
 //! names the step it strikes at, counted like the metrics lines (the first
-//! step is 1); `rank` is a rank of the mesh (in `pp, dp, ep, tp` order, tp
+//! step is 1); `rank` is a rank of the mesh (in `pp, dp, cp, ep, tp` order, tp
 //! fastest). Each can be set from the command line:
 //! `--set 'faults.kill={rank=1,step=5}'`.
 //!

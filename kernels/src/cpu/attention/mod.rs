@@ -23,10 +23,12 @@ mod dot_bf16;
 mod exp;
 mod forward;
 mod layout;
+mod merge;
 mod tile;
 
 pub use backward::{attention_backward, attention_backward_packed};
 pub use forward::{attention_forward, attention_forward_packed};
+pub use merge::attention_merge;
 
 use crate::Real;
 use half::bf16;

@@ -11,7 +11,7 @@ use half::bf16;
 use tessera_kernels::cpu::attention::{
     attention_backward as back, attention_backward_bf16 as back_bf16, attention_backward_packed as back_packed,
     attention_backward_packed_bf16 as back_packed_bf16, attention_forward as fwd, attention_forward_bf16 as fwd_bf16, attention_forward_packed as fwd_packed,
-    attention_forward_packed_bf16 as fwd_packed_bf16, AttnDims,
+    attention_forward_packed_bf16 as fwd_packed_bf16, attention_merge as merge, AttnDims,
 };
 use tessera_kernels::cpu::mixed::Src;
 use tessera_kernels::cuda::attention::{self as gpu, AttnLayout, AttnParams, BackwardLaunches, Launch};
@@ -57,6 +57,28 @@ cuda |s, c| backward_cuda(c, &s.d, AttnLayout::Packed);
 half |s, dtype, dtypes| bf16_with_stats(dtype, dtypes, &[2]) => |i, o| {
     let lse = i[2].as_f32().expect("f32 lse");
     back_packed_bf16(&s.d, bf16_in(i[0]), bf16_in(i[1]), lse, bf16_in(i[3]), o[0].as_bf16().expect("bf16 output"))
+});
+
+float_kernel!(writes_all AttnMerge { head_dim: usize } |s, i, o| {
+    let (out, lse) = o.split_at_mut(1);
+    out[0].copy_from_slice(i[0]);
+    lse[0].copy_from_slice(i[1]);
+    merge(s.head_dim, out[0], lse[0], i[2], i[3])
+}; cuda |s, c| {
+    let rows = c.output_len(1);
+    for (a, n) in [(Arg::Input(0), rows * s.head_dim), (Arg::Stats(1), rows), (Arg::Input(2), rows * s.head_dim), (Arg::Stats(3), rows)] {
+        c.at_least(a, n)?;
+    }
+    // SAFETY: the outputs have `rows · head_dim` and `rows` elements (their shapes), and every
+    // input at least as many as the output it is merged into (checked).
+    unsafe {
+        c.launch(
+            "attention_merge",
+            "attention_merge",
+            Grid::Items(rows * s.head_dim),
+            &[Arg::Input(0), Arg::Stats(1), Arg::Input(2), Arg::Stats(3), Arg::Output(0), Arg::Output(1), Arg::U64(rows), Arg::U64(s.head_dim)],
+        )
+    }
 });
 
 /// Whether an attention op runs on bf16 storage directly: every input is
@@ -226,6 +248,43 @@ pub fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, lse:
     let dv = r.pop().expect("three outputs");
     let dk = r.pop().expect("three outputs");
     Ok((r.pop().expect("three outputs"), dk, dv))
+}
+
+/// Folds a partial attention into another of the same queries over a
+/// disjoint set of keys: with `l = log(e^{lse} + e^{lse_b})`, returns
+/// `(e^{lse − l}·out + e^{lse_b − l}·out_b, l)`, which is attention over
+/// both key sets together. Ring attention ([context
+/// parallelism](https://arxiv.org/abs/2310.01889)) folds in one key/value
+/// block at a time this way.
+///
+/// `out` and `out_b` are `[.., head_dim]` of one dtype, `lse` and `lse_b`
+/// their log-sum-exps (`out`'s dimensions but the last), as [`attention`]
+/// returns them. The result has `out`'s dtype: keep the running `out` in
+/// f32 when the partials are half precision, so that rounding happens once.
+/// A row whose `lse_b` is `−∞` (it saw no key) is left as it was.
+pub fn attention_merge(out: &Tensor, lse: &Tensor, out_b: &Tensor, lse_b: &Tensor) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "attention_merge";
+    let Some((&head_dim, rows)) = out.dims().split_last() else {
+        return Err(Error::shape(OP, "the output must have at least one dimension (head_dim)"));
+    };
+    if lse.dims() != rows || lse_b.dims() != rows {
+        return Err(Error::shape(
+            OP,
+            format!("log-sum-exps {} and {} for an output {}; each must be the output's shape without head_dim", lse.shape(), lse_b.shape(), out.shape()),
+        ));
+    }
+    check_same_shape(OP, "the two outputs", out, out_b)?;
+    if out.dtype() != out_b.dtype() {
+        return Err(Error::DType {
+            op: OP,
+            expected: out.dtype().to_string(),
+            got: out_b.dtype(),
+            hint: "; convert the partial output to the running one's dtype first",
+        });
+    }
+    let mut r = run(OP, &AttnMerge { head_dim }, &[out, lse, out_b, lse_b], &[(out.shape().clone(), Out::Primary), (lse.shape().clone(), Out::Compute)])?;
+    let l = r.pop().expect("two outputs");
+    Ok((r.pop().expect("two outputs"), l))
 }
 
 /// The heads of a fused self-attention projection: a tensor

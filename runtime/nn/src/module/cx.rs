@@ -2,7 +2,7 @@
 
 use super::deferred::{Job, WeightGrads};
 use super::overlap::InFlight;
-use super::{Param, Shard};
+use super::{ContextSplit, Param, Shard, TokenRun};
 use std::sync::{Arc, Mutex};
 use tessera_core::tensor::{DType, Tensor};
 use tessera_core::Result;
@@ -157,6 +157,41 @@ impl Cx {
     /// The tensor-parallel group.
     pub fn tp(&self) -> &dyn Communicator {
         &*self.groups.tp
+    }
+
+    /// The context-parallel group: the ranks each sequence is split over.
+    pub fn cp(&self) -> &dyn Communicator {
+        &*self.groups.cp
+    }
+
+    /// How each sequence is split over the context-parallel group (see
+    /// [`ContextSplit`](super::ContextSplit)).
+    pub fn context_split(&self) -> ContextSplit {
+        ContextSplit::new(self.groups.cp.rank(), self.groups.cp.size()).expect("a communicator's rank is below its size")
+    }
+
+    /// Where the `len` tokens of each sequence of a `[batch, len, ..]`
+    /// activation of this rank lie in the global sequence: `sliced` says
+    /// whether the activation is a sequence-parallel slice (see
+    /// [`sequence_split`](Self::sequence_split)) of the rank's share rather
+    /// than all of it. One run of `0..len` without context or sequence
+    /// parallelism.
+    pub fn token_runs(&self, len: usize, sliced: bool) -> Result<Vec<TokenRun>> {
+        let split = self.context_split();
+        let (share, start) = if sliced && self.sequence_split() { (len * self.tp().size(), len * self.tp().rank()) } else { (len, 0) };
+        split.window(share, start, len)
+    }
+
+    /// The length of the global sequence of which a rank's activation holds
+    /// `len` tokens (see [`token_runs`](Self::token_runs)).
+    pub fn global_seq_len(&self, len: usize, sliced: bool) -> usize {
+        let share = if sliced && self.sequence_split() { len * self.tp().size() } else { len };
+        share * self.groups.cp.size()
+    }
+
+    /// The global position of each of those tokens (see [`token_runs`](Self::token_runs)).
+    pub fn token_positions(&self, len: usize, sliced: bool) -> Result<Vec<u32>> {
+        Ok(self.token_runs(len, sliced)?.iter().flat_map(|r| (r.global..r.global + r.len).map(|p| p as u32)).collect())
     }
 
     /// The seed of dropout and every other randomness of the run.

@@ -6,6 +6,7 @@
 //! and a `#[forward]` body, from which the macros generate the same trait.
 
 mod call;
+mod context;
 mod cx;
 mod decode;
 mod deferred;
@@ -22,6 +23,7 @@ mod stage;
 mod visit;
 
 pub use call::{call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, fed, Feeds, Kept, KeptCall, Recompute};
+pub use context::{ContextSplit, TokenRun};
 pub use cx::{Cx, Hooks, RecomputeOverride};
 pub use decode::{Decode, KvCache, KvLayer};
 pub use deferred::WeightGrads;

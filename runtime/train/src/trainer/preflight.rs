@@ -19,7 +19,7 @@ use tessera_parallel::pipeline::ScheduleKind;
 /// allocated.
 pub(super) fn check<M: Staged>(cfg: &TrainConfig, vocab: usize, build: impl Fn(&Cx, usize, usize) -> Result<M>) -> Result<Mesh> {
     let world = cfg.mesh.world_size();
-    let mesh = Mesh::parse(&format!("pp{},dp{},ep{},tp{}", cfg.mesh.pp, cfg.mesh.dp, cfg.mesh.ep, cfg.mesh.tp), world, world)?;
+    let mesh = Mesh::parse(&cfg.mesh.spec(), world, world)?;
 
     let kind = cfg.mesh.schedule_kind()?;
     let schedule = kind.build(cfg.mesh.pp, cfg.batch.grad_accum).map_err(|e| {

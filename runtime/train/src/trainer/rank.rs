@@ -78,7 +78,8 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         let (dev, groups) = shared.ranks.take(shared.mesh, rank)?;
         let c = shared.mesh.coords(rank)?;
         let (d, e, stage) = (c[Axis::Dp], c[Axis::Ep], c[Axis::Pp]);
-        let (dp, ep, pp) = (cfg.mesh.dp, cfg.mesh.ep, cfg.mesh.pp);
+        // `dp`: the ranks gradients are averaged over (data × context parallel).
+        let (dp, ep, pp) = (cfg.mesh.dp * cfg.mesh.cp, cfg.mesh.ep, cfg.mesh.pp);
         let (tp_group, dp_group, ep_group, pp_group) = (groups.tp.clone(), groups.dp.clone(), groups.ep.clone(), groups.pp.clone());
         let replicas_group = groups.replicas.clone();
         let outer = cfg.local_sgd.outer()?;
@@ -147,7 +148,8 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         } else {
             None
         };
-        let replica = Replica { index: d * ep + e, count: dp * ep };
+        // Context-parallel ranks read the same rows (each keeps its chunks of them).
+        let replica = Replica { index: d * ep + e, count: cfg.mesh.dp * ep };
         let batches = (trainer.batches)(replica)?;
         Ok(RankRun {
             trainer,
@@ -337,10 +339,12 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         let micro = cfg.batch.grad_accum;
         let mut inputs = Vec::with_capacity(micro);
         let mut targets = Vec::with_capacity(micro);
+        // Under context parallelism each rank keeps its chunks of every sequence.
+        let context = self.cx.context_split();
         for _ in 0..micro {
             let (x, y) = self.state.batches.next_batch(&self.dev)?;
-            inputs.push(x);
-            targets.push(y);
+            inputs.push(context.local_of(&x, 1)?);
+            targets.push(context.local_of(&y, 1)?);
         }
         let scale = self.state.scaler.as_ref().map_or(1.0, |s| s.scale());
         let vocab = trainer.facts.vocab;
@@ -393,7 +397,10 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         for g in [&self.dp, &self.ep, &self.pp] {
             t = g.all_reduce_sum(&t)?;
         }
-        let loss = t.to_scalar()? / self.replica.count as f64;
+        // Every rank of the data-parallel group (dp × cp) and the expert
+        // group added its mean: context-parallel ranks the means over their
+        // chunks, which average to the sequences' mean.
+        let loss = t.to_scalar()? / (self.dp.size() * self.ep.size()) as f64;
         Ok(Pass { started, lr, loss, grad_norm: None, report, sync })
     }
 
