@@ -36,6 +36,10 @@ struct Args {
     /// Pipeline stages (divide the layers).
     #[arg(long, default_value_t = 2)]
     pp: usize,
+    /// Context-parallel degree: each sequence split over this many ranks,
+    /// attention around their ring (2 · cp must divide the 16 tokens).
+    #[arg(long, default_value_t = 1)]
+    cp: usize,
     /// Sequence parallelism on the tensor-parallel group.
     #[arg(long)]
     sp: bool,
@@ -196,7 +200,7 @@ enum Sync {
 fn run_rank(args: &Args, sync: Sync, world: &InProcess, mesh: &Mesh, rank: usize, log: &Mutex<Vec<(usize, f64)>>) -> Result<RankReport> {
     let dev = Device::cpu();
     let c = mesh.coords(rank)?;
-    let (d, t, stage) = (c[Axis::Dp], c[Axis::Tp], c[Axis::Pp]);
+    let (d, t, stage, k) = (c[Axis::Dp], c[Axis::Tp], c[Axis::Pp], c[Axis::Cp]);
     let groups: Groups = mesh_groups(world, mesh, rank, &dev)?;
     let (tp, dp) = (groups.tp.clone(), groups.dp.clone());
     let kind = args.schedule()?;
@@ -221,9 +225,11 @@ fn run_rank(args: &Args, sync: Sync, world: &InProcess, mesh: &Mesh, rank: usize
         if step == warm_up_steps(args.steps) {
             timing_from = Instant::now();
         }
+        // Each context-parallel rank keeps its chunks of every sequence.
         let seqs: Vec<_> = (0..args.microbatches).map(|i| sequence(step, d * args.microbatches + i)).collect();
-        let inputs: Vec<Tensor> = seqs.iter().map(|(x, _)| Tensor::from_vec(x.clone(), [1, SEQ], &dev)).collect::<tessera::Result<_>>()?;
-        let targets: Vec<Tensor> = seqs.iter().map(|(_, y)| Tensor::from_vec(y.clone(), [1, SEQ], &dev)).collect::<tessera::Result<_>>()?;
+        let local = |v: &[u32]| cx.context_split().local_of(&Tensor::from_vec(v.to_vec(), [1, SEQ], &dev)?, 1);
+        let inputs: Vec<Tensor> = seqs.iter().map(|(x, _)| local(x)).collect::<tessera::Result<_>>()?;
+        let targets: Vec<Tensor> = seqs.iter().map(|(_, y)| local(y)).collect::<tessera::Result<_>>()?;
         let m = args.microbatches as f64;
         let report = run_stage(&model, &mut cx, &schedule, stage, &inputs, |mb, out| {
             let (l, saved) = vocab_parallel_cross_entropy(&*tp, out, &targets[mb], VOCAB, None)?;
@@ -243,8 +249,9 @@ fn run_rank(args: &Args, sync: Sync, world: &InProcess, mesh: &Mesh, rank: usize
         opt.zero_grad();
         if stage == args.pp - 1 {
             let local = report.losses.iter().map(|(_, l)| l).sum::<f64>() / m;
-            let mean = dp.all_reduce_sum(&Tensor::from_vec(vec![local], [1], &dev)?)?.to_scalar()? / args.dp as f64;
-            if d == 0 && t == 0 {
+            // Over the data-parallel group: the replicas and their cp ranks.
+            let mean = dp.all_reduce_sum(&Tensor::from_vec(vec![local], [1], &dev)?)?.to_scalar()? / dp.size() as f64;
+            if d == 0 && t == 0 && k == 0 {
                 log.lock().expect("log").push((step, mean));
             }
         }
@@ -252,7 +259,7 @@ fn run_rank(args: &Args, sync: Sync, world: &InProcess, mesh: &Mesh, rank: usize
     let timed = timing_from.elapsed();
     Ok(RankReport {
         rank,
-        coords: format!("dp{d} tp{t} pp{stage}"),
+        coords: if args.cp > 1 { format!("dp{d} cp{k} tp{t} pp{stage}") } else { format!("dp{d} tp{t} pp{stage}") },
         peak_bytes: dev.memory_stats().peak,
         param_bytes,
         dp_comm,
@@ -308,7 +315,8 @@ fn run(args: &Args, sync: Sync, mesh: &Mesh) -> Result<Run> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    ensure!(args.dp > 0 && args.tp > 0 && args.pp > 0 && args.steps > 0, "--dp, --tp, --pp and --steps must each be at least 1");
+    ensure!(args.dp > 0 && args.tp > 0 && args.pp > 0 && args.cp > 0 && args.steps > 0, "--dp, --tp, --pp, --cp and --steps must each be at least 1");
+    ensure!(SEQ.is_multiple_of(2 * args.cp), "--cp {} cuts the {SEQ}-token sequences into 2 · cp chunks; use 1, 2, 4 or 8", args.cp);
     ensure!(args.tp_overlap > 0, "--tp-overlap must be at least 1 (1: whole collectives)");
     ensure!(
         args.tp_overlap == 1 || (args.sp && args.tp > 1),
@@ -320,8 +328,8 @@ fn main() -> Result<()> {
         LAYERS.is_multiple_of(virtual_stages),
         "{LAYERS} layers do not split over {virtual_stages} virtual pipeline stages; use a --pp (times --chunks when interleaved) that divides {LAYERS}"
     );
-    let world_size = args.dp * args.tp * args.pp;
-    let mesh = Mesh::parse(&format!("dp{},tp{},pp{}", args.dp, args.tp, args.pp), world_size, world_size)?;
+    let world_size = args.dp * args.cp * args.tp * args.pp;
+    let mesh = Mesh::parse(&format!("dp{},cp{},tp{},pp{}", args.dp, args.cp, args.tp, args.pp), world_size, world_size)?;
     println!(
         "training a {LAYERS}-layer GPT (hidden {DIM}, vocab {VOCAB}) on {world_size} ranks: {mesh}{}, {} schedule",
         if args.sp { " + sequence parallel" } else { "" },

@@ -212,6 +212,9 @@ fn describe_layout(l: &Layout) -> String {
     if l.ep > 1 {
         s += &format!(" ep{}", l.ep);
     }
+    if l.cp > 1 {
+        s += &format!(" cp{}", l.cp);
+    }
     if l.sp {
         s += " sp";
     }
@@ -289,7 +292,7 @@ fn plan_toml(text: &str, best: &Estimate) -> anyhow::Result<String> {
         }
     };
     let mut mesh = table(&mut doc, "mesh")?;
-    for (k, v) in [("dp", l.dp), ("tp", l.tp), ("pp", l.pp), ("ep", l.ep)] {
+    for (k, v) in [("dp", l.dp), ("tp", l.tp), ("pp", l.pp), ("ep", l.ep), ("cp", l.cp)] {
         mesh.insert(k.into(), toml::Value::Integer(v as i64));
     }
     mesh.insert("sp".into(), toml::Value::Boolean(l.sp));

@@ -12,7 +12,7 @@
             const u64 r = i / head_dim;                                                                             \
             const float la = lse_a[r], lb = lse_b[r];                                                               \
             float value = to_f32(out_a[i]), l = la;                                                                 \
-            if (lb != -INFINITY) {                                                                                  \
+            if (lb != __uint_as_float(0xff800000u)) { /* -inf: the partial saw no key */                       \
                 const float m = fmaxf(la, lb), wa = expf(la - m), wb = expf(lb - m), sum = wa + wb;                  \
                 value = (wa / sum) * value + (wb / sum) * to_f32(out_b[i]);                                         \
                 l = m + logf(sum);                                                                                  \

@@ -666,3 +666,27 @@ device_test! {
         }
     }
 }
+
+// Ring attention's merge: two partial attentions of the same queries over
+// the two halves of their keys, merged on the GPU, against the CPU's merge,
+// in every dtype (the log-sum-exps in f32).
+device_test! {
+    fn attention_merge_matches_the_cpu(dev: &Device) {
+        for dtype in FLOATS {
+            let (q, dq) = pair(dev, &[2, 4, 5, 8], dtype, 80);
+            let (k, dk) = pair(dev, &[2, 2, 12, 8], dtype, 81);
+            let (v, dv) = pair(dev, &[2, 2, 12, 8], dtype, 82);
+            let opts = ops::AttnOpts { causal: false, scale: None };
+            let halves = |x: &Tensor| (x.narrow(2, 0, 6).unwrap(), x.narrow(2, 6, 6).unwrap());
+            let ((k1, k2), (v1, v2), (dk1, dk2), (dv1, dv2)) = (halves(&k), halves(&v), halves(&dk), halves(&dv));
+            let (o1, l1) = ops::attention(&q, &k1, &v1, opts).unwrap();
+            let (o2, l2) = ops::attention(&q, &k2, &v2, opts).unwrap();
+            let (want, want_lse) = ops::attention_merge(&o1, &l1, &o2, &l2).unwrap();
+            let (go1, gl1) = ops::attention(&dq, &dk1, &dv1, opts).unwrap();
+            let (go2, gl2) = ops::attention(&dq, &dk2, &dv2, opts).unwrap();
+            let (got, got_lse) = ops::attention_merge(&go1, &gl1, &go2, &gl2).unwrap();
+            assert_close(&format!("attention_merge {dtype}: output"), &want, &got, dev, tolerance(dtype));
+            assert_close(&format!("attention_merge {dtype}: log-sum-exp"), &want_lse, &got_lse, dev, 1e-5);
+        }
+    }
+}

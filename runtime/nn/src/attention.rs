@@ -1,6 +1,6 @@
 //! Causal grouped-query self-attention on packed query/key/value projections.
 
-use crate::module::{Act, Activation, Cx, Describe, Module, Plain, SplitHidden, Visitor};
+use crate::module::{Act, Activation, CollectiveKind, Cx, Describe, Group, Module, Pass, Plain, SplitHidden, Visitor};
 use std::fmt;
 use tessera_core::ops::{self, AttnOpts, QkvHeads, Rope};
 use tessera_core::tensor::Tensor;
@@ -349,8 +349,9 @@ impl Module<Plain> for CausalAttention {
     }
 
     /// Causal attention over sequences of the settings' length: `QKᵀ` and
-    /// `PV` over the `(T+1)/2` keys a query sees on average, 2.5 times that
-    /// backward. It keeps the (rotated) projections, its output and the
+    /// `PV` over the `(T+1)/2` keys a query sees on average (under context
+    /// parallelism too: the split is balanced), 2.5 times that backward;
+    /// with context parallelism, the ring's key/value blocks. It keeps the (rotated) projections, its output and the
     /// log-sum-exp, or under selective recompute only its input, and runs
     /// again in the backward.
     fn describe(&self, d: &mut Describe, x: Activation) -> Result<Activation> {
@@ -372,6 +373,18 @@ impl Module<Plain> for CausalAttention {
             }
             None => x,
         };
+        if d.settings().cp > 1 {
+            // Ring attention: this rank's keys and values travel around the
+            // ring (cp − 1 hops) beside the blocks' attention, and again in
+            // the backward with their gradients, which travel in f32 and
+            // make one hop more, back to their owner: per hop, on average,
+            // `cp / (cp − 1)` of them.
+            let cp = d.settings().cp as f64;
+            let kv = x.bytes() * (2 * h.kv) as f64 / h.total() as f64;
+            let kv_grads = (2 * h.kv * h.d) as f64 * 4.0 * x.tokens * cp / (cp - 1.0);
+            d.collective_beside(CollectiveKind::Ring, Group::Cp, Pass::Forward, kv, forward);
+            d.collective_beside(CollectiveKind::Ring, Group::Cp, Pass::Backward, kv + kv_grads, 2.5 * forward);
+        }
         let out = d.output(h.q * h.d, x.tokens);
         if d.selective() {
             d.save(&x);

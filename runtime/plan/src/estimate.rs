@@ -26,10 +26,16 @@
 //! their gradient, the layer a recompute brings back, and the backward's
 //! working buffers.
 //!
-//! Groups sit in the mesh order Tessera builds (`dp × ep × pp × tp`, tensor
-//! parallel innermost), so tensor-parallel groups fill a node first, and a
-//! group's link is the node's or the one between nodes by where it falls
+//! Groups sit in the mesh order `dp × ep × cp × pp × tp` (tensor parallel
+//! innermost), so tensor-parallel groups fill a node first, and a group's
+//! link is the node's or the one between nodes by where it falls
 //! ([`ClusterProfile::link`]).
+//!
+//! Context parallelism gives each rank `1/cp` of every sequence's tokens:
+//! everything per token (FLOPs, activations, logits) is counted over those,
+//! attention's FLOPs per token stay those of the whole sequence (the split
+//! balances them), its key/value ring is a collective of the cp group, and
+//! the cp ranks are data replicas for the gradients and ZeRO's shards.
 
 use crate::collective::Collective;
 use crate::memory::{model_states, Precision, StateBytes, ZeroStage};
@@ -50,6 +56,9 @@ pub struct Layout {
     pub pp: usize,
     /// Expert-parallel degree (its ranks are data-parallel replicas too).
     pub ep: usize,
+    /// Context-parallel degree: every sequence split over `cp` ranks (for
+    /// the gradients, replicas too).
+    pub cp: usize,
     /// Sequence parallelism over the tensor-parallel group.
     pub sp: bool,
     /// The pipeline schedule (its chunks are the virtual stages per stage).
@@ -76,7 +85,23 @@ pub struct Layout {
 impl Layout {
     /// Ranks the layout runs on.
     pub fn world(&self) -> usize {
-        self.dp * self.ep * self.pp * self.tp
+        self.dp * self.ep * self.cp * self.pp * self.tp
+    }
+
+    /// Tokens of a micro-batch on one rank (its share under context parallelism).
+    pub fn tokens(&self) -> f64 {
+        (self.micro_batch * self.seq_len) as f64 / self.cp as f64
+    }
+
+    /// The ranks holding the same dense parameters, over which their
+    /// gradients are summed and ZeRO shards them: dp × cp × ep.
+    fn dense_replicas(&self) -> usize {
+        self.dp * self.cp * self.ep
+    }
+
+    /// The ranks holding the same experts: dp × cp.
+    fn expert_replicas(&self) -> usize {
+        self.dp * self.cp
     }
 
     /// Sequences per step over all replicas.
@@ -91,7 +116,7 @@ impl Layout {
 
     /// The description a layout asks of the model.
     pub fn settings(&self) -> CostSettings {
-        CostSettings { tp: self.tp, sp: self.sp, ep: self.ep, seq_len: self.seq_len, dtype: self.compute, recompute: self.recompute }
+        CostSettings { tp: self.tp, sp: self.sp, ep: self.ep, cp: self.cp, seq_len: self.seq_len, dtype: self.compute, recompute: self.recompute }
     }
 
     /// Bytes per parameter of the model states.
@@ -111,7 +136,8 @@ pub struct StepTime {
     pub step: f64,
     /// Forward, backward and recompute on the slowest stage, all micro-batches.
     pub compute: f64,
-    /// Tensor- and expert-parallel collectives on the critical path.
+    /// Tensor- and expert-parallel collectives and the context-parallel
+    /// ring on the critical path.
     pub model_comm: f64,
     /// The pipeline's idle time on the slowest stage (fill and drain) and
     /// its transfers.
@@ -208,7 +234,7 @@ fn stages_of(part: StagePart, l: &Layout) -> Vec<usize> {
 }
 
 fn place(cost: &ModelCost, l: &Layout) -> Placed {
-    let tokens = (l.micro_batch * l.seq_len) as f64;
+    let tokens = l.tokens();
     let mut saved = vec![0.0; l.pp * l.chunks()];
     for layer in &cost.layers {
         for k in stages_of(layer.stage, l) {
@@ -268,7 +294,7 @@ pub fn memory(cost: &ModelCost, layout: &Layout) -> Result<StepMemory> {
 /// one prefetched, each as gathered rows and as assembled tensors.
 fn memory_of(cost: &ModelCost, layout: &Layout, placed: &Placed) -> Result<StepMemory> {
     let l = layout;
-    let tokens = (l.micro_batch * l.seq_len) as f64;
+    let tokens = l.tokens();
     let bytes = l.compute.size_in_bytes() as f64;
     let chunks = l.chunks();
     let schedule = if l.pp > 1 { Some(l.schedule.build(l.pp, l.grad_accum)?) } else { None };
@@ -276,7 +302,8 @@ fn memory_of(cost: &ModelCost, layout: &Layout, placed: &Placed) -> Result<StepM
     let accumulating = l.grad_accum > 1;
     let mut worst = StepMemory::default();
     for s in 0..l.pp {
-        let full = add(model_states(placed.dense[s], l.dp * l.ep, l.zero, precision), model_states(placed.experts[s], l.dp, l.zero, precision));
+        let full =
+            add(model_states(placed.dense[s], l.dense_replicas(), l.zero, precision), model_states(placed.experts[s], l.expert_replicas(), l.zero, precision));
         let mut with_grads = full;
         if l.zero >= ZeroStage::Two && accumulating {
             // Gradients accumulate whole over the micro-batches; only the
@@ -288,9 +315,9 @@ fn memory_of(cost: &ModelCost, layout: &Layout, placed: &Placed) -> Result<StepM
         let chunk_saved = (0..chunks).map(|c| placed.saved[c * l.pp + s]).fold(0.0, f64::max);
         let logits = if s == l.pp - 1 { 2.0 * cost.output_bytes * tokens } else { 0.0 };
         let module_grad = placed.largest_module[s] * precision.grad * if accumulating { 2.0 } else { 1.0 };
-        let gathered = if l.zero >= ZeroStage::Three && l.dp * l.ep > 1 { 4.0 * placed.largest_module[s] * precision.param } else { 0.0 };
+        let gathered = if l.zero >= ZeroStage::Three && l.dense_replicas() > 1 { 4.0 * placed.largest_module[s] * precision.param } else { 0.0 };
         let workspace = cost.recompute_peak_bytes * tokens + 2.0 * cost.boundary_bytes.max(bytes) * tokens + module_grad + gathered;
-        let buckets = if l.dp * l.ep > 1 { 2.0 * l.bucket_bytes as f64 } else { 0.0 };
+        let buckets = if l.dense_replicas() > 1 { 2.0 * l.bucket_bytes as f64 } else { 0.0 };
 
         // The stage's forwards and backwards in order (one micro-batch after
         // another without a pipeline).
@@ -374,6 +401,8 @@ fn collective_seconds(kind: CollectiveKind, link: &Link, size: usize, bytes: f64
         CollectiveKind::ReduceScatter => Collective::ReduceScatter,
         CollectiveKind::AllGather => Collective::AllGather,
         CollectiveKind::AllToAll => Collective::AllToAll,
+        // A block to the next rank, `size − 1` times in sequence.
+        CollectiveKind::Ring => return (size - 1) as f64 * Collective::SendRecv.seconds(link, 2, bytes),
     };
     op.seconds(link, size, bytes)
 }
@@ -382,23 +411,31 @@ fn collective_seconds(kind: CollectiveKind, link: &Link, size: usize, bytes: f64
 /// `layout.settings()`) and `model_flops_per_token`, on `cluster`.
 pub fn estimate(cost: &ModelCost, model_flops_per_token: f64, layout: &Layout, cluster: &ClusterProfile) -> Result<Estimate> {
     let l = layout;
-    for (name, v) in
-        [("dp", l.dp), ("tp", l.tp), ("pp", l.pp), ("ep", l.ep), ("micro_batch", l.micro_batch), ("grad_accum", l.grad_accum), ("seq_len", l.seq_len)]
-    {
+    for (name, v) in [
+        ("dp", l.dp),
+        ("tp", l.tp),
+        ("pp", l.pp),
+        ("ep", l.ep),
+        ("cp", l.cp),
+        ("micro_batch", l.micro_batch),
+        ("grad_accum", l.grad_accum),
+        ("seq_len", l.seq_len),
+    ] {
         if v == 0 {
             return Err(Error::config(name, "must be at least 1"));
         }
     }
     let chunks = l.chunks();
     let virtual_stages = l.pp * chunks;
-    let tokens = (l.micro_batch * l.seq_len) as f64;
+    let tokens = l.tokens();
     let bytes = l.compute.size_in_bytes() as f64;
 
-    // The groups' links, in the mesh order dp × ep × pp × tp.
+    // The groups' links, in the mesh order dp × ep × cp × pp × tp.
     let tp_link = cluster.link(l.tp, 1, l.world())?;
     let pp_link = cluster.link(l.pp.min(2), l.tp, l.world())?;
-    let ep_link = cluster.link(l.ep, l.tp * l.pp, l.world())?;
-    let dp_link = cluster.link(l.dp * l.ep, l.tp * l.pp, l.world())?;
+    let cp_link = cluster.link(l.cp, l.tp * l.pp, l.world())?;
+    let ep_link = cluster.link(l.ep, l.tp * l.pp * l.cp, l.world())?;
+    let dp_link = cluster.link(l.dense_replicas(), l.tp * l.pp, l.world())?;
 
     // The product shape that stands for the model's: a micro-batch's tokens
     // against the width the pipeline hands on, the MLP's width split over tp.
@@ -440,6 +477,7 @@ pub fn estimate(cost: &ModelCost, model_flops_per_token: f64, layout: &Layout, c
         let (link, size) = match c.group {
             Group::Tp => (tp_link, l.tp),
             Group::Ep => (ep_link, l.ep),
+            Group::Cp => (cp_link, l.cp),
         };
         let mut seconds = collective_seconds(c.kind, link, size, c.bytes_per_token * tokens + c.bytes_per_micro_batch);
         if link.overlaps_compute {
@@ -509,7 +547,7 @@ pub fn estimate(cost: &ModelCost, model_flops_per_token: f64, layout: &Layout, c
             let gathers = if l.zero >= ZeroStage::Three { 2.0 * l.grad_accum as f64 * Collective::AllGather.seconds(dp_link, size, g) } else { 0.0 };
             reduce + gathers
         };
-        group(dense[s], l.dp * l.ep) + group(experts[s], l.dp)
+        group(dense[s], l.dense_replicas()) + group(experts[s], l.expert_replicas())
     };
     let dp_total = (0..l.pp).map(dp_time).fold(0.0, f64::max);
     let hidden = if dp_link.overlaps_compute { backward.min(dp_total) } else { 0.0 };
@@ -519,7 +557,7 @@ pub fn estimate(cost: &ModelCost, model_flops_per_token: f64, layout: &Layout, c
     // its traffic: parameter, gradient and both moments read, three
     // written), after the gradient norm's pass over every gradient.
     let replicas = |n: usize| if l.zero >= ZeroStage::One { n as f64 } else { 1.0 };
-    let optimizer_params = (0..l.pp).map(|s| dense[s] / replicas(l.dp * l.ep) + experts[s] / replicas(l.dp)).fold(0.0, f64::max);
+    let optimizer_params = (0..l.pp).map(|s| dense[s] / replicas(l.dense_replicas()) + experts[s] / replicas(l.expert_replicas())).fold(0.0, f64::max);
     let held = (0..l.pp).map(|s| dense[s] + experts[s]).fold(0.0, f64::max);
     let update = match cluster.device.optimizer_rate {
         Some(rate) => optimizer_params / rate,
@@ -555,7 +593,7 @@ mod tests {
     use super::*;
     use crate::profile::DeviceProfile;
     use std::collections::BTreeMap;
-    use tessera_nn::module::{LayerCost, ParamCost, RoleKind};
+    use tessera_nn::module::{CollectiveCost, LayerCost, ParamCost, RoleKind};
 
     /// A stack of `layers` layers, each `flops` forward (twice that
     /// backward), keeping `saved` bytes and holding `params` parameters, per token.
@@ -634,6 +672,7 @@ mod tests {
             tp: 1,
             pp,
             ep: 1,
+            cp: 1,
             sp: false,
             schedule,
             micro_batch: 1,
@@ -784,5 +823,33 @@ mod tests {
         let states = model_states(2000.0, 2, ZeroStage::One, Precision::F32_ADAMW);
         assert_eq!(update.states, states);
         assert!((update.workspace - 4.0 * 2000.0).abs() < 1e-9, "{update:?}");
+    }
+    #[test]
+    fn context_parallelism_divides_the_tokens_and_shards_the_state_like_replicas() {
+        // seq 10 over cp2: each rank keeps 5 tokens' activations, and ZeRO
+        // shards over the two cp ranks as over two data replicas.
+        let one = peak(Layout { zero: ZeroStage::One, ..layout(1, 1, 1, ScheduleKind::OneFOneB) });
+        let cp2 = peak(Layout { cp: 2, zero: ZeroStage::One, ..layout(1, 1, 1, ScheduleKind::OneFOneB) });
+        assert_eq!((one.activations, cp2.activations), (2.0 * 1e4 * 10.0, 2.0 * 1e4 * 5.0));
+        assert_eq!((one.states.optimizer, cp2.states.optimizer), (16_000.0, 8_000.0), "the moments sharded over 2 ranks");
+        // The ring costs time over the cp link, less the attention beside it
+        // when the link overlaps compute; one rank has none.
+        let mut cost = stack(2, 100.0, 1e4, 1000);
+        let ring = |pass| CollectiveCost {
+            path: "h.0".into(),
+            stage: StagePart::Whole,
+            kind: CollectiveKind::Ring,
+            group: Group::Cp,
+            pass,
+            bytes_per_token: 100.0,
+            bytes_per_micro_batch: 0.0,
+            beside_flops: 0.0,
+        };
+        cost.collectives = vec![ring(Pass::Forward), ring(Pass::Backward)];
+        let l = |cp| Layout { cp, ..layout(1, 1, 1, ScheduleKind::OneFOneB) };
+        let time = |cp| estimate(&cost, 1.0, &l(cp), &cluster(1e12, false)).unwrap().time.model_comm;
+        assert_eq!(time(1), 0.0);
+        // cp4: 3 hops each way of 100 bytes × 10/4 tokens at 1 GB/s.
+        assert!((time(4) - 2.0 * 3.0 * 250.0 / 1e9).abs() < 1e-15, "{}", time(4));
     }
 }

@@ -19,6 +19,8 @@ pub struct Fixed {
     pub pp: Option<usize>,
     /// Expert-parallel degree.
     pub ep: Option<usize>,
+    /// Context-parallel degree.
+    pub cp: Option<usize>,
     /// Sequence parallelism.
     pub sp: Option<bool>,
     /// The pipeline schedules allowed (`interleaved` fixes the kind, any
@@ -46,10 +48,10 @@ pub enum ScheduleName {
 }
 
 /// The keys [`Fixed::parse`] takes.
-pub const KEYS: &str = "dp, tp, pp, ep, sp, schedule, micro_batch, recompute, zero";
+pub const KEYS: &str = "dp, tp, pp, ep, cp, sp, schedule, micro_batch, recompute, zero";
 
 impl Fixed {
-    /// Parses `KEY=VALUE` items: `dp`, `tp`, `pp`, `ep` and `micro_batch`
+    /// Parses `KEY=VALUE` items: `dp`, `tp`, `pp`, `ep`, `cp` and `micro_batch`
     /// (positive integers), `sp` (`true`/`false`), `schedule` (`gpipe`,
     /// `1f1b`, `interleaved`, `zb-h1`, or several comma-separated), `recompute` (`none`, `declared`, `full`),
     /// `zero` (0 to 3). A key given twice, an unknown key or a bad value is
@@ -68,6 +70,7 @@ impl Fixed {
                 "tp" => f.tp.replace(degree()?).is_some(),
                 "pp" => f.pp.replace(degree()?).is_some(),
                 "ep" => f.ep.replace(degree()?).is_some(),
+                "cp" => f.cp.replace(degree()?).is_some(),
                 "micro_batch" => f.micro_batch.replace(degree()?).is_some(),
                 "sp" => f.sp.replace(value.parse::<bool>().map_err(|_| bad(format!("sp takes true or false, not `{value}`")))?).is_some(),
                 "schedule" => {
@@ -124,6 +127,7 @@ impl Fixed {
             && same(self.tp, l.tp)
             && same(self.pp, l.pp)
             && same(self.ep, l.ep)
+            && same(self.cp, l.cp)
             && same(self.micro_batch, l.micro_batch)
             && self.sp.is_none_or(|s| s == l.sp)
             // A schedule is fixed for pipelines; one stage has none.
@@ -159,6 +163,7 @@ mod tests {
             tp: 8,
             pp: 2,
             ep: 1,
+            cp: 1,
             sp: false,
             schedule: ScheduleKind::Interleaved { chunks: 2 },
             micro_batch: 1,

@@ -98,9 +98,34 @@ fn divisors(n: usize) -> Vec<usize> {
     (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
+/// The least of each sequence a context-parallel rank keeps when the
+/// search picks the degree: a ring step's attention grows with the square
+/// of its chunk and its transfer only linearly, and below this the
+/// transfer stops hiding behind the attention on today's devices.
+pub const MIN_CONTEXT_SHARE: usize = 2048;
+
+/// Whether the search tries context-parallel degree `cp` beside tensor
+/// degree `tp`: 1 always; more when it cuts the sequences into `2·cp`
+/// equal chunks and, unless the request fixes it, when the ring shares a
+/// node with the tensor-parallel group and each rank keeps at least
+/// [`MIN_CONTEXT_SHARE`] tokens of every sequence.
+fn context_degree_tried(cp: usize, tp: usize, cluster: &ClusterProfile, request: &Request) -> bool {
+    if cp == 1 {
+        return true;
+    }
+    if !request.seq_len.is_multiple_of(2 * cp) {
+        return false;
+    }
+    request.fixed.cp == Some(cp) || (tp * cp <= cluster.gpus_per_node && request.seq_len / cp >= MIN_CONTEXT_SHARE)
+}
+
 /// Every layout of `model` on `request.nodes` nodes of `cluster` that
-/// Tessera runs: data, tensor, pipeline and expert degrees whose product is
-/// the cluster's devices, sequence parallelism, the pipeline schedules (and
+/// Tessera runs: data, tensor, pipeline, expert and context degrees whose
+/// product is the cluster's devices (a context degree that cuts the
+/// sequences into `2·cp` equal chunks, shares a node with the
+/// tensor-parallel group and leaves each rank at least
+/// [`MIN_CONTEXT_SHARE`] tokens, or one the request fixes), sequence
+/// parallelism, the pipeline schedules (and
 /// virtual stages), micro-batch sizes that divide the batch, the recompute
 /// policies and the ZeRO stages; each estimated, ranked by step time.
 pub fn search(model: &Model<'_>, cluster: &ClusterProfile, request: &Request) -> Result<Ranked> {
@@ -124,62 +149,69 @@ pub fn search(model: &Model<'_>, cluster: &ClusterProfile, request: &Request) ->
         for pp in divisors(world / tp).into_iter().filter(|&pp| pp <= layers) {
             let eps = if model.has_experts { divisors(world / tp / pp) } else { vec![1] };
             for ep in eps {
-                let dp = world / tp / pp / ep;
-                let replicas = dp * ep;
-                if !request.global_batch.is_multiple_of(replicas) {
-                    continue;
-                }
-                let per_replica = request.global_batch / replicas;
-                for sp in if tp > 1 { vec![false, true] } else { vec![false] } {
-                    for recompute in [RecomputeOverride::Off, RecomputeOverride::AsDeclared, RecomputeOverride::Full] {
-                        let settings = CostSettings { tp, sp, ep, seq_len: request.seq_len, dtype: request.compute, recompute };
-                        let Some(cost) = model.cost(settings) else { continue };
-                        for micro_batch in divisors(per_replica) {
-                            let grad_accum = per_replica / micro_batch;
-                            let schedules = if pp == 1 {
-                                vec![ScheduleKind::OneFOneB]
-                            } else {
-                                let mut s = vec![ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::ZeroBubbleH1];
-                                for chunks in [2, 4] {
-                                    if layers >= pp * chunks && grad_accum.is_multiple_of(pp) {
-                                        s.push(ScheduleKind::Interleaved { chunks });
+                let cps = divisors(world / tp / pp / ep).into_iter().filter(|&cp| context_degree_tried(cp, tp, cluster, request));
+                for cp in cps.collect::<Vec<_>>() {
+                    let dp = world / tp / pp / ep / cp;
+                    let replicas = dp * ep;
+                    if !request.global_batch.is_multiple_of(replicas) {
+                        continue;
+                    }
+                    let per_replica = request.global_batch / replicas;
+                    for sp in if tp > 1 { vec![false, true] } else { vec![false] } {
+                        for recompute in [RecomputeOverride::Off, RecomputeOverride::AsDeclared, RecomputeOverride::Full] {
+                            let settings = CostSettings { tp, sp, ep, cp, seq_len: request.seq_len, dtype: request.compute, recompute };
+                            let Some(cost) = model.cost(settings) else { continue };
+                            for micro_batch in divisors(per_replica) {
+                                let grad_accum = per_replica / micro_batch;
+                                let schedules = if pp == 1 {
+                                    vec![ScheduleKind::OneFOneB]
+                                } else {
+                                    let mut s = vec![ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::ZeroBubbleH1];
+                                    for chunks in [2, 4] {
+                                        if layers >= pp * chunks && grad_accum.is_multiple_of(pp) {
+                                            s.push(ScheduleKind::Interleaved { chunks });
+                                        }
                                     }
-                                }
-                                s
-                            };
-                            for schedule in schedules {
-                                if pp > 1 && grad_accum < pp && !matches!(schedule, ScheduleKind::GPipe) {
-                                    // Fewer micro-batches than stages leaves 1F1B no steady state; GPipe covers it.
-                                    continue;
-                                }
-                                let zeros: &[ZeroStage] =
-                                    if replicas > 1 { &[ZeroStage::None, ZeroStage::One, ZeroStage::Two, ZeroStage::Three] } else { &[ZeroStage::None] };
-                                for &zero in zeros {
-                                    let layout = Layout {
-                                        dp,
-                                        tp,
-                                        pp,
-                                        ep,
-                                        sp,
-                                        schedule,
-                                        micro_batch,
-                                        grad_accum,
-                                        seq_len: request.seq_len,
-                                        recompute,
-                                        zero,
-                                        compute: request.compute,
-                                        half_params: request.half_params,
-                                        bucket_bytes: request.bucket_bytes,
-                                    };
-                                    if !request.fixed.admits(&layout) {
+                                    s
+                                };
+                                for schedule in schedules {
+                                    if pp > 1 && grad_accum < pp && !matches!(schedule, ScheduleKind::GPipe) {
+                                        // Fewer micro-batches than stages leaves 1F1B no steady state; GPipe covers it.
                                         continue;
                                     }
-                                    let Ok(e) = estimate(&cost, model_flops, &layout, cluster) else { continue };
-                                    considered += 1;
-                                    if e.memory.total() <= budget {
-                                        fits.push(e);
-                                    } else if over.as_ref().is_none_or(|o| e.memory.total() < o.memory.total()) {
-                                        over = Some(e);
+                                    let zeros: &[ZeroStage] = if replicas * cp > 1 {
+                                        &[ZeroStage::None, ZeroStage::One, ZeroStage::Two, ZeroStage::Three]
+                                    } else {
+                                        &[ZeroStage::None]
+                                    };
+                                    for &zero in zeros {
+                                        let layout = Layout {
+                                            dp,
+                                            tp,
+                                            pp,
+                                            ep,
+                                            cp,
+                                            sp,
+                                            schedule,
+                                            micro_batch,
+                                            grad_accum,
+                                            seq_len: request.seq_len,
+                                            recompute,
+                                            zero,
+                                            compute: request.compute,
+                                            half_params: request.half_params,
+                                            bucket_bytes: request.bucket_bytes,
+                                        };
+                                        if !request.fixed.admits(&layout) {
+                                            continue;
+                                        }
+                                        let Ok(e) = estimate(&cost, model_flops, &layout, cluster) else { continue };
+                                        considered += 1;
+                                        if e.memory.total() <= budget {
+                                            fits.push(e);
+                                        } else if over.as_ref().is_none_or(|o| e.memory.total() < o.memory.total()) {
+                                            over = Some(e);
+                                        }
                                     }
                                 }
                             }

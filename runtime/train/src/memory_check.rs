@@ -25,6 +25,7 @@ pub fn planned_layout(cfg: &TrainConfig) -> Result<Layout> {
         tp: cfg.mesh.tp,
         pp: cfg.mesh.pp,
         ep: cfg.mesh.ep,
+        cp: cfg.mesh.cp,
         sp: cfg.mesh.sp,
         schedule: cfg.mesh.schedule_kind()?,
         micro_batch: cfg.batch.micro_batch,
@@ -99,7 +100,8 @@ pub(crate) struct Need {
 
 impl Need {
     pub fn of(cfg: &TrainConfig, params: u64, vocab: usize) -> Need {
-        let (p, dp) = (params as f64, cfg.mesh.dp as f64);
+        // Context-parallel ranks hold the model's state like data replicas.
+        let (p, dp) = (params as f64, (cfg.mesh.dp * cfg.mesh.cp) as f64);
         let stage = cfg.zero.stage;
         // Parameters, gradients and the optimizer's state (AdamW's two
         // moments, and the f32 master copy of parameters held in half

@@ -1,24 +1,5 @@
 //! Where a rank's tokens sit in the global sequence under context
-//! parallelism: the load-balanced ("zigzag") split of each sequence over the
-//! ranks of the cp group.
-//!
-//! Causal attention gives a token work in proportion to its position, so
-//! handing rank `r` the `r`-th contiguous slice would leave the last rank
-//! `2·cp − 1` times the first's work. Instead the sequence is cut into
-//! `2·cp` equal chunks and rank `r` holds chunks `r` and `2·cp − 1 − r`: an
-//! early chunk and its mirror, which together cost every rank the same. It
-//! is the split Megatron-LM's and Transformer Engine's context parallelism
-//! use.
-//!
-//! ```
-//! use tessera::module::ContextSplit;
-//!
-//! // 16 tokens over 2 ranks: chunks of 4; rank 0 holds 0..4 and 12..16.
-//! let split = ContextSplit::new(0, 2)?;
-//! assert_eq!(split.positions(8)?, [0, 1, 2, 3, 12, 13, 14, 15]);
-//! assert_eq!(ContextSplit::new(1, 2)?.positions(8)?, [4, 5, 6, 7, 8, 9, 10, 11]);
-//! # Ok::<(), tessera::Error>(())
-//! ```
+//! parallelism (see [`ContextSplit`]).
 
 use tessera_core::tensor::Tensor;
 use tessera_core::{Error, Result};
@@ -35,8 +16,33 @@ pub struct TokenRun {
     pub len: usize,
 }
 
-/// The load-balanced split of every sequence over `size` context-parallel
-/// ranks, seen from rank `rank` (see the [module documentation](self)).
+impl TokenRun {
+    /// The run's global positions.
+    pub fn positions(&self) -> impl Iterator<Item = u32> {
+        (self.global..self.global + self.len).map(|p| p as u32)
+    }
+}
+
+/// The load-balanced ("zigzag") split of every sequence over `size`
+/// context-parallel ranks, seen from rank `rank`.
+///
+/// Causal attention gives a token work in proportion to its position, so
+/// handing rank `r` the `r`-th contiguous slice would leave the last rank
+/// `2·cp − 1` times the first's work. Instead the sequence is cut into
+/// `2·cp` equal chunks and rank `r` holds chunks `r` and `2·cp − 1 − r`: an
+/// early chunk and its mirror, which together cost every rank the same. It
+/// is the split Megatron-LM's and Transformer Engine's context parallelism
+/// use.
+///
+/// ```
+/// use tessera::module::ContextSplit;
+///
+/// // 16 tokens over 2 ranks: chunks of 4; rank 0 holds 0..4 and 12..16.
+/// let split = ContextSplit::new(0, 2)?;
+/// assert_eq!(split.positions(8)?, [0, 1, 2, 3, 12, 13, 14, 15]);
+/// assert_eq!(ContextSplit::new(1, 2)?.positions(8)?, [4, 5, 6, 7, 8, 9, 10, 11]);
+/// # Ok::<(), tessera::Error>(())
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ContextSplit {
     rank: usize,
@@ -124,8 +130,7 @@ impl ContextSplit {
 
     /// The global position of each of a rank's `local_len` tokens.
     pub fn positions(&self, local_len: usize) -> Result<Vec<u32>> {
-        let runs = self.runs(local_len)?;
-        Ok(runs.iter().flat_map(|r| (r.global..r.global + r.len).map(|p| p as u32)).collect())
+        Ok(self.runs(local_len)?.iter().flat_map(TokenRun::positions).collect())
     }
 
     /// This rank's share of `x` along dimension `dim`, which holds whole

@@ -177,21 +177,30 @@ impl Cx {
     /// than all of it. One run of `0..len` without context or sequence
     /// parallelism.
     pub fn token_runs(&self, len: usize, sliced: bool) -> Result<Vec<TokenRun>> {
-        let split = self.context_split();
-        let (share, start) = if sliced && self.sequence_split() { (len * self.tp().size(), len * self.tp().rank()) } else { (len, 0) };
-        split.window(share, start, len)
+        let (share, start) = self.share_of(len, sliced);
+        self.context_split().window(share, start, len)
     }
 
     /// The length of the global sequence of which a rank's activation holds
     /// `len` tokens (see [`token_runs`](Self::token_runs)).
     pub fn global_seq_len(&self, len: usize, sliced: bool) -> usize {
-        let share = if sliced && self.sequence_split() { len * self.tp().size() } else { len };
-        share * self.groups.cp.size()
+        self.share_of(len, sliced).0 * self.groups.cp.size()
     }
 
     /// The global position of each of those tokens (see [`token_runs`](Self::token_runs)).
     pub fn token_positions(&self, len: usize, sliced: bool) -> Result<Vec<u32>> {
-        Ok(self.token_runs(len, sliced)?.iter().flat_map(|r| (r.global..r.global + r.len).map(|p| p as u32)).collect())
+        Ok(self.token_runs(len, sliced)?.iter().flat_map(TokenRun::positions).collect())
+    }
+
+    /// The rank's share of each sequence of which an activation holds `len`
+    /// tokens, and where in it they start: a sequence-parallel slice is
+    /// this rank's `1/tp` of the share.
+    fn share_of(&self, len: usize, sliced: bool) -> (usize, usize) {
+        if sliced && self.sequence_split() {
+            (len * self.tp().size(), len * self.tp().rank())
+        } else {
+            (len, 0)
+        }
     }
 
     /// The seed of dropout and every other randomness of the run.

@@ -42,7 +42,11 @@ pub struct CostSettings {
     pub sp: bool,
     /// Expert-parallel degree (the all-to-all of mixture-of-experts layers).
     pub ep: usize,
-    /// Tokens per sequence (attention's cost grows with it).
+    /// Context-parallel degree: each rank holds `1/cp` of every sequence's
+    /// tokens, and attention passes key/value blocks around the cp ranks
+    /// (a [`CollectiveKind::Ring`]).
+    pub cp: usize,
+    /// Tokens per sequence, whole (attention's cost grows with it).
     pub seq_len: usize,
     /// The dtype activations are computed and kept in, outside any
     /// `#[precision]` region.
@@ -54,7 +58,7 @@ pub struct CostSettings {
 impl CostSettings {
     /// One rank, no recompute override, f32, sequences of `seq_len`.
     pub fn single(seq_len: usize) -> CostSettings {
-        CostSettings { tp: 1, sp: false, ep: 1, seq_len, dtype: DType::F32, recompute: RecomputeOverride::AsDeclared }
+        CostSettings { tp: 1, sp: false, ep: 1, cp: 1, seq_len, dtype: DType::F32, recompute: RecomputeOverride::AsDeclared }
     }
 
     /// Whether `Replicated` values may be split over the sequence.
@@ -101,6 +105,9 @@ pub enum CollectiveKind {
     AllGather,
     /// Every rank sends a part to every other.
     AllToAll,
+    /// Every rank passes a block of `bytes_per_token` to the next around
+    /// the group, `size − 1` times (ring attention's key/value blocks).
+    Ring,
 }
 
 /// The group a collective runs over.
@@ -111,6 +118,8 @@ pub enum Group {
     Tp,
     /// The expert-parallel group.
     Ep,
+    /// The context-parallel group.
+    Cp,
 }
 
 /// Which pass a cost belongs to.
@@ -571,7 +580,11 @@ impl Describe {
     }
 
     fn issue(&mut self, kind: CollectiveKind, group: Group, pass: Pass, bytes_per_token: f64, bytes_per_micro_batch: f64, beside_flops: f64) {
-        let size = if group == Group::Tp { self.settings.tp } else { self.settings.ep };
+        let size = match group {
+            Group::Tp => self.settings.tp,
+            Group::Ep => self.settings.ep,
+            Group::Cp => self.settings.cp,
+        };
         if size == 1 {
             return;
         }
