@@ -58,11 +58,6 @@ impl ContextSplit {
         Ok(ContextSplit { rank, size })
     }
 
-    /// No context parallelism: one rank holds the whole sequence.
-    pub fn single() -> ContextSplit {
-        ContextSplit { rank: 0, size: 1 }
-    }
-
     /// This rank's index in the ring.
     pub fn rank(&self) -> usize {
         self.rank
