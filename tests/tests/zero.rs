@@ -88,6 +88,8 @@ struct Mem {
     after_step: usize,
     /// The most in use during the second step (forward to update).
     peak: usize,
+    /// With offload: the most the host pool held during the second step.
+    host: usize,
 }
 
 struct RankOut {
@@ -98,8 +100,10 @@ struct RankOut {
 }
 
 /// ZeRO at `stage` over `dp` in-process ranks, each on its rows of the batch.
+#[allow(clippy::too_many_arguments)]
 fn zero_run<M: Module>(
     stage: Stage,
+    offload: bool,
     dp: usize,
     dtype: DType,
     bucket_bytes: usize,
@@ -123,13 +127,16 @@ fn zero_run<M: Module>(
                     // parameters and gradients, f32 master copy in the engine.
                     let cx = if dtype.is_half() { cx.with_half_params() } else { cx };
                     let model = module::build(build(), &cx).unwrap();
-                    let config = ZeroConfig::new(stage).with_adamw(adamw()).with_bucket_bytes(bucket_bytes);
+                    let config = ZeroConfig::new(stage).with_adamw(adamw()).with_bucket_bytes(bucket_bytes).with_offload(offload);
                     let zero = Arc::new(Zero::new(&model, comm, config).unwrap());
                     let mut cx = cx.with_hooks(zero.clone());
                     let rows = rank * per..(rank + 1) * per;
                     let (mut losses, mut mem) = (Vec::new(), Mem::default());
                     for (step, lr) in LRS.into_iter().enumerate() {
                         dev.reset_peak();
+                        if let Some(h) = zero.host() {
+                            h.reset_peak();
+                        }
                         let x = {
                             let x = input(rows.clone(), &dev);
                             if x.dtype().is_float() {
@@ -146,7 +153,8 @@ fn zero_run<M: Module>(
                         let with_grads = dev.memory_stats().in_use;
                         zero.step(lr).unwrap();
                         if step == 1 {
-                            mem = Mem { with_grads, after_step: dev.memory_stats().in_use, peak: dev.memory_stats().peak };
+                            let host = zero.host().map_or(0, |h| h.memory_stats().peak);
+                            mem = Mem { with_grads, after_step: dev.memory_stats().in_use, peak: dev.memory_stats().peak, host };
                         }
                         losses.push(loss);
                     }
@@ -194,7 +202,7 @@ fn stages_one_two_three_on_two_and_four_ranks_equal_adamw_on_one_rank() {
     assert!(reference.losses[2] < reference.losses[0], "the loss goes down: {:?}", reference.losses);
     for stage in [Stage::One, Stage::Two, Stage::Three] {
         for dp in [2, 4] {
-            let outs = zero_run(stage, dp, DType::F64, 256, &build, &input, 4);
+            let outs = zero_run(stage, false, dp, DType::F64, 256, &build, &input, 4);
             check_equal(&format!("{stage:?}, dp {dp}"), &outs, &reference);
             let stats = outs[0].stats;
             assert_eq!(stats.steps, 3);
@@ -225,7 +233,7 @@ fn stage_three_handles_tied_weights_and_stacked_layers() {
     };
     let reference = single(&build, &input, batch);
     for stage in [Stage::Two, Stage::Three] {
-        let outs = zero_run(stage, 2, DType::F64, 512, &build, &input, batch);
+        let outs = zero_run(stage, false, 2, DType::F64, 512, &build, &input, batch);
         check_equal(&format!("GPT {stage:?}, dp 2"), &outs, &reference);
     }
 }
@@ -270,7 +278,7 @@ fn adamw_memory<M: Module>(build: &(dyn Fn() -> M + Sync), input: &Input, dtype:
         opt.step(lr).unwrap();
         opt.zero_grad();
         if step == 1 {
-            mem = Mem { with_grads, after_step: dev.memory_stats().in_use, peak: dev.memory_stats().peak };
+            mem = Mem { with_grads, after_step: dev.memory_stats().in_use, peak: dev.memory_stats().peak, host: 0 };
         }
     }
     (psi, mem)
@@ -293,7 +301,7 @@ fn per_rank_memory_matches_the_analytic_model_states() {
         }
         for n in [2, 4] {
             for stage in [Stage::One, Stage::Two, Stage::Three] {
-                let outs = zero_run(stage, n, dtype, 64 << 10, &build, &input, 4);
+                let outs = zero_run(stage, false, n, dtype, 64 << 10, &build, &input, 4);
                 for (rank, o) in outs.iter().enumerate() {
                     let (with_grads, after_step) = analytic(Some(stage), o.psi as f64, n as f64, half);
                     for (what, got, want) in [("with gradients", o.mem.with_grads, with_grads), ("after the step", o.mem.after_step, after_step)] {
@@ -351,4 +359,94 @@ fn zero_reports_missing_gradients_and_empty_models() {
     let unbuilt = GptBlock::new(8, 2).unwrap();
     let err = Zero::new(&unbuilt, cx.groups().dp.clone(), ZeroConfig::new(Stage::Three)).unwrap_err().to_string();
     assert!(err.contains("materialise"), "{err}");
+}
+
+/// Every parameter's values of two runs, bit for bit.
+fn assert_bitwise_equal(what: &str, got: &[RankOut], want: &[RankOut]) {
+    for (rank, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.run.losses, w.run.losses, "{what} rank {rank}: losses");
+        for ((name, a), (_, b)) in g.run.params.iter().zip(&w.run.params) {
+            let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{what} rank {rank}: `{name}` differs from the update made on the device");
+        }
+    }
+}
+
+#[test]
+fn offloaded_updates_equal_the_device_update_bit_for_bit() {
+    // Ψ = 510 over 4 ranks: a padded last shard and parameters straddling
+    // shards; 256-byte buckets: several per step.
+    let build = || GptBlock::new(6, 2).unwrap();
+    let input = block_input(6, 3);
+    let reference = single(&build, &input, 4);
+    for stage in [Stage::One, Stage::Two, Stage::Three] {
+        for dp in [1, 4] {
+            let what = format!("{stage:?}, dp {dp}, offloaded");
+            let outs = zero_run(stage, true, dp, DType::F64, 256, &build, &input, 4);
+            check_equal(&what, &outs, &reference);
+            assert_bitwise_equal(&what, &outs, &zero_run(stage, false, dp, DType::F64, 256, &build, &input, 4));
+            let stats = outs[0].stats;
+            assert!(stats.host_update > std::time::Duration::ZERO && stats.host_update_waited <= stats.host_update, "{what}: {stats:?}");
+            match stage {
+                // Each of the six layers gathered once per step after the first.
+                Stage::One | Stage::Two => assert_eq!(stats.gathers, 2 * 6, "{what}: {stats:?}"),
+                Stage::Three => assert_eq!((stats.gathers, stats.prefetched), (3 * 12, 2 * 11), "{what}: {stats:?}"),
+            }
+        }
+    }
+    // Half-precision parameters (the f32 master copy on the host), and a
+    // tied embedding whose first use brings it back for both.
+    let outs = |offload| zero_run(Stage::Two, offload, 2, DType::BF16, 256, &build, &input, 4);
+    assert_bitwise_equal("bf16, stage 2", &outs(true), &outs(false));
+    let (vocab, seq) = (11, 3);
+    let gpt = || Gpt::new(vocab, 8, 2, 2).unwrap();
+    let ids = move |rows: Range<usize>, dev: &Device| {
+        let ids: Vec<u32> = (rows.start * seq..rows.end * seq).map(|i| (i * 7 % vocab) as u32).collect();
+        Tensor::from_vec(ids, [rows.len(), seq], dev).unwrap()
+    };
+    let reference = single(&gpt, &ids, 4);
+    for stage in [Stage::One, Stage::Three] {
+        check_equal(&format!("GPT {stage:?}, offloaded"), &zero_run(stage, true, 2, DType::F64, 512, &gpt, &ids, 4), &reference);
+    }
+}
+
+#[test]
+fn offload_moves_the_optimizer_state_and_stage_three_shards_to_the_host() {
+    // Hidden 64: Ψ = 49 984 elements.
+    let build = || GptBlock::new(64, 4).unwrap();
+    let input = block_input(64, 4);
+    for dtype in [DType::F32, DType::BF16] {
+        let held = if dtype.is_half() { 2.0 } else { 4.0 };
+        for n in [1, 2] {
+            for stage in [Stage::One, Stage::Two, Stage::Three] {
+                let on = zero_run(stage, true, n, dtype, 64 << 10, &build, &input, 4);
+                let off = zero_run(stage, false, n, dtype, 64 << 10, &build, &input, 4);
+                let psi = on[0].psi as f64;
+                let nf = n as f64;
+                // On the device with the gradients averaged: the parameters
+                // (none at stage 3 between uses) and the gradients.
+                let want = match stage {
+                    Stage::One => 2.0 * held * psi,
+                    Stage::Two => held * psi + held * psi / nf,
+                    Stage::Three => held * psi / nf,
+                };
+                for (rank, (a, b)) in on.iter().zip(&off).enumerate() {
+                    let what = format!("{dtype} {stage:?}, N = {n}, rank {rank}");
+                    let got = a.mem.with_grads as f64;
+                    println!("{what}: device {got} B with offload, {} B without; host {} B", b.mem.with_grads, a.mem.host);
+                    assert!((got - want).abs() <= 0.05 * want, "{what}: {got} bytes on the device, analytic {want:.0}");
+                    // The host holds the master copy and both moments in
+                    // f32, during the update the gradient shard copied over,
+                    // and briefly a row on its way to the device (its pieces
+                    // and the joined row, at most the largest layer's: the
+                    // 64 x 256 MLP weight and its bias).
+                    let host = (12.0 + held) * psi / nf;
+                    let row = 2.0 * held * (64.0 * 256.0 + 256.0);
+                    let got = a.mem.host as f64;
+                    assert!(got >= host && got <= host + row, "{what}: {got} bytes on the host at most, analytic {host:.0} + {row:.0}");
+                    assert!(a.mem.peak < b.mem.peak, "{what}: peak {} with offload, {} without", a.mem.peak, b.mem.peak);
+                }
+            }
+        }
+    }
 }

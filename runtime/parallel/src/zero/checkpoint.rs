@@ -63,6 +63,9 @@ fn restore_zero(zero: &Zero, values: Vec<(Tensor, Option<u64>)>, steps: u64) -> 
     let mut counts: Vec<u64> = Vec::new();
     for (i, (t, s)) in values.into_iter().enumerate() {
         let t = if t.dtype() == dtype { t } else { t.to_dtype(dtype)? };
+        // Read onto the device the engine keeps its state on (the host's
+        // memory with offload).
+        let t = if t.device().same(&device) { t } else { t.to_device(&device)? };
         parts[i % 3].push(t.reshape([t.elem_count()])?);
         counts.extend(s.filter(|_| i % 3 != 0));
     }

@@ -14,10 +14,22 @@ impl Zero {
     /// by it directly; `""` for the model's root, whose parameters stay
     /// gathered anyway) for a run that no sub-module call announces, such as
     /// a layer called directly. Pair it with [`release_for`](Self::release_for).
-    /// Other stages hold every parameter already: a no-op.
+    /// Other stages hold every parameter already, except with offload
+    /// between an update and the first use, which this gathers.
     pub fn gather_for(&self, path: &str) -> Result<()> {
         if self.stage != Stage::Three {
-            return Ok(());
+            // With offload, values out of date since the last update are
+            // gathered; otherwise every value is current.
+            let all: Vec<usize>;
+            let ids = match self.unit_of_path.get(path) {
+                Some(&u) => &self.units[u].entries,
+                None if path.is_empty() => {
+                    all = (0..self.flat.entries.len()).collect();
+                    &all
+                }
+                None => return Err(self.unknown_path(path)),
+            };
+            return self.refresh(ids);
         }
         if path.is_empty() {
             return self.acquire_entries(&(0..self.flat.entries.len()).collect::<Vec<_>>());
@@ -53,13 +65,53 @@ impl Zero {
         )
     }
 
-    /// Stage 3: this rank's row of a gather of `rows`.
+    /// This rank's row of a gather of `rows`, on the device: cut from the
+    /// shard, or with offload from the host master copy once the update
+    /// under way has passed it (and copied over in the held dtype).
     fn my_row(&self, s: &State, rows: &Rows) -> Result<Tensor> {
-        let Params::Shard(shard) = &s.params else { unreachable!("stage 3 holds a shard") };
         let base = self.rank * self.flat.layout.shard_len;
-        let parts: Vec<Tensor> =
-            rows.rows[self.rank].iter().map(|p| shard.narrow(0, self.flat.entries[p.entry].offset + p.start - base, p.len)).collect::<Result<_>>()?;
+        let mine = &rows.rows[self.rank];
+        let at = |p: &super::layout::Piece| self.flat.entries[p.entry].offset + p.start - base;
+        let shard = match &s.params {
+            Params::Shard(shard) => shard,
+            Params::Offloaded => {
+                let master = s.master.as_ref().expect("offload keeps the master copy");
+                if let Some(update) = &s.update {
+                    update.wait_for(mine.iter().map(|p| at(p) + p.len).max().unwrap_or(0))?;
+                }
+                // Each piece copied out on its own (in the held dtype): the
+                // worker may be writing further on in the same storage, and
+                // one read lock at a time never waits on it twice. Joined
+                // on the host, then one copy to the device.
+                let mut parts: Vec<Tensor> = mine.iter().map(|p| master.narrow(0, at(p), p.len)?.to_dtype(self.flat.dtype)).collect::<Result<_>>()?;
+                let have: usize = mine.iter().map(|p| p.len).sum();
+                if have < rows.width {
+                    parts.push(Tensor::zeros([rows.width - have], self.flat.dtype, master.device())?);
+                }
+                return Tensor::concat_flat(&parts.iter().collect::<Vec<_>>())?.to_device(&self.flat.device);
+            }
+            Params::Flat(_) => unreachable!("only stage 3 and offload gather rows"),
+        };
+        let parts: Vec<Tensor> = mine.iter().map(|p| shard.narrow(0, at(p), p.len)).collect::<Result<_>>()?;
         self.flat.padded_concat(parts, rows.width)
+    }
+
+    /// Stages 1 and 2 with offload: gathers those of `ids` whose values
+    /// await the last update (each rank calls it at the same points, from
+    /// the same hooks).
+    fn refresh(&self, ids: &[usize]) -> Result<()> {
+        let mut s = self.state();
+        let stale: Vec<usize> = ids.iter().copied().filter(|&i| s.stale[i]).collect();
+        if stale.is_empty() {
+            return Ok(());
+        }
+        let gathered = self.gather_now(&s, &stale)?;
+        self.install(&stale, gathered)?;
+        for i in stale {
+            s.stale[i] = false;
+        }
+        s.stats.gathers += 1;
+        Ok(())
     }
 
     /// Stage 3: starts gathering the parameters `ids`.
@@ -168,7 +220,8 @@ impl Zero {
     pub(super) fn on_enter(&self, path: &str) -> Result<()> {
         match self.unit_of_path.get(path) {
             Some(&u) if self.stage == Stage::Three => self.acquire(u),
-            _ => Ok(()),
+            Some(&u) => self.refresh(&self.units[u].entries),
+            None => Ok(()),
         }
     }
 

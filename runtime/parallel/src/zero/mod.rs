@@ -70,6 +70,7 @@
 mod checkpoint;
 mod gather;
 mod layout;
+mod offload;
 mod reduce;
 mod state;
 
@@ -78,6 +79,7 @@ pub use layout::FlatLayout;
 use crate::buckets::Buckets;
 use crate::data::DataParallel;
 use layout::{flat_view, Entry, Flat};
+use offload::{HostUpdate, UpdateJob};
 use parking_lot::{Mutex, MutexGuard};
 use state::{Params, State, Unit};
 use std::collections::HashMap;
@@ -123,12 +125,16 @@ pub struct ZeroConfig {
     /// Stage 3: start gathering the next sub-module's parameters while the
     /// current one runs (from the second step on).
     pub prefetch: bool,
+    /// ZeRO-Offload: keep this rank's master weights and AdamW moments in
+    /// host memory and compute the update there, on a worker thread that
+    /// overlaps the next step's forward (see [`with_offload`](Self::with_offload)).
+    pub offload: bool,
 }
 
 impl ZeroConfig {
     /// `stage` with AdamW's defaults, 25 MiB buckets and prefetching on.
     pub fn new(stage: Stage) -> Self {
-        ZeroConfig { stage, adamw: AdamWConfig::default(), bucket_bytes: 25 << 20, prefetch: true }
+        ZeroConfig { stage, adamw: AdamWConfig::default(), bucket_bytes: 25 << 20, prefetch: true, offload: false }
     }
 
     /// Uses `adamw` for the update.
@@ -148,6 +154,33 @@ impl ZeroConfig {
         self.prefetch = on;
         self
     }
+
+    /// Turns ZeRO-Offload on or off.
+    ///
+    /// On, this rank's shard of the master weights and of both AdamW
+    /// moments lives in host memory (a pool of its own, so the device's
+    /// accounting no longer sees them; on CPU ranks a second accounting
+    /// domain), and each [`Zero::step`] copies the averaged gradient shard
+    /// there and returns while a worker thread applies the update, front to
+    /// back. Parameters are then brought back sub-module by sub-module as
+    /// the next forward reaches them (each waits only for its own part of
+    /// the update):
+    ///
+    /// - at stages 1 and 2, every rank keeps the full parameters on the
+    ///   device as before, but between a step and the forward that first
+    ///   uses a sub-module its parameters have no value (read them with
+    ///   [`Zero::gather_parameters`]);
+    /// - at stage 3 the parameter shard is the host master copy itself, so
+    ///   the device holds nothing but the sub-modules being run: every
+    ///   gather copies this rank's rows from the host, and the prefetch
+    ///   starts the next sub-module's copy and gather while the current one
+    ///   computes.
+    ///
+    /// The values are bit for bit those of the update made on the device.
+    pub fn with_offload(mut self, on: bool) -> Self {
+        self.offload = on;
+        self
+    }
 }
 
 /// Cumulative counts of what the engine did (for tests and tuning).
@@ -159,10 +192,17 @@ pub struct ZeroStats {
     pub grad_buckets: usize,
     /// Of those, buckets started before [`Zero::finish`], i.e. during a backward.
     pub grad_buckets_during_backward: usize,
-    /// Stage 3: sub-module parameter gathers (forward and backward).
+    /// Sub-module parameter gathers: at stage 3 for every forward and
+    /// backward, at stages 1 and 2 with offload once per step (the first use
+    /// after the update).
     pub gathers: usize,
     /// Stage 3: gathers that a prefetch had already started.
     pub prefetched: usize,
+    /// ZeRO-Offload: the wall time of the host updates.
+    pub host_update: std::time::Duration,
+    /// ZeRO-Offload: the time callers were blocked waiting for a host
+    /// update (the part of `host_update` the forward did not hide).
+    pub host_update_waited: std::time::Duration,
 }
 
 /// A run of this rank's shard of the flat vector that lies in one parameter
@@ -230,6 +270,8 @@ pub struct Zero {
     /// shard of every gradient but the experts' is summed too, and whether
     /// each entry is an expert's.
     experts: Option<(Arc<dyn Communicator>, Vec<bool>)>,
+    /// With offload: the host memory that holds the optimizer state.
+    host: Option<Device>,
     state: Mutex<State>,
 }
 
@@ -359,14 +401,25 @@ impl Zero {
         // The optimizer state is in full precision whatever the parameters
         // are held in.
         let state_dtype = if dtype.is_half() { DType::F32 } else { dtype };
-        let m = Tensor::zeros([layout.shard_len], state_dtype, &flat.device)?;
-        let v = Tensor::zeros([layout.shard_len], state_dtype, &flat.device)?;
+        let host = config.offload.then(Device::cpu);
+        let state_device = host.as_ref().unwrap_or(&flat.device);
+        let m = Tensor::zeros([layout.shard_len], state_dtype, state_device)?;
+        let v = Tensor::zeros([layout.shard_len], state_dtype, state_device)?;
         // After the moments, as the engine has always allocated: the memory
         // figures of its tests count on this order.
         let params = initial_params(&flat, config.stage, rank, &persistent)?;
-        let master = match dtype.is_half() {
-            true => Some(params.shard(layout.shard_range(rank))?.to_dtype(DType::F32)?),
-            false => None,
+        let (params, master) = match &host {
+            // Offloaded, the master copy is always kept (on the host), and
+            // at stage 3 it is the only copy of the shard.
+            Some(host) => {
+                let master = params.shard(layout.shard_range(rank))?.to_dtype(state_dtype)?.to_device(host)?;
+                (if config.stage == Stage::Three { Params::Offloaded } else { params }, Some(master))
+            }
+            None if dtype.is_half() => {
+                let master = params.shard(layout.shard_range(rank))?.to_dtype(DType::F32)?;
+                (params, Some(master))
+            }
+            None => (params, None),
         };
         let n = flat.entries.len();
         let state = State {
@@ -386,6 +439,8 @@ impl Zero {
             cursor: 0,
             on_track: true,
             prefetch: None,
+            update: None,
+            stale: vec![false; n],
             stats: ZeroStats::default(),
             sync: Default::default(),
             last_sync: Default::default(),
@@ -405,6 +460,7 @@ impl Zero {
             buckets,
             tied,
             experts,
+            host,
             state: Mutex::new(state),
         })
     }
@@ -460,10 +516,15 @@ impl Zero {
     /// In stage 3 this all-gathers the shards (every rank must call it at
     /// the same point); in stages 1 and 2 every rank already holds them.
     pub fn gather_parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        let s = self.state();
+        let mut s = self.state();
+        self.join_update(&mut s)?;
         let flat = match &s.params {
             Params::Flat(flat) => flat.clone(),
             Params::Shard(shard) => self.dp.all_gather(shard, 0)?,
+            Params::Offloaded => {
+                let master = s.master.as_ref().expect("offload keeps the master copy");
+                self.dp.all_gather(&master.to_dtype(self.flat.dtype)?.to_device(&self.flat.device)?, 0)?
+            }
         };
         self.flat.entries.iter().map(|e| Ok((e.name.clone(), flat.narrow(0, e.offset, e.len)?.reshape(e.shape.clone())?))).collect()
     }
@@ -486,7 +547,8 @@ impl Zero {
     /// a checkpoint saves). The tensors are views of the live state, which
     /// the next [`step`](Self::step) updates in place: copy them to keep them.
     pub fn shard_state(&self) -> Result<ShardState> {
-        let s = self.state();
+        let mut s = self.state();
+        self.join_update(&mut s)?;
         let params = match &s.master {
             Some(master) => master.clone(),
             None => s.params.shard(self.flat.layout.shard_range(self.rank))?,
@@ -516,21 +578,26 @@ impl Zero {
             }
         }
         let mut s = self.state();
+        self.join_update(&mut s)?;
         if !s.inflight.is_empty() || s.grad_shard.is_some() || s.synced {
             return Err(Error::state_mismatch(
                 OP,
                 "gradients of a step are still being reduced; restore state between steps (after `step`, before the next backward)",
             ));
         }
-        s.m = state.m;
-        s.v = state.v;
+        let on_state_device = |t: Tensor| match &self.host {
+            Some(host) if !t.device().same(host) => t.to_device(host),
+            _ => Ok(t),
+        };
+        s.m = on_state_device(state.m)?;
+        s.v = on_state_device(state.v)?;
         s.stats.steps = state.steps;
-        // Parameters held in half precision: the restored values are the
-        // master copy, rounded into the parameters.
+        // Parameters held in half precision, or offloaded: the restored
+        // values are the master copy, rounded into the parameters.
         let params = match s.master.is_some() {
             true => {
-                let held = state.params.to_dtype(self.flat.dtype)?;
-                s.master = Some(state.params);
+                let held = state.params.to_dtype(self.flat.dtype)?.to_device(&self.flat.device)?;
+                s.master = Some(on_state_device(state.params)?);
                 held
             }
             false => state.params,
@@ -540,9 +607,10 @@ impl Zero {
                 let flat = self.dp.all_gather(&params, 0)?;
                 self.flat.point_values_at(&flat)?;
                 s.params = Params::Flat(flat);
+                s.stale.fill(false);
             }
             Stage::Three => {
-                s.params = Params::Shard(params);
+                s.params = if self.host.is_some() { Params::Offloaded } else { Params::Shard(params) };
                 if !self.persistent.is_empty() {
                     let ids = self.persistent.clone();
                     let got = self.gather_now(&s, &ids)?;
@@ -603,10 +671,14 @@ impl Zero {
     /// first: the clipping factor, over the loss scale under fp16.
     pub fn step_scaled(&self, lr: f64, grad_scale: f64) -> Result<()> {
         let mut s = self.state();
+        self.join_update(&mut s)?;
         self.ensure_synced(&mut s)?;
         let step = s.stats.steps + 1;
         let mut upd = self.config.adamw.at(step, lr)?;
         upd.grad_scale = grad_scale;
+        if let Some(host) = &self.host {
+            return self.step_offloaded(&mut s, host, upd);
+        }
         let range = self.flat.layout.shard_range(self.rank);
         let grad = self.grad_shard(&mut s, true)?;
         let params = match &s.master {
@@ -656,6 +728,64 @@ impl Zero {
 }
 
 impl Zero {
+    /// ZeRO-Offload: the host memory that holds this rank's master weights
+    /// and optimizer state (`None` without offload).
+    pub fn host(&self) -> Option<&Device> {
+        self.host.as_ref()
+    }
+
+    /// The step with offload: the averaged gradient shard goes to the host
+    /// and a worker starts the update there; the parameters come back as
+    /// the next forward gathers them.
+    fn step_offloaded(&self, s: &mut State, host: &Device, upd: tessera_core::ops::AdamWStep) -> Result<()> {
+        let range = self.flat.layout.shard_range(self.rank);
+        // Copied to the host now, so the device holds no gradient while
+        // the next forward runs.
+        let grad = self.grad_shard(s, true)?.to_device(host)?;
+        let boundaries = self.flat.pieces_in(range.clone()).iter().map(|p| self.flat.entries[p.entry].offset + p.start + p.len - range.start).collect();
+        let master = s.master.clone().expect("offload keeps the master copy");
+        s.update = Some(HostUpdate::start(UpdateJob { step: upd, master, grad, m: s.m.clone(), v: s.v.clone(), boundaries })?);
+        s.synced = false;
+        s.stats.steps = upd.step;
+        for e in &self.flat.entries {
+            e.param.take_grad();
+        }
+        match self.stage {
+            Stage::One | Stage::Two => {
+                // Every value is out of date until its first use gathers it.
+                for e in &self.flat.entries {
+                    e.param.free_value();
+                }
+                s.params = Params::Offloaded;
+                s.stale.fill(true);
+            }
+            Stage::Three => {
+                s.recording = false;
+                s.cursor = 0;
+                s.on_track = true;
+            }
+        }
+        if !self.persistent.is_empty() {
+            let ids = self.persistent.clone();
+            let got = self.gather_now(s, &ids)?;
+            self.install(&ids, got)?;
+            for &i in &ids {
+                s.stale[i] = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for the host update under way, if any, and records its times.
+    fn join_update(&self, s: &mut State) -> Result<()> {
+        if let Some(update) = s.update.take() {
+            let (ran, waited) = update.finish()?;
+            s.stats.host_update += ran;
+            s.stats.host_update_waited += waited;
+        }
+        Ok(())
+    }
+
     /// Averages the gradients if that is still to be done.
     fn ensure_synced(&self, s: &mut State) -> Result<()> {
         let synced = if self.stage == Stage::One { s.synced } else { s.grad_shard.is_some() };

@@ -14,6 +14,10 @@ pub(super) enum Params {
     Flat(Tensor),
     /// Stage 3: this rank's shard of the flat vector (the master copy).
     Shard(Tensor),
+    /// With offload (stage 3 throughout, stages 1 and 2 after the first
+    /// update): no copy on the device; the shard is the host master copy,
+    /// and each value is gathered from it at its first use.
+    Offloaded,
 }
 
 impl Params {
@@ -23,6 +27,7 @@ impl Params {
         match self {
             Params::Flat(flat) => flat.narrow(0, range.start, range.len()),
             Params::Shard(shard) => Ok(shard.clone()),
+            Params::Offloaded => Err(tessera_core::Error::state_mismatch("Zero", "an offloaded shard lives in the host master copy")),
         }
     }
 }
@@ -57,6 +62,11 @@ pub(super) struct State {
     /// Whether this step has followed the recorded order so far.
     pub(super) on_track: bool,
     pub(super) prefetch: Option<(usize, Pending)>,
+    /// With offload: the host update under way.
+    pub(super) update: Option<super::HostUpdate>,
+    /// Stages 1 and 2 with offload: whether each parameter's value awaits
+    /// its gather after the last update.
+    pub(super) stale: Vec<bool>,
     pub(super) stats: ZeroStats,
     /// The gradient communication of the step under way.
     pub(super) sync: crate::data::SyncStats,
