@@ -42,11 +42,13 @@ struct Config {
     zero: Option<Stage>,
     /// Clip the global gradient norm to this before each update.
     clip: Option<f64>,
+    /// ZeRO-Offload (with `zero`) and activation offload (with recompute).
+    offload: bool,
 }
 
 impl Config {
     fn new(mesh: &'static str) -> Self {
-        Config { mesh, schedule: ScheduleKind::OneFOneB, sequence_parallel: false, tp_overlap: 1, recompute: None, zero: None, clip: None }
+        Config { mesh, schedule: ScheduleKind::OneFOneB, sequence_parallel: false, tp_overlap: 1, recompute: None, zero: None, clip: None, offload: false }
     }
 }
 
@@ -105,6 +107,9 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(cfg: Config, world: &
     if let Some(r) = cfg.recompute {
         cx.set_recompute_override(r);
     }
+    if cfg.offload {
+        cx = cx.with_activation_offload(Device::cpu());
+    }
     if pp > 1 {
         // Each stage materialises only its own layers, as the trainer's do.
         cx = cx.with_pipeline_chunks(match cfg.schedule {
@@ -114,7 +119,7 @@ fn run_rank<M: Staged<In = Replicated, Out = SplitHidden>>(cfg: Config, world: &
     }
     let model = module::build(make(e, ep).unwrap(), &cx).unwrap();
     let zero = cfg.zero.map(|stage| {
-        let config = ZeroConfig::new(stage).with_adamw(ADAMW).with_bucket_bytes(2048);
+        let config = ZeroConfig::new(stage).with_adamw(ADAMW).with_bucket_bytes(2048).with_offload(cfg.offload);
         Arc::new(if ep > 1 { Zero::with_experts(&model, cx.groups(), config) } else { Zero::new(&model, dp_group.clone(), config) }.unwrap())
     });
     if let Some(z) = &zero {
@@ -286,6 +291,9 @@ fn check_recompute<M: Staged<In = Replicated, Out = SplitHidden>>(make: impl Mak
     // A recomputed forward must not leave reductions running that nothing takes.
     let cfg = Config { recompute: Some(RecomputeOverride::Full), sequence_parallel: true, tp_overlap: 2, ..Config::new("tp2,pp2") };
     check("full recompute tp2+sp pp2, collectives in 2 pieces", &train(cfg, &make), reference);
+    // Offloaded: activations of the recomputed layers and ZeRO-3's state on the host.
+    let cfg = Config { recompute: Some(RecomputeOverride::Full), zero: Some(Stage::Three), offload: true, ..Config::new("dp2,tp2,pp2") };
+    check("full recompute zero3 dp2 tp2 pp2, offloaded", &train(cfg, &make), reference);
 }
 
 #[test]
@@ -319,6 +327,8 @@ fn every_configuration_trains_like_one_rank() {
         ("zero3 dp2 tp2 pp2", Config { zero: Some(Stage::Three), ..Config::new("dp2,tp2,pp2") }),
         ("zero2 dp2 tp2+sp", Config { zero: Some(Stage::Two), sequence_parallel: true, ..Config::new("dp2,tp2") }),
         ("zero3 dp2 pp2 interleaved v2", Config { zero: Some(Stage::Three), schedule: ScheduleKind::Interleaved { chunks: 2 }, ..Config::new("dp2,pp2") }),
+        ("zero1 dp2 offloaded", Config { zero: Some(Stage::One), offload: true, ..Config::new("dp2") }),
+        ("zero2 dp2 tp2+sp pp2 offloaded", Config { zero: Some(Stage::Two), sequence_parallel: true, offload: true, ..Config::new("dp2,tp2,pp2") }),
     ];
     for (name, cfg) in configs {
         check(name, &train(cfg, gpt), &reference);

@@ -5,7 +5,7 @@ use crate::module::{
     Module, Pipelined, Plain, Seq, Visitor,
 };
 use std::ops::Range;
-use tessera_core::{Error, Result};
+use tessera_core::{Device, Error, Result, Tensor};
 
 /// `N` layers of one module type applied in order; the output of each is
 /// the input of the next, so the layer's input and output layouts must be
@@ -193,8 +193,19 @@ where
             ));
         }
         let mut g = dy;
-        for (i, kept) in layers.zip(saved).rev() {
+        let mut saved = saved;
+        let mut fetching: Option<Fetch> = None;
+        for i in layers.rev() {
             let (layer, name) = (&self.layers[i], i.to_string());
+            let kept = match (saved.pop().expect("one state per layer, counted above"), fetching.take()) {
+                (Kept::Input(_), Some(fetch)) => Kept::Input(Act::new(fetch.wait()?)),
+                (kept, _) => kept,
+            };
+            // An offloaded input of the layer below starts back now, while
+            // this one runs its backward.
+            if let Some(Kept::Input(x)) = saved.last() {
+                fetching = Fetch::start(x.tensor(), cx.device())?;
+            }
             g = seq_convert_backward(cx, g, <M as Module<Plain>>::SEQ_OUT, <M as Module<Plain>>::SEQ_IN)?;
             g = match kept {
                 Kept::Saved(s) => call_backward::<Plain, M>(layer, cx, &name, s, g)?,
@@ -202,6 +213,32 @@ where
             };
         }
         Ok(g)
+    }
+}
+
+/// An offloaded activation on its way back to the device, copied by a
+/// helper thread.
+struct Fetch(std::thread::JoinHandle<Result<Tensor>>);
+
+impl Fetch {
+    /// Starts bringing `x` back to `device` when it lives elsewhere; only
+    /// for CPU devices (a CUDA copy is made at use, on the rank's thread).
+    fn start(x: &Tensor, device: &Device) -> Result<Option<Fetch>> {
+        if x.device().same(device) || !matches!(device, Device::Cpu(_)) {
+            return Ok(None);
+        }
+        let (x, device) = (x.clone(), device.clone());
+        let handle = std::thread::Builder::new()
+            .name("activation-fetch".into())
+            .spawn(move || x.to_device(&device))
+            .map_err(|source| Error::Thread { what: "activation offload fetch", source })?;
+        Ok(Some(Fetch(handle)))
+    }
+
+    fn wait(self) -> Result<Tensor> {
+        self.0
+            .join()
+            .map_err(|_| Error::state_mismatch("Stack::backward", "the thread fetching an offloaded activation panicked; its message is printed above"))?
     }
 }
 

@@ -455,11 +455,14 @@ impl PrecisionConfig {
 pub struct RecomputeConfig {
     /// `declared` (the model's attributes), `none` or `full`.
     pub mode: String,
+    /// Activation offload: keep the inputs of fully recomputed layers in
+    /// host memory until their backward (see `Cx::with_activation_offload`).
+    pub offload: bool,
 }
 
 impl Default for RecomputeConfig {
     fn default() -> Self {
-        RecomputeConfig { mode: "declared".into() }
+        RecomputeConfig { mode: "declared".into(), offload: false }
     }
 }
 
@@ -481,6 +484,10 @@ impl RecomputeConfig {
 pub struct ZeroSection {
     /// 0 (off), 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters).
     pub stage: u8,
+    /// ZeRO-Offload: master weights and AdamW moments (at stage 3 the
+    /// parameter shards too) in host memory, updated there while the next
+    /// forward runs (see `ZeroConfig::with_offload`).
+    pub offload: bool,
 }
 
 impl ZeroSection {
@@ -774,8 +781,18 @@ impl TrainConfig {
         if self.precision.hysteresis == 0 {
             return Err(Error::config("precision.hysteresis", "counts overflows: at least 1"));
         }
-        self.recompute.to_override()?;
-        self.zero.to_stage()?;
+        if self.recompute.offload && self.recompute.to_override()? == RecomputeOverride::Off {
+            return Err(Error::config(
+                "recompute.offload",
+                "moves the inputs that recomputed layers keep to the host, and recompute.mode = \"none\" keeps none; set recompute.mode to \"full\" (or \"declared\"), or turn recompute.offload off",
+            ));
+        }
+        if self.zero.to_stage()?.is_none() && self.zero.offload {
+            return Err(Error::config(
+                "zero.offload",
+                "moves ZeRO's optimizer state to the host and runs its update there; set zero.stage to 1, 2 or 3 (stage 1 with one data-parallel rank offloads a single replica's AdamW)",
+            ));
+        }
         let o = &self.optim;
         if !(o.lr.is_finite() && o.lr > 0.0 && o.min_lr.is_finite() && o.min_lr >= 0.0 && o.min_lr <= o.lr) {
             return Err(Error::config("optim.lr", format!("need 0 <= min_lr <= lr and lr > 0; got lr {} and min_lr {}", o.lr, o.min_lr)));
@@ -937,6 +954,20 @@ mod tests {
             (&["precision.fp8=true", "precision.fp8_margin=20"][..], "precision.fp8_margin", "outside 0 to 16"),
             (&["precision.fp8=true", "mesh.ep=2"][..], "precision.fp8", "mesh.ep = 1"),
             (&["precision.fp8=true", "mesh.tp=2", "mesh.sp=true", "mesh.tp_overlap=2"][..], "precision.fp8", "tp_overlap = 1"),
+        ] {
+            let e = TrainConfig::parse("", args).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains(says), "{args:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn offload_is_off_by_default_and_refused_where_it_cannot_apply() {
+        let c = TrainConfig::parse("", &[]).unwrap();
+        assert!(!c.zero.offload && !c.recompute.offload);
+        TrainConfig::parse("[zero]\nstage = 3\noffload = true\n[recompute]\nmode = \"full\"\noffload = true\n", &[]).unwrap();
+        for (args, key, says) in [
+            (&["zero.offload=true"][..], "zero.offload", "set zero.stage to 1, 2 or 3"),
+            (&["recompute.offload=true", "recompute.mode=none"][..], "recompute.offload", "recompute.mode"),
         ] {
             let e = TrainConfig::parse("", args).unwrap_err().to_string();
             assert!(e.contains(key) && e.contains(says), "{args:?}: {e}");

@@ -109,7 +109,13 @@ impl Need {
         // over the replicas: 4 + 4 + 8 bytes per parameter in f32, 2 + 2 + 12
         // in half precision.
         let copies = |sharded_from: u8| if stage >= sharded_from { 1.0 } else { dp };
-        let (held, optimizer) = if cfg.precision.half_params().unwrap_or(false) { (2.0, 12.0) } else { (4.0, 8.0) };
+        // (ZeRO-Offload keeps an f32 master copy on the host whatever the
+        // parameters are held in, and CPU ranks share that memory too.)
+        let (held, optimizer) = match (cfg.precision.half_params().unwrap_or(false), cfg.zero.offload) {
+            (true, _) => (2.0, 12.0),
+            (false, true) => (4.0, 12.0),
+            (false, false) => (4.0, 8.0),
+        };
         let mut model_state = held * p * copies(3) + held * p * copies(2) + optimizer * p * copies(1);
         // Local SGD keeps the global parameters and the outer momentum in
         // f32 on every replica.

@@ -100,7 +100,10 @@ pub fn call_recompute<R: Role, M: Module<R>, L: Feeds<M::In>>(m: &M, cx: &mut Cx
     }
     match effective {
         Some(Recompute::Full) => {
-            let input = x.clone();
+            let input = match cx.activation_host() {
+                Some(host) => Act::new(x.tensor().to_device(host)?),
+                None => x.clone(),
+            };
             let (y, saved) = call::<R, M, M::In>(m, cx, name, x)?;
             drop(saved);
             Ok((y, Kept::Input(input)))
@@ -124,6 +127,8 @@ pub fn call_recompute_backward<R: Role, M: Module<R>>(m: &M, cx: &mut Cx, name: 
     let saved = match kept {
         Kept::Saved(s) => s,
         Kept::Input(x) => {
+            // An offloaded input comes back (unless a prefetch brought it).
+            let x = if x.tensor().device().same(cx.device()) { x } else { Act::new(x.tensor().to_device(cx.device())?) };
             let outer = cx.set_recomputing(true);
             let r = call::<R, M, M::In>(m, cx, name, x);
             cx.set_recomputing(outer);

@@ -56,6 +56,8 @@ pub struct Cx {
     training: bool,
     compute_dtype: DType,
     recompute: RecomputeOverride,
+    /// Where fully recomputed calls keep their inputs ([`Cx::with_activation_offload`]).
+    activation_host: Option<Device>,
     selective: bool,
     recomputing: bool,
     layer_recompute: Option<super::Recompute>,
@@ -93,6 +95,7 @@ impl Cx {
             training: true,
             compute_dtype: DType::F32,
             recompute: RecomputeOverride::AsDeclared,
+            activation_host: None,
             selective: false,
             recomputing: false,
             layer_recompute: None,
@@ -241,6 +244,24 @@ impl Cx {
     /// Turns recompute on or off for every layer that declares it (the planner's knob).
     pub fn set_recompute_override(&mut self, r: RecomputeOverride) {
         self.recompute = r;
+    }
+
+    /// Activation offload: the inputs that fully recomputed calls keep for
+    /// their backward (`#[recompute]`, or every recomputing field under
+    /// [`RecomputeOverride::Full`]) are copied to `host` after the forward
+    /// and brought back for the recompute, a stack's next layer fetched
+    /// while the current one runs its backward (on CPU devices; a CUDA
+    /// device copies at use). `host` is its own memory pool, so the
+    /// device's accounting no longer counts them; pass a fresh
+    /// `Device::cpu()`. Values are unchanged, bit for bit.
+    pub fn with_activation_offload(mut self, host: Device) -> Self {
+        self.activation_host = Some(host);
+        self
+    }
+
+    /// Where fully recomputed calls keep their inputs, if not on the device.
+    pub fn activation_host(&self) -> Option<&Device> {
+        self.activation_host.as_ref()
     }
 
     /// Whether the layers running now should drop what is large and cheap to

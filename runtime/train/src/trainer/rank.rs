@@ -101,6 +101,9 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
             cx = cx.with_pipeline_chunks(chunks);
         }
         cx.set_recompute_override(cfg.recompute.to_override()?);
+        if cfg.recompute.offload {
+            cx = cx.with_activation_offload(Device::cpu());
+        }
         let model = module::build((trainer.build)(&cx, e, ep)?, &cx)?;
         let norm_classes = NormClasses::of(&model, &cx)?;
 
@@ -109,7 +112,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         // over the data-parallel group, every other over all replicas).
         let (sync, optimizer) = match cfg.zero.to_stage()? {
             Some(stage) => {
-                let config = ZeroConfig::new(stage).with_adamw(cfg.optim.adamw()).with_bucket_bytes(cfg.mesh.bucket_bytes);
+                let config = ZeroConfig::new(stage).with_adamw(cfg.optim.adamw()).with_bucket_bytes(cfg.mesh.bucket_bytes).with_offload(cfg.zero.offload);
                 let zero = Arc::new(match ep {
                     1 => Zero::new(&model, dp_group.clone(), config)?,
                     _ => Zero::with_experts(&model, cx.groups(), config)?,
