@@ -19,6 +19,7 @@
 //! cargo run --release --example bench -- quant_gemv --rows 1,4
 //! cargo run --release --example bench -- pipeline --stages 2 --microbatches 8
 //! cargo run --release --example bench -- tp-overlap --tp 2 --pieces 4
+//! cargo run --release --example bench -- offload --dp 2
 //! ```
 
 mod attention;
@@ -28,6 +29,7 @@ mod context_parallel;
 mod cuda;
 mod elementwise;
 mod gpt;
+mod offload;
 mod pipeline;
 mod quant;
 mod serve;
@@ -96,6 +98,10 @@ enum Bench {
     /// and the step time against cp = 1 on the budget's sequence.
     #[command(name = "context-parallel")]
     ContextParallel(context_parallel::Args),
+    /// ZeRO-Offload and activation offload on CPU ranks (host = a second
+    /// memory pool): device memory saved and step time against the same
+    /// run without offload, and the share of the host update hidden.
+    Offload(offload::Args),
 }
 
 #[derive(clap::Args)]
@@ -217,6 +223,7 @@ fn main() -> Result<()> {
         Bench::Pipeline(args) => pipeline::run(&args),
         Bench::TpOverlap(args) => tp_overlap::run(&args),
         Bench::ContextParallel(args) => context_parallel::run(&args),
+        Bench::Offload(args) => offload::run(&args),
     }
 }
 
