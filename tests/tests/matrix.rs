@@ -371,6 +371,7 @@ fn every_configuration_trains_the_moe_model_like_one_rank() {
         ("zero3 dp2 ep2", Config { zero: Some(Stage::Three), ..Config::new("dp2,ep2") }),
         ("zero2 ep2 tp2 pp2", Config { zero: Some(Stage::Two), ..Config::new("ep2,tp2,pp2") }),
         ("zero3 dp2 ep2 pp2", Config { zero: Some(Stage::Three), ..Config::new("dp2,ep2,pp2") }),
+        ("zero3 dp2 ep2 offloaded", Config { zero: Some(Stage::Three), offload: true, ..Config::new("dp2,ep2") }),
     ];
     for (name, cfg) in configs {
         check(name, &train(cfg, moe), &reference);

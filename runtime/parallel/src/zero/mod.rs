@@ -596,7 +596,8 @@ impl Zero {
         // values are the master copy, rounded into the parameters.
         let params = match s.master.is_some() {
             true => {
-                let held = state.params.to_dtype(self.flat.dtype)?.to_device(&self.flat.device)?;
+                let held = state.params.to_dtype(self.flat.dtype)?;
+                let held = if held.device().same(&self.flat.device) { held } else { held.to_device(&self.flat.device)? };
                 s.master = Some(on_state_device(state.params)?);
                 held
             }
