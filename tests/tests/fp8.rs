@@ -141,3 +141,48 @@ fn the_output_head_keeps_its_precision() {
     assert_eq!(fp8, plain);
     assert_eq!(scales, 0);
 }
+
+/// A run in FP8 stopped and resumed takes the uninterrupted run's steps
+/// bit for bit, on one rank and over pipeline stages (each holding its
+/// own layers' scalings, which the checkpoint gathers): the amax histories
+/// and scales travel with the checkpoint. A mutation that saves no
+/// scalings starts the resumed steps from fresh first-use scales and
+/// moves their losses.
+#[test]
+fn an_fp8_run_resumes_bit_for_bit() {
+    for (tag, mesh) in [("one", ""), ("dp2-tp2-pp2", "[mesh]\ndp = 2\ntp = 2\npp = 2\n")] {
+        let (a, b) = (scratch(&format!("fp8-resume-{tag}-straight")), scratch(&format!("fp8-resume-{tag}-resumed")));
+        let text = format!("{mesh}[batch]\nmicro_batch = 2\ngrad_accum = 2\n[precision]\nfp8 = true\nfp8_history = 4\n[optim]\nclip = 0.0\n");
+        let straight = train(config(&a, &text, &["run.steps=8"]), 0..0);
+        let first = train(config(&b, &text, &["run.steps=8", "run.stop_after=4"]), 0..0);
+        let resumed = train(config(&b, &text, &["run.steps=8"]), 0..0);
+        assert_eq!(resumed.resumed_from, 4);
+        let losses: Vec<f64> = first.losses.iter().chain(&resumed.losses).map(|l| l.1).collect();
+        assert_eq!(losses, straight.losses.iter().map(|l| l.1).collect::<Vec<_>>(), "FP8 on {tag}: losses");
+        assert_eq!(final_params(&resumed), final_params(&straight), "FP8 on {tag}: parameters");
+    }
+}
+
+/// A snapshot of the FP8 scalings restores to the same scales, and a key
+/// that names no operand is refused with the form keys take.
+#[test]
+fn fp8_snapshots_restore_and_refuse_unknown_operands() {
+    let dev = Device::cpu();
+    let cx = Cx::new(dev.clone()).with_fp8(Fp8Recipe::default()).unwrap();
+    let mut cx = cx;
+    let layer = module::build(Linear::new(8, 4, true).unwrap(), &cx).unwrap();
+    let x = Tensor::from_vec(rand_vec(2, 16).into_iter().map(|v| v as f32).collect(), [2, 8], &dev).unwrap();
+    let (y, saved) = <Linear as Module<Plain>>::forward(&layer, &mut cx, Act::new(x)).unwrap();
+    <Linear as Module<Plain>>::backward(&layer, &mut cx, saved, Act::new(y.tensor().clone())).unwrap();
+    cx.end_fp8_step().unwrap();
+    let snapshot = cx.fp8_snapshot();
+    assert_eq!(snapshot.len(), 3, "input, weight and gradient: {snapshot:?}");
+    let other = Cx::new(dev.clone()).with_fp8(Fp8Recipe::default()).unwrap();
+    other.restore_fp8(&snapshot).unwrap();
+    assert_eq!(other.fp8_scales(), cx.fp8_scales());
+    let mut bad = snapshot.clone();
+    let (key, value) = bad.pop_first().unwrap();
+    bad.insert(format!("{key}-bias"), value);
+    let e = other.restore_fp8(&bad).unwrap_err().to_string();
+    assert!(e.contains("layer/input"), "{e}");
+}

@@ -131,6 +131,22 @@ impl DelayedScaling {
             self.record(a);
         }
     }
+
+    /// Replaces the history and the scale with a saved pair (restoring a
+    /// checkpoint exactly, also a scale that no history set yet: one taken
+    /// from an operand's first amax). A scale that is not finite and
+    /// positive is refused.
+    pub fn restore_with_scale(&mut self, history: &[f32], scale: f32) -> Result<()> {
+        if !(scale.is_finite() && scale > 0.0) || history.iter().any(|a| !(a.is_finite() && *a >= 0.0)) {
+            return Err(Error::invalid(
+                "DelayedScaling::restore_with_scale",
+                format!("scale {scale} with history {history:?}; a saved scaling has a finite scale > 0 and finite amaxes >= 0"),
+            ));
+        }
+        self.restore(history);
+        self.scale = scale;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -179,6 +195,10 @@ mod tests {
         let mut r = DelayedScaling::new(Fp8Format::E4M3, 3, 0).unwrap();
         r.restore(&[9.0, 4.0, 2.0, 1.0]);
         assert_eq!((r.scale(), r.history().count()), (448.0 / 4.0, 3));
+        // A saved first-use scale, with no history behind it, comes back as it was.
+        r.restore_with_scale(&[], 224.0).unwrap();
+        assert_eq!((r.scale(), r.history().count()), (224.0, 0));
+        assert!(r.restore_with_scale(&[], f32::NAN).is_err() && r.restore_with_scale(&[-1.0], 2.0).is_err());
         assert!(DelayedScaling::new(Fp8Format::E4M3, 0, 0).is_err() && DelayedScaling::new(Fp8Format::E4M3, 4, 17).is_err());
     }
 }

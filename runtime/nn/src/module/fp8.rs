@@ -105,16 +105,78 @@ impl Fp8State {
 
     /// The scales in use, by layer and operand (for reports and tests).
     pub(crate) fn scales(&self) -> Vec<(String, &'static str, f32)> {
-        let name = |o: Operand| match o {
-            Operand::Input => "input",
-            Operand::Weight => "weight",
-            Operand::Grad => "grad",
-        };
-        self.scalings.lock().iter().map(|((l, o), s)| (l.clone(), name(*o), s.scale())).collect()
+        self.scalings.lock().iter().map(|((l, o), s)| (l.clone(), operand_name(*o), s.scale())).collect()
     }
 }
 
+/// One operand's delayed scaling as a checkpoint keeps it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Fp8Saved {
+    /// The amaxes recorded, oldest first.
+    pub history: Vec<f32>,
+    /// The scale in use.
+    pub scale: f32,
+}
+
+/// Every operand's delayed scaling of a rank, keyed `layer/operand`
+/// (`input`, `weight` or `grad`): what [`Cx::fp8_snapshot`] takes and
+/// [`Cx::restore_fp8`] puts back, so a resumed FP8 run scales exactly as
+/// the uninterrupted one.
+pub type Fp8Snapshot = BTreeMap<String, Fp8Saved>;
+
+fn operand_name(o: Operand) -> &'static str {
+    match o {
+        Operand::Input => "input",
+        Operand::Weight => "weight",
+        Operand::Grad => "grad",
+    }
+}
+
+fn parse_key(key: &str) -> Result<Key> {
+    let bad = || Error::invalid("Cx::restore_fp8", format!("`{key}` names no FP8 operand; keys are `layer/input`, `layer/weight` or `layer/grad`"));
+    let (layer, operand) = key.rsplit_once('/').ok_or_else(bad)?;
+    let operand = match operand {
+        "input" => Operand::Input,
+        "weight" => Operand::Weight,
+        "grad" => Operand::Grad,
+        _ => return Err(bad()),
+    };
+    Ok((layer.to_string(), operand))
+}
+
 impl Cx {
+    /// The delayed scaling of every FP8 operand seen so far (empty without
+    /// FP8): for a checkpoint, taken between steps.
+    pub fn fp8_snapshot(&self) -> Fp8Snapshot {
+        let Some(state) = &self.fp8 else { return Fp8Snapshot::new() };
+        let saved = state
+            .scalings
+            .lock()
+            .iter()
+            .map(|((l, o), s)| (format!("{l}/{}", operand_name(*o)), Fp8Saved { history: s.history().collect(), scale: s.scale() }))
+            .collect();
+        saved
+    }
+
+    /// Puts back the delayed scalings of a snapshot (restoring a
+    /// checkpoint, between steps), replacing every operand's state: those
+    /// it does not name start afresh at their next use. Entries for layers
+    /// this rank does not run (another pipeline stage's) are kept too and
+    /// simply never used. Without FP8 it is a no-op.
+    pub fn restore_fp8(&self, saved: &Fp8Snapshot) -> Result<()> {
+        let Some(state) = &self.fp8 else { return Ok(()) };
+        let mut scalings = BTreeMap::new();
+        for (key, s) in saved {
+            let key = parse_key(key)?;
+            let mut scaling = DelayedScaling::new(key.1.format(), state.recipe.history, state.recipe.margin)?;
+            scaling.restore_with_scale(&s.history, s.scale)?;
+            scalings.insert(key, scaling);
+        }
+        *state.scalings.lock() = scalings;
+        state.pending.lock().clear();
+        Ok(())
+    }
+
     /// Runs every linear layer's products in FP8 (training only; the output
     /// head, a layer in the [`Vocab`](super::Vocab) role, keeps the compute dtype): E4M3
     /// inputs and weights, E5M2 output gradients, per-operand delayed

@@ -31,8 +31,8 @@ pub use describe::{
     describe, describe_call, describe_with_input, Activation, CollectiveCost, CollectiveKind, CostSettings, Describe, Group, LayerCost, ModelCost, ParamCost,
     Pass, Product,
 };
-pub use fp8::Fp8Recipe;
 pub(crate) use fp8::Operand;
+pub use fp8::{Fp8Recipe, Fp8Saved, Fp8Snapshot};
 pub use layout::{Act, Dispatched, Layout, PartialSum, Pointwise, Replicated, SameLayout, Seq, SplitHidden, SplitSeq};
 pub use seq::{seq_convert, seq_convert_backward};
 #[doc(hidden)]

@@ -3,7 +3,7 @@
 
 use super::optimizer::{GradSync, RankOptimizer};
 use super::report::{Collector, Pass, RankStep};
-use super::state::{describe, RunState};
+use super::state::{describe, fp8_of_every_stage, restore_fp8, RunState};
 use super::{Replica, Trainer};
 use crate::ckpt::{Checkpointer, SaveHandle};
 use crate::ranks::Ranks;
@@ -205,6 +205,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         match self.shared.ckpt.load_latest_valid(&self.model, Some(self.optimizer.state_mut()), &self.cx)? {
             Some(r) => {
                 self.state.resume(&r.manifest.extra)?;
+                restore_fp8(&self.cx, &r.manifest.extra)?;
                 Ok(r.manifest.step)
             }
             None => Ok(0),
@@ -495,7 +496,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
     fn save(&mut self, done: u64, scheduled: bool, stop: u64) -> Result<()> {
         let cfg = &self.trainer.config;
         let (ckpt, trace, rank) = (self.shared.ckpt, self.shared.trace, self.rank);
-        let extra = self.state.extra();
+        let extra = self.extra()?;
         if let Some(h) = self.pending_save.take() {
             h.wait()?;
         }
@@ -513,6 +514,14 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         Ok(())
     }
 
+    /// A checkpoint's `extra`: the run state, and the FP8 scalings of
+    /// every pipeline stage (collective: every rank saves together).
+    fn extra(&self) -> Result<serde_json::Value> {
+        let mut extra = self.state.extra();
+        extra["fp8"] = fp8_of_every_stage(&self.cx, self.trainer.config.precision.fp8)?;
+        Ok(extra)
+    }
+
     /// Waits for a save in flight and makes sure the state after step
     /// `done` is in a checkpoint (the last step may have been skipped, and
     /// so not saved); returns that checkpoint.
@@ -525,7 +534,7 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
                 return Ok(dir);
             }
         }
-        let extra = self.state.extra();
+        let extra = self.extra()?;
         let (ckpt, state) = (self.shared.ckpt, Some(self.optimizer.state()));
         if done < self.trainer.config.run.steps {
             ckpt.save_resume_point(done, &self.model, state, &self.cx, extra)

@@ -4,9 +4,9 @@
 use crate::ckpt::Checkpointer;
 use crate::{Anomaly, LossScaler, StabilityMonitor};
 use serde_json::{json, Value};
-use tessera_core::{Error, Result};
+use tessera_core::{Device, Error, Result, Tensor};
 use tessera_data::Batches;
-use tessera_nn::module::{Cx, Module};
+use tessera_nn::module::{Cx, Fp8Snapshot, Module};
 use tessera_observe::Event;
 use tessera_optim::OptimizerState;
 
@@ -85,6 +85,7 @@ impl RunState {
         let Some(r) = ckpt.load_latest_valid_regular(model, Some(opt), cx)? else { return Ok(None) };
         let extra = &r.manifest.extra;
         self.restore_scaler_and_monitor(extra)?;
+        restore_fp8(cx, extra)?;
         match extra.get("data") {
             Some(since) => self.batches.exclude_since(since)?,
             None => return Err(Error::checkpoint(&r.dir, "holds no data cursor, so the data read since it cannot be excluded on a rollback")),
@@ -93,6 +94,44 @@ impl RunState {
         let skipped = r.skipped.iter().map(|s| Event::Skipped { dir: s.dir.display().to_string(), reason: s.reason.to_string() }).collect();
         Ok(Some((r.manifest.step, skipped)))
     }
+}
+
+/// The FP8 scaling state of the whole model for a checkpoint's `extra`:
+/// this rank's, merged with every other pipeline stage's (each holds its
+/// own layers' operands; tensor- and data-parallel ranks hold the same).
+/// Every rank calls it together; without FP8 it is empty and costs no
+/// communication.
+pub(super) fn fp8_of_every_stage(cx: &Cx, fp8: bool) -> Result<Value> {
+    let mine = cx.fp8_snapshot();
+    let pp = &cx.groups().pp;
+    if !fp8 || pp.size() == 1 {
+        return Ok(serde_json::to_value(mine).expect("plain data serialises"));
+    }
+    // Each stage's snapshot as JSON bytes, one f32 per byte (exact),
+    // padded to the longest.
+    let bytes = serde_json::to_vec(&mine).expect("plain data serialises");
+    let lens = pp.all_gather(&Tensor::from_vec(vec![bytes.len() as f32], [1], &Device::cpu())?, 0)?.to_vec::<f32>()?;
+    let width = lens.iter().fold(0.0f32, |a, &b| a.max(b)) as usize;
+    let mut row: Vec<f32> = bytes.iter().map(|&b| f32::from(b)).collect();
+    row.resize(width, 0.0);
+    let all = pp.all_gather(&Tensor::from_vec(row, [width], &Device::cpu())?, 0)?.to_vec::<f32>()?;
+    let mut merged = Fp8Snapshot::new();
+    for (stage, len) in lens.iter().enumerate() {
+        let theirs: Vec<u8> = all[stage * width..stage * width + *len as usize].iter().map(|&b| b as u8).collect();
+        let theirs: Fp8Snapshot = serde_json::from_slice(&theirs)
+            .map_err(|e| Error::state_mismatch("FP8 checkpoint state", format!("stage {stage}'s FP8 scalings arrived unreadable: {e}")))?;
+        merged.extend(theirs);
+    }
+    Ok(serde_json::to_value(merged).expect("plain data serialises"))
+}
+
+/// Puts back the FP8 scalings a checkpoint's `extra` holds (a checkpoint
+/// without them, or a run without FP8, leaves the state as it is).
+pub(super) fn restore_fp8(cx: &Cx, extra: &Value) -> Result<()> {
+    let Some(saved) = extra.get("fp8").filter(|v| v.as_object().is_some_and(|o| !o.is_empty())) else { return Ok(()) };
+    let saved: Fp8Snapshot =
+        serde_json::from_value(saved.clone()).map_err(|e| Error::config("precision.fp8", format!("the checkpoint's FP8 scaling state is unreadable: {e}")))?;
+    cx.restore_fp8(&saved)
 }
 
 /// An anomaly as the metrics line and the console report it.
