@@ -17,7 +17,7 @@ use super::Cx;
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use tessera_core::ops::{self, DelayedScaling, Fp8Format};
-use tessera_core::{Error, Result, Tensor};
+use tessera_core::{DType, Error, Result, Tensor};
 
 /// The FP8 settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,8 +61,10 @@ type Key = (String, Operand);
 pub(crate) struct Fp8State {
     recipe: Fp8Recipe,
     scalings: Mutex<BTreeMap<Key, DelayedScaling>>,
-    /// This step's amax of each operand so far.
-    pending: Mutex<BTreeMap<Key, f32>>,
+    /// This step's amaxes of each operand so far, one per use, left on the
+    /// device (one-element f32 tensors) until the step's end reads them
+    /// all at once: no use waits for the device.
+    pending: Mutex<BTreeMap<Key, Vec<Tensor>>>,
 }
 
 impl Fp8State {
@@ -83,23 +85,21 @@ impl Fp8State {
     /// different from one rank's.
     pub(crate) fn quantize(&self, cx: &Cx, layer: &str, operand: Operand, x: &Tensor) -> Result<(Tensor, f32)> {
         let key = (layer.to_string(), operand);
-        let amax = ops::max_abs(x)?.to_scalar()? as f32;
+        let amax = ops::max_abs(x)?.to_dtype(DType::F32)?.reshape([1])?;
         let known = self.scalings.lock().get(&key).map(|s| s.scale());
         let scale = match known {
             Some(scale) => scale,
             None => {
+                // The first use reads its amax at once (once per operand
+                // and run): it sets the scale this very step.
                 let mut s = DelayedScaling::new(operand.format(), self.recipe.history, self.recipe.margin)?;
-                s.start_from(max_over_groups(cx, vec![amax])?[0]);
+                s.start_from(max_over_groups(cx, vec![amax.to_vec::<f32>()?[0]])?[0]);
                 let scale = s.scale();
                 self.scalings.lock().insert(key.clone(), s);
                 scale
             }
         };
-        {
-            let mut pending = self.pending.lock();
-            let slot = pending.entry(key).or_insert(0.0);
-            *slot = if amax.is_nan() || slot.is_nan() { f32::NAN } else { slot.max(amax) };
-        }
+        self.pending.lock().entry(key).or_default().push(amax);
         Ok((ops::fp8_values(x, operand.format(), scale)?, scale))
     }
 
@@ -219,7 +219,18 @@ impl Cx {
         let Some(state) = &self.fp8 else { return Ok(()) };
         let pending = std::mem::take(&mut *state.pending.lock());
         let keys: Vec<Key> = pending.keys().cloned().collect();
-        let amax = max_over_groups(self, pending.values().copied().collect())?;
+        // Every use's amax in one read from the device, then the largest
+        // per operand (NaN where any is NaN).
+        let all: Vec<&Tensor> = pending.values().flatten().collect();
+        let values = if all.is_empty() { Vec::new() } else { Tensor::concat_flat(&all)?.to_vec::<f32>()? };
+        let mut at = 0;
+        let mut step_amax = Vec::with_capacity(keys.len());
+        for uses in pending.values() {
+            let seen = &values[at..at + uses.len()];
+            at += uses.len();
+            step_amax.push(seen.iter().fold(0.0f32, |a, &b| if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) }));
+        }
+        let amax = max_over_groups(self, step_amax)?;
         if amax.iter().any(|a| !a.is_finite()) {
             return Ok(());
         }
