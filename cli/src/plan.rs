@@ -221,7 +221,14 @@ fn describe_layout(l: &Layout) -> String {
     if l.pp > 1 {
         s += &format!(" {}", schedule_name(l.schedule));
     }
-    s + &format!(" mb{}×{} recompute {} zero{}", l.micro_batch, l.grad_accum, recompute_name(l.recompute), l.zero.number())
+    s + &format!(
+        " mb{}×{} recompute {} zero{}{}",
+        l.micro_batch,
+        l.grad_accum,
+        recompute_name(l.recompute),
+        l.zero.number(),
+        if l.offloaded() { " offload" } else { "" }
+    )
 }
 
 fn print_table(plans: &[Estimate]) {
@@ -315,6 +322,9 @@ fn plan_toml(text: &str, best: &Estimate) -> anyhow::Result<String> {
     doc.insert("recompute".into(), toml::Value::Table(recompute));
     let mut zero = table(&mut doc, "zero")?;
     zero.insert("stage".into(), toml::Value::Integer(i64::from(l.zero.number())));
+    if l.offloaded() {
+        zero.insert("offload".into(), toml::Value::Boolean(true));
+    }
     doc.insert("zero".into(), toml::Value::Table(zero));
     let t = &best.time;
     let head = format!(
@@ -340,6 +350,7 @@ fn json_line(e: &Estimate, cost: &ModelCost) -> String {
         "dp_total_s": t.dp_total,
         "optimizer_s": t.optimizer,
         "memory_bytes": m.total(),
+        "host_bytes": m.host,
         "states_bytes": m.states.total(),
         "activation_bytes": m.activations,
         "logits_bytes": m.logits,

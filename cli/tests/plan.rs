@@ -131,3 +131,32 @@ fn bad_arguments_are_refused_naming_them() {
         assert!(stderr.contains(says), "{args:?}: the error should name {says}: {stderr}");
     }
 }
+
+/// A 64-billion-parameter model whose states no split of one node's eight
+/// 80 GB devices can hold fits with ZeRO-Offload: the plan puts the
+/// optimizer state in the node's host memory, writes `zero.offload`, and
+/// states what the host holds; with offload ruled out it is refused.
+#[test]
+fn a_model_whose_states_fit_only_in_host_memory_is_planned_with_offload() {
+    let dir = Scratch::new("cli-plan-offload");
+    let model = dir.path().join("big.toml");
+    std::fs::write(&model, "[model]\nkind = \"gpt2\"\nn_layer = 80\nn_embd = 8192\nn_head = 64\nvocab_size = 51200\nn_positions = 2048\n[batch]\nseq_len = 2048\n[precision]\ncompute = \"bf16\"\n").unwrap();
+    let out = dir.path().join("plan.toml");
+    let (m, o) = (model.to_str().unwrap(), out.to_str().unwrap());
+    let run = tessera(&["--model", m, "--cluster", "a100-sxm4-80gb", "--global-batch", "8", "--out", o]);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    let cfg = TrainConfig::parse(&std::fs::read_to_string(&out).unwrap(), &[]).unwrap();
+    assert!(cfg.zero.offload && cfg.zero.stage >= 1, "{stdout}");
+    let eval = tessera(&["--model", o, "--cluster", "a100-sxm4-80gb", "--evaluate"]);
+    let line: serde_json::Value = serde_json::from_slice(&eval.stdout).unwrap();
+    assert!(line["layout"].as_str().unwrap().ends_with("offload"), "{line}");
+    assert!(line["memory_bytes"].as_f64().unwrap() <= 0.9 * 80e9, "{line}");
+    // Host: the f32 master copy, both moments and a bf16 gradient shard,
+    // 14 bytes per parameter over the node's ranks, within its 2 TB.
+    let host = line["host_bytes"].as_f64().unwrap() * 8.0;
+    let params = line["params"].as_f64().unwrap();
+    assert!((host - 14.0 * params).abs() <= 0.01 * host && host <= 0.9 * 2e12, "{host} bytes of host memory for {params} parameters");
+    let refused = tessera(&["--model", m, "--cluster", "a100-sxm4-80gb", "--global-batch", "8", "--fix", "offload=false"]);
+    assert!(!refused.status.success() && String::from_utf8_lossy(&refused.stderr).contains("no layout fits"));
+}

@@ -80,9 +80,27 @@ pub struct Layout {
     pub half_params: bool,
     /// Bytes of a data-parallel gradient bucket (`mesh.bucket_bytes`).
     pub bucket_bytes: usize,
+    /// ZeRO-Offload (`zero.offload`, with a ZeRO stage): the master copy and
+    /// the moments, and at stage 3 the parameter shard, in host memory; the
+    /// update on the host CPU, overlapping the next forward.
+    pub offload: bool,
 }
 
+/// Bytes per second between a GPU and its host (PCIe 4.0 x16 as measured,
+/// about half its peak; the ZeRO-Offload paper's figures are of this order).
+pub const HOST_LINK_BYTES_PER_S: f64 = 25e9;
+
+/// Bytes per second of one GPU's share of its host's memory bandwidth for
+/// the CPU AdamW (a two-socket server's ~300 GB/s over 8 GPUs, with the
+/// rest of the host's work beside it).
+pub const HOST_ADAMW_BYTES_PER_S: f64 = 20e9;
+
 impl Layout {
+    /// Whether the optimizer state is in host memory (offload needs a ZeRO stage).
+    pub fn offloaded(&self) -> bool {
+        self.offload && self.zero >= ZeroStage::One
+    }
+
     /// Ranks the layout runs on.
     pub fn world(&self) -> usize {
         self.dp * self.ep * self.cp * self.pp * self.tp
@@ -162,10 +180,14 @@ pub struct StepMemory {
     /// Buffers of the backward: a layer brought back by recompute, the
     /// activation gradients, a weight's gradient before it is added.
     pub workspace: f64,
+    /// With ZeRO-Offload: the rank's bytes in host memory (the f32 master
+    /// copy and both moments of its shard, and the gradient shard copied
+    /// over for the update); not part of [`total`](Self::total).
+    pub host: f64,
 }
 
 impl StepMemory {
-    /// All of it.
+    /// All of it, on the device.
     pub fn total(&self) -> f64 {
         self.states.total() + self.activations + self.logits + self.workspace
     }
@@ -301,9 +323,23 @@ fn memory_of(cost: &ModelCost, layout: &Layout, placed: &Placed) -> Result<StepM
     let precision = l.precision();
     let accumulating = l.grad_accum > 1;
     let mut worst = StepMemory::default();
+    let mut most_host = 0.0f64;
     for s in 0..l.pp {
-        let full =
+        let mut full =
             add(model_states(placed.dense[s], l.dense_replicas(), l.zero, precision), model_states(placed.experts[s], l.expert_replicas(), l.zero, precision));
+        let mut host = 0.0;
+        if l.offloaded() {
+            // On the host: the optimizer state, and stage 3's parameter
+            // shard (the gathered modules are counted below); there, an
+            // f32 master copy whatever the parameters are held in, and the
+            // gradient shard during the update.
+            let shard = placed.dense[s] / l.dense_replicas() as f64 + placed.experts[s] / l.expert_replicas() as f64;
+            host = shard * (4.0 + 8.0 + precision.grad);
+            full.optimizer = 0.0;
+            if l.zero >= ZeroStage::Three {
+                full.params = 0.0;
+            }
+        }
         let mut with_grads = full;
         if l.zero >= ZeroStage::Two && accumulating {
             // Gradients accumulate whole over the micro-batches; only the
@@ -336,20 +372,24 @@ fn memory_of(cost: &ModelCost, layout: &Layout, placed: &Placed) -> Result<StepM
             }
             let states = if backed { with_grads } else { without_grads };
             let extra = if !forward && Some(i) == last_backward { buckets } else { 0.0 };
-            moments.push(StepMemory { states, activations: in_flight as f64 * chunk_saved, logits, workspace: workspace + extra });
+            moments.push(StepMemory { states, activations: in_flight as f64 * chunk_saved, logits, workspace: workspace + extra, host });
             if frees {
                 in_flight = in_flight.saturating_sub(1);
             }
             backed |= !forward;
         }
-        let new_flat = if matches!(l.zero, ZeroStage::One | ZeroStage::Two) { (placed.dense[s] + placed.experts[s]) * precision.param } else { 0.0 };
-        moments.push(StepMemory { states: with_grads, activations: 0.0, logits: 0.0, workspace: new_flat });
+        // (Offloaded, the parameters come back layer by layer instead.)
+        let new_flat =
+            if matches!(l.zero, ZeroStage::One | ZeroStage::Two) && !l.offloaded() { (placed.dense[s] + placed.experts[s]) * precision.param } else { 0.0 };
+        moments.push(StepMemory { states: with_grads, activations: 0.0, logits: 0.0, workspace: new_flat, host });
+        most_host = most_host.max(host);
         for m in moments {
             if m.total() > worst.total() {
                 worst = m;
             }
         }
     }
+    worst.host = most_host;
     Ok(worst)
 }
 
@@ -563,7 +603,17 @@ pub fn estimate(cost: &ModelCost, model_flops_per_token: f64, layout: &Layout, c
         Some(rate) => optimizer_params / rate,
         None => optimizer_params * 28.0 / bandwidth,
     };
-    let optimizer = update + held * grad_bytes / bandwidth;
+    let mut optimizer = update + held * grad_bytes / bandwidth;
+    if l.offloaded() {
+        // The gradient shard goes to the host and the parameters come back
+        // (at stage 3 gathered row by row, at stages 1 and 2 once), over
+        // the host link; the host's update runs behind the next forward
+        // (a third of the compute) and shows only where it is longer.
+        let param_bytes = if l.half_params { bytes } else { 4.0 };
+        let transfers = optimizer_params * (grad_bytes + param_bytes) / HOST_LINK_BYTES_PER_S;
+        let host_update = optimizer_params * 28.0 / HOST_ADAMW_BYTES_PER_S;
+        optimizer = held * grad_bytes / bandwidth + transfers + (host_update - busy / 3.0).max(0.0);
+    }
 
     let step = pipeline + dp_exposed + optimizer;
     let compute = busy - l.grad_accum as f64 * model_comm_per_mb;
@@ -663,6 +713,7 @@ mod tests {
             intra_node: link,
             inter_node: None,
             ranks_share_cores: false,
+            host_memory_bytes: None,
         }
     }
 
@@ -683,6 +734,7 @@ mod tests {
             compute: DType::F32,
             half_params: false,
             bucket_bytes: 1 << 20,
+            offload: false,
         }
     }
 
@@ -824,6 +876,33 @@ mod tests {
         assert_eq!(update.states, states);
         assert!((update.workspace - 4.0 * 2000.0).abs() < 1e-9, "{update:?}");
     }
+    #[test]
+    fn offload_moves_the_optimizer_state_and_stage_three_shards_to_the_host_for_transfer_time() {
+        // 2000 f32 parameters over dp2: 1000 per shard.
+        let at = |zero, offload| peak(Layout { zero, offload, ..layout(2, 1, 1, ScheduleKind::OneFOneB) });
+        for zero in [ZeroStage::One, ZeroStage::Two, ZeroStage::Three] {
+            let (on, off) = (at(zero, true), at(zero, false));
+            assert_eq!(on.states.optimizer, 0.0, "{zero:?}: the moments are on the host");
+            // The f32 master copy and both moments, and the gradient shard.
+            assert_eq!(on.host, 1000.0 * (12.0 + 4.0), "{zero:?}");
+            assert_eq!((off.host, on.states.grads), (0.0, off.states.grads), "{zero:?}");
+            let params = if zero == ZeroStage::Three { 0.0 } else { off.states.params };
+            assert_eq!(on.states.params, params, "{zero:?}: stage 3 keeps no shard on the device");
+        }
+        // Without a ZeRO stage there is nothing to offload.
+        assert_eq!(at(ZeroStage::None, true), at(ZeroStage::None, false));
+        // The step pays the gradient shard out and the parameters back over
+        // the host link, and the host update only where the forward does
+        // not cover it (here compute is free, so all of it).
+        let cost = stack(2, 100.0, 1e4, 1000);
+        let opt = |offload| {
+            let l = Layout { zero: ZeroStage::Two, offload, ..layout(2, 1, 1, ScheduleKind::OneFOneB) };
+            estimate(&cost, 1.0, &l, &cluster(1e30, false)).unwrap().time.optimizer
+        };
+        let want = 1000.0 * 8.0 / HOST_LINK_BYTES_PER_S + 1000.0 * 28.0 / HOST_ADAMW_BYTES_PER_S;
+        assert!((opt(true) - opt(false) - want).abs() < 1e-12 * want.max(1.0) + 1e-15, "{} vs {}", opt(true), opt(false));
+    }
+
     #[test]
     fn context_parallelism_divides_the_tokens_and_shards_the_state_like_replicas() {
         // seq 10 over cp2: each rank keeps 5 tokens' activations, and ZeRO

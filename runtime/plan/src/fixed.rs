@@ -32,6 +32,8 @@ pub struct Fixed {
     pub recompute: Option<RecomputeOverride>,
     /// The ZeRO stage.
     pub zero: Option<ZeroStage>,
+    /// ZeRO-Offload on or off.
+    pub offload: Option<bool>,
 }
 
 /// A pipeline schedule by name, its chunks left open.
@@ -48,13 +50,13 @@ pub enum ScheduleName {
 }
 
 /// The keys [`Fixed::parse`] takes.
-pub const KEYS: &str = "dp, tp, pp, ep, cp, sp, schedule, micro_batch, recompute, zero";
+pub const KEYS: &str = "dp, tp, pp, ep, cp, sp, schedule, micro_batch, recompute, zero, offload";
 
 impl Fixed {
     /// Parses `KEY=VALUE` items: `dp`, `tp`, `pp`, `ep`, `cp` and `micro_batch`
     /// (positive integers), `sp` (`true`/`false`), `schedule` (`gpipe`,
     /// `1f1b`, `interleaved`, `zb-h1`, or several comma-separated), `recompute` (`none`, `declared`, `full`),
-    /// `zero` (0 to 3). A key given twice, an unknown key or a bad value is
+    /// `zero` (0 to 3), `offload` (`true`/`false`: ZeRO-Offload). A key given twice, an unknown key or a bad value is
     /// an error naming it.
     pub fn parse(items: &[String]) -> Result<Fixed> {
         let mut f = Fixed::default();
@@ -73,6 +75,7 @@ impl Fixed {
                 "cp" => f.cp.replace(degree()?).is_some(),
                 "micro_batch" => f.micro_batch.replace(degree()?).is_some(),
                 "sp" => f.sp.replace(value.parse::<bool>().map_err(|_| bad(format!("sp takes true or false, not `{value}`")))?).is_some(),
+                "offload" => f.offload.replace(value.parse::<bool>().map_err(|_| bad(format!("offload takes true or false, not `{value}`")))?).is_some(),
                 "schedule" => {
                     let names = value
                         .split(',')
@@ -134,6 +137,7 @@ impl Fixed {
             && (l.pp == 1 || self.schedule.as_ref().is_none_or(|allowed| allowed.contains(&schedule)))
             && self.recompute.is_none_or(|r| r == l.recompute)
             && self.zero.is_none_or(|z| z == l.zero)
+            && self.offload.is_none_or(|o| o == l.offloaded())
     }
 
     /// Whether nothing is fixed.
@@ -174,8 +178,14 @@ mod tests {
             compute: tessera_core::DType::BF16,
             half_params: true,
             bucket_bytes: 1 << 20,
+            offload: false,
         };
         assert!(f.admits(&base));
+        let off = Fixed::parse(&items(&["offload=false"])).unwrap();
+        let on = Fixed::parse(&items(&["offload=true"])).unwrap();
+        let offloaded = Layout { zero: ZeroStage::Two, offload: true, ..base };
+        assert!(off.admits(&base) && !on.admits(&base) && on.admits(&offloaded) && !off.admits(&offloaded));
+        assert!(Fixed::parse(&items(&["offload=yes"])).unwrap_err().to_string().contains("true or false"));
         assert!(f.admits(&Layout { schedule: ScheduleKind::Interleaved { chunks: 4 }, ..base }), "any chunks");
         assert!(f.admits(&Layout { pp: 1, schedule: ScheduleKind::OneFOneB, ..base }), "one stage has no schedule");
         for other in [

@@ -196,6 +196,14 @@ pub fn profile_job(name: &str, job: JobRanks<'_>, per_node: usize, budget: Budge
     if let Some(link) = &mut inter_node {
         link.overlaps_compute = true;
     }
-    let profile = ClusterProfile { name: name.to_string(), gpus_per_node: per_node, device, intra_node, inter_node, ranks_share_cores: false };
+    let profile = ClusterProfile {
+        name: name.to_string(),
+        gpus_per_node: per_node,
+        device,
+        intra_node,
+        inter_node,
+        ranks_share_cores: false,
+        host_memory_bytes: crate::machine::host_memory(),
+    };
     ClusterProfile::parse(&profile.to_toml(), name).map(Some)
 }

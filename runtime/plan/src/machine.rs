@@ -169,7 +169,9 @@ pub(crate) fn link_of(fits: Vec<GroupFit>, memory_bandwidth: f64) -> Link {
 
 /// The profile of nodes of `per_node` CPU ranks each, checked like a file would be.
 pub(crate) fn cpu_profile(name: &str, per_node: usize, device: DeviceProfile, intra_node: Link, inter_node: Option<Link>) -> Result<ClusterProfile> {
-    let profile = ClusterProfile { name: name.to_string(), gpus_per_node: per_node, device, intra_node, inter_node, ranks_share_cores: true };
+    // CPU ranks' "device" is the host memory itself: nothing to offload to.
+    let profile =
+        ClusterProfile { name: name.to_string(), gpus_per_node: per_node, device, intra_node, inter_node, ranks_share_cores: true, host_memory_bytes: None };
     ClusterProfile::parse(&profile.to_toml(), name)
 }
 
@@ -203,7 +205,15 @@ pub fn profile_cuda(name: &str, gpus: usize, budget: Budget) -> Result<ClusterPr
     }
     let mut intra_node = link_of(fits, device.memory_bandwidth);
     intra_node.overlaps_compute = true;
-    let profile = ClusterProfile { name: name.to_string(), gpus_per_node: gpus, device, intra_node, inter_node: None, ranks_share_cores: false };
+    let profile = ClusterProfile {
+        name: name.to_string(),
+        gpus_per_node: gpus,
+        device,
+        intra_node,
+        inter_node: None,
+        ranks_share_cores: false,
+        host_memory_bytes: host_memory(),
+    };
     ClusterProfile::parse(&profile.to_toml(), name)
 }
 
@@ -274,6 +284,15 @@ fn machine_memory() -> Result<u64> {
         .and_then(|kb| kb.trim().parse::<u64>().ok())
         .map(|kb| kb * 1024)
         .ok_or_else(|| Error::data_file(path, "has no MemTotal line in kB"))
+}
+
+/// This machine's memory (`MemTotal` of `/proc/meminfo`), what ZeRO-Offload
+/// may fill; `None` where it cannot be read.
+pub(crate) fn host_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 #[cfg(test)]

@@ -54,6 +54,10 @@ pub struct ClusterProfile {
     /// False for GPUs, each its own device.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub ranks_share_cores: bool,
+    /// Host memory of one node, in bytes: what ZeRO-Offload may fill. A
+    /// profile without it plans no offload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_memory_bytes: Option<u64>,
 }
 
 /// One device's rates and memory.

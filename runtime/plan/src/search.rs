@@ -142,6 +142,8 @@ pub fn search(model: &Model<'_>, cluster: &ClusterProfile, request: &Request) ->
     let model_flops = model.flops_per_token(request.seq_len, request.compute)?;
     let layers = model.layers(request.seq_len, request.compute);
     let budget = cluster.device.memory_bytes as f64 * request.memory_fraction;
+    // A node's host memory, which its ranks' offloaded state shares.
+    let host_budget = cluster.host_memory_bytes.map(|b| b as f64 * request.memory_fraction);
     let mut fits = Vec::new();
     let mut over: Option<Estimate> = None;
     let mut considered = 0;
@@ -201,16 +203,25 @@ pub fn search(model: &Model<'_>, cluster: &ClusterProfile, request: &Request) ->
                                             compute: request.compute,
                                             half_params: request.half_params,
                                             bucket_bytes: request.bucket_bytes,
+                                            offload: false,
                                         };
-                                        if !request.fixed.admits(&layout) {
-                                            continue;
-                                        }
-                                        let Ok(e) = estimate(&cost, model_flops, &layout, cluster) else { continue };
-                                        considered += 1;
-                                        if e.memory.total() <= budget {
-                                            fits.push(e);
-                                        } else if over.as_ref().is_none_or(|o| e.memory.total() < o.memory.total()) {
-                                            over = Some(e);
+                                        // ZeRO-Offload is tried where the layout does not
+                                        // fit on the devices alone (it costs host
+                                        // transfers, so it never wins where that fits).
+                                        let offloaded = (zero >= ZeroStage::One && host_budget.is_some()).then_some(Layout { offload: true, ..layout });
+                                        for layout in std::iter::once(layout).chain(offloaded) {
+                                            if !request.fixed.admits(&layout) {
+                                                continue;
+                                            }
+                                            let Ok(e) = estimate(&cost, model_flops, &layout, cluster) else { continue };
+                                            considered += 1;
+                                            let host_fits = host_budget.is_none_or(|h| e.memory.host * cluster.gpus_per_node.min(world) as f64 <= h);
+                                            if e.memory.total() <= budget && host_fits {
+                                                fits.push(e);
+                                                break;
+                                            } else if over.as_ref().is_none_or(|o| e.memory.total() < o.memory.total()) {
+                                                over = Some(e);
+                                            }
                                         }
                                     }
                                 }

@@ -36,6 +36,7 @@ pub fn planned_layout(cfg: &TrainConfig) -> Result<Layout> {
         compute: cfg.precision.dtype()?,
         half_params: cfg.precision.half_params()?,
         bucket_bytes: cfg.mesh.bucket_bytes,
+        offload: cfg.zero.offload,
     })
 }
 
