@@ -75,6 +75,14 @@ impl Communicator for Counting {
     fn barrier(&self) -> Result<()> {
         self.inner.barrier()
     }
+    /// A point-to-point send: one hop of ring attention's keys and values.
+    fn send(&self, t: &Tensor, peer: usize) -> Result<()> {
+        self.note(CollectiveKind::Ring, bytes(t));
+        self.inner.send(t, peer)
+    }
+    fn recv(&self, peer: usize) -> Result<Tensor> {
+        self.inner.recv(peer)
+    }
 }
 
 /// What one rank measured over a forward and a backward.
@@ -90,8 +98,23 @@ struct Measured {
 fn measure<M: Module<In = Replicated, Out = SplitHidden>>(model: &M, cx: &mut Cx, ids: &Tensor, comms: &[&Counting]) -> Measured {
     let dev = cx.device().clone();
     let (f0, m0) = (ops::flops_counted(), dev.memory_stats().in_use);
+    // Every rank has read before any starts its forward: a peer's sends
+    // land on this rank's device.
+    for c in comms {
+        c.barrier().unwrap();
+    }
     let (y, saved) = model.forward(cx, Act::new(ids.clone())).unwrap();
+    // Every rank past its forward: no send of one still waits for its
+    // receiver, counted on the sender's device.
+    for c in comms {
+        c.barrier().unwrap();
+    }
     let (f1, m1) = (ops::flops_counted(), dev.memory_stats().in_use);
+    // ... and none has started its backward, whose first sends land on
+    // their receivers' devices.
+    for c in comms {
+        c.barrier().unwrap();
+    }
     // The description counts the ids the embedding keeps, which were here before.
     let saved_bytes = (m1 - m0) as f64 - bytes(y.tensor()) as f64 + bytes(ids) as f64;
     let dy = Tensor::full(0.01, y.tensor().shape().clone(), y.tensor().dtype(), &dev).unwrap();
@@ -232,6 +255,60 @@ fn mixtral_expert_parallel_costs_sum_to_what_runs() {
         let described: f64 = described_collectives(&cost, tokens).iter().map(|(_, b)| b).sum();
         assert!(close(all_to_all, ranks * described), "{at}: all-to-all bytes {all_to_all} measured, {} described", ranks * described);
         assert_eq!(measured[0].collectives.len(), cost.collectives.len(), "{at}: one all-to-all per dispatch and combine, each way");
+    }
+}
+
+/// Over context-parallel ranks (ring attention, each rank a zigzag half of
+/// every sequence's chunks), every rank runs what the description says of
+/// its tokens: the FLOPs, the bytes kept, and the ring's sends, `cp − 1`
+/// hops of the described bytes per pass.
+#[test]
+fn context_parallel_costs_are_what_runs() {
+    let (batch, seq) = (2, 16);
+    for cp in [2, 4] {
+        for policy in POLICIES {
+            let make = || Llama::new(&LlamaConfig::tiny(64, 32, 4, 2, 48, 2, seq)).unwrap();
+            let settings = CostSettings { cp, recompute: policy, ..CostSettings::single(seq) };
+            let cost = describe(&make(), settings).unwrap();
+            let tokens = (batch * seq / cp) as f64;
+            let world = InProcess::new(cp).unwrap();
+            std::thread::scope(|s| {
+                for rank in 0..cp {
+                    let (world, make, cost) = (&world, &make, &cost);
+                    s.spawn(move || {
+                        let dev = Device::cpu();
+                        let counting = Counting::new(Arc::new(world.communicator(rank, &dev).unwrap()));
+                        let mut groups = Groups::single();
+                        groups.cp = counting.clone();
+                        let mut cx = Cx::new(dev.clone()).with_groups(groups);
+                        cx.set_recompute_override(policy);
+                        let model = module::build(make(), &cx).unwrap();
+                        let ids: Vec<u32> = (0..batch * seq).map(|i| (i * 7 % 50) as u32).collect();
+                        let ids = Tensor::from_vec(ids, [batch, seq], &dev).unwrap();
+                        let ids = tessera::module::ContextSplit::new(rank, cp).unwrap().local_of(&ids, 1).unwrap();
+                        let m = measure(&model, &mut cx, &ids, &[&counting]);
+                        let at = format!("llama cp={cp} {policy:?} rank {rank}");
+                        assert!(
+                            close(m.forward_flops, cost.forward_flops() * tokens),
+                            "{at}: forward flops {} measured, {} described",
+                            m.forward_flops,
+                            cost.forward_flops() * tokens
+                        );
+                        let backward = (cost.backward_flops() + cost.recompute_flops()) * tokens;
+                        assert!(close(m.backward_flops, backward), "{at}: backward flops {} measured, {backward} described", m.backward_flops);
+                        assert!(
+                            close(m.saved_bytes, cost.saved_bytes() * tokens),
+                            "{at}: kept bytes {} measured, {} described",
+                            m.saved_bytes,
+                            cost.saved_bytes() * tokens
+                        );
+                        let sent: f64 = m.collectives.iter().map(|(_, b)| b).sum();
+                        let described: f64 = described_collectives(cost, tokens).iter().map(|(_, b)| b * (cp - 1) as f64).sum();
+                        assert!(close(sent, described), "{at}: ring bytes {sent} sent, {described} described");
+                    });
+                }
+            });
+        }
     }
 }
 

@@ -384,6 +384,10 @@ impl Module<Plain> for CausalAttention {
             let kv_grads = (2 * h.kv * h.d) as f64 * 4.0 * x.tokens * cp / (cp - 1.0);
             d.collective_beside(CollectiveKind::Ring, Group::Cp, Pass::Forward, kv, forward);
             d.collective_beside(CollectiveKind::Ring, Group::Cp, Pass::Backward, kv + kv_grads, 2.5 * forward);
+            if d.selective() {
+                // The recompute in the backward runs the forward's ring again.
+                d.collective_beside(CollectiveKind::Ring, Group::Cp, Pass::Backward, kv, forward);
+            }
         }
         let out = d.output(h.q * h.d, x.tokens);
         if d.selective() {

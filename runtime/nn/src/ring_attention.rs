@@ -39,14 +39,16 @@ pub(crate) struct RingSaved {
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    out: Tensor,
+    /// The output as returned (`[batch, seq, hq·d]`): the one copy of it the
+    /// next layer keeps too; the backward takes its per-head view.
+    packed: Tensor,
     lse: Tensor,
 }
 
 impl RingSaved {
     /// Bytes of activation memory held.
     pub(crate) fn bytes(&self) -> usize {
-        [&self.q, &self.k, &self.v, &self.out, &self.lse].into_iter().map(crate::bytes_of).sum()
+        [&self.q, &self.k, &self.v, &self.packed, &self.lse].into_iter().map(crate::bytes_of).sum()
     }
 }
 
@@ -139,15 +141,18 @@ pub(crate) fn forward(cp: &dyn Communicator, h: QkvHeads, qkv: &Tensor) -> Resul
     let out = Tensor::concat(&[&oa, &ob], 2)?.to_dtype(q.dtype())?;
     let lse = Tensor::concat(&[&la, &lb], 2)?;
     let packed = out.transpose(1, 2)?.reshape([b, t, hq * d])?;
-    Ok((packed, RingSaved { q, k, v, out, lse }))
+    drop(out);
+    Ok((packed.clone(), RingSaved { q, k, v, packed, lse }))
 }
 
 /// The backward of [`forward`]: the gradient of the packed, rotated
 /// projection from the gradient `dy` of the packed output.
 pub(crate) fn backward(cp: &dyn Communicator, h: QkvHeads, saved: RingSaved, dy: &Tensor) -> Result<Tensor> {
-    let RingSaved { q, k, v, out, lse } = saved;
+    let RingSaved { q, k, v, packed, lse } = saved;
     let split = ContextSplit::new(cp.rank(), cp.size())?;
     let &[b, hq, t, d] = q.dims() else { unreachable!("saved queries are 4-d") };
+    let out = packed.reshape([b, t, hq, d])?.transpose(1, 2)?.contiguous()?;
+    drop(packed);
     if dy.dims() != [b, t, hq * d] {
         return Err(Error::shape("ring attention backward", format!("upstream gradient {} for an output of [{b}, {t}, {}]", dy.shape(), hq * d)));
     }
