@@ -842,5 +842,8 @@ fn offloaded_training_equals_training_on_the_device_and_resumes() {
     // The offloaded checkpoint, continued on the device.
     let on_device = train(config(&b, text, &["run.steps=9", "zero.offload=false"]), 0..0);
     assert_eq!(on_device.resumed_from, 8);
+    // And a checkpoint written on the device, continued offloaded.
+    let offloaded_again = train(config(&b, text, &["run.steps=10"]), 0..0);
+    assert_eq!(offloaded_again.resumed_from, 9);
     let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
 }
