@@ -54,9 +54,13 @@ impl Segment {
     /// The segment `name` of `len` bytes in `dir`: the existing file, or a
     /// new one that `init` fills in before any other process can see it.
     /// Returns whether this call created it.
-    pub(super) fn create_or_open(dir: &Path, name: &str, len: usize, init: impl FnOnce(&Segment)) -> io::Result<(Segment, bool)> {
+    ///
+    /// `init` runs on every file this call builds: a build that loses the
+    /// race to link its file is retried when the winner's file is already
+    /// gone again (its members attached and removed its name), and the
+    /// retry's file must be filled in as well.
+    pub(super) fn create_or_open(dir: &Path, name: &str, len: usize, init: impl Fn(&Segment)) -> io::Result<(Segment, bool)> {
         let path = dir.join(name);
-        let mut init = Some(init);
         loop {
             match Self::open(&path, len) {
                 Ok(s) => return Ok((s, false)),
@@ -65,9 +69,7 @@ impl Segment {
             }
             let tmp = dir.join(format!("{name}.{}.{}.tmp", std::process::id(), TEMP.fetch_add(1, Ordering::Relaxed)));
             let built = Self::build(&tmp, len).and_then(|seg| {
-                if let Some(init) = init.take() {
-                    init(&seg);
-                }
+                init(&seg);
                 std::fs::hard_link(&tmp, &path)?;
                 Ok(Segment { path: path.clone(), ..seg })
             });
@@ -197,4 +199,37 @@ pub(super) fn remove_stale(dir: &Path, ns: u32) -> usize {
         }
     }
     removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A build that loses the race to link its file, and finds the
+    /// winner's file gone when it looks again, fills in its next file too
+    /// (the first attempt's `init` is not the only one).
+    #[test]
+    fn a_retried_build_is_filled_in_too() {
+        let dir = std::env::temp_dir().join(format!("tessera-segment-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let name = "retry";
+        let path = dir.join(name);
+        let _ = std::fs::remove_file(&path);
+        let calls = AtomicUsize::new(0);
+        let (seg, created) = Segment::create_or_open(&dir, name, 64, |s| {
+            if calls.fetch_add(1, Ordering::Relaxed) == 0 {
+                // A competitor links first (a name that opens as not found,
+                // as a file already removed again would).
+                std::os::unix::fs::symlink(dir.join("gone"), &path).unwrap();
+            } else {
+                std::fs::remove_file(&path).unwrap();
+            }
+            s.u64(0).store(0x5445_5353, Ordering::Release);
+        })
+        .unwrap();
+        assert!(created);
+        assert_eq!(calls.load(Ordering::Relaxed), 2, "the retry built and filled a second file");
+        assert_eq!(seg.u64(0).load(Ordering::Acquire), 0x5445_5353, "the linked file is filled in");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
