@@ -144,6 +144,17 @@ fn close(a: f64, b: f64) -> bool {
     (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0)
 }
 
+/// One rank's measured FLOPs (forward, and backward with any recompute)
+/// and kept bytes against the description of its `tokens`.
+fn check_work(at: &str, m: &Measured, cost: &ModelCost, tokens: f64) {
+    let forward = cost.forward_flops() * tokens;
+    assert!(close(m.forward_flops, forward), "{at}: forward flops {} measured, {forward} described", m.forward_flops);
+    let backward = (cost.backward_flops() + cost.recompute_flops()) * tokens;
+    assert!(close(m.backward_flops, backward), "{at}: backward flops {} measured, {backward} described", m.backward_flops);
+    let kept = cost.saved_bytes() * tokens;
+    assert!(close(m.saved_bytes, kept), "{at}: kept bytes {} measured, {kept} described", m.saved_bytes);
+}
+
 const POLICIES: [RecomputeOverride; 3] = [RecomputeOverride::Off, RecomputeOverride::AsDeclared, RecomputeOverride::Full];
 
 /// For each recompute policy and each tensor-parallel layout, every rank's
@@ -176,20 +187,7 @@ where
                         let ids = Tensor::from_vec(ids, [batch, seq], &dev).unwrap();
                         let m = measure(&model, &mut cx, &ids, &[&counting]);
                         let at = format!("{name} tp={tp} sp={sp} {dtype} {policy:?} rank {rank}");
-                        assert!(
-                            close(m.forward_flops, cost.forward_flops() * tokens),
-                            "{at}: forward flops {} measured, {} described",
-                            m.forward_flops,
-                            cost.forward_flops() * tokens
-                        );
-                        let backward = (cost.backward_flops() + cost.recompute_flops()) * tokens;
-                        assert!(close(m.backward_flops, backward), "{at}: backward flops {} measured, {backward} described", m.backward_flops);
-                        assert!(
-                            close(m.saved_bytes, cost.saved_bytes() * tokens),
-                            "{at}: kept bytes {} measured, {} described",
-                            m.saved_bytes,
-                            cost.saved_bytes() * tokens
-                        );
+                        check_work(&at, &m, cost, tokens);
                         let described = described_collectives(cost, tokens);
                         assert!(same_collectives(&m.collectives, &described), "{at}: collectives\n measured  {:?}\n described {described:?}", m.collectives);
                     });
@@ -288,20 +286,7 @@ fn context_parallel_costs_are_what_runs() {
                         let ids = tessera::module::ContextSplit::new(rank, cp).unwrap().local_of(&ids, 1).unwrap();
                         let m = measure(&model, &mut cx, &ids, &[&counting]);
                         let at = format!("llama cp={cp} {policy:?} rank {rank}");
-                        assert!(
-                            close(m.forward_flops, cost.forward_flops() * tokens),
-                            "{at}: forward flops {} measured, {} described",
-                            m.forward_flops,
-                            cost.forward_flops() * tokens
-                        );
-                        let backward = (cost.backward_flops() + cost.recompute_flops()) * tokens;
-                        assert!(close(m.backward_flops, backward), "{at}: backward flops {} measured, {backward} described", m.backward_flops);
-                        assert!(
-                            close(m.saved_bytes, cost.saved_bytes() * tokens),
-                            "{at}: kept bytes {} measured, {} described",
-                            m.saved_bytes,
-                            cost.saved_bytes() * tokens
-                        );
+                        check_work(&at, &m, cost, tokens);
                         let sent: f64 = m.collectives.iter().map(|(_, b)| b).sum();
                         let described: f64 = described_collectives(cost, tokens).iter().map(|(_, b)| b * (cp - 1) as f64).sum();
                         assert!(close(sent, described), "{at}: ring bytes {sent} sent, {described} described");
