@@ -14,7 +14,8 @@
 /// ```
 #[macro_export]
 macro_rules! device_test {
-    (fn $name:ident($dev:ident: &Device) $body:block) => {
+    ($(#[$attr:meta])* fn $name:ident($dev:ident: &Device) $body:block) => {
+        $(#[$attr])*
         mod $name {
             #[allow(unused_imports)]
             use super::*;

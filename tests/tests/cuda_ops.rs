@@ -237,6 +237,59 @@ device_test! {
     }
 }
 
+/// Each element of `t` as its bits (NaN as one value: a NaN's payload is not
+/// part of the conversion's contract, and hardware canonicalises it).
+fn bits(t: &Tensor) -> Vec<u64> {
+    fn float(x: f64, bits: u64) -> u64 {
+        if x.is_nan() {
+            u64::MAX
+        } else {
+            bits
+        }
+    }
+    match t.dtype() {
+        DType::F32 => t.to_vec::<f32>().unwrap().iter().map(|&x| float(x as f64, x.to_bits() as u64)).collect(),
+        DType::F64 => t.to_vec::<f64>().unwrap().iter().map(|&x| float(x, x.to_bits())).collect(),
+        DType::BF16 => t.to_vec::<tessera::bf16>().unwrap().iter().map(|&x| float(x.to_f64(), x.to_bits() as u64)).collect(),
+        DType::F16 => t.to_vec::<tessera::f16>().unwrap().iter().map(|&x| float(x.to_f64(), x.to_bits() as u64)).collect(),
+        DType::I32 => t.to_vec::<i32>().unwrap().iter().map(|&x| x as u32 as u64).collect(),
+        DType::U32 => t.to_vec::<u32>().unwrap().iter().map(|&x| x as u64).collect(),
+    }
+}
+
+device_test! {
+    /// Every dtype converts to every other as the CPU converts it, bit for
+    /// bit: signed zeros, infinities, NaN, subnormals, ties of each rounding,
+    /// values past every 16-bit float's and integer's range, and random
+    /// values over forty decades.
+    fn every_dtype_converts_to_every_other_as_on_the_cpu(dev: &Device) {
+        const ALL: [DType; 6] = [DType::F32, DType::F64, DType::BF16, DType::F16, DType::I32, DType::U32];
+        let mut edges = vec![
+            0.0, -0.0, 0.5, -0.5, 1.5, 2.5, -2.5, 0.1, -123.456, 1e-8, 1e-40, 6e-8, 65504.0, 65519.0, 65520.0, 7e4, -7e4, 3.4e38,
+            3.5e38, -1e39, 1e300, f64::INFINITY, f64::NEG_INFINITY, f64::NAN, 1.0 + f64::EPSILON, 1.0 + 2f64.powi(-24), 1.0 + 3.0 * 2f64.powi(-24),
+            1.00390625, 1.01171875, 16777217.0, 2147483520.0, 2147483647.0, 2147483647.5, 2147483648.0, -2147483648.0, -2147483649.0,
+            -2147483904.0, 4294967040.0, 4294967295.0, 4294967296.0, 1e10, -1e10, -0.99,
+        ];
+        edges.extend(values(400, 40).iter().enumerate().map(|(i, &v)| v as f64 * 10f64.powi(i as i32 % 41 - 20)));
+        let n = edges.len();
+        let source = Tensor::from_vec(edges, [n], reference()).unwrap();
+        for from in ALL {
+            let x = source.to_dtype(from).unwrap();
+            let dx = x.to_device(dev).unwrap();
+            assert_eq!(bits(&x), bits(&dx), "{from} moved to the device");
+            for to in ALL {
+                let (want, got) = (bits(&x.to_dtype(to).unwrap()), bits(&dx.to_dtype(to).unwrap()));
+                if let Some(i) = (0..n).find(|&i| want[i] != got[i]) {
+                    panic!("{from} -> {to}: element {i} ({} as {from}) converts to bits {:#x}, the CPU gives {:#x}", source.to_f64_vec().unwrap()[i], got[i], want[i]);
+                }
+            }
+        }
+        // An empty tensor converts to an empty tensor.
+        let empty = Tensor::zeros([0], DType::F32, dev).unwrap();
+        assert_eq!(empty.to_dtype(DType::F64).unwrap().dims(), [0]);
+    }
+}
+
 device_test! {
     fn the_adamw_step_matches_the_cpu(dev: &Device) {
         for grad_dtype in [DType::F32, DType::BF16] {

@@ -2,7 +2,8 @@
 // SwiGLU and their backwards, the bias add, axpy) and of the strided copy
 // (convert.cu) on the CPU against double-precision references, under the
 // host emulation of shim.h; see scripts/cuda-host-check.sh. f32 only (the
-// dtype conversions are the emulation's own, so they are not checked here).
+// 16-bit float conversions are the emulation's own, so they are not checked
+// here; the integer ones are).
 #include "rows.h"
 #include "elementwise.inc"
 #include "convert.inc"
@@ -71,6 +72,51 @@ int main() {
                     expected[i] = 1.0;
                 }
         check("strided_copy of a permuted, narrowed view", got, expected, 0);
+    }
+    // The integer conversions (convert.cu): Rust's saturating `as`, NaN to 0,
+    // and the clamps between i32 and u32; each expected value is what Rust
+    // gives for the input.
+    {
+        const double f64s[] = {NAN, INFINITY, -INFINITY, 3e9, -3e9, 2147483647.9, -2147483648.5, 4294967295.9, -0.9, 7.9};
+        const int want_i32[] = {0, 2147483647, -2147483647 - 1, 2147483647, -2147483647 - 1, 2147483647, -2147483647 - 1, 2147483647, 0, 7};
+        const unsigned want_u32[] = {0, 4294967295u, 0, 3000000000u, 0, 2147483647u, 0, 4294967295u, 0, 7};
+        const u64 m = sizeof(f64s) / sizeof(f64s[0]);
+        int got_i32[m];
+        unsigned got_u32[m];
+        emu_launch(1, 32, 0, [&] { cast_f64_to_i32(f64s, got_i32, m); });
+        emu_launch(1, 32, 0, [&] { cast_f64_to_u32(f64s, got_u32, m); });
+        for (u64 i = 0; i < m; i++) {
+            if (got_i32[i] != want_i32[i]) { printf("FAIL cast_f64_to_i32(%g) = %d, want %d\n", f64s[i], got_i32[i], want_i32[i]); failures++; }
+            if (got_u32[i] != want_u32[i]) { printf("FAIL cast_f64_to_u32(%g) = %u, want %u\n", f64s[i], got_u32[i], want_u32[i]); failures++; }
+        }
+        // Through f32: 2147483647.9 rounds to 2^31 in f32, which saturates.
+        const float f32s[] = {NAN, 3e9f, -1.5f, 16777217.0f, 2147483520.0f};
+        const int want_f32_i32[] = {0, 2147483647, -1, 16777216, 2147483520};
+        const unsigned want_f32_u32[] = {0, 3000000000u, 0, 16777216u, 2147483520u};
+        int gi[5];
+        unsigned gu[5];
+        emu_launch(1, 32, 0, [&] { cast_f32_to_i32(f32s, gi, 5); });
+        emu_launch(1, 32, 0, [&] { cast_f32_to_u32(f32s, gu, 5); });
+        for (int i = 0; i < 5; i++) {
+            if (gi[i] != want_f32_i32[i] || gu[i] != want_f32_u32[i]) { printf("FAIL cast_f32_to_i32/u32(%g) = %d / %u\n", f32s[i], gi[i], gu[i]); failures++; }
+        }
+        const int ints[] = {-5, 0, 2147483647};
+        const unsigned uints[] = {0, 7, 4294967295u};
+        unsigned iu[3];
+        int ui[3];
+        emu_launch(1, 32, 0, [&] { cast_i32_to_u32(ints, iu, 3); });
+        emu_launch(1, 32, 0, [&] { cast_u32_to_i32(uints, ui, 3); });
+        if (iu[0] != 0 || iu[1] != 0 || iu[2] != 2147483647u || ui[0] != 0 || ui[1] != 7 || ui[2] != 2147483647) {
+            printf("FAIL the i32 <-> u32 clamps\n");
+            failures++;
+        }
+        // An integer to f64 goes through f32, as the CPU's does: 2^24 + 1 is
+        // not an f32.
+        const int big[] = {16777217};
+        double wide[1];
+        emu_launch(1, 32, 0, [&] { cast_i32_to_f64(big, wide, 1); });
+        if (wide[0] != 16777216.0) { printf("FAIL cast_i32_to_f64(16777217) = %.1f\n", wide[0]); failures++; }
+        printf("ok   the integer conversions\n");
     }
     if (failures) { printf("%d failures\n", failures); return 1; }
     printf("all element-wise and copy checks passed\n");

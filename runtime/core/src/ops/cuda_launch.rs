@@ -15,6 +15,16 @@ pub(crate) fn unary(c: &mut CudaCall, source: &'static str, kernel: &str) -> Res
     unsafe { c.launch(source, kernel, Grid::Items(n), &[Arg::Input(0), Arg::Output(0), Arg::U64(n)]) }
 }
 
+/// `kernel(x, out, n)` writing `x[0]` to every element of the output: a
+/// one-element input spread over the output's size.
+pub(crate) fn broadcast(c: &mut CudaCall, source: &'static str, kernel: &str) -> Result<()> {
+    let n = c.output_len(0);
+    c.at_least(Arg::Input(0), 1)?;
+    // SAFETY: the kernel reads element 0 of input 0 (which has one, checked)
+    // and writes `n` elements: output 0's length.
+    unsafe { c.launch(source, kernel, Grid::Items(n), &[Arg::Input(0), Arg::Output(0), Arg::U64(n)]) }
+}
+
 /// `kernel(a, b, out, n)` over every element: two inputs of the output's size.
 pub(crate) fn binary(c: &mut CudaCall, source: &'static str, kernel: &str) -> Result<()> {
     let n = c.output_len(0);

@@ -15,7 +15,7 @@ float_kernel!(writes_all MaxAbs {} |s, i, o| o[0][0] = k::max_abs(i[0]); cuda |s
     // SAFETY: the kernel reads input 0's `n` elements and writes one (checked).
     unsafe { c.launch("reduce", "max_abs", Grid::Rows { rows: 1, cols: n }, &[Arg::Input(0), Arg::Output(0), Arg::U64(n)]) }
 });
-float_kernel!(Broadcast {} |s, i, o| o[0].fill(i[0][0]); cuda |s, c| cuda_launch::unary(c, "elementwise", "broadcast"));
+float_kernel!(Broadcast {} |s, i, o| o[0].fill(i[0][0]); cuda |s, c| cuda_launch::broadcast(c, "elementwise", "broadcast"));
 
 /// The sum of all elements, as a scalar tensor in the compute dtype.
 /// Deterministic: the same input always gives the same bits, on any thread count.
