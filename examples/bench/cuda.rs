@@ -10,6 +10,9 @@
 //!   vocabulary 50257 padded to 50304, `--seq` 1024, `--batch`), bf16 compute
 //!   with f32 master weights, AdamW; tokens/s and MFU against `--peak-tflops`
 //!   (the GPU's dense bf16 rate), counting `6·N + 12·L·T·d` FLOPs per token.
+//!   Then one more step in phases (`phases`: forward, loss, backward,
+//!   optimizer), each from an idle device: the host's time to queue it, the
+//!   time until the device has run it, and the device work it asked for.
 //!
 //! Every case times whole iterations between device synchronisations, after
 //! warm-up iterations that compile and cache the kernels.
@@ -163,12 +166,64 @@ fn gpt2(args: &Args, dev: &Device) -> Result<()> {
         loss = l;
         Ok(())
     })?;
+
+    // The same step once more in phases, each between synchronisations:
+    // the host's time to queue a phase against the time until the device has
+    // run it, and what the phase asked of the device. A phase whose host
+    // time is near its device time is bound by the host (launches, uploads,
+    // reads back), not by its kernels.
+    let mut phases = Phases::new(dev)?;
+    let (logits, saved) = phases.time("forward", || Ok(model.forward(&mut cx, Act::new(x.clone()))?))?;
+    let dlogits = phases.time("loss", || {
+        let (_, ce) = ops::cross_entropy(logits.tensor(), &y, None)?;
+        Ok(ops::cross_entropy_backward(logits.tensor(), &y, None, &ce, 1.0)?)
+    })?;
+    drop(logits);
+    phases.time("backward", || Ok(model.backward(&mut cx, saved, Act::new(dlogits))?))?;
+    phases.time("optimizer", || {
+        opt.step(1e-4)?;
+        opt.zero_grad();
+        Ok(())
+    })?;
+
     let flops = transformer_flops_per_token(params, layers, args.seq, width) * tokens as f64;
     println!(
         "{}",
         serde_json::json!({"bench": "cuda", "case": "gpt2", "params": params, "batch": args.batch, "seq": args.seq, "dtype": "bf16",
             "step_ms": s * 1e3, "tokens_per_s": tokens as f64 / s, "tflops": flops / s / 1e12, "mfu": flops / s / 1e12 / args.peak_tflops,
-            "loss": loss.to_dtype(DType::F32)?.to_vec::<f32>()?.first().copied()})
+            "loss": loss.to_dtype(DType::F32)?.to_vec::<f32>()?.first().copied(), "phases": phases.rows})
     );
     Ok(())
+}
+
+/// Phases of a step timed one at a time (see `gpt2`).
+struct Phases<'a> {
+    dev: &'a Device,
+    rows: Vec<serde_json::Value>,
+}
+
+impl<'a> Phases<'a> {
+    fn new(dev: &'a Device) -> Result<Self> {
+        dev.synchronize()?;
+        Ok(Phases { dev, rows: Vec::new() })
+    }
+
+    /// Runs `f` from an idle device: the host's time to return, the time
+    /// until the device is idle again, and the device work between.
+    fn time<T>(&mut self, name: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let work = || match self.dev {
+            Device::Cuda(d) => d.work(),
+            Device::Cpu(_) => Default::default(),
+        };
+        let before = work();
+        let t = Instant::now();
+        let out = f()?;
+        let host = t.elapsed().as_secs_f64();
+        self.dev.synchronize()?;
+        let device = t.elapsed().as_secs_f64();
+        let w = work() - before;
+        self.rows.push(serde_json::json!({"phase": name, "host_ms": host * 1e3, "device_ms": device * 1e3,
+            "kernels": w.kernels, "gemms": w.gemms, "uploads": w.uploads, "host_reads": w.host_reads}));
+        Ok(out)
+    }
 }

@@ -47,8 +47,8 @@ device_test! {
 fn ops_not_yet_on_cuda_say_so() {
     let Some(dev) = cuda_or_skip("ops_not_yet_on_cuda_say_so") else { return };
     let a = Tensor::zeros([4], DType::F32, &dev).unwrap();
-    let e = tessera::ops::swiglu(&a, &a).unwrap_err();
-    assert!(matches!(e, Error::NotImplementedOnCuda { op: "swiglu" }) && e.to_string().contains("Device::cpu()"), "{e}");
+    let e = tessera::ops::copy_blocks(&a, 1, &[(0, 1)]).unwrap_err();
+    assert!(matches!(e, Error::NotImplementedOnCuda { op: "copy_blocks" }) && e.to_string().contains("Device::cpu()"), "{e}");
     let wide = Tensor::zeros([4], DType::F64, &dev).unwrap();
     let e = tessera::ops::add(&wide, &wide).unwrap_err();
     assert!(matches!(e, Error::NotImplementedOnCuda { op: "add" }), "{e}");
@@ -57,4 +57,30 @@ fn ops_not_yet_on_cuda_say_so() {
     let half = Tensor::zeros([4], DType::BF16, &dev).unwrap();
     let e = tessera::ops::add(&half, &a).unwrap_err();
     assert!(matches!(e, Error::DType { op: "add", got: DType::F32, .. }), "{e}");
+}
+
+/// The device's work counts see each kind of request: a kernel for an add, a
+/// cuBLAS call for a product, an upload for a tensor made from host values
+/// and a read back for `to_vec`, nothing else for each.
+#[test]
+fn the_device_counts_its_kernels_products_uploads_and_reads() {
+    use tessera::backend::cuda::DeviceWork;
+    let Some(dev) = cuda_or_skip("the_device_counts_its_kernels_products_uploads_and_reads") else { return };
+    let Device::Cuda(gpu) = &dev else { unreachable!("cuda_or_skip gives a CUDA device") };
+    let a = Tensor::from_vec(vec![1.0f32; 64], [8, 8], &dev).unwrap();
+    let b = Tensor::from_vec(vec![2.0f32; 64], [8, 8], &dev).unwrap();
+    let start = gpu.work();
+    let step = |f: &dyn Fn() -> Tensor, want: DeviceWork| {
+        let before = gpu.work();
+        let _ = f();
+        assert_eq!(gpu.work() - before, want);
+    };
+    step(&|| tessera::ops::add(&a, &b).unwrap(), DeviceWork { kernels: 1, ..Default::default() });
+    step(&|| tessera::ops::matmul(&a, &b).unwrap(), DeviceWork { gemms: 1, ..Default::default() });
+    step(&|| Tensor::from_vec(vec![0.5f32; 4], [4], &dev).unwrap(), DeviceWork { uploads: 1, ..Default::default() });
+    let c = tessera::ops::matmul(&a, &b).unwrap();
+    let before = gpu.work();
+    assert_eq!(c.to_vec::<f32>().unwrap(), vec![16.0f32; 64]);
+    assert_eq!(gpu.work() - before, DeviceWork { host_reads: 1, ..Default::default() });
+    assert_eq!(gpu.work() - start, DeviceWork { kernels: 1, gemms: 2, uploads: 1, host_reads: 1 });
 }

@@ -80,6 +80,7 @@ pub(crate) fn adamw_f32(device: &CudaDevice, slots: &[AdamWSlot]) -> Result<()> 
         cfg.grid_dim.1 = chunk.len() as u32; // at most MAX_TENSORS
         let table: Vec<Entry> = chunk.iter().map(entry).collect();
         let table = stream.clone_htod(&table).map_err(|e| device.error("copying the AdamW tensor table to the device", e))?;
+        device.counters().upload();
         let mut builder = stream.launch_builder(f);
         builder.arg(&table);
         // SAFETY: the argument is the kernel's `const AdamWTensor*`; every

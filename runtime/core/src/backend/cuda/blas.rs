@@ -91,6 +91,8 @@ impl CudaDevice {
                 cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
             )
         }
-        .map_err(|e| Error::Cuda { ordinal: self.ordinal(), op: "a cuBLAS matrix product", detail: format!("{e:?}") })
+        .map_err(|e| Error::Cuda { ordinal: self.ordinal(), op: "a cuBLAS matrix product", detail: format!("{e:?}") })?;
+        self.counters().gemm();
+        Ok(())
     }
 }

@@ -4,6 +4,7 @@
 use super::alloc::{BlockSource, CachingAllocator, SourceError};
 use super::module::Modules;
 use super::storage::CudaStorage;
+use super::work::{DeviceWork, WorkCounters};
 use crate::backend::memory::MemoryStats;
 use crate::backend::BackendDevice;
 use crate::error::{Error, Result};
@@ -65,6 +66,7 @@ struct Inner {
     modules: Modules,
     // Created on the first matrix product; the error says why it cannot be.
     blas: OnceLock<std::result::Result<CudaBlas, String>>,
+    work: WorkCounters,
 }
 
 /// Blocks allocated in the order of the compute stream.
@@ -163,7 +165,19 @@ impl CudaDevice {
         let compute = context.new_stream().map_err(failed("creating the compute stream"))?;
         let comm = context.new_stream().map_err(failed("creating the communication stream"))?;
         let allocator = CachingAllocator::new(StreamBlocks { stream: compute.clone() });
-        Ok(CudaDevice { inner: Arc::new(Inner { ordinal, name, capability, compute, comm, allocator, modules: Modules::default(), blas: OnceLock::new() }) })
+        Ok(CudaDevice {
+            inner: Arc::new(Inner {
+                ordinal,
+                name,
+                capability,
+                compute,
+                comm,
+                allocator,
+                modules: Modules::default(),
+                blas: OnceLock::new(),
+                work: WorkCounters::default(),
+            }),
+        })
     }
 
     /// The device's CUDA ordinal.
@@ -184,6 +198,17 @@ impl CudaDevice {
     /// Whether both handles name the same device.
     pub fn same(&self, other: &CudaDevice) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// What this device has been asked to do since it was opened: kernels,
+    /// cuBLAS products, uploads and reads back to the host.
+    pub fn work(&self) -> DeviceWork {
+        self.inner.work.read()
+    }
+
+    /// The live counters behind [`work`](Self::work).
+    pub(crate) fn counters(&self) -> &WorkCounters {
+        &self.inner.work
     }
 
     /// The stream kernels and allocations are queued on.

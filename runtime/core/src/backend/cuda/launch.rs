@@ -111,6 +111,7 @@ impl CudaDevice {
             op: "launching a kernel",
             detail: format!("`{symbol}`: {}", super::device::describe(&e)),
         })?;
+        self.counters().kernel();
         Ok(())
     }
 }

@@ -53,6 +53,7 @@ mod stub;
 pub mod testing;
 #[cfg(feature = "cuda")]
 mod topk;
+mod work;
 
 #[cfg(feature = "cuda")]
 pub(crate) use call::{run_op, CudaCall};
@@ -65,6 +66,7 @@ pub(crate) use stub::{adamw, run_op, CudaCall};
 #[cfg(not(feature = "cuda"))]
 pub use stub::{CudaDevice, CudaStorage};
 pub use testing::report_skip;
+pub use work::DeviceWork;
 
 /// One tensor of a multi-tensor AdamW step on a device: the device
 /// addresses of its f32 parameter, gradient and moments (each `len`

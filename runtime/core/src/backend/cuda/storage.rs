@@ -45,6 +45,7 @@ impl CudaStorage {
         let stream = device.compute_stream().clone();
         let bytes = s.bytes();
         stream.memcpy_htod(data, &mut s.block_mut().slice_mut(..bytes)).map_err(|e| device.error("copying to the device", e))?;
+        device.counters().upload();
         Ok(s)
     }
 
@@ -53,6 +54,7 @@ impl CudaStorage {
         let mut out = vec![0u8; self.bytes()];
         let block = self.block.as_ref().expect("a live storage holds its block");
         self.device.compute_stream().memcpy_dtoh(&block.slice(..self.bytes()), &mut out).map_err(|e| self.device.error("copying to the host", e))?;
+        self.device.counters().host_read();
         Ok(out)
     }
 
