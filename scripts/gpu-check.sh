@@ -13,7 +13,8 @@
 #   gpt2       GPT-2 124M bf16 training tokens/s vs torch eager (target ≥ 1.0)
 #   attention  fused causal attention forward+backward TFLOP/s (reported)
 # and the planner's profile of the node (`tessera profile --device cuda`).
-# Each step has a time limit, so the whole run stays within 8 minutes.
+# Each step has a time limit, so the whole run stays within 7 minutes, and the
+# full output of every step is kept in OUT's -logs.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=gpu-bundle
@@ -76,6 +77,9 @@ EOF
 run() {
     local out=${1:-gpu-check.jsonl}
     : >"$out"
+    # Every step's full output, kept beside OUT as one archive at the end.
+    local logs=${out%.jsonl}-logs
+    rm -rf "$logs" && mkdir -p "$logs"
     if [ ! -x "$bundle/bench" ]; then
         command -v cargo >/dev/null || { echo "gpu-check: no $bundle/ and no cargo here; run 'scripts/gpu-check.sh prepare' where cargo works and bring $bundle/" >&2; exit 1; }
         prepare
@@ -85,20 +89,26 @@ run() {
     export LD_LIBRARY_PATH="$(cuda_libs)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export TESSERA_KERNEL_CACHE=${TESSERA_KERNEL_CACHE:-/tmp/tessera-kernel-cache}
 
-    # The GPU tests: each binary with a time limit; failures are recorded, not fatal.
+    # The GPU tests: each binary with a time limit, all at once (they share the
+    # GPU's memory, which is ample; device time is what the check is short of);
+    # failures are recorded, not fatal.
+    local t pids=()
     for t in "$bundle"/test-*; do
         local name=${t##*/test-}
-        local log=/tmp/gpu-check-$name.log
         # Of the trainer's tests only the GPU run; the rest are the CPU suite's.
         local filter=()
         [ "$name" = trainer ] && filter=(gpu)
-        timeout 120 "$t" --test-threads=1 "${filter[@]}" >"$log" 2>&1
-        local rc=$?
-        local summary
+        timeout 150 "$t" --test-threads=1 "${filter[@]}" >"$logs/tests-$name.log" 2>&1 &
+        pids+=("$!:$name")
+    done
+    local entry
+    for entry in "${pids[@]}"; do
+        wait "${entry%%:*}"
+        local rc=$? name=${entry#*:}
+        local log=$logs/tests-$name.log summary skipped
         summary=$(grep -E '^test result:' "$log" | tail -1)
         # A test that cannot run here (two GPUs on a one-GPU machine) passes
         # after printing why; count those apart from the ones that ran.
-        local skipped
         skipped=$(grep -c 'skipped: ' "$log")
         echo "gpu-check: tests $name: rc=$rc $summary ($skipped skipped)" >&2
         grep -E 'FAILED|panicked|skipped: ' "$log" | cut -c1-200 | head -20 >&2
@@ -109,10 +119,10 @@ run() {
     local case
     for case in gemm attention gpt2; do
         local ours theirs
-        ours=$(RUST_BACKTRACE=0 timeout 150 "$bundle/bench" cuda "$case" 2>/tmp/gpu-check-bench.log | tail -1)
-        [ -n "$ours" ] || ours=$(python3 -c 'import json,sys; print(json.dumps({"bench":"cuda","case":sys.argv[1],"error":sys.argv[2]}))' "$case" "$(tail -3 /tmp/gpu-check-bench.log)")
-        theirs=$(timeout 150 python3 scripts/torch_reference.py "$case" 2>/tmp/gpu-check-torch.log | tail -1)
-        [ -n "$theirs" ] || theirs=$(python3 -c 'import json,sys; print(json.dumps({"bench":"torch","case":sys.argv[1],"error":sys.argv[2]}))' "$case" "$(tail -3 /tmp/gpu-check-torch.log)")
+        ours=$(RUST_BACKTRACE=1 timeout 90 "$bundle/bench" cuda "$case" 2>"$logs/bench-$case.log" | tail -1)
+        [ -n "$ours" ] || ours=$(python3 -c 'import json,sys; print(json.dumps({"bench":"cuda","case":sys.argv[1],"error":sys.argv[2]}))' "$case" "$(tail -3 "$logs/bench-$case.log")")
+        theirs=$(timeout 60 python3 scripts/torch_reference.py "$case" 2>"$logs/torch-$case.log" | tail -1)
+        [ -n "$theirs" ] || theirs=$(python3 -c 'import json,sys; print(json.dumps({"bench":"torch","case":sys.argv[1],"error":sys.argv[2]}))' "$case" "$(tail -3 "$logs/torch-$case.log")")
         echo "$ours" | tee -a "$out"
         echo "$theirs" | tee -a "$out"
     done
@@ -120,13 +130,13 @@ run() {
     # CPU ranks with cores to spare for their communication threads (the
     # development machine has two, which the ranks' products fill): how much
     # tensor-parallel communication cutting the collectives into pieces hides.
-    RUST_BACKTRACE=0 timeout 120 "$bundle/bench" tp-overlap --tp 2 --threads-per-rank 4 --pieces 4 2>/dev/null | tail -1 | tee -a "$out"
+    RUST_BACKTRACE=0 timeout 60 "$bundle/bench" tp-overlap --tp 2 --threads-per-rank 4 --pieces 4 2>/dev/null | tail -1 | tee -a "$out"
 
     # The planner's profile of this node: cuBLAS products by shape, NCCL's
     # all-reduce by group size (the profile itself is kept beside OUT).
     local gpus profile=${out%.jsonl}-profile.toml
     gpus=$(nvidia-smi -L | wc -l)
-    if RUST_BACKTRACE=0 timeout 120 "$bundle/tessera" profile --device cuda --gpus "$gpus" --seconds-per-figure 0.1 --name this-node --out "$profile" 2>/tmp/gpu-check-profile.log; then
+    if RUST_BACKTRACE=1 timeout 60 "$bundle/tessera" profile --device cuda --gpus "$gpus" --seconds-per-figure 0.1 --name this-node --out "$profile" 2>"$logs/profile.log"; then
         python3 - "$profile" <<'EOF' | tee -a "$out"
 import json, sys, tomllib
 p = tomllib.load(open(sys.argv[1], "rb"))
@@ -140,13 +150,13 @@ print(json.dumps({"check": "profile", "device": d["name"], "memory_gib": round(d
                   "all_reduce": [{"gpus": f["size"], "latency_us": round(f["latency"] * 1e6, 1), "bandwidth_gbs": round(f["bandwidth"] / 1e9, 1)} for f in p["intra_node"].get("by_size", [])]}))
 EOF
     else
-        python3 -c 'import json,sys; print(json.dumps({"check":"profile","error":sys.argv[1]}))' "$(tail -3 /tmp/gpu-check-profile.log)" | tee -a "$out"
+        python3 -c 'import json,sys; print(json.dumps({"check":"profile","error":sys.argv[1]}))' "$(tail -3 "$logs/profile.log")" | tee -a "$out"
     fi
 
     # The same node as a job of processes with a GPU each (NCCL ids through
     # the job's store), the path a profile of several nodes takes.
     local job_profile=${out%.jsonl}-job-profile.toml
-    if RUST_BACKTRACE=0 timeout 120 "$bundle/tessera" launch --nproc-per-node "$gpus" -- "$bundle/tessera" profile --device cuda --seconds-per-figure 0.05 --name this-job --out "$job_profile" 2>/tmp/gpu-check-job-profile.log; then
+    if RUST_BACKTRACE=1 timeout 60 "$bundle/tessera" launch --nproc-per-node "$gpus" -- "$bundle/tessera" profile --device cuda --seconds-per-figure 0.05 --name this-job --out "$job_profile" 2>"$logs/job-profile.log"; then
         python3 - "$job_profile" <<'EOF' | tee -a "$out"
 import json, sys, tomllib
 p = tomllib.load(open(sys.argv[1], "rb"))
@@ -154,7 +164,7 @@ print(json.dumps({"check": "profile_job", "gpus_per_node": p["gpus_per_node"], "
                   "all_reduce": [{"gpus": f["size"], "latency_us": round(f["latency"] * 1e6, 1), "bandwidth_gbs": round(f["bandwidth"] / 1e9, 1)} for f in p["intra_node"].get("by_size", [])]}))
 EOF
     else
-        python3 -c 'import json,sys; print(json.dumps({"check":"profile_job","error":sys.argv[1]}))' "$(tail -3 /tmp/gpu-check-job-profile.log)" | tee -a "$out"
+        python3 -c 'import json,sys; print(json.dumps({"check":"profile_job","error":sys.argv[1]}))' "$(tail -3 "$logs/job-profile.log")" | tee -a "$out"
     fi
 
     # Ratios against the targets.
@@ -168,7 +178,8 @@ for case, key, target in [("gemm", "tflops", 0.9), ("gpt2", "tokens_per_s", 1.0)
     print(json.dumps({"check": "ratio", "case": case, "measure": key, "tessera": a.get(key), "torch": b.get(key),
                       "ratio": ratio, "target": target, "met": None if ratio is None or target is None else ratio >= target}))
 EOF
-    echo "gpu-check: figures in $out" >&2
+    tar czf "$logs.tgz" -C "$(dirname "$logs")" "$(basename "$logs")" && rm -rf "$logs"
+    echo "gpu-check: figures in $out, every step's output in $logs.tgz" >&2
 }
 
 case "$mode" in

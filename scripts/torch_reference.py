@@ -82,6 +82,13 @@ class Gpt2(nn.Module):
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         self.lm_head.weight = self.wte.weight
+        # GPT-2's initialisation (as `bench cuda gpt2`): PyTorch's default
+        # N(0, 1) embedding, tied to the head, starts the loss near 90.
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
 
     def forward(self, idx):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
