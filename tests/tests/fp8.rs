@@ -105,8 +105,10 @@ fn fp8_training_learns_like_f32_and_matches_one_rank() {
     assert!(tail(&one) < 0.8 * one[0], "FP8 learns: {} -> {}", one[0], tail(&one));
     assert!((tail(&one) - tail(&f32_losses)).abs() <= 0.1 * tail(&f32_losses), "last losses {} in FP8, {} in f32", tail(&one), tail(&f32_losses));
     assert!(one != f32_losses, "FP8 rounds the products");
-    // Two replicas of half the microbatch: the one rank's batch.
-    let mesh = run("mesh", "[batch]\nmicro_batch = 2\ngrad_accum = 2\n[mesh]\ndp = 2\ntp = 2\nsp = true\npp = 2\n[precision]\nfp8 = true\n");
+    // Two replicas of half the microbatch: the one rank's batch; the
+    // tensor-parallel collectives cut in two pieces, each quantized at the
+    // whole operand's scale.
+    let mesh = run("mesh", "[batch]\nmicro_batch = 2\ngrad_accum = 2\n[mesh]\ndp = 2\ntp = 2\nsp = true\ntp_overlap = 2\npp = 2\n[precision]\nfp8 = true\n");
     // The same steps to rounding while no FP8 code lands on the other side
     // of a rounding boundary; then a flipped code now and then moves the
     // runs apart by a few parts in ten thousand, a few per thousand by the

@@ -86,6 +86,8 @@ struct RankRun {
     output: Vec<f64>,
     grads: BTreeMap<String, Vec<f64>>,
     calls: BTreeMap<String, usize>,
+    /// The FP8 scales the step leaves (empty without FP8).
+    fp8_scales: Vec<(String, &'static str, f32)>,
 }
 
 fn values(t: &Tensor) -> Vec<f64> {
@@ -96,6 +98,20 @@ fn values(t: &Tensor) -> Vec<f64> {
 /// collectives cut into `pieces`, on the input `x` of every rank (`slice`:
 /// each rank gets its part of dimension 1) and a fixed output gradient.
 fn run<M: Module + Send>(tp: usize, pieces: usize, dtype: DType, make: &(dyn Fn() -> tessera::Result<M> + Sync), x: &Tensor, slice: bool) -> Vec<RankRun> {
+    run_with(tp, pieces, dtype, false, make, x, slice)
+}
+
+/// [`run`], with the linear layers' products in FP8 when `fp8` (the step
+/// then ends with `end_fp8_step`, and the run records the scales it leaves).
+fn run_with<M: Module + Send>(
+    tp: usize,
+    pieces: usize,
+    dtype: DType,
+    fp8: bool,
+    make: &(dyn Fn() -> tessera::Result<M> + Sync),
+    x: &Tensor,
+    slice: bool,
+) -> Vec<RankRun> {
     let world = InProcess::new(tp).unwrap();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..tp)
@@ -108,6 +124,9 @@ fn run<M: Module + Send>(tp: usize, pieces: usize, dtype: DType, make: &(dyn Fn(
                     let mut groups = Groups::single();
                     groups.tp = counting.clone();
                     let mut cx = Cx::new(dev.clone()).with_dtype(dtype).with_seed(5).with_groups(groups).with_sequence_parallel(true).with_tp_overlap(pieces);
+                    if fp8 {
+                        cx = cx.with_fp8(Default::default()).unwrap();
+                    }
                     let m = module::build(make().unwrap(), &cx).unwrap();
                     let x = if slice {
                         let part = x.dims()[1] / tp;
@@ -120,13 +139,14 @@ fn run<M: Module + Send>(tp: usize, pieces: usize, dtype: DType, make: &(dyn Fn(
                     let dy: Vec<f32> = (0..n).map(|i| (((i * 37 + rank * 11) % 23) as f32 - 11.0) / 16.0).collect();
                     let dy = Tensor::from_vec(dy, y.tensor().shape().clone(), &dev).unwrap().to_dtype(y.tensor().dtype()).unwrap();
                     m.backward(&mut cx, saved, Act::new(dy)).unwrap();
+                    cx.end_fp8_step().unwrap();
                     let mut grads = BTreeMap::new();
                     module::visit_params(&m, |e| {
                         grads.entry(e.name.to_string()).or_insert_with(|| values(&e.param.grad().expect("every parameter has a gradient")));
                         Ok(())
                     })
                     .unwrap();
-                    RankRun { output: values(y.tensor()), grads, calls: counting.calls() }
+                    RankRun { output: values(y.tensor()), grads, calls: counting.calls(), fp8_scales: cx.fp8_scales() }
                 })
             })
             .collect();
@@ -211,5 +231,32 @@ fn llama_blocks_with_cut_collectives_match_the_whole_ones() {
     let whole = run(2, 1, DType::F64, &make, &x, true);
     for pieces in [2, 4] {
         assert_same(&format!("llama tp2 in {pieces} pieces"), &run(2, pieces, DType::F64, &make, &x, true), &whole, 1e-12);
+    }
+}
+
+/// FP8 products cut into pieces: each piece is quantized at the scale of
+/// the whole operand (the first step's, from the whole's amax over the
+/// group), so the cut run gives the whole collectives' outputs, gradients
+/// and the scales it leaves for the next step, while its collectives really
+/// are cut (a fall-back to whole ones would pass the comparison unseen).
+#[test]
+fn fp8_products_cut_into_pieces_give_the_whole_products_results() {
+    const VOCAB: usize = 16;
+    let make = || Gpt::new(VOCAB, 16, 4, 2);
+    let (tp, seq) = (2, 12);
+    let ids = Tensor::from_vec((0..2 * seq as u32).map(|i| (i * 5 + 1) % VOCAB as u32).collect::<Vec<u32>>(), [2, seq], &Device::cpu()).unwrap();
+    let whole = run_with(tp, 1, DType::F64, true, &make, &ids, false);
+    let plain = run(tp, 1, DType::F64, &make, &ids, false);
+    assert!(!whole[0].fp8_scales.is_empty(), "FP8 ran");
+    assert!(whole[0].output != plain[0].output, "FP8 rounds the products");
+    for pieces in [2, 3] {
+        let name = format!("FP8 in {pieces} pieces");
+        let cut = run_with(tp, pieces, DType::F64, true, &make, &ids, false);
+        assert_same(&name, &cut, &whole, 1e-12);
+        for (rank, (c, w)) in cut.iter().zip(&whole).enumerate() {
+            assert_eq!(c.fp8_scales, w.fp8_scales, "{name}: rank {rank}'s scales for the next step");
+            assert!(c.calls.get("all_gather_async piece").copied().unwrap_or(0) > 0, "{name}: the gathers are cut: {:?}", c.calls);
+            assert!(c.calls.get("reduce_scatter_async piece").copied().unwrap_or(0) > 0, "{name}: the reduce-scatters are cut: {:?}", c.calls);
+        }
     }
 }

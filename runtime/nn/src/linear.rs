@@ -218,7 +218,7 @@ impl Linear {
     /// this layer's products into ([`Cx::with_tp_overlap`]), for a training
     /// step with a float weight and an input of `[batch, seq, ..]`.
     fn overlap(&self, cx: &Cx, x: &Tensor) -> Option<usize> {
-        cx.tp_overlap().filter(|_| self.weight.quantized().is_none() && cx.decode().is_none() && cx.fp8().is_none() && x.rank() >= 3)
+        cx.tp_overlap().filter(|_| self.weight.quantized().is_none() && cx.decode().is_none() && x.rank() >= 3)
     }
 
     /// The forward with a quantized weight (inference): `x·dequant(W)ᵀ (+ b)`
@@ -278,6 +278,42 @@ impl Linear {
         self.weight.name().ok_or_else(|| {
             Error::state_mismatch("Linear", "FP8 keeps its scales by parameter name and this weight has none; build the model with `module::build`")
         })
+    }
+
+    /// Under FP8, what a product cut into pieces needs before its first
+    /// piece: the weight's codes (once for every piece) and the scale of the
+    /// operand `cut` that the pieces come from, taken from the `whole` of it
+    /// as the uncut product takes it (the same calls in the same order on
+    /// every rank).
+    fn piece_fp8(&self, cx: &Cx, cut: Operand, whole: &Tensor, w: &Tensor) -> Result<Option<PieceFp8>> {
+        let Some(fp8) = cx.fp8() else { return Ok(None) };
+        let layer = self.fp8_layer()?;
+        let scale = fp8.scale_for(cx, &layer, cut, whole)?;
+        let (wq, sw) = fp8.quantize(cx, &layer, Operand::Weight, w)?;
+        Ok(Some(PieceFp8 { layer, cut, scale, wq, sw }))
+    }
+
+    /// One piece's product with this rank's weight: `piece·Wᵀ (+ b)`, or,
+    /// backward (`transposed` false), `piece·W`; under FP8 (`fp8`) from the
+    /// piece's codes at the whole operand's scale.
+    fn piece_product(&self, cx: &Cx, piece: &Tensor, w: &Tensor, transposed: bool, bias: Option<&Tensor>, fp8: Option<&PieceFp8>) -> Result<Tensor> {
+        let y = match fp8.zip(cx.fp8()) {
+            Some((p, state)) => {
+                let (q, s) = state.quantize_at(&p.layer, p.cut, piece, p.scale)?;
+                let wq = if transposed { p.wq.t()? } else { p.wq.clone() };
+                let y = unscale(ops::matmul(&q, &wq)?, s, p.sw)?;
+                return match bias {
+                    Some(b) => ops::add_bias(&y, b),
+                    None => Ok(y),
+                };
+            }
+            None => w,
+        };
+        let y = if transposed { y.t()? } else { y.clone() };
+        match bias {
+            Some(b) => ops::matmul_bias(piece, &y, b),
+            None => ops::matmul(piece, &y),
+        }
     }
 
     /// The weight the input gradient multiplies by.
@@ -388,6 +424,20 @@ impl Linear {
 
 /// A product of FP8 values carrying scales `a` and `b`, brought back to
 /// the operands' scale.
+/// What every piece of an FP8 product cut into pieces shares
+/// ([`Linear::piece_fp8`]).
+struct PieceFp8 {
+    /// The layer's FP8 name.
+    layer: String,
+    /// The operand cut into pieces.
+    cut: Operand,
+    /// Its scale, from the whole.
+    scale: f32,
+    /// The weight's codes and scale.
+    wq: Tensor,
+    sw: f32,
+}
+
 fn unscale(product: Tensor, a: f32, b: f32) -> Result<Tensor> {
     ops::scale(&product, 1.0 / (f64::from(a) * f64::from(b)))
 }
@@ -441,11 +491,11 @@ impl Module<Column> for Linear {
             // The slice is cast before it travels (the same values as
             // casting the gathered sequence) and kept as cast.
             let (x, w, bias) = self.operands(cx, x, true)?;
-            let wt = w.t()?;
-            let y = crate::module::overlap::gather_map(cx, &x, pieces, |piece| match &bias {
-                Some(b) => ops::matmul_bias(piece, &wt, b),
-                None => ops::matmul(piece, &wt),
-            })?;
+            // Under FP8 the input's scale comes from this rank's slice: over
+            // the group, the amax of the gathered sequence.
+            let fp8 = self.piece_fp8(cx, Operand::Input, &x, &w)?;
+            let cx = &*cx;
+            let y = crate::module::overlap::gather_map(cx, &x, pieces, |piece| self.piece_product(cx, piece, &w, true, bias.as_ref(), fp8.as_ref()))?;
             return Ok((Act::new(y), LinearSaved { x, gather_again: true }));
         }
         let (y, s) = self.fwd(cx, crate::module::seq::gather(cx, &x)?, true)?;
@@ -462,7 +512,11 @@ impl Module<Column> for Linear {
             // pieces of `dX` travel.
             let x = cx.tp().all_gather_async(&saved.x, 1)?;
             let w = self.backward_weight(cx)?;
-            let dx = crate::module::overlap::map_reduce_scatter(cx, dy.tensor(), pieces, false, |piece| ops::matmul(piece, &w))?;
+            let w = if cx.fp8().is_some() && w.dtype() != dy.tensor().dtype() { w.to_dtype(dy.tensor().dtype())? } else { w };
+            let fp8 = self.piece_fp8(cx, Operand::Grad, dy.tensor(), &w)?;
+            let dx = crate::module::overlap::map_reduce_scatter(cx, dy.tensor(), pieces, false, |piece| {
+                self.piece_product(cx, piece, &w, false, None, fp8.as_ref())
+            })?;
             self.weight_grad(cx, &x.wait()?, dy.tensor())?;
             return Ok(Act::new(dx.wait()?));
         }
@@ -505,11 +559,9 @@ impl Module<Row> for Linear {
         let x = x.into_tensor();
         if let Some(pieces) = self.overlap(cx, &x).filter(|_| x.dims()[1].is_multiple_of(cx.tp().size())) {
             let (x, w, bias) = self.operands(cx, x, first)?;
-            let wt = w.t()?;
-            let sum = crate::module::overlap::map_reduce_scatter(cx, &x, pieces, true, |piece| match &bias {
-                Some(b) => ops::matmul_bias(piece, &wt, b),
-                None => ops::matmul(piece, &wt),
-            })?;
+            let fp8 = self.piece_fp8(cx, Operand::Input, &x, &w)?;
+            let sum =
+                crate::module::overlap::map_reduce_scatter(cx, &x, pieces, true, |piece| self.piece_product(cx, piece, &w, true, bias.as_ref(), fp8.as_ref()))?;
             let y = sum.summand()?;
             cx.start_reduction(crate::module::overlap::InFlight { value: y.clone(), sum });
             return Ok((Act::new(y), LinearSaved { x, gather_again: false }));

@@ -84,22 +84,35 @@ impl Fp8State {
     /// order), so that its first step is neither flushed to zero nor
     /// different from one rank's.
     pub(crate) fn quantize(&self, cx: &Cx, layer: &str, operand: Operand, x: &Tensor) -> Result<(Tensor, f32)> {
+        let scale = self.scale_for(cx, layer, operand, x)?;
+        self.quantize_at(layer, operand, x, scale)
+    }
+
+    /// The scale operand `operand` of layer `layer` is quantized at this
+    /// step: the delayed one, or on the operand's first use the one `whole`
+    /// sets (its amax over the tensor- and data-parallel groups). A product
+    /// cut into pieces takes it from the whole operand once, so that every
+    /// piece is quantized as the uncut operand would be.
+    pub(crate) fn scale_for(&self, cx: &Cx, layer: &str, operand: Operand, whole: &Tensor) -> Result<f32> {
         let key = (layer.to_string(), operand);
+        if let Some(scale) = self.scalings.lock().get(&key).map(|s| s.scale()) {
+            return Ok(scale);
+        }
+        // The first use reads its amax at once (once per operand and run):
+        // it sets the scale this very step.
+        let amax = ops::max_abs(whole)?.to_dtype(DType::F32)?.to_vec::<f32>()?[0];
+        let mut s = DelayedScaling::new(operand.format(), self.recipe.history, self.recipe.margin)?;
+        s.start_from(max_over_groups(cx, vec![amax])?[0]);
+        let scale = s.scale();
+        self.scalings.lock().insert(key, s);
+        Ok(scale)
+    }
+
+    /// `x`'s FP8 values at `scale` (from [`scale_for`](Self::scale_for))
+    /// and that scale; notes `x`'s amax for the step's end.
+    pub(crate) fn quantize_at(&self, layer: &str, operand: Operand, x: &Tensor, scale: f32) -> Result<(Tensor, f32)> {
         let amax = ops::max_abs(x)?.to_dtype(DType::F32)?.reshape([1])?;
-        let known = self.scalings.lock().get(&key).map(|s| s.scale());
-        let scale = match known {
-            Some(scale) => scale,
-            None => {
-                // The first use reads its amax at once (once per operand
-                // and run): it sets the scale this very step.
-                let mut s = DelayedScaling::new(operand.format(), self.recipe.history, self.recipe.margin)?;
-                s.start_from(max_over_groups(cx, vec![amax.to_vec::<f32>()?[0]])?[0]);
-                let scale = s.scale();
-                self.scalings.lock().insert(key.clone(), s);
-                scale
-            }
-        };
-        self.pending.lock().entry(key).or_default().push(amax);
+        self.pending.lock().entry((layer.to_string(), operand)).or_default().push(amax);
         Ok((ops::fp8_values(x, operand.format(), scale)?, scale))
     }
 
@@ -182,8 +195,9 @@ impl Cx {
     /// inputs and weights, E5M2 output gradients, per-operand delayed
     /// scaling over `recipe.history` steps. Call
     /// [`end_fp8_step`](Self::end_fp8_step) after each step's backward.
-    /// Not with [`with_tp_overlap`](Self::with_tp_overlap) pieces (the
-    /// layers fall back to whole collectives).
+    /// With [`with_tp_overlap`](Self::with_tp_overlap) a product cut into
+    /// pieces quantizes each piece at the scale of the whole operand, as the
+    /// uncut product does.
     pub fn with_fp8(mut self, recipe: Fp8Recipe) -> Result<Self> {
         self.fp8 = Some(std::sync::Arc::new(Fp8State::new(recipe)?));
         Ok(self)
