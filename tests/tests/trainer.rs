@@ -430,6 +430,30 @@ fn expert_parallel_training_matches_one_rank() {
     }
 }
 
+/// FP8 with the experts split: the dense layers' products run in FP8 on
+/// every expert-parallel rank (the experts' stay in the compute dtype), and
+/// their scales are reduced over all data replicas, so dp × ep layouts take
+/// the steps one rank takes, to the rounding of sums over another split.
+#[test]
+fn fp8_with_expert_parallelism_trains_like_one_rank() {
+    let run = |name: &str, sets: &[&str]| {
+        let mut overrides = vec!["run.steps=4"];
+        overrides.extend(sets);
+        moe_losses_and_norms(name, "[batch]\ngrad_accum = 1\n[precision]\nfp8 = true\n", &overrides)
+    };
+    let (one, one_norms) = run("fp8-moe-one", &["batch.micro_batch=4"]);
+    let (plain, _) = moe_losses_and_norms("fp8-moe-plain", "[batch]\ngrad_accum = 1\n", &["run.steps=4", "batch.micro_batch=4"]);
+    assert!(one != plain, "FP8 rounds the dense products");
+    for sets in [&["mesh.ep=2", "batch.micro_batch=2"][..], &["mesh.dp=2", "mesh.ep=2", "batch.micro_batch=1"][..]] {
+        let (losses, norms) = run(&format!("fp8-moe-{}", sets.join("-")), sets);
+        assert_eq!(losses.len(), one.len());
+        for (((step, a), (_, b)), (na, nb)) in one.iter().zip(&losses).zip(one_norms.iter().zip(&norms)) {
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "{sets:?}, step {step}: loss {b}, one rank {a}");
+            assert!((na - nb).abs() <= 1e-4 * na.abs(), "{sets:?}, step {step}: gradient norm {nb}, one rank {na}");
+        }
+    }
+}
+
 /// Every technique in one run, chosen in the TOML: an MoE model on
 /// dp2 × ep2 × tp2 (with sequence parallelism) × pp2, ZeRO-3, full
 /// recompute, two microbatches accumulated per step and clipping that

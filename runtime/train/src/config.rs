@@ -744,12 +744,7 @@ impl TrainConfig {
                 ));
             }
         }
-        if self.precision.fp8_recipe()?.is_some() && self.mesh.ep > 1 {
-            return Err(Error::config(
-                "precision.fp8",
-                "FP8 scales are reduced over ranks holding the same layers, and expert-parallel ranks hold different experts; set mesh.ep = 1 or precision.fp8 = false",
-            ));
-        }
+        self.precision.fp8_recipe()?;
         if let Some(outer) = self.local_sgd.outer()? {
             self.check_local_sgd(outer)?;
         }
@@ -948,7 +943,6 @@ mod tests {
         for (args, key, says) in [
             (&["precision.fp8=true", "precision.fp8_history=0"][..], "precision.fp8_history", "at least 1"),
             (&["precision.fp8=true", "precision.fp8_margin=20"][..], "precision.fp8_margin", "outside 0 to 16"),
-            (&["precision.fp8=true", "mesh.ep=2"][..], "precision.fp8", "mesh.ep = 1"),
         ] {
             let e = TrainConfig::parse("", args).unwrap_err().to_string();
             assert!(e.contains(key) && e.contains(says), "{args:?}: {e}");

@@ -10,7 +10,7 @@
 //! operand in the step (a recompute, the backward's second reading of the
 //! weight) quantizes it to the same codes. The step's amaxes are taken as
 //! it goes and recorded by [`Cx::end_fp8_step`], reduced (max) over the
-//! tensor- and data-parallel groups first, so that every rank scales as a
+//! tensor-parallel group and the data replicas first, so that every rank scales as a
 //! single rank training the whole batch would.
 
 use super::Cx;
@@ -79,9 +79,9 @@ impl Fp8State {
     /// notes `x`'s amax for the step's end.
     ///
     /// An operand's first use has no history to delay from: it is scaled
-    /// by its own amax, the largest over the tensor- and data-parallel
-    /// groups (every rank of which quantizes the same operands in the same
-    /// order), so that its first step is neither flushed to zero nor
+    /// by its own amax, the largest over the tensor-parallel group and the
+    /// data replicas (every rank of which quantizes the same operands in the
+    /// same order), so that its first step is neither flushed to zero nor
     /// different from one rank's.
     pub(crate) fn quantize(&self, cx: &Cx, layer: &str, operand: Operand, x: &Tensor) -> Result<(Tensor, f32)> {
         let scale = self.scale_for(cx, layer, operand, x)?;
@@ -90,7 +90,7 @@ impl Fp8State {
 
     /// The scale operand `operand` of layer `layer` is quantized at this
     /// step: the delayed one, or on the operand's first use the one `whole`
-    /// sets (its amax over the tensor- and data-parallel groups). A product
+    /// sets (its amax over the tensor-parallel group and the data replicas). A product
     /// cut into pieces takes it from the whole operand once, so that every
     /// piece is quantized as the uncut operand would be.
     pub(crate) fn scale_for(&self, cx: &Cx, layer: &str, operand: Operand, whole: &Tensor) -> Result<f32> {
@@ -225,7 +225,7 @@ impl Cx {
     }
 
     /// Ends a step under FP8: the step's amax of every operand, the
-    /// largest over the tensor- and data-parallel groups (every member of
+    /// largest over the tensor-parallel group and the data replicas (every member of
     /// which holds the same layers), goes into its history and sets the
     /// next step's scale. Every rank of those groups calls it together. A
     /// step whose amaxes are not all finite (an overflow) records nothing.
@@ -258,13 +258,16 @@ impl Cx {
     }
 }
 
-/// The element-wise largest of `values` over the tensor- and data-parallel
-/// groups (NaN where any rank has NaN). Every member must bring as many
+/// The element-wise largest of `values` over the tensor-parallel group and
+/// the data replicas (NaN where any rank has NaN). Every member must bring as many
 /// values: their count goes first, so that a mismatch is an error, not a
 /// hang or a misread.
 fn max_over_groups(cx: &Cx, mut values: Vec<f32>) -> Result<Vec<f32>> {
     let n = values.len();
-    for group in [&cx.groups().tp, &cx.groups().dp] {
+    // The data replicas, not only the data-parallel group: with experts
+    // split, the expert-parallel ranks hold the same FP8 layers too (the
+    // experts' products stay in the compute dtype).
+    for group in [&cx.groups().tp, &cx.groups().replicas] {
         if group.size() == 1 {
             continue;
         }
@@ -273,7 +276,7 @@ fn max_over_groups(cx: &Cx, mut values: Vec<f32>) -> Result<Vec<f32>> {
         if counts.iter().any(|&c| c != n as f32) {
             return Err(Error::state_mismatch(
                 "FP8 scaling",
-                format!("the ranks of a group quantized different numbers of operands ({counts:?}); FP8 needs every rank of a tensor- or data-parallel group to run the same linear layers"),
+                format!("the ranks of a group quantized different numbers of operands ({counts:?}); FP8 needs every rank of a tensor-parallel group or of the data replicas to run the same linear layers"),
             ));
         }
         if n == 0 {
