@@ -10,6 +10,7 @@
 # prints and writes (to OUT, default gpu-check.jsonl) one JSON line per test
 # binary and per benchmark, then the ratios the CUDA issue sets as targets:
 #   gemm       bf16 8192³ through cuBLAS vs torch.matmul        (target ≥ 0.9)
+#   fp8-gemm   E4M3 8192³ through cuBLASLt vs torch._scaled_mm   (reported)
 #   gpt2       GPT-2 124M bf16 training tokens/s vs torch eager (target ≥ 1.0)
 #   attention  fused causal attention forward+backward TFLOP/s (reported)
 # and the planner's profile of the node (`tessera profile --device cuda`).
@@ -117,7 +118,7 @@ run() {
 
     # The benchmarks, Tessera then PyTorch for each case, in the same run.
     local case
-    for case in gemm attention gpt2; do
+    for case in gemm fp8-gemm attention gpt2; do
         local ours theirs
         ours=$(RUST_BACKTRACE=1 timeout 90 "$bundle/bench" cuda "$case" 2>"$logs/bench-$case.log" | tail -1)
         [ -n "$ours" ] || ours=$(python3 -c 'import json,sys; print(json.dumps({"bench":"cuda","case":sys.argv[1],"error":sys.argv[2]}))' "$case" "$(tail -3 "$logs/bench-$case.log")")
@@ -172,7 +173,7 @@ EOF
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 get = lambda bench, case: next((r for r in rows if r.get("bench") == bench and r.get("case") == case), {})
-for case, key, target in [("gemm", "tflops", 0.9), ("gpt2", "tokens_per_s", 1.0), ("attention", "tflops", None)]:
+for case, key, target in [("gemm", "tflops", 0.9), ("gpt2", "tokens_per_s", 1.0), ("attention", "tflops", None), ("fp8-gemm", "tflops", None)]:
     a, b = get("cuda", case), get("torch", case)
     ratio = a[key] / b[key] if key in a and key in b and b[key] else None
     print(json.dumps({"check": "ratio", "case": case, "measure": key, "tessera": a.get(key), "torch": b.get(key),

@@ -5,6 +5,8 @@ The same three measurements as `bench cuda` (examples/bench/cuda.rs), made
 the same way (warm-up, then whole iterations between synchronisations):
 
   gemm       torch.matmul of two square bf16 matrices (--size)
+  fp8-gemm   torch._scaled_mm of the same matrices cast to E4M3 at each call
+             (bf16 output), as `bench cuda fp8-gemm` encodes at each call
   attention  F.scaled_dot_product_attention, causal, forward and backward,
              on a GPT-2 layer's shape (--batch, --seq, 12 heads of 64)
   gpt2       GPT-2 124M training steps in eager mode (bf16 autocast, f32
@@ -39,6 +41,21 @@ def gemm(args):
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     s = timed(lambda: a @ b, 3, args.iters)
     return {"case": "gemm", "size": n, "dtype": "bf16", "ms": s * 1e3, "tflops": 2 * n**3 / s / 1e12}
+
+
+def fp8_gemm(args):
+    n = args.size
+    a = (torch.randn(n, n, device="cuda") * 0.1).to(torch.bfloat16)
+    b = (torch.randn(n, n, device="cuda") * 0.1).to(torch.bfloat16)
+    one = torch.tensor(1.0, device="cuda")
+    fp8 = torch.float8_e4m3fn
+
+    def step():
+        # _scaled_mm takes the second operand column-major: b's transpose, as a linear layer's weight.
+        return torch._scaled_mm(a.to(fp8), b.to(fp8).t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    s = timed(step, 3, args.iters)
+    return {"case": "fp8-gemm", "size": n, "dtype": "e4m3", "out": "bf16", "ms": s * 1e3, "tflops": 2 * n**3 / s / 1e12}
 
 
 def attention(args):
@@ -126,14 +143,14 @@ def gpt2(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("case", choices=["gemm", "attention", "gpt2"])
+    p.add_argument("case", choices=["gemm", "fp8-gemm", "attention", "gpt2"])
     p.add_argument("--size", type=int, default=8192)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--peak-tflops", type=float, default=989.0)
     args = p.parse_args()
-    result = {"gemm": gemm, "attention": attention, "gpt2": gpt2}[args.case](args)
+    result = {"gemm": gemm, "fp8-gemm": fp8_gemm, "attention": attention, "gpt2": gpt2}[args.case](args)
     result = {"bench": "torch", **{k: (round(v, 4) if isinstance(v, float) and math.isfinite(v) else v) for k, v in result.items()}}
     print(json.dumps(result))
 

@@ -2,6 +2,10 @@
 //!
 //! * `gemm`: a square matrix product (`--size`, bf16 by default) through the
 //!   runtime's cuBLAS path; TFLOP/s.
+//! * `fp8-gemm`: the same square product of E4M3 operands with a bf16
+//!   output, as a linear layer under FP8 runs it (the codes encoded from the
+//!   operands' values at each call, then cuBLASLt on the FP8 tensor cores);
+//!   TFLOP/s.
 //! * `attention`: the fused causal attention forward and backward on the
 //!   packed q/k/v layout of a GPT-2 layer (`--batch`, `--seq`, 12 heads of
 //!   64); TFLOP/s counted as FlashAttention's benchmarks count them
@@ -31,6 +35,7 @@ use tessera_models::gpt2::{Gpt2, Gpt2Config};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Case {
     Gemm,
+    Fp8Gemm,
     Attention,
     Gpt2,
 }
@@ -71,6 +76,7 @@ pub fn run(args: &Args) -> Result<()> {
     let dev = Device::cuda(args.device)?;
     match args.case {
         Case::Gemm => gemm(args, &dev),
+        Case::Fp8Gemm => fp8_gemm(args, &dev),
         Case::Attention => attention(args, &dev),
         Case::Gpt2 => gpt2(args, &dev),
     }
@@ -114,6 +120,31 @@ fn gemm(args: &Args, dev: &Device) -> Result<()> {
     })?;
     let tflops = 2.0 * (n as f64).powi(3) / s / 1e12;
     println!("{}", serde_json::json!({"bench": "cuda", "case": "gemm", "size": n, "dtype": args.dtype, "ms": s * 1e3, "tflops": tflops}));
+    Ok(())
+}
+
+/// `A · Bᵀ` of E4M3 operands (`--size` square, bf16 values, bf16 output) as a
+/// linear layer runs it under FP8: each call encodes both operands' codes
+/// and multiplies them on the FP8 tensor cores (`ops::matmul_fp8`).
+fn fp8_gemm(args: &Args, dev: &Device) -> Result<()> {
+    let n = args.size;
+    let fmt = ops::Fp8Format::E4M3;
+    let a = ops::fp8_values(&random(1, &[n, n], DType::BF16, dev)?, fmt, 16.0)?;
+    let b = ops::fp8_values(&random(2, &[n, n], DType::BF16, dev)?, fmt, 16.0)?;
+    let bt = b.t()?;
+    let s = time(dev, 3, args.iters, || {
+        ops::matmul_fp8(&a, fmt, &bt, fmt, 1.0 / 256.0)?;
+        Ok(())
+    })?;
+    let tensor_cores = match dev {
+        Device::Cuda(d) => d.has_fp8_tensor_cores(),
+        Device::Cpu(_) => false,
+    };
+    let tflops = 2.0 * (n as f64).powi(3) / s / 1e12;
+    println!(
+        "{}",
+        serde_json::json!({"bench": "cuda", "case": "fp8-gemm", "size": n, "dtype": "e4m3", "out": "bf16", "fp8_tensor_cores": tensor_cores, "ms": s * 1e3, "tflops": tflops})
+    );
     Ok(())
 }
 

@@ -724,6 +724,51 @@ device_test! {
 // the two halves of their keys, merged on the GPU, against the CPU's merge,
 // in every dtype (the log-sum-exps in f32).
 device_test! {
+    /// FP8 products: on a GPU with FP8 tensor cores and a shape they take,
+    /// one cuBLASLt product of the code bytes (two encoding kernels and one
+    /// product, no other work), else the emulation; either way the CPU's
+    /// `scale(matmul(a, b), alpha)` to the output's rounding. Every pair of
+    /// formats the layers use, outputs in f32, bf16 and f16, an unaligned
+    /// shape, a batched left operand, and the weight read transposed in place.
+    fn fp8_products_match_the_cpu(dev: &Device) {
+        use ops::Fp8Format::{E4M3, E5M2};
+        for dtype in FLOATS {
+            for (fa, fb) in [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)] {
+                for (lead, k, n) in [(&[32][..], 64, 48), (&[2, 16][..], 32, 16), (&[20][..], 24, 8)] {
+                    let (sa, sb) = (8.0f32, 0.5f32);
+                    let a_shape: Vec<usize> = lead.iter().copied().chain([k]).collect();
+                    let (x, _) = pair(dev, &a_shape, dtype, 81);
+                    let (w, _) = pair(dev, &[n, k], dtype, 82);
+                    let a = ops::fp8_values(&x, fa, sa).unwrap();
+                    let b = ops::fp8_values(&w, fb, sb).unwrap();
+                    let (da, db) = (to_device(&a, dev), to_device(&b, dev));
+                    let alpha = 1.0 / (f64::from(sa) * f64::from(sb));
+                    let want = ops::matmul_fp8(&a, fa, &b.t().unwrap(), fb, alpha).unwrap();
+                    let before = match dev {
+                        Device::Cuda(gpu) => Some(gpu.work()),
+                        Device::Cpu(_) => None,
+                    };
+                    let got = ops::matmul_fp8(&da, fa, &db.t().unwrap(), fb, alpha).unwrap();
+                    let what = format!("matmul_fp8 {fa:?} x {fb:?} of {a_shape:?} by [{k}, {n}] in {dtype}");
+                    let tol = if dtype == DType::F32 { 1e-5 } else { tolerance(dtype) };
+                    assert_close(&what, &want, &got, dev, tol);
+                    if let (Some(before), Device::Cuda(gpu)) = (before, dev) {
+                        let m: usize = lead.iter().product();
+                        let fits = gpu.has_fp8_tensor_cores() && [m, k, n].iter().all(|d| d % 16 == 0);
+                        let work = gpu.work() - before;
+                        if fits {
+                            assert_eq!((work.kernels, work.gemms), (2, 1), "{what}: the codes encoded and one FP8 product: {work:?}");
+                        } else {
+                            assert_eq!((work.kernels, work.gemms), (1, 1), "{what}: the emulation's product and its scaling: {work:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+device_test! {
     fn attention_merge_matches_the_cpu(dev: &Device) {
         for dtype in FLOATS {
             let (q, dq) = pair(dev, &[2, 4, 5, 8], dtype, 80);

@@ -7,7 +7,7 @@
 // midpoint and the floats beside it, and on NaN, infinities and zeros.
 #include "rows.h"
 // The CUDA math functions fp8.cu calls, as the host library has them.
-using std::copysignf; using std::fabs; using std::fmin; using std::ilogb; using std::isnan; using std::ldexp; using std::rint;
+using std::copysignf; using std::fabs; using std::fmin; using std::ilogb; using std::isnan; using std::ldexp; using std::rint; using std::signbit;
 #include "fp8.inc"
 
 // The value of `code` in a format of `mbits` mantissa bits (E4M3: no
@@ -70,6 +70,26 @@ int main() {
         for (u64 i = 0; i < n; i++)
             if (!(std::isnan(out4[i]) && std::isnan(scaled[i])) && __float_as_uint(out4[i]) != __float_as_uint(scaled[i]) && wrong++ < 5)
                 fprintf(stderr, "fp8 (%d mantissa bits) scale 4: %g -> %g, want %g\n", mbits, x[i], out4[i], scaled[i]);
+        // Every code's value encodes back to that code (the bytes cuBLASLt
+        // reads): the finite ones and their negatives, zeros with their sign,
+        // and NaN as the format's NaN.
+        {
+            std::vector<float> values;
+            std::vector<unsigned> want;
+            for (unsigned c = 0; c < 0x100; c++) {
+                const double v = decode(c, mbits);
+                if (std::isfinite(v)) { values.push_back((float)v); want.push_back(c); }
+            }
+            values.push_back(NAN);
+            want.push_back(0x7f);
+            std::vector<unsigned char> codes(values.size());
+            emu_launch(2, 64, 0, [&] {
+                if (mbits == 3) fp8_codes_e4m3_f32(values.data(), codes.data(), values.size());
+                else fp8_codes_e5m2_f32(values.data(), codes.data(), values.size());
+            });
+            for (size_t i = 0; i < values.size(); i++)
+                if (codes[i] != want[i] && wrong++ < 5) fprintf(stderr, "fp8 (%d mantissa bits) code of %g: %#x, want %#x\n", mbits, values[i], codes[i], want[i]);
+        }
         printf("fp8 (%d mantissa bits): %llu values, %d wrong\n", mbits, n, wrong);
         if (wrong) failures++;
     }

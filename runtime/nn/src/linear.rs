@@ -184,7 +184,7 @@ impl Linear {
             let layer = self.fp8_layer()?;
             let (xq, sx) = fp8.quantize(cx, &layer, Operand::Input, &x)?;
             let (wq, sw) = fp8.quantize(cx, &layer, Operand::Weight, &w)?;
-            let y = unscale(ops::matmul(&xq, &wq.t()?)?, sx, sw)?;
+            let y = fp8_product(&xq, Operand::Input, &wq.t()?, Operand::Weight, sx, sw)?;
             let y = match bias {
                 Some(b) => ops::add_bias(&y, &b)?,
                 None => y,
@@ -268,7 +268,7 @@ impl Linear {
             let (dyq, sdy) = fp8.quantize(cx, &layer, Operand::Grad, dy)?;
             let w = if w.dtype() == dy.dtype() { w } else { w.to_dtype(dy.dtype())? };
             let (wq, sw) = fp8.quantize(cx, &layer, Operand::Weight, &w)?;
-            return unscale(ops::matmul(&dyq, &wq)?, sdy, sw);
+            return fp8_product(&dyq, Operand::Grad, &wq, Operand::Weight, sdy, sw);
         }
         ops::matmul(dy, &w)
     }
@@ -301,7 +301,7 @@ impl Linear {
             Some((p, state)) => {
                 let (q, s) = state.quantize_at(&p.layer, p.cut, piece, p.scale)?;
                 let wq = if transposed { p.wq.t()? } else { p.wq.clone() };
-                let y = unscale(ops::matmul(&q, &wq)?, s, p.sw)?;
+                let y = fp8_product(&q, p.cut, &wq, Operand::Weight, s, p.sw)?;
                 return match bias {
                     Some(b) => ops::add_bias(&y, b),
                     None => Ok(y),
@@ -346,7 +346,7 @@ impl Linear {
                     let (dyq, sdy) = fp8.quantize(cx, layer, Operand::Grad, &dy)?;
                     let (xq, sx) = fp8.quantize(cx, layer, Operand::Input, &x)?;
                     let xq = if xq.dtype() == dyq.dtype() { xq } else { xq.to_dtype(dyq.dtype())? };
-                    unscale(ops::matmul(&dyq.reshape([rows, n_out])?.t()?, &xq.reshape([rows, n_in])?)?, sdy, sx)?
+                    fp8_product(&dyq.reshape([rows, n_out])?.t()?, Operand::Grad, &xq.reshape([rows, n_in])?, Operand::Input, sdy, sx)?
                 }
                 _ => ops::matmul(&dy.reshape([rows, n_out])?.t()?, &x.reshape([rows, n_in])?)?,
             };
@@ -438,8 +438,11 @@ struct PieceFp8 {
     sw: f32,
 }
 
-fn unscale(product: Tensor, a: f32, b: f32) -> Result<Tensor> {
-    ops::scale(&product, 1.0 / (f64::from(a) * f64::from(b)))
+/// `a · b` of FP8 operands (`a`'s and `b`'s codes' values, at scales `sa`
+/// and `sb`), unscaled: the FP8 tensor cores where the device has them
+/// ([`ops::matmul_fp8`]), else the emulation.
+fn fp8_product(a: &Tensor, fa: Operand, b: &Tensor, fb: Operand, sa: f32, sb: f32) -> Result<Tensor> {
+    ops::matmul_fp8(a, fa.format(), b, fb.format(), 1.0 / (f64::from(sa) * f64::from(sb)))
 }
 
 /// Each token on its own: under sequence parallelism it maps this rank's

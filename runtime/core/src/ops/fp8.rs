@@ -40,6 +40,47 @@ pub fn fp8_values(x: &Tensor, format: Fp8Format, scale: f32) -> Result<Tensor> {
     run1("fp8_values", &Fp8Values { format, scale }, &[x], x.shape().clone(), Out::Primary)
 }
 
+/// `alpha · (a · b)` for operands holding FP8 codes' values (as
+/// [`fp8_values`] writes them): `a` of shape `[.., m, k]` in `a_format`, `b`
+/// a `[k, n]` matrix in `b_format` (a weight read as `w.t()` costs no copy),
+/// the result in `a`'s dtype. `alpha` undoes the operands' scales, `1 / (s_a
+/// · s_b)`.
+///
+/// On the CPU, and on a GPU whose FP8 tensor cores cannot take the product,
+/// this is exactly `scale(matmul(a, b), alpha)`: the emulation. On a GPU of
+/// compute capability 8.9 or newer with every dimension a multiple of 16 and
+/// not both operands E5M2, it is one cuBLASLt product of the code bytes on
+/// the FP8 tensor cores, f32 accumulation, `alpha` applied before the
+/// output's single rounding (so it agrees with the emulation to that
+/// rounding and the order of the f32 sums).
+pub fn matmul_fp8(a: &Tensor, a_format: Fp8Format, b: &Tensor, b_format: Fp8Format, alpha: f64) -> Result<Tensor> {
+    const OP: &str = "matmul_fp8";
+    if !(alpha.is_finite() && alpha > 0.0) {
+        return Err(Error::invalid(OP, format!("alpha = {alpha}; it undoes positive finite scales, so it is positive and finite")));
+    }
+    if b.rank() != 2 || a.rank() < 2 || a.dims()[a.rank() - 1] != b.dims()[0] {
+        return Err(Error::shape(OP, format!("{} · {}: the right operand is one [k, n] matrix and the left one ends in k", a.shape(), b.shape())));
+    }
+    let (k, n) = (b.dims()[0], b.dims()[1]);
+    let m = a.elem_count() / k.max(1);
+    if let (crate::Device::Cuda(dev), crate::Device::Cuda(_)) = (a.device(), b.device()) {
+        if dev.fp8_gemm_fits((m, k, n), a_format, b_format, a.dtype()) && b.dtype() == a.dtype() {
+            let (a_rows, bt) = (a.contiguous()?, b.t()?.contiguous()?);
+            let (ga, gb) = (a_rows.read(), bt.read());
+            let (a_range, b_range) = (a_rows.layout().contiguous_range().expect("contiguous"), bt.layout().contiguous_range().expect("contiguous"));
+            let (crate::backend::Storage::Cuda(sa), crate::backend::Storage::Cuda(sb)) = (&*ga, &*gb) else {
+                unreachable!("a tensor's storage lives on its device")
+            };
+            let out = dev.fp8_gemm((sa, a_range, a_format), (sb, b_range, b_format), (m, k, n), alpha as f32, a.dtype())?;
+            super::flops::add(2.0 * (m * k * n) as f64);
+            let mut dims = a.dims().to_vec();
+            *dims.last_mut().expect("rank 2 or more") = n;
+            return Ok(Tensor::from_storage(crate::backend::Storage::Cuda(out), dims.into(), a.device().clone()));
+        }
+    }
+    super::scale(&super::matmul(a, b)?, alpha)
+}
+
 /// Delayed scaling of one tensor (Micikevicius et al., 2022; NVIDIA's
 /// Transformer Engine): the scale a step quantizes with comes from the
 /// largest magnitudes (amax) of the steps before it, so that quantizing

@@ -46,7 +46,8 @@ pub(crate) enum Operand {
 }
 
 impl Operand {
-    fn format(self) -> Fp8Format {
+    /// The FP8 format this operand is quantized to.
+    pub(crate) fn format(self) -> Fp8Format {
         match self {
             Operand::Input | Operand::Weight => Fp8Format::E4M3,
             Operand::Grad => Fp8Format::E5M2,

@@ -66,6 +66,8 @@ struct Inner {
     modules: Modules,
     // Created on the first matrix product; the error says why it cannot be.
     blas: OnceLock<std::result::Result<CudaBlas, String>>,
+    // Created on the first FP8 product; the error says why it cannot be.
+    blas_lt: OnceLock<std::result::Result<super::fp8_gemm::BlasLt, String>>,
     work: WorkCounters,
 }
 
@@ -175,6 +177,7 @@ impl CudaDevice {
                 allocator,
                 modules: Modules::default(),
                 blas: OnceLock::new(),
+                blas_lt: OnceLock::new(),
                 work: WorkCounters::default(),
             }),
         })
@@ -243,6 +246,11 @@ impl CudaDevice {
     /// The device's cuBLAS handle, created on first use on the compute stream.
     pub(crate) fn blas(&self) -> std::result::Result<&CudaBlas, String> {
         self.inner.blas.get_or_init(|| super::blas::create_handle(self)).as_ref().map_err(Clone::clone)
+    }
+
+    /// The device's cuBLASLt handle (for FP8 products), created on first use.
+    pub(crate) fn blas_lt(&self) -> std::result::Result<&super::fp8_gemm::BlasLt, String> {
+        self.inner.blas_lt.get_or_init(|| super::fp8_gemm::create(self)).as_ref().map_err(Clone::clone)
     }
 
     /// The device's memory as the driver reports it: (bytes free now,

@@ -37,6 +37,8 @@ mod copy;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
+mod fp8_gemm;
+#[cfg(feature = "cuda")]
 mod inplace;
 #[cfg(feature = "cuda")]
 mod launch;

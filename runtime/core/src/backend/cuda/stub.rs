@@ -131,6 +131,32 @@ impl CudaDevice {
         match *self {}
     }
 
+    /// Whether the GPU multiplies FP8 on its tensor cores.
+    pub fn has_fp8_tensor_cores(&self) -> bool {
+        match *self {}
+    }
+
+    pub(crate) fn fp8_gemm_fits(
+        &self,
+        _: (usize, usize, usize),
+        _: tessera_kernels::cpu::fp8::Fp8Format,
+        _: tessera_kernels::cpu::fp8::Fp8Format,
+        _: DType,
+    ) -> bool {
+        match *self {}
+    }
+
+    pub(crate) fn fp8_gemm(
+        &self,
+        _: (&CudaStorage, std::ops::Range<usize>, tessera_kernels::cpu::fp8::Fp8Format),
+        _: (&CudaStorage, std::ops::Range<usize>, tessera_kernels::cpu::fp8::Fp8Format),
+        _: (usize, usize, usize),
+        _: f32,
+        _: DType,
+    ) -> Result<CudaStorage> {
+        match *self {}
+    }
+
     pub(crate) fn upload(&self, _: DType, _: usize, _: &[u8]) -> Result<CudaStorage> {
         match *self {}
     }
