@@ -52,20 +52,22 @@ __device__ __forceinline__ void cast(const S* x, T* out, u64 n) {
     for (u64 i = grid_start(); i < n; i += grid_stride()) out[i] = Convert<S, T>::one(x[i]);
 }
 
-// cast_{from}_to_{to} for every ordered pair of distinct dtypes (a copy to the
-// same dtype is the strided copy below).
-#define CAST(S, SN, T, TN) \
-    extern "C" __global__ void cast_##SN##_to_##TN(const S* x, T* out, u64 n) { cast(x, out, n); }
-#define CASTS_FROM(S, SN)                                                                        \
-    CAST(S, SN, float, f32) CAST(S, SN, double, f64) CAST(S, SN, bf16, bf16) CAST(S, SN, f16, f16) \
-    CAST(S, SN, int, i32) CAST(S, SN, unsigned int, u32)
+// cast_{from}_to_{to} for every ordered pair of dtypes (a copy to the same
+// dtype is the strided copy below, so those are never launched).
+#define CASTS_TO(T, S)                                                                                          \
+    extern "C" __global__ void cast_f32_to_##S(const float* x, T* out, u64 n) { cast(x, out, n); }            \
+    extern "C" __global__ void cast_f64_to_##S(const double* x, T* out, u64 n) { cast(x, out, n); }           \
+    extern "C" __global__ void cast_bf16_to_##S(const bf16* x, T* out, u64 n) { cast(x, out, n); }            \
+    extern "C" __global__ void cast_f16_to_##S(const f16* x, T* out, u64 n) { cast(x, out, n); }              \
+    extern "C" __global__ void cast_i32_to_##S(const int* x, T* out, u64 n) { cast(x, out, n); }              \
+    extern "C" __global__ void cast_u32_to_##S(const unsigned int* x, T* out, u64 n) { cast(x, out, n); }
 
-CASTS_FROM(float, f32)
-CASTS_FROM(double, f64)
-CASTS_FROM(bf16, bf16)
-CASTS_FROM(f16, f16)
-CASTS_FROM(int, i32)
-CASTS_FROM(unsigned int, u32)
+CASTS_TO(float, f32)
+CASTS_TO(double, f64)
+CASTS_TO(bf16, bf16)
+CASTS_TO(f16, f16)
+CASTS_TO(int, i32)
+CASTS_TO(unsigned int, u32)
 
 // dst[i] = src[offset + sum_d index_d(i) * strides[d]], i in row-major order
 // of `dims`. `shape` holds dims[0..rank] then strides[0..rank], in elements.
