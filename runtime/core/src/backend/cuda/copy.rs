@@ -9,18 +9,6 @@ use crate::error::{Error, Result};
 use crate::tensor::{DType, Layout};
 use std::ops::Range;
 
-/// A dtype's name in `convert.cu`'s `cast_{from}_to_{to}` kernels.
-fn cast_name(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F32 => "f32",
-        DType::F64 => "f64",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        DType::I32 => "i32",
-        DType::U32 => "u32",
-    }
-}
-
 impl CudaStorage {
     /// The elements `range` converted to `dtype`, in a new storage.
     ///
@@ -37,7 +25,8 @@ impl CudaStorage {
             return self.gather(&layout);
         }
         if n > 0 {
-            let kernel = format!("cast_{}_to_{}", cast_name(self.dtype()), cast_name(dtype));
+            // `convert.cu` names its casts by the dtypes' names.
+            let kernel = format!("cast_{}_to_{}", self.dtype().name(), dtype.name());
             // SAFETY: the source holds the `n` elements of `range` in its dtype,
             // the output was just made with `n` elements of `dtype`, and
             // `cast_{from}_to_{to}` reads and writes exactly those types.
