@@ -422,8 +422,6 @@ impl Linear {
     }
 }
 
-/// A product of FP8 values carrying scales `a` and `b`, brought back to
-/// the operands' scale.
 /// What every piece of an FP8 product cut into pieces shares
 /// ([`Linear::piece_fp8`]).
 struct PieceFp8 {

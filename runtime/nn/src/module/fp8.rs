@@ -10,8 +10,8 @@
 //! operand in the step (a recompute, the backward's second reading of the
 //! weight) quantizes it to the same codes. The step's amaxes are taken as
 //! it goes and recorded by [`Cx::end_fp8_step`], reduced (max) over the
-//! tensor-parallel group and the data replicas first, so that every rank scales as a
-//! single rank training the whole batch would.
+//! tensor-parallel group and the data replicas first, so that every rank
+//! scales as a single rank training the whole batch would.
 
 use super::Cx;
 use parking_lot::Mutex;
@@ -91,9 +91,9 @@ impl Fp8State {
 
     /// The scale operand `operand` of layer `layer` is quantized at this
     /// step: the delayed one, or on the operand's first use the one `whole`
-    /// sets (its amax over the tensor-parallel group and the data replicas). A product
-    /// cut into pieces takes it from the whole operand once, so that every
-    /// piece is quantized as the uncut operand would be.
+    /// sets (its amax over the tensor-parallel group and the data replicas).
+    /// A product cut into pieces takes it from the whole operand once, so
+    /// that every piece is quantized as the uncut operand would be.
     pub(crate) fn scale_for(&self, cx: &Cx, layer: &str, operand: Operand, whole: &Tensor) -> Result<f32> {
         let key = (layer.to_string(), operand);
         if let Some(scale) = self.scalings.lock().get(&key).map(|s| s.scale()) {
@@ -226,8 +226,8 @@ impl Cx {
     }
 
     /// Ends a step under FP8: the step's amax of every operand, the
-    /// largest over the tensor-parallel group and the data replicas (every member of
-    /// which holds the same layers), goes into its history and sets the
+    /// largest over the tensor-parallel group and the data replicas (every
+    /// member of which holds the same layers), goes into its history and sets the
     /// next step's scale. Every rank of those groups calls it together. A
     /// step whose amaxes are not all finite (an overflow) records nothing.
     pub fn end_fp8_step(&self) -> Result<()> {
