@@ -297,22 +297,19 @@ impl Linear {
     /// backward (`transposed` false), `piece·W`; under FP8 (`fp8`) from the
     /// piece's codes at the whole operand's scale.
     fn piece_product(&self, cx: &Cx, piece: &Tensor, w: &Tensor, transposed: bool, bias: Option<&Tensor>, fp8: Option<&PieceFp8>) -> Result<Tensor> {
-        let y = match fp8.zip(cx.fp8()) {
-            Some((p, state)) => {
-                let (q, s) = state.quantize_at(&p.layer, p.cut, piece, p.scale)?;
-                let wq = if transposed { p.wq.t()? } else { p.wq.clone() };
-                let y = fp8_product(&q, p.cut, &wq, Operand::Weight, s, p.sw)?;
-                return match bias {
-                    Some(b) => ops::add_bias(&y, b),
-                    None => Ok(y),
-                };
-            }
-            None => w,
-        };
-        let y = if transposed { y.t()? } else { y.clone() };
+        if let Some((p, state)) = fp8.zip(cx.fp8()) {
+            let (q, s) = state.quantize_at(&p.layer, p.cut, piece, p.scale)?;
+            let wq = if transposed { p.wq.t()? } else { p.wq.clone() };
+            let y = fp8_product(&q, p.cut, &wq, Operand::Weight, s, p.sw)?;
+            return match bias {
+                Some(b) => ops::add_bias(&y, b),
+                None => Ok(y),
+            };
+        }
+        let w = if transposed { w.t()? } else { w.clone() };
         match bias {
-            Some(b) => ops::matmul_bias(piece, &y, b),
-            None => ops::matmul(piece, &y),
+            Some(b) => ops::matmul_bias(piece, &w, b),
+            None => ops::matmul(piece, &w),
         }
     }
 

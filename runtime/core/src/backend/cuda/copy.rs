@@ -17,14 +17,14 @@ impl CudaStorage {
     pub(crate) fn to_dtype(&self, range: Range<usize>, dtype: DType) -> Result<CudaStorage> {
         let device = self.device();
         let n = range.len();
-        let out = CudaStorage::uninit(device, dtype, n)?;
-        let values = [Value::U64(self.device_ptr_at(range.start)), Value::U64(out.device_ptr_at(0)), Value::U64(n as u64)];
         if self.dtype() == dtype {
             // A copy moves bits: the strided copy of a contiguous layout.
             let layout = Layout::contiguous_at([n].into(), range.start);
             return self.gather(&layout);
         }
+        let out = CudaStorage::uninit(device, dtype, n)?;
         if n > 0 {
+            let values = [Value::U64(self.device_ptr_at(range.start)), Value::U64(out.device_ptr_at(0)), Value::U64(n as u64)];
             // `convert.cu` names its casts by the dtypes' names.
             let kernel = format!("cast_{}_to_{}", self.dtype().name(), dtype.name());
             // SAFETY: the source holds the `n` elements of `range` in its dtype,
