@@ -238,12 +238,6 @@ fn a_process_world_chooses_shared_memory_for_groups_within_the_node() {
 fn groups_within_a_node_use_shared_memory_and_the_others_tcp() {
     let prog = PROGRAMS.generate(0xAB, 2, 16);
     let want = in_process(&prog, 2);
-    // Every rank has seen the abort before any lets its communicators go: a
-    // rank that saw it over TCP and left at once would otherwise be reported
-    // to its shared-memory peer as a departure (the root cause attributed to
-    // it, not to rank 3: a known gap of the departure notice). A rank that
-    // fails never arrives; the others give up waiting after a while.
-    let observed = std::sync::atomic::AtomicUsize::new(0);
     let kinds = job_on_nodes(4, 2, |r, rdzv| {
         let dev = Device::cpu();
         let world = ProcessWorld::join_with(rdzv, &dev, LONG, Transport::Auto).unwrap();
@@ -263,11 +257,6 @@ fn groups_within_a_node_use_shared_memory_and_the_others_tcp() {
         }
         let stopped = if r % 2 == 0 { all.barrier().unwrap_err() } else { tp.barrier().unwrap_err() };
         assert!(names_rank(&stopped, 3) && stopped.to_string().contains("gave up"), "rank {r}: {stopped}");
-        observed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let start = std::time::Instant::now();
-        while observed.load(std::sync::atomic::Ordering::SeqCst) < 4 && start.elapsed() < Duration::from_secs(30) {
-            thread::sleep(Duration::from_millis(5));
-        }
         (all.transport(), e.is_ok())
     });
     assert!(kinds.iter().all(|&(t, ok)| t == Transport::Tcp && ok), "{kinds:?}");

@@ -279,3 +279,65 @@ impl ShmWorld {
         &self.node
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::node::Linked;
+    use super::ShmWorld;
+    use crate::env::{Launcher, ProcessEnv};
+    use crate::store::Rendezvous;
+    use crate::Communicator;
+    use std::net::TcpListener;
+    use std::sync::Barrier;
+    use std::time::Duration;
+    use tessera_core::{Device, Error};
+
+    /// A peer that leaves because of a failure only it knew of (learned
+    /// through the linked transport, which the other rank's has not heard
+    /// yet) is not reported as the root cause: the failure is.
+    #[test]
+    fn a_rank_leaving_for_a_failure_hands_the_failure_to_its_peers() {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let env = |rank| ProcessEnv {
+            rank,
+            world_size: 2,
+            local_rank: rank,
+            local_world_size: 2,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            restart: 0,
+            launcher: Launcher::Torchrun,
+        };
+        let (joined, left) = (Barrier::new(2), Barrier::new(2));
+        let errors: Vec<Option<Error>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (joined, left, env) = (&joined, &left, env(rank));
+                    s.spawn(move || {
+                        let rdzv = Rendezvous::join(&env, Duration::from_secs(30)).unwrap();
+                        let world = ShmWorld::join(&rdzv, &Device::cpu(), Duration::from_secs(30)).unwrap();
+                        let comm = world.communicator().unwrap();
+                        comm.barrier().unwrap();
+                        joined.wait();
+                        let out = if rank == 0 {
+                            world.node().link(Linked {
+                                failure: Box::new(|| Some(Error::PeerFailed { rank: 5, reason: "its data shard is corrupt".into() })),
+                                fail: Box::new(|_, _| {}),
+                            });
+                            drop(comm);
+                            None
+                        } else {
+                            Some(comm.barrier().unwrap_err())
+                        };
+                        left.wait();
+                        out
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let e = errors[1].as_ref().unwrap();
+        assert!(matches!(e, Error::PeerFailed { rank: 5, .. }) && e.to_string().contains("corrupt"), "{e}");
+    }
+}

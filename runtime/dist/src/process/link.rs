@@ -301,11 +301,21 @@ impl Links {
     /// Leaves the job: says goodbye to every peer and closes the writing
     /// half of each connection. Messages still on their way to this rank
     /// are dropped.
+    ///
+    /// A rank that leaves because the job failed (a failure it may have
+    /// learned of from another peer, which the others have not heard yet)
+    /// sends that failure ahead of its goodbye on every connection: each
+    /// connection is read in order, so no peer takes the departure for the
+    /// root cause.
     pub(super) fn close(&self) {
         self.state.closing.store(true, Ordering::Release);
         let bye = Header::bye();
+        let why = self.state.failure.get().map(|f| Header::abort(f.rank, &f.reason));
         for w in self.writers.iter().flatten() {
             if let Some(mut s) = w.try_lock_for(self.timeout) {
+                if let Some(abort) = &why {
+                    let _ = abort.write_to(&mut *s);
+                }
                 let _ = bye.write_to(&mut *s);
                 let _ = s.flush();
                 // Only the writing half: closing both with unread data
@@ -433,4 +443,39 @@ fn read_frames(stream: TcpStream, peer: usize, state: &State, dev: &CpuDevice) {
         Some(e) => format!("its connection failed ({e}): its process was killed, its machine is unreachable, or it sent a damaged frame"),
     };
     state.fail(peer, how);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Channel, Links};
+    use std::net::TcpListener;
+    use std::time::Duration;
+    use tessera_core::backend::cpu::CpuDevice;
+    use tessera_core::Error;
+
+    /// Rank 0 learned that rank 2 failed from rank 2 alone (as its reader
+    /// of rank 2's connection does, without telling anyone) and leaves;
+    /// rank 1, which never heard from rank 2, waits on rank 0: it is told
+    /// rank 2's failure, not that rank 0 left.
+    #[test]
+    fn a_rank_leaving_for_a_failure_sends_the_failure_before_its_goodbye() {
+        let listeners: Vec<TcpListener> = (0..3).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+        let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        let timeout = Duration::from_secs(20);
+        let links: Vec<Links> = std::thread::scope(|s| {
+            let handles: Vec<_> = listeners
+                .into_iter()
+                .enumerate()
+                .map(|(me, l)| {
+                    let addrs = &addrs;
+                    s.spawn(move || Links::connect(me, l, addrs, 7, CpuDevice::new(), timeout).unwrap())
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        links[0].state.fail(2, "it ran out of memory".into());
+        links[0].close();
+        let Err(e) = links[1].receive(0, Channel::PointToPoint, 0, "recv") else { panic!("rank 1 received a message rank 0 never sent") };
+        assert!(matches!(e, Error::PeerFailed { rank: 2, .. }) && e.to_string().contains("out of memory"), "{e}");
+    }
 }

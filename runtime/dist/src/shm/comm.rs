@@ -715,6 +715,7 @@ impl HostCore for ShmCore {
 
     fn close(&self) {
         self.group.drain();
+        self.group.node.before_leaving();
         self.group.leave();
     }
 
@@ -820,6 +821,9 @@ impl HostCore for ShmCore {
             return Err(e);
         }
         if self.group.has_left(peer) {
+            if let Some(e) = self.group.node.failure() {
+                return Err(e);
+            }
             return Err(Error::PeerFailed {
                 rank: self.group.ranks[peer],
                 reason: "it left the job (its process finished or closed its communicators) while this rank still needed it".into(),

@@ -356,6 +356,11 @@ impl Group {
             }
             let missing = self.missing(&awaited);
             if let Some(&m) = missing.iter().find(|&&m| self.state(m) == LEFT) {
+                // A peer that left because the job failed recorded the
+                // failure before leaving: that is the root cause.
+                if let Some(e) = self.node.failure() {
+                    return Err(e);
+                }
                 return Err(Error::PeerFailed {
                     rank: self.ranks[m],
                     reason: format!("it left the job (its communicator for group {:?} was dropped) while this rank still needed it", self.ranks),

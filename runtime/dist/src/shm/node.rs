@@ -157,6 +157,25 @@ impl Node {
     /// and later calls return [`Error::PeerFailed`] naming it. The first
     /// failure recorded wins.
     pub(crate) fn fail(&self, rank: usize, reason: String) {
+        self.record(rank, &reason);
+        if let Some(l) = self.linked.get() {
+            (l.fail)(rank, reason);
+        }
+    }
+
+    /// Before this rank leaves the node's groups: a failure it knows of
+    /// only through the linked transport is recorded on the node, so that a
+    /// peer that sees it leave is told why rather than that it left (the
+    /// peer looks for a failure before it reports a departure).
+    pub(crate) fn before_leaving(&self) {
+        if let Some(Error::PeerFailed { rank, reason }) = self.failure() {
+            self.record(rank, &reason);
+        }
+    }
+
+    /// Records world rank `rank`'s failure on the node (the first recorded
+    /// wins) and wakes every waiter.
+    fn record(&self, rank: usize, reason: &str) {
         let state: &AtomicU32 = self.seg.u32(OFF_FAIL_STATE);
         if state.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
             let text = &reason.as_bytes()[..reason.len().min(FAIL_TEXT)];
@@ -171,9 +190,6 @@ impl Node {
             for b in bells {
                 b.ring();
             }
-        }
-        if let Some(l) = self.linked.get() {
-            (l.fail)(rank, reason);
         }
     }
 
