@@ -157,8 +157,13 @@ fn small_gpt_on_two_tp_ranks_equals_one_rank() {
 }
 
 #[test]
-fn vocab_parallel_cross_entropy_on_two_ranks_equals_one() {
-    let tp = 2;
+fn vocab_parallel_cross_entropy_on_several_ranks_equals_one() {
+    for tp in [2, 4] {
+        vocab_parallel_cross_entropy_on_ranks_equals_one(tp);
+    }
+}
+
+fn vocab_parallel_cross_entropy_on_ranks_equals_one(tp: usize) {
     let dev = Device::cpu();
     let (rows, vocab) = (5, 8);
     let full = ops::scale(&rand_t(9, &[rows, vocab], &dev), 4.0).unwrap();

@@ -181,7 +181,8 @@ fn assert_same(name: &str, got: &[RankRun], want: &[RankRun], tol: f64) {
 /// piece, every row product's reduce-scatter is started piece by piece and
 /// taken by its `all_reduce`, and what is left whole is what has no
 /// product beside it (the embedding's reduction, and the gather of the
-/// gradient in the backward of each `all_reduce`).
+/// gradient in the backward of each `all_reduce`); the norms' gradients
+/// are summed over the group in one all-reduce.
 #[test]
 fn cut_collectives_give_the_whole_collectives_results() {
     const LAYERS: usize = 2;
@@ -209,6 +210,10 @@ fn cut_collectives_give_the_whole_collectives_results() {
                 assert_eq!(get(c, "all_gather"), rows + 1, "{name}: {c:?}");
                 assert_eq!(get(c, "reduce_scatter"), 1, "{name}: only the embedding's reduction is whole: {c:?}");
                 assert_eq!(get(c, "all_gather_async"), columns, "{name}: {c:?}");
+                // The replicated parameters (the norms') sum their gradients
+                // over the group once, at the end of the backward.
+                assert_eq!(get(w, "all_reduce"), 1, "{name}: whole: {w:?}");
+                assert_eq!(get(c, "all_reduce"), 1, "{name}: {c:?}");
                 // A column product's first piece is gathered by the calling
                 // thread, a row product's last piece reduced by it.
                 assert_eq!(get(c, "all_gather piece"), columns, "{name}: {c:?}");

@@ -47,9 +47,19 @@ pub fn vocab_parallel_cross_entropy(
     let vocab_start = rank * local;
     let (lse_local, target_local) = ops::vocab_shard_stats(logits, targets, vocab_start, vocab_size, ignore_index)?;
     let rows = lse_local.elem_count();
-    let target_logit = tp.all_reduce_sum(&target_local)?;
+    // One collective for both: every rank's log-sum-exp and target logit
+    // (`[2·tp, rows]`, rank r's at rows 2r and 2r + 1).
+    let stats = Tensor::concat(&[&lse_local.reshape([1, rows])?, &target_local.reshape([1, rows])?], 0)?;
+    let gathered = tp.all_gather(&stats, 0)?;
+    let of_each = |k: usize| (0..degree).map(|r| gathered.narrow(0, 2 * r + k, 1)).collect::<Result<Vec<_>>>();
+    // The target's logit: its shard's, the others hold zero (summed in rank order).
+    let mut target_logit = gathered.narrow(0, 1, 1)?;
+    for t in &of_each(1)?[1..] {
+        target_logit = ops::add(&target_logit, t)?;
+    }
+    let target_logit = target_logit.reshape([rows])?;
     // Combine the shards' log-sum-exps: lse = x₀ − log_softmax(x)₀ over each row of [rows, tp].
-    let shards = tp.all_gather(&lse_local.reshape([1, rows])?, 0)?.t()?.contiguous()?;
+    let shards = Tensor::concat(&of_each(0)?.iter().collect::<Vec<_>>(), 0)?.t()?.contiguous()?;
     let first = shards.narrow(1, 0, 1)?;
     let lse = ops::sub(&first, &ops::log_softmax(&shards)?.narrow(1, 0, 1)?)?.reshape([rows])?;
 

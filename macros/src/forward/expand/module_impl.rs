@@ -245,7 +245,7 @@ impl<'a> Gen<'a> {
 
                 #[allow(unused_mut, unused_variables, clippy::all)]
                 fn backward(&self, __cx: &mut #p::Cx, __saved: #saved #ty_generics, __dy: #p::Act<#out_l>) -> #p::Result<#p::Act<#in_l>> {
-                    #backward
+                    #p::backward_root(__cx, move |__cx: &mut #p::Cx| -> #p::Result<#p::Act<#in_l>> { #backward })
                 }
 
                 fn visit_params(&self, __v: &mut #p::Visitor<'_>) -> #p::Result<()> {

@@ -108,7 +108,7 @@ impl<'a> Gen<'a> {
 
                 #[allow(unused_mut, unused_variables, clippy::all)]
                 fn backward_first(&self, __cx: &mut #p::Cx, __saved: #sf #ty_generics, __dy: #p::Act<#m::In>) -> #p::Result<#p::Act<#in_l>> {
-                    #first_bwd
+                    #p::backward_root(__cx, move |__cx: &mut #p::Cx| -> #p::Result<#p::Act<#in_l>> { #first_bwd })
                 }
 
                 #[allow(unused_mut, unused_variables, clippy::all)]
@@ -124,13 +124,15 @@ impl<'a> Gen<'a> {
 
                 #[allow(unused_mut, unused_variables, clippy::all)]
                 fn backward_split(&self, __cx: &mut #p::Cx, layers: ::core::ops::Range<usize>, __saved: #m::Saved, __dy: #p::Act<#m::In>) -> #p::Result<#p::Act<#m::In>> {
-                    #enter
-                    let __r = (|__cx: &mut #p::Cx| -> #p::Result<#p::Act<#m::In>> {
-                        let __gy = #p::dsl::relabel(#dy_cast);
-                        #split_bwd
-                        ::core::result::Result::Ok(#p::dsl::relabel(__dx))
-                    })(__cx);
-                    #exit_bwd
+                    #p::backward_root(__cx, move |__cx: &mut #p::Cx| -> #p::Result<#p::Act<#m::In>> {
+                        #enter
+                        let __r = (|__cx: &mut #p::Cx| -> #p::Result<#p::Act<#m::In>> {
+                            let __gy = #p::dsl::relabel(#dy_cast);
+                            #split_bwd
+                            ::core::result::Result::Ok(#p::dsl::relabel(__dx))
+                        })(__cx);
+                        #exit_bwd
+                    })
                 }
 
                 #[allow(unused_mut, unused_variables, clippy::all)]
@@ -141,8 +143,10 @@ impl<'a> Gen<'a> {
 
                 #[allow(unused_mut, unused_variables, clippy::all)]
                 fn backward_last(&self, __cx: &mut #p::Cx, __saved: #sl #ty_generics, __dy: #p::Act<#out_l>) -> #p::Result<#p::Act<#m::In>> {
-                    let __r: #p::Result<#p::Act<#m::Out>> = (|| { #last_bwd })();
-                    __r.map(#p::dsl::relabel)
+                    #p::backward_root(__cx, move |__cx: &mut #p::Cx| -> #p::Result<#p::Act<#m::In>> {
+                        let __r: #p::Result<#p::Act<#m::Out>> = (|| { #last_bwd })();
+                        __r.map(#p::dsl::relabel)
+                    })
                 }
             }
         }

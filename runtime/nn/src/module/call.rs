@@ -61,6 +61,21 @@ pub fn call_backward<R: Role, M: Module<R>>(m: &M, cx: &mut Cx, name: &str, save
     r
 }
 
+/// Runs the body of a generated backward. A model's whole backward (called
+/// with no sub-module entered) collects the gradients of replicated
+/// parameters that sum over the tensor-parallel group under sequence
+/// parallelism and sums them at its end, in one all-reduce (see
+/// [`Cx::grad`]); a sub-module's backward runs as it is.
+#[doc(hidden)]
+pub fn backward_root<T>(cx: &mut Cx, body: impl FnOnce(&mut Cx) -> Result<T>) -> Result<T> {
+    let collecting = cx.at_root() && cx.collect_replicated_sums();
+    let r = body(cx);
+    if collecting {
+        cx.finish_replicated_sums(r.is_ok())?;
+    }
+    r
+}
+
 /// What a sub-module call keeps between forward and backward when it may recompute.
 pub enum Kept<S, L: Layout> {
     /// Everything the forward saved (recompute off for this call).

@@ -77,6 +77,10 @@ pub struct Cx {
     tp_overlap: usize,
     /// The reduction a row-parallel forward left running for its caller's `all_reduce`.
     reduction: Mutex<Option<InFlight>>,
+    /// While a model's whole backward runs under sequence parallelism: the
+    /// gradients of replicated parameters that wait to be summed over the
+    /// tensor-parallel group in one all-reduce at its end ([`Cx::grad`]).
+    replicated_sums: Option<Mutex<Vec<(Param, Tensor)>>>,
     /// FP8 products' scaling state ([`Cx::with_fp8`]).
     pub(super) fp8: Option<Arc<super::fp8::Fp8State>>,
     /// Whether the layer running now keeps its products out of FP8 (the
@@ -112,6 +116,7 @@ impl Cx {
             deferred: None,
             tp_overlap: 1,
             reduction: Mutex::new(None),
+            replicated_sums: None,
             fp8: None,
             fp8_paused: false,
         }
@@ -441,6 +446,11 @@ impl Cx {
         RngKey::new(self.seed ^ self.step.wrapping_mul(0x9E37_79B9_7F4A_7C15), stream)
     }
 
+    /// Whether no sub-module is entered: the code running is a model's own.
+    pub(super) fn at_root(&self) -> bool {
+        self.path.is_empty()
+    }
+
     /// Enters the sub-module `name` (for hooks and dropout streams).
     pub fn enter(&mut self, name: &str) {
         self.path.push(name.to_string());
@@ -517,12 +527,79 @@ impl Cx {
     /// (see [`set_token_slice`](Self::set_token_slice)) computes, for a
     /// parameter replicated over the tensor-parallel group, only its tokens'
     /// part, so that part is summed over the group first.
+    ///
+    /// Inside a model's whole backward ([`backward_root`](super::backward_root))
+    /// those sums wait for its end, where one all-reduce makes them all
+    /// (the same sums, element by element, in the same rank order: the
+    /// same bits), instead of one latency-bound collective per parameter
+    /// in the middle of the backward.
     pub fn grad(&self, p: &Param, g: Tensor) -> Result<()> {
-        let g = if self.token_slice && self.sequence_split() && p.shard() == Shard::Full { self.tp().all_reduce_sum(&g)? } else { g };
+        if self.token_slice && self.sequence_split() && p.shard() == Shard::Full {
+            if let Some(waiting) = &self.replicated_sums {
+                waiting.lock().unwrap_or_else(|e| e.into_inner()).push((p.clone(), g));
+                return Ok(());
+            }
+            let g = self.tp().all_reduce_sum(&g)?;
+            return self.deliver(p, g);
+        }
+        self.deliver(p, g)
+    }
+
+    /// Adds `g` to `p`'s gradient; announces it to the hooks once final.
+    fn deliver(&self, p: &Param, g: Tensor) -> Result<()> {
         if p.add_grad(g)? && self.announce_grads {
             for h in &self.hooks {
                 h.grad_ready(p)?;
             }
+        }
+        Ok(())
+    }
+}
+
+/// Summing replicated parameters' gradients once per backward (see [`Cx::grad`]).
+impl Cx {
+    /// Starts collecting the replicated gradients [`Cx::grad`] would sum
+    /// one by one; returns whether this call started it (false when it was
+    /// already on, or there is nothing to sum: no sequence split).
+    pub(super) fn collect_replicated_sums(&mut self) -> bool {
+        if self.replicated_sums.is_some() || !self.sequence_split() {
+            return false;
+        }
+        self.replicated_sums = Some(Mutex::default());
+        true
+    }
+
+    /// Stops collecting; with `deliver`, sums what was collected over the
+    /// tensor-parallel group (one all-reduce per dtype, the gradients
+    /// concatenated in the order they came) and delivers each sum. Without
+    /// it (the backward failed on this rank) the gradients are dropped and
+    /// nothing is sent.
+    pub(super) fn finish_replicated_sums(&mut self, deliver: bool) -> Result<()> {
+        let Some(waiting) = self.replicated_sums.take() else { return Ok(()) };
+        let waiting = waiting.into_inner().unwrap_or_else(|e| e.into_inner());
+        if !deliver || waiting.is_empty() {
+            return Ok(());
+        }
+        let mut dtypes: Vec<DType> = Vec::new();
+        for (_, g) in &waiting {
+            if !dtypes.contains(&g.dtype()) {
+                dtypes.push(g.dtype());
+            }
+        }
+        let mut sums: Vec<Option<Tensor>> = vec![None; waiting.len()];
+        for dtype in dtypes {
+            let of: Vec<usize> = (0..waiting.len()).filter(|&i| waiting[i].1.dtype() == dtype).collect();
+            let flat: Vec<Tensor> = of.iter().map(|&i| waiting[i].1.reshape([waiting[i].1.elem_count()])).collect::<Result<_>>()?;
+            let total = self.tp().all_reduce_sum(&Tensor::concat(&flat.iter().collect::<Vec<_>>(), 0)?)?;
+            let mut at = 0;
+            for &i in &of {
+                let g = &waiting[i].1;
+                sums[i] = Some(total.narrow(0, at, g.elem_count())?.reshape(g.shape().clone())?.contiguous()?);
+                at += g.elem_count();
+            }
+        }
+        for ((p, _), sum) in waiting.iter().zip(sums) {
+            self.deliver(p, sum.expect("every gradient is in its dtype's sum"))?;
         }
         Ok(())
     }

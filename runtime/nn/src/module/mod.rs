@@ -22,7 +22,9 @@ mod sharded;
 mod stage;
 mod visit;
 
-pub use call::{call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, fed, Feeds, Kept, KeptCall, Recompute};
+pub use call::{
+    backward_root, call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, fed, Feeds, Kept, KeptCall, Recompute,
+};
 pub use context::{ContextSplit, TokenRun};
 pub use cx::{Cx, Hooks, RecomputeOverride};
 pub use decode::{Decode, KvCache, KvLayer};
