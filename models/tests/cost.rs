@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex};
 use tessera::dist::inproc::InProcess;
 use tessera::dist::{Communicator, Groups};
-use tessera::module::{self, describe, Act, CollectiveKind, CostSettings, Cx, ModelCost, Module, RecomputeOverride, Replicated, SplitHidden};
+use tessera::module::{self, describe, Act, CollectiveCost, CollectiveKind, CostSettings, Cx, ModelCost, Module, RecomputeOverride, Replicated, SplitHidden};
 use tessera::{ops, DType, Device, Result, Tensor};
 use tessera_models::gpt2::{Gpt2, Gpt2Config};
 use tessera_models::llama::{Llama, LlamaConfig};
@@ -126,8 +126,16 @@ fn measure<M: Module<In = Replicated, Out = SplitHidden>>(model: &M, cx: &mut Cx
 }
 
 /// The description's collectives of one micro-batch of `tokens`, as (kind, bytes).
+/// (The replicated gradients' sums of every pipeline part are one
+/// all-reduce here: the models run whole, as one pipeline stage.)
 fn described_collectives(cost: &ModelCost, tokens: f64) -> Vec<(CollectiveKind, f64)> {
-    cost.collectives.iter().map(|c| (c.kind, c.bytes_per_token * tokens + c.bytes_per_micro_batch)).collect()
+    let bytes = |c: &CollectiveCost| c.bytes_per_token * tokens + c.bytes_per_micro_batch;
+    let mut out: Vec<_> = cost.collectives.iter().filter(|c| !c.backward_sum).map(|c| (c.kind, bytes(c))).collect();
+    let sums: Vec<f64> = cost.collectives.iter().filter(|c| c.backward_sum).map(bytes).collect();
+    if !sums.is_empty() {
+        out.push((CollectiveKind::AllReduce, sums.iter().sum()));
+    }
+    out
 }
 
 /// `a` and `b` as the same multiset of (kind, bytes), in any order.
@@ -396,9 +404,11 @@ mod at_scale {
         // Each block: all-gathers before qkv, gate and up (forward) and
         // reduce-scatters after o_proj and down_proj, and their duals; the
         // three gathers again in the backward. Both norms' gradients are
-        // summed over the group, too.
+        // summed over the group, too, in the backward's one sum.
         let block: Vec<_> = tp8.collectives.iter().filter(|c| matches!(c.stage, StagePart::Layer { index: 0, .. })).collect();
-        assert_eq!(block.len(), 3 * 2 + 2 * 2 + 2 + 3, "{block:?}");
+        assert_eq!(block.len(), 3 * 2 + 2 * 2 + 1 + 3, "{block:?}");
+        let sum: Vec<_> = block.iter().filter(|c| c.backward_sum).collect();
+        assert!(sum.len() == 1 && sum[0].bytes_per_micro_batch == 2.0 * d * 2.0, "the norms' gains, in bf16: {sum:?}");
     }
 
     #[test]

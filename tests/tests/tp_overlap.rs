@@ -179,10 +179,11 @@ fn assert_same(name: &str, got: &[RankRun], want: &[RankRun], tol: f64) {
 /// product: the CPU kernels choose their blocking by size). Then the calls: every column product gathers its
 /// input piece by piece and reduce-scatters its input gradient piece by
 /// piece, every row product's reduce-scatter is started piece by piece and
-/// taken by its `all_reduce`, and what is left whole is what has no
-/// product beside it (the embedding's reduction, and the gather of the
-/// gradient in the backward of each `all_reduce`); the norms' gradients
-/// are summed over the group in one all-reduce.
+/// taken by its `all_reduce`, the backward of that `all_reduce` gathers
+/// the gradient piece by piece beside the row product's input gradient,
+/// and what is left whole is what has no product beside it (the
+/// embedding's reduction and the gather in its backward); the norms'
+/// gradients are summed over the group in one all-reduce.
 #[test]
 fn cut_collectives_give_the_whole_collectives_results() {
     const LAYERS: usize = 2;
@@ -206,8 +207,11 @@ fn cut_collectives_give_the_whole_collectives_results() {
                 assert_eq!(get(w, "all_gather"), columns + rows + 1, "{name}: whole: {w:?}");
                 assert_eq!(get(w, "reduce_scatter"), 1 + rows + columns, "{name}: whole: {w:?}");
                 assert_eq!(get(w, "all_gather_async"), columns, "{name}: the slice gathered again for dW: {w:?}");
-                // In pieces, only what has no product beside it is whole.
-                assert_eq!(get(c, "all_gather"), rows + 1, "{name}: {c:?}");
+                // In pieces, only what has no product beside it is whole: the
+                // embedding's reduction and its backward's gather. The
+                // backward of a row product's `all_reduce` gathers the
+                // gradient piece by piece beside the row product's `dX`.
+                assert_eq!(get(c, "all_gather"), 1, "{name}: {c:?}");
                 assert_eq!(get(c, "reduce_scatter"), 1, "{name}: only the embedding's reduction is whole: {c:?}");
                 assert_eq!(get(c, "all_gather_async"), columns, "{name}: {c:?}");
                 // The replicated parameters (the norms') sum their gradients
@@ -216,8 +220,8 @@ fn cut_collectives_give_the_whole_collectives_results() {
                 assert_eq!(get(c, "all_reduce"), 1, "{name}: {c:?}");
                 // A column product's first piece is gathered by the calling
                 // thread, a row product's last piece reduced by it.
-                assert_eq!(get(c, "all_gather piece"), columns, "{name}: {c:?}");
-                assert_eq!(get(c, "all_gather_async piece"), columns * (n - 1), "{name}: {c:?}");
+                assert_eq!(get(c, "all_gather piece"), columns + rows, "{name}: {c:?}");
+                assert_eq!(get(c, "all_gather_async piece"), (columns + rows) * (n - 1), "{name}: {c:?}");
                 assert_eq!(get(c, "reduce_scatter piece"), rows, "{name}: {c:?}");
                 assert_eq!(get(c, "reduce_scatter_async piece"), rows * (n - 1) + columns * n, "{name}: {c:?}");
             }

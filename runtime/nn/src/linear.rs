@@ -572,6 +572,23 @@ impl Module<Row> for Linear {
         Ok(Act::new(self.bwd(cx, saved, dy.tensor())?))
     }
 
+    /// Under sequence parallelism with [`Cx::with_tp_overlap`], `dy` is
+    /// this rank's slice of the reduced output's gradient: the slices are
+    /// gathered piece by piece, each piece's `dX = dY·W` computed while the
+    /// next travels, and `dW` from the whole gradient once every piece has
+    /// arrived. (Under FP8 the gradient's scale needs the whole gradient
+    /// first, so it is gathered whole.)
+    fn backward_gathering(&self, cx: &mut Cx, saved: LinearSaved, dy: Act<Replicated>) -> Result<Act<SplitHidden>> {
+        let Some(pieces) = self.overlap(cx, dy.tensor()).filter(|_| cx.fp8().is_none()) else {
+            let dy = crate::module::dsl::all_reduce_backward(cx, dy)?;
+            return <Linear as Module<Row>>::backward(self, cx, saved, dy);
+        };
+        let w = self.backward_weight(cx)?;
+        let (dx, dy) = crate::module::overlap::gather_map_keeping(cx, dy.tensor(), pieces, true, |piece| self.piece_product(cx, piece, &w, false, None, None))?;
+        self.weight_grad(cx, &saved.x, &dy.expect("kept"))?;
+        Ok(Act::new(dx))
+    }
+
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {
         self.visit_split(v, 1, None)
     }

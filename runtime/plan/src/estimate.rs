@@ -513,7 +513,20 @@ pub fn estimate(cost: &ModelCost, model_flops_per_token: f64, layout: &Layout, c
         }
     }
     let mut comm = vec![(0.0, 0.0); virtual_stages];
-    for c in &cost.collectives {
+    // The replicated gradients' sums of the parts each stage runs travel in
+    // one all-reduce at the end of its backward.
+    let mut backward_sums = vec![0.0; virtual_stages];
+    for c in cost.collectives.iter().filter(|c| c.backward_sum) {
+        for k in every(c.stage) {
+            backward_sums[k] += c.bytes_per_token * tokens + c.bytes_per_micro_batch;
+        }
+    }
+    for (k, &bytes) in backward_sums.iter().enumerate() {
+        if bytes > 0.0 {
+            comm[k].1 += collective_seconds(CollectiveKind::AllReduce, tp_link, l.tp, bytes);
+        }
+    }
+    for c in cost.collectives.iter().filter(|c| !c.backward_sum) {
         let (link, size) = match c.group {
             Group::Tp => (tp_link, l.tp),
             Group::Ep => (ep_link, l.ep),
@@ -802,6 +815,7 @@ mod tests {
             bytes_per_token: 4000.0,
             bytes_per_micro_batch: 0.0,
             beside_flops,
+            backward_sum: false,
         };
         let l = Layout { tp: 2, ..layout(1, 1, 1, ScheduleKind::OneFOneB) };
         let alone = Collective::AllGather.seconds(&cluster(1.0, true).intra_node, 2, 4000.0 * 10.0);
@@ -923,6 +937,7 @@ mod tests {
             bytes_per_token: 100.0,
             bytes_per_micro_batch: 0.0,
             beside_flops: 0.0,
+            backward_sum: false,
         };
         cost.collectives = vec![ring(Pass::Forward), ring(Pass::Backward)];
         let l = |cp| Layout { cp, ..layout(1, 1, 1, ScheduleKind::OneFOneB) };

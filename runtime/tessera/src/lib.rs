@@ -32,10 +32,10 @@ pub use tessera_core::{bf16, f16, BackendDevice, DType, Device, Element, Error, 
 pub mod __private {
     pub use crate::module::dsl;
     pub use crate::module::{
-        assert_derived, assert_recomputable, assert_selective, backward_root, call, call_backward, call_layers, call_layers_backward, call_recompute,
-        call_recompute_backward, describe_call, fed, join_path, seq_convert, seq_convert_backward, sharded, Act, Activation, Column, Cx, Derived, Describe,
-        Erased, Kept, LayerRef, Layout, Module, PartialSum, Pipelined, Plain, Recomputable, Recompute, Replicated, Row, SelectiveRecomputable, Seq, ShardedOp,
-        ShardedOut, SplitHidden, SplitSeq, StagePart, Staged, Tie, Visitor, Vocab,
+        assert_derived, assert_recomputable, assert_selective, backward_root, call, call_backward, call_backward_gathering, call_layers, call_layers_backward,
+        call_recompute, call_recompute_backward, describe_call, fed, join_path, seq_convert, seq_convert_backward, sharded, Act, Activation, Column, Cx,
+        Derived, Describe, Erased, Kept, LayerRef, Layout, Module, PartialSum, Pipelined, Plain, Recomputable, Recompute, Replicated, Row,
+        SelectiveRecomputable, Seq, ShardedOp, ShardedOut, SplitHidden, SplitSeq, StagePart, Staged, Tie, Visitor, Vocab,
     };
     pub use crate::tensor::DType;
     pub use crate::{Error, Result};

@@ -203,6 +203,41 @@ impl<'a> Gen<'a> {
         quote!(#ty_generics)
     }
 
+    /// Whether call node `i` may run the backward of the `all_reduce` that
+    /// reads its output itself (`Module::backward_gathering`): a call,
+    /// kept (not recomputed, which reruns the plain backward), whose output
+    /// has no other use and that is not the pipeline's split field.
+    fn gathers_for_all_reduce(&self, i: usize) -> bool {
+        let n = &self.prog.nodes[i];
+        n.uses == 1 && Some(i) != self.split_node() && self.field(n).is_some_and(|f| f.attrs.recompute.is_none())
+    }
+
+    /// The nodes of `part` whose backward receives the gradient of the
+    /// `all_reduce` of their output instead of the `all_reduce`'s backward
+    /// result: each call that [gathers](Self::gathers_for_all_reduce) for
+    /// an `all_reduce` of the same part, and the exit of a gathering part.
+    fn slice_receivers(&self, part: &Part) -> Vec<bool> {
+        let mut r = vec![false; self.prog.nodes.len()];
+        for &i in &part.nodes {
+            let n = &self.prog.nodes[i];
+            if matches!(n.op, Op::Func(Func::AllReduce)) && part.nodes.contains(&n.args[0]) && n.args[0] != part.exit && self.gathers_for_all_reduce(n.args[0])
+            {
+                r[n.args[0]] = true;
+            }
+        }
+        if part.gathering {
+            r[part.exit] = true;
+        }
+        r
+    }
+
+    /// Whether the whole model can run the backward of an `all_reduce` of
+    /// its output itself: its output is such a call's.
+    fn exit_gathers(&self) -> bool {
+        let exit = self.prog.output;
+        exit != 0 && self.gathers_for_all_reduce(exit)
+    }
+
     fn field(&self, n: &Node) -> Option<&'a Field> {
         match &n.op {
             Op::Call(f) => self.m.field(f),
@@ -293,6 +328,7 @@ enum FieldPart {
 }
 
 /// A part of the forward program (see [`Gen::part`]).
+#[derive(Clone)]
 struct Part {
     saved: syn::Ident,
     entry: usize,
@@ -304,6 +340,10 @@ struct Part {
     /// The sequence-parallel form the exit value is handed over in, when it
     /// is not its own (the part before the pipeline cut).
     exit_seq: Option<TokenStream>,
+    /// Whether the part's output gradient arrives as the gradient of the
+    /// `all_reduce` the caller passed the output to, not yet through that
+    /// `all_reduce`'s backward (the body of `Module::backward_gathering`).
+    gathering: bool,
 }
 
 struct PartCode {

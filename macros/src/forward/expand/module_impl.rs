@@ -37,7 +37,8 @@ impl<'a> Gen<'a> {
             let l = &self.layouts[i];
             quote!(let mut #gi: ::core::option::Option<#p::Act<#l>> = ::core::option::Option::None;)
         });
-        let bwd: Vec<TokenStream> = part.nodes.iter().rev().map(|&i| self.backward_node(i, &nodes[i])).collect();
+        let slices = self.slice_receivers(part);
+        let bwd: Vec<TokenStream> = part.nodes.iter().rev().map(|&i| self.backward_node(i, &nodes[i], &slices)).collect();
         let (g_exit, v_entry, g_entry) = (g(part.exit), v(part.entry), g(part.entry));
         let (enter, exit_fwd, exit_bwd, in_cast, dy_cast) = self.model_precision();
         let dy = match dy_seq {
@@ -150,9 +151,21 @@ impl<'a> Gen<'a> {
             out_l: quote!(#out_l),
             check_output: true,
             exit_seq: None,
+            gathering: false,
         };
         let saved = &whole.saved;
         let PartCode { saved_def, forward, backward } = self.part(&whole);
+        // A model whose output is a call's that can run the backward of an
+        // `all_reduce` itself hands that on to the call.
+        let gathering = self.exit_gathers().then(|| {
+            let backward = self.part(&Part { gathering: true, ..whole.clone() }).backward;
+            quote! {
+                #[allow(unused_mut, unused_variables, clippy::all)]
+                fn backward_gathering(&self, __cx: &mut #p::Cx, __saved: #saved #ty_generics, __dy: #p::Act<#p::Replicated>) -> #p::Result<#p::Act<#in_l>> {
+                    #backward
+                }
+            }
+        });
 
         let used = self.used_fields();
         let split = self.split_node();
@@ -247,6 +260,8 @@ impl<'a> Gen<'a> {
                 fn backward(&self, __cx: &mut #p::Cx, __saved: #saved #ty_generics, __dy: #p::Act<#out_l>) -> #p::Result<#p::Act<#in_l>> {
                     #p::backward_root(__cx, move |__cx: &mut #p::Cx| -> #p::Result<#p::Act<#in_l>> { #backward })
                 }
+
+                #gathering
 
                 fn visit_params(&self, __v: &mut #p::Visitor<'_>) -> #p::Result<()> {
                     #(#visits)*

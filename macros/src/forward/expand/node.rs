@@ -176,7 +176,10 @@ impl<'a> Gen<'a> {
         }
     }
 
-    pub(super) fn backward_node(&self, i: usize, n: &Node) -> TokenStream {
+    /// The backward of node `i`. A node marked in `slices` receives the
+    /// gradient of the `all_reduce` of its output, whose backward it runs
+    /// itself ([`Self::slice_receivers`]).
+    pub(super) fn backward_node(&self, i: usize, n: &Node, slices: &[bool]) -> TokenStream {
         let p = p();
         let (gy, sv, qi) = (g(i), s(i), q(i));
         let ga: Vec<syn::Ident> = n.args.iter().map(|&a| g(a)).collect();
@@ -187,6 +190,7 @@ impl<'a> Gen<'a> {
             let (gj, qj) = (&ga[j], &qa[j]);
             quote!(#p::dsl::accumulate(&mut #gj, #p::seq_convert_backward(__cx, #d, #qj, #qi)?)?;)
         };
+        let gathering = slices[i];
         let body = match &n.op {
             Op::Input => return TokenStream::new(),
             Op::Call(fname) if role_layouts(f_of(self, n)).is_some() => {
@@ -196,7 +200,7 @@ impl<'a> Gen<'a> {
                 let sharded = sharded_call(
                     f,
                     quote!(#p::LayerRef::Shared(&self.#fname)),
-                    quote!(#p::ShardedOp::Backward { cx: __cx, name: #name, saved: #sv, dy: __gy.into_tensor(), from: #(#qa)* }),
+                    quote!(#p::ShardedOp::Backward { cx: __cx, name: #name, saved: #sv, dy: __gy.into_tensor(), from: #(#qa)*, gathering: #gathering }),
                 );
                 let call = quote!(#sharded.map(|__o| __o.into_backward::<#in_l>()));
                 let bind = self.backward_in_region(f, call);
@@ -210,7 +214,9 @@ impl<'a> Gen<'a> {
                 let f = self.field(n).expect("checked");
                 let (ty, r, m) = (&f.ty, role(f), as_module(f));
                 let name = fname.to_string();
-                let call = if f.attrs.recompute.is_some() {
+                let call = if gathering {
+                    quote!(#p::call_backward_gathering::<#r, #ty>(&self.#fname, __cx, #name, #sv, #p::dsl::relabel(__gy)))
+                } else if f.attrs.recompute.is_some() {
                     quote!(#p::call_recompute_backward::<#r, #ty>(&self.#fname, __cx, #name, #sv, __gy))
                 } else {
                     quote!(#p::call_backward::<#r, #ty>(&self.#fname, __cx, #name, #sv, __gy))
@@ -245,6 +251,11 @@ impl<'a> Gen<'a> {
                 let f = format_ident!("{}_backward", func.name());
                 let a = &ga[0];
                 quote!(#p::dsl::accumulate(&mut #a, #p::dsl::#f(#sv, __gy)?)?;)
+            }
+            Op::Func(Func::AllReduce) if slices[n.args[0]] => {
+                // The call that made the reduced value runs this backward.
+                let a = &ga[0];
+                quote!(#p::dsl::accumulate(&mut #a, #p::dsl::relabel(__gy))?;)
             }
             Op::Func(Func::AllReduce) => {
                 let a = &ga[0];

@@ -56,6 +56,7 @@ impl<'a> Gen<'a> {
             out_l: quote!(#m::In),
             check_output: false,
             exit_seq: Some(quote!(#m::SEQ_IN)),
+            gathering: false,
         };
         let last = Part {
             saved: format_ident!("__TesseraSaved{}Last", ident),
@@ -65,6 +66,7 @@ impl<'a> Gen<'a> {
             out_l: quote!(#out_l),
             check_output: false,
             exit_seq: None,
+            gathering: false,
         };
         let (sf, sl) = (&first.saved, &last.saved);
         let first_code = self.part(&first);

@@ -1,7 +1,7 @@
 //! Calling a sub-module from generated code: path and hooks around it,
 //! typed layout checks with readable errors, and recompute.
 
-use super::{Act, Cx, Layout, Module, Pipelined, RecomputeOverride, Role, Seq};
+use super::{Act, Cx, Layout, Module, Pipelined, RecomputeOverride, Replicated, Role, Seq};
 use tessera_core::Result;
 
 /// Layouts that can be fed to a layer taking `To`: only `To` itself.
@@ -53,6 +53,24 @@ pub fn call_backward<R: Role, M: Module<R>>(m: &M, cx: &mut Cx, name: &str, save
     let r = (|| {
         cx.each_hook(|h, p| h.before_backward(p))?;
         let r = m.backward(cx, saved, dy)?;
+        cx.each_hook(|h, p| h.after_backward(p))?;
+        Ok(r)
+    })();
+    cx.set_token_slice(outer);
+    cx.exit();
+    r
+}
+
+/// [`call_backward`] for a sub-module whose output its caller passed
+/// straight to `all_reduce`: `dy` is the gradient of the reduced value,
+/// and the sub-module runs the `all_reduce`'s backward itself
+/// ([`Module::backward_gathering`]).
+pub fn call_backward_gathering<R: Role, M: Module<R>>(m: &M, cx: &mut Cx, name: &str, saved: M::Saved, dy: Act<Replicated>) -> Result<Act<M::In>> {
+    cx.enter(name);
+    let outer = cx.set_token_slice(reads_token_slice::<R, M>());
+    let r = (|| {
+        cx.each_hook(|h, p| h.before_backward(p))?;
+        let r = m.backward_gathering(cx, saved, dy)?;
         cx.each_hook(|h, p| h.after_backward(p))?;
         Ok(r)
     })();

@@ -594,7 +594,9 @@ impl Cx {
             let mut at = 0;
             for &i in &of {
                 let g = &waiting[i].1;
-                sums[i] = Some(total.narrow(0, at, g.elem_count())?.reshape(g.shape().clone())?.contiguous()?);
+                // Each in storage of its own: a parameter used twice adds
+                // one of its sums into the other in place.
+                sums[i] = Some(Tensor::concat_flat(&[&total.narrow(0, at, g.elem_count())?])?.reshape(g.shape().clone())?);
                 at += g.elem_count();
             }
         }

@@ -156,6 +156,12 @@ pub struct CollectiveCost {
     /// them, waited for after): where the link runs beside compute, they
     /// hide that much of its time. 0 for a collective waited for at once.
     pub beside_flops: f64,
+    /// Whether this is the sum of replicated parameters' gradients that a
+    /// backward makes at its end, in one all-reduce for the whole backward
+    /// ([`Cx::grad`](super::Cx::grad)): there is one such entry per
+    /// pipeline part (a layer of the split field is a part of its own), and
+    /// the entries of the parts one pipeline stage runs travel together.
+    pub backward_sum: bool,
 }
 
 /// One parameter as the description sees it.
@@ -359,6 +365,9 @@ pub struct Describe {
     layer_recompute: Option<super::Recompute>,
     placing: Placing,
     cost: ModelCost,
+    /// The replicated parameters' gradient bytes summed over the group at
+    /// the end of the backward, by the pipeline part holding them.
+    replicated: Vec<(StagePart, f64)>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -402,6 +411,7 @@ impl Describe {
                 output_bytes: 0.0,
                 boundary_bytes: 0.0,
             },
+            replicated: Vec::new(),
         })
     }
 
@@ -589,7 +599,7 @@ impl Describe {
             return;
         }
         let (path, stage) = (self.here(), self.stage());
-        let c = CollectiveCost { path, stage, kind, group, pass, bytes_per_token, bytes_per_micro_batch, beside_flops };
+        let c = CollectiveCost { path, stage, kind, group, pass, bytes_per_token, bytes_per_micro_batch, beside_flops, backward_sum: false };
         // A collective of a recomputed forward runs again in the backward.
         if pass == Pass::Forward && !self.discarding.is_empty() {
             self.cost.collectives.push(CollectiveCost { pass: Pass::Backward, ..c.clone() });
@@ -598,16 +608,20 @@ impl Describe {
     }
 
     /// The gradients of parameters replicated over the tensor-parallel
-    /// group (of `elements` each), delivered by the layer running now: each
+    /// group (of `elements` each), delivered by the layer running now:
     /// summed over the group when the layer saw a slice of the tokens (see
-    /// [`Cx::grad`](super::Cx::grad)).
+    /// [`Cx::grad`](super::Cx::grad)), all of a backward's together at its
+    /// end, in one all-reduce ([`finish`](Self::finish) describes it, per
+    /// pipeline part: see [`CollectiveCost::backward_sum`]).
     pub fn replicated_grads(&mut self, elements: &[usize]) {
         if !self.token_slice || !self.settings.sequence_split() {
             return;
         }
-        for &n in elements {
-            let bytes = (n * self.compute.size_in_bytes()) as f64;
-            self.collective_per_micro_batch(CollectiveKind::AllReduce, Group::Tp, Pass::Backward, bytes);
+        let bytes: f64 = elements.iter().map(|&n| (n * self.compute.size_in_bytes()) as f64).sum();
+        let stage = self.stage();
+        match self.replicated.iter_mut().find(|(s, _)| *s == stage) {
+            Some((_, total)) => *total += bytes,
+            None => self.replicated.push((stage, bytes)),
         }
     }
 
@@ -785,6 +799,20 @@ impl Describe {
 
     /// The description, once the walk is done; `out` is the model's output.
     pub fn finish(mut self, out: &Activation) -> ModelCost {
+        for (stage, bytes) in std::mem::take(&mut self.replicated) {
+            let c = CollectiveCost {
+                path: String::new(),
+                stage,
+                kind: CollectiveKind::AllReduce,
+                group: Group::Tp,
+                pass: Pass::Backward,
+                bytes_per_token: 0.0,
+                bytes_per_micro_batch: bytes,
+                beside_flops: 0.0,
+                backward_sum: true,
+            };
+            self.cost.collectives.push(c);
+        }
         self.cost.output_bytes = out.bytes();
         self.cost
     }

@@ -23,7 +23,8 @@ mod stage;
 mod visit;
 
 pub use call::{
-    backward_root, call, call_backward, call_layers, call_layers_backward, call_recompute, call_recompute_backward, fed, Feeds, Kept, KeptCall, Recompute,
+    backward_root, call, call_backward, call_backward_gathering, call_layers, call_layers_backward, call_recompute, call_recompute_backward, fed, Feeds, Kept,
+    KeptCall, Recompute,
 };
 pub use context::{ContextSplit, TokenRun};
 pub use cx::{Cx, Hooks, RecomputeOverride};
@@ -120,6 +121,21 @@ pub trait Module<R: Role = Plain>: Send + Sync {
 
     /// Returns the gradient of the input and delivers the parameters' gradients.
     fn backward(&self, cx: &mut Cx, saved: Self::Saved, dy: Act<Self::Out>) -> Result<Act<Self::In>>;
+
+    /// [`backward`](Self::backward) for an output that its caller passed
+    /// straight to [`all_reduce`](dsl::all_reduce): `dy` is the gradient of
+    /// the reduced value, before the backward of the `all_reduce` (under
+    /// sequence parallelism, this rank's slice of the sequence, still to be
+    /// gathered). The default runs that backward and then this layer's; a
+    /// row-parallel layer gathers the slices piece by piece instead, each
+    /// piece's product running while the next travels (see
+    /// [`Cx::with_tp_overlap`]). `#[derive(Module)]` calls it for a field
+    /// whose only use is an `all_reduce`, and forwards it to its own last
+    /// layer where that layer's output is the model's.
+    fn backward_gathering(&self, cx: &mut Cx, saved: Self::Saved, dy: Act<Replicated>) -> Result<Act<Self::In>> {
+        let dy = dsl::all_reduce_backward(cx, dy)?;
+        self.backward(cx, saved, dsl::relabel(dy))
+    }
 
     /// Reports every parameter with its dotted name (relative to this layer).
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()>;

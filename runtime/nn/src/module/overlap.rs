@@ -72,10 +72,23 @@ fn assemble(outs: &[Tensor], pieces: &[Range<usize>], tp: usize) -> Result<Tenso
 /// The first piece has nothing to hide behind, so the calling thread
 /// gathers it itself (sparing it the hand-off to the communication thread
 /// and back); the others are started in the background right after.
-pub(crate) fn gather_map(cx: &Cx, x: &Tensor, chunks: usize, mut f: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+pub(crate) fn gather_map(cx: &Cx, x: &Tensor, chunks: usize, f: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    Ok(gather_map_keeping(cx, x, chunks, false, f)?.0)
+}
+
+/// [`gather_map`] that also returns, with `keep`, the gathered sequence in
+/// order (for a product that needs it whole afterwards).
+pub(crate) fn gather_map_keeping(
+    cx: &Cx,
+    x: &Tensor,
+    chunks: usize,
+    keep: bool,
+    mut f: impl FnMut(&Tensor) -> Result<Tensor>,
+) -> Result<(Tensor, Option<Tensor>)> {
     let pieces = pieces(x.dims()[1], chunks);
     if pieces.len() < 2 {
-        return f(&cx.tp().all_gather(x, 1)?);
+        let gathered = cx.tp().all_gather(x, 1)?;
+        return Ok((f(&gathered)?, keep.then_some(gathered)));
     }
     let piece = |p: &Range<usize>| x.narrow(1, p.start, p.len())?.contiguous();
     let first = cx.tp().all_gather(&piece(&pieces[0])?, 1)?;
@@ -83,12 +96,22 @@ pub(crate) fn gather_map(cx: &Cx, x: &Tensor, chunks: usize, mut f: impl FnMut(&
     for p in &pieces[1..] {
         travelling.push(cx.tp().all_gather_async(&piece(p)?, 1)?);
     }
+    let tp = cx.tp().size();
     let mut outs = Vec::with_capacity(pieces.len());
+    let mut gathered = Vec::with_capacity(if keep { pieces.len() } else { 0 });
     outs.push(f(&first)?);
-    for gathered in travelling {
-        outs.push(f(&gathered.wait()?)?);
+    if keep {
+        gathered.push(first);
     }
-    assemble(&outs, &pieces, cx.tp().size())
+    for piece in travelling {
+        let piece = piece.wait()?;
+        outs.push(f(&piece)?);
+        if keep {
+            gathered.push(piece);
+        }
+    }
+    let kept = if keep { Some(assemble(&gathered, &pieces, tp)?) } else { None };
+    Ok((assemble(&outs, &pieces, tp)?, kept))
 }
 
 /// The reduce-scatter over the group of `f` of the whole-sequence `x`, cut

@@ -1,9 +1,10 @@
 //! Everything a derived model does with a column- or row-parallel field,
 //! behind one generic function, [`sharded`] (whose doc says why).
 
+use super::dsl::{all_reduce_backward, relabel};
 use super::{
-    call, call_backward, call_recompute, call_recompute_backward, describe_call, seq_convert, seq_convert_backward, Act, Activation, Cx, Describe, Kept,
-    Layout, Module, Recompute, Role, Seq, Visitor,
+    call, call_backward, call_backward_gathering, call_recompute, call_recompute_backward, describe_call, seq_convert, seq_convert_backward, Act, Activation,
+    Cx, Describe, Kept, Layout, Module, Recompute, Role, Seq, Visitor,
 };
 use std::any::Any;
 use tessera_core::tensor::Tensor;
@@ -65,6 +66,10 @@ pub enum ShardedOp<'a, 'v> {
         dy: Tensor,
         /// The sequence form the input gradient is returned in.
         from: Seq,
+        /// Whether `dy` is the gradient of the `all_reduce` the output was
+        /// passed to, whose backward the layer runs itself
+        /// ([`Module::backward_gathering`]).
+        gathering: bool,
     },
     /// Its parameters, to a visitor already inside the field's path.
     Visit(&'a mut Visitor<'v>),
@@ -164,13 +169,17 @@ where
                 }
             }
         }
-        ShardedOp::Backward { cx, name, saved, dy, from } => {
-            let dy = Act::<O>::new(dy);
+        ShardedOp::Backward { cx, name, saved, dy, from, gathering } => {
             let saved = saved.0;
             let dx = match saved.downcast::<Kept<L::Saved, I>>() {
-                Ok(kept) => call_recompute_backward::<R, L>(layer.get(), cx, name, *kept, dy)?,
+                Ok(kept) => {
+                    // The recomputing path takes the output's gradient whole.
+                    let dy = if gathering { relabel(all_reduce_backward(cx, Act::new(dy))?) } else { Act::new(dy) };
+                    call_recompute_backward::<R, L>(layer.get(), cx, name, *kept, dy)?
+                }
                 Err(saved) => match saved.downcast::<L::Saved>() {
-                    Ok(saved) => call_backward::<R, L>(layer.get(), cx, name, *saved, dy)?,
+                    Ok(saved) if gathering => call_backward_gathering::<R, L>(layer.get(), cx, name, *saved, Act::new(dy))?,
+                    Ok(saved) => call_backward::<R, L>(layer.get(), cx, name, *saved, Act::new(dy))?,
                     Err(_) => {
                         return Err(Error::state_mismatch(
                             "backward",
