@@ -9,9 +9,12 @@
 //! allows, the longest sequence whose step keeps every rank's peak within
 //! that budget, each length measured by running the step. It reports the
 //! lengths and their ratio to cp = 1's, the step time of each degree on
-//! the budget sequence against cp = 1's, and the time the ranks spent
-//! waiting for key/value blocks (the ring's communication the attention
-//! did not hide).
+//! the budget sequence against cp = 1's, and the ring's communication:
+//! the time the ranks spent in its sends and receives in a step (what the
+//! attention did not hide; the shortest total of any rank, since the rest
+//! is a rank arriving late), against the same calls replayed alone
+//! (what the ring carries), and the fraction hidden, `1 − exposed /
+//! carried`.
 
 use anyhow::{ensure, Result};
 use std::sync::{Arc, Mutex};
@@ -50,11 +53,33 @@ const VOCAB: usize = 64;
 /// The longest sequence the search tries, as a multiple of `--seq`.
 const MAX_GROWTH: usize = 16;
 
-/// A communicator that adds up the time its rank's thread waited in `recv`.
+/// A communicator that adds up the time its rank's thread spent in the
+/// ring's `send`s (each copies a block out) and `recv`s (each waits for
+/// one), and records them for the replay.
 #[derive(Debug)]
 struct Waits {
     inner: Arc<dyn Communicator>,
     waited: Mutex<Duration>,
+    calls: Mutex<Vec<Call>>,
+}
+
+/// A point-to-point call of the ring, as the replay repeats it (a send by
+/// the shape and dtype it sent: keeping the blocks themselves would hold
+/// memory the step's peak would count).
+#[derive(Debug)]
+enum Call {
+    Send(Shape, DType, usize),
+    Recv(usize),
+}
+
+impl Waits {
+    fn timed<T>(&self, call: Call, f: impl FnOnce() -> T) -> T {
+        let start = Instant::now();
+        let out = f();
+        *self.waited.lock().expect("waits") += start.elapsed();
+        self.calls.lock().expect("calls").push(call);
+        out
+    }
 }
 
 impl Communicator for Waits {
@@ -83,13 +108,10 @@ impl Communicator for Waits {
         self.inner.barrier()
     }
     fn send(&self, t: &Tensor, peer: usize) -> tessera::Result<()> {
-        self.inner.send(t, peer)
+        self.timed(Call::Send(t.shape().clone(), t.dtype(), peer), || self.inner.send(t, peer))
     }
     fn recv(&self, peer: usize) -> tessera::Result<Tensor> {
-        let start = Instant::now();
-        let t = self.inner.recv(peer);
-        *self.waited.lock().expect("waits") += start.elapsed();
-        t
+        self.timed(Call::Recv(peer), || self.inner.recv(peer))
     }
     fn all_reduce_sum_async(&self, t: &Tensor) -> tessera::Result<Pending> {
         self.inner.all_reduce_sum_async(t)
@@ -98,13 +120,24 @@ impl Communicator for Waits {
 
 /// One degree's step on `seq` tokens, `steps` times after an untimed one:
 /// the largest peak memory of any rank (bytes), the median step time over
-/// the ranks' slowest, and the median over steps of the shortest time any
-/// rank waited for key/value blocks.
+/// the ranks' slowest, the median over steps of the shortest time any
+/// rank spent in the ring's calls (the communication the attention left
+/// exposed), and the same for the last step's calls replayed alone, `steps`
+/// times (the communication the ring carries).
 #[derive(Clone, Copy)]
 struct Measured {
     peak: usize,
     step: Duration,
     waited: Duration,
+    carried: Duration,
+}
+
+impl Measured {
+    /// The fraction of the ring's communication the attention hid (none
+    /// without a ring: one rank).
+    fn hidden(&self, cp: usize) -> Option<f64> {
+        (cp > 1 && !self.carried.is_zero()).then(|| 1.0 - self.waited.as_secs_f64() / self.carried.as_secs_f64())
+    }
 }
 
 fn measure(args: &Args, cp: usize, seq: usize, steps: usize) -> Result<Measured> {
@@ -112,14 +145,15 @@ fn measure(args: &Args, cp: usize, seq: usize, steps: usize) -> Result<Measured>
     let mesh = Mesh::parse(&format!("cp{cp}"), cp, cp)?;
     let world = InProcess::new(cp)?;
     let barrier = std::sync::Barrier::new(cp);
-    let per_rank: Vec<Vec<(usize, Duration, Duration)>> = std::thread::scope(|s| {
+    type RankRuns = (Vec<(usize, Duration, Duration)>, Vec<Duration>);
+    let per_rank: Vec<RankRuns> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..cp)
             .map(|rank| {
                 let (world, mesh, cfg, barrier) = (&world, &mesh, &cfg, &barrier);
-                s.spawn(move || -> Result<Vec<(usize, Duration, Duration)>> {
+                s.spawn(move || -> Result<RankRuns> {
                     let dev = Device::cpu();
                     let mut groups = tessera::dist::inproc::mesh_groups(world, mesh, rank, &dev)?;
-                    let waits = Arc::new(Waits { inner: groups.cp.clone(), waited: Mutex::default() });
+                    let waits = Arc::new(Waits { inner: groups.cp.clone(), waited: Mutex::default(), calls: Mutex::default() });
                     groups.cp = waits.clone();
                     let mut cx = Cx::new(dev.clone()).with_seed(1).with_groups(groups);
                     let model = module::build(Llama::new(cfg)?, &cx)?;
@@ -132,6 +166,7 @@ fn measure(args: &Args, cp: usize, seq: usize, steps: usize) -> Result<Measured>
                     let mut out = Vec::new();
                     for _ in 0..=steps {
                         *waits.waited.lock().expect("waits") = Duration::ZERO;
+                        waits.calls.lock().expect("calls").clear();
                         barrier.wait();
                         dev.reset_peak();
                         let start = Instant::now();
@@ -147,7 +182,29 @@ fn measure(args: &Args, cp: usize, seq: usize, steps: usize) -> Result<Measured>
                             Ok(())
                         })?;
                     }
-                    Ok(out)
+                    // The last step's ring alone, nothing to overlap.
+                    let calls = std::mem::take(&mut *waits.calls.lock().expect("calls"));
+                    let blocks: Vec<Option<Tensor>> = calls
+                        .iter()
+                        .map(|c| match c {
+                            Call::Send(shape, dtype, _) => Tensor::zeros(shape.clone(), *dtype, &dev).map(Some),
+                            Call::Recv(_) => Ok(None),
+                        })
+                        .collect::<tessera::Result<_>>()?;
+                    let mut replays = Vec::new();
+                    for _ in 0..steps {
+                        barrier.wait();
+                        let start = Instant::now();
+                        for (c, block) in calls.iter().zip(&blocks) {
+                            match (c, block) {
+                                (Call::Send(_, _, peer), Some(t)) => waits.inner.send(t, *peer)?,
+                                (Call::Recv(peer), _) => drop(waits.inner.recv(*peer)?),
+                                (Call::Send(..), None) => unreachable!("every send has its block"),
+                            }
+                        }
+                        replays.push(start.elapsed());
+                    }
+                    Ok((out, replays))
                 })
             })
             .collect();
@@ -160,9 +217,10 @@ fn measure(args: &Args, cp: usize, seq: usize, steps: usize) -> Result<Measured>
     };
     let timed = 1..=steps;
     Ok(Measured {
-        peak: per_rank.iter().flat_map(|r| r.iter().map(|x| x.0)).max().unwrap_or(0),
-        step: median(timed.clone().map(|i| per_rank.iter().map(|r| r[i].1).max().unwrap_or_default()).collect()),
-        waited: median(timed.map(|i| per_rank.iter().map(|r| r[i].2).min().unwrap_or_default()).collect()),
+        peak: per_rank.iter().flat_map(|(r, _)| r.iter().map(|x| x.0)).max().unwrap_or(0),
+        step: median(timed.clone().map(|i| per_rank.iter().map(|(r, _)| r[i].1).max().unwrap_or_default()).collect()),
+        waited: median(timed.map(|i| per_rank.iter().map(|(r, _)| r[i].2).min().unwrap_or_default()).collect()),
+        carried: median((0..steps).map(|i| per_rank.iter().map(|(_, r)| r[i]).min().unwrap_or_default()).collect()),
     })
 }
 
@@ -210,12 +268,20 @@ pub fn run(args: &Args) -> Result<()> {
         let m = if cp == 1 { reference } else { measure(args, cp, args.seq, args.steps)? };
         let growth = seq as f64 / longest_one as f64;
         println!(
-            "context-parallel: cp{cp}: longest sequence within the budget {seq} tokens ({growth:.2} × cp1's); on {} tokens: step {:.1} ms ({:.2} × cp1's), peak {:.2} MB per rank, waiting for key/value blocks {:.2} ms",
+            "context-parallel: cp{cp}: longest sequence within the budget {seq} tokens ({growth:.2} × cp1's); on {} tokens: step {:.1} ms ({:.2} × cp1's), peak {:.2} MB per rank{}",
             args.seq,
             1e3 * m.step.as_secs_f64(),
             m.step.as_secs_f64() / reference.step.as_secs_f64(),
             m.peak as f64 / 1e6,
-            1e3 * m.waited.as_secs_f64()
+            match m.hidden(cp) {
+                Some(h) => format!(
+                    ", ring communication exposed {:.2} ms of {:.2} ms carried ({:.0} % hidden)",
+                    1e3 * m.waited.as_secs_f64(),
+                    1e3 * m.carried.as_secs_f64(),
+                    100.0 * h
+                ),
+                None => String::new(),
+            }
         );
         println!(
             "{}",
@@ -228,7 +294,9 @@ pub fn run(args: &Args) -> Result<()> {
                 "step_ms": 1e3 * m.step.as_secs_f64(),
                 "step_ratio": m.step.as_secs_f64() / reference.step.as_secs_f64(),
                 "peak_bytes": m.peak,
-                "ring_wait_ms": 1e3 * m.waited.as_secs_f64(),
+                "ring_exposed_ms": 1e3 * m.waited.as_secs_f64(),
+                "ring_carried_ms": 1e3 * m.carried.as_secs_f64(),
+                "ring_hidden": m.hidden(cp),
             })
         );
     }

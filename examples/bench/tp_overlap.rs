@@ -1,8 +1,8 @@
 //! `bench tp-overlap`: how much of the tensor-parallel communication of a
 //! sequence-parallel GPT-2 the compute never waits for, with the collectives
-//! whole and cut into pieces that overlap the products
-//! (`Cx::with_tp_overlap`), on CPU ranks (threads, each on a thread pool of
-//! its own).
+//! whole and overlapping the products (`Cx::with_tp_overlap`: the gathers
+//! beside the own slice's products, the reduce-scatters cut into pieces),
+//! on CPU ranks (threads, each on a thread pool of its own).
 //!
 //! Every rank's tensor-parallel communicator is wrapped to time what the
 //! rank's thread spends in it: each blocking call, and each wait for a
@@ -51,8 +51,8 @@ pub struct Args {
     /// Sequences per step.
     #[arg(long, default_value_t = 2)]
     rows: usize,
-    /// Pieces each collective is cut into.
-    #[arg(long, default_value_t = 4)]
+    /// Pieces each reduce-scatter is cut into (`mesh.tp_overlap`).
+    #[arg(long, default_value_t = 2)]
     pieces: usize,
     /// Threads each rank computes on.
     #[arg(long, default_value_t = 1)]
@@ -192,7 +192,7 @@ fn shortest(waits: &[&[Wait]]) -> Result<BTreeMap<&'static str, f64>> {
 /// One rank's timed steps (`[round][setting][step]`) and each replay's time per call.
 type RankRuns = (Vec<Vec<Vec<RankStep>>>, Vec<Vec<Wait>>);
 
-/// Settings: the collectives whole, then cut.
+/// Settings: the collectives whole, then overlapped.
 fn settings(args: &Args) -> [usize; 2] {
     [1, args.pieces]
 }
@@ -209,7 +209,7 @@ pub fn run(args: &Args) -> Result<()> {
     let heads = (args.dim / 64).max(tp);
     let cfg = Gpt2Config::tiny(VOCAB, args.dim, heads, args.layers, args.seq);
     println!(
-        "tp-overlap: GPT-2 of {} blocks (hidden {}, {heads} heads, {} tokens × {} sequences) on tp{tp} with sequence parallelism, {} thread(s) per rank; collectives whole and in {} pieces, {} rounds of {} steps",
+        "tp-overlap: GPT-2 of {} blocks (hidden {}, {heads} heads, {} tokens × {} sequences) on tp{tp} with sequence parallelism, {} thread(s) per rank; collectives whole and overlapped (reduce-scatters in {} pieces), {} rounds of {} steps",
         args.layers, args.dim, args.seq, args.rows, args.threads_per_rank, args.pieces, args.rounds, args.steps
     );
     let world = InProcess::new(tp)?;
@@ -295,7 +295,7 @@ pub fn run(args: &Args) -> Result<()> {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let names = ["whole", "pieces"];
+    let names = ["whole", "overlapped"];
     let (mut step_ms, mut exposed_ms, mut exposed_by) = (Vec::new(), Vec::new(), Vec::new());
     for k in 0..2 {
         let (mut spans, mut exposed, mut by) = (Vec::new(), Vec::new(), BTreeMap::<&str, Vec<f64>>::new());
@@ -323,7 +323,7 @@ pub fn run(args: &Args) -> Result<()> {
     let hidden: Vec<f64> = exposed_ms.iter().map(|e| 1.0 - e / comm_ms).collect();
     for k in 0..2 {
         println!(
-            "tp-overlap: {:<6} step {:>7.1} ms, communication exposed {:>6.2} ms of {:.2} ms carried: {:.0} % hidden",
+            "tp-overlap: {:<10} step {:>7.1} ms, communication exposed {:>6.2} ms of {:.2} ms carried: {:.0} % hidden",
             names[k],
             step_ms[k],
             exposed_ms[k],
@@ -331,10 +331,10 @@ pub fn run(args: &Args) -> Result<()> {
             100.0 * hidden[k]
         );
         let by: Vec<String> = exposed_by[k].iter().map(|(what, t)| format!("{what} {t:.2}")).collect();
-        println!("tp-overlap: {:<6} exposed by wait (medians, ms): {}", names[k], by.join("; "));
+        println!("tp-overlap: {:<10} exposed by wait (medians, ms): {}", names[k], by.join("; "));
     }
     println!(
-        "tp-overlap: in {} pieces / whole: exposed communication {:.2}, step time {:.3}",
+        "tp-overlap: overlapped ({} pieces) / whole: exposed communication {:.2}, step time {:.3}",
         args.pieces,
         exposed_ms[1] / exposed_ms[0],
         step_ms[1] / step_ms[0]

@@ -485,7 +485,8 @@ impl Module<Column> for Linear {
             let (y, s) = self.fwd(cx, x, true)?;
             return Ok((Act::new(y), s));
         }
-        if let Some(pieces) = self.overlap(cx, &x) {
+        if self.overlap(cx, &x).is_some() {
+            // The own slice's product runs while the others' slices travel.
             // The slice is cast before it travels (the same values as
             // casting the gathered sequence) and kept as cast.
             let (x, w, bias) = self.operands(cx, x, true)?;
@@ -493,7 +494,7 @@ impl Module<Column> for Linear {
             // the group, the amax of the gathered sequence.
             let fp8 = self.piece_fp8(cx, Operand::Input, &x, &w)?;
             let cx = &*cx;
-            let y = crate::module::overlap::gather_map(cx, &x, pieces, |piece| self.piece_product(cx, piece, &w, true, bias.as_ref(), fp8.as_ref()))?;
+            let (y, _) = crate::module::overlap::gather_map(cx, &x, false, |part| self.piece_product(cx, part, &w, true, bias.as_ref(), fp8.as_ref()))?;
             return Ok((Act::new(y), LinearSaved { x, gather_again: true }));
         }
         let (y, s) = self.fwd(cx, crate::module::seq::gather(cx, &x)?, true)?;
@@ -573,18 +574,17 @@ impl Module<Row> for Linear {
     }
 
     /// Under sequence parallelism with [`Cx::with_tp_overlap`], `dy` is
-    /// this rank's slice of the reduced output's gradient: the slices are
-    /// gathered piece by piece, each piece's `dX = dY·W` computed while the
-    /// next travels, and `dW` from the whole gradient once every piece has
-    /// arrived. (Under FP8 the gradient's scale needs the whole gradient
-    /// first, so it is gathered whole.)
+    /// this rank's slice of the reduced output's gradient: `dX = dY·W` of
+    /// that slice runs while the other slices are gathered, then theirs,
+    /// and `dW` from the whole gradient. (Under FP8 the gradient's scale
+    /// needs the whole gradient first, so it is gathered before.)
     fn backward_gathering(&self, cx: &mut Cx, saved: LinearSaved, dy: Act<Replicated>) -> Result<Act<SplitHidden>> {
-        let Some(pieces) = self.overlap(cx, dy.tensor()).filter(|_| cx.fp8().is_none()) else {
+        if self.overlap(cx, dy.tensor()).is_none() || cx.fp8().is_some() {
             let dy = crate::module::dsl::all_reduce_backward(cx, dy)?;
             return <Linear as Module<Row>>::backward(self, cx, saved, dy);
-        };
+        }
         let w = self.backward_weight(cx)?;
-        let (dx, dy) = crate::module::overlap::gather_map_keeping(cx, dy.tensor(), pieces, true, |piece| self.piece_product(cx, piece, &w, false, None, None))?;
+        let (dx, dy) = crate::module::overlap::gather_map(cx, dy.tensor(), true, |part| self.piece_product(cx, part, &w, false, None, None))?;
         self.weight_grad(cx, &saved.x, &dy.expect("kept"))?;
         Ok(Act::new(dx))
     }

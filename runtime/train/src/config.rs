@@ -109,9 +109,11 @@ pub struct MeshConfig {
     pub cp: usize,
     /// Sequence parallelism over the tensor-parallel group.
     pub sp: bool,
-    /// With `sp`: the pieces each all-gather and reduce-scatter beside a
-    /// tensor-parallel product is cut into, so that one piece travels while
-    /// the product of another runs (1: whole collectives, no overlap).
+    /// With `sp`, 2 or more overlaps the tensor-parallel collectives with
+    /// the products beside them: each all-gather runs while the product of
+    /// the rank's own slice does, each reduce-scatter is cut into this many
+    /// pieces, one travelling while the next piece's product runs (1: whole
+    /// collectives, no overlap).
     pub tp_overlap: usize,
     /// Pipeline schedule: `gpipe`, `1f1b`, `interleaved` (with `chunks`) or
     /// `zb-h1` (1F1B with the backward split and the weight halves filling
@@ -696,7 +698,7 @@ impl TrainConfig {
         if self.mesh.tp_overlap > 1 && !(self.mesh.sp && self.mesh.tp > 1) {
             return Err(Error::config(
                 "mesh.tp_overlap",
-                "cuts the collectives of sequence parallelism into pieces, and this run has none; set mesh.sp = true with mesh.tp > 1, or leave tp_overlap at 1",
+                "overlaps the collectives of sequence parallelism with the products, and this run has none; set mesh.sp = true with mesh.tp > 1, or leave tp_overlap at 1",
             ));
         }
         positive("mesh.bucket_bytes", self.mesh.bucket_bytes)?;

@@ -354,22 +354,26 @@ impl Cx {
         self
     }
 
-    /// Cuts the tensor-parallel collectives of sequence parallelism into
-    /// `pieces` along the tokens, each overlapping the product beside it: the
-    /// all-gather before a column-parallel product, the reduce-scatter of its
-    /// input gradient and of a row-parallel product's output. 1 (the
-    /// default) runs them whole. The
-    /// results agree with whole collectives' to the rounding of products
-    /// computed a piece at a time; without sequence parallelism it changes
-    /// nothing.
+    /// Overlaps the tensor-parallel collectives of sequence parallelism
+    /// with the products beside them (with `pieces` ≥ 2; 1, the default,
+    /// runs them whole, each before or after its product): an all-gather
+    /// before a product (a column-parallel layer's input, a row-parallel
+    /// layer's output gradient) runs while the product of this rank's own
+    /// slice does, and the reduce-scatter after one (a row-parallel layer's
+    /// output, a column-parallel layer's input gradient) is cut into
+    /// `pieces` along the tokens, each piece's sum travelling while the next
+    /// piece's product runs. The results agree with whole collectives' to
+    /// the rounding of products computed a part at a time; without sequence
+    /// parallelism it changes nothing.
     pub fn with_tp_overlap(mut self, pieces: usize) -> Self {
         self.tp_overlap = pieces.max(1);
         self
     }
 
-    /// How many pieces the sequence-parallel collectives are cut into, when
-    /// they are cut: `None` without sequence parallelism, with one piece, or
-    /// while a forward is recomputed (whose output nothing reduces).
+    /// How many pieces the sequence-parallel reduce-scatters are cut into,
+    /// when the collectives overlap the products: `None` without sequence
+    /// parallelism, with one piece, or while a forward is recomputed (whose
+    /// output nothing reduces).
     pub fn tp_overlap(&self) -> Option<usize> {
         (self.sequence_split() && self.tp_overlap > 1 && !self.recomputing).then_some(self.tp_overlap)
     }

@@ -1,29 +1,28 @@
-//! Tensor-parallel communication cut into pieces that overlap the products
-//! around it, under sequence parallelism.
+//! Tensor-parallel communication that overlaps the products around it,
+//! under sequence parallelism.
 //!
 //! With sequence parallelism a column-parallel product needs the whole
 //! sequence (an all-gather of the ranks' slices first) and the sum of a
 //! row-parallel product's partial outputs is reduce-scattered back to the
 //! slices. Done whole, each collective waits for the product before it or
-//! holds up the one after it. Cut into `c` pieces along the tokens, the
-//! product of piece `i` runs while piece `i + 1` travels, so only one piece's
-//! communication is left in the open:
+//! holds up the one after it. Overlapped ([`Cx::with_tp_overlap`]):
 //!
-//! - **gather, then multiply** ([`gather_map`]): the all-gather of every
-//!   piece is started at once (they run in order in the background) and the
-//!   product of each gathered piece starts as soon as it lands;
-//! - **multiply, then reduce-scatter** ([`map_reduce_scatter`]): the product
-//!   of each piece is reduce-scattered while the next piece's runs.
+//! - **gather, then multiply** ([`gather_map`]): the other ranks' slices
+//!   are all-gathered in the background while the product of this rank's
+//!   own slice, which needs nothing from them, runs; then theirs;
+//! - **multiply, then reduce-scatter** ([`map_reduce_scatter`]): cut into
+//!   `c` pieces along the tokens, the product of each piece is
+//!   reduce-scattered while the next piece's runs.
 //!
-//! A piece is the same rows of every rank's slice: piece `i` of a slice of
-//! `s/tp` tokens is tokens `[a, b)` of each slice, so that its all-gather and
-//! its reduce-scatter (over dimension 1) exchange exactly those rows. The
-//! products see the rows in that strided order, which is harmless (every
-//! token is multiplied on its own) and undone when the pieces are
-//! assembled. The collectives move the same values and sum them in the same
-//! order as whole ones; only the products may round differently, as a
-//! kernel may block a product of fewer rows differently (the results agree
-//! to the dtype's rounding, and a run is as reproducible as without pieces).
+//! A reduce-scatter piece is the same rows of every rank's slice: piece `i`
+//! of a slice of `s/tp` tokens is tokens `[a, b)` of each slice, so that its
+//! reduce-scatter (over dimension 1) sums exactly those rows. The products
+//! see the rows in that strided order, which is harmless (every token is
+//! multiplied on its own) and undone when the pieces are assembled. The
+//! collectives move the same values and sum them in the same order as
+//! whole ones; only the products may round differently, as a kernel may
+//! block a product of fewer rows differently (the results agree to the
+//! dtype's rounding, and a run is as reproducible as without overlap).
 //!
 //! A row-parallel layer's forward cannot reduce its own output (its layout
 //! is a `PartialSum`, reduced by the `all_reduce` its caller writes), so it
@@ -65,53 +64,28 @@ fn assemble(outs: &[Tensor], pieces: &[Range<usize>], tp: usize) -> Result<Tenso
     Tensor::concat(&parts.iter().collect::<Vec<_>>(), 1)
 }
 
-/// `f` of the whole sequence gathered from this rank's slice `x`, with the
-/// all-gather cut into `chunks` pieces, each piece's `f` running while the
-/// next travels. `f` must treat each token (dimension 1) on its own.
+/// `f` of the whole sequence gathered from this rank's slice `x`, the
+/// gather running while `f` of this rank's own slice does: the other
+/// slices are all-gathered in the background, `f` runs on the slice this
+/// rank already holds, then on each other rank's slice once they are in.
+/// `f` must treat each token (dimension 1) on its own. Also returns, with
+/// `keep`, the gathered sequence (for a product that needs it whole
+/// afterwards).
 ///
-/// The first piece has nothing to hide behind, so the calling thread
-/// gathers it itself (sparing it the hand-off to the communication thread
-/// and back); the others are started in the background right after.
-pub(crate) fn gather_map(cx: &Cx, x: &Tensor, chunks: usize, f: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
-    Ok(gather_map_keeping(cx, x, chunks, false, f)?.0)
-}
-
-/// [`gather_map`] that also returns, with `keep`, the gathered sequence in
-/// order (for a product that needs it whole afterwards).
-pub(crate) fn gather_map_keeping(
-    cx: &Cx,
-    x: &Tensor,
-    chunks: usize,
-    keep: bool,
-    mut f: impl FnMut(&Tensor) -> Result<Tensor>,
-) -> Result<(Tensor, Option<Tensor>)> {
-    let pieces = pieces(x.dims()[1], chunks);
-    if pieces.len() < 2 {
-        let gathered = cx.tp().all_gather(x, 1)?;
-        return Ok((f(&gathered)?, keep.then_some(gathered)));
+/// Only the wait for the other slices, if they are not in by the time the
+/// own slice's product ends, is left in the open: on a group of `tp`
+/// ranks, that product is `1/tp` of the work, against the transfer of
+/// `(tp − 1)/tp` of the sequence.
+pub(crate) fn gather_map(cx: &Cx, x: &Tensor, keep: bool, mut f: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<(Tensor, Option<Tensor>)> {
+    let (rank, tp, len) = (cx.tp().rank(), cx.tp().size(), x.dims()[1]);
+    let travelling = cx.tp().all_gather_async(x, 1)?;
+    let own = f(x)?;
+    let gathered = travelling.wait()?;
+    let mut outs = Vec::with_capacity(tp);
+    for r in 0..tp {
+        outs.push(if r == rank { own.clone() } else { f(&gathered.narrow(1, r * len, len)?.contiguous()?)? });
     }
-    let piece = |p: &Range<usize>| x.narrow(1, p.start, p.len())?.contiguous();
-    let first = cx.tp().all_gather(&piece(&pieces[0])?, 1)?;
-    let mut travelling = Vec::with_capacity(pieces.len() - 1);
-    for p in &pieces[1..] {
-        travelling.push(cx.tp().all_gather_async(&piece(p)?, 1)?);
-    }
-    let tp = cx.tp().size();
-    let mut outs = Vec::with_capacity(pieces.len());
-    let mut gathered = Vec::with_capacity(if keep { pieces.len() } else { 0 });
-    outs.push(f(&first)?);
-    if keep {
-        gathered.push(first);
-    }
-    for piece in travelling {
-        let piece = piece.wait()?;
-        outs.push(f(&piece)?);
-        if keep {
-            gathered.push(piece);
-        }
-    }
-    let kept = if keep { Some(assemble(&gathered, &pieces, tp)?) } else { None };
-    Ok((assemble(&outs, &pieces, tp)?, kept))
+    Ok((Tensor::concat(&outs.iter().collect::<Vec<_>>(), 1)?, keep.then_some(gathered)))
 }
 
 /// The reduce-scatter over the group of `f` of the whole-sequence `x`, cut
