@@ -281,6 +281,49 @@ fn a_layer_taking_the_whole_sequence_is_gathered_for() {
     assert_eq!(<HonestMixer as Module<Plain>>::SEQ_IN, Seq::Split, "the norm reads the slice; the gather comes after it");
 }
 
+/// A backward a thousandth off: the single-rank gradients' check against
+/// finite differences must catch it, at every step it tries (the parallel
+/// runs agree with the single rank's, wrong alike).
+pub struct SlightlyWrongCumsum;
+
+impl Module for SlightlyWrongCumsum {
+    type In = Replicated;
+    type Out = Replicated;
+    type Saved = ();
+
+    fn forward(&self, cx: &mut Cx, x: Act<Replicated>) -> Result<(Act<Replicated>, ())> {
+        Cumsum.forward(cx, x)
+    }
+
+    fn backward(&self, _cx: &mut Cx, _saved: (), dy: Act<Replicated>) -> Result<Act<Replicated>> {
+        Ok(Act::new(tessera::ops::scale(&cumsum(dy.tensor(), true)?, 1.001)?))
+    }
+
+    fn visit_params(&self, _v: &mut Visitor<'_>) -> Result<()> {
+        Ok(())
+    }
+}
+
+#[derive(Module)]
+pub struct WrongMixer {
+    ln: LayerNorm,
+    mix: SlightlyWrongCumsum,
+}
+
+#[forward]
+impl WrongMixer {
+    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+        x + self.mix(self.ln(x))
+    }
+}
+
+#[test]
+fn a_backward_off_by_a_thousandth_is_caught_by_finite_differences() {
+    let make = |_: &Rank| -> Result<WrongMixer> { Ok(WrongMixer { ln: LayerNorm::new(8, 1e-5, true)?, mix: SlightlyWrongCumsum }) };
+    let err = check_parallel(make, &input(8, &[2, 4, 8]), &Check::new(["tp2"]).with_finite_differences(3)).unwrap_err().to_string();
+    assert!(err.contains("finite differences: d loss / d `ln."), "{err}");
+}
+
 #[test]
 fn bad_run_specs_are_refused_with_the_fix() {
     let make = |_: &Rank| -> Result<Block> { Ok(Block { ln: LayerNorm::new(8, 1e-5, true)?, up: Linear::new(8, 16, true)?, down: Linear::new(16, 8, true)? }) };
