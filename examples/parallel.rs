@@ -43,8 +43,9 @@ struct Args {
     /// Sequence parallelism on the tensor-parallel group.
     #[arg(long)]
     sp: bool,
-    /// With --sp: cut each tensor-parallel all-gather and reduce-scatter
-    /// into this many pieces that overlap the products (1: whole).
+    /// With --sp, 2 or more: overlap each tensor-parallel all-gather with
+    /// the own slice's product and cut each reduce-scatter into this many
+    /// pieces that overlap the products (1: whole).
     #[arg(long, default_value_t = 1)]
     tp_overlap: usize,
     /// Optimizer steps.
@@ -320,7 +321,7 @@ fn main() -> Result<()> {
     ensure!(args.tp_overlap > 0, "--tp-overlap must be at least 1 (1: whole collectives)");
     ensure!(
         args.tp_overlap == 1 || (args.sp && args.tp > 1),
-        "--tp-overlap cuts the collectives of sequence parallelism into pieces; add --sp and --tp 2 (or more)"
+        "--tp-overlap overlaps the collectives of sequence parallelism with the products; add --sp and --tp 2 (or more)"
     );
     let kind = args.schedule()?;
     let virtual_stages = args.pp * kind.chunks();

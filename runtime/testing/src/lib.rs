@@ -80,8 +80,8 @@ use tessera_nn::module::{Module, Staged};
 /// `pp2+mb=2`: the degrees as [`Degrees::parse`] reads them (`dp`, `tp`,
 /// `pp`, `cp`: each rank takes its chunks of every sequence, dimension 1 of
 /// the input and output; `ep` is not supported), then `+sp` for sequence parallelism,
-/// `+overlap=N` for its collectives cut into `N` pieces that overlap the
-/// products ([`Cx::with_tp_overlap`](tessera_nn::module::Cx::with_tp_overlap)),
+/// `+overlap=N` for its collectives overlapping the products, the
+/// reduce-scatters in `N` pieces ([`Cx::with_tp_overlap`](tessera_nn::module::Cx::with_tp_overlap)),
 /// `+bucket=N` for data-parallel buckets of `N` bytes, `+mb=N` for `N`
 /// microbatches per pipeline step (default: the pipeline degree).
 #[derive(Clone, Debug, PartialEq, Eq)]

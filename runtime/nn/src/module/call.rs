@@ -48,17 +48,7 @@ pub fn call<R: Role, M: Module<R>, L: Feeds<M::In>>(m: &M, cx: &mut Cx, name: &s
 /// group are summed over the group when it read a slice of the tokens (see
 /// [`Cx::grad`]).
 pub fn call_backward<R: Role, M: Module<R>>(m: &M, cx: &mut Cx, name: &str, saved: M::Saved, dy: Act<M::Out>) -> Result<Act<M::In>> {
-    cx.enter(name);
-    let outer = cx.set_token_slice(reads_token_slice::<R, M>());
-    let r = (|| {
-        cx.each_hook(|h, p| h.before_backward(p))?;
-        let r = m.backward(cx, saved, dy)?;
-        cx.each_hook(|h, p| h.after_backward(p))?;
-        Ok(r)
-    })();
-    cx.set_token_slice(outer);
-    cx.exit();
-    r
+    as_sub_module_backward::<R, M>(cx, name, |cx| m.backward(cx, saved, dy))
 }
 
 /// [`call_backward`] for a sub-module whose output its caller passed
@@ -66,11 +56,17 @@ pub fn call_backward<R: Role, M: Module<R>>(m: &M, cx: &mut Cx, name: &str, save
 /// and the sub-module runs the `all_reduce`'s backward itself
 /// ([`Module::backward_gathering`]).
 pub fn call_backward_gathering<R: Role, M: Module<R>>(m: &M, cx: &mut Cx, name: &str, saved: M::Saved, dy: Act<Replicated>) -> Result<Act<M::In>> {
+    as_sub_module_backward::<R, M>(cx, name, |cx| m.backward_gathering(cx, saved, dy))
+}
+
+/// Runs `backward`, a backward of `M`, as the sub-module `name`: in its
+/// path, reading the token slice `M` reads, with the hooks around it.
+fn as_sub_module_backward<R: Role, M: Module<R>>(cx: &mut Cx, name: &str, backward: impl FnOnce(&mut Cx) -> Result<Act<M::In>>) -> Result<Act<M::In>> {
     cx.enter(name);
     let outer = cx.set_token_slice(reads_token_slice::<R, M>());
     let r = (|| {
         cx.each_hook(|h, p| h.before_backward(p))?;
-        let r = m.backward_gathering(cx, saved, dy)?;
+        let r = backward(cx)?;
         cx.each_hook(|h, p| h.after_backward(p))?;
         Ok(r)
     })();

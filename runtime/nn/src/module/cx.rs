@@ -593,8 +593,7 @@ impl Cx {
         let mut sums: Vec<Option<Tensor>> = vec![None; waiting.len()];
         for dtype in dtypes {
             let of: Vec<usize> = (0..waiting.len()).filter(|&i| waiting[i].1.dtype() == dtype).collect();
-            let flat: Vec<Tensor> = of.iter().map(|&i| waiting[i].1.reshape([waiting[i].1.elem_count()])).collect::<Result<_>>()?;
-            let total = self.tp().all_reduce_sum(&Tensor::concat(&flat.iter().collect::<Vec<_>>(), 0)?)?;
+            let total = self.tp().all_reduce_sum(&Tensor::concat_flat(&of.iter().map(|&i| &waiting[i].1).collect::<Vec<_>>())?)?;
             let mut at = 0;
             for &i in &of {
                 let g = &waiting[i].1;
