@@ -100,9 +100,18 @@
 //! inserts a gather or a slice wherever a value's form differs from what its
 //! consumer takes; `all_reduce` becomes a reduce-scatter. A parameter
 //! replicated over the group and read on a slice of the tokens has its
-//! gradient summed over the group as it is delivered. Dropout masks are drawn
-//! at global positions. The same model computes the same loss and gradients
-//! with sequence parallelism on or off.
+//! gradient summed over the group (all such sums of a model's backward in
+//! one all-reduce at its end). Dropout masks are drawn at global positions.
+//! The same model computes the same loss and gradients with sequence
+//! parallelism on or off.
+//!
+//! [`Cx::with_tp_overlap`](crate::module::Cx::with_tp_overlap) overlaps
+//! those collectives with the products beside them. For the backward of an
+//! `all_reduce` whose argument is a call's output that nothing else reads,
+//! the generated code hands the gradient to that call unreduced
+//! ([`Module::backward_gathering`](crate::module::Module::backward_gathering)):
+//! a row-parallel linear gathers it beside its own product, and a derived
+//! model whose output is such a call's hands it on.
 //!
 //! ## Field attributes
 //!
