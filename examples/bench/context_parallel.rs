@@ -184,22 +184,22 @@ fn measure(args: &Args, cp: usize, seq: usize, steps: usize) -> Result<Measured>
                     }
                     // The last step's ring alone, nothing to overlap.
                     let calls = std::mem::take(&mut *waits.calls.lock().expect("calls"));
-                    let blocks: Vec<Option<Tensor>> = calls
+                    // The sends with blocks of the shapes they sent, made before the timing.
+                    let replay: Vec<(Option<Tensor>, usize)> = calls
                         .iter()
                         .map(|c| match c {
-                            Call::Send(shape, dtype, _) => Tensor::zeros(shape.clone(), *dtype, &dev).map(Some),
-                            Call::Recv(_) => Ok(None),
+                            Call::Send(shape, dtype, peer) => Ok((Some(Tensor::zeros(shape.clone(), *dtype, &dev)?), *peer)),
+                            Call::Recv(peer) => Ok((None, *peer)),
                         })
                         .collect::<tessera::Result<_>>()?;
                     let mut replays = Vec::new();
                     for _ in 0..steps {
                         barrier.wait();
                         let start = Instant::now();
-                        for (c, block) in calls.iter().zip(&blocks) {
-                            match (c, block) {
-                                (Call::Send(_, _, peer), Some(t)) => waits.inner.send(t, *peer)?,
-                                (Call::Recv(peer), _) => drop(waits.inner.recv(*peer)?),
-                                (Call::Send(..), None) => unreachable!("every send has its block"),
+                        for (block, peer) in &replay {
+                            match block {
+                                Some(t) => waits.inner.send(t, *peer)?,
+                                None => drop(waits.inner.recv(*peer)?),
                             }
                         }
                         replays.push(start.elapsed());
