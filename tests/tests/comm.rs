@@ -615,3 +615,42 @@ fn a_world_of_one_rank_works_like_single_rank() {
     assert_eq!(bits(&c.reduce_scatter_sum_async(&x, 0).unwrap().wait().unwrap()), bits(&x));
     c.barrier().unwrap();
 }
+
+/// The thread that runs a communicator's background collectives asks Linux
+/// for the shortest slice (0.1 ms), so that it gets a core soon after it
+/// wakes beside the ranks' products. Kernels before 6.12 have no per-thread
+/// slice (the request is ignored there) and the test says so.
+#[cfg(target_os = "linux")]
+#[test]
+fn communication_threads_ask_for_a_short_slice() {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let version: Vec<u32> = release.trim().split(['.', '-']).take(2).map(|p| p.parse().unwrap_or(0)).collect();
+    if version.len() < 2 || (version[0], version[1]) < (6, 12) {
+        println!("skipped: Linux {} has no per-thread slice", release.trim());
+        return;
+    }
+    let slice_of = |comm: &str| -> Option<u64> {
+        for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+            if std::fs::read_to_string(task.path().join("comm")).ok()?.trim() == comm {
+                let sched = std::fs::read_to_string(task.path().join("sched")).ok()?;
+                let line = sched.lines().find(|l| l.starts_with("se.slice"))?;
+                return line.split(':').nth(1)?.trim().parse().ok();
+            }
+        }
+        None
+    };
+    let world = InProcess::new(2).unwrap();
+    let slices = on_every_rank(&world, |rank, comm, dev| {
+        // A background collective starts the communicator's thread.
+        let x = Tensor::from_vec(vec![rank as f32; 4], [4], dev).unwrap();
+        comm.all_reduce_sum_async(&x).unwrap().wait().unwrap();
+        let slice = slice_of(&format!("tessera-comm-{rank}"));
+        comm.barrier().unwrap();
+        slice
+    });
+    if slices.iter().all(Option::is_none) && std::fs::read_to_string("/proc/self/sched").is_ok_and(|s| !s.contains("se.slice")) {
+        println!("skipped: this kernel does not show a thread's slice");
+        return;
+    }
+    assert_eq!(slices, vec![Some(100_000); 2], "each rank's communication thread's slice, in ns");
+}

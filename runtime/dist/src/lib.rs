@@ -23,6 +23,7 @@ pub mod nccl;
 pub mod process;
 mod serial;
 pub mod shm;
+mod short_slice;
 pub mod store;
 
 pub use comm::{Communicator, Completer, Pending, SingleRank};

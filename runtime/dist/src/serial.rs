@@ -95,6 +95,8 @@ impl<C: HostCore> Serial<C> {
         let thread = thread::Builder::new()
             .name(format!("tessera-comm-{}", self.rank))
             .spawn(move || {
+                // Woken beside the rank's products, it should get a core at once.
+                crate::short_slice::request();
                 for job in queue {
                     // A panic inside a collective is a bug, but it must not
                     // leave the peers waiting: report it and keep serving, so

@@ -2,7 +2,7 @@
 
 use crate::module::{Act, Activation, Cx, Describe, Module, Param, PartialSum, Plain, Replicated, Visitor, Vocab};
 use tessera_core::ops;
-use tessera_core::tensor::{Init, Tensor};
+use tessera_core::tensor::{DType, Init, Tensor};
 use tessera_core::{Error, Result};
 
 /// A table of `vocab` rows of `dim` values, looked up by `u32` token ids.
@@ -161,8 +161,22 @@ impl Module<Vocab> for Embedding {
     type Out = PartialSum;
     type Saved = EmbeddingSaved;
 
+    /// Under sequence parallelism with [`Cx::with_tp_overlap`], the rows
+    /// are looked up piece by piece along the tokens and each piece's
+    /// reduce-scatter started at once, left running for the `all_reduce`
+    /// the caller applies to the output (as a row-parallel `Linear` does).
     fn forward(&self, cx: &mut Cx, ids: Act<Replicated>) -> Result<(Act<PartialSum>, EmbeddingSaved)> {
-        let (y, s) = self.fwd(cx, ids.into_tensor(), true)?;
+        let ids = ids.into_tensor();
+        let tp = cx.tp().size();
+        if let Some(pieces) = cx.tp_overlap().filter(|_| cx.decode().is_none() && ids.rank() >= 2 && ids.dims()[1].is_multiple_of(tp)) {
+            let table = cx.param(&self.weight)?;
+            let start = cx.tp().rank() * table.dims()[0];
+            let sum = crate::module::overlap::map_reduce_scatter(cx, &ids, pieces, true, |piece| ops::embedding_shard(&table, piece, start, self.vocab))?;
+            let y = sum.summand()?;
+            cx.start_reduction(crate::module::overlap::InFlight { value: y.clone(), sum });
+            return Ok((Act::new(y), EmbeddingSaved { ids }));
+        }
+        let (y, s) = self.fwd(cx, ids, true)?;
         Ok((Act::new(y), s))
     }
 
@@ -170,6 +184,38 @@ impl Module<Vocab> for Embedding {
     /// (token ids have no gradient).
     fn backward(&self, cx: &mut Cx, saved: EmbeddingSaved, dy: Act<PartialSum>) -> Result<Act<Replicated>> {
         Ok(Act::new(self.bwd(cx, saved, dy.tensor(), true)?))
+    }
+
+    /// Under sequence parallelism with [`Cx::with_tp_overlap`], `dy` is
+    /// this rank's slice of the gradient of the reduced lookup: its rows are
+    /// scatter-added into this rank's part of the table gradient while the
+    /// other slices are gathered, then theirs, in rank order.
+    fn backward_gathering(&self, cx: &mut Cx, saved: EmbeddingSaved, dy: Act<Replicated>) -> Result<Act<Replicated>> {
+        let (tp, rank) = (cx.tp().size(), cx.tp().rank());
+        let ids = &saved.ids;
+        let len = dy.tensor().dims().get(1).copied().unwrap_or(0);
+        let sliced = cx.tp_overlap().is_some() && cx.decode().is_none() && ids.rank() >= 2 && dy.tensor().rank() == ids.rank() + 1 && ids.dims()[1] == tp * len;
+        if !sliced {
+            let dy = crate::module::dsl::all_reduce_backward(cx, dy)?;
+            return <Embedding as Module<Vocab>>::backward(self, cx, saved, dy);
+        }
+        let rows = self.weight.local_shape().dims()[0];
+        let start = rank * rows;
+        let dy = dy.into_tensor();
+        let travelling = cx.tp().all_gather_async(&dy, 1)?;
+        // The first layer of a language model: the replicated parameters'
+        // gradients are complete, and their sum travels beside this one.
+        cx.start_replicated_sums()?;
+        let ids_of = |r: usize| ids.narrow(1, r * len, len).and_then(|t| t.contiguous());
+        // Summed in f32 (or the gradient's f64) across the slices.
+        let full = if dy.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+        let g = ops::embedding_backward(&ids_of(rank)?, &dy.to_dtype(full)?, rows, start, self.vocab)?;
+        let gathered = travelling.wait()?;
+        for r in (0..tp).filter(|&r| r != rank) {
+            ops::embedding_backward_accumulate(&g, &ids_of(r)?, &gathered.narrow(1, r * len, len)?, start, self.vocab)?;
+        }
+        cx.grad(&self.weight, g)?;
+        Ok(Act::new(saved.ids))
     }
 
     fn visit_params(&self, v: &mut Visitor<'_>) -> Result<()> {

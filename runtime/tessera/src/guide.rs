@@ -110,7 +110,8 @@
 //! `all_reduce` whose argument is a call's output that nothing else reads,
 //! the generated code hands the gradient to that call unreduced
 //! ([`Module::backward_gathering`](crate::module::Module::backward_gathering)):
-//! a row-parallel linear gathers it beside its own product, and a derived
+//! a row-parallel linear gathers it beside its own product, a
+//! vocabulary-parallel embedding beside its own slice's rows, and a derived
 //! model whose output is such a call's hands it on.
 //!
 //! ## Field attributes

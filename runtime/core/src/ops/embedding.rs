@@ -3,8 +3,9 @@
 use super::{float_kernel, run1, with_u32};
 use crate::backend::cuda::args::{Arg, Grid};
 use crate::backend::kernel::Out;
+use crate::backend::Storage;
 use crate::error::{Error, Result};
-use crate::tensor::{Shape, Tensor};
+use crate::tensor::{DType, Shape, Tensor};
 use tessera_kernels::cpu::embedding as k;
 
 float_kernel!(EmbedFwd<'a> { ids: &'a [u32], rows: usize, dim: usize, start: u32 } |s, i, o| {
@@ -116,9 +117,111 @@ pub fn embedding_backward(ids: &Tensor, dout: &Tensor, rows: usize, vocab_start:
     })
 }
 
+/// `acc += embedding_backward(ids, dout, ..)` in place, for a table
+/// gradient gathered in parts (the rows of one part of the tokens, then of
+/// the next): each of `acc`'s rows adds the upstream rows of its ids in
+/// position order, as [`embedding_backward`] sums them.
+///
+/// `acc` is `[rows, dim]`, contiguous, `f32` or `f64`, and shares no
+/// storage with `dout` (which is converted to `acc`'s dtype).
+pub fn embedding_backward_accumulate(acc: &Tensor, ids: &Tensor, dout: &Tensor, vocab_start: usize, vocab_size: usize) -> Result<()> {
+    const OP: &str = "embedding_backward_accumulate";
+    let [rows, dim] = acc.dims() else {
+        return Err(Error::shape(OP, format!("the accumulator {} must be a table gradient, [rows, dim]", acc.shape())));
+    };
+    let (rows, dim) = (*rows, *dim);
+    check_range(OP, rows, vocab_start, vocab_size)?;
+    if out_shape(ids, dim) != *dout.shape() {
+        return Err(Error::shape(OP, format!("upstream gradient {} does not match ids {} with rows of {dim}", dout.shape(), ids.shape())));
+    }
+    if acc.shares_storage(dout) {
+        return Err(Error::Aliased { op: OP, a: "accumulator", b: "upstream gradient" });
+    }
+    let Some(range) = acc.layout().contiguous_range() else {
+        return Err(Error::placement(OP, "the accumulator must be contiguous; accumulate into a fresh `contiguous()` tensor"));
+    };
+    if !matches!(acc.dtype(), DType::F32 | DType::F64) {
+        return Err(Error::DType { op: OP, expected: "f32 or f64 accumulator".into(), got: acc.dtype(), hint: "; accumulate gradients in full precision" });
+    }
+    if matches!(acc.device(), crate::Device::Cuda(_)) {
+        // The GPU sums each row in one block without atomics: the part's
+        // gradient, then one in-place add.
+        return super::accumulate(acc, &embedding_backward(ids, dout, rows, vocab_start, vocab_size)?);
+    }
+    let dout = dout.to_dtype(acc.dtype())?.contiguous()?;
+    let dr = dout.layout().contiguous_range().expect("contiguous");
+    with_u32(OP, "ids", ids, |id_slice| {
+        check_ids(OP, id_slice, vocab_size, "; token ids must be smaller than the vocabulary size")?;
+        let src = dout.read();
+        let mut dst = acc.write();
+        match (&mut *dst, &*src) {
+            (Storage::Cpu(a), Storage::Cpu(d)) => match acc.dtype() {
+                DType::F32 => k::embedding_backward(
+                    id_slice,
+                    &d.as_slice::<f32>().expect("f32")[dr],
+                    rows,
+                    dim,
+                    vocab_start as u32,
+                    &mut a.as_mut_slice::<f32>().expect("f32")[range],
+                ),
+                _ => k::embedding_backward(
+                    id_slice,
+                    &d.as_slice::<f64>().expect("f64")[dr],
+                    rows,
+                    dim,
+                    vocab_start as u32,
+                    &mut a.as_mut_slice::<f64>().expect("f64")[range],
+                ),
+            },
+            _ => return Err(Error::DeviceMismatch { op: OP, lhs: acc.device().to_string(), rhs: dout.device().to_string() }),
+        }
+        Ok(())
+    })
+}
+
 fn check_range(op: &'static str, rows: usize, vocab_start: usize, vocab_size: usize) -> Result<()> {
     if vocab_start + rows > vocab_size || vocab_size > u32::MAX as usize {
         return Err(Error::shape(op, format!("a shard of {rows} rows starting at {vocab_start} does not fit a vocabulary of {vocab_size}")));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::Init;
+    use crate::{Device, RngKey};
+
+    /// A shard's table gradient accumulated slice by slice of the tokens
+    /// equals the one of all tokens at once, in f32 and f64; a half or
+    /// misshapen accumulator, or one aliasing the gradient, is refused.
+    #[test]
+    fn accumulating_slices_gives_the_whole_gradient() {
+        let dev = Device::cpu();
+        let (vocab, rows, start, dim, len) = (12, 5, 4, 3, 4);
+        let ids: Vec<u32> = (0..2 * 3 * len as u32).map(|i| (i * 7 + 1) % vocab as u32).collect();
+        let ids = Tensor::from_vec(ids, [2, 3 * len], &dev).unwrap();
+        for dtype in [DType::F32, DType::F64] {
+            let dout = Tensor::rand(Init::Normal { mean: 0.0, std: 1.0 }, RngKey::new(4, 0), [2, 3 * len, dim], dtype, &dev).unwrap();
+            let whole = embedding_backward(&ids, &dout, rows, start, vocab).unwrap().to_f64_vec().unwrap();
+            let slice = |t: &Tensor, r: usize| t.narrow(1, r * len, len).unwrap().contiguous().unwrap();
+            let acc = embedding_backward(&slice(&ids, 1), &slice(&dout, 1), rows, start, vocab).unwrap();
+            for r in [0, 2] {
+                embedding_backward_accumulate(&acc, &slice(&ids, r), &slice(&dout, r), start, vocab).unwrap();
+            }
+            let got = acc.to_f64_vec().unwrap();
+            assert!(whole.iter().any(|v| *v != 0.0));
+            for (g, w) in got.iter().zip(&whole) {
+                assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "{dtype}: {got:?} against {whole:?}");
+            }
+        }
+        let dout = Tensor::zeros([2, 3 * len, dim], DType::F32, &dev).unwrap();
+        let refused = |acc: &Tensor, dout: &Tensor| embedding_backward_accumulate(acc, &ids, dout, start, vocab).unwrap_err().to_string();
+        assert!(refused(&Tensor::zeros([rows, dim], DType::BF16, &dev).unwrap(), &dout).contains("f32 or f64"));
+        assert!(refused(&Tensor::zeros([rows * dim], DType::F32, &dev).unwrap(), &dout).contains("[rows, dim]"));
+        assert!(refused(&Tensor::zeros([rows, dim + 1], DType::F32, &dev).unwrap(), &dout).contains("does not match"));
+        let shared = Tensor::zeros([2 * 3 * len * dim], DType::F32, &dev).unwrap();
+        let acc = shared.narrow(0, 0, rows * dim).unwrap().reshape([rows, dim]).unwrap();
+        assert!(refused(&acc, &shared.reshape([2, 3 * len, dim]).unwrap()).contains("accumulator"));
+    }
 }

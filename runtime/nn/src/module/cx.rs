@@ -81,6 +81,9 @@ pub struct Cx {
     /// gradients of replicated parameters that wait to be summed over the
     /// tensor-parallel group in one all-reduce at its end ([`Cx::grad`]).
     replicated_sums: Option<Mutex<Vec<(Param, Tensor)>>>,
+    /// Sums of replicated gradients started before the end of the backward
+    /// ([`Cx::start_replicated_sums`]), delivered at its end.
+    replicated_started: Mutex<Vec<StartedSums>>,
     /// FP8 products' scaling state ([`Cx::with_fp8`]).
     pub(super) fp8: Option<Arc<super::fp8::Fp8State>>,
     /// Whether the layer running now keeps its products out of FP8 (the
@@ -117,6 +120,7 @@ impl Cx {
             tp_overlap: 1,
             reduction: Mutex::new(None),
             replicated_sums: None,
+            replicated_started: Mutex::default(),
             fp8: None,
             fp8_paused: false,
         }
@@ -358,13 +362,16 @@ impl Cx {
     /// with the products beside them (with `pieces` ≥ 2; 1, the default,
     /// runs them whole, each before or after its product): an all-gather
     /// before a product (a column-parallel layer's input, a row-parallel
-    /// layer's output gradient) runs while the product of this rank's own
-    /// slice does, and the reduce-scatter after one (a row-parallel layer's
-    /// output, a column-parallel layer's input gradient) is cut into
-    /// `pieces` along the tokens, each piece's sum travelling while the next
-    /// piece's product runs. The results agree with whole collectives' to
-    /// the rounding of products computed a part at a time; without sequence
-    /// parallelism it changes nothing.
+    /// layer's or a vocabulary-parallel embedding's output gradient) runs
+    /// while this rank's own slice's part does, and the reduce-scatter after
+    /// one (a row-parallel layer's or the embedding's output, a
+    /// column-parallel layer's input gradient) is cut into up to `pieces`
+    /// along the tokens, each piece's sum travelling while the next piece's
+    /// product runs (after a row product or the embedding, each piece half
+    /// the one before, so that the last, which nothing hides, is short).
+    /// The results agree with whole collectives' to the rounding of products
+    /// computed a part at a time; without sequence parallelism it changes
+    /// nothing.
     pub fn with_tp_overlap(mut self, pieces: usize) -> Self {
         self.tp_overlap = pieces.max(1);
         self
@@ -573,39 +580,140 @@ impl Cx {
         true
     }
 
-    /// Stops collecting; with `deliver`, sums what was collected over the
-    /// tensor-parallel group (one all-reduce per dtype, the gradients
-    /// concatenated in the order they came) and delivers each sum. Without
-    /// it (the backward failed on this rank) the gradients are dropped and
-    /// nothing is sent.
-    pub(super) fn finish_replicated_sums(&mut self, deliver: bool) -> Result<()> {
-        let Some(waiting) = self.replicated_sums.take() else { return Ok(()) };
-        let waiting = waiting.into_inner().unwrap_or_else(|e| e.into_inner());
-        if !deliver || waiting.is_empty() {
+    /// Starts summing the replicated gradients collected so far, in the
+    /// background, for the end of the backward to deliver: a layer that
+    /// knows the rest of the backward delivers none (a vocabulary-parallel
+    /// embedding, the first layer of a language model) calls it, so that
+    /// the sum travels while the layer computes. Gradients delivered
+    /// afterwards are summed at the end as usual. Every rank calls it at the
+    /// same point, as every rank runs the same backward.
+    pub(crate) fn start_replicated_sums(&self) -> Result<()> {
+        let Some(waiting) = &self.replicated_sums else { return Ok(()) };
+        let grads = std::mem::take(&mut *waiting.lock().unwrap_or_else(|e| e.into_inner()));
+        if grads.is_empty() {
             return Ok(());
         }
+        let started = StartedSums::sum(self, grads, true)?;
+        self.replicated_started.lock().unwrap_or_else(|e| e.into_inner()).push(started);
+        Ok(())
+    }
+
+    /// Stops collecting; with `deliver`, sums what was collected over the
+    /// tensor-parallel group (one all-reduce per dtype, the gradients
+    /// concatenated in the order they came) and delivers each sum, after
+    /// those started earlier. Without it (the backward failed on this rank)
+    /// the gradients are dropped and nothing more is sent.
+    pub(super) fn finish_replicated_sums(&mut self, deliver: bool) -> Result<()> {
+        let started = std::mem::take(&mut *self.replicated_started.lock().unwrap_or_else(|e| e.into_inner()));
+        let Some(waiting) = self.replicated_sums.take() else { return Ok(()) };
+        let waiting = waiting.into_inner().unwrap_or_else(|e| e.into_inner());
+        if !deliver {
+            return Ok(());
+        }
+        for s in started {
+            s.deliver(self)?;
+        }
+        if waiting.is_empty() {
+            return Ok(());
+        }
+        StartedSums::sum(self, waiting, false)?.deliver(self)
+    }
+}
+
+/// Replicated gradients whose sums over the tensor-parallel group were
+/// started (one all-reduce per dtype, the gradients concatenated in the
+/// order they came).
+struct StartedSums {
+    grads: Vec<(Param, Tensor)>,
+    /// Per dtype: the gradients' indices and their summed concatenation.
+    sums: Vec<(Vec<usize>, tessera_dist::Pending)>,
+}
+
+impl StartedSums {
+    /// The sums, started in the background or (without `background`) done now.
+    fn sum(cx: &Cx, grads: Vec<(Param, Tensor)>, background: bool) -> Result<Self> {
         let mut dtypes: Vec<DType> = Vec::new();
-        for (_, g) in &waiting {
+        for (_, g) in &grads {
             if !dtypes.contains(&g.dtype()) {
                 dtypes.push(g.dtype());
             }
         }
-        let mut sums: Vec<Option<Tensor>> = vec![None; waiting.len()];
+        let mut sums = Vec::with_capacity(dtypes.len());
         for dtype in dtypes {
-            let of: Vec<usize> = (0..waiting.len()).filter(|&i| waiting[i].1.dtype() == dtype).collect();
-            let total = self.tp().all_reduce_sum(&Tensor::concat_flat(&of.iter().map(|&i| &waiting[i].1).collect::<Vec<_>>())?)?;
+            let of: Vec<usize> = (0..grads.len()).filter(|&i| grads[i].1.dtype() == dtype).collect();
+            let flat = Tensor::concat_flat(&of.iter().map(|&i| &grads[i].1).collect::<Vec<_>>())?;
+            let total =
+                if background { cx.tp().all_reduce_sum_async(&flat)? } else { tessera_dist::Pending::ready("all_reduce_sum", cx.tp().all_reduce_sum(&flat)) };
+            sums.push((of, total));
+        }
+        Ok(StartedSums { grads, sums })
+    }
+
+    /// Waits for the sums and delivers each gradient's.
+    fn deliver(self, cx: &Cx) -> Result<()> {
+        let mut out: Vec<Option<Tensor>> = vec![None; self.grads.len()];
+        for (of, total) in self.sums {
+            let total = total.wait()?;
             let mut at = 0;
-            for &i in &of {
-                let g = &waiting[i].1;
+            for i in of {
+                let g = &self.grads[i].1;
                 // Each in storage of its own: a parameter used twice adds
                 // one of its sums into the other in place.
-                sums[i] = Some(Tensor::concat_flat(&[&total.narrow(0, at, g.elem_count())?])?.reshape(g.shape().clone())?);
+                out[i] = Some(Tensor::concat_flat(&[&total.narrow(0, at, g.elem_count())?])?.reshape(g.shape().clone())?);
                 at += g.elem_count();
             }
         }
-        for ((p, _), sum) in waiting.iter().zip(sums) {
-            self.deliver(p, sum.expect("every gradient is in its dtype's sum"))?;
+        for ((p, _), sum) in self.grads.iter().zip(out) {
+            cx.deliver(p, sum.expect("every gradient is in its dtype's sum"))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::module::call::backward_root;
+    use std::sync::Arc;
+    use tessera_dist::inproc::InProcess;
+
+    /// Replicated gradients collected before and after a sum started early
+    /// ([`Cx::start_replicated_sums`]) are each summed over the group once
+    /// (the early ones in the background), and a parameter delivered on both
+    /// sides of the start gets both sums.
+    #[test]
+    fn sums_started_early_and_late_are_both_delivered() {
+        let world = InProcess::new(2).unwrap();
+        let got: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..2)
+                .map(|rank| {
+                    let world = world.clone();
+                    s.spawn(move || {
+                        let dev = Device::cpu();
+                        let mut groups = Groups::single();
+                        groups.tp = Arc::new(world.communicator(rank, &dev).unwrap());
+                        let mut cx = Cx::new(dev.clone()).with_groups(groups).with_sequence_parallel(true);
+                        let zero = || tessera_core::tensor::Init::Normal { mean: 0.0, std: 0.0 };
+                        let (early, late, both) = (Param::new([3], zero()), Param::new([2], zero()), Param::new([2], zero()));
+                        let r = rank as f32;
+                        let g = |v: Vec<f32>| Tensor::from_vec(v.clone(), [v.len()], &dev).unwrap();
+                        backward_root(&mut cx, |cx| {
+                            cx.set_token_slice(true);
+                            cx.grad(&early, g(vec![1.0 + r, 2.0, 3.0 * r]))?;
+                            cx.grad(&both, g(vec![r, 1.0]))?;
+                            cx.start_replicated_sums()?;
+                            cx.grad(&late, g(vec![10.0 * r, -1.0]))?;
+                            cx.grad(&both, g(vec![100.0, 100.0 * r]))
+                        })
+                        .unwrap();
+                        [early, late, both].iter().map(|p| p.grad().unwrap().to_vec::<f32>().unwrap()).collect()
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        for g in got {
+            assert_eq!(g, vec![vec![3.0, 4.0, 3.0], vec![10.0, -2.0], vec![201.0, 102.0]]);
+        }
     }
 }

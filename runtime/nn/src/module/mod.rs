@@ -127,8 +127,8 @@ pub trait Module<R: Role = Plain>: Send + Sync {
     /// the reduced value, before the backward of the `all_reduce` (under
     /// sequence parallelism, this rank's slice of the sequence, still to be
     /// gathered). The default runs that backward and then this layer's; a
-    /// row-parallel layer gathers the slices piece by piece instead, each
-    /// piece's product running while the next travels (see
+    /// row-parallel layer (or a vocabulary-parallel embedding) instead
+    /// gathers the other slices while its own slice's part runs (see
     /// [`Cx::with_tp_overlap`]). `#[derive(Module)]` calls it for a field
     /// whose only use is an `all_reduce`, and forwards it to its own last
     /// layer where that layer's output is the model's.

@@ -44,6 +44,15 @@ pub(crate) fn pieces(len: usize, chunks: usize) -> Vec<Range<usize>> {
     (0..n).map(|i| i * len / n..(i + 1) * len / n).filter(|r| !r.is_empty()).collect()
 }
 
+/// `len` tokens cut into at most `chunks` consecutive, non-empty pieces,
+/// each half as long as the one before.
+pub(crate) fn shrinking_pieces(len: usize, chunks: usize) -> Vec<Range<usize>> {
+    let n = chunks.clamp(1, len.max(1)).min(20) as u32;
+    let total = (1usize << n) - 1;
+    let end = |i: u32| len * (total - ((1usize << (n - i)) - 1)) / total;
+    (0..n).map(|i| end(i)..end(i + 1)).filter(|r| !r.is_empty()).collect()
+}
+
 /// The rows `piece` of each of the `tp` slices of the whole-sequence `x`
 /// (dimension 1), slice after slice: `[batch, tp·piece.len(), ..]`.
 fn rows_of_every_slice(x: &Tensor, tp: usize, piece: &Range<usize>) -> Result<Tensor> {
@@ -103,7 +112,7 @@ pub(crate) fn map_reduce_scatter(
     mut f: impl FnMut(&Tensor) -> Result<Tensor>,
 ) -> Result<ReduceScatter> {
     let tp = cx.tp().size();
-    let mut pieces = pieces(x.dims()[1] / tp, chunks);
+    let mut pieces = if last_blocking { shrinking_pieces(x.dims()[1] / tp, chunks) } else { pieces(x.dims()[1] / tp, chunks) };
     if pieces.len() < 2 {
         // Nothing to cut: the whole product, then the whole collective.
         pieces = std::iter::once(0..x.dims()[1] / tp).collect();
@@ -166,7 +175,7 @@ impl InFlight {
 
 #[cfg(test)]
 mod tests {
-    use super::pieces;
+    use super::{pieces, shrinking_pieces};
 
     #[test]
     fn pieces_cover_the_slice_in_order() {
@@ -180,6 +189,29 @@ mod tests {
                     assert_eq!(p.len(), chunks, "{len} {chunks}");
                     let (lo, hi) = (p.iter().map(|r| r.len()).min().unwrap(), p.iter().map(|r| r.len()).max().unwrap());
                     assert!(hi - lo <= 1);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shrinking_pieces_cover_the_slice_each_half_the_one_before() {
+        for len in 0..300 {
+            for chunks in 0..12 {
+                let p = shrinking_pieces(len, chunks);
+                assert!(p.len() <= chunks.max(1));
+                assert_eq!(p.iter().map(|r| r.len()).sum::<usize>(), len, "{len} {chunks}");
+                assert!(p.first().is_none_or(|r| r.start == 0));
+                assert!(p.windows(2).all(|w| w[0].end == w[1].start && !w[1].is_empty()));
+                if len > 0 && chunks > 0 {
+                    assert!(!p.is_empty());
+                }
+                // Each piece about half the one before (to the rounding of its ends).
+                assert!(p.windows(2).all(|w| 2 * w[1].len() <= w[0].len() + 2), "{len} {chunks}: {p:?}");
+                let n = chunks.clamp(1, 20) as u32;
+                if len >= (1 << n) {
+                    assert_eq!(p.len(), n as usize, "{len} {chunks}");
+                    assert!(p.last().unwrap().len() <= len.div_ceil((1 << n) - 1) + 1, "{len} {chunks}: {p:?}");
                 }
             }
         }
