@@ -297,3 +297,140 @@ fn pruning_sets_a_broken_checkpoint_aside_instead_of_deleting_it() {
     assert!(reason.contains("pp0-tp0.safetensors") && reason.contains("missing"), "{reason}");
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// Local SGD's outer momentum goes into a checkpoint taken at a meeting
+/// (one copy, sharded as the parameters are; here dp2 × tp2): loaded into
+/// a fresh engine it comes back bit for bit, and the next meeting gives the
+/// parameters the engine that kept running gives. Loaded without it, the
+/// momentum starts over and that meeting differs (what a lost momentum
+/// would look like); a checkpoint from before the first meeting holds none.
+#[test]
+fn local_sgd_outer_momentum_survives_a_checkpoint() {
+    use tessera::ckpt::TensorKind;
+    use tessera::parallel::local_sgd::{LocalSgd, OuterConfig, WithOuterMomentum};
+    let root = scratch("outer-momentum");
+    let mesh = Mesh::parse("dp2,tp2", 4, 4).unwrap();
+    let world = InProcess::new(4).unwrap();
+    let bits = |ts: &[Option<Tensor>]| -> Vec<Option<Vec<u32>>> {
+        ts.iter().map(|t| t.as_ref().map(|t| t.to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect())).collect()
+    };
+    // Replica 0's tensor-parallel ranks' momentum: each parameter's shard and bits.
+    let held: Vec<Vec<(tessera::module::Shard, Option<Vec<u32>>)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|rank| {
+                let (world, mesh, root) = (&world, &mesh, &root);
+                s.spawn(move || {
+                    let dev = Device::cpu();
+                    let groups = mesh_groups(world, mesh, rank, &dev).unwrap();
+                    let cx = Cx::new(dev.clone()).with_seed(5).with_groups(groups);
+                    let replica = cx.groups().dp.rank();
+                    let model = module::build(gpt(), &cx).unwrap();
+                    let engine = || LocalSgd::new(&model, cx.groups().dp.clone(), None, OuterConfig::diloco(1)).unwrap();
+                    let values = |e: &LocalSgd| e.params().iter().map(|p| p.value().unwrap()).collect::<Vec<_>>();
+                    // Each replica's inner steps: its own move of every parameter.
+                    let moved = |e: &LocalSgd, round: u64| -> Vec<Tensor> {
+                        e.params()
+                            .iter()
+                            .enumerate()
+                            .map(|(i, p)| {
+                                let v = p.value().unwrap();
+                                let step = Tensor::rand(
+                                    Init::Normal { mean: 0.0, std: 0.01 },
+                                    RngKey::new(round * 100 + i as u64, replica as u64),
+                                    v.shape().clone(),
+                                    v.dtype(),
+                                    &dev,
+                                )
+                                .unwrap();
+                                tessera::ops::add(&v, &step).unwrap()
+                            })
+                            .collect()
+                    };
+                    let (mut opt, mut local) = (AdamW::new(&model, ADAMW).unwrap(), engine());
+                    local.start(values(&local)).unwrap();
+                    let ckpt = Checkpointer::new(root, 3).unwrap();
+                    let outer_pieces = |dir: &Path| ckpt.manifest(dir).unwrap().tensors.iter().filter(|r| r.kind == TensorKind::OuterMomentum).count();
+                    let before = ckpt.save(1, &model, Some(&WithOuterMomentum::new(&mut opt, Some(&mut local))), &cx, serde_json::Value::Null).unwrap();
+                    assert_eq!(outer_pieces(&before), 0, "no meeting yet, no momentum");
+                    for round in 0..2 {
+                        let (global, _) = local.meet(&moved(&local, round)).unwrap();
+                        for (p, v) in local.params().to_vec().iter().zip(global) {
+                            p.set_value(v).unwrap();
+                        }
+                    }
+                    let dir = ckpt.save(2, &model, Some(&WithOuterMomentum::new(&mut opt, Some(&mut local))), &cx, serde_json::Value::Null).unwrap();
+                    let manifest = ckpt.verify(&dir).unwrap();
+                    // Placed as the values are (`verify` holds each kind to cover every parameter once).
+                    let values_pieces = manifest.tensors.iter().filter(|r| r.kind == TensorKind::Param).count();
+                    assert_eq!(outer_pieces(&dir), values_pieces, "every parameter's momentum, where its values are");
+                    // A fresh engine and optimizer, loaded with the momentum and without it.
+                    let (mut opt2, mut restored) = (AdamW::new(&model, ADAMW).unwrap(), engine());
+                    ckpt.load(&dir, &model, Some(&mut WithOuterMomentum::new(&mut opt2, Some(&mut restored))), &cx).unwrap();
+                    restored.start(values(&restored)).unwrap();
+                    assert!(local.momentum().iter().all(Option::is_some));
+                    assert_eq!(bits(restored.momentum()), bits(local.momentum()), "rank {rank}: the momentum comes back");
+                    assert_eq!(restored.meetings(), 2);
+                    let (mut opt3, mut forgot) = (AdamW::new(&model, ADAMW).unwrap(), engine());
+                    ckpt.load(&dir, &model, Some(&mut opt3), &cx).unwrap();
+                    forgot.start(values(&forgot)).unwrap();
+                    assert!(forgot.momentum().iter().all(Option::is_none));
+                    // The next meeting, from the same local values.
+                    let next = moved(&local, 2);
+                    let result = |e: &mut LocalSgd| e.meet(&next).unwrap().0.iter().map(|t| Some(t.clone())).collect::<Vec<_>>();
+                    let (kept, back, lost) = (result(&mut local), result(&mut restored), result(&mut forgot));
+                    assert_eq!(bits(&back), bits(&kept), "rank {rank}: the meeting after the load");
+                    assert_ne!(bits(&lost), bits(&kept), "rank {rank}: without the momentum the meeting differs");
+                    // A checkpoint without momentum restores none into an engine that had some.
+                    let shards: Vec<_> = local.params().iter().map(|p| p.shard()).collect();
+                    let held = shards.into_iter().zip(bits(loaded_engine(&dir, &ckpt, &model, &cx, engine()).momentum())).collect();
+                    ckpt.load(&before, &model, Some(&mut WithOuterMomentum::new(&mut opt2, Some(&mut restored))), &cx).unwrap();
+                    assert!(restored.momentum().iter().all(Option::is_none));
+                    (replica == 0).then_some(held)
+                })
+            })
+            .collect();
+        handles.into_iter().filter_map(|h| h.join().unwrap()).collect()
+    });
+    // Loaded on one rank (another layout), each parameter's momentum is whole
+    // and holds every shard the tensor-parallel ranks held.
+    let dev = Device::cpu();
+    let cx = Cx::new(dev.clone()).with_seed(9);
+    let model = module::build(gpt(), &cx).unwrap();
+    let ckpt = Checkpointer::new(&root, 3).unwrap();
+    let one = loaded_engine(
+        &ckpt.step_dir(2),
+        &ckpt,
+        &model,
+        &cx,
+        LocalSgd::new(&model, std::sync::Arc::new(tessera::dist::SingleRank), None, OuterConfig::diloco(1)).unwrap(),
+    );
+    for (tp_rank, held) in held.iter().enumerate() {
+        for ((shard, want), whole) in held.iter().zip(one.momentum()) {
+            let whole = whole.as_ref().expect("the momentum loads whole");
+            let part = match *shard {
+                tessera::module::Shard::Full => whole.clone(),
+                tessera::module::Shard::Split { dim, degree, .. } => {
+                    whole.narrow(dim, tp_rank * whole.dims()[dim] / degree, whole.dims()[dim] / degree).unwrap()
+                }
+            };
+            assert_eq!(Some(part.to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>()), *want, "tensor-parallel rank {tp_rank}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A fresh engine for `model` loaded from `dir` with its outer momentum,
+/// started from the loaded parameters.
+fn loaded_engine<M: Module>(
+    dir: &Path,
+    ckpt: &Checkpointer,
+    model: &M,
+    cx: &Cx,
+    mut engine: tessera::parallel::local_sgd::LocalSgd,
+) -> tessera::parallel::local_sgd::LocalSgd {
+    let mut opt = AdamW::new(model, ADAMW).unwrap();
+    ckpt.load(dir, model, Some(&mut tessera::parallel::local_sgd::WithOuterMomentum::new(&mut opt, Some(&mut engine))), cx).unwrap();
+    let values = engine.params().iter().map(|p| p.value().unwrap()).collect();
+    engine.start(values).unwrap();
+    engine
+}

@@ -12,6 +12,11 @@ use tessera::train::TrainConfig;
 /// Trains `cfg` in one job, and again in one job per step (each resuming
 /// the last, `stop_after` one step further); both must agree exactly.
 fn stop_and_resume_everywhere(name: &str, text: &str, steps: u64, extra: &[&str], poisoned: std::ops::Range<u64>) -> Vec<Event> {
+    stop_and_resume_every(name, text, steps, 1, extra, poisoned)
+}
+
+/// [`stop_and_resume_everywhere`], each job `stride` steps further than the last.
+fn stop_and_resume_every(name: &str, text: &str, steps: u64, stride: u64, extra: &[&str], poisoned: std::ops::Range<u64>) -> Vec<Event> {
     let (a, b) = (scratch(&format!("{name}-straight")), scratch(&format!("{name}-stepwise")));
     let steps_set = format!("run.steps={steps}");
     let with = |out: &Path, more: &[&str]| -> TrainConfig {
@@ -21,7 +26,7 @@ fn stop_and_resume_everywhere(name: &str, text: &str, steps: u64, extra: &[&str]
         config(out, text, &all)
     };
     let straight = train(with(&a, &[]), poisoned.clone());
-    for k in 1..=steps {
+    for k in (stride..=steps).step_by(stride as usize) {
         let stop = format!("run.stop_after={k}");
         train(with(&b, &[&stop]), poisoned.clone());
     }
@@ -58,6 +63,17 @@ fn fp16_data_parallel_training_resumed_at_every_step_equals_the_uninterrupted_ru
     let text = "[mesh]\ndp = 2\n[batch]\nmicro_batch = 2\n[precision]\ncompute = \"fp16\"\ninitial_scale = 1e12\nhysteresis = 2\n[checkpoint]\nevery = 3\n";
     let events = stop_and_resume_everywhere("fp16", text, 10, &[], 0..0);
     assert!(events.iter().any(|e| matches!(e, Event::Overflow { .. })), "the scale backs off: {events:?}");
+}
+
+#[test]
+fn a_diloco_run_resumed_at_every_meeting_equals_the_uninterrupted_run() {
+    // DiLoCo's outer momentum (0.9) travels in the checkpoints: a resumed
+    // job that restarted it at zero would take another path from the first
+    // meeting after its start. AdamW with β1 = β2 = 0 keeps no history
+    // across steps, so the moments of replica 1, which checkpoints do not
+    // hold, cannot tell the runs apart.
+    let text = "[mesh]\ndp = 2\n[batch]\nmicro_batch = 2\n[local_sgd]\nevery = 2\n[checkpoint]\nevery = 2\n[optim]\nbeta1 = 0.0\nbeta2 = 0.0\nlr = 1e-2\n";
+    stop_and_resume_every("diloco", text, 8, 2, &[], 0..0);
 }
 
 /// The child half of a test that kills its own process: set, this test

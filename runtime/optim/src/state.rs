@@ -1,7 +1,7 @@
 //! The optimizer state a checkpoint saves and restores: AdamW's moments,
 //! held whole by [`AdamW`] or sharded over the data-parallel group by a ZeRO
 //! engine (which then holds the parameters' master copy too, and implements
-//! [`OptimizerState`] beside its own type).
+//! [`OptimizerState`] beside its own type), and Local SGD's outer momentum.
 
 use super::{AdamW, AdamWConfig};
 use serde::{Deserialize, Serialize};
@@ -15,30 +15,38 @@ use tessera_nn::module::Param;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TensorKind {
-    // The discriminants are the positions in `ALL`.
+    // The discriminants are the positions in `EVERY`.
     /// A parameter's values.
     Param,
     /// AdamW's first moment of a parameter.
     AdamM,
     /// AdamW's second moment of a parameter.
     AdamV,
+    /// Local SGD's (DiLoCo's) outer momentum of a parameter, the same on
+    /// every data replica; only in a checkpoint of such a run.
+    OuterMomentum,
 }
 
 impl TensorKind {
-    /// Every kind, in the order pieces are listed.
+    /// The kinds an AdamW checkpoint holds for every parameter: its values
+    /// and its moments, in the order pieces are listed.
     pub const ALL: [TensorKind; 3] = [TensorKind::Param, TensorKind::AdamM, TensorKind::AdamV];
 
-    /// `param`, `adam_m`, `adam_v`.
+    /// Every kind.
+    pub const EVERY: [TensorKind; 4] = [TensorKind::Param, TensorKind::AdamM, TensorKind::AdamV, TensorKind::OuterMomentum];
+
+    /// `param`, `adam_m`, `adam_v`, `outer_momentum`.
     pub fn name(self) -> &'static str {
         match self {
             TensorKind::Param => "param",
             TensorKind::AdamM => "adam_m",
             TensorKind::AdamV => "adam_v",
+            TensorKind::OuterMomentum => "outer_momentum",
         }
     }
 
     /// The key of parameter `param`'s tensor of this kind in a rank file:
-    /// the name itself, or suffixed `.adam_m` / `.adam_v`.
+    /// the name itself, or suffixed `.adam_m`, `.adam_v`, `.outer_momentum`.
     pub fn key(self, param: &str) -> String {
         match self {
             TensorKind::Param => param.to_string(),

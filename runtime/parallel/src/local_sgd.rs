@@ -22,7 +22,10 @@
 //! The global parameters and the momentum are kept in the master dtype
 //! (f32, or f64 for an f64 model) on the parameter's device; the caller
 //! reads and writes each parameter's full-precision value (its optimizer's
-//! master copy where it has one).
+//! master copy where it has one). The momentum, the same on every replica,
+//! goes into checkpoints beside the optimizer's state
+//! ([`WithOuterMomentum`]); the global parameters are the parameters
+//! themselves at a meeting, where checkpoints fall.
 
 use crate::data::SyncStats;
 use std::collections::HashMap;
@@ -33,6 +36,7 @@ use tessera_core::tensor::{DType, Tensor};
 use tessera_core::{Error, Result};
 use tessera_dist::Communicator;
 use tessera_nn::module::{self, Module, Param};
+use tessera_optim::{OptimizerInfo, OptimizerState, StatePiece, StateSlot, TensorKind};
 
 /// The outer optimizer's settings.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -87,8 +91,10 @@ pub struct LocalSgd {
     is_expert: Vec<bool>,
     /// `θ_global`, in the master dtype; set by [`start`](Self::start).
     global: Vec<Tensor>,
-    /// `v`, once the first meeting made it.
+    /// `v`, once the first meeting made it (or a checkpoint restored it).
     velocity: Vec<Option<Tensor>>,
+    /// Meetings so far (restored with the momentum).
+    meetings: u64,
 }
 
 impl LocalSgd {
@@ -110,7 +116,7 @@ impl LocalSgd {
             Ok(())
         })?;
         let n = params.len();
-        Ok(LocalSgd { replicas, experts, config, params, is_expert, global: Vec::new(), velocity: vec![None; n] })
+        Ok(LocalSgd { replicas, experts, config, params, is_expert, global: Vec::new(), velocity: vec![None; n], meetings: 0 })
     }
 
     /// The parameters, in the order [`start`](Self::start) and
@@ -131,12 +137,28 @@ impl LocalSgd {
 
     /// Starts from `values` (every parameter's full-precision value, the
     /// same on every replica: after initialisation, a resume or a
-    /// rollback), with no outer momentum.
+    /// rollback), with the outer momentum it holds: none at first, or what
+    /// a checkpoint restored ([`WithOuterMomentum`]).
     pub fn start(&mut self, values: Vec<Tensor>) -> Result<()> {
         self.check_values("LocalSgd::start", &values)?;
         self.global = values.iter().map(|v| v.to_dtype(master(v.dtype()))).collect::<Result<_>>()?;
-        self.velocity = vec![None; self.params.len()];
+        for (v, g) in self.velocity.iter_mut().zip(&self.global) {
+            if let Some(t) = v.as_ref().filter(|t| t.dtype() != g.dtype()) {
+                *v = Some(t.to_dtype(g.dtype())?);
+            }
+        }
         Ok(())
+    }
+
+    /// The outer momentum of every parameter, once a meeting made it (with
+    /// no momentum configured, never).
+    pub fn momentum(&self) -> &[Option<Tensor>] {
+        &self.velocity
+    }
+
+    /// Meetings so far.
+    pub fn meetings(&self) -> u64 {
+        self.meetings
     }
 
     /// The meeting: `locals` are this replica's full-precision values now;
@@ -175,6 +197,7 @@ impl LocalSgd {
                 self.step(i, &d)?;
             }
         }
+        self.meetings += 1;
         let out = self.global.iter().zip(locals).map(|(g, l)| g.to_dtype(l.dtype())).collect::<Result<_>>()?;
         // Nothing runs beside the meeting: all of it is on the critical path.
         stats.comm = started.elapsed();
@@ -210,6 +233,94 @@ impl LocalSgd {
         for (p, v) in self.params.iter().zip(values) {
             if v.shape() != &p.local_shape() {
                 return Err(Error::shape(op, format!("a value of shape {} for {p:?}, whose shard is {}", v.shape(), p.local_shape())));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An optimizer's state with Local SGD's outer momentum beside it: what
+/// a checkpoint of a Local SGD run saves and restores (the momentum is the
+/// same on every replica, so replica 0 writes it, sharded as the
+/// parameters are). A checkpoint without it (of a synchronous run, or one
+/// saved before the first meeting) restores no momentum.
+pub struct WithOuterMomentum<'a> {
+    optimizer: &'a mut dyn OptimizerState,
+    local: Option<&'a mut LocalSgd>,
+}
+
+impl<'a> WithOuterMomentum<'a> {
+    /// `optimizer`'s state, with `local`'s momentum when there is Local SGD.
+    pub fn new(optimizer: &'a mut dyn OptimizerState, local: Option<&'a mut LocalSgd>) -> Self {
+        WithOuterMomentum { optimizer, local }
+    }
+
+    fn outer_slots(&self) -> Vec<StateSlot> {
+        let Some(local) = &self.local else { return Vec::new() };
+        if local.config.momentum == 0.0 {
+            return Vec::new();
+        }
+        local
+            .params
+            .iter()
+            .map(|p| StateSlot { name: p.name().unwrap_or_default(), param: p.clone(), kind: TensorKind::OuterMomentum, elements: None })
+            .collect()
+    }
+}
+
+impl OptimizerState for WithOuterMomentum<'_> {
+    fn info(&self) -> OptimizerInfo {
+        self.optimizer.info()
+    }
+
+    fn zero_stage(&self) -> Option<u8> {
+        self.optimizer.zero_stage()
+    }
+
+    fn pieces(&self) -> Result<Vec<StatePiece>> {
+        let mut pieces = self.optimizer.pieces()?;
+        if let Some(local) = &self.local {
+            for (slot, v) in self.outer_slots().into_iter().zip(&local.velocity) {
+                if let Some(v) = v {
+                    pieces.push(StatePiece { slot, tensor: v.clone(), steps: local.meetings });
+                }
+            }
+        }
+        Ok(pieces)
+    }
+
+    /// The optimizer's slots, then (with momentum configured) the outer
+    /// momentum's, which a checkpoint that holds none leaves out.
+    fn slots(&self) -> Vec<StateSlot> {
+        let mut slots = self.optimizer.slots();
+        slots.extend(self.outer_slots());
+        slots
+    }
+
+    fn restore(&mut self, mut values: Vec<(Tensor, Option<u64>)>, steps: u64) -> Result<()> {
+        let own = self.optimizer.slots().len();
+        let outer = self.outer_slots();
+        if values.len() != own && values.len() != own + outer.len() {
+            return Err(Error::state_mismatch(
+                "LocalSgd::restore",
+                format!("{} values for {own} optimizer slots and {} of outer momentum", values.len(), outer.len()),
+            ));
+        }
+        let momentum = values.split_off(own);
+        self.optimizer.restore(values, steps)?;
+        if let Some(local) = self.local.as_deref_mut() {
+            local.velocity = vec![None; local.params.len()];
+            local.meetings = 0;
+            for ((slot, (v, meetings)), held) in outer.iter().zip(momentum).zip(local.velocity.iter_mut()) {
+                let shape = slot.param.local_shape();
+                if v.elem_count() != shape.elem_count() {
+                    return Err(Error::shape(
+                        "LocalSgd::restore",
+                        format!("an outer momentum of {} elements for `{}`, whose shard is {shape}", v.elem_count(), slot.name),
+                    ));
+                }
+                *held = Some(v.reshape(shape)?.contiguous()?);
+                local.meetings = local.meetings.max(meetings.unwrap_or(0));
             }
         }
         Ok(())

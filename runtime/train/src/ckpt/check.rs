@@ -8,7 +8,6 @@ use super::manifest::{Index, Manifest};
 use super::region::Region;
 use std::path::Path;
 use tessera_core::{Error, Result};
-use tessera_optim::TensorKind;
 
 /// Checks that the manifest describes every tensor it holds completely:
 /// each parameter's values (and, with an optimizer, both moments) are
@@ -22,9 +21,9 @@ pub(crate) fn check_layout(manifest: &Manifest, path: &Path) -> Result<()> {
         };
         r.region.check(&p.global_shape).map_err(|e| bad(format!("piece `{}` in `{}` is not inside `{}` {:?}: {e}", r.name, r.file, p.name, p.global_shape)))?;
     }
-    let kinds: &[TensorKind] = if manifest.optimizer.is_some() { &TensorKind::ALL } else { &[TensorKind::Param] };
+    let kinds = manifest.kinds();
     for p in &manifest.params {
-        for &kind in kinds {
+        for &kind in &kinds {
             let regions: Vec<&Region> = index.pieces(&p.name, kind).iter().map(|r| &r.region).collect();
             let covered = coverage(&p.global_shape, &regions).map_err(|e| bad(format!("the {} of `{}`: {e}", kind.name(), p.name)))?;
             let total: usize = p.global_shape.iter().product();

@@ -207,6 +207,17 @@ impl Manifest {
         self.tensors.iter().filter(move |r| r.param == param && r.kind == kind)
     }
 
+    /// The kinds of tensor every parameter has: its values; with an
+    /// optimizer, its moments; in a Local SGD run's checkpoint, its outer
+    /// momentum.
+    pub fn kinds(&self) -> Vec<TensorKind> {
+        let mut kinds = if self.optimizer.is_some() { TensorKind::ALL.to_vec() } else { vec![TensorKind::Param] };
+        if self.tensors.iter().any(|r| r.kind == TensorKind::OuterMomentum) {
+            kinds.push(TensorKind::OuterMomentum);
+        }
+        kinds
+    }
+
     /// The record of tensor `name` in rank file `file`.
     pub fn record(&self, name: &str, file: &str) -> Option<&TensorRecord> {
         self.tensors.iter().find(|r| r.name == name && r.file == file)
@@ -234,8 +245,8 @@ impl Manifest {
 /// thousands of parameters and many pieces of each).
 pub(crate) struct Index<'a> {
     params: HashMap<&'a str, &'a ParamRecord>,
-    /// Per parameter, its pieces of each kind (in [`TensorKind::ALL`] order).
-    pieces: HashMap<&'a str, [Vec<&'a TensorRecord>; 3]>,
+    /// Per parameter, its pieces of each kind (in [`TensorKind::EVERY`] order).
+    pieces: HashMap<&'a str, [Vec<&'a TensorRecord>; 4]>,
 }
 
 impl<'a> Index<'a> {
@@ -246,7 +257,7 @@ impl<'a> Index<'a> {
                 params.entry(name.as_str()).or_insert(p);
             }
         }
-        let mut pieces: HashMap<&str, [Vec<&TensorRecord>; 3]> = HashMap::new();
+        let mut pieces: HashMap<&str, [Vec<&TensorRecord>; 4]> = HashMap::new();
         for r in &m.tensors {
             pieces.entry(r.param.as_str()).or_default()[r.kind as usize].push(r);
         }

@@ -15,7 +15,6 @@ use std::path::Path;
 use tessera_core::file::sync_dir;
 use tessera_core::{Error, Result};
 use tessera_nn::module::{Shard, StagePart};
-use tessera_optim::TensorKind;
 
 /// Why `mesh` cannot hold the parameters of `manifest`, every reason at once.
 fn problems(manifest: &Manifest, mesh: &MeshInfo) -> Vec<String> {
@@ -100,7 +99,7 @@ pub fn reshard(src: &Path, out: &Path, mesh: MeshInfo) -> Result<Manifest> {
 
 /// Writes every rank file of `mesh` and the manifest into `tmp`.
 fn write_all(src: &Path, tmp: &Path, manifest: &Manifest, mesh: MeshInfo) -> Result<Manifest> {
-    let kinds: &[TensorKind] = if manifest.optimizer.is_some() { &TensorKind::ALL } else { &[TensorKind::Param] };
+    let kinds = manifest.kinds();
     let mut store = Store::new(src, manifest);
     let mut tensors: Vec<TensorRecord> = Vec::new();
     // Replicas hold the same values: replica 0 of every other coordinate writes.
@@ -112,7 +111,7 @@ fn write_all(src: &Path, tmp: &Path, manifest: &Manifest, mesh: MeshInfo) -> Res
                 continue;
             }
             let region = Region::of_shard(&p.global_shape, shard_of(p, coords.tp, &mesh));
-            for &kind in kinds {
+            for &kind in &kinds {
                 let (bytes, dtype, steps) = store.assemble_bytes(p, kind, &region)?;
                 let record = TensorRecord {
                     name: kind.key(&p.name),

@@ -122,7 +122,7 @@ pub(crate) fn prepare<M: Module>(dir: &Path, manifest: &Manifest, model: &M, opt
     // (its shard here; the rest reaches this rank through the engine).
     let values = if opt.is_some_and(|o| o.zero_stage().is_some()) { Vec::new() } else { read_values(&mut store, &params, cx)? };
     let state = match opt {
-        Some(o) => read_state(&mut store, &params, o, cx)?,
+        Some(o) => read_state(&mut store, &params, o, cx, manifest.kinds().contains(&TensorKind::OuterMomentum))?,
         None => Vec::new(),
     };
     let steps = manifest.tensors.iter().filter_map(|r| r.steps).max().unwrap_or(0);
@@ -184,12 +184,16 @@ fn read_values(store: &mut Store, params: &[ModelParam], cx: &Cx) -> Result<Vec<
     Ok(values)
 }
 
-/// The value of every slot of `opt`, with its update count.
-fn read_state(store: &mut Store, params: &[ModelParam], opt: &dyn OptimizerState, cx: &Cx) -> Result<Vec<(Tensor, Option<u64>)>> {
+/// The value of every slot of `opt`, with its update count; without
+/// `outer` (a checkpoint that holds no outer momentum), every slot but
+/// those of the outer momentum.
+fn read_state(store: &mut Store, params: &[ModelParam], opt: &dyn OptimizerState, cx: &Cx, outer: bool) -> Result<Vec<(Tensor, Option<u64>)>> {
     let slots = opt.slots();
     let by_id: std::collections::HashMap<tessera_nn::module::ParamId, &ModelParam> = params.iter().map(|m| (m.param.id(), m)).collect();
     let mut state = Vec::with_capacity(slots.len());
-    for s in &slots {
+    // Local SGD's outer momentum is in a checkpoint only after a meeting of
+    // a run with it: without it, those slots are left out (and none restored).
+    for s in slots.iter().filter(|s| outer || s.kind != TensorKind::OuterMomentum) {
         let Some(&m) = by_id.get(&s.param.id()) else {
             return Err(
                 store.mismatch(format!("the optimizer updates `{}`, which is not a parameter of this model; build the optimizer from the model", s.name))

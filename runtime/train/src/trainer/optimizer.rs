@@ -17,15 +17,7 @@ pub(super) enum RankOptimizer {
 }
 
 impl RankOptimizer {
-    /// The state checkpoints save.
-    pub(super) fn state(&self) -> &dyn OptimizerState {
-        match self {
-            RankOptimizer::AdamW(o) => o,
-            RankOptimizer::Zero(z) => &**z,
-        }
-    }
-
-    /// The state a checkpoint restores.
+    /// The state checkpoints save and restore.
     pub(super) fn state_mut(&mut self) -> &mut dyn OptimizerState {
         match self {
             RankOptimizer::AdamW(o) => o,

@@ -19,8 +19,9 @@ use tessera_nn::module::{self, Act, Cx, Replicated, SplitHidden, Staged};
 use tessera_nn::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward};
 use tessera_observe::{Event, Trace};
 use tessera_optim::AdamW;
+use tessera_optim::OptimizerState;
 use tessera_parallel::data::{DataParallel, SyncStats};
-use tessera_parallel::local_sgd::LocalSgd;
+use tessera_parallel::local_sgd::{LocalSgd, WithOuterMomentum};
 use tessera_parallel::pipeline::{run_stage, sync_tied_grads, Schedule};
 use tessera_parallel::zero::{Zero, ZeroConfig};
 
@@ -202,7 +203,8 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         if !self.trainer.config.checkpoint.resume {
             return Ok(0);
         }
-        match self.shared.ckpt.load_latest_valid(&self.model, Some(self.optimizer.state_mut()), &self.cx)? {
+        let mut state = WithOuterMomentum::new(self.optimizer.state_mut(), self.local_sgd.as_mut());
+        match self.shared.ckpt.load_latest_valid(&self.model, Some(&mut state), &self.cx)? {
             Some(r) => {
                 self.state.resume(&r.manifest.extra)?;
                 restore_fp8(&self.cx, &r.manifest.extra)?;
@@ -451,7 +453,11 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         for g in [&self.tp, &self.dp, &self.ep, &self.pp] {
             g.barrier()?;
         }
-        let Some((to, skipped)) = self.state.roll_back(ckpt, &self.model, self.optimizer.state_mut(), &self.cx, done)? else { return Ok(None) };
+        let Some((to, skipped)) =
+            self.state.roll_back(ckpt, &self.model, &mut WithOuterMomentum::new(self.optimizer.state_mut(), self.local_sgd.as_mut()), &self.cx, done)?
+        else {
+            return Ok(None);
+        };
         if self.rank == 0 {
             for e in &skipped {
                 if let Event::Skipped { dir, reason } = e {
@@ -500,7 +506,8 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
         if let Some(h) = self.pending_save.take() {
             h.wait()?;
         }
-        let state = Some(self.optimizer.state());
+        let state = WithOuterMomentum::new(self.optimizer.state_mut(), self.local_sgd.as_mut());
+        let state = Some(&state as &dyn OptimizerState);
         let dir = if !scheduled && done < cfg.run.steps {
             trace.span(rank, "checkpoint", "io", || ckpt.save_resume_point(done, &self.model, state, &self.cx, extra))?
         } else if cfg.checkpoint.background && done < stop {
@@ -535,7 +542,9 @@ impl<'r, 'a, M: Staged<In = Replicated, Out = SplitHidden>> RankRun<'r, 'a, M> {
             }
         }
         let extra = self.extra()?;
-        let (ckpt, state) = (self.shared.ckpt, Some(self.optimizer.state()));
+        let ckpt = self.shared.ckpt;
+        let state = WithOuterMomentum::new(self.optimizer.state_mut(), self.local_sgd.as_mut());
+        let state = Some(&state as &dyn OptimizerState);
         if done < self.trainer.config.run.steps {
             ckpt.save_resume_point(done, &self.model, state, &self.cx, extra)
         } else {
