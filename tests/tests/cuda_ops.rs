@@ -463,6 +463,13 @@ device_test! {
             let want = ops::embedding_backward(&ids, &dout, 4, 3, 10).unwrap();
             let got = ops::embedding_backward(&dids, &ddout, 4, 3, 10).unwrap();
             assert_close("embedding_backward shard", &want, &got, dev, 0.0);
+            // Accumulated into an f32 gradient (the overlapped backward's
+            // other slices): the CPU adds in place, the GPU adds the part's
+            // gradient; the same sums.
+            let (acc, dacc) = pair(dev, &[4, 33], DType::F32, 56);
+            ops::embedding_backward_accumulate(&acc, &ids, &dout, 3, 10).unwrap();
+            ops::embedding_backward_accumulate(&dacc, &dids, &ddout, 3, 10).unwrap();
+            assert_close("embedding_backward_accumulate", &acc, &dacc, dev, tolerance(dtype));
         }
     }
 }

@@ -209,7 +209,8 @@ impl Module<Vocab> for Embedding {
         let ids_of = |r: usize| ids.narrow(1, r * len, len).and_then(|t| t.contiguous());
         // Summed in f32 (or the gradient's f64) across the slices.
         let full = if dy.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
-        let g = ops::embedding_backward(&ids_of(rank)?, &dy.to_dtype(full)?, rows, start, self.vocab)?;
+        let own = if dy.dtype() == full { dy.clone() } else { dy.to_dtype(full)? };
+        let g = ops::embedding_backward(&ids_of(rank)?, &own, rows, start, self.vocab)?;
         let gathered = travelling.wait()?;
         for r in (0..tp).filter(|&r| r != rank) {
             ops::embedding_backward_accumulate(&g, &ids_of(r)?, &gathered.narrow(1, r * len, len)?, start, self.vocab)?;

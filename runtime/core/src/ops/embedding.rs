@@ -143,12 +143,12 @@ pub fn embedding_backward_accumulate(acc: &Tensor, ids: &Tensor, dout: &Tensor, 
     if !matches!(acc.dtype(), DType::F32 | DType::F64) {
         return Err(Error::DType { op: OP, expected: "f32 or f64 accumulator".into(), got: acc.dtype(), hint: "; accumulate gradients in full precision" });
     }
+    let dout = if dout.dtype() == acc.dtype() { dout.contiguous()? } else { dout.to_dtype(acc.dtype())? };
     if matches!(acc.device(), crate::Device::Cuda(_)) {
         // The GPU sums each row in one block without atomics: the part's
         // gradient, then one in-place add.
-        return super::accumulate(acc, &embedding_backward(ids, dout, rows, vocab_start, vocab_size)?);
+        return super::accumulate(acc, &embedding_backward(ids, &dout, rows, vocab_start, vocab_size)?);
     }
-    let dout = dout.to_dtype(acc.dtype())?.contiguous()?;
     let dr = dout.layout().contiguous_range().expect("contiguous");
     with_u32(OP, "ids", ids, |id_slice| {
         check_ids(OP, id_slice, vocab_size, "; token ids must be smaller than the vocabulary size")?;
