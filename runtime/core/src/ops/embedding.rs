@@ -156,27 +156,27 @@ pub fn embedding_backward_accumulate(acc: &Tensor, ids: &Tensor, dout: &Tensor, 
         let mut dst = acc.write();
         match (&mut *dst, &*src) {
             (Storage::Cpu(a), Storage::Cpu(d)) => match acc.dtype() {
-                DType::F32 => k::embedding_backward(
-                    id_slice,
-                    &d.as_slice::<f32>().expect("f32")[dr],
-                    rows,
-                    dim,
-                    vocab_start as u32,
-                    &mut a.as_mut_slice::<f32>().expect("f32")[range],
-                ),
-                _ => k::embedding_backward(
-                    id_slice,
-                    &d.as_slice::<f64>().expect("f64")[dr],
-                    rows,
-                    dim,
-                    vocab_start as u32,
-                    &mut a.as_mut_slice::<f64>().expect("f64")[range],
-                ),
+                DType::F32 => scatter_add::<f32>(a, d, id_slice, dim, vocab_start, range, dr),
+                _ => scatter_add::<f64>(a, d, id_slice, dim, vocab_start, range, dr),
             },
             _ => return Err(Error::DeviceMismatch { op: OP, lhs: acc.device().to_string(), rhs: dout.device().to_string() }),
         }
         Ok(())
     })
+}
+
+/// `acc[range] += ` the rows `d[dr]` of `ids` scatter-added (one dtype `T`).
+fn scatter_add<T: tessera_kernels::Real + crate::tensor::Element>(
+    acc: &mut crate::backend::cpu::CpuStorage,
+    d: &crate::backend::cpu::CpuStorage,
+    ids: &[u32],
+    dim: usize,
+    vocab_start: usize,
+    range: std::ops::Range<usize>,
+    dr: std::ops::Range<usize>,
+) {
+    let acc = &mut acc.as_mut_slice::<T>().expect("the accumulator's dtype")[range];
+    k::embedding_backward(ids, &d.as_slice::<T>().expect("converted to the accumulator's dtype")[dr], acc.len() / dim, dim, vocab_start as u32, acc);
 }
 
 fn check_range(op: &'static str, rows: usize, vocab_start: usize, vocab_size: usize) -> Result<()> {
