@@ -96,7 +96,7 @@ impl Timed {
         self.calls.lock().unwrap().push(c);
     }
     /// A handle whose wait is timed like a blocking call.
-    fn timed(&self, what: &'static str, p: Pending) -> Pending {
+    fn timed<T: Send + 'static>(&self, what: &'static str, p: Pending<T>) -> Pending<T> {
         let inner = Arc::new(Mutex::new(Some(p)));
         let (probe, waited, rank) = (inner.clone(), self.waited.clone(), self.inner.rank());
         Pending::queued(
@@ -159,6 +159,15 @@ impl Communicator for Timed {
     fn reduce_scatter_sum_async(&self, t: &Tensor, dim: usize) -> tessera::Result<Pending> {
         self.record(Call::ReduceScatter(t.clone(), dim));
         Ok(self.timed("reduce-scatter, background", self.inner.reduce_scatter_sum_async(t, dim)?))
+    }
+    fn send(&self, t: &Tensor, peer: usize) -> tessera::Result<()> {
+        self.time("send, blocking", || self.inner.send(t, peer))
+    }
+    fn send_async(&self, t: &Tensor, peer: usize) -> tessera::Result<Pending<()>> {
+        Ok(self.timed("send, background", self.inner.send_async(t, peer)?))
+    }
+    fn recv(&self, peer: usize) -> tessera::Result<Tensor> {
+        self.time("receive", || self.inner.recv(peer))
     }
 }
 

@@ -266,6 +266,33 @@ fn send_and_recv_ping_pong_with_shape_and_dtype() {
     });
 }
 
+/// Sends started in the background arrive in the order they were started,
+/// each behind the collectives started before it (which the receiver
+/// joins before it receives), and a handle reports a send that could not
+/// be made.
+#[test]
+fn background_sends_keep_their_order() {
+    let world = InProcess::new(3).unwrap();
+    on_every_rank(&world, |rank, comm, dev| {
+        let next = (rank + 1) % 3;
+        let prev = (rank + 2) % 3;
+        let value = |k: usize| Tensor::from_vec(vec![(10 * rank + k) as f32; 4], [4], dev).unwrap();
+        let first = comm.send_async(&value(1), next).unwrap();
+        let gathered = comm.all_gather_async(&value(0), 0).unwrap();
+        let second = comm.send_async(&value(2), next).unwrap();
+        let third = comm.send_async(&value(3), next).unwrap();
+        let got: Vec<f32> = (0..3).map(|_| comm.recv(prev).unwrap().to_vec::<f32>().unwrap()[0]).collect();
+        let p = prev as f32;
+        assert_eq!(got, vec![10.0 * p + 1.0, 10.0 * p + 2.0, 10.0 * p + 3.0], "rank {rank}: in the order sent");
+        for s in [first, second, third] {
+            s.wait().unwrap();
+        }
+        assert_eq!(gathered.wait().unwrap().dims(), &[12]);
+        let err = comm.send_async(&value(4), rank).and_then(|p| p.wait());
+        assert!(matches!(err, Err(Error::NoSuchRank { .. })), "rank {rank}: sending to oneself is refused: {err:?}");
+    });
+}
+
 #[test]
 fn sub_groups_run_concurrently_without_interfering() {
     // World 8 as a 4 × 2 mesh: tp groups of 2 adjacent ranks, dp groups of 4.

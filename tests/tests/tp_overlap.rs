@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use tessera::dist::inproc::InProcess;
 use tessera::dist::{Communicator, Pending};
 use tessera::module::{self, Act, Cx, Groups, Module};
-use tessera::nn::Stack;
+use tessera::nn::{Linear, Stack};
 use tessera::prelude::*;
 
 /// A communicator that counts each call by name, and whether it moved a
@@ -77,6 +77,18 @@ impl Communicator for Counting {
     fn all_reduce_sum_async(&self, t: &Tensor) -> tessera::Result<Pending> {
         self.count("all_reduce_async");
         self.inner.all_reduce_sum_async(t)
+    }
+    fn send(&self, t: &Tensor, peer: usize) -> tessera::Result<()> {
+        self.count("send");
+        self.inner.send(t, peer)
+    }
+    fn send_async(&self, t: &Tensor, peer: usize) -> tessera::Result<Pending<()>> {
+        self.count("send_async");
+        self.inner.send_async(t, peer)
+    }
+    fn recv(&self, peer: usize) -> tessera::Result<Tensor> {
+        self.count("recv");
+        self.inner.recv(peer)
     }
 }
 
@@ -178,8 +190,9 @@ fn assert_same(name: &str, got: &[RankRun], want: &[RankRun], tol: f64) {
 /// whole collectives (the products of pieces may round apart from the whole
 /// product: the CPU kernels choose their blocking by size). Then the calls:
 /// every column product gathers its input beside its own slice's product
-/// and reduce-scatters its input gradient piece by piece, every row product's (and the embedding's) reduce-scatter is
-/// started piece by piece and taken by its `all_reduce`, the backward of
+/// and reduce-scatters its input gradient piece by piece, every row
+/// product (and the embedding) sends the other ranks their slices' parts
+/// and leaves its own slice's sum to its `all_reduce`, the backward of
 /// that `all_reduce` gathers the gradient beside the row product's (or the
 /// embedding's) own slice's work, and nothing is left whole; the norms'
 /// gradients are summed over the group in one all-reduce, in the background
@@ -219,18 +232,15 @@ fn cut_collectives_give_the_whole_collectives_results() {
                 // collectives, beside the embedding's backward overlapped.
                 assert_eq!(get(w, "all_reduce"), 1, "{name}: whole: {w:?}");
                 assert_eq!((get(c, "all_reduce"), get(c, "all_reduce_async")), (0, 1), "{name}: {c:?}");
-                // The last piece of a row product's (and the embedding's)
-                // reduce-scatter is reduced by the calling thread; before it,
-                // 1 to `pieces - 1` pieces (shrinking, so as many as the
-                // slice's tokens allow) travel in the background. A column
-                // product's input gradient travels in `n` equal pieces.
+                // A row product's (and the embedding's) output is not
+                // reduce-scattered: each other rank's slice is sent to it
+                // in the background, and this rank's own slice summed with
+                // what the others sent. A column product's input gradient
+                // travels in `n` pieces.
                 let reductions = rows + 1;
-                assert_eq!(get(c, "reduce_scatter piece"), reductions, "{name}: {c:?}");
-                let travelling = get(c, "reduce_scatter_async piece") - columns * n;
-                assert!((reductions..=reductions * (n - 1)).contains(&travelling), "{name}: {c:?}");
-                if pieces == 2 {
-                    assert_eq!(travelling, reductions, "{name}: {c:?}");
-                }
+                assert_eq!((get(c, "send_async"), get(c, "recv")), (reductions * (tp - 1), reductions * (tp - 1)), "{name}: {c:?}");
+                assert_eq!(get(c, "send") + get(c, "reduce_scatter piece"), 0, "{name}: {c:?}");
+                assert_eq!(get(c, "reduce_scatter_async piece") + get(c, "reduce_scatter_async"), columns * n, "{name}: {c:?}");
             }
         }
     }
@@ -247,6 +257,53 @@ fn llama_blocks_with_cut_collectives_match_the_whole_ones() {
     let whole = run(2, 1, DType::F64, &make, &x, true);
     for pieces in [2, 4] {
         assert_same(&format!("llama tp2 in {pieces} pieces"), &run(2, pieces, DType::F64, &make, &x, true), &whole, 1e-12);
+    }
+}
+
+/// Two row products whose outputs are summed before the `all_reduce`, so
+/// that neither's running sum is taken (the reduction of their sum is a
+/// whole collective), then a row product whose sum is: the messages the
+/// first two sent must not be taken for the third's.
+#[derive(Module)]
+struct UntakenSums {
+    #[shard(column)]
+    up: Linear,
+    #[shard(row)]
+    a: Linear,
+    #[shard(row)]
+    b: Linear,
+    #[shard(column)]
+    up2: Linear,
+    #[shard(row)]
+    c: Linear,
+}
+
+#[forward]
+impl UntakenSums {
+    fn forward(&self, x: Act<Replicated>) -> Act<Replicated> {
+        let h = self.up(x);
+        let s = all_reduce(self.a(h) + self.b(h));
+        all_reduce(self.c(self.up2(s)))
+    }
+}
+
+#[test]
+fn sums_nothing_takes_leave_no_message_behind() {
+    let make = || -> tessera::Result<UntakenSums> {
+        Ok(UntakenSums {
+            up: Linear::new(8, 16, true)?,
+            a: Linear::new(16, 8, false)?,
+            b: Linear::new(16, 8, true)?,
+            up2: Linear::new(8, 16, false)?,
+            c: Linear::new(16, 8, true)?,
+        })
+    };
+    for tp in [2, 4] {
+        let x = Tensor::rand(Init::Normal { mean: 0.0, std: 1.0 }, RngKey::new(9, 0), [2, 8, 8], DType::F64, &Device::cpu()).unwrap();
+        let whole = run(tp, 1, DType::F64, &make, &x, true);
+        let cut = run(tp, 2, DType::F64, &make, &x, true);
+        assert_same(&format!("tp{tp}"), &cut, &whole, 1e-12);
+        assert_eq!(cut[0].calls.get("send_async").copied(), Some(3 * (tp - 1)), "every row product sent its slices: {:?}", cut[0].calls);
     }
 }
 

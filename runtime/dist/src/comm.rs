@@ -111,6 +111,20 @@ pub trait Communicator: fmt::Debug + Send + Sync {
         Err(unsupported("recv", peer, self))
     }
 
+    /// Starts [`send`](Self::send) in the background: the copy is made by
+    /// the communicator's thread instead of the caller's, which may compute
+    /// meanwhile. Background sends to a peer arrive in the order they were
+    /// started, each after the background collectives started before it
+    /// (so a receiver must have joined those before it receives); a
+    /// blocking `send` made while background ones wait may arrive first,
+    /// so use one kind per peer. `t` must not be modified in place until
+    /// the handle is waited for.
+    ///
+    /// The default sends now and returns a completed handle.
+    fn send_async(&self, t: &Tensor, peer: usize) -> Result<Pending<()>> {
+        Ok(Pending::ready("send", self.send(t, peer)))
+    }
+
     /// Starts [`all_reduce_sum`](Self::all_reduce_sum) in the background.
     ///
     /// `t` must not be modified in place until the handle is waited for (the

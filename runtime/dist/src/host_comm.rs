@@ -184,6 +184,12 @@ impl<C: HostCore> Communicator for HostComm<C> {
     fn recv(&self, peer: usize) -> Result<Tensor> {
         self.core().recv(peer)
     }
+    /// Queued behind this rank's background collectives (a receiver that
+    /// waits for it has issued the same collectives before, so they finish).
+    fn send_async(&self, t: &Tensor, peer: usize) -> Result<Pending<()>> {
+        let t = t.clone();
+        self.serial.submit("send", move |c| c.send(&t, peer))
+    }
     fn all_reduce_sum_async(&self, t: &Tensor) -> Result<Pending> {
         let t = t.clone();
         self.serial.submit("all_reduce_sum", move |c| c.all_reduce(&t))

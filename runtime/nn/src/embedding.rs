@@ -168,10 +168,10 @@ impl Module<Vocab> for Embedding {
     fn forward(&self, cx: &mut Cx, ids: Act<Replicated>) -> Result<(Act<PartialSum>, EmbeddingSaved)> {
         let ids = ids.into_tensor();
         let tp = cx.tp().size();
-        if let Some(pieces) = cx.tp_overlap().filter(|_| cx.decode().is_none() && ids.rank() >= 2 && ids.dims()[1].is_multiple_of(tp)) {
+        if cx.tp_overlap().is_some() && cx.decode().is_none() && ids.rank() >= 2 && ids.dims()[1].is_multiple_of(tp) {
             let table = cx.param(&self.weight)?;
             let start = cx.tp().rank() * table.dims()[0];
-            let sum = crate::module::overlap::map_reduce_scatter(cx, &ids, pieces, true, |piece| ops::embedding_shard(&table, piece, start, self.vocab))?;
+            let sum = crate::module::overlap::map_scatter_sum(cx, &ids, |part| ops::embedding_shard(&table, part, start, self.vocab))?;
             let y = sum.summand()?;
             cx.start_reduction(crate::module::overlap::InFlight { value: y.clone(), sum });
             return Ok((Act::new(y), EmbeddingSaved { ids }));

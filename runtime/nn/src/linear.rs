@@ -513,9 +513,7 @@ impl Module<Column> for Linear {
             let w = self.backward_weight(cx)?;
             let w = if cx.fp8().is_some() && w.dtype() != dy.tensor().dtype() { w.to_dtype(dy.tensor().dtype())? } else { w };
             let fp8 = self.piece_fp8(cx, Operand::Grad, dy.tensor(), &w)?;
-            let dx = crate::module::overlap::map_reduce_scatter(cx, dy.tensor(), pieces, false, |piece| {
-                self.piece_product(cx, piece, &w, false, None, fp8.as_ref())
-            })?;
+            let dx = crate::module::overlap::map_reduce_scatter(cx, dy.tensor(), pieces, |piece| self.piece_product(cx, piece, &w, false, None, fp8.as_ref()))?;
             self.weight_grad(cx, &x.wait()?, dy.tensor())?;
             return Ok(Act::new(dx.wait()?));
         }
@@ -556,11 +554,10 @@ impl Module<Row> for Linear {
     fn forward(&self, cx: &mut Cx, x: Act<SplitHidden>) -> Result<(Act<PartialSum>, LinearSaved)> {
         let first = cx.tp().rank() == 0;
         let x = x.into_tensor();
-        if let Some(pieces) = self.overlap(cx, &x).filter(|_| x.dims()[1].is_multiple_of(cx.tp().size())) {
+        if self.overlap(cx, &x).is_some() && x.dims()[1].is_multiple_of(cx.tp().size()) {
             let (x, w, bias) = self.operands(cx, x, first)?;
             let fp8 = self.piece_fp8(cx, Operand::Input, &x, &w)?;
-            let sum =
-                crate::module::overlap::map_reduce_scatter(cx, &x, pieces, true, |piece| self.piece_product(cx, piece, &w, true, bias.as_ref(), fp8.as_ref()))?;
+            let sum = crate::module::overlap::map_scatter_sum(cx, &x, |part| self.piece_product(cx, part, &w, true, bias.as_ref(), fp8.as_ref()))?;
             let y = sum.summand()?;
             cx.start_reduction(crate::module::overlap::InFlight { value: y.clone(), sum });
             return Ok((Act::new(y), LinearSaved { x, gather_again: false }));

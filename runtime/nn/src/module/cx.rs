@@ -363,15 +363,15 @@ impl Cx {
     /// runs them whole, each before or after its product): an all-gather
     /// before a product (a column-parallel layer's input, a row-parallel
     /// layer's or a vocabulary-parallel embedding's output gradient) runs
-    /// while this rank's own slice's part does, and the reduce-scatter after
-    /// one (a row-parallel layer's or the embedding's output, a
-    /// column-parallel layer's input gradient) is cut into up to `pieces`
-    /// along the tokens, each piece's sum travelling while the next piece's
-    /// product runs (after a row product or the embedding, each piece half
-    /// the one before, so that the last, which nothing hides, is short).
-    /// The results agree with whole collectives' to the rounding of products
-    /// computed a part at a time; without sequence parallelism it changes
-    /// nothing.
+    /// while this rank's own slice's part does; a row-parallel layer (or the
+    /// embedding) computes each other rank's slice of its output first and
+    /// sends it while the next runs, its own slice last, and the `all_reduce`
+    /// of its output sums the parts of this rank's slice; and the
+    /// reduce-scatter of a column-parallel layer's input gradient is cut
+    /// into `pieces` along the tokens, each piece's sum travelling while the
+    /// next piece's product runs. The results agree with whole collectives'
+    /// to the rounding of products computed a part at a time; without
+    /// sequence parallelism it changes nothing.
     pub fn with_tp_overlap(mut self, pieces: usize) -> Self {
         self.tp_overlap = pieces.max(1);
         self

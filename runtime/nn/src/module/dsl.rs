@@ -125,7 +125,7 @@ pub fn region_dtype(outer: DType, requested: DType) -> DType {
 pub fn all_reduce<L: Reducible>(cx: &mut Cx, x: Act<L>) -> Result<Act<Replicated>> {
     if cx.sequence_split() {
         if let Some(running) = cx.take_reduction(x.tensor()) {
-            // Started piece by piece by the row-parallel layer that made `x`.
+            // Started slice by slice by the row-parallel layer that made `x`.
             return Ok(Act::new(running.sum.wait()?));
         }
         Ok(Act::new(cx.tp().reduce_scatter_sum(x.tensor(), 1)?))
@@ -148,7 +148,7 @@ pub fn all_reduce_backward(cx: &mut Cx, g: Act<Replicated>) -> Result<Act<Partia
 /// Sums a partial value over the group and keeps this rank's slice of the sequence (dim 1).
 pub fn reduce_scatter<L: Reducible>(cx: &mut Cx, x: Act<L>) -> Result<Act<SplitSeq>> {
     if let Some(running) = cx.take_reduction(x.tensor()) {
-        // Started piece by piece by the row-parallel layer that made `x`.
+        // Started slice by slice by the row-parallel layer that made `x`.
         return Ok(Act::new(running.sum.wait()?));
     }
     Ok(Act::new(cx.tp().reduce_scatter_sum(x.tensor(), 1)?))

@@ -12,21 +12,29 @@
 //!   own slice, which needs nothing from them, runs; then theirs;
 //! - **multiply, then reduce-scatter** ([`map_reduce_scatter`]): cut into
 //!   `c` pieces along the tokens, the product of each piece is
-//!   reduce-scattered while the next piece's runs.
+//!   reduce-scattered while the next piece's runs;
+//! - **multiply, then sum this rank's slice** ([`map_scatter_sum`], for a
+//!   row-parallel layer's output, which its caller needs right away): the
+//!   product of each other rank's slice is sent to that rank while the next
+//!   runs, this rank's own last; then the others' parts of this rank's
+//!   slice, long arrived, are summed with its own. Cut into pieces, the
+//!   last piece's reduce-scatter would wait in the open for both ranks'
+//!   threads to meet; a message that was sent needs no meeting.
 //!
 //! A reduce-scatter piece is the same rows of every rank's slice: piece `i`
 //! of a slice of `s/tp` tokens is tokens `[a, b)` of each slice, so that its
-//! reduce-scatter (over dimension 1) sums exactly those rows. The products
-//! see the rows in that strided order, which is harmless (every token is
-//! multiplied on its own) and undone when the pieces are assembled. The
-//! collectives move the same values and sum them in the same order as
-//! whole ones; only the products may round differently, as a kernel may
-//! block a product of fewer rows differently (the results agree to the
-//! dtype's rounding, and a run is as reproducible as without overlap).
+//! reduce-scatter (over dimension 1) sums exactly those rows, each piece's
+//! result its part of this rank's slice. The products see the rows in that
+//! strided order, which is harmless (every token is multiplied on its own).
+//! The collectives and the sums of sent slices move the same values and sum
+//! them in the same order as whole ones; only the products may round
+//! differently, as a kernel may block a product of fewer rows differently
+//! (the results agree to the dtype's rounding, and a run is as reproducible
+//! as without overlap).
 //!
 //! A row-parallel layer's forward cannot reduce its own output (its layout
 //! is a `PartialSum`, reduced by the `all_reduce` its caller writes), so it
-//! starts the reduce-scatter of each piece and leaves the handles on the
+//! sends the other slices' parts and leaves what is left to do on the
 //! context ([`Cx::start_reduction`]) beside the partial value it returns;
 //! `all_reduce` takes them when it is handed that same value
 //! ([`Cx::take_reduction`]) and falls back to the whole collective for any
@@ -34,9 +42,10 @@
 
 use super::Cx;
 use std::ops::Range;
-use tessera_core::tensor::Tensor;
+use std::sync::Arc;
+use tessera_core::tensor::{DType, Tensor};
 use tessera_core::Result;
-use tessera_dist::Pending;
+use tessera_dist::{Communicator, Pending};
 
 /// `len` tokens cut into at most `chunks` near-equal, non-empty, consecutive pieces.
 pub(crate) fn pieces(len: usize, chunks: usize) -> Vec<Range<usize>> {
@@ -44,32 +53,11 @@ pub(crate) fn pieces(len: usize, chunks: usize) -> Vec<Range<usize>> {
     (0..n).map(|i| i * len / n..(i + 1) * len / n).filter(|r| !r.is_empty()).collect()
 }
 
-/// `len` tokens cut into at most `chunks` consecutive, non-empty pieces,
-/// each half as long as the one before.
-pub(crate) fn shrinking_pieces(len: usize, chunks: usize) -> Vec<Range<usize>> {
-    let n = chunks.clamp(1, len.max(1)).min(20) as u32;
-    let total = (1usize << n) - 1;
-    let end = |i: u32| len * (total - ((1usize << (n - i)) - 1)) / total;
-    (0..n).map(|i| end(i)..end(i + 1)).filter(|r| !r.is_empty()).collect()
-}
-
 /// The rows `piece` of each of the `tp` slices of the whole-sequence `x`
 /// (dimension 1), slice after slice: `[batch, tp·piece.len(), ..]`.
 fn rows_of_every_slice(x: &Tensor, tp: usize, piece: &Range<usize>) -> Result<Tensor> {
     let slice = x.dims()[1] / tp;
     let parts: Vec<Tensor> = (0..tp).map(|r| x.narrow(1, r * slice + piece.start, piece.len())).collect::<Result<_>>()?;
-    Tensor::concat(&parts.iter().collect::<Vec<_>>(), 1)
-}
-
-/// The whole sequence back in order from each piece's rows of every slice
-/// (the inverse of [`rows_of_every_slice`] over all pieces).
-fn assemble(outs: &[Tensor], pieces: &[Range<usize>], tp: usize) -> Result<Tensor> {
-    let mut parts = Vec::with_capacity(tp * pieces.len());
-    for r in 0..tp {
-        for (out, piece) in outs.iter().zip(pieces) {
-            parts.push(out.narrow(1, r * piece.len(), piece.len())?);
-        }
-    }
     Tensor::concat(&parts.iter().collect::<Vec<_>>(), 1)
 }
 
@@ -100,56 +88,114 @@ pub(crate) fn gather_map(cx: &Cx, x: &Tensor, keep: bool, mut f: impl FnMut(&Ten
 /// The reduce-scatter over the group of `f` of the whole-sequence `x`, cut
 /// into `chunks` pieces: each piece's sum starts while the next piece's `f`
 /// runs. `f` must treat each token (dimension 1) on its own.
-///
-/// With `last_blocking` (for a caller that needs the sum next, with nothing
-/// to do meanwhile) the calling thread reduces the last piece itself, after
-/// the others, sparing it the hand-off to the communication thread and back.
-pub(crate) fn map_reduce_scatter(
-    cx: &Cx,
-    x: &Tensor,
-    chunks: usize,
-    last_blocking: bool,
-    mut f: impl FnMut(&Tensor) -> Result<Tensor>,
-) -> Result<ReduceScatter> {
+pub(crate) fn map_reduce_scatter(cx: &Cx, x: &Tensor, chunks: usize, mut f: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<ReduceScatter> {
     let tp = cx.tp().size();
-    let mut pieces = if last_blocking { shrinking_pieces(x.dims()[1] / tp, chunks) } else { pieces(x.dims()[1] / tp, chunks) };
+    let pieces = pieces(x.dims()[1] / tp, chunks);
     if pieces.len() < 2 {
         // Nothing to cut: the whole product, then the whole collective.
-        pieces = std::iter::once(0..x.dims()[1] / tp).collect();
         let y = f(x)?;
-        let travelling = vec![cx.tp().reduce_scatter_sum_async(&y, 1)?];
-        return Ok(ReduceScatter { travelling, outs: vec![y], pieces, tp });
+        return Ok(ReduceScatter { travelling: vec![cx.tp().reduce_scatter_sum_async(&y, 1)?] });
     }
-    let mut outs = Vec::with_capacity(pieces.len());
     let mut travelling = Vec::with_capacity(pieces.len());
-    for (i, p) in pieces.iter().enumerate() {
+    for p in &pieces {
         let y = f(&rows_of_every_slice(x, tp, p)?)?;
-        travelling.push(if last_blocking && i + 1 == pieces.len() {
-            Pending::ready("reduce_scatter_sum", cx.tp().reduce_scatter_sum(&y, 1))
-        } else {
-            cx.tp().reduce_scatter_sum_async(&y, 1)?
-        });
-        outs.push(y);
+        travelling.push(cx.tp().reduce_scatter_sum_async(&y, 1)?);
     }
-    Ok(ReduceScatter { travelling, outs, pieces, tp })
+    Ok(ReduceScatter { travelling })
+}
+
+/// This rank's slice of the sum over the group of `f` of the
+/// whole-sequence `x` (what a reduce-scatter of `f(x)` over dimension 1
+/// gives, bit for bit), by point-to-point messages: `f` of each other
+/// rank's slice, in the order `rank + 1, rank + 2, ...`, sent to that rank
+/// in the background while the next runs, then `f` of this rank's own
+/// slice; [`ScatterSum::wait`] receives the others' parts of this slice
+/// and sums them. `f` must treat each token (dimension 1) on its own.
+pub(crate) fn map_scatter_sum(cx: &Cx, x: &Tensor, mut f: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<ScatterSum> {
+    let (rank, tp) = (cx.tp().rank(), cx.tp().size());
+    let len = x.dims()[1] / tp;
+    let slice = |q: usize| x.narrow(1, q * len, len).and_then(|t| t.contiguous());
+    let mut parts: Vec<Option<Tensor>> = vec![None; tp];
+    let mut sent = Vec::with_capacity(tp - 1);
+    for q in (1..tp).map(|i| (rank + i) % tp) {
+        let y = f(&slice(q)?)?;
+        sent.push(cx.tp().send_async(&y, q)?);
+        parts[q] = Some(y);
+    }
+    parts[rank] = Some(f(&slice(rank)?)?);
+    let parts = parts.into_iter().map(|p| p.expect("every slice computed")).collect();
+    Ok(ScatterSum { parts, sent, rank, group: Some(cx.groups().tp.clone()) })
+}
+
+/// A sum over the group of this rank's slice whose other parts were sent
+/// ([`map_scatter_sum`]).
+///
+/// The others' parts wait as messages until [`wait`](Self::wait) receives
+/// them. A sum that nothing takes (its value reduced some other way)
+/// receives them when it is dropped, which every rank does at the same
+/// point of the same program: a message left behind would be taken by the
+/// next sum's receive instead of its own.
+pub(crate) struct ScatterSum {
+    /// `f` of every rank's slice, in rank order (this rank's summand).
+    parts: Vec<Tensor>,
+    sent: Vec<Pending<()>>,
+    rank: usize,
+    /// The group the parts travel in, until they are received.
+    group: Option<Arc<dyn Communicator>>,
+}
+
+impl ScatterSum {
+    /// This rank's summand for the whole sequence, in order.
+    pub(crate) fn summand(&self) -> Result<Tensor> {
+        Tensor::concat(&self.parts.iter().collect::<Vec<_>>(), 1)
+    }
+
+    /// Receives the other ranks' parts of this rank's slice and sums them
+    /// with its own, in rank order, in f32 (f64 for f64) rounded once, as
+    /// the communicators' reductions do.
+    pub(crate) fn wait(mut self) -> Result<Tensor> {
+        let group = self.group.take().expect("received once");
+        let own = &self.parts[self.rank];
+        let dtype = own.dtype();
+        let full = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+        let mut sum: Option<Tensor> = None;
+        for q in 0..self.parts.len() {
+            let part = if q == self.rank { own.clone() } else { group.recv(q)? };
+            match &sum {
+                None => sum = Some(part.to_dtype(full)?),
+                Some(acc) => tessera_core::ops::accumulate(acc, &part)?,
+            }
+        }
+        for s in std::mem::take(&mut self.sent) {
+            s.wait()?;
+        }
+        let sum = sum.expect("a group has a rank");
+        if dtype == full {
+            Ok(sum)
+        } else {
+            sum.to_dtype(dtype)
+        }
+    }
+}
+
+impl Drop for ScatterSum {
+    fn drop(&mut self) {
+        if let Some(group) = self.group.take() {
+            // Nothing took this sum: its messages are received and dropped
+            // (a failed peer makes these return at once).
+            for q in (0..self.parts.len()).filter(|&q| q != self.rank) {
+                let _ = group.recv(q);
+            }
+        }
+    }
 }
 
 /// A reduce-scatter started piece by piece ([`map_reduce_scatter`]).
 pub(crate) struct ReduceScatter {
     travelling: Vec<Pending>,
-    /// Each piece's summand on this rank, in the strided order.
-    outs: Vec<Tensor>,
-    pieces: Vec<Range<usize>>,
-    tp: usize,
 }
 
 impl ReduceScatter {
-    /// This rank's summand for the whole sequence, in order (what the
-    /// whole collective would have been handed).
-    pub(crate) fn summand(&self) -> Result<Tensor> {
-        assemble(&self.outs, &self.pieces, self.tp)
-    }
-
     /// Waits for every piece: this rank's slice of the sum.
     pub(crate) fn wait(self) -> Result<Tensor> {
         let parts: Vec<Tensor> = self.travelling.into_iter().map(Pending::wait).collect::<Result<_>>()?;
@@ -163,7 +209,7 @@ pub(crate) struct InFlight {
     /// The partial value the layer returned (kept, so that its storage is
     /// never reused for another tensor while this waits to be matched).
     pub(crate) value: Tensor,
-    pub(crate) sum: ReduceScatter,
+    pub(crate) sum: ScatterSum,
 }
 
 impl InFlight {
@@ -175,7 +221,7 @@ impl InFlight {
 
 #[cfg(test)]
 mod tests {
-    use super::{pieces, shrinking_pieces};
+    use super::pieces;
 
     #[test]
     fn pieces_cover_the_slice_in_order() {
@@ -189,29 +235,6 @@ mod tests {
                     assert_eq!(p.len(), chunks, "{len} {chunks}");
                     let (lo, hi) = (p.iter().map(|r| r.len()).min().unwrap(), p.iter().map(|r| r.len()).max().unwrap());
                     assert!(hi - lo <= 1);
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn shrinking_pieces_cover_the_slice_each_half_the_one_before() {
-        for len in 0..300 {
-            for chunks in 0..12 {
-                let p = shrinking_pieces(len, chunks);
-                assert!(p.len() <= chunks.max(1));
-                assert_eq!(p.iter().map(|r| r.len()).sum::<usize>(), len, "{len} {chunks}");
-                assert!(p.first().is_none_or(|r| r.start == 0));
-                assert!(p.windows(2).all(|w| w[0].end == w[1].start && !w[1].is_empty()));
-                if len > 0 && chunks > 0 {
-                    assert!(!p.is_empty());
-                }
-                // Each piece about half the one before (to the rounding of its ends).
-                assert!(p.windows(2).all(|w| 2 * w[1].len() <= w[0].len() + 2), "{len} {chunks}: {p:?}");
-                let n = chunks.clamp(1, 20) as u32;
-                if len >= (1 << n) {
-                    assert_eq!(p.len(), n as usize, "{len} {chunks}");
-                    assert!(p.last().unwrap().len() <= len.div_ceil((1 << n) - 1) + 1, "{len} {chunks}: {p:?}");
                 }
             }
         }
