@@ -1,12 +1,13 @@
 //! `bench tp-overlap`: how much of the tensor-parallel communication of a
 //! sequence-parallel GPT-2 the compute never waits for, with the collectives
 //! whole and overlapping the products (`Cx::with_tp_overlap`: the gathers
-//! beside the own slice's products, the reduce-scatters cut into pieces),
+//! beside the own slice's products, the row products' slices sent while the
+//! next is computed, the input gradients' reduce-scatters cut into pieces),
 //! on CPU ranks (threads, each on a thread pool of its own).
 //!
 //! Every rank's tensor-parallel communicator is wrapped to time what the
-//! rank's thread spends in it: each blocking call, and each wait for a
-//! collective started in the background. Part of such a wait is not
+//! rank's thread spends in it: each blocking call (a receive included), and
+//! each wait for a collective or a send started in the background. Part of such a wait is not
 //! communication but the other rank arriving later (ranks drift apart by a
 //! few percent when they share cores with the system); the rank that arrives
 //! last waits only for the communication itself. So each wait counts with
@@ -51,7 +52,7 @@ pub struct Args {
     /// Sequences per step.
     #[arg(long, default_value_t = 2)]
     rows: usize,
-    /// Pieces each reduce-scatter is cut into (`mesh.tp_overlap`).
+    /// Pieces each input gradient's reduce-scatter is cut into (`mesh.tp_overlap`).
     #[arg(long, default_value_t = 2)]
     pieces: usize,
     /// Threads each rank computes on.
@@ -218,7 +219,7 @@ pub fn run(args: &Args) -> Result<()> {
     let heads = (args.dim / 64).max(tp);
     let cfg = Gpt2Config::tiny(VOCAB, args.dim, heads, args.layers, args.seq);
     println!(
-        "tp-overlap: GPT-2 of {} blocks (hidden {}, {heads} heads, {} tokens × {} sequences) on tp{tp} with sequence parallelism, {} thread(s) per rank; collectives whole and overlapped (reduce-scatters in {} pieces), {} rounds of {} steps",
+        "tp-overlap: GPT-2 of {} blocks (hidden {}, {heads} heads, {} tokens × {} sequences) on tp{tp} with sequence parallelism, {} thread(s) per rank; collectives whole and overlapped (input gradients reduce-scattered in {} pieces), {} rounds of {} steps",
         args.layers, args.dim, args.seq, args.rows, args.threads_per_rank, args.pieces, args.rounds, args.steps
     );
     let world = InProcess::new(tp)?;
