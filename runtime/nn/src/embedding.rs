@@ -162,9 +162,10 @@ impl Module<Vocab> for Embedding {
     type Saved = EmbeddingSaved;
 
     /// Under sequence parallelism with [`Cx::with_tp_overlap`], the rows
-    /// are looked up piece by piece along the tokens and each piece's
-    /// reduce-scatter started at once, left running for the `all_reduce`
-    /// the caller applies to the output (as a row-parallel `Linear` does).
+    /// are looked up slice by slice of the tokens, each other rank's slice
+    /// sent to it while the next is looked up and this rank's own last; the
+    /// `all_reduce` the caller applies to the output sums this rank's slice
+    /// (as for a row-parallel `Linear`).
     fn forward(&self, cx: &mut Cx, ids: Act<Replicated>) -> Result<(Act<PartialSum>, EmbeddingSaved)> {
         let ids = ids.into_tensor();
         let tp = cx.tp().size();

@@ -549,8 +549,9 @@ impl Module<Row> for Linear {
     type Saved = LinearSaved;
 
     /// Under sequence parallelism with [`Cx::with_tp_overlap`], the output
-    /// is computed piece by piece and each piece's reduce-scatter started at
-    /// once, left running for the `all_reduce` the caller applies to it.
+    /// is computed slice by slice, each other rank's slice sent to it while
+    /// the next is computed and this rank's own last; the `all_reduce` the
+    /// caller applies to it sums this rank's slice.
     fn forward(&self, cx: &mut Cx, x: Act<SplitHidden>) -> Result<(Act<PartialSum>, LinearSaved)> {
         let first = cx.tp().rank() == 0;
         let x = x.into_tensor();
